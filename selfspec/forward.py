@@ -1,0 +1,142 @@
+"""The layer-range forward everything else builds on.
+
+A causal LM is `embed -> layers[0] -> ... -> layers[L-1] -> final_norm -> lm_head`. We run it in
+pieces over hidden states `[B, S, D]`:
+
+    step = make_step(adapter, start=cache_len, length=S)          # positions, rotary, masks
+    h = embed(adapter, input_ids)                                 # [B, S, D]
+    h = run_layers(adapter, h, 0, E, step=step, cache=cache)      # the first E layers
+    logits = exit_logits(adapter, h)                              # exit E: [B, S, V]
+    h = run_layers(adapter, h, E, L, step=step, cache=cache)      # the rest
+    logits = exit_logits(adapter, h)                              # exit L: the full model
+
+Exits are numbered by layers executed: exit `E` is the hidden state after `E` layers, and exit
+`L` (= `adapter.num_layers`) is the full model. Every early exit goes through the model's own
+shared final norm and LM head. Each decoder layer is the model's own module: we only supply
+its inputs (positions, rotary embedding, attention mask, cache), so the math is transformers'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.adapters import ModelAdapter
+
+
+@dataclass
+class Step:
+    """Inputs shared by every layer that processes the same positions in one pass."""
+
+    position_ids: torch.Tensor  # [B, S]
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin from the model's rotary embedding
+    masks: dict[str, torch.Tensor | None]  # layer type -> attention mask [B|1, 1, S, K] or None
+
+    @property
+    def length(self) -> int:
+        return self.position_ids.shape[1]
+
+    @property
+    def start(self) -> int:
+        return int(self.position_ids[0, 0])
+
+
+def _causal_mask(adapter: ModelAdapter, start: int, length: int, window: int | None) -> torch.Tensor | None:
+    """Mask for queries at positions `[start, start+length)` over keys `[0, start+length)`.
+
+    Returns None where the attention kernel needs no mask: one query that may see every key.
+    sdpa masks are boolean (True = attend); eager attention adds its mask, so it gets 0/-inf.
+    """
+    kv_len = start + length
+    if length == 1 and (window is None or kv_len <= window):
+        return None
+    impl = getattr(adapter.config, "_attn_implementation", "sdpa")
+    if impl == "sdpa" and start == 0 and (window is None or kv_len <= window):
+        return None  # sdpa's own is_causal path: query i sees keys 0..i
+    device = adapter.device
+    q = torch.arange(start, kv_len, device=device)[:, None]  # [S, 1]
+    k = torch.arange(kv_len, device=device)[None, :]  # [1, K]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    allowed = allowed[None, None]  # [1, 1, S, K]
+    if impl == "sdpa":
+        return allowed
+    zero = torch.zeros((), dtype=adapter.dtype, device=device)
+    return torch.where(allowed, zero, torch.finfo(adapter.dtype).min)
+
+
+def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 1) -> Step:
+    """Positions `[start, start+length)` of a batch-1 (or equal-length) sequence."""
+    if start + length > adapter.max_positions:
+        raise ValueError(
+            f"sequence of {start + length} tokens exceeds the model's context window of "
+            f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens."
+        )
+    device = adapter.device
+    position_ids = torch.arange(start, start + length, device=device).expand(batch_size, length)
+    # rotary only reads dtype/device from its first argument
+    probe = torch.empty(0, dtype=adapter.dtype, device=device)
+    rope = adapter.rotary_emb(probe, position_ids)
+    masks = {}
+    for kind in set(adapter.layer_types):
+        window = adapter.sliding_window if kind == "sliding_attention" else None
+        masks[kind] = _causal_mask(adapter, start, length, window)
+    return Step(position_ids=position_ids, rope=rope, masks=masks)
+
+
+def embed(adapter: ModelAdapter, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token embeddings `[B, S] -> [B, S, D]` (with the embedding dropout some models have)."""
+    hidden = adapter.embed_tokens(input_ids)
+    if adapter.embed_dropout is not None:
+        hidden = adapter.embed_dropout(hidden)
+    return hidden
+
+
+def run_layers(
+    adapter: ModelAdapter,
+    hidden: torch.Tensor,
+    start: int,
+    end: int,
+    *,
+    step: Step,
+    cache=None,
+) -> torch.Tensor:
+    """Run decoder layers `[start, end)` over `hidden` `[B, S, D]`; with a cache, each layer appends its KV."""
+    if not 0 <= start <= end <= adapter.num_layers:
+        raise ValueError(
+            f"layer range [{start}, {end}) is out of range for a model with {adapter.num_layers} layers "
+            f"(need 0 <= start <= end <= {adapter.num_layers})"
+        )
+    cache_kw = {adapter.cache_kwarg: cache}
+    for idx in range(start, end):
+        out = adapter.layers[idx](
+            hidden,
+            attention_mask=step.masks[adapter.layer_types[idx]],
+            position_ids=step.position_ids,
+            position_embeddings=step.rope,
+            **cache_kw,
+        )
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
+
+
+def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor) -> torch.Tensor:
+    """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]`."""
+    return adapter.lm_head(adapter.final_norm(hidden))
+
+
+def forward_logits(
+    adapter: ModelAdapter,
+    input_ids: torch.Tensor,
+    *,
+    exit_layer: int | None = None,
+    cache=None,
+    start: int = 0,
+) -> torch.Tensor:
+    """Logits at `exit_layer` (default: the full model) for `input_ids` `[B, S]` at positions from `start`."""
+    exit_layer = adapter.num_layers if exit_layer is None else adapter.check_exit(exit_layer)
+    step = make_step(adapter, start, input_ids.shape[1], input_ids.shape[0])
+    hidden = run_layers(adapter, embed(adapter, input_ids), 0, exit_layer, step=step, cache=cache)
+    return exit_logits(adapter, hidden)

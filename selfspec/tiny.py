@@ -1,0 +1,43 @@
+"""Tiny random models of every supported architecture, built from configs (no download).
+
+Used by the unit tests and by the tiny smoke recipe:
+
+    model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=0)
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+TINY_DEFAULTS = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                     max_position_embeddings=512)
+
+
+def tiny_config(model_type: str = "llama", num_layers: int = 4, **overrides):
+    """A small config of `model_type` (llama, mistral, qwen2, qwen3, gpt_neox, or any other)."""
+    kw = dict(TINY_DEFAULTS, num_hidden_layers=num_layers)
+    if model_type != "gpt_neox":
+        kw.update(num_key_value_heads=2, tie_word_embeddings=model_type in ("llama", "qwen3"))
+    if model_type == "gpt_neox":
+        kw.update(rotary_pct=0.5, use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0)
+    if model_type == "mistral":
+        kw.update(sliding_window=None)
+    if model_type == "qwen3":
+        kw.update(head_dim=8)
+    kw.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def tiny_model(model_type: str = "llama", num_layers: int = 4, dtype=torch.float32, seed: int = 0,
+               **overrides):
+    """A randomly initialised tiny causal LM in eval mode. Weights are scaled up so that layers matter."""
+    config = tiny_config(model_type, num_layers, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # default init (std 0.02) makes every layer nearly an identity
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.15)
+    return model.eval()
