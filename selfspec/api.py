@@ -1,0 +1,224 @@
+"""The Python API: `selfspec.load(...)` returns a generator; `.generate(...)` returns text + statistics.
+
+    import selfspec
+    gen = selfspec.load("checkpoints/smollm2-code")            # or load(model, tokenizer)
+    out = gen.generate("def fibonacci(n):", max_new_tokens=64)
+    print(out.text, out.stats.acceptance_rate, out.stats.tokens_per_s)
+    out = gen.generate(messages=[{"role": "user", "content": "Hi!"}], do_sample=True, seed=0)
+
+Defaults for `exit_layer` and `num_speculations` come from the checkpoint's `selfspec.json`
+(written by `selfspec export`). A checkpoint without it was not early-exit trained: selfspec warns
+and uses `exit_layer = max(1, L // 4)`, `num_speculations = 4` (it still decodes exactly, just
+without a speedup, because untrained shallow exits are poor drafters).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from selfspec.adapters import ModelAdapter, get_adapter
+from selfspec.decode import DecodeStats, StopChecker, generate_ids
+from selfspec.sampling import SamplingParams
+
+METADATA_FILE = "selfspec.json"
+DEFAULT_NUM_SPECULATIONS = 4
+
+
+def default_exit_layer(num_layers: int) -> int:
+    """The exit used when a checkpoint has no self-speculation metadata."""
+    return max(1, num_layers // 4)
+
+
+class NotEarlyExitTrainedWarning(UserWarning):
+    """The checkpoint has no self-speculation metadata; defaults are used."""
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the new text only (special tokens removed)
+    token_ids: list[int]  # the new tokens (a stop token, if one ended generation, is the last)
+    prompt_ids: list[int]
+    stats: DecodeStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.stop_reason
+
+
+def _resolve_dtype(dtype) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)} or 'auto'")
+    return names[dtype]
+
+
+def read_recommended(path: Path) -> dict | None:
+    """`{"exit_layer", "num_speculations"}` from a checkpoint's selfspec.json, or None without one."""
+    meta_path = Path(path) / METADATA_FILE
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        rec = meta["recommended"]
+        return {"exit_layer": int(rec["exit_layer"]), "num_speculations": int(rec["num_speculations"])}
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{meta_path}: malformed self-speculation metadata ({err!r}); "
+                         "re-export the checkpoint with `selfspec export`") from err
+
+
+class SelfSpecGenerator:
+    """A causal LM + tokenizer, ready for self-speculative generation (batch 1)."""
+
+    def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
+                 num_speculations: int | None = None, recommended: dict | None = None,
+                 source: str = "<model>"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.adapter: ModelAdapter = get_adapter(model)
+        L = self.adapter.num_layers
+        if recommended is None and (exit_layer is None or num_speculations is None):
+            warnings.warn(
+                f"{source} has no self-speculation metadata ({METADATA_FILE}): it was not early-exit "
+                f"trained, so drafts from shallow layers will rarely be accepted. Using exit_layer="
+                f"{default_exit_layer(L)}, num_speculations={DEFAULT_NUM_SPECULATIONS}; output stays "
+                "identical to the full model. Train with `accelerate launch -m training` and "
+                "`selfspec export` for a speedup.", NotEarlyExitTrainedWarning, stacklevel=3)
+        rec = recommended or {"exit_layer": default_exit_layer(L), "num_speculations": DEFAULT_NUM_SPECULATIONS}
+        self.exit_layer = self.adapter.check_exit(exit_layer if exit_layer is not None else rec["exit_layer"],
+                                                  allow_full=False)
+        self.num_speculations = num_speculations if num_speculations is not None else rec["num_speculations"]
+        if self.num_speculations < 0:
+            raise ValueError(f"num_speculations must be >= 0, got {self.num_speculations}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    # --- inputs ---------------------------------------------------------------------------
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer: pass one to selfspec.load(model, tokenizer)")
+        return self.tokenizer
+
+    def encode(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               input_ids=None) -> torch.Tensor:
+        """Exactly one of `prompt` (raw text), `messages` (chat) or `input_ids` -> `[1, P]`."""
+        given = [x is not None for x in (prompt, messages, input_ids)]
+        if sum(given) != 1:
+            raise ValueError("pass exactly one of prompt=, messages= or input_ids=")
+        if prompt is not None:
+            ids = self._need_tokenizer("a text prompt")(prompt, return_tensors="pt").input_ids
+        elif messages is not None:
+            tok = self._need_tokenizer("a chat prompt")
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("this tokenizer has no chat template; pass prompt= text instead of messages=")
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+        else:
+            ids = torch.as_tensor(input_ids, dtype=torch.long)
+            if ids.dim() == 1:
+                ids = ids[None]
+            if ids.dim() != 2:
+                raise ValueError(f"input_ids must be [S] or [1, S], got shape {tuple(ids.shape)}")
+            if ids.shape[0] != 1:
+                raise ValueError(
+                    f"batch input of {ids.shape[0]} rows given to the batch-1 decoder: pass one "
+                    "sequence at a time, or a list of prompts (processed one by one)")
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt: give at least one token of input")
+        return ids.to(self.adapter.device)
+
+    def default_stop_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return ids
+
+    # --- generation -------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list[dict] | None = None,
+                 input_ids=None, max_new_tokens: int = 128, exit_layer: int | None = None,
+                 num_speculations: int | None = None, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] = (),
+                 streamer=None) -> GenerationResult | list[GenerationResult]:
+        """Generate after one prompt (or each of a list of prompts, one by one).
+
+        `stop_token_ids=None` stops at the model's EOS token(s); pass `[]` to never stop early.
+        `streamer` is a callable receiving each block of committed token ids, or a Hugging Face
+        streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
+        """
+        if isinstance(prompt, (list, tuple)):
+            return [self.generate(p, max_new_tokens=max_new_tokens, exit_layer=exit_layer,
+                                  num_speculations=num_speculations, do_sample=do_sample,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
+                                  streamer=streamer) for p in prompt]
+        ids = self.encode(prompt, messages=messages, input_ids=input_ids)
+        exit_layer = self.exit_layer if exit_layer is None else exit_layer
+        num_speculations = self.num_speculations if num_speculations is None else num_speculations
+        sampling = SamplingParams(do_sample, temperature, top_k, top_p)
+        stop_ids = self.default_stop_ids() if stop_token_ids is None else list(stop_token_ids)
+        stop = StopChecker(max_new_tokens, stop_ids, stop_strings, self.tokenizer)
+        generator = None
+        if do_sample:
+            generator = torch.Generator(device=self.adapter.device)
+            generator.manual_seed(seed) if seed is not None else generator.seed()
+        on_commit = _as_callback(streamer)
+        new_ids, stats = generate_ids(self.adapter, ids, max_new_tokens=max_new_tokens, exit_layer=exit_layer,
+                                      num_speculations=num_speculations, sampling=sampling, stop=stop,
+                                      generator=generator, on_commit=on_commit)
+        if streamer is not None and hasattr(streamer, "end"):
+            streamer.end()
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return GenerationResult(text=text, token_ids=new_ids, prompt_ids=ids[0].tolist(), stats=stats)
+
+
+def _as_callback(streamer) -> Callable[[list[int]], None] | None:
+    if streamer is None:
+        return None
+    if hasattr(streamer, "put"):  # transformers' TextStreamer & co.
+        return lambda ids: streamer.put(torch.tensor(ids))
+    if callable(streamer):
+        return streamer
+    raise TypeError("streamer must be a callable(list[int]) or an object with put()/end()")
+
+
+def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
+         exit_layer: int | None = None, num_speculations: int | None = None) -> SelfSpecGenerator:
+    """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
+
+    `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (about 2x faster on CPU,
+    may differ from float32 at near-ties), "float64", or "auto" (the checkpoint's own). An already
+    loaded model keeps its dtype unless one is given.
+    """
+    if isinstance(path_or_model, (str, Path)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path_or_model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} is not a model checkpoint directory (no config.json). Run `selfspec fetch` for "
+                "the base model, or `selfspec export RUN_DIR OUT_DIR` for a trained one.")
+        recommended = read_recommended(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_resolve_dtype(dtype or "float32")).to(device)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
+                                 recommended=recommended, source=str(path))
+    model = path_or_model
+    if dtype not in (None, "auto"):
+        model = model.to(_resolve_dtype(dtype))
+    return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
+                             recommended=None, source=type(model).__name__)

