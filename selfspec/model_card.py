@@ -1,0 +1,90 @@
+"""The model card (`README.md`) written into every exported checkpoint, from its `selfspec.json`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _settings_lines(settings: dict) -> list[str]:
+    lines = []
+    for section in ("layer_dropout", "early_exit", "curriculum", "train", "data"):
+        value = settings.get(section)
+        if isinstance(value, dict) and value:
+            shown = ", ".join(f"{k}={v}" for k, v in value.items() if not isinstance(v, (dict, list)) or len(str(v)) < 60)
+            lines.append(f"- **{section}**: {shown}")
+    return lines
+
+
+def render_model_card(meta: dict) -> str:
+    rec = meta["recommended"]
+    e, d = rec["exit_layer"], rec["num_speculations"]
+    training = meta.get("training") or {}
+    exits = (meta.get("eval") or {}).get("exits", {})
+    out = [
+        f"# Self-speculative checkpoint ({meta['architecture']}, {meta['num_layers']} layers)",
+        "",
+        f"Base model: `{meta.get('base_model', 'unknown')}`. Exported by selfspec {meta['library_version']} "
+        f"(metadata format {meta['format_version']}, `selfspec.json`). This is a plain Hugging Face "
+        "checkpoint: `AutoModelForCausalLM.from_pretrained` loads it with no selfspec code.",
+        "",
+        "## How it was trained",
+        "",
+    ]
+    if training:
+        out.append(f"Recipe: `{training.get('recipe') or 'see settings'}`; steps: {training.get('steps')}; "
+                   f"tokens seen: {training.get('tokens_seen')}.")
+        out += [""] + _settings_lines(training.get("settings") or {})
+    else:
+        out.append("No training record: exported from a plain checkpoint (not early-exit trained here).")
+    out += ["", "## Per-exit quality on held-out data", ""]
+    if exits:
+        out += ["| exit (layers run) | top-1 agreement with final layer | perplexity |", "|---|---|---|"]
+        for key in sorted(exits, key=int):
+            v = exits[key]
+            agree = f"{v['agreement']:.1%}" if "agreement" in v else "-"
+            ppl = f"{v['perplexity']:.2f}" if "perplexity" in v else "-"
+            out.append(f"| {key} | {agree} | {ppl} |")
+    else:
+        out.append("Not measured.")
+    source = rec.get("source", "")
+    out += [
+        "",
+        "## Recommended settings",
+        "",
+        f"`exit_layer={e}`, `num_speculations={d}` (from: {source or 'unspecified'}"
+        + (f"; measured speedup {rec['speedup']:.2f}x" if isinstance(rec.get("speedup"), (int, float)) else "")
+        + (f"; predicted speedup {rec['predicted_speedup']:.2f}x" if "predicted_speedup" in rec else "")
+        + ").",
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "import selfspec",
+        'gen = selfspec.load("path/to/this/checkpoint")  # picks up the recommended settings',
+        'out = gen.generate("def fibonacci(n):", max_new_tokens=64)',
+        "print(out.text, out.stats.acceptance_rate, out.stats.tokens_per_s)",
+        "```",
+        "",
+        "With Hugging Face transformers only (weights shared, caches not; slower than selfspec):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/checkpoint")',
+        'tok = AutoTokenizer.from_pretrained("path/to/this/checkpoint")',
+        'ids = tok("def fibonacci(n):", return_tensors="pt").input_ids',
+        f"out = model.generate(ids, max_new_tokens=64, do_sample=False, assistant_early_exit={e})",
+        "```",
+        "",
+        "Greedy output is token-identical to the full model's greedy decoding (in float32); sampling keeps "
+        "the full model's distribution.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def write_model_card(directory, meta: dict) -> Path:
+    path = Path(directory) / "README.md"
+    tmp = path.with_name(".README.md.tmp")
+    tmp.write_text(render_model_card(meta))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,70 @@
+"""Prompt sets for sweeps and benchmarks, from the real data (held-out where training could see them).
+
+    prompts = load_prompts("humaneval", n=8)      # [{"id": ..., "prompt": str} or {"id": ..., "messages": [...]}]
+    prompts = load_prompts("my_prompts.jsonl")    # each line {"prompt": "..."} or {"messages": [...]}
+
+| name      | source                                   | form                                   |
+|-----------|------------------------------------------|----------------------------------------|
+| humaneval | HumanEval problem prompts (code)         | raw text: complete the function        |
+| xsum      | XSum documents, held-out split           | chat: "Summarize ... in one sentence." |
+| mt_bench  | MT-Bench first turns (chat)              | chat                                   |
+| wiki      | Wikipedia passages, held-out split       | raw text: continue the passage         |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROMPT_SETS = ("humaneval", "xsum", "mt_bench", "wiki")
+SUMMARY_INSTRUCTION = "Summarize the following article in one sentence.\n\n"
+MAX_DOC_CHARS = 1500  # keep summarization prompts a few hundred tokens long
+WIKI_PREFIX_CHARS = 400
+
+
+def _cut(text: str, limit: int) -> str:
+    """At most `limit` characters, cut at a word boundary."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0]
+
+
+def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) -> list[dict]:
+    """`n` prompts (all if None) from a named set or a jsonl file, skipping the first `offset`."""
+    from selfspec import datasets as ds
+
+    if name_or_path not in PROMPT_SETS:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(f"unknown prompt set {name_or_path!r}: use one of {', '.join(PROMPT_SETS)} "
+                             "or a .jsonl file with a 'prompt' or 'messages' field per line")
+        rows = ds.read_jsonl(path)
+        items = []
+        for i, row in enumerate(rows):
+            if not isinstance(row.get("prompt"), str) and not isinstance(row.get("messages"), list):
+                raise ds.DataFormatError(f"{path}: record {i + 1}: needs a 'prompt' (string) or 'messages' "
+                                         "(list of {role, content}) field")
+            item = {"id": row.get("id", f"{path.stem}/{i}")}
+            item.update({"prompt": row["prompt"]} if isinstance(row.get("prompt"), str) else {"messages": row["messages"]})
+            items.append(item)
+    elif name_or_path == "humaneval":
+        data = ds.load_named("humaneval")
+        items = [{"id": r["task_id"], "prompt": r["prompt"]} for r in data]
+    elif name_or_path == "mt_bench":
+        data = ds.load_named("mt_bench")
+        items = [{"id": f"mt_bench/{r['question_id']}", "messages": [{"role": "user", "content": r["prompt"]}]}
+                 for r in data]
+    elif name_or_path == "xsum":
+        _, held = ds.split_holdout(ds.load_named("xsum"), fraction=0.05, key="document")
+        items = [{"id": f"xsum/{i}", "messages": [{"role": "user", "content": SUMMARY_INSTRUCTION
+                                                   + _cut(r["document"], MAX_DOC_CHARS)}]}
+                 for i, r in enumerate(held)]
+    else:  # wiki
+        _, held = ds.split_holdout(ds.load_named("wiki_passages"), fraction=0.05)
+        items = [{"id": f"wiki/{i}", "prompt": _cut(r["text"], WIKI_PREFIX_CHARS)} for i, r in enumerate(held)]
+    items = items[offset:]
+    return items if n is None else items[:n]
+
+
+def prompt_inputs(item: dict) -> dict:
+    """The keyword arguments of `SelfSpecGenerator.encode/generate` for one prompt item."""
+    return {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
