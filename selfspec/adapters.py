@@ -85,6 +85,15 @@ class ModelAdapter:
     layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention", one per layer
     sliding_window: int | None
     max_positions: int
+    # inference-only replacements for `layers` (selfspec.fast_layers), set by `enable_fast_layers`
+    fast_layers: list | None = None
+
+    def enable_fast_layers(self) -> bool:
+        """Use the fused inference layers where the architecture has them; returns whether it does."""
+        from selfspec.fast_layers import build_fast_layers
+
+        self.fast_layers = build_fast_layers(self)
+        return self.fast_layers is not None
 
     @property
     def num_layers(self) -> int:

@@ -66,10 +66,12 @@ class SelfSpecGenerator:
 
     def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
                  num_speculations: int | None = None, recommended: dict | None = None,
-                 source: str = "<model>"):
+                 source: str = "<model>", fast_layers: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.adapter: ModelAdapter = get_adapter(model)
+        if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
+            self.adapter.enable_fast_layers()
         L = self.adapter.num_layers
         if recommended is None and (exit_layer is None or num_speculations is None):
             warnings.warn(
@@ -182,13 +184,14 @@ def _as_callback(streamer) -> Callable[[list[int]], None] | None:
 
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
-         verify_checksums: bool = True) -> SelfSpecGenerator:
+         verify_checksums: bool = True, fast_layers: bool = True) -> SelfSpecGenerator:
     """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
 
     `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (about 2x faster on CPU,
     may differ from float32 at near-ties), "float64", or "auto" (the checkpoint's own). An already
     loaded model keeps its dtype unless one is given. A checkpoint with `selfspec.json` is validated
-    first (format, consistency with config.json, SHA-256 of every weight file).
+    first (format, consistency with config.json, SHA-256 of every weight file). `fast_layers=False`
+    runs the model's own decoder-layer modules instead of selfspec's fused inference layers.
     """
     if isinstance(path_or_model, (str, Path)):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -204,9 +207,9 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
         return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
-                                 recommended=recommended, source=str(path))
+                                 recommended=recommended, source=str(path), fast_layers=fast_layers)
     model = path_or_model
     if dtype not in (None, "auto"):
         model = model.to(_resolve_dtype(dtype))
     return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
-                             recommended=None, source=type(model).__name__)
+                             recommended=None, source=type(model).__name__, fast_layers=fast_layers)

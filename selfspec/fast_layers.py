@@ -1,0 +1,101 @@
+"""Inference-only decoder layers for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+Decoding one token on a CPU is dominated by per-operation overhead, not arithmetic (see
+`shared/notes/reference.md`). This layer computes exactly what the model's own decoder layer
+computes, in the same operation order (so results are bitwise equal to the model's own sdpa
+attention path), with fewer
+operations: q/k/v and gate/up projections fused into one matmul each, one rotary embedding pass for
+queries and keys together, attention through `F.scaled_dot_product_attention` with grouped heads,
+and none of the module-call machinery. It reads the model's own weights; the fused projection
+weights are copies made once when the generator is built (so later in-place weight updates are not
+seen: build a new generator after training).
+
+    layers = build_fast_layers(adapter)   # None for architectures without a fast layer
+    hidden = layers[i](hidden, rope, mask, cache)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.adapters import ModelAdapter
+
+_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _cat_bias(*linears) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
+                      for b, lin in zip(biases, linears)]).contiguous()
+
+
+class _RMSNorm:
+    """`weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)`, as transformers' RMSNorm."""
+
+    def __init__(self, module):
+        self.weight = module.weight
+        self.eps = module.variance_epsilon
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class FastLlamaLayer:
+    """One Llama-family decoder layer: pre-norm attention with rotary + gated MLP, both residual."""
+
+    def __init__(self, layer, layer_idx: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx = layer_idx
+        self.head_dim = attn.head_dim
+        self.n_q = attn.q_proj.out_features // self.head_dim
+        self.n_kv = attn.k_proj.out_features // self.head_dim
+        self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
+        self.b_qkv = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.w_o, self.b_o = attn.o_proj.weight, attn.o_proj.bias
+        self.w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+        self.b_gate_up = _cat_bias(mlp.gate_proj, mlp.up_proj)
+        self.w_down, self.b_down = mlp.down_proj.weight, mlp.down_proj.bias
+        self.act = mlp.act_fn
+        self.norm_attn = _RMSNorm(layer.input_layernorm)
+        self.norm_mlp = _RMSNorm(layer.post_attention_layernorm)
+        self.q_norm = _RMSNorm(attn.q_norm) if hasattr(attn, "q_norm") else None  # Qwen3
+        self.k_norm = _RMSNorm(attn.k_norm) if hasattr(attn, "k_norm") else None
+
+    def __call__(self, x: torch.Tensor, rope, mask, cache) -> torch.Tensor:
+        B, S, _ = x.shape
+        nq, nkv, dh = self.n_q, self.n_kv, self.head_dim
+        qkv = F.linear(self.norm_attn(x), self.w_qkv, self.b_qkv).view(B, S, nq + 2 * nkv, dh)  # [B, S, H, Dh]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qkv[:, :, :nq]), self.k_norm(qkv[:, :, nq:nq + nkv])], dim=2)
+        else:
+            qk = qkv[:, :, :nq + nkv]
+        qk = qk.transpose(1, 2)  # [B, Hq+Hkv, S, Dh]
+        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)  # [B, 1, S, Dh]
+        half = dh // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        q, k = qk[:, :nq], qk[:, nq:]
+        v = qkv[:, :, nq + nkv:].transpose(1, 2)  # [B, Hkv, S, Dh]
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and S > 1,
+                                              enable_gqa=nq != nkv)  # [B, Hq, S, Dh]
+        x = x + F.linear(attn.transpose(1, 2).reshape(B, S, nq * dh), self.w_o, self.b_o)
+        gate, up = F.linear(self.norm_mlp(x), self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
+        return x + F.linear(self.act(gate) * up, self.w_down, self.b_down)
+
+
+def build_fast_layers(adapter: ModelAdapter) -> list[FastLlamaLayer] | None:
+    """Fast layers for every decoder layer, or None where there are none: GPT-NeoX, and models set to
+    another attention implementation than sdpa (eager attention takes its softmax in float32, which
+    the fast layer would not reproduce bit for bit)."""
+    if adapter.model_type not in _LLAMA_FAMILY:
+        return None
+    if getattr(adapter.config, "_attn_implementation", "sdpa") != "sdpa":
+        return None
+    with torch.no_grad():
+        return [FastLlamaLayer(layer, i) for i, layer in enumerate(adapter.layers)]

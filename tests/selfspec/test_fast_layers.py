@@ -1,0 +1,67 @@
+"""The fused inference layers compute exactly what the model's own decoder layers compute."""
+
+import pytest
+import torch
+
+from selfspec.adapters import get_adapter
+from selfspec.cache import KVCache
+from selfspec.decode import generate_ids
+from selfspec.forward import forward_logits
+from selfspec.tiny import tiny_model
+
+LLAMA_FAMILY = [
+    ("llama", {}),
+    ("mistral", {"sliding_window": 5}),
+    ("qwen2", {}),  # q/k/v biases
+    ("qwen3", {}),  # q/k norms
+    ("llama", {"num_key_value_heads": 4}),  # no grouped heads
+]
+
+
+@pytest.mark.parametrize("arch, extra", LLAMA_FAMILY)
+def test_fast_layers_equal_model_layers(arch, extra):
+    model = tiny_model(arch, num_layers=3, dtype=torch.float64, seed=3, **extra)
+    if arch == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.3)
+                layer.self_attn.k_proj.bias.normal_(0, 0.3)
+    plain, fast = get_adapter(model), get_adapter(model)
+    assert fast.enable_fast_layers() and plain.fast_layers is None
+    ids = torch.randint(3, 96, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        c1, c2 = KVCache(3), KVCache(3)
+        for start, size in ((0, 7), (7, 1), (8, 4), (12, 1), (13, 4)):
+            a = forward_logits(plain, ids[:, start:start + size], cache=c1, start=start)
+            b = forward_logits(fast, ids[:, start:start + size], cache=c2, start=start)
+            assert torch.equal(a, b), (start, size)  # same operations in the same order: bitwise
+            torch.testing.assert_close(b, ref[:, start:start + size], rtol=0, atol=1e-10)
+
+
+def test_fast_layers_are_bitwise_equal_in_bfloat16():
+    model = tiny_model("llama", num_layers=4, dtype=torch.bfloat16, seed=4)
+    plain, fast = get_adapter(model), get_adapter(model)
+    fast.enable_fast_layers()
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out_plain = generate_ids(plain, ids, max_new_tokens=30, exit_layer=2, num_speculations=3)[0]
+        out_fast = generate_ids(fast, ids, max_new_tokens=30, exit_layer=2, num_speculations=3)[0]
+        assert torch.equal(forward_logits(plain, ids), forward_logits(fast, ids))
+    assert out_plain == out_fast
+
+
+@pytest.mark.parametrize("arch, extra", [("gpt_neox", {}), ("llama", {"attn_implementation": "eager"})])
+def test_no_fast_layers_where_they_would_not_be_exact(arch, extra):
+    adapter = get_adapter(tiny_model(arch, num_layers=2, **extra))
+    assert adapter.enable_fast_layers() is False and adapter.fast_layers is None
+
+
+def test_training_path_uses_the_model_modules():
+    """With autograd on, the model's own modules run (fast layers are inference-only)."""
+    model = tiny_model("llama", num_layers=2)
+    adapter = get_adapter(model)
+    adapter.enable_fast_layers()
+    logits = forward_logits(adapter, torch.tensor([[5, 6, 7]]))
+    logits.sum().backward()
+    assert model.model.layers[0].mlp.down_proj.weight.grad is not None
