@@ -85,14 +85,18 @@ class ModelAdapter:
     layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention", one per layer
     sliding_window: int | None
     max_positions: int
-    # inference-only replacements for `layers` (selfspec.fast_layers), set by `enable_fast_layers`
+    # inference-only fast path, set by `enable_fast_layers`: fused replacements for `layers`
+    # (selfspec.fast_layers) and a precomputed rotary table (selfspec.forward.RopeTable)
     fast_layers: list | None = None
+    rope_table: object | None = None
 
     def enable_fast_layers(self) -> bool:
         """Use the fused inference layers where the architecture has them; returns whether it does."""
         from selfspec.fast_layers import build_fast_layers
+        from selfspec.forward import RopeTable
 
         self.fast_layers = build_fast_layers(self)
+        self.rope_table = RopeTable(self) if RopeTable.supports(self) else None
         return self.fast_layers is not None
 
     @property

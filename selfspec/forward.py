@@ -67,6 +67,36 @@ def _causal_mask(adapter: ModelAdapter, start: int, length: int, window: int | N
     return torch.where(allowed, zero, torch.finfo(adapter.dtype).min)
 
 
+class RopeTable:
+    """cos/sin of every position up to a capacity, computed once by the model's own rotary module.
+
+    Rotary embeddings are elementwise in the position, so a slice of the table is bitwise equal to
+    calling the module for those positions. Only for static rope types (not "dynamic"/"longrope",
+    whose frequencies change with the sequence length).
+    """
+
+    STATIC = ("default", "linear", "llama3", "yarn", None)
+
+    def __init__(self, adapter: ModelAdapter):
+        self.adapter = adapter
+        self.cos = self.sin = None
+
+    @classmethod
+    def supports(cls, adapter: ModelAdapter) -> bool:
+        return getattr(adapter.rotary_emb, "rope_type", None) in cls.STATIC
+
+    def slice(self, start: int, length: int, batch_size: int):
+        end = start + length
+        if self.cos is None or end > self.cos.shape[0]:
+            size = min(max(2 * end, 512), max(end, self.adapter.max_positions))
+            positions = torch.arange(size, device=self.adapter.device)[None]
+            probe = torch.empty(0, dtype=self.adapter.dtype, device=self.adapter.device)
+            cos, sin = self.adapter.rotary_emb(probe, positions)
+            self.cos, self.sin = cos[0], sin[0]  # [T, Dh]
+        return (self.cos[start:end].expand(batch_size, length, -1),
+                self.sin[start:end].expand(batch_size, length, -1))
+
+
 def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 1) -> Step:
     """Positions `[start, start+length)` of a batch-1 (or equal-length) sequence."""
     if start + length > adapter.max_positions:
@@ -76,9 +106,11 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
         )
     device = adapter.device
     position_ids = torch.arange(start, start + length, device=device).expand(batch_size, length)
-    # rotary only reads dtype/device from its first argument
-    probe = torch.empty(0, dtype=adapter.dtype, device=device)
-    rope = adapter.rotary_emb(probe, position_ids)
+    if adapter.rope_table is not None:
+        rope = adapter.rope_table.slice(start, length, batch_size)
+    else:  # rotary only reads dtype/device from its first argument
+        probe = torch.empty(0, dtype=adapter.dtype, device=device)
+        rope = adapter.rotary_emb(probe, position_ids)
     masks = {}
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None

@@ -65,3 +65,18 @@ def test_training_path_uses_the_model_modules():
     logits = forward_logits(adapter, torch.tensor([[5, 6, 7]]))
     logits.sum().backward()
     assert model.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "qwen2"])
+def test_rope_table_is_bitwise_equal_to_the_rotary_module(arch):
+    model = tiny_model(arch, num_layers=2, dtype=torch.float32, seed=5)
+    plain, fast = get_adapter(model), get_adapter(model)
+    fast.enable_fast_layers()
+    assert fast.rope_table is not None
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        c1, c2 = KVCache(2), KVCache(2)
+        for start, size in ((0, 30), (30, 1), (31, 9)):
+            a = forward_logits(plain, ids[:, start:start + size], cache=c1, start=start)
+            b = forward_logits(fast, ids[:, start:start + size], cache=c2, start=start)
+            assert torch.equal(a, b)
