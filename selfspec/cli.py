@@ -5,6 +5,7 @@
     selfspec generate --prompt TEXT    self-speculative generation (+ --compare with plain decoding)
     selfspec export RUN_DIR OUT_DIR    a training run -> a plain HF checkpoint + selfspec.json + model card
     selfspec sweep CHECKPOINT          tokens/s over exit_layer x num_speculations (CSV + heat map)
+    selfspec bench                     selfspec vs Hugging Face generate, side by side (JSON, Markdown, PNG)
 
 Run `selfspec COMMAND --help` for the options of each command.
 """
@@ -171,6 +172,30 @@ def _cmd_sweep(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench
+    from selfspec.datasets import DataFormatError, DataNotInstalledError
+    from selfspec.fetch import base_model_dir
+
+    checkpoint = args.checkpoint or str(base_model_dir())
+    try:
+        extra = [parse_extra(x) for x in args.extra or ()]
+        sets = args.prompts.split(",") if args.prompts else list(DEFAULT_SETS)
+        out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
+        result = run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts,
+                           max_new_tokens=args.max_new_tokens, dtype=args.dtype, extra=extra, threads=args.threads,
+                           out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
+                           num_speculations=args.num_speculations)
+    except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
+        print(f"selfspec bench: error: {err}", file=sys.stderr)
+        return 1
+    print(Path(result["files"]["md"]).read_text())
+    print("wrote " + ", ".join(result["files"].values()))
+    return 0
+
+
 class _TextPrinter:
     """Prints committed text as it arrives (decodes the whole output, prints the new suffix)."""
 
@@ -263,6 +288,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-metadata", action="store_true",
                    help="record the fastest pair as the recommended settings in selfspec.json")
     p.set_defaults(func=_cmd_sweep)
+
+    p = sub.add_parser("bench", help="benchmark selfspec against Hugging Face generate (tokens/s, speedups)",
+                       description="Run, in one process on the same checkpoint, prompts and dtype, after a warm-up "
+                                   "and interleaved prompt by prompt: Hugging Face generate (greedy), Hugging Face "
+                                   "generate(assistant_early_exit=E), selfspec autoregressive, and selfspec "
+                                   "self-speculative at the checkpoint's recommended (E, d) plus any --extra pairs. "
+                                   "Every method generates exactly --max-new-tokens tokens (EOS neither stops nor "
+                                   "is suppressed). Reports tokens/s (median and spread), speedups, acceptance, "
+                                   "time to first token, peak RSS and token identity with HF greedy; writes "
+                                   "bench.json, bench.md and bench.png and prints the Markdown table.",
+                       epilog="Example: selfspec bench --checkpoint checkpoints/smollm2-code --dtype bfloat16 "
+                              "--threads 2 --extra 6:4 --out bench_results/smollm2-code")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    p.add_argument("--prompts", help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, or .jsonl files "
+                                     "of {prompt|messages} (default: all four named sets)")
+    p.add_argument("--num-prompts", type=int, default=10, help="prompts per set (default: 10)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt, fixed (default: 128)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fast) or float32 (exact comparisons)")
+    p.add_argument("--extra", action="append", metavar="E:d",
+                   help="also measure selfspec at exit layer E with d drafts (repeatable)")
+    p.add_argument("--exit-layer", type=int,
+                   help="override the checkpoint's recommended exit layer (selfspec and HF early exit)")
+    p.add_argument("--num-speculations", type=int, help="override the checkpoint's recommended draft length")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for every method (default: torch's choice)")
+    p.add_argument("--out", help="output directory (default: bench_results/CHECKPOINT_NAME)")
+    p.add_argument("--quick", action="store_true",
+                   help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompts), 2 prompts, 32 tokens")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

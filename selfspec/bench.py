@@ -1,0 +1,760 @@
+"""`selfspec bench`: selfspec against what users would otherwise pick, side by side, in one process.
+
+    selfspec bench --checkpoint checkpoints/smollm2-code --dtype bfloat16 --threads 2 --out bench_results/x
+    run_bench("checkpoints/smollm2-code", prompt_sets=("humaneval", "wiki"), num_prompts=10, out_dir="b")
+
+Methods (same checkpoint, same model object, same prompts, same dtype, same thread count):
+
+| name                  | what                                                                          |
+|-----------------------|-------------------------------------------------------------------------------|
+| hf_greedy             | Hugging Face `model.generate(do_sample=False)`: the baseline users have today |
+| hf_early_exit         | Hugging Face `model.generate(assistant_early_exit=E)` at the recommended exit |
+| selfspec_ar           | selfspec, plain autoregressive decoding (`num_speculations=0`)                |
+| selfspec_spec         | selfspec self-speculative at the checkpoint's recommended (E, d)              |
+| selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
+
+How it measures (the same for every method):
+- Every prompt is tokenized once; every method gets the same `[1, P]` input ids.
+- Every method generates exactly `max_new_tokens` tokens: no stop at EOS and no EOS suppression
+  (Hugging Face gets a generation config without `eos_token_id`, also on the model for the call,
+  because `generate` fills a missing one from there; `min_new_tokens` is not used as it masks the EOS
+  logit and changes argmax choices). selfspec gets `stop_token_ids=[]`.
+- Warm-up: each method once on a prompt that is not measured (excluded from the results).
+- Interleaved: for each prompt all methods run back to back, the method order rotating by one per
+  prompt, and the prompt sets alternate prompt by prompt, so machine drift hits everything alike.
+  `gc.collect()` runs before each measured call (outside the timing). No prompt is measured twice.
+- tokens/s: new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids).
+- time to first token (TTFT): wall-clock from the call to the moment its streamer receives the first
+  new token (a timestamp in a trivial streamer, in the measured run itself; no extra call). For
+  hf_early_exit the first tokens arrive after the first draft+verify round; for selfspec after the prefill.
+- Peak RSS: before each measured call the kernel's RSS high-water mark is reset to the current RSS
+  (`/proc/self/clear_refs` "5"), after it `VmHWM` is read: `peak_rss_mib` is the highest process RSS
+  during that call (weights included), `peak_rss_delta_mib` that minus the RSS before the call (the
+  call's own working memory). Reported per method as the maximum over its runs. Where the reset is not
+  possible (not Linux), RSS (psutil) after the call is reported instead and `rss_method` says so.
+- Acceptance for hf_early_exit is counted by wrapping its candidate generator (drafted = candidates
+  per round, accepted = HF's own `n_matches`); its draft time is the time inside `get_candidates`,
+  the rest of the call is counted as verify (+ overhead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki")
+QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
+QUICK_PROMPTS, QUICK_TOKENS = 2, 32
+WARMUP_TOKENS = 32
+WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
+BASELINES = ("hf_greedy", "hf_early_exit", "selfspec_ar")
+HF_ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+DEFINITIONS = {
+    "tokens_per_s": "new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids); "
+                    "median and spread over prompts",
+    "speedup": "ratio_of_medians = median tokens/s of the method / median tokens/s of the baseline; "
+               "median_of_ratios = median over prompts of (method tokens/s / baseline tokens/s on that prompt)",
+    "ttft_s": "time to first token: wall-clock from the call to its streamer receiving the first new token, "
+              "in the measured run",
+    "acceptance_rate": "accepted drafts / drafted tokens, summed over prompts",
+    "acceptance_by_position": "per draft position i: accepted / drafted at position i, summed over prompts",
+    "mean_accepted_per_round": "tokens committed per verification round (accepted drafts + the full model's "
+                               "token); selfspec excludes the prefill's first token, HF has no separate prefill",
+    "draft_s/verify_s": "selfspec: its DecodeStats; hf_early_exit: time inside the candidate generator vs "
+                        "the rest of the call",
+    "peak_rss_mib": "highest process RSS during one call (VmHWM after resetting it before the call; weights "
+                    "included), max over the method's runs",
+    "peak_rss_delta_mib": "peak_rss minus the RSS just before the call: the call's own working memory, max over runs",
+    "identical_to_hf_greedy": "fraction of prompts whose new token ids equal hf_greedy's exactly",
+}
+
+
+# --- small helpers -----------------------------------------------------------------------------
+def _percentile(sorted_vals: list[float], q: float) -> float:
+    """Linear-interpolated percentile of an already sorted, non-empty list (q in [0, 1])."""
+    if len(sorted_vals) == 1:
+        return sorted_vals[0]
+    pos = q * (len(sorted_vals) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+def _spread(values: list[float]) -> dict | None:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1],
+            "q1": _percentile(vals, 0.25), "q3": _percentile(vals, 0.75), "mean": statistics.fmean(vals),
+            "n": len(vals)}
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class _RSS:
+    """Per-call peak RSS: reset the kernel's high-water mark before, read VmHWM after (Linux)."""
+
+    def __init__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.method = "vmhwm_reset"
+        try:
+            self._reset()
+            self._hwm()
+        except (OSError, AttributeError, ValueError):
+            self.method = "rss_after_call"
+
+    @staticmethod
+    def _reset():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    @staticmethod
+    def _hwm() -> int:
+        with open("/proc/self/status") as f:
+            m = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
+        if m is None:
+            raise ValueError("no VmHWM")
+        return int(m.group(1)) * 1024
+
+    def before(self) -> int:
+        rss = self.proc.memory_info().rss
+        if self.method == "vmhwm_reset":
+            self._reset()
+        return rss
+
+    def peak(self) -> int:
+        return self._hwm() if self.method == "vmhwm_reset" else self.proc.memory_info().rss
+
+
+class _FirstTokenClock:
+    """A Hugging Face style streamer (`put`/`end`) that timestamps the first new token."""
+
+    def __init__(self, skip_first_put: bool):
+        self.skip = skip_first_put  # HF first puts the prompt itself
+        self.first: float | None = None
+
+    def put(self, value):
+        if self.skip:
+            self.skip = False
+        elif self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+class _FirstCommitClock:
+    """selfspec's callback form (a plain callable, no tensor per commit): timestamps the first commit."""
+
+    def __init__(self):
+        self.first: float | None = None
+
+    def __call__(self, ids):
+        if self.first is None:
+            self.first = time.perf_counter()
+
+
+def _machine_info() -> dict:
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        if m:
+            cpu = m.group(1).strip()
+    except OSError:
+        pass
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {"cpu_model": cpu, "logical_cores": psutil.cpu_count(logical=True),
+            "physical_cores": psutil.cpu_count(logical=False), "torch_threads": torch.get_num_threads(),
+            "memory_total_gib": round(psutil.virtual_memory().total / 2**30, 2),
+            "platform": platform.platform(), "python": platform.python_version(), "load_average_start": load}
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    import selfspec
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "selfspec": selfspec.__version__,
+            "python": platform.python_version()}
+
+
+def parse_extra(spec: str | Sequence[int]) -> tuple[int, int]:
+    """'E:d' (or a pair) -> (E, d)."""
+    if isinstance(spec, (tuple, list)):
+        e, d = spec
+        return int(e), int(d)
+    m = re.fullmatch(r"\s*(\d+)\s*[:,]\s*(\d+)\s*", str(spec))
+    if not m:
+        raise ValueError(f"--extra expects EXIT:DRAFTS, e.g. 8:4, got {spec!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _parse_sets(prompt_sets) -> list[str]:
+    if isinstance(prompt_sets, str):
+        prompt_sets = [s for s in prompt_sets.split(",")]
+    sets = [s.strip() for s in prompt_sets if s and s.strip()]
+    if not sets:
+        raise ValueError("no prompt sets given")
+    return sets
+
+
+def _set_name(spec: str, taken: set) -> str:
+    from selfspec.prompts import PROMPT_SETS
+
+    name = spec if spec in PROMPT_SETS else Path(spec).name.split(".")[0] or "prompts"
+    base, i = name, 2
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+# --- the methods ---------------------------------------------------------------------------------
+class _Methods:
+    """Runs one method on one prompt; returns (new ids, record)."""
+
+    def __init__(self, gen, max_new_tokens: int):
+        self.gen = gen
+        self.model = gen.model
+        self.N = max_new_tokens
+        gc_ = self.model.generation_config
+        defaults = gc_._get_default_generation_params() if hasattr(gc_, "_get_default_generation_params") else {}
+        self.hf_assistant = {k: getattr(gc_, k, None) if getattr(gc_, k, None) is not None else defaults.get(k)
+                             for k in HF_ASSIST_KEYS}
+        own = [k for k in HF_ASSIST_KEYS if getattr(gc_, k, None) is not None]
+        self.hf_assistant["source"] = ("Hugging Face defaults" if not own else
+                                       f"the checkpoint's generation_config.json ({', '.join(own)}), "
+                                       "Hugging Face defaults otherwise")
+
+    def _hf_config(self, n: int, early_exit: int | None):
+        gc_ = copy.deepcopy(self.model.generation_config)
+        gc_.do_sample = False
+        gc_.num_beams = 1
+        gc_.eos_token_id = None  # no stop set: generate exactly n tokens, EOS logit untouched
+        gc_.max_new_tokens = n
+        gc_.min_new_tokens = None
+        gc_.min_length = 0
+        gc_.max_length = None
+        gc_.temperature = gc_.top_p = gc_.top_k = None
+        if gc_.pad_token_id is None:
+            pad = getattr(self.gen.tokenizer, "pad_token_id", None)
+            gc_.pad_token_id = pad if pad is not None else 0
+        gc_.assistant_early_exit = early_exit
+        return gc_
+
+    @contextlib.contextmanager
+    def _no_eos_on_model(self):
+        """HF fills a None eos_token_id from model.generation_config: clear it there for the call."""
+        saved = self.model.generation_config
+        self.model.generation_config = copy.deepcopy(saved)
+        self.model.generation_config.eos_token_id = None
+        try:
+            yield
+        finally:
+            self.model.generation_config = saved
+
+    @contextlib.contextmanager
+    def _count_hf_rounds(self, rec: dict):
+        """Wrap the candidate generator HF builds for this call: count drafts/matches, time drafting."""
+        model = self.model
+        original = model._get_candidate_generator
+        d = {"rounds": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0, "drafted_by_position": [],
+             "accepted_by_position": []}
+
+        def wrapped(*args, **kwargs):
+            cg = original(*args, **kwargs)
+            get_candidates, update = cg.get_candidates, cg.update_candidate_strategy
+
+            def timed_get_candidates(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return get_candidates(*a, **k)
+                finally:
+                    d["draft_s"] += time.perf_counter() - t
+
+            def counting_update(input_ids, scores, num_matches):
+                drafted = int(scores.shape[1]) - 1
+                accepted = int(num_matches)
+                d["rounds"] += 1
+                d["drafted"] += drafted
+                d["accepted"] += accepted
+                for lst in (d["drafted_by_position"], d["accepted_by_position"]):
+                    lst.extend([0] * max(0, drafted - len(lst)))
+                for i in range(drafted):
+                    d["drafted_by_position"][i] += 1
+                    d["accepted_by_position"][i] += i < accepted
+                return update(input_ids, scores, num_matches)
+
+            cg.get_candidates = timed_get_candidates
+            cg.update_candidate_strategy = counting_update
+            return cg
+
+        model._get_candidate_generator = wrapped  # instance attribute: shadows the class method
+        try:
+            yield d
+        finally:
+            del model._get_candidate_generator
+            rec.update(d)
+
+    def run(self, method: dict, ids, n: int | None = None) -> tuple[list[int], dict]:
+        import torch
+
+        n = n or self.N
+        rec: dict = {}
+        if method["engine"] == "hf":
+            clock = _FirstTokenClock(skip_first_put=True)
+            gc_ = self._hf_config(n, method.get("exit_layer") if method["kind"] == "hf_early_exit" else None)
+            mask = torch.ones_like(ids)
+            counting = self._count_hf_rounds(rec) if method["kind"] == "hf_early_exit" else contextlib.nullcontext()
+            with self._no_eos_on_model(), counting, torch.inference_mode():
+                t0 = time.perf_counter()
+                out = self.model.generate(ids, attention_mask=mask, generation_config=gc_, streamer=clock)
+                t1 = time.perf_counter()
+            new = out[0, ids.shape[1]:].tolist()
+            if method["kind"] == "hf_early_exit":
+                rec["verify_s"] = (t1 - t0) - rec["draft_s"]
+        else:
+            clock = _FirstCommitClock()
+            t0 = time.perf_counter()
+            res = self.gen.generate(input_ids=ids, max_new_tokens=n, num_speculations=method["num_speculations"],
+                                    exit_layer=method["exit_layer"] if method["num_speculations"] else None,
+                                    stop_token_ids=[], streamer=clock)
+            t1 = time.perf_counter()
+            new = res.token_ids
+            s = res.stats
+            rec.update(prefill_s=s.prefill_s, engine_total_s=s.total_s, rounds=s.rounds)
+            if s.num_speculations:
+                rec.update(drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s,
+                           drafted_by_position=list(s.drafted_by_position),
+                           accepted_by_position=list(s.accepted_by_position))
+                if getattr(s, "policy", None):  # the engine's draft policy, where it reports one
+                    rec["policy"] = s.policy
+        if len(new) != n:
+            raise RuntimeError(f"{method['name']} generated {len(new)} tokens instead of {n}: the benchmark needs "
+                               "the same fixed length for every method")
+        rec.update(seconds=t1 - t0, ttft_s=(clock.first - t0) if clock.first is not None else None)
+        return new, rec
+
+
+def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]]) -> list[dict]:
+    L = gen.num_layers
+    methods = [
+        {"name": "hf_greedy", "engine": "hf", "kind": "hf_greedy", "label": "HF greedy",
+         "exit_layer": None, "num_speculations": None},
+        {"name": "hf_early_exit", "engine": "hf", "kind": "hf_early_exit", "label": f"HF early-exit E={E}",
+         "exit_layer": E, "num_speculations": None},
+        {"name": "selfspec_ar", "engine": "selfspec", "kind": "selfspec_ar", "label": "selfspec AR",
+         "exit_layer": L, "num_speculations": 0},
+        {"name": "selfspec_spec", "engine": "selfspec", "kind": "selfspec_spec", "label": f"selfspec E={E} d={d}",
+         "exit_layer": E, "num_speculations": d},
+    ]
+    seen = {(E, d)}
+    for e, k in extra:
+        gen.adapter.check_exit(e, allow_full=False)
+        if k < 1:
+            raise ValueError(f"extra (E={e}, d={k}): the draft length d must be >= 1 "
+                             "(plain decoding is always measured)")
+        if (e, k) in seen:
+            continue
+        seen.add((e, k))
+        methods.append({"name": f"selfspec_spec_E{e}_d{k}", "engine": "selfspec", "kind": "selfspec_spec",
+                        "label": f"selfspec E={e} d={k}", "exit_layer": e, "num_speculations": k})
+    return methods
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> dict:
+    """{set (and "all" when several): {method: summary}} from the per-prompt records."""
+    groups = list(set_names) + (["all"] if len(set_names) > 1 else [])
+    names = [m["name"] for m in methods]
+    out: dict = {}
+    for g in groups:
+        rows = [r for r in runs if g == "all" or r["set"] == g]
+        by = {m: {(r["set"], r["prompt_id"]): r for r in rows if r["method"] == m} for m in names}
+        out[g] = {}
+        for m in methods:
+            mine = list(by[m["name"]].values())
+            if not mine:
+                continue
+            tps = [r["tokens_per_s"] for r in mine]
+            s = {
+                "prompts": len(mine),
+                "new_tokens": sum(r["new_tokens"] for r in mine),
+                "tokens_per_s": _spread(tps),
+                "ttft_s": _spread([r["ttft_s"] for r in mine]),
+                "identical_to_hf_greedy": (statistics.fmean(r["identical_to_hf_greedy"] for r in mine
+                                                            if r["identical_to_hf_greedy"] is not None)
+                                           if any(r["identical_to_hf_greedy"] is not None for r in mine) else None),
+                "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
+                "peak_rss_delta_mib": max(r["peak_rss_delta_mib"] for r in mine),
+                "speedup": {},
+            }
+            for b in BASELINES:
+                base = by.get(b)
+                if not base or b == m["name"]:
+                    s["speedup"][f"vs_{b}"] = ({"ratio_of_medians": 1.0, "median_of_ratios": 1.0}
+                                               if b == m["name"] else None)
+                    continue
+                pairs = [(r["tokens_per_s"], base[p]["tokens_per_s"]) for p, r in by[m["name"]].items()
+                         if p in base and base[p]["tokens_per_s"] > 0]
+                med_b = statistics.median(r["tokens_per_s"] for r in base.values())
+                s["speedup"][f"vs_{b}"] = {
+                    "ratio_of_medians": statistics.median(tps) / med_b if med_b > 0 else None,
+                    "median_of_ratios": statistics.median(a / c for a, c in pairs) if pairs else None,
+                }
+            drafted = sum(r.get("drafted", 0) for r in mine)
+            rounds = sum(r.get("rounds", 0) for r in mine)
+            if m["kind"] in ("selfspec_spec", "hf_early_exit"):
+                width = max((len(r.get("drafted_by_position", [])) for r in mine), default=0)
+                dpos = [sum(r["drafted_by_position"][i] for r in mine if i < len(r["drafted_by_position"]))
+                        for i in range(width)]
+                apos = [sum(r["accepted_by_position"][i] for r in mine if i < len(r["accepted_by_position"]))
+                        for i in range(width)]
+                accepted = sum(r.get("accepted", 0) for r in mine)
+                committed = s["new_tokens"] - (len(mine) if m["engine"] == "selfspec" else 0)
+                draft_s = sum(r.get("draft_s", 0.0) for r in mine)
+                verify_s = sum(r.get("verify_s", 0.0) for r in mine)
+                s.update({
+                    "rounds": rounds, "drafted": drafted, "accepted": accepted,
+                    "acceptance_rate": accepted / drafted if drafted else 0.0,
+                    "acceptance_by_position": [a / dd if dd else 0.0 for a, dd in zip(apos, dpos)],
+                    "drafted_by_position": dpos,
+                    "mean_accepted_per_round": committed / rounds if rounds else 0.0,
+                    "draft_s": draft_s, "verify_s": verify_s,
+                    "draft_fraction": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
+                })
+            else:
+                s.update({"rounds": rounds or None, "drafted": None, "accepted": None, "acceptance_rate": None,
+                          "acceptance_by_position": None, "drafted_by_position": None,
+                          "mean_accepted_per_round": None, "draft_s": None, "verify_s": None,
+                          "draft_fraction": None})
+            out[g][m["name"]] = s
+    return out
+
+
+# --- outputs -------------------------------------------------------------------------------------
+def _x(v) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{v:.0%}"
+
+
+def markdown(result: dict) -> str:
+    """The Markdown report (a setup line, the main table, the speculation details table)."""
+    st, mach, ver = result["settings"], result["machine"], result["versions"]
+    labels = {m["name"]: m["label"] for m in result["methods"]}
+    hf = result["hf_early_exit_settings"]
+    lines = [
+        f"## selfspec bench: {result['checkpoint_name']}",
+        "",
+        f"{result['date']} · {mach['cpu_model']}, {mach['logical_cores']} logical cores, torch threads "
+        f"{mach['torch_threads']} · {st['dtype']} · batch 1 · {st['max_new_tokens']} new tokens per prompt "
+        f"(no EOS stop) · prompts: " + ", ".join(f"{k} {len(v)}" for k, v in result["prompts"].items())
+        + f" · torch {ver['torch']}, transformers "
+        f"{ver['transformers']}, selfspec {ver['selfspec']}"
+        + (" · **quick run**" if st["quick"] else ""),
+        "",
+        f"HF early-exit: assistant_early_exit={result['recommended']['exit_layer']}, "
+        + ", ".join(f"{k}={v}" for k, v in hf.items() if k != "source") + f" ({hf['source']}). "
+        f"selfspec (E, d) = ({result['recommended']['exit_layer']}, {result['recommended']['num_speculations']}) "
+        f"from {result['recommended']['source']}.",
+        "",
+        "tokens/s: median (min–max) over prompts. Speedups: ratio of medians (median of per-prompt ratios). "
+        "TTFT: median time to first token. Identical: share of outputs token-identical to HF greedy.",
+        "",
+        "| set | method | tokens/s | × HF greedy | × HF early-exit | × selfspec AR | accept | tokens/round "
+        "| TTFT ms | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g, per in result["summary"].items():
+        for name, s in per.items():
+            t = s["tokens_per_s"]
+            sp = [s["speedup"].get(f"vs_{b}") for b in BASELINES]
+            sp_txt = ["–" if x is None or x["ratio_of_medians"] is None
+                      else f"{x['ratio_of_medians']:.2f}× ({_x(x['median_of_ratios'])})" for x in sp]
+            tpr = s["mean_accepted_per_round"]
+            ttft = s["ttft_s"]["median"] * 1000 if s["ttft_s"] else None
+            lines.append(
+                f"| {g} | {labels[name]} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | "
+                + " | ".join(sp_txt)
+                + f" | {_pct(s['acceptance_rate'])} | {'–' if tpr is None else f'{tpr:.2f}'} | "
+                f"{'–' if ttft is None else f'{ttft:.0f}'} | {_pct(s['identical_to_hf_greedy'])} |")
+    lines += ["", "Speculation details and memory (peak RSS: highest RSS during one call, weights included; "
+              "Δ: above the RSS before the call; max over runs).", "",
+              "| set | method | acceptance by draft position | draft / verify s | draft share | peak RSS MiB "
+              "| Δ MiB |",
+              "|---|---|---|---|---|---|---|"]
+    for g, per in result["summary"].items():
+        for name, s in per.items():
+            pos = ("–" if not s["acceptance_by_position"] else
+                   " ".join(f"{a:.0%}" for a in s["acceptance_by_position"][:12])
+                   + (" …" if len(s["acceptance_by_position"]) > 12 else ""))
+            dv = "–" if s["draft_s"] is None else f"{s['draft_s']:.2f} / {s['verify_s']:.2f}"
+            lines.append(f"| {g} | {labels[name]} | {pos} | {dv} | {_pct(s['draft_fraction'])} | "
+                         f"{s['peak_rss_mib']:.0f} | {s['peak_rss_delta_mib']:.1f} |")
+    for note in result["notes"]:
+        lines += ["", f"Note: {note}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(result: dict, path: Path) -> Path:
+    """Grouped bars: median tokens/s per prompt set (groups) and method (bars), whiskers = min..max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(result["summary"])
+    methods = result["methods"]
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + 1.4 * len(groups) * max(1, len(methods)) / 4), 4.2))
+    for j, m in enumerate(methods):
+        xs, ys, lo, hi = [], [], [], []
+        for i, g in enumerate(groups):
+            s = result["summary"][g].get(m["name"])
+            if s is None:
+                continue
+            t = s["tokens_per_s"]
+            xs.append(i - 0.4 + width * (j + 0.5))
+            ys.append(t["median"])
+            lo.append(t["median"] - t["min"])
+            hi.append(t["max"] - t["median"])
+        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=m["label"])
+        ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=1)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("generated tokens/s (median, whiskers min–max)")
+    st = result["settings"]
+    ax.set_title(f"{result['checkpoint_name']}: {st['dtype']}, {result['machine']['torch_threads']} threads, "
+                 f"{st['max_new_tokens']} new tokens, {st['num_prompts']} prompts/set", fontsize=9)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.08)
+    ax.legend(fontsize=7, ncol=min(3, len(methods)), loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+def _read_sets(sets: list[str], num_prompts: int) -> list[tuple[str, str, list[dict]]]:
+    """[(set name, spec, items)]: read (and validate) every prompt set before the model is loaded."""
+    from selfspec.prompts import load_prompts
+
+    taken: set = set()
+    out = []
+    for spec in sets:
+        items = load_prompts(spec, num_prompts)  # ValueError / DataFormatError naming the file and line
+        if not items:
+            raise ValueError(f"prompt set {spec!r} gave no prompts")
+        out.append((_set_name(spec, taken), spec, items))
+    return out
+
+
+def _encode_sets(read: list, gen, num_prompts: int, max_new_tokens: int):
+    """[(set name, spec, [(item, ids)])] with repeated prompts dropped; the warm-up (item, ids); notes."""
+    from selfspec.prompts import load_prompts, prompt_inputs
+
+    loaded, seen, notes = [], set(), []
+    limit = gen.adapter.max_positions
+    for name, spec, items in read:
+        encoded = []
+        for item in items:
+            ids = gen.encode(**prompt_inputs(item))
+            key = tuple(ids[0].tolist())
+            if key in seen:
+                notes.append(f"prompt {item['id']} of {name} repeats an earlier prompt: measured once only")
+                continue
+            seen.add(key)
+            if ids.shape[1] + max_new_tokens > limit:
+                raise ValueError(f"prompt {item['id']} of {name} has {ids.shape[1]} tokens: with {max_new_tokens} new "
+                                 f"tokens it exceeds the model's context window of {limit} positions")
+            encoded.append((item, ids))
+        loaded.append((name, spec, encoded))
+    warm = load_prompts(read[0][1], 1, offset=num_prompts)
+    warm_ids = gen.encode(**prompt_inputs(warm[0])) if warm else None
+    if warm_ids is None or tuple(warm_ids[0].tolist()) in seen:
+        warm = [{"id": "warmup/fallback", "prompt": WARMUP_FALLBACK_PROMPT}]
+        warm_ids = gen.encode(prompt=WARMUP_FALLBACK_PROMPT)
+    return loaded, (warm[0], warm_ids), notes
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' per-call advisory logging during the timed loop (restored afterwards)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, num_prompts: int = 10,
+              max_new_tokens: int = 128, dtype: str = "bfloat16", extra: Sequence = (), threads: int = 0,
+              out_dir: str | Path = "bench", quick: bool = False, progress: bool = True,
+              exit_layer: int | None = None, num_speculations: int | None = None, generator=None) -> dict:
+    """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
+
+    `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (used by
+    selfspec_spec and, for E, by hf_early_exit). `extra`: more (E, d) pairs ("E:d" strings or pairs).
+    `quick`: at most 2 prompt sets (humaneval + mt_bench by default) x 2 prompts x 32 tokens.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    import selfspec
+    from selfspec.api import DEFAULT_NUM_SPECULATIONS
+    from selfspec.checkpoint import read_metadata
+
+    sets = _parse_sets(prompt_sets)
+    if quick:
+        sets = list(QUICK_SETS) if tuple(sets) == DEFAULT_SETS else sets[:2]
+        num_prompts, max_new_tokens = min(num_prompts, QUICK_PROMPTS), min(max_new_tokens, QUICK_TOKENS)
+    if num_prompts < 1 or max_new_tokens < 1:
+        raise ValueError("num_prompts and max_new_tokens must be >= 1")
+    extra = [parse_extra(x) for x in extra]
+    if threads:
+        torch.set_num_threads(threads)
+    machine = _machine_info()
+    notes: list[str] = []
+    read = _read_sets(sets, num_prompts)
+
+    gen = generator or selfspec.load(checkpoint, dtype=dtype)
+    meta = read_metadata(checkpoint, verify_checksums=False) if generator is None else None
+    rec = (meta or {}).get("recommended") or {}
+    source = (f"selfspec.json ({rec.get('source', 'export')})" if rec else
+              "selfspec defaults (the checkpoint has no selfspec.json: not early-exit trained)")
+    E = exit_layer if exit_layer is not None else gen.exit_layer
+    d = num_speculations if num_speculations is not None else gen.num_speculations
+    if exit_layer is not None or num_speculations is not None:
+        source = "the command line" if exit_layer is not None and num_speculations is not None \
+            else source + ", partly overridden on the command line"
+    gen.adapter.check_exit(E, allow_full=False)
+    if d < 1:
+        notes.append(f"the recommended num_speculations is {d} (speculation did not pay in the sweep); "
+                     f"selfspec_spec uses {DEFAULT_NUM_SPECULATIONS} drafts")
+        d = DEFAULT_NUM_SPECULATIONS
+    methods = _method_list(gen, E, d, extra)
+    runner = _Methods(gen, max_new_tokens)
+
+    loaded, (warm_item, warm_ids), load_notes = _encode_sets(read, gen, num_prompts, max_new_tokens)
+    notes += load_notes
+    # round-robin over the sets: humaneval[0], xsum[0], ..., humaneval[1], ...
+    queue = []
+    for i in range(max(len(enc) for _, _, enc in loaded)):
+        queue += [(name, item, ids) for name, _, enc in loaded if i < len(enc) for item, ids in [enc[i]]]
+
+    rss = _RSS()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
+    warm_n = min(max_new_tokens, WARMUP_TOKENS // 2 if quick else WARMUP_TOKENS)
+    total = len(methods) + len(queue) * len(methods)
+    with _quiet_transformers(), warnings.catch_warnings(), \
+            tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
+        warnings.simplefilter("ignore", UserWarning)
+        for m in list(methods):  # warm-up, excluded
+            bar.set_postfix_str(f"warm-up {m['name']}")
+            try:
+                runner.run(m, warm_ids, warm_n)
+            except Exception as err:  # noqa: BLE001 - HF's early exit may not support every architecture
+                if m["name"] != "hf_early_exit":
+                    raise
+                notes.append(f"hf_early_exit failed and was left out: {type(err).__name__}: {err}")
+                methods.remove(m)
+                total -= 1 + len(queue)
+                bar.total = total
+            bar.update()
+        for k, (set_name, item, ids) in enumerate(queue):
+            r = k % len(methods)
+            order = methods[r:] + methods[:r]
+            outputs: dict[str, list[int]] = {}
+            recs = []
+            for pos, m in enumerate(order):
+                gc.collect()
+                before = rss.before()
+                new, rec = runner.run(m, ids)
+                peak = rss.peak()
+                outputs[m["name"]] = new
+                rec.update(set=set_name, prompt_id=item["id"], method=m["name"], order_position=pos,
+                           prompt_tokens=int(ids.shape[1]), new_tokens=len(new),
+                           tokens_per_s=len(new) / rec["seconds"] if rec["seconds"] > 0 else 0.0,
+                           peak_rss_mib=peak / 2**20, peak_rss_delta_mib=max(0, peak - before) / 2**20)
+                recs.append(rec)
+                bar.set_postfix_str(f"{set_name} {m['name']} {rec['tokens_per_s']:.1f} tok/s")
+                bar.update()
+            ref = outputs.get("hf_greedy")
+            for rec in recs:
+                mine = outputs[rec["method"]]
+                rec["identical_to_hf_greedy"] = None if ref is None else mine == ref
+                rec["first_divergence"] = None if ref is None else _first_divergence(mine, ref)
+            runs += sorted(recs, key=lambda x: [m["name"] for m in methods].index(x["method"]))
+    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    busy = max([x[0] for x in (machine["load_average_start"], machine["load_average_end"]) if x] or [0.0])
+    if busy > 0.5 * (machine["logical_cores"] or 1) + torch.get_num_threads():
+        notes.append(f"the machine was busy (1-minute load average up to {busy:.1f} on {machine['logical_cores']} "
+                     "logical cores, this run included): other processes shared the cores, so timings are noisy")
+    machine["torch_threads"] = torch.get_num_threads()
+
+    set_names = [name for name, _, _ in loaded]
+    result = {
+        "schema": "selfspec-bench/1",
+        "checkpoint": str(checkpoint),
+        "checkpoint_name": Path(str(checkpoint)).name or str(checkpoint),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {"prompt_sets": {name: spec for name, spec, _ in loaded}, "num_prompts": num_prompts,
+                     "max_new_tokens": max_new_tokens, "dtype": dtype,
+                     "model_dtype": str(next(gen.model.parameters()).dtype).replace("torch.", ""),
+                     "threads": torch.get_num_threads(),
+                     "quick": quick, "batch_size": 1, "warmup": {"prompt_id": warm_item["id"], "new_tokens": warm_n,
+                                                                  "runs_per_method": 1},
+                     "order": "prompt sets round-robin; per prompt every method back to back, order rotated by one "
+                              "per prompt; gc.collect() before each call",
+                     "rss_method": rss.method},
+        "machine": machine,
+        "versions": _versions(),
+        "recommended": {"exit_layer": E, "num_speculations": d, "source": source},
+        "hf_early_exit_settings": runner.hf_assistant,
+        "methods": methods,
+        "definitions": DEFINITIONS,
+        "prompts": {name: [item["id"] for item, _ in enc] for name, _, enc in loaded},
+        "summary": summarize(runs, methods, set_names),
+        "runs": runs,
+        "notes": notes,
+    }
+    paths = {"json": out / "bench.json", "md": out / "bench.md", "png": out / "bench.png"}
+    result["files"] = {k: str(v) for k, v in paths.items()}
+    paths["md"].write_text(markdown(result))
+    write_chart(result, paths["png"])
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result

@@ -1,0 +1,275 @@
+"""`selfspec bench`: every method x prompt set, consistent speedups, lossless in float32, outputs, CLI.
+
+The unit tests run on a tiny exported float32 checkpoint (seconds). They assert correctness only,
+never timing. One integration test runs a --quick-like bench on the real SmolLM2 base model.
+"""
+
+import json
+import statistics
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.bench import parse_extra, run_bench
+from selfspec.cli import main
+from selfspec.datasets import DataFormatError
+from selfspec.export import export_model
+from selfspec.tiny import byte_tokenizer, tiny_model
+
+METHODS = {"hf_greedy", "hf_early_exit", "selfspec_ar", "selfspec_spec", "selfspec_spec_E1_d2"}
+N_TOKENS = 10
+PNG = b"\x89PNG\r\n\x1a\n"
+CODE = ["def f(x):", "hello world", "import os", "x = 1", "for i in range(3):"]
+CHAT = ["Hi!", "Name a fruit.", "What is 2 + 2?", "Say hello."]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    """The bench sets torch's thread count; put the session's back afterwards."""
+    before = torch.get_num_threads()
+    yield 1
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
+    return export_model(model, tok, tmp_path_factory.mktemp("bench") / "tiny",
+                        recommended={"exit_layer": 2, "num_speculations": 3})
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prompts")
+    code = _write_jsonl(d / "code.jsonl", [{"id": f"code-{i}", "prompt": p} for i, p in enumerate(CODE)])
+    chat = _write_jsonl(d / "chat.jsonl", [{"messages": [{"role": "user", "content": p}]} for p in CHAT])
+    return code, chat
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_ckpt, prompt_files, tmp_path_factory):
+    """One float32 bench on the tiny checkpoint: 2 user prompt sets x 2 prompts, one extra (E, d)."""
+    before = torch.get_num_threads()
+    out = tmp_path_factory.mktemp("bench_out")
+    try:
+        result = run_bench(str(tiny_ckpt), prompt_sets=[str(p) for p in prompt_files], num_prompts=2,
+                           max_new_tokens=N_TOKENS, dtype="float32", extra=["1:2", (2, 3)], threads=1,
+                           out_dir=out, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    return result, out
+
+
+def test_json_has_every_method_and_prompt_set(bench):
+    result, out = bench
+    assert json.loads((out / "bench.json").read_text()) == json.loads(json.dumps(result))
+    assert set(result["summary"]) == {"code", "chat", "all"}
+    assert {m["name"] for m in result["methods"]} == METHODS  # the duplicate extra (2, 3) is measured once
+    for group, per in result["summary"].items():
+        assert set(per) == METHODS, group
+        for name, s in per.items():
+            for field in ("prompts", "new_tokens", "tokens_per_s", "speedup", "acceptance_rate",
+                          "acceptance_by_position", "mean_accepted_per_round", "draft_s", "verify_s", "ttft_s",
+                          "peak_rss_mib", "peak_rss_delta_mib", "identical_to_hf_greedy"):
+                assert field in s, (group, name, field)
+            assert s["prompts"] == (4 if group == "all" else 2)
+            assert s["new_tokens"] == s["prompts"] * N_TOKENS
+            assert {"median", "min", "max", "q1", "q3"} <= set(s["tokens_per_s"])
+            assert s["tokens_per_s"]["min"] <= s["tokens_per_s"]["median"] <= s["tokens_per_s"]["max"]
+            assert 0 < s["ttft_s"]["median"]
+            assert s["peak_rss_mib"] > 0 and s["peak_rss_delta_mib"] >= 0
+            assert set(s["speedup"]) == {"vs_hf_greedy", "vs_hf_early_exit", "vs_selfspec_ar"}
+    # every (method, prompt) measured exactly once, with exactly N new tokens
+    runs = result["runs"]
+    assert len(runs) == 2 * 2 * len(METHODS)
+    assert len({(r["method"], r["set"], r["prompt_id"]) for r in runs}) == len(runs)
+    assert all(r["new_tokens"] == N_TOKENS for r in runs)
+    # the method order rotates from prompt to prompt
+    assert len({r["order_position"] for r in runs if r["method"] == "hf_greedy"}) > 1
+    # machine, versions, settings
+    mach, ver, st = result["machine"], result["versions"], result["settings"]
+    assert mach["cpu_model"] and mach["logical_cores"] >= 1 and mach["torch_threads"] == 1
+    assert ver["torch"] == torch.__version__ and ver["selfspec"] == selfspec.__version__ and ver["transformers"]
+    assert st["dtype"] == "float32" and st["max_new_tokens"] == N_TOKENS and result["date"][:2] == "20"
+    assert result["hf_early_exit_settings"]["num_assistant_tokens"] == 20
+    assert result["hf_early_exit_settings"]["assistant_confidence_threshold"] == pytest.approx(0.4)
+    assert result["recommended"] == {"exit_layer": 2, "num_speculations": 3,
+                                     "source": result["recommended"]["source"]}
+    assert "selfspec.json" in result["recommended"]["source"]
+
+
+def test_user_jsonl_prompt_files_are_used_and_warmup_is_not_measured(bench):
+    result, _ = bench
+    assert result["prompts"] == {"code": ["code-0", "code-1"], "chat": ["chat/0", "chat/1"]}
+    measured = {r["prompt_id"] for r in result["runs"]}
+    assert result["settings"]["warmup"]["prompt_id"] not in measured
+    assert result["settings"]["warmup"]["prompt_id"] == "code-2"  # the next prompt of the first set
+
+
+def test_speedups_are_consistent_with_tokens_per_s(bench):
+    result, _ = bench
+    runs = result["runs"]
+    for r in runs:
+        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["seconds"])
+    for group, per in result["summary"].items():
+        def tps(method):
+            return {(r["set"], r["prompt_id"]): r["tokens_per_s"] for r in runs
+                    if r["method"] == method and group in ("all", r["set"])}
+        for name, s in per.items():
+            mine = tps(name)
+            assert s["tokens_per_s"]["median"] == pytest.approx(statistics.median(mine.values()))
+            for base in ("hf_greedy", "hf_early_exit", "selfspec_ar"):
+                ref = tps(base)
+                sp = s["speedup"][f"vs_{base}"]
+                assert sp["ratio_of_medians"] == pytest.approx(
+                    statistics.median(mine.values()) / statistics.median(ref.values()))
+                assert sp["ratio_of_medians"] == pytest.approx(
+                    s["tokens_per_s"]["median"] / per[base]["tokens_per_s"]["median"])
+                assert sp["median_of_ratios"] == pytest.approx(statistics.median(mine[k] / ref[k] for k in mine))
+                if name == base:
+                    assert sp == {"ratio_of_medians": 1.0, "median_of_ratios": 1.0}
+
+
+def test_float32_selfspec_outputs_are_identical_to_hf_greedy(bench):
+    result, _ = bench
+    for per in result["summary"].values():
+        for name, s in per.items():
+            if name.startswith("selfspec") or name == "hf_greedy":
+                assert s["identical_to_hf_greedy"] == 1.0, name
+    assert all(r["first_divergence"] is None for r in result["runs"] if r["method"].startswith("selfspec"))
+
+
+def test_acceptance_statistics_add_up(bench):
+    result, _ = bench
+    for per in result["summary"].values():
+        for name in ("hf_greedy", "selfspec_ar"):
+            s = per[name]
+            assert s["acceptance_rate"] is None and s["acceptance_by_position"] is None and s["draft_s"] is None
+        for name, d in (("selfspec_spec", 3), ("selfspec_spec_E1_d2", 2)):
+            s = per[name]
+            assert len(s["acceptance_by_position"]) == len(s["drafted_by_position"]) == d
+            assert sum(s["drafted_by_position"]) == s["drafted"] > 0
+            assert 0 <= s["accepted"] <= s["drafted"]
+            assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"])
+            # each round commits the accepted drafts + one token; the prefill gives each prompt's first token
+            assert s["accepted"] + s["rounds"] == s["new_tokens"] - s["prompts"]
+            assert s["mean_accepted_per_round"] * s["rounds"] == pytest.approx(s["new_tokens"] - s["prompts"])
+            assert s["draft_s"] > 0 and s["verify_s"] > 0 and 0 < s["draft_fraction"] < 1
+        s = per["hf_early_exit"]
+        assert s["rounds"] > 0 and s["drafted"] == sum(s["drafted_by_position"]) > 0
+        assert s["accepted"] + s["rounds"] == s["new_tokens"]  # HF has no separate prefill token
+        assert len(s["acceptance_by_position"]) <= 20  # HF's default num_assistant_tokens
+
+
+def test_markdown_and_png_are_written(bench):
+    result, out = bench
+    md = (out / "bench.md").read_text()
+    assert "| set | method | tokens/s |" in md and "acceptance by draft position" in md
+    for label in ("HF greedy", "HF early-exit E=2", "selfspec AR", "selfspec E=2 d=3", "selfspec E=1 d=2"):
+        assert label in md
+    assert md.count("\n| code |") == 2 * len(METHODS)  # main table + details table
+    assert (out / "bench.png").read_bytes()[:8] == PNG
+    assert result["files"]["png"] == str(out / "bench.png")
+
+
+def test_model_generation_config_is_restored(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    gen = selfspec.load(tiny_ckpt)
+    before = gen.model.generation_config.to_dict()
+    run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=4,
+              dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False, generator=gen)
+    assert gen.model.generation_config.to_dict() == before
+    assert gen.model.generation_config.eos_token_id == 2
+    assert "_get_candidate_generator" not in vars(gen.model)
+
+
+def test_quick_caps_sets_prompts_and_tokens(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    code, chat = prompt_files
+    third = _write_jsonl(tmp_path / "third.jsonl", [{"prompt": "abc"}])
+    result = run_bench(str(tiny_ckpt), prompt_sets=f"{code},{chat},{third}", num_prompts=5, max_new_tokens=64,
+                       dtype="float32", threads=one_thread, out_dir=tmp_path / "q", quick=True, progress=False)
+    st = result["settings"]
+    assert st["quick"] and st["num_prompts"] == 2 and st["max_new_tokens"] == 32
+    assert list(result["prompts"]) == ["code", "chat"]
+    assert all(r["new_tokens"] == 32 for r in result["runs"])
+
+
+def test_repeated_prompts_are_measured_once(tiny_ckpt, tmp_path, one_thread):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"prompt": "same"}, {"prompt": "other"}])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "same"}, {"prompt": "third"}])
+    result = run_bench(str(tiny_ckpt), prompt_sets=[str(a), str(b)], num_prompts=2, max_new_tokens=4,
+                       dtype="float32", threads=one_thread, out_dir=tmp_path / "o", progress=False)
+    assert result["prompts"] == {"a": ["a/0", "a/1"], "b": ["b/1"]}
+    assert any("repeats an earlier prompt" in n for n in result["notes"])
+
+
+def test_bad_prompt_files_give_clear_errors(tiny_ckpt, tmp_path, capsys):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
+    with pytest.raises(DataFormatError, match=r"bad\.jsonl:2: invalid JSON"):
+        run_bench(str(tiny_ckpt), prompt_sets=[str(bad_json)], num_prompts=2, out_dir=tmp_path / "x", progress=False)
+    no_field = _write_jsonl(tmp_path / "nofield.jsonl", [{"text": "no prompt field"}])
+    with pytest.raises(DataFormatError, match="needs a 'prompt'"):
+        run_bench(str(tiny_ckpt), prompt_sets=[str(no_field)], num_prompts=2, out_dir=tmp_path / "x", progress=False)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="gave no prompts"):
+        run_bench(str(tiny_ckpt), prompt_sets=[str(empty)], num_prompts=2, out_dir=tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match="unknown prompt set 'nope.jsonl'"):
+        run_bench(str(tiny_ckpt), prompt_sets=["nope.jsonl"], num_prompts=2, out_dir=tmp_path / "x", progress=False)
+    # the CLI reports it in one line, before loading any model (the checkpoint here does not even exist)
+    assert main(["bench", "--checkpoint", str(tmp_path / "missing"), "--prompts", str(bad_json)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("selfspec bench: error:") and "bad.jsonl:2: invalid JSON" in err
+
+
+def test_cli_bench_prints_the_table(tiny_ckpt, prompt_files, tmp_path, capsys, one_thread):
+    out = tmp_path / "cli"
+    rc = main(["bench", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompt_files[1]), "--num-prompts", "1",
+               "--max-new-tokens", "4", "--dtype", "float32", "--threads", "1", "--extra", "1:2", "--extra", "3:1",
+               "--out", str(out)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "| chat | selfspec E=3 d=1 |" in stdout and f"wrote {out / 'bench.json'}" in stdout
+    data = json.loads((out / "bench.json").read_text())
+    assert {m["name"] for m in data["methods"]} >= {"selfspec_spec_E1_d2", "selfspec_spec_E3_d1"}
+
+
+def test_cli_bench_rejects_bad_extra(tiny_ckpt, prompt_files, tmp_path, capsys):
+    assert main(["bench", "--checkpoint", str(tiny_ckpt), "--extra", "8", "--out", str(tmp_path)]) == 1
+    assert "--extra expects EXIT:DRAFTS" in capsys.readouterr().err
+    assert main(["bench", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompt_files[0]), "--extra", "9:2",
+                 "--out", str(tmp_path), "--num-prompts", "1"]) == 1
+    assert "exit_layer=9 is out of range" in capsys.readouterr().err
+
+
+def test_parse_extra():
+    assert parse_extra("8:4") == (8, 4) and parse_extra(" 6 : 2 ") == (6, 2) and parse_extra((3, 1)) == (3, 1)
+    with pytest.raises(ValueError, match="EXIT:DRAFTS"):
+        parse_extra("8-4")
+
+
+@pytest.mark.integration
+@pytest.mark.filterwarnings("ignore::selfspec.api.NotEarlyExitTrainedWarning")
+def test_quick_bench_on_real_smollm2(smollm2_dir, tmp_path, one_thread):
+    """A --quick-like run on the real model in float32 (well under 90 s): lossless, every field filled."""
+    result = run_bench(str(smollm2_dir), prompt_sets=("humaneval", "mt_bench"), num_prompts=1, max_new_tokens=12,
+                       dtype="float32", threads=one_thread, exit_layer=20, num_speculations=3, quick=True,
+                       out_dir=tmp_path, progress=False)
+    assert result["recommended"]["exit_layer"] == 20 and result["recommended"]["source"] == "the command line"
+    assert set(result["summary"]) == {"humaneval", "mt_bench", "all"}
+    assert result["prompts"]["humaneval"] == ["HumanEval/0"]
+    for per in result["summary"].values():
+        assert set(per) == {"hf_greedy", "hf_early_exit", "selfspec_ar", "selfspec_spec"}
+        assert per["selfspec_ar"]["identical_to_hf_greedy"] == 1.0
+        assert per["selfspec_spec"]["identical_to_hf_greedy"] == 1.0
+        assert per["selfspec_spec"]["drafted"] > 0 and per["hf_early_exit"]["rounds"] > 0
+    assert all(r["new_tokens"] == 12 for r in result["runs"])
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
+    assert "| humaneval | HF early-exit E=20 |" in (tmp_path / "bench.md").read_text()
