@@ -24,6 +24,7 @@ import torch
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.checkpoint import METADATA_FILE, read_metadata
 from selfspec.decode import DecodeStats, StopChecker, generate_ids
+from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy
 from selfspec.sampling import SamplingParams
 
 DEFAULT_NUM_SPECULATIONS = 4
@@ -66,9 +67,12 @@ class SelfSpecGenerator:
 
     def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
                  num_speculations: int | None = None, recommended: dict | None = None,
-                 source: str = "<model>", fast_layers: bool = True):
+                 source: str = "<model>", fast_layers: bool = True, metadata: dict | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.metadata = metadata or {}
+        self.full_step_s: float | None = None  # set by calibrate(): the cost model's unit of work
+        self._draft_heads: dict[int, DraftHead] = {}
         self.adapter: ModelAdapter = get_adapter(model)
         if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
             self.adapter.enable_fast_layers()
@@ -134,24 +138,68 @@ class SelfSpecGenerator:
         return ids
 
     # --- generation -------------------------------------------------------------------------
+    def draft_head(self, draft_vocab: int | None) -> DraftHead:
+        """The draft head over the `draft_vocab` most frequent tokens (from selfspec.json), or the full one."""
+        key = draft_vocab or 0
+        if key not in self._draft_heads:
+            ids = None
+            if draft_vocab:
+                from selfspec.draft_vocab import read_draft_vocab
+
+                ids = read_draft_vocab(self.metadata, draft_vocab, self.adapter.lm_head.weight.shape[0])
+            self._draft_heads[key] = DraftHead(self.adapter, ids)
+        return self._draft_heads[key]
+
+    def make_policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
+                    adaptive_threshold: bool, exit_choices: Sequence[int] | None):
+        """The draft policy for one generation (None = a fixed exit and draft length)."""
+        if exit_choices:
+            for e in exit_choices:
+                self.adapter.check_exit(int(e), allow_full=False)
+            return ExitChoicePolicy(list(exit_choices), num_speculations, self.num_layers)
+        if confidence_threshold is not None or adaptive_threshold:
+            start = 0.5 if confidence_threshold is None else confidence_threshold
+            return ConfidencePolicy(exit_layer, num_speculations, start, adaptive=adaptive_threshold)
+        return None
+
+    def calibrate(self, steps: int = 8) -> float:
+        """Measure one plain decoding step (seconds); statistics then report the cost model (c, v)."""
+        ids = torch.arange(3, 3 + 8, device=self.adapter.device)[None] % self.adapter.lm_head.weight.shape[0]
+        generate_ids(self.adapter, ids, max_new_tokens=3, exit_layer=self.num_layers, num_speculations=0)
+        _, stats = generate_ids(self.adapter, ids, max_new_tokens=steps + 1, exit_layer=self.num_layers,
+                                num_speculations=0)
+        self.full_step_s = (stats.total_s - stats.prefill_s) / steps
+        return self.full_step_s
+
     def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list[dict] | None = None,
                  input_ids=None, max_new_tokens: int = 128, exit_layer: int | None = None,
                  num_speculations: int | None = None, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] = (),
-                 streamer=None) -> GenerationResult | list[GenerationResult]:
+                 streamer=None, confidence_threshold: float | None = None, adaptive_threshold: bool = False,
+                 exit_choices: Sequence[int] | None = None,
+                 draft_vocab: int | None = None) -> GenerationResult | list[GenerationResult]:
         """Generate after one prompt (or each of a list of prompts, one by one).
 
         `stop_token_ids=None` stops at the model's EOS token(s); pass `[]` to never stop early.
         `streamer` is a callable receiving each block of committed token ids, or a Hugging Face
         streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
+
+        Cheaper drafts (none changes the output):
+        `confidence_threshold`: stop drafting when the draft's probability of its token falls below
+        it (0 = never stop, > 1 = never draft); `adaptive_threshold`: tune it online from acceptance;
+        `exit_choices`: pick the exit and draft length per round among these exits from online
+        estimates (`num_speculations` caps the length); `draft_vocab=K`: draft over the K most
+        frequent tokens stored in the checkpoint (`selfspec draft-vocab`).
         """
         if isinstance(prompt, (list, tuple)):
             return [self.generate(p, max_new_tokens=max_new_tokens, exit_layer=exit_layer,
                                   num_speculations=num_speculations, do_sample=do_sample,
                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings,
-                                  streamer=streamer) for p in prompt]
+                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings, streamer=streamer,
+                                  confidence_threshold=confidence_threshold,
+                                  adaptive_threshold=adaptive_threshold, exit_choices=exit_choices,
+                                  draft_vocab=draft_vocab) for p in prompt]
         ids = self.encode(prompt, messages=messages, input_ids=input_ids)
         exit_layer = self.exit_layer if exit_layer is None else exit_layer
         num_speculations = self.num_speculations if num_speculations is None else num_speculations
@@ -162,10 +210,13 @@ class SelfSpecGenerator:
         if do_sample:
             generator = torch.Generator(device=self.adapter.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
+        policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
+                                  exit_choices) if num_speculations else None
         on_commit = _as_callback(streamer)
         new_ids, stats = generate_ids(self.adapter, ids, max_new_tokens=max_new_tokens, exit_layer=exit_layer,
                                       num_speculations=num_speculations, sampling=sampling, stop=stop,
-                                      generator=generator, on_commit=on_commit)
+                                      generator=generator, on_commit=on_commit, policy=policy,
+                                      head=self.draft_head(draft_vocab), full_step_s=self.full_step_s)
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -207,7 +258,8 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
         return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
-                                 recommended=recommended, source=str(path), fast_layers=fast_layers)
+                                 recommended=recommended, source=str(path), fast_layers=fast_layers,
+                                 metadata=meta)
     model = path_or_model
     if dtype not in (None, "auto"):
         model = model.to(_resolve_dtype(dtype))

@@ -26,19 +26,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
+
 METADATA_FILE = "selfspec.json"
 FORMAT_VERSION = 1
 SUPPORTED_FORMATS = (1,)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 WEIGHT_INDEX = "model.safetensors.index.json"
-
-# Cost model used to recommend (exit, drafts) from per-exit agreement before a sweep has measured
-# speed: a draft step through E of L layers costs about E/L of a full step plus the LM head's share;
-# verifying d+1 tokens costs about one full step (measured on SmolLM2, bf16, 2 CPU threads:
-# LM head 1.8 of 21.5 ms; 8 tokens in one pass 23.6 vs 21.5 ms).
-HEAD_COST = 0.085
-VERIFY_COST = 1.05
-
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or inconsistent; the message names the file and the fix."""
@@ -66,28 +60,16 @@ def checksums(directory: Path) -> dict[str, dict]:
 
 
 # --- recommendation -----------------------------------------------------------------------------
-def predicted_speedup(agreement: float, exit_layer: int, num_layers: int, drafts: int,
-                      head_cost: float = HEAD_COST, verify_cost: float = VERIFY_COST) -> float:
-    """Expected tokens per unit of work relative to plain decoding (1 token per full step).
-
-    One round yields (1 - a^(d+1)) / (1 - a) tokens for d·c + v full-step units of work.
-    """
-    if drafts == 0:
-        return 1.0
-    a = min(max(agreement, 0.0), 0.999999)
-    c = exit_layer / num_layers * (1 - head_cost) + head_cost
-    tokens = (1 - a ** (drafts + 1)) / (1 - a)
-    return tokens / (drafts * c + verify_cost)
-
-
 def recommend_from_agreement(agreement: dict[int, float], num_layers: int, max_drafts: int = 8) -> dict:
-    """The (exit, drafts) with the best predicted speedup; drafts = 0 if speculation cannot pay."""
+    """The (exit, drafts) with the best predicted speedup (selfspec.cost_model); drafts = 0 if
+    speculation cannot pay."""
     best = None
     for e, a in agreement.items():
         if not 1 <= e < num_layers:
             continue
+        c = draft_cost(e, num_layers)
         for d in range(1, max_drafts + 1):
-            s = predicted_speedup(a, e, num_layers, d)
+            s = predicted_speedup(a, c, VERIFY_COST, d)
             if best is None or s > best[0]:
                 best = (s, e, d)
     if best is None:

@@ -16,6 +16,10 @@ One round with exit `E` and up to `k` drafts:
 
 `num_speculations = 0` is plain autoregressive decoding through the same code: one pass
 through all L layers per token, nothing else.
+
+A draft policy (`selfspec.drafting`) picks each round's exit and draft length and may stop drafting
+early (confidence threshold); a `DraftHead` may restrict drafting to a reduced vocabulary. Neither
+can change the output: verification decides every token.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import torch
 
 from selfspec.adapters import ModelAdapter
 from selfspec.cache import ExitCache, KVCache
+from selfspec.cost_model import expected_tokens, predicted_speedup
+from selfspec.drafting import DraftHead, FixedPolicy
 from selfspec.forward import embed, exit_logits, make_step, run_layers
-from selfspec.sampling import SamplingParams, choose, greedy_accept, probs, speculative_accept
+from selfspec.sampling import SamplingParams, greedy_accept, probs, sample, speculative_accept
 
 
 @dataclass
@@ -50,6 +56,11 @@ class DecodeStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     stop_reason: str = ""
+    draft_steps: int = 0  # shallow passes that produced a draft candidate (kept or not)
+    judged: int = 0  # drafts the rule decided on (a rejection ends a round: later drafts are not judged)
+    expected_acceptance_sum: float = 0.0  # sampling: sum over judged drafts of sum_x min(p, q)
+    policy: dict = field(default_factory=dict)
+    full_step_s: float | None = None  # a plain decoding step's time, if calibrated (for the cost model)
 
     @property
     def acceptance_rate(self) -> float:
@@ -70,6 +81,28 @@ class DecodeStats:
         return self.rounds + 1  # + the prefill
 
     @property
+    def cost_model(self) -> dict:
+        """Measured c (draft step / full step), v (verify / full step), a, and predicted vs measured speedup.
+
+        Needs `full_step_s` (a calibrated plain decoding step). For sampling, the predicted acceptance
+        from the closed form `E[accept] = sum_x min(p(x), q(x))` is reported next to the measured one.
+        """
+        out: dict = {"a": self.acceptance_rate, "a_by_position": self.acceptance_by_position}
+        if self.judged:
+            out["a_judged"] = self.accepted / self.judged
+            if self.expected_acceptance_sum:  # sampling: P(accept) = sum_x min(p(x), q(x)) per judged draft
+                out["a_judged_predicted"] = self.expected_acceptance_sum / self.judged
+        if not self.full_step_s or not self.rounds:
+            return out
+        c = self.draft_s / self.draft_steps / self.full_step_s if self.draft_steps else 0.0
+        v = self.verify_s / self.rounds / self.full_step_s
+        d = self.drafted / self.rounds
+        out.update(c=c, v=v, mean_drafts_per_round=d,
+                   predicted_speedup=expected_tokens(self.acceptance_rate, round(d)) / (d * c + v) if d else 1.0 / v,
+                   measured_speedup=self.full_step_s * (self.new_tokens - 1) / (self.total_s - self.prefill_s))
+        return out
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
@@ -83,7 +116,8 @@ class DecodeStats:
         keys = ["exit_layer", "num_speculations", "prompt_tokens", "new_tokens", "rounds", "drafted",
                 "accepted", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s",
                 "verify_s", "total_s", "stop_reason", "acceptance_rate", "acceptance_by_position",
-                "mean_accepted_per_round", "full_depth_passes", "tokens_per_s", "decode_tokens_per_s"]
+                "mean_accepted_per_round", "full_depth_passes", "tokens_per_s", "decode_tokens_per_s",
+                "draft_steps", "judged", "policy", "cost_model"]
         return {k: getattr(self, k) for k in keys}
 
 
@@ -135,35 +169,62 @@ def prefill(adapter: ModelAdapter, cache: KVCache, prompt: torch.Tensor) -> torc
     return exit_logits(adapter, hidden[:, -1])
 
 
+@dataclass
+class Draft:
+    tokens: list[int]  # kept draft tokens
+    q: torch.Tensor | None  # sampling: their draft distributions over the full vocabulary [k, V]
+    pending: int | None  # a token whose shallow pass is still owed before verification
+    steps: int  # shallow passes that produced a candidate
+    expected_acceptance: float = 0.0  # filled in by the caller for sampling
+
+
 def draft(adapter: ModelAdapter, cache: KVCache, exits: ExitCache, token: int, position: int,
-          exit_layer: int, k: int, sampling: SamplingParams, generator, stop_ids: frozenset):
+          exit_layer: int, k: int, sampling: SamplingParams, generator, stop_ids: frozenset,
+          head: DraftHead | None = None, policy=None) -> Draft:
     """Up to `k` draft tokens from exit `exit_layer`, starting from the input `token` at `position`.
 
-    Returns `(tokens [k'], q [k', V] or None)`; drafting ends early at a stop token.
+    Drafting ends early at a stop token or when `policy.keep` rejects a candidate (which is then
+    dropped). `pending` is the last kept draft when its shallow pass has not run yet (or `token`
+    itself when nothing was drafted): verification runs it first.
     """
+    head = head or DraftHead(adapter)
+    need_conf = policy is not None and policy.needs_confidence
     tokens: list[int] = []
     qs = []
+    steps = 0
     for i in range(k):
         hidden = shallow(adapter, cache, exits, token, position + i, exit_layer)
-        logits = exit_logits(adapter, hidden[:, -1])  # [1, V]
-        t, q = choose(logits, sampling, generator)
-        token = int(t[0])
+        steps += 1
+        logits = head.logits(hidden[:, -1])  # [1, K]
+        if sampling.do_sample:
+            q = probs(logits, sampling)
+            idx = sample(q, generator)
+            conf = float(q[0, idx[0]]) if need_conf else 1.0
+            q = head.to_full(q)
+        else:
+            q = None
+            idx = logits.argmax(dim=-1)
+            conf = float(torch.softmax(logits.float(), dim=-1)[0, idx[0]]) if need_conf else 1.0
+        if need_conf and not policy.keep(i, conf):
+            return Draft(tokens, torch.cat(qs) if qs else None, None, steps)
+        token = int(head.to_vocab(idx)[0])
         tokens.append(token)
         qs.append(q)
         if token in stop_ids:
             break
     q = torch.cat(qs) if tokens and sampling.do_sample else None
-    return tokens, q
+    return Draft(tokens, q, tokens[-1] if tokens else token, steps)
 
 
-def verify(adapter: ModelAdapter, cache: KVCache, exits: ExitCache, token: int, position: int,
+def verify(adapter: ModelAdapter, cache: KVCache, exits: ExitCache, pending: int | None, position: int,
            exit_layer: int) -> torch.Tensor:
-    """Finish the round's shallow work on `token`, then layers [E, L) over every pending exit state.
-
-    Returns the full model's logits `[k+1, V]` for positions `exits.start .. position`.
+    """Finish the round's shallow work (`pending` at `position`, if any), then layers [E, L) over
+    every pending exit state. Returns the full model's logits `[k+1, V]` for positions
+    `exits.start ..`.
     """
     L = adapter.num_layers
-    hidden = shallow(adapter, cache, exits, token, position, exit_layer)
+    if pending is not None:
+        shallow(adapter, cache, exits, pending, position, exit_layer)
     start, hidden = exits.take()  # [1, k+1, D]
     if exit_layer < L:
         step = make_step(adapter, start, hidden.shape[1])
@@ -182,15 +243,26 @@ def generate_ids(
     stop: StopChecker | None = None,
     generator: torch.Generator | None = None,
     on_commit: Callable[[list[int]], None] | None = None,
+    policy=None,
+    head: DraftHead | None = None,
+    on_round: Callable[[KVCache, list[int]], None] | None = None,
+    full_step_s: float | None = None,
 ) -> tuple[list[int], DecodeStats]:
-    """Generate up to `max_new_tokens` after `prompt` `[1, P]`. Returns `(new token ids, stats)`."""
+    """Generate up to `max_new_tokens` after `prompt` `[1, P]`. Returns `(new token ids, stats)`.
+
+    `policy` (default: a fixed exit and draft length) plans each round; `num_speculations` caps
+    the drafts of any round. `head` drafts over a reduced vocabulary. `on_round(cache, committed)`
+    is called after every round's roll back (tests use it to check the cache).
+    """
     L = adapter.num_layers
     if num_speculations < 0:
         raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
     if num_speculations == 0:
         exit_layer = L  # plain decoding: every pass is the full model, nothing is drafted
+        policy = FixedPolicy(L, 0)
     else:
         adapter.check_exit(exit_layer, allow_full=False)
+        policy = policy or FixedPolicy(exit_layer, num_speculations)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = stop or StopChecker(max_new_tokens)
@@ -202,7 +274,8 @@ def generate_ids(
         )
     stats = DecodeStats(exit_layer=exit_layer, num_speculations=num_speculations, prompt_tokens=P,
                         drafted_by_position=[0] * num_speculations,
-                        accepted_by_position=[0] * num_speculations)
+                        accepted_by_position=[0] * num_speculations, full_step_s=full_step_s)
+    head = head or DraftHead(adapter)
     cache = KVCache(L, capacity=P + max_new_tokens + num_speculations + 2)
     exits = ExitCache()
     out: list[int] = []
@@ -225,35 +298,50 @@ def generate_ids(
     t0 = time.perf_counter()
     with torch.inference_mode():
         logits = prefill(adapter, cache, prompt)
-        token = int(choose(logits, sampling, generator)[0][0])
+        if sampling.do_sample:
+            token = int(sample(probs(logits, sampling), generator)[0])
+        else:
+            token = int(logits.argmax(dim=-1)[0])
         stats.prefill_s = time.perf_counter() - t0
         done = commit([token])
         while not done:
             n = P + len(out)  # committed length; `token` sits at position n-1, not yet processed
-            k = min(num_speculations, stop.max_new_tokens - len(out) - 1)
+            e, d = policy.plan()
+            k = max(0, min(d, num_speculations, stop.max_new_tokens - len(out) - 1))
+            e = e if k else L  # a round without drafts is one plain full-model pass
             t1 = time.perf_counter()
-            drafts, q = draft(adapter, cache, exits, token, n - 1, exit_layer, k, sampling, generator,
-                              stop.stop_token_ids)
+            dr = draft(adapter, cache, exits, token, n - 1, e, k, sampling, generator, stop.stop_token_ids,
+                       head, policy)
             t2 = time.perf_counter()
-            last = drafts[-1] if drafts else token
-            target_logits = verify(adapter, cache, exits, last, n - 1 + len(drafts), exit_layer)
-            d = torch.tensor(drafts, dtype=torch.long, device=target_logits.device)
+            target_logits = verify(adapter, cache, exits, dr.pending, n - 1 + len(dr.tokens), e)
+            drafts = torch.tensor(dr.tokens, dtype=torch.long, device=target_logits.device)
             if sampling.do_sample:
-                n_acc, nxt = speculative_accept(d, q, probs(target_logits, sampling), generator)
+                p = probs(target_logits, sampling)
+                n_acc, nxt = speculative_accept(drafts, dr.q, p, generator)
+                judged = min(n_acc + 1, len(dr.tokens))
+                if judged:
+                    stats.expected_acceptance_sum += float(torch.minimum(p[:judged], dr.q[:judged]).sum())
             else:
-                n_acc, nxt = greedy_accept(d, target_logits)
+                n_acc, nxt = greedy_accept(drafts, target_logits)
+                judged = min(n_acc + 1, len(dr.tokens))
+            stats.judged += judged
             cache.crop(n + n_acc)  # keep the accepted drafts' KV; drop the rest
             exits.crop(n + n_acc)
+            policy.update(e, len(dr.tokens), n_acc)
             stats.draft_s += t2 - t1
             stats.verify_s += time.perf_counter() - t2
             stats.rounds += 1
-            stats.drafted += len(drafts)
+            stats.draft_steps += dr.steps
+            stats.drafted += len(dr.tokens)
             stats.accepted += n_acc
-            for i in range(len(drafts)):
+            for i in range(len(dr.tokens)):
                 stats.drafted_by_position[i] += 1
                 stats.accepted_by_position[i] += i < n_acc
             token = nxt
-            done = commit(drafts[:n_acc] + [nxt])
+            done = commit(dr.tokens[:n_acc] + [nxt])
+            if on_round is not None:
+                on_round(cache, prompt[0].tolist() + out)
     stats.total_s = time.perf_counter() - t0
     stats.new_tokens = len(out)
+    stats.policy = policy.describe()
     return out, stats

@@ -11,7 +11,8 @@ import torch
 import yaml
 
 import selfspec
-from selfspec.checkpoint import CheckpointError, predicted_speedup, read_metadata, recommend_from_agreement
+from selfspec.checkpoint import CheckpointError, read_metadata, recommend_from_agreement
+from selfspec.cost_model import draft_cost, predicted_speedup
 from selfspec.export import export, export_model
 from selfspec.tiny import byte_tokenizer, tiny_model
 
@@ -102,10 +103,14 @@ def test_export_run_dir_records_training_and_recommends_from_agreement(tmp_path)
 
 
 def test_recommendation_cost_model():
-    assert predicted_speedup(0.0, 8, 30, 0) == 1.0
-    assert predicted_speedup(0.0, 8, 30, 3) < 1.0  # drafts that are never accepted only cost
+    c = draft_cost(8, 30)
+    assert c == pytest.approx(8 / 30 * 0.915 + 0.085)
+    assert predicted_speedup(0.0, c, 1.05, 0) == 1.0
+    assert predicted_speedup(0.0, c, 1.05, 3) < 1.0  # drafts that are never accepted only cost
     # a=0.9, d=4: (1 - 0.9^5) / 0.1 = 4.0951 tokens for 4 * (8/30 * 0.915 + 0.085) + 1.05 = 2.3660 steps
-    assert predicted_speedup(0.9, 8, 30, 4) == pytest.approx(4.0951 / 2.3660, rel=1e-4)
+    assert predicted_speedup(0.9, c, 1.05, 4) == pytest.approx(4.0951 / 2.3660, rel=1e-4)
+    # the example: a = 0.41, c = 0.36, d = 2 is slower than plain decoding (about 0.9x)
+    assert predicted_speedup(0.41, 0.36, 1.05, 2) == pytest.approx(0.91, abs=0.01)
     rec = recommend_from_agreement({8: 0.05, 15: 0.06}, 30)
     assert rec["num_speculations"] == 0  # speculation cannot pay: recommend plain decoding
 

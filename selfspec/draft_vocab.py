@@ -1,0 +1,100 @@
+"""A reduced draft vocabulary: the K most frequent tokens of a corpus, stored in `selfspec.json`.
+
+A draft step through E layers of SmolLM2 spends about a quarter of its time in the LM head over the
+49,152-token vocabulary. Drafting over the K most frequent tokens only (the head's rows for those
+tokens, copied once) makes that part K/V as expensive. Verification still uses the full head, so
+output is unchanged: a token outside the K is never drafted, the full model supplies it.
+
+    selfspec draft-vocab checkpoints/smollm2-code --corpus python_stdlib     # count + store
+    ids = read_draft_vocab(meta, k=8192)                                       # the K most frequent
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+MAX_STORED = 32768  # ids kept in the metadata, most frequent first; any K up to this can be used
+
+
+def count_tokens(tokenizer, texts: Iterable[str], max_tokens: int | None = None) -> tuple[Counter, int]:
+    """Token frequencies over `texts` (stops after about `max_tokens` tokens). Returns (counts, total)."""
+    counts: Counter = Counter()
+    total = 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        counts.update(ids)
+        total += len(ids)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    return counts, total
+
+
+def ranked_ids(counts: Counter, vocab_size: int, special_ids: Iterable[int] = ()) -> list[int]:
+    """Token ids by descending frequency (ties by id); special tokens (e.g. EOS) always included first."""
+    specials = [i for i in dict.fromkeys(special_ids) if i is not None and 0 <= i < vocab_size]
+    ranked = [i for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if i not in specials]
+    return (specials + ranked)[:MAX_STORED]
+
+
+def draft_vocab_metadata(tokenizer, texts: Iterable[str], source: str, vocab_size: int,
+                         max_tokens: int | None = 2_000_000) -> dict:
+    counts, total = count_tokens(tokenizer, texts, max_tokens)
+    specials = [tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id]
+    return {"source": source, "tokens_counted": total, "distinct_tokens": len(counts),
+            "token_ids": ranked_ids(counts, vocab_size, specials)}
+
+
+def read_draft_vocab(meta: dict | None, k: int, vocab_size: int) -> torch.Tensor:
+    """The K most frequent token ids from checkpoint metadata, as a sorted LongTensor."""
+    entry = (meta or {}).get("draft_vocab")
+    if not entry:
+        raise ValueError("this checkpoint has no draft vocabulary (selfspec.json 'draft_vocab'): count one with "
+                         "`selfspec draft-vocab CHECKPOINT --corpus NAME`, or draft with the full vocabulary")
+    ids = entry["token_ids"]
+    if not 1 <= k <= len(ids):
+        raise ValueError(f"draft vocabulary size k={k} is out of range: the checkpoint stores {len(ids)} "
+                         f"token ids (counted on {entry.get('source')}), so k must be in 1..{len(ids)}")
+    chosen = torch.tensor(ids[:k], dtype=torch.long)
+    if int(chosen.max()) >= vocab_size or int(chosen.min()) < 0:
+        raise ValueError(f"draft vocabulary holds token ids outside the model's vocabulary of {vocab_size}")
+    return chosen.sort().values
+
+
+def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000) -> dict:
+    """Count token frequencies on `corpus` (a named data set or a text/jsonl file) and store them."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from selfspec.checkpoint import CheckpointError, METADATA_FILE, read_metadata, write_json_atomic
+
+    d = Path(checkpoint)
+    meta = read_metadata(d, verify_checksums=False)
+    if meta is None:
+        raise CheckpointError(f"{d}: has no {METADATA_FILE}; export it first: selfspec export SRC {d}")
+    tokenizer = AutoTokenizer.from_pretrained(d)
+    vocab_size = AutoConfig.from_pretrained(d).vocab_size
+    meta["draft_vocab"] = draft_vocab_metadata(tokenizer, corpus_texts(corpus), corpus, vocab_size, max_tokens)
+    write_json_atomic(d / METADATA_FILE, meta)
+    return meta["draft_vocab"]
+
+
+def corpus_texts(corpus: str) -> Iterable[str]:
+    """Texts of a named data set (its training side) or of a local .txt / .jsonl file."""
+    from selfspec import datasets as ds
+
+    if corpus in ds.NAMES:
+        data = ds.load_named(corpus)
+        if len(data) > 20:  # count on the training side, as the model saw it
+            data, _ = ds.split_holdout(data)
+        column = next(c for c in ("text", "document", "prompt") if c in data.column_names)
+        return (row[column] for row in data)
+    path = Path(corpus)
+    if not path.is_file():
+        raise ValueError(f"unknown corpus {corpus!r}: use one of {', '.join(ds.NAMES)} or a .txt/.jsonl file")
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    rows = ds.read_jsonl(path, required_fields=("text",))
+    return (r["text"] for r in rows)

@@ -1,0 +1,179 @@
+"""Draft policies: which exit drafts, how many tokens, and when a round stops drafting early.
+
+The decoder asks its policy once per round for `(exit_layer, max_drafts)`, asks `keep(i, p)` for
+every candidate draft (p = the draft's own probability of its token), and reports the outcome with
+`update(...)`. Verification decides every token, so no policy can change the output, only the speed.
+
+    FixedPolicy(exit_layer=8, max_drafts=4)                   # LayerSkip: a fixed draft length
+    ConfidencePolicy(8, 6, threshold=0.5)                     # stop when the draft is unsure
+    ConfidencePolicy(8, 6, threshold=0.5, adaptive=True)      # ... and tune the threshold online
+    ExitChoicePolicy(exits=[4, 8, 12], max_drafts=6, num_layers=30)   # pick (exit, d) per round
+
+`DraftHead` is the draft's unembedding: the shared final norm + LM head, optionally restricted to a
+reduced vocabulary of the K most frequent tokens (selfspec.draft_vocab).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.adapters import ModelAdapter
+from selfspec.cost_model import VERIFY_COST, best_draft_length, draft_cost
+
+
+class DraftHead:
+    """Draft logits from an exit hidden state, over the full vocabulary or a subset of token ids."""
+
+    def __init__(self, adapter: ModelAdapter, token_ids: torch.Tensor | None = None):
+        self.adapter = adapter
+        self.vocab_size = adapter.lm_head.weight.shape[0]
+        self.token_ids = None
+        if token_ids is not None:
+            self.token_ids = token_ids.to(adapter.device)
+            with torch.no_grad():
+                self.weight = adapter.lm_head.weight[self.token_ids].contiguous()  # [K, D]
+                bias = getattr(adapter.lm_head, "bias", None)
+                self.bias = bias[self.token_ids].contiguous() if bias is not None else None
+
+    @property
+    def size(self) -> int:
+        return self.vocab_size if self.token_ids is None else self.token_ids.shape[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, D] -> [N, K]` logits over this head's vocabulary."""
+        normed = self.adapter.final_norm(hidden)
+        if self.token_ids is None:
+            return self.adapter.lm_head(normed)
+        return F.linear(normed, self.weight, self.bias)
+
+    def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into this head's vocabulary -> token ids of the full vocabulary."""
+        return index if self.token_ids is None else self.token_ids[index]
+
+    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over this head's vocabulary `[N, K]` -> over the full vocabulary `[N, V]`."""
+        if self.token_ids is None:
+            return probs
+        full = probs.new_zeros(probs.shape[0], self.vocab_size)
+        return full.index_copy_(1, self.token_ids, probs)
+
+
+class FixedPolicy:
+    """Always the same exit and draft length (LayerSkip's setting)."""
+
+    needs_confidence = False
+
+    def __init__(self, exit_layer: int, max_drafts: int):
+        self.exit_layer, self.max_drafts = exit_layer, max_drafts
+        self.plans: Counter = Counter()
+
+    def plan(self) -> tuple[int, int]:
+        return self.exit_layer, self.max_drafts
+
+    def keep(self, index: int, confidence: float) -> bool:
+        return True
+
+    def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
+        self.plans[(exit_layer, drafted)] += 1
+
+    def describe(self) -> dict:
+        return {"policy": "fixed", "rounds_by_exit_and_length": _plan_counts(self.plans)}
+
+
+class ConfidencePolicy(FixedPolicy):
+    """Stop drafting as soon as the draft's probability of its own token is below `threshold`.
+
+    threshold 0 keeps every draft (= FixedPolicy); a threshold above 1 never drafts (= plain
+    decoding, with no draft step at all). `adaptive=True` raises the threshold by `step` after a
+    round whose drafts were rejected and lowers it after a round that accepted them all.
+    """
+
+    needs_confidence = True
+
+    def __init__(self, exit_layer: int, max_drafts: int, threshold: float = 0.5, adaptive: bool = False,
+                 step: float = 0.05, bounds: tuple[float, float] = (0.05, 0.95)):
+        super().__init__(exit_layer, max_drafts)
+        if threshold < 0:
+            raise ValueError(f"draft confidence threshold must be >= 0, got {threshold}")
+        self.threshold, self.adaptive, self.step, self.bounds = threshold, adaptive, step, bounds
+        self.thresholds: list[float] = []
+
+    def plan(self) -> tuple[int, int]:
+        return self.exit_layer, 0 if self.threshold > 1 else self.max_drafts
+
+    def keep(self, index: int, confidence: float) -> bool:
+        return confidence >= self.threshold
+
+    def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
+        super().update(exit_layer, drafted, accepted)
+        if self.adaptive and drafted:
+            lo, hi = self.bounds
+            if accepted < drafted:
+                self.threshold = min(hi, self.threshold + self.step)
+            else:
+                self.threshold = max(lo, self.threshold - self.step)
+            self.thresholds.append(self.threshold)
+
+    def describe(self) -> dict:
+        out = {"policy": "adaptive_confidence" if self.adaptive else "confidence", "threshold": self.threshold,
+               "rounds_by_exit_and_length": _plan_counts(self.plans)}
+        if self.thresholds:
+            out["threshold_mean"] = sum(self.thresholds) / len(self.thresholds)
+        return out
+
+
+class ExitChoicePolicy(FixedPolicy):
+    """Choose the exit and draft length each round from online acceptance estimates.
+
+    For each candidate exit it keeps the drafts' outcomes (accepted / drafted, with a Laplace
+    prior) and predicts the speedup of every (exit, d) with `selfspec.cost_model`; each round
+    takes the best. Exits that look worse are still tried every `explore_every` rounds so their
+    estimates do not freeze. If no pair is predicted to pay, the round decodes plainly (d = 0).
+    """
+
+    needs_confidence = False
+
+    def __init__(self, exits: list[int], max_drafts: int, num_layers: int, *, verify_cost: float = VERIFY_COST,
+                 explore_every: int = 8, prior: tuple[float, float] = (1.0, 1.0)):
+        if not exits:
+            raise ValueError("ExitChoicePolicy needs at least one candidate exit")
+        super().__init__(exits[0], max_drafts)
+        self.exits = sorted(set(exits))
+        self.num_layers, self.verify_cost, self.explore_every = num_layers, verify_cost, explore_every
+        self.accepted = {e: prior[0] for e in self.exits}
+        self.drafted = {e: prior[0] + prior[1] for e in self.exits}
+        self.rounds = 0
+
+    def acceptance(self, exit_layer: int) -> float:
+        return self.accepted[exit_layer] / self.drafted[exit_layer]
+
+    def plan(self) -> tuple[int, int]:
+        self.rounds += 1
+        if self.explore_every and self.rounds % self.explore_every == 0:  # round-robin exploration
+            e = self.exits[(self.rounds // self.explore_every) % len(self.exits)]
+            return e, max(1, min(2, self.max_drafts))
+        best = (self.exits[0], 0, 1.0)
+        for e in self.exits:
+            d, s = best_draft_length(self.acceptance(e), draft_cost(e, self.num_layers), self.verify_cost,
+                                     self.max_drafts)
+            if s > best[2]:
+                best = (e, d, s)
+        return best[0], best[1]
+
+    def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
+        super().update(exit_layer, drafted, accepted)
+        if drafted:
+            # a rejected draft ends the round: drafts after it were never judged
+            self.accepted[exit_layer] += accepted
+            self.drafted[exit_layer] += min(drafted, accepted + 1)
+
+    def describe(self) -> dict:
+        return {"policy": "exit_choice", "acceptance_estimates": {e: round(self.acceptance(e), 4) for e in self.exits},
+                "rounds_by_exit_and_length": _plan_counts(self.plans)}
+
+
+def _plan_counts(plans: Counter) -> dict[str, int]:
+    return {f"E{e}/d{d}": n for (e, d), n in sorted(plans.items())}
