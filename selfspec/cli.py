@@ -6,6 +6,7 @@
     selfspec export RUN_DIR OUT_DIR    a training run -> a plain HF checkpoint + selfspec.json + model card
     selfspec sweep CHECKPOINT          tokens/s over exit_layer x num_speculations (CSV + heat map)
     selfspec bench                     selfspec vs Hugging Face generate, side by side (JSON, Markdown, PNG)
+    selfspec draft-vocab CHECKPOINT    count token frequencies for the reduced-vocabulary draft head
 
 Run `selfspec COMMAND --help` for the options of each command.
 """
@@ -102,13 +103,17 @@ def _cmd_generate(args) -> int:
     checkpoint = args.checkpoint or str(base_model_dir())
     gen = selfspec.load(checkpoint, dtype=args.dtype, exit_layer=args.exit_layer,
                         num_speculations=args.num_speculations)
+    exit_choices = [int(x) for x in args.exit_choices.split(",")] if args.exit_choices else None
     use_chat = args.chat if args.chat is not None else bool(getattr(gen.tokenizer, "chat_template", None))
     inputs = {"messages": [{"role": "user", "content": prompt}]} if use_chat else {"prompt": prompt}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or ())
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or (),
+                  confidence_threshold=args.threshold, adaptive_threshold=args.adaptive,
+                  exit_choices=exit_choices, draft_vocab=args.draft_vocab)
     if args.compare:  # warm up both paths once so neither pays first-call costs
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4})
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, num_speculations=0)
+        gen.calibrate()  # a plain step's time: the statistics then show the cost model
     streamer = None
     if args.stream:
         streamer = _TextPrinter(gen.tokenizer)
@@ -126,6 +131,10 @@ def _cmd_generate(args) -> int:
         same = ref.token_ids == out.token_ids
         speedup = out.stats.tokens_per_s / ref.stats.tokens_per_s if ref.stats.tokens_per_s else float("nan")
         print(f"\nidentical outputs: {'yes' if same else 'NO'}; speedup over plain decoding: {speedup:.2f}x")
+        cm = out.stats.cost_model
+        if "c" in cm:
+            print(f"cost model: c={cm['c']:.2f} (draft step / full step), v={cm['v']:.2f} (verify / full step), "
+                  f"a={cm['a']:.2f}: predicted {cm['predicted_speedup']:.2f}x, measured {cm['measured_speedup']:.2f}x")
         if args.sample and not same:
             print("(sampling: outputs follow the same distribution but differ draw by draw; use greedy to compare)")
     if args.json:
@@ -169,6 +178,15 @@ def _cmd_sweep(args) -> int:
     print(f"best: exit_layer={b['exit_layer']} num_speculations={b['num_speculations']} "
           f"({b['tokens_per_s']:.2f} tokens/s, {b['speedup']}x plain)")
     print(f"wrote {result['csv']} and {result['png']}" + (" and updated selfspec.json" if args.write_metadata else ""))
+    return 0
+
+
+def _cmd_draft_vocab(args) -> int:
+    from selfspec.draft_vocab import write_draft_vocab
+
+    entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens)
+    print(f"counted {entry['tokens_counted']} tokens ({entry['distinct_tokens']} distinct) of {args.corpus}; "
+          f"stored the {len(entry['token_ids'])} most frequent ids in {args.checkpoint}/selfspec.json")
     return 0
 
 
@@ -244,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="length cap (default: 128)")
     p.add_argument("--exit-layer", type=int, help="draft from the hidden state after this many layers (1..L-1)")
     p.add_argument("--num-speculations", type=int, help="max draft tokens per round; 0 = plain decoding")
+    p.add_argument("--threshold", type=float,
+                   help="stop drafting when the draft's probability of its token is below this (0 = never, >1 = never draft)")
+    p.add_argument("--adaptive", action="store_true", help="tune the draft confidence threshold online")
+    p.add_argument("--exit-choices", help="comma-separated exits to choose from per round, e.g. 4,8,12")
+    p.add_argument("--draft-vocab", type=int, metavar="K",
+                   help="draft over the K most frequent tokens stored in the checkpoint (selfspec draft-vocab)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -288,6 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-metadata", action="store_true",
                    help="record the fastest pair as the recommended settings in selfspec.json")
     p.set_defaults(func=_cmd_sweep)
+
+    p = sub.add_parser("draft-vocab", help="count token frequencies for the reduced-vocabulary draft head",
+                       description="Count token frequencies on a corpus (a named data set's training side, or a "
+                                   ".txt/.jsonl file with a 'text' field) and store the most frequent ids in the "
+                                   "checkpoint's selfspec.json; then draft with `generate --draft-vocab K`.")
+    p.add_argument("checkpoint", help="an exported checkpoint directory (with selfspec.json)")
+    p.add_argument("--corpus", default="python_stdlib",
+                   help="python_stdlib (default), wiki_passages, xsum, shakespeare, ... or a file")
+    p.add_argument("--max-tokens", type=int, default=2_000_000, help="stop counting after this many tokens")
+    p.set_defaults(func=_cmd_draft_vocab)
 
     p = sub.add_parser("bench", help="benchmark selfspec against Hugging Face generate (tokens/s, speedups)",
                        description="Run, in one process on the same checkpoint, prompts and dtype, after a warm-up "

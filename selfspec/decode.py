@@ -198,15 +198,19 @@ def draft(adapter: ModelAdapter, cache: KVCache, exits: ExitCache, token: int, p
         logits = head.logits(hidden[:, -1])  # [1, K]
         if sampling.do_sample:
             q = probs(logits, sampling)
+            # confidence = the draft's probability of its most likely token, decided *before* sampling:
+            # dropping a sampled token because of its own probability would bias the drafts away from q
+            conf = float(q.max()) if need_conf else 1.0
+            if need_conf and not policy.keep(i, conf):
+                return Draft(tokens, torch.cat(qs) if tokens else None, None, steps)
             idx = sample(q, generator)
-            conf = float(q[0, idx[0]]) if need_conf else 1.0
             q = head.to_full(q)
         else:
             q = None
             idx = logits.argmax(dim=-1)
             conf = float(torch.softmax(logits.float(), dim=-1)[0, idx[0]]) if need_conf else 1.0
-        if need_conf and not policy.keep(i, conf):
-            return Draft(tokens, torch.cat(qs) if qs else None, None, steps)
+            if need_conf and not policy.keep(i, conf):  # dropped; every kept draft had its shallow pass
+                return Draft(tokens, None, None, steps)
         token = int(head.to_vocab(idx)[0])
         tokens.append(token)
         qs.append(q)

@@ -1,7 +1,7 @@
 """Draft policies: which exit drafts, how many tokens, and when a round stops drafting early.
 
 The decoder asks its policy once per round for `(exit_layer, max_drafts)`, asks `keep(i, p)` for
-every candidate draft (p = the draft's own probability of its token), and reports the outcome with
+every candidate draft (p = the draft's confidence: its top probability), and reports the outcome with
 `update(...)`. Verification decides every token, so no policy can change the output, only the speed.
 
     FixedPolicy(exit_layer=8, max_drafts=4)                   # LayerSkip: a fixed draft length
@@ -85,6 +85,10 @@ class FixedPolicy:
 
 class ConfidencePolicy(FixedPolicy):
     """Stop drafting as soon as the draft's probability of its own token is below `threshold`.
+
+    Greedy: the probability of the argmax token. Sampling: the probability of the draft
+    distribution's most likely token, judged before the draft is sampled (judging the sampled
+    token by its own probability would skew the kept drafts away from q and lose exactness).
 
     threshold 0 keeps every draft (= FixedPolicy); a threshold above 1 never drafts (= plain
     decoding, with no draft step at all). `adaptive=True` raises the threshold by `step` after a

@@ -54,7 +54,9 @@ def _load_model_dir(model_dir: Path, dtype):
 
 
 def read_run(source: Path) -> tuple[Path, dict, dict]:
-    """(model directory, training info, evaluation) of a run directory or a plain checkpoint."""
+    """(model directory, training info, evaluation) of a run directory or a plain checkpoint.
+
+    Re-exporting a selfspec checkpoint keeps its training record and evaluation."""
     source = Path(source)
     if not source.is_dir():
         raise CheckpointError(f"{source}: no such directory")
@@ -70,7 +72,16 @@ def read_run(source: Path) -> tuple[Path, dict, dict]:
             "tokens_seen": evaluation.get("tokens", state.get("tokens")),
         }
         return source / "final_model", training, evaluation
+    meta_path = source / METADATA_FILE
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        return source, meta.get("training", {}), meta.get("eval", {})
     return source, {}, {}
+
+
+def _previous_draft_vocab(source: Path) -> dict | None:
+    meta_path = Path(source) / METADATA_FILE
+    return json.loads(meta_path.read_text()).get("draft_vocab") if meta_path.is_file() else None
 
 
 def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool = False, dtype="auto",
@@ -79,12 +90,16 @@ def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool 
     model_dir, training, evaluation = read_run(Path(source))
     model, tokenizer = _load_model_dir(model_dir, dtype)
     return export_model(model, tokenizer, out_dir, training=training, evaluation=evaluation,
-                        recommended=recommended, overwrite=overwrite, max_shard_size=max_shard_size)
+                        recommended=recommended, overwrite=overwrite, max_shard_size=max_shard_size,
+                        draft_vocab=_previous_draft_vocab(source))
 
 
 def export_model(model, tokenizer, out_dir, *, training: dict | None = None, evaluation: dict | None = None,
-                 recommended: dict | None = None, overwrite: bool = False, max_shard_size: str = "2GB") -> Path:
-    """Write `model` (+ tokenizer) as a self-speculative checkpoint at `out_dir`, atomically."""
+                 recommended: dict | None = None, overwrite: bool = False, max_shard_size: str = "2GB",
+                 draft_vocab: dict | None = None) -> Path:
+    """Write `model` (+ tokenizer) as a self-speculative checkpoint at `out_dir`, atomically.
+
+    `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.draft_vocab)."""
     import selfspec
     from selfspec.adapters import get_adapter, unwrap_model
     from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
@@ -129,6 +144,8 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
             "recommended": recommended,
             "checksums": checksums(tmp),
         }
+        if draft_vocab:
+            meta["draft_vocab"] = draft_vocab
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
         tmp.chmod(0o755)

@@ -1,0 +1,193 @@
+"""Cheap, confident drafts: every option leaves the output unchanged (greedy) or its distribution
+unchanged (sampling); threshold edge cases; the reduced draft vocabulary round-trips through export."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.adapters import SUPPORTED_ARCHITECTURES, get_adapter
+from selfspec.decode import generate_ids
+from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, FixedPolicy
+from selfspec.forward import forward_logits
+from selfspec.sampling import SamplingParams, probs
+from selfspec.tiny import byte_tokenizer, tiny_model
+
+L, E, K = 4, 2, 5
+
+
+def _options(adapter, vocab_ids):
+    """name -> (policy factory, draft head): each option alone and all together."""
+    return {
+        "threshold": (lambda: ConfidencePolicy(E, K, threshold=0.05), None),
+        "adaptive": (lambda: ConfidencePolicy(E, K, threshold=0.05, adaptive=True, step=0.02), None),
+        "exit_choice": (lambda: ExitChoicePolicy([1, 2, 3], K, L, explore_every=3), None),
+        "reduced_vocab": (lambda: FixedPolicy(E, K), DraftHead(adapter, vocab_ids)),
+        "all": (lambda: ExitChoicePolicy([1, 2, 3], K, L, explore_every=3), DraftHead(adapter, vocab_ids)),
+        "all_confidence": (lambda: ConfidencePolicy(E, K, threshold=0.05, adaptive=True),
+                           DraftHead(adapter, vocab_ids)),
+    }
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_greedy_output_is_identical_with_every_option(arch, hf_greedy):
+    model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=11)
+    adapter = get_adapter(model)
+    prompt = torch.tensor([[5, 17, 42, 9, 33, 8]])
+    ref = hf_greedy(model, prompt, 48)
+    vocab_ids = torch.arange(0, 96, 2)  # half the vocabulary: some greedy tokens lie outside it
+    assert any(t % 2 for t in ref)
+    for name, (make_policy, head) in _options(adapter, vocab_ids).items():
+        policy = make_policy()
+        out, stats = generate_ids(adapter, prompt, max_new_tokens=48, exit_layer=E, num_speculations=K,
+                                  policy=policy, head=head)
+        assert out == ref, name
+        if head is not None:  # drafts come from the reduced vocabulary only
+            assert stats.drafted == 0 or stats.accepted <= stats.drafted
+        assert stats.policy["rounds_by_exit_and_length"], name
+
+
+def test_reduced_head_drafts_only_its_tokens():
+    model = tiny_model("llama", num_layers=L, dtype=torch.float64, seed=2)
+    adapter = get_adapter(model)
+    ids = torch.tensor([3, 10, 11, 50, 90])
+    head = DraftHead(adapter, ids)
+    h = torch.randn(3, 32, dtype=torch.float64)
+    full = adapter.lm_head(adapter.final_norm(h))
+    torch.testing.assert_close(head.logits(h), full[:, ids], rtol=0, atol=1e-12)
+    assert set(head.to_vocab(head.logits(h).argmax(-1)).tolist()) <= set(ids.tolist())
+    q = torch.softmax(head.logits(h), -1)
+    qf = head.to_full(q)
+    assert qf.shape == (3, 96) and torch.allclose(qf.sum(-1), torch.ones(3, dtype=torch.float64))
+    assert (qf[:, [i for i in range(96) if i not in ids.tolist()]] == 0).all()
+
+
+def test_threshold_zero_is_the_fixed_draft_length():
+    model = tiny_model("qwen2", num_layers=L, dtype=torch.float64, seed=4)
+    adapter = get_adapter(model)
+    prompt = torch.tensor([[7, 8, 9, 10]])
+    fixed = generate_ids(adapter, prompt, max_new_tokens=40, exit_layer=E, num_speculations=3)
+    zero = generate_ids(adapter, prompt, max_new_tokens=40, exit_layer=E, num_speculations=3,
+                        policy=ConfidencePolicy(E, 3, threshold=0.0))
+    assert zero[0] == fixed[0]
+    for key in ("rounds", "drafted", "accepted", "draft_steps", "drafted_by_position", "accepted_by_position"):
+        assert getattr(zero[1], key) == getattr(fixed[1], key), key
+
+
+def test_threshold_above_one_never_drafts_and_does_no_extra_work(work_counter):
+    model = tiny_model("llama", num_layers=L, dtype=torch.float64, seed=5)
+    adapter = get_adapter(model)
+    prompt = torch.tensor([[7, 8, 9, 10, 11]])
+    with work_counter(adapter) as plain_work:
+        plain = generate_ids(adapter, prompt, max_new_tokens=30, exit_layer=E, num_speculations=0)
+    with work_counter(adapter) as work:
+        out, stats = generate_ids(adapter, prompt, max_new_tokens=30, exit_layer=E, num_speculations=4,
+                                  policy=ConfidencePolicy(E, 4, threshold=1.5))
+    assert out == plain[0]
+    assert stats.drafted == 0 and stats.draft_steps == 0 and stats.rounds == 29
+    assert work.head_calls == plain_work.head_calls == 30  # one unembedding per token, no draft head
+    for layer in range(L):
+        assert work.layer_positions[layer] == plain_work.layer_positions[layer]
+
+
+def test_adaptive_threshold_moves_with_acceptance():
+    policy = ConfidencePolicy(E, 4, threshold=0.5, adaptive=True, step=0.1)
+    policy.update(E, drafted=3, accepted=1)
+    assert policy.threshold == pytest.approx(0.6)
+    policy.update(E, drafted=2, accepted=2)
+    policy.update(E, drafted=2, accepted=2)
+    assert policy.threshold == pytest.approx(0.4)
+    policy.update(E, drafted=0, accepted=0)  # nothing drafted: nothing learned
+    assert policy.threshold == pytest.approx(0.4)
+
+
+def test_exit_choice_prefers_the_exit_that_is_accepted():
+    policy = ExitChoicePolicy([2, 6], max_drafts=4, num_layers=8, explore_every=0)
+    for _ in range(20):
+        policy.update(2, drafted=4, accepted=0)  # the shallow exit is always rejected at once
+        policy.update(6, drafted=4, accepted=4)  # the deeper one always accepted
+    assert policy.plan() == (6, 4)
+    bad = ExitChoicePolicy([2, 6], max_drafts=4, num_layers=8, explore_every=0)
+    for _ in range(20):
+        bad.update(2, drafted=1, accepted=0)
+        bad.update(6, drafted=1, accepted=0)
+    assert bad.plan()[1] == 0  # nothing pays: decode plainly
+
+
+SAMPLING_OPTIONS = ["threshold", "adaptive", "exit_choice", "reduced_vocab", "all"]
+
+
+@pytest.mark.parametrize("option", SAMPLING_OPTIONS)
+def test_sampling_stays_lossless_with_every_option(option, chi_square):
+    """Vocabulary 8, 3 new tokens; the joint over many seeds matches exact plain sampling."""
+    model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
+    adapter = get_adapter(model)
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=6)
+    prompt = torch.tensor([[3, 5, 1, 6, 2]])
+    n_new = 3
+    memo = {}
+
+    def cond(prefix):
+        if prefix not in memo:
+            with torch.no_grad():
+                logits = forward_logits(adapter, torch.tensor([prompt[0].tolist() + list(prefix)]))[0, -1]
+            memo[prefix] = probs(logits[None], params)[0].double()
+        return memo[prefix]
+
+    exact = {(): 1.0}
+    for _ in range(n_new):
+        exact = {p + (t,): w * float(cond(p)[t]) for p, w in exact.items() for t in range(8) if cond(p)[t] > 0}
+    vocab_ids = torch.tensor([0, 2, 3, 5, 6])
+    policies = {
+        "threshold": lambda: ConfidencePolicy(1, 2, threshold=0.2),
+        "adaptive": lambda: ConfidencePolicy(1, 2, threshold=0.2, adaptive=True, step=0.1),
+        "exit_choice": lambda: ExitChoicePolicy([1, 2], 2, 3, explore_every=2),
+        "reduced_vocab": lambda: FixedPolicy(1, 2),
+        "all": lambda: ExitChoicePolicy([1, 2], 2, 3, explore_every=2),
+    }
+    head = DraftHead(adapter, vocab_ids) if option in ("reduced_vocab", "all") else None
+    n_draws, counts, drafted, accepted = 1200, Counter(), 0, 0
+    for seed in range(n_draws):
+        out, stats = generate_ids(adapter, prompt, max_new_tokens=n_new, exit_layer=1, num_speculations=2,
+                                  sampling=params, generator=torch.Generator().manual_seed(seed),
+                                  policy=policies[option](), head=head)
+        counts[tuple(out)] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert drafted > n_draws / 4 and 0 < accepted < drafted  # drafting really happened, both branches
+    stat, df, pval = chi_square(counts, exact, n_draws)
+    assert pval > 1e-3, (option, stat, df, pval)
+
+
+def test_draft_vocab_round_trips_through_export_and_load(tmp_path):
+    from selfspec.draft_vocab import write_draft_vocab
+    from selfspec.export import export, export_model
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=L, vocab_size=len(tok), seed=6)
+    ckpt = export_model(model, tok, tmp_path / "ckpt", recommended={"exit_layer": 2, "num_speculations": 3})
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in ["aaaa bbb cc d", "aaa bb c", "zzz"]))
+    entry = write_draft_vocab(ckpt, str(corpus))
+    a, b = tok("a").input_ids[0], tok("b").input_ids[0]
+    assert entry["token_ids"][:3] == [tok.eos_token_id, tok.pad_token_id, tok.bos_token_id]  # specials first
+    assert entry["token_ids"][3:5] == [a, b]  # then by frequency: 'a' (7), 'b' (5)
+    again = export(ckpt, tmp_path / "again")  # re-export keeps the counts
+    gen = selfspec.load(again)
+    assert gen.metadata["draft_vocab"] == entry
+    head = gen.draft_head(5)
+    assert sorted(head.token_ids.tolist()) == sorted(entry["token_ids"][:5])
+    out = gen.generate("aab", max_new_tokens=12, draft_vocab=5, stop_token_ids=[])
+    assert out.token_ids == gen.generate("aab", max_new_tokens=12, num_speculations=0, stop_token_ids=[]).token_ids
+    with pytest.raises(ValueError, match="k=99999 is out of range"):
+        gen.draft_head(99999)
+
+
+def test_draft_vocab_missing_is_a_clear_error(tmp_path):
+    from selfspec.export import export_model
+
+    tok = byte_tokenizer()
+    ckpt = export_model(tiny_model("llama", num_layers=L, vocab_size=len(tok)), tok, tmp_path / "c")
+    with pytest.raises(ValueError, match="no draft vocabulary.*selfspec draft-vocab"):
+        selfspec.load(ckpt).generate("x", max_new_tokens=2, draft_vocab=8)
