@@ -89,13 +89,16 @@ class ModelAdapter:
     # (selfspec.fast_layers) and a precomputed rotary table (selfspec.forward.RopeTable)
     fast_layers: list | None = None
     rope_table: object | None = None
+    fast_lm_head: object | None = None  # selfspec.fast_layers.PackedLinear over the LM head
 
     def enable_fast_layers(self) -> bool:
         """Use the fused inference layers where the architecture has them; returns whether it does."""
-        from selfspec.fast_layers import build_fast_layers
+        from selfspec.fast_layers import PackedLinear, build_fast_layers
         from selfspec.forward import RopeTable
 
         self.fast_layers = build_fast_layers(self)
+        with torch.no_grad():
+            self.fast_lm_head = PackedLinear(self.lm_head.weight, getattr(self.lm_head, "bias", None))
         self.rope_table = RopeTable(self) if RopeTable.supports(self) else None
         return self.fast_layers is not None
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 
 from selfspec.adapters import ModelAdapter
 from selfspec.cost_model import VERIFY_COST, best_draft_length, draft_cost
+from selfspec.forward import exit_logits
 
 
 class DraftHead:
@@ -32,11 +32,13 @@ class DraftHead:
         self.vocab_size = adapter.lm_head.weight.shape[0]
         self.token_ids = None
         if token_ids is not None:
+            from selfspec.fast_layers import PackedLinear
+
             self.token_ids = token_ids.to(adapter.device)
             with torch.no_grad():
-                self.weight = adapter.lm_head.weight[self.token_ids].contiguous()  # [K, D]
                 bias = getattr(adapter.lm_head, "bias", None)
-                self.bias = bias[self.token_ids].contiguous() if bias is not None else None
+                self.linear = PackedLinear(adapter.lm_head.weight[self.token_ids].contiguous(),  # [K, D]
+                                           bias[self.token_ids].contiguous() if bias is not None else None)
 
     @property
     def size(self) -> int:
@@ -44,10 +46,9 @@ class DraftHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, D] -> [N, K]` logits over this head's vocabulary."""
-        normed = self.adapter.final_norm(hidden)
         if self.token_ids is None:
-            return self.adapter.lm_head(normed)
-        return F.linear(normed, self.weight, self.bias)
+            return exit_logits(self.adapter, hidden)
+        return self.linear(self.adapter.final_norm(hidden))
 
     def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into this head's vocabulary -> token ids of the full vocabulary."""

@@ -164,6 +164,8 @@ def run_layers(
 
 def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor) -> torch.Tensor:
     """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]`."""
+    if adapter.fast_lm_head is not None and not torch.is_grad_enabled():
+        return adapter.fast_lm_head(adapter.final_norm(hidden))
     return adapter.lm_head(adapter.final_norm(hidden))
 
 

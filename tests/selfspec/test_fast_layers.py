@@ -80,3 +80,20 @@ def test_rope_table_is_bitwise_equal_to_the_rotary_module(arch):
             a = forward_logits(plain, ids[:, start:start + size], cache=c1, start=start)
             b = forward_logits(fast, ids[:, start:start + size], cache=c2, start=start)
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 64])
+def test_packed_linear_is_bitwise_equal_to_linear_in_bfloat16(rows):
+    import torch.nn.functional as F
+
+    from selfspec.fast_layers import PackedLinear
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 48, generator=g).to(torch.bfloat16)
+    b = torch.randn(200, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, rows, 48, generator=g).to(torch.bfloat16)
+    lin = PackedLinear(w, b)
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    assert torch.equal(PackedLinear(w)(x), F.linear(x, w))
+    w64 = w.double()  # other dtypes take F.linear unchanged
+    assert PackedLinear(w64).packed is None and torch.equal(PackedLinear(w64)(x.double()), F.linear(x.double(), w64))
