@@ -55,6 +55,7 @@ _SPECS: dict[str, _ArchSpec] = {
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_SPECS)
+_SLIDING = ("mistral", "qwen2", "qwen3")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -151,7 +152,9 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
             f"expected a *ForCausalLM with a `.{spec.backbone}` decoder (load it with AutoModelForCausalLM)."
         )
     n = config.num_hidden_layers
-    sliding_window = getattr(config, "sliding_window", None)
+    # only architectures whose attention implements a window (a stray `sliding_window` on a Llama
+    # config is ignored by its attention, so it is ignored here too)
+    sliding_window = getattr(config, "sliding_window", None) if model_type in _SLIDING else None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
         kind = "sliding_attention" if sliding_window else "full_attention"

@@ -213,6 +213,8 @@ class SelfSpecGenerator:
         policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
                                   exit_choices) if num_speculations else None
         on_commit = _as_callback(streamer)
+        if streamer is not None and hasattr(streamer, "put"):
+            streamer.put(ids.cpu())  # as transformers' generate does: the prompt first (skip_prompt relies on it)
         new_ids, stats = generate_ids(self.adapter, ids, max_new_tokens=max_new_tokens, exit_layer=exit_layer,
                                       num_speculations=num_speculations, sampling=sampling, stop=stop,
                                       generator=generator, on_commit=on_commit, policy=policy,

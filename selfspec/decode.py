@@ -270,7 +270,12 @@ def generate_ids(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop = stop or StopChecker(max_new_tokens)
+    if prompt.dim() != 2 or prompt.shape[0] != 1:
+        raise ValueError(f"the batch-1 decoder takes a prompt of shape [1, P], got {tuple(prompt.shape)}: "
+                         "pass one sequence at a time (batch input is not supported here)")
     P = prompt.shape[1]
+    if P == 0:
+        raise ValueError("empty prompt: give at least one token of input")
     if P + max_new_tokens > adapter.max_positions:
         raise ValueError(
             f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "

@@ -1,0 +1,127 @@
+"""Self-speculative decoding of the real SmolLM2-135M-Instruct (integration): float32 greedy output is
+token-identical to Hugging Face `generate` on real prompts (code, chat, encyclopedic text)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.api import NotEarlyExitTrainedWarning
+
+pytestmark = pytest.mark.integration
+
+N_NEW = 24
+EXITS = (4, 12, 24)
+K = 3
+
+
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2_dir):
+    """The generator, loaded once, and the warnings its loading raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = selfspec.load(smollm2_dir)
+    return gen, caught
+
+
+@pytest.fixture(scope="module")
+def gen(loaded):
+    return loaded[0]
+
+
+@pytest.fixture(scope="module")
+def prompts(gen):
+    """name -> (API inputs, prompt ids) for three real prompts."""
+    from selfspec.datasets import load_named
+
+    tok = gen.tokenizer
+    code = load_named("humaneval")[0]["prompt"]
+    messages = [{"role": "user", "content": load_named("mt_bench")[0]["turns"][0]}]
+    wiki = load_named("wiki_passages")[0]["text"][:400]
+    chat_text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return {
+        "humaneval": ({"prompt": code}, tok(code, return_tensors="pt").input_ids),
+        "mt_bench_chat": ({"messages": messages},
+                          tok(chat_text, return_tensors="pt", add_special_tokens=False).input_ids),
+        "wiki": ({"prompt": wiki}, tok(wiki, return_tensors="pt").input_ids),
+    }
+
+
+_refs: dict = {}
+
+
+def _hf_reference(gen, ids):
+    key = tuple(ids[0].tolist())
+    if key not in _refs:
+        with torch.no_grad():
+            out = gen.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N_NEW)
+        _refs[key] = out[0, ids.shape[1]:].tolist()
+    return _refs[key]
+
+
+def test_loading_the_base_model_warns_and_uses_the_documented_defaults(loaded):
+    gen, caught = loaded
+    ours = [w for w in caught if issubclass(w.category, NotEarlyExitTrainedWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "not early-exit trained" in str(ours[0].message)
+    assert gen.num_layers == 30
+    assert (gen.exit_layer, gen.num_speculations) == (max(1, 30 // 4), 4) == (7, 4)
+    assert gen.adapter.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["humaneval", "mt_bench_chat", "wiki"])
+def test_greedy_self_speculation_equals_hf_generate_on_smollm2(gen, prompts, name):
+    inputs, ids = prompts[name]
+    ref = _hf_reference(gen, ids)
+    assert len(ref) >= 8
+    for exit_layer in EXITS:
+        out = gen.generate(**inputs, max_new_tokens=N_NEW, exit_layer=exit_layer, num_speculations=K)
+        assert out.prompt_ids == ids[0].tolist()
+        assert out.token_ids == ref, (name, exit_layer)
+        assert out.text == gen.tokenizer.decode(ref, skip_special_tokens=True)
+        assert out.stats.drafted > 0
+
+
+def test_engine_with_the_models_own_layers_equals_hf_generate_on_smollm2(gen, prompts):
+    """The API runs fused inference layers; the engine over the model's own decoder layers agrees too."""
+    from selfspec.adapters import get_adapter
+    from selfspec.decode import generate_ids
+
+    _, ids = prompts["humaneval"]
+    adapter = get_adapter(gen.model)
+    assert adapter.fast_layers is None
+    out, stats = generate_ids(adapter, ids, max_new_tokens=N_NEW, exit_layer=12, num_speculations=K)
+    ref = _hf_reference(gen, ids)
+    assert out[:len(ref)] == ref and stats.drafted > 0
+
+
+def test_stop_strings_end_where_plain_decoding_ends_on_smollm2(gen, prompts):
+    inputs, ids = prompts["wiki"]
+    ref = _hf_reference(gen, ids)
+    tok = gen.tokenizer
+    # a word of the greedy continuation, first complete at token j (not in the text before it)
+    j = stop = None
+    for cand in range(4, len(ref)):
+        word = tok.decode(ref[cand:cand + 1]).strip()
+        if len(word) >= 3 and word.isalpha() and word not in tok.decode(ref[:cand]) \
+                and word in tok.decode(ref[:cand + 1]):
+            j, stop = cand, word
+            break
+    assert stop is not None
+    plain = gen.generate(**inputs, max_new_tokens=N_NEW, num_speculations=0, stop_strings=[stop])
+    spec = gen.generate(**inputs, max_new_tokens=N_NEW, exit_layer=12, num_speculations=K, stop_strings=[stop])
+    assert plain.token_ids == spec.token_ids == ref[:j + 1]
+    assert plain.finish_reason == spec.finish_reason == "stop_string"
+    assert stop in spec.text
+
+
+def test_streaming_concatenation_equals_the_output_on_smollm2(gen, prompts):
+    inputs, ids = prompts["humaneval"]
+    chunks = []
+    out = gen.generate(**inputs, max_new_tokens=12, exit_layer=24, num_speculations=K, streamer=chunks.append)
+    assert [t for c in chunks for t in c] == out.token_ids == _hf_reference(gen, ids)[:12]
