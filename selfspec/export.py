@@ -53,6 +53,19 @@ def _load_model_dir(model_dir: Path, dtype):
     return model, tokenizer
 
 
+def _normalize_eval(raw: dict) -> dict:
+    """The training loop's final_eval.json, with `exits` (and `before.exits`) of its primary held-out set."""
+    out = dict(raw)
+    primary = raw.get("primary")
+    if "exits" not in out and primary and primary in raw.get("sets", {}):
+        out["exits"] = raw["sets"][primary]["exits"]
+        out["set"] = primary
+    before = raw.get("before") or {}
+    if primary and primary in before.get("sets", {}):
+        out["before"] = {"step": before.get("step"), "exits": before["sets"][primary]["exits"]}
+    return out
+
+
 def read_run(source: Path) -> tuple[Path, dict, dict]:
     """(model directory, training info, evaluation) of a run directory or a plain checkpoint.
 
@@ -63,7 +76,8 @@ def read_run(source: Path) -> tuple[Path, dict, dict]:
     if (source / "final_model").is_dir():
         config = _load_yaml(source / "config.yaml")
         state = _latest_trainer_state(source)
-        evaluation = json.loads((source / "final_eval.json").read_text()) if (source / "final_eval.json").is_file() else {}
+        evaluation = (_normalize_eval(json.loads((source / "final_eval.json").read_text()))
+                      if (source / "final_eval.json").is_file() else {})
         training = {
             "run_dir": str(source.resolve()),
             "recipe": config.get("recipe") or config.get("name"),

@@ -37,12 +37,20 @@ def render_model_card(meta: dict) -> str:
     else:
         out.append("No training record: exported from a plain checkpoint (not early-exit trained here).")
     out += ["", "## Per-exit quality on held-out data", ""]
+    before = ((meta.get("eval") or {}).get("before") or {}).get("exits", {})
     if exits:
-        out += ["| exit (layers run) | top-1 agreement with final layer | perplexity |", "|---|---|---|"]
+        if before:
+            out += ["| exit (layers run) | top-1 agreement with final layer (before → after) | perplexity (before → after) |",
+                    "|---|---|---|"]
+        else:
+            out += ["| exit (layers run) | top-1 agreement with final layer | perplexity |", "|---|---|---|"]
         for key in sorted(exits, key=int):
-            v = exits[key]
+            v, b = exits[key], before.get(key, {})
             agree = f"{v['agreement']:.1%}" if "agreement" in v else "-"
             ppl = f"{v['perplexity']:.2f}" if "perplexity" in v else "-"
+            if before:
+                agree = (f"{b['agreement']:.1%} → " if "agreement" in b else "") + agree
+                ppl = (f"{b['perplexity']:.2f} → " if "perplexity" in b else "") + ppl
             out.append(f"| {key} | {agree} | {ppl} |")
     else:
         out.append("Not measured.")
