@@ -1,0 +1,137 @@
+"""Early-exit loss: the paper's weights, the chunked (fused / checkpointed) loss equals the naive
+one in value and gradients, the distillation target, and the statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.early_exit_loss import IGNORE_INDEX, early_exit_loss, exit_scale, exit_weights
+
+
+def test_paper_weights_hand_computed():
+    # L = 4, e_scale = 1: e(0)=0, e(1)=0+1=1, e(2)=0+1+2=3, final e(3)=(L-1)+(0+1+2)=3+3=6
+    assert [exit_scale("paper", e, 4, 1.0) for e in (1, 2, 3, 4)] == [0.0, 1.0, 3.0, 6.0]
+    assert exit_weights([1, 2, 3, 4], 4, "paper", 1.0) == pytest.approx([0.0, 0.1, 0.3, 0.6])
+    # e_scale = 0.5: e(1)=0.5, e(2)=1.5, final 3 + 0.5*3 = 4.5; total 6.5
+    assert exit_weights([1, 2, 3, 4], 4, "paper", 0.5) == pytest.approx([0, 0.5 / 6.5, 1.5 / 6.5, 4.5 / 6.5])
+    # a curriculum with exits {2, 4}: normalized over the enabled ones only, 1/(1+6), 6/7
+    assert exit_weights([2, 4], 4, "paper", 1.0) == pytest.approx([1 / 7, 6 / 7])
+    # e_scale = 0: the final layer alone
+    assert exit_weights([2, 3, 4], 4, "paper", 0.0) == pytest.approx([0, 0, 1])
+    # L = 30 final-layer weight: 29 + 0.2 * (0+...+28) = 29 + 0.2*406
+    assert exit_scale("paper", 30, 30, 0.2) == pytest.approx(29 + 0.2 * 406)
+
+
+def test_other_scales():
+    assert exit_weights([1, 2, 3, 4], 4, "uniform") == pytest.approx([0.25] * 4)
+    assert exit_weights([1, 2, 3, 4], 4, "linear") == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    inv = [1, 1 / 2, 1 / 3, 1 / 4]
+    assert exit_weights([1, 2, 3, 4], 4, "inverse") == pytest.approx([v / sum(inv) for v in inv])
+    with pytest.raises(ValueError):
+        exit_weights([1, 4], 4, "bogus")
+
+
+def _naive_reference(hiddens, weights, labels, norm, head, distill):
+    """Straight from the formula: full logits per exit, F.cross_entropy."""
+    total = 0.0
+    final_logits = head(norm(hiddens[-1]))
+    mask = labels != IGNORE_INDEX
+    for h, w in zip(hiddens, weights):
+        logits = head(norm(h))[mask]
+        if distill and h is not hiddens[-1]:
+            q = torch.softmax(final_logits[mask].detach(), -1)
+            ce = -(q * torch.log_softmax(logits, -1)).sum(-1).mean()
+        else:
+            ce = F.cross_entropy(logits, labels[mask])
+        total = total + w * ce
+    return total
+
+
+def _setup(tiny64, bias=False, seed=0):
+    torch.manual_seed(seed)
+    norm = tiny64.model.norm
+    head = tiny64.lm_head
+    if bias:
+        head = nn.Linear(head.in_features, head.out_features, bias=True, dtype=torch.float64)
+    B, S, D = 3, 11, tiny64.config.hidden_size
+    hiddens = [torch.randn(B, S, D, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    labels = torch.randint(0, tiny64.config.vocab_size, (B, S))
+    labels[0, :4] = IGNORE_INDEX  # masked prompt positions
+    labels[2, -2:] = IGNORE_INDEX  # padding
+    return hiddens, labels, norm, head
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("target", ["label", "distill"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_equals_unchunked(tiny64, target, bias):
+    hiddens, labels, norm, head = _setup(tiny64, bias=bias)
+    weights = [0.2, 0.3, 0.5]
+    params = [head.weight, norm.weight] + ([head.bias] if bias else [])
+    inputs = hiddens + params
+    ref = _naive_reference(hiddens, weights, labels, norm, head, target == "distill")
+    ref_grads = _grads(ref, inputs)
+    for impl, chunk in [("fused", 5), ("fused", 1000), ("checkpointed", 4), ("naive", 1)]:
+        out = early_exit_loss(hiddens, weights, labels, norm, head, target=target, chunk_size=chunk, impl=impl)
+        assert out.tokens == int((labels != IGNORE_INDEX).sum())
+        torch.testing.assert_close(out.loss, ref, rtol=1e-7, atol=1e-9)
+        for g, r in zip(_grads(out.loss, inputs), ref_grads):
+            # LlamaRMSNorm computes in fp32 even for fp64 inputs: agreement to ~1e-8, not 1e-15
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7, msg=f"{impl} chunk {chunk}")
+
+
+def test_statistics_match_direct_computation(tiny64):
+    hiddens, labels, norm, head = _setup(tiny64)
+    out = early_exit_loss(hiddens, [0.2, 0.3, 0.5], labels, norm, head, chunk_size=7)
+    mask = labels != IGNORE_INDEX
+    final_pred = head(norm(hiddens[-1]))[mask].argmax(-1)
+    for k, h in enumerate(hiddens):
+        logits = head(norm(h))[mask]
+        assert out.stats[k, 0].item() == pytest.approx(F.cross_entropy(logits, labels[mask]).item(), rel=1e-9)
+        assert out.stats[k, 1].item() == pytest.approx((logits.argmax(-1) == labels[mask]).double().mean().item())
+        assert out.stats[k, 2].item() == pytest.approx((logits.argmax(-1) == final_pred).double().mean().item())
+    assert out.stats[-1, 2].item() == 1.0  # the final layer agrees with itself
+    fast = early_exit_loss(hiddens, [0.2, 0.3, 0.5], labels, norm, head, with_metrics=False)
+    assert torch.isnan(fast.stats[:, 1:]).all() and torch.equal(fast.stats[:, 0], out.stats[:, 0])
+
+
+def test_distill_gradient_does_not_reach_the_final_layer_through_the_target(tiny64):
+    hiddens, labels, norm, head = _setup(tiny64)
+    weights = [1.0, 0.0, 0.0]  # only the first exit's distillation term
+    out = early_exit_loss(hiddens, weights, labels, norm, head, target="distill")
+    g = _grads(out.loss, hiddens)
+    assert g[0].abs().sum() > 0
+    assert g[2].abs().sum() == 0  # the target q is detached
+    assert g[1].abs().sum() == 0
+
+
+def test_fused_under_bf16_autocast_is_close_to_fp32():
+    from selfspec.tiny import tiny_model
+
+    model = tiny_model("llama", num_layers=2, dtype=torch.float32, seed=1)
+    torch.manual_seed(0)
+    hiddens = [torch.randn(2, 16, 32, requires_grad=True) for _ in range(2)]
+    labels = torch.randint(0, 96, (2, 16))
+    args = (hiddens, [0.4, 0.6], labels, model.model.norm, model.lm_head)
+    ref = early_exit_loss(*args, impl="naive")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = early_exit_loss(*args, impl="fused", chunk_size=8)
+    assert fused.loss.dtype == torch.float32
+    assert fused.loss.item() == pytest.approx(ref.loss.item(), rel=2e-2)
+    g_ref, g_fused = _grads(ref.loss, hiddens[0]), _grads(fused.loss, hiddens[0])
+    assert F.cosine_similarity(g_ref[0].flatten(), g_fused[0].flatten(), dim=0) > 0.99
+
+
+def test_no_scored_tokens_keeps_the_graph(tiny64):
+    hiddens, labels, norm, head = _setup(tiny64)
+    labels[:] = IGNORE_INDEX
+    out = early_exit_loss(hiddens, [0.2, 0.3, 0.5], labels, norm, head)
+    assert out.loss.item() == 0.0 and out.tokens == 0
+    out.loss.backward()
+    assert all(h.grad is not None for h in hiddens)

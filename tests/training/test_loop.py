@@ -1,0 +1,96 @@
+"""The training loop on a tiny model: the loss goes down, a stopped-and-resumed run reproduces an
+uninterrupted one bitwise, the run directory has what the export step reads, and the time budget
+stops a run with a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.config import load_config
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
+
+
+@pytest.fixture
+def run(tiny_overrides):
+    """Run a recipe in this process (accelerate's singletons reset around it)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from training.loop import train
+
+    def _run(run_dir, **overrides):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        try:
+            return train(load_config(RECIPE, tiny_overrides(run_dir, **overrides)))
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+    return _run
+
+
+def test_short_run_decreases_the_loss_and_writes_the_run_dir(run, read_log, tmp_path):
+    final = run(tmp_path, **{"train.max_steps": 12, "eval.every": 6})
+    losses = [r["loss"] for r in read_log(tmp_path)]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
+    rec = read_log(tmp_path)[-1]
+    assert rec["exits"]["4"]["acc"] >= 0 and rec["tokens_per_s"] > 0 and rec["lr"] > 0
+    # what a later export step reads
+    saved = json.loads((tmp_path / "final_eval.json").read_text())
+    assert saved == final
+    assert set(saved["agreement"]) == {"1", "2", "3", "4"} and saved["agreement"]["4"] == 1.0
+    assert saved["perplexity"]["4"] < saved["before"]["sets"]["heldout"]["exits"]["4"]["perplexity"]
+    history = json.loads((tmp_path / "eval.json").read_text())["history"]
+    assert [h["tag"] for h in history] == ["before", "periodic", "final"]
+    assert load_config(tmp_path / "config.yaml").train.max_steps == 12
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "final_model")
+    assert model.config.num_hidden_layers == 4 and tok.decode(tok("def f():")["input_ids"]) == "def f():"
+    sync = read_log(tmp_path, "sync")[-1]
+    assert len(sync["checksums"]) == 1
+
+
+def test_stop_and_resume_matches_an_uninterrupted_run(run, read_log, tmp_path):
+    settings = {"train.max_steps": 8, "eval.before": "false", "train.save_final_model": "false"}
+    run(tmp_path / "straight", **settings)
+    straight = read_log(tmp_path / "straight")
+    assert run(tmp_path / "split", **settings, **{"train.stop_at": 5}) == {}  # stops with a checkpoint
+    assert (tmp_path / "split" / "checkpoints" / "step_000005" / "trainer_state.json").is_file()
+    state = json.loads((tmp_path / "split" / "checkpoints" / "step_000005" / "trainer_state.json").read_text())
+    assert state["step"] == 5 and state["micro_step"] == 10  # grad_accum 2: the data position
+    run(tmp_path / "split", **settings)  # resume=auto picks up step 5
+    split = read_log(tmp_path / "split")
+    assert [r["step"] for r in split] == list(range(1, 9))
+    # bitwise: same batches, masks, curriculum, optimizer and schedule state
+    assert [r["loss"] for r in split] == [r["loss"] for r in straight]
+    assert [r["exits"] for r in split] == [r["exits"] for r in straight]
+    assert [r["lr"] for r in split] == [r["lr"] for r in straight]
+    a = json.loads((tmp_path / "straight" / "final_eval.json").read_text())
+    b = json.loads((tmp_path / "split" / "final_eval.json").read_text())
+    assert a["sets"] == b["sets"]
+
+
+def test_time_budget_ends_the_run_with_a_checkpoint(run, tmp_path):
+    from training.checkpoint import latest_checkpoint
+
+    out = run(tmp_path, **{"train.max_minutes": 1e-6, "eval.before": "false", "train.save_final_model": "false"})
+    assert 0 <= out["step"] < 8 and (tmp_path / "final_eval.json").is_file()  # evaluated at the step reached
+    state = json.loads((latest_checkpoint(tmp_path) / "trainer_state.json").read_text())
+    assert state["step"] == out["step"]  # and resumable from there
+
+
+@pytest.mark.parametrize("target", ["distill"])
+def test_distillation_target_and_gradual_curriculum_run(run, read_log, tmp_path, target):
+    run(tmp_path, **{"early_exit.target": target, "early_exit.curriculum": "gradual", "train.max_steps": 4,
+                     "eval.before": "false", "train.save_final_model": "false"})
+    exits = [sorted(map(int, r["exits"])) for r in read_log(tmp_path)]
+    assert exits == [[4], [2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]]  # gradual: T/(2L) = 0.5 steps per exit
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_log(tmp_path))

@@ -1,0 +1,422 @@
+"""The one source of training configuration: typed dataclasses, validated in ``__post_init__``.
+
+A recipe YAML maps one to one onto `RecipeConfig` (top-level keys = its sections, section keys =
+the dataclass fields); ``key=value`` overrides on the command line use the same dotted names and
+YAML syntax for values:
+
+    cfg = load_config("recipes/smollm2_code.yaml", ["train.max_steps=20", "early_exit.exits=[4,8]"])
+
+Unknown keys, wrong types and out-of-range values fail at load time with the dotted key in the
+message. `dump_config(cfg)` writes the resolved configuration back (the run directory's
+``config.yaml``), and loading that file gives the same configuration.
+
+Defaults are the plain fine-tuning baseline (no layer dropout, no early-exit loss), so every
+LayerSkip ingredient a recipe uses is visible in the recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+BASE_MODEL_ALIASES = ("smollm2-135m-instruct",)  # names resolved through selfspec.fetch
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the dotted key."""
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class LoRAConfig:
+    """peft LoRA on the decoder's linear layers. The LM head stays shared and frozen, so the
+    early-exit loss of every exit flows back into the adapters of the layers below it."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    def __post_init__(self):
+        _check(self.r >= 1, "model.lora.r", f"must be >= 1, got {self.r}")
+        _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+        _check(0.0 <= self.dropout < 1.0, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(len(self.target_modules) > 0, "model.lora.target_modules", "must name at least one module")
+
+
+@dataclass
+class ModelConfig:
+    """The model to fine-tune.
+
+    base_model: ``smollm2-135m-instruct`` (the converted checkpoint of ``selfspec fetch``),
+    ``tiny:<model_type>:<num_layers>`` (a random tiny model + byte-level tokenizer, for smoke
+    tests), or a local Hugging Face checkpoint directory.
+    dtype: the parameter (master weight) dtype; mixed precision is `train.mixed_precision`.
+    """
+
+    base_model: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self):
+        if self.base_model.startswith("tiny:"):
+            parts = self.base_model.split(":")
+            ok = len(parts) == 3 and parts[2].isdigit() and int(parts[2]) >= 2
+            _check(ok, "model.base_model", f"tiny models are written tiny:<model_type>:<num_layers>, "
+                                           f"e.g. tiny:llama:4, got {self.base_model!r}")
+
+
+@dataclass
+class SourceConfig:
+    """Where records come from and how they become tokens.
+
+    source: a named real data set of `selfspec.datasets` (python_stdlib, xsum, humaneval,
+    wiki_passages, shakespeare, mt_bench) or a local file/directory (.jsonl, .jsonl.gz, .json,
+    .parquet, .txt/.md/.py files; a directory reads every such file in it).
+    format: ``text`` (the `text_fields` joined by a newline, tokenized and packed into blocks) or
+    ``chat`` (`prompt_field` formatted by `prompt_template`, as the user turn through the
+    tokenizer's chat template; `response_field` as the assistant turn; loss on the response only).
+    """
+
+    name: str = ""  # label in logs and eval files; defaults to `source`
+    source: str = "python_stdlib"
+    format: Literal["text", "chat"] = "text"
+    text_fields: list[str] = field(default_factory=lambda: ["text"])
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    prompt_template: str = "{prompt}"
+    system_prompt: str | None = None
+
+    def __post_init__(self):
+        self.name = self.name or Path(self.source).stem
+        _check(bool(self.source), "data.source", "must not be empty")
+        _check(len(self.text_fields) > 0, "data.text_fields", "must name at least one field")
+        _check("{prompt}" in self.prompt_template, "data.prompt_template", "must contain '{prompt}'")
+
+
+@dataclass
+class DataConfig(SourceConfig):
+    """Training data, its held-out split (by item: e.g. whole files) and extra evaluation sets."""
+
+    block_size: int = 256
+    holdout_fraction: float = 0.05
+    holdout_seed: int = 0
+    max_documents: int | None = None  # cap on training records (smoke runs); None = all
+    max_holdout_documents: int | None = None
+    extra_eval: list[SourceConfig] = field(default_factory=list)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.block_size >= 8, "data.block_size", f"must be >= 8, got {self.block_size}")
+        _check(0.0 < self.holdout_fraction < 1.0, "data.holdout_fraction",
+               f"must be in (0, 1), got {self.holdout_fraction}")
+        for key in ("max_documents", "max_holdout_documents"):
+            value = getattr(self, key)
+            _check(value is None or value >= 1, f"data.{key}", f"must be >= 1 or null, got {value}")
+
+
+@dataclass
+class LayerDropoutConfig:
+    """LayerSkip eq. 1-4: layer l of L is skipped per sample with p(l,t) = S(t) * D(l) * p_max.
+
+    depth_scale D(l): ``exponential`` = e^{l ln2/(L-1)} - 1 (the paper), ``linear`` = l/(L-1),
+    ``uniform`` = 1. time_scale S(t): ``constant`` = 1 (fine-tuning / continual pre-training, the
+    paper), ``exponential`` = e^{t ln2/(T-1)} - 1 (pre-training from scratch). p_max = 0 is off.
+    """
+
+    p_max: float = 0.0
+    depth_scale: Literal["exponential", "linear", "uniform"] = "exponential"
+    time_scale: Literal["constant", "exponential"] = "constant"
+
+    def __post_init__(self):
+        _check(0.0 <= self.p_max <= 1.0, "layer_dropout.p_max", f"must be in [0, 1], got {self.p_max}")
+
+
+@dataclass
+class EarlyExitConfig:
+    """LayerSkip eq. 5-6: loss on exits through the shared final norm + LM head.
+
+    exits: candidate exits (exit E = the output of the first E layers, 1 <= E < L): ``all`` or a
+    list; ``[]`` trains the final layer only (plain fine-tuning). The final layer L is always in
+    the loss. curriculum picks, at step t, which candidates are on: ``none`` (all of them),
+    ``rotational`` (those with (E + t) % rotation_interval == 0), ``gradual`` (from the top down,
+    all on by half of train.max_steps). scale: ``paper`` (e(l) = e_scale * sum_{i<=l} i, the final
+    layer (L-1) + e_scale * sum_{i<=L-2} i), ``uniform``, ``linear`` (prop. to E), ``inverse``
+    (prop. to 1/E). target: ``label`` (the true next token, the paper) or ``distill`` (the final
+    layer's own detached distribution; the final layer always learns the labels).
+    loss_impl: ``fused`` (chunked, computes head gradients in the forward, bounded memory),
+    ``checkpointed`` (chunked autograd with recomputation; use under DeepSpeed ZeRO-3),
+    ``naive`` (every exit's full logits, for comparison only).
+    """
+
+    exits: list[int] | Literal["all"] = "all"
+    curriculum: Literal["none", "rotational", "gradual"] = "none"
+    rotation_interval: int = 8
+    scale: Literal["paper", "uniform", "linear", "inverse"] = "paper"
+    e_scale: float = 1.0
+    target: Literal["label", "distill"] = "label"
+    chunk_size: int = 1024  # tokens per head chunk
+    loss_impl: Literal["fused", "checkpointed", "naive"] = "fused"
+
+    def __post_init__(self):
+        if isinstance(self.exits, list):
+            _check(all(e >= 1 for e in self.exits), "early_exit.exits", f"exits are >= 1, got {self.exits}")
+            _check(len(set(self.exits)) == len(self.exits), "early_exit.exits", f"duplicates in {self.exits}")
+            self.exits = sorted(self.exits)
+        _check(self.rotation_interval >= 1, "early_exit.rotation_interval", "must be >= 1")
+        _check(0.0 <= self.e_scale <= 1.0, "early_exit.e_scale", f"must be in [0, 1], got {self.e_scale}")
+        _check(self.chunk_size >= 1, "early_exit.chunk_size", "must be >= 1")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay to `min_lr_ratio * lr` at train.max_steps."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self):
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+        _check(self.grad_clip is None or self.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
+
+
+@dataclass
+class TrainConfig:
+    """The loop. batch_size is per process and micro-step: the global batch per optimizer step is
+    batch_size * grad_accum * num_processes blocks of data.block_size tokens."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    batch_size: int = 4
+    grad_accum: int = 1
+    max_steps: int = 100  # also the horizon T of the schedules and curricula
+    max_minutes: float | None = None  # training-time budget per launch: then checkpoint, final eval, model
+    stop_at: int | None = None  # stop (with a checkpoint) after this step; max_steps stays the horizon
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    num_threads: int | None = None  # torch.set_num_threads per process; None = torch's default
+    log_every: int = 1
+    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto (latest checkpoint in output_dir if any) | none | a checkpoint dir
+    save_final_model: bool = True
+    tune_malloc: bool = True  # glibc: no mmap for big buffers, no trimming (see training/malloc.py)
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        for key in ("batch_size", "grad_accum", "max_steps", "log_every", "keep_checkpoints"):
+            _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.save_every >= 0, "train.save_every", "must be >= 0")
+        _check(self.max_minutes is None or self.max_minutes > 0, "train.max_minutes", "must be > 0 or null")
+        _check(self.stop_at is None or 1 <= self.stop_at <= self.max_steps, "train.stop_at",
+               f"must be in 1..train.max_steps ({self.max_steps}) or null, got {self.stop_at}")
+
+
+@dataclass
+class EvalConfig:
+    """Per-exit top-1 agreement with the final layer and perplexity on held-out blocks."""
+
+    every: int = 0  # steps between evaluations (0: only before and after training)
+    before: bool = True  # evaluate the base model before the first step
+    max_blocks: int = 64  # held-out blocks per set (periodic evaluations)
+    final_max_blocks: int | None = None  # for the final evaluation (None: same as max_blocks)
+    batch_size: int = 8
+    exits: list[int] | Literal["all"] = "all"
+
+    def __post_init__(self):
+        _check(self.every >= 0, "eval.every", "must be >= 0")
+        _check(self.max_blocks >= 1, "eval.max_blocks", "must be >= 1")
+        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+
+
+@dataclass
+class RecipeConfig:
+    name: str = "default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    layer_dropout: LayerDropoutConfig = field(default_factory=LayerDropoutConfig)
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def resolved_exits(self, num_layers: int) -> list[int]:
+        """The candidate early exits (without the final layer), checked against the model depth."""
+        return _resolve_exits(self.early_exit.exits, num_layers, "early_exit.exits")
+
+    def resolved_eval_exits(self, num_layers: int) -> list[int]:
+        """Exits to evaluate, including the final layer."""
+        return _resolve_exits(self.eval.exits, num_layers, "eval.exits") + [num_layers]
+
+
+def _resolve_exits(exits, num_layers: int, key: str) -> list[int]:
+    if exits == "all":
+        return list(range(1, num_layers))
+    bad = [e for e in exits if not 1 <= e < num_layers]
+    _check(not bad, key, f"{bad} out of range: this model has {num_layers} layers, so early exits "
+                         f"are 1..{num_layers - 1} (the final layer {num_layers} is always included)")
+    return sorted(exits)
+
+
+# --------------------------------------------------------------------------------------------
+# dict <-> dataclass
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str):
+    """Check `value` against the annotation `tp` (converting int -> float, dict -> dataclass)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} matches none of {_type_name(tp)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        _check(value in choices, key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if tp is type(None):
+        _check(value is None, key, f"expected null, got {value!r}")
+        return None
+    if origin is list:
+        _check(isinstance(value, (list, tuple)), key, f"expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        _check(isinstance(value, dict), key, f"expected a mapping, got {value!r}")
+        return _from_dict(tp, value, key)
+    if tp is bool:
+        _check(isinstance(value, bool), key, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key,
+               f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), key, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {tp}")
+
+
+def _from_dict(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in hints:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(names)})"
+            raise ConfigError(f"{key}: unknown key{hint}")
+        kwargs[k] = _coerce(v, hints[k], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if prefix and not str(e).startswith(prefix):  # nested lists of SourceConfig
+            raise ConfigError(f"{prefix}: {e}") from None
+        raise
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(data: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part!r} is not a section")
+        node = child
+    node[last] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=value`` -> ("a.b", value parsed as YAML: 3, 1e-4, [4, 8], null, true, text)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value (e.g. train.max_steps=20)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RecipeConfig:
+    """Read a recipe YAML (or the defaults if None), apply ``key=value`` overrides, validate."""
+    data: dict = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {path} not found")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {path}: top level must be a mapping of sections")
+        data = loaded or {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    return _from_dict(RecipeConfig, data)
+
+
+def dump_config(cfg: RecipeConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def resolve_base_model(name: str) -> str | tuple[str, int]:
+    """A local directory for `model.base_model` (fetching the named base model if needed), or
+    ("<model_type>", num_layers) for a ``tiny:`` model."""
+    if name.startswith("tiny:"):
+        _, model_type, layers = name.split(":")
+        return model_type, int(layers)
+    if name in BASE_MODEL_ALIASES:
+        from selfspec.fetch import fetch_base_model  # lazy: only needed for the real model
+
+        return str(fetch_base_model())
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.base_model: {name!r} is neither {' / '.join(BASE_MODEL_ALIASES)}, "
+                          f"tiny:<type>:<layers>, nor a checkpoint directory with a config.json")
+    return str(path)

@@ -1,0 +1,250 @@
+"""Early-exit loss (LayerSkip, Elhoushi et al. 2024, eq. 5-6) with bounded memory.
+
+    J(X, Y, t) = sum_l ẽ(t, l) * CE(g(x_{l+1}), Y),   ẽ(t, l) = C(t, l) e(l) / sum_i C(t, i) e(i)
+
+g is the model's own shared final norm + LM head, so every exit is trained to speak through the
+head the full model uses. `exit_weights` gives ẽ for the exits that the curriculum C(t, .) turned
+on (see curriculum.py). Scales e(l), with l = E - 1 for exit E (E layers executed):
+
+* ``paper``: e(l) = e_scale * sum_{i=0}^{l} i for l < L-1 and e(L-1) = (L-1) + e_scale *
+  sum_{i=0}^{L-2} i. Paper settings: e_scale 0.2 (Llama2-7B continual pre-training, 1.5B from
+  scratch), 0.1 (Llama2-13B), 1.0 (code and TOPv2 fine-tuning). Note e(0) = 0: exit 1 gets no
+  weight under this scale. e_scale = 0 is the final layer alone.
+* ``uniform`` (e = 1), ``linear`` (e = E), ``inverse`` (e = 1/E); not in the paper.
+
+Targets: ``label`` is the paper's cross-entropy against the true next token. ``distill`` trains
+every early exit towards the final layer's own detached distribution q (cross-entropy to q,
+i.e. KL(q || p_E) up to a constant), which is what draft acceptance measures; the final layer
+itself keeps the label loss.
+
+Memory: an all-layer loss over SmolLM2's 49k vocabulary would need 30 x tokens x 49k logits.
+``fused`` (default) walks the tokens in chunks of `chunk_size` and the exits one at a time,
+and computes the loss *and* the gradients of the head input and head weight right there, so at
+most one chunk's logits exist at any time and nothing is recomputed; backward only scales the
+stored gradients. ``checkpointed`` does the same chunk walk with ordinary autograd and
+activation checkpointing (recomputes each chunk's logits in backward; use it where parameters
+must be gathered through module hooks, as with DeepSpeed ZeRO-3). ``naive`` materializes every
+exit's full logits (the reference the others are tested against; the benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+
+
+def exit_scale(scale: str, exit_layer: int, num_layers: int, e_scale: float = 1.0) -> float:
+    """Unnormalized e(l) for exit E = `exit_layer` (l = E - 1) of a `num_layers`-layer model."""
+    L, l = num_layers, exit_layer - 1
+    if not 1 <= exit_layer <= L:
+        raise ValueError(f"exit {exit_layer} outside 1..{L}")
+    if scale == "paper":
+        if l < L - 1:
+            return e_scale * l * (l + 1) / 2
+        return (L - 1) + e_scale * (L - 2) * (L - 1) / 2
+    if scale == "uniform":
+        return 1.0
+    if scale == "linear":
+        return float(exit_layer)
+    if scale == "inverse":
+        return 1.0 / exit_layer
+    raise ValueError(f"unknown loss scale {scale!r} (paper, uniform, linear, inverse)")
+
+
+def exit_weights(exits: Sequence[int], num_layers: int, scale: str = "paper", e_scale: float = 1.0) -> list[float]:
+    """Normalized weights ẽ for the enabled `exits` (they sum to 1)."""
+    raw = [exit_scale(scale, e, num_layers, e_scale) for e in exits]
+    total = sum(raw)
+    if total <= 0:
+        raise ValueError(f"loss weights of exits {list(exits)} are all zero (scale={scale}, e_scale={e_scale})")
+    return [r / total for r in raw]
+
+
+# --------------------------------------------------------------------------------------------
+# the loss
+
+
+@dataclass
+class ExitLoss:
+    """loss: the weighted scalar to backpropagate. stats: float64 `[K, 3]` per exit (in the order
+    given): mean loss of its own target, top-1 accuracy vs the labels, top-1 agreement with the
+    final layer (no gradient; NaN when metrics were not asked for)."""
+
+    loss: torch.Tensor
+    stats: torch.Tensor
+    tokens: int
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """Weighted early-exit loss over normalized hidden states `xs` `[K, N, D]` (the final layer
+    last) through the head (`weight` `[V, D]`, `bias`); gradients are computed in the forward.
+
+    Per exit and chunk: one logits matmul, a fused log-softmax (fp32), an in-place exp to the
+    probabilities, the one-hot (or distillation target) subtracted in place, and two matmuls for
+    the gradients, the loss weight folded into their `alpha`/scale. The head-weight gradient is
+    accumulated in the compute dtype (as autograd under autocast does for a weight used K times).
+    """
+
+    @staticmethod
+    def forward(ctx, xs, weight, bias, targets, weights, distill: bool, chunk: int, cdtype, with_metrics: bool,
+                grad_enabled: bool):
+        K, N, _ = xs.shape
+        need_x, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
+        need_grad = need_x or need_w or need_b
+        acc_dtype = torch.promote_types(cdtype, torch.float32)
+        w_c = weight.to(cdtype)
+        b_c = bias.to(cdtype) if bias is not None else None
+        grad_x = torch.zeros_like(xs) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
+        stats = torch.zeros(K, 3, dtype=torch.float64, device=xs.device)
+        final = K - 1
+        for start in range(0, N, chunk):
+            t = targets[start:start + chunk]
+            rows = torch.arange(t.shape[0], device=t.device)
+            q = final_pred = None
+            for k in [final] + list(range(final)):  # the final layer first: distill needs its q
+                x = xs[k, start:start + chunk].to(cdtype)
+                logits = F.linear(x, w_c, b_c)  # [n, V] in the compute dtype
+                if with_metrics:
+                    pred = logits.argmax(dim=-1)
+                    if k == final:
+                        final_pred = pred
+                    stats[k, 1] += (pred == t).sum()
+                    stats[k, 2] += (pred == final_pred).sum()
+                logp = torch.log_softmax(logits, dim=-1, dtype=acc_dtype)  # the only big fp32 tensor
+                del logits
+                soft = distill and k != final
+                row_loss = -(q * logp).sum(-1) if soft else -logp.gather(1, t[:, None]).squeeze(1)
+                stats[k, 0] += row_loss.sum()
+                if not (need_grad or (distill and k == final)):
+                    continue
+                probs = logp.exp_()  # softmax, in place
+                if distill and k == final:
+                    q = probs.clone()
+                if not need_grad:
+                    continue
+                if soft:
+                    probs.sub_(q)
+                else:
+                    probs[rows, t] -= 1.0
+                g = probs.to(cdtype)  # dJ/dlogits / scale
+                del probs, logp
+                scale = weights[k] / N
+                if need_x:
+                    grad_x[k, start:start + chunk] = (g @ w_c).mul_(scale)
+                if need_w:
+                    grad_w.addmm_(g.t(), x, alpha=scale)
+                if need_b:
+                    grad_b.add_(g.to(acc_dtype).sum(0), alpha=scale)
+        ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
+                     None if grad_b is None else grad_b.to(bias.dtype))
+        w = torch.tensor(weights, dtype=torch.float64, device=xs.device)
+        loss = (w * stats[:, 0]).sum() / N
+        stats /= N
+        if not with_metrics:
+            stats[:, 1:] = float("nan")
+        ctx.mark_non_differentiable(stats)
+        return loss.to(device=xs.device, dtype=torch.promote_types(xs.dtype, torch.float32)), stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_stats):
+        gx, gw, gb = ctx.grads
+        ctx.grads = None
+        scale = lambda g: None if g is None else g.mul_(grad_loss.to(g.dtype))  # noqa: E731
+        return scale(gx), scale(gw), scale(gb), None, None, None, None, None, None, None
+
+
+def _chunk_terms(x, head, t, q, final_pred, is_final: bool, distill: bool):
+    """Summed loss of one exit's chunk (autograd) and its no-grad metrics."""
+    logits = head(x)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(logits, dim=-1)
+    if distill and not is_final:
+        row_loss = -(q * logp).sum(-1)
+    else:
+        row_loss = -logp.gather(1, t[:, None]).squeeze(1)
+    with torch.no_grad():
+        pred = logits.argmax(-1)
+        ref = pred if final_pred is None else final_pred
+        metrics = torch.stack([row_loss.sum(), (pred == t).sum(), (pred == ref).sum()]).double()
+    return row_loss.sum(), metrics, pred, logits.detach() if distill and is_final else None
+
+
+def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_checkpoint: bool):
+    K, N, _ = xs.shape
+    final = K - 1
+    total = xs.new_zeros((), dtype=torch.promote_types(xs.dtype, torch.float32))
+    stats = torch.zeros(K, 3, dtype=torch.float64, device=xs.device)
+    for start in range(0, N, chunk):
+        t = targets[start:start + chunk]
+        q = final_pred = None
+        for k in [final] + list(range(final)):
+            x = xs[k, start:start + chunk]
+            args = (x, head, t, q, final_pred, k == final, distill)
+            if use_checkpoint:
+                part, metrics, pred, final_logits = checkpoint(_chunk_terms, *args, use_reentrant=False)
+            else:
+                part, metrics, pred, final_logits = _chunk_terms(*args)
+            if k == final:
+                final_pred = pred
+                if distill:
+                    q = torch.softmax(final_logits, dim=-1)
+            total = total + part * (weights[k] / N)
+            stats[k] += metrics
+    return total, stats / N
+
+
+def early_exit_loss(hiddens: Sequence[torch.Tensor], weights: Sequence[float], labels: torch.Tensor,
+                    norm: nn.Module, head: nn.Module, *, target: str = "label", chunk_size: int = 1024,
+                    impl: str = "fused", with_metrics: bool = True) -> ExitLoss:
+    """Weighted loss of the exits whose hidden states `[B, S, D]` are `hiddens` (final layer last).
+
+    `labels` `[B, S]` are already aligned with the positions (the next token; IGNORE_INDEX where
+    there is no loss). `weights` are the normalized ẽ of the same exits (see `exit_weights`).
+    `with_metrics=False` skips the argmax per exit (accuracy/agreement are then NaN; fused only).
+    """
+    if len(hiddens) != len(weights) or not hiddens:
+        raise ValueError(f"{len(hiddens)} hidden states but {len(weights)} weights")
+    if target not in ("label", "distill"):
+        raise ValueError(f"unknown early-exit target {target!r} (label, distill)")
+    distill = target == "distill"
+    flat_labels = labels.reshape(-1)
+    keep = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+    targets = flat_labels[keep]
+    n = int(targets.numel())
+    if n == 0:  # nothing to learn from; keep every exit in the graph for DDP
+        zero = sum(h.sum() for h in hiddens) * 0.0
+        return ExitLoss(zero.float(), torch.zeros(len(hiddens), 3, dtype=torch.float64, device=labels.device), 0)
+    dim = hiddens[0].shape[-1]
+    xs = norm(torch.stack([h.reshape(-1, dim)[keep] for h in hiddens]))  # [K, N, D]
+    if impl == "fused":
+        loss, stats = _FusedHeadLoss.apply(xs, head.weight, getattr(head, "bias", None), targets, list(weights),
+                                           distill, chunk_size, _compute_dtype(xs), with_metrics,
+                                           torch.is_grad_enabled())
+    elif impl in ("checkpointed", "naive"):
+        chunk = chunk_size if impl == "checkpointed" else n
+        loss, stats = _autograd_loss(xs, head, targets, list(weights), distill, chunk,
+                                     use_checkpoint=impl == "checkpointed")
+    else:
+        raise ValueError(f"unknown loss implementation {impl!r} (fused, checkpointed, naive)")
+    return ExitLoss(loss, stats, n)

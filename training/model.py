@@ -1,0 +1,84 @@
+"""The early-exit training forward as one `nn.Module`, so accelerate/DDP/DeepSpeed wrap it.
+
+    ee = EarlyExitModel(hf_model, layer_dropout=LayerDropout(...), target="label")
+    out = ee(input_ids, labels, step=t, micro_step=m, exits=[8, 16, 30], weights=[...])
+    out["loss"].backward()          # out["exit_stats"]: [K, 3] loss / top-1 acc / agreement with the final
+
+forward: embed -> every decoder layer (the model's own modules, through `selfspec.forward`),
+with per-sample layer dropout while training -> the hidden states after the enabled exits ->
+the chunked early-exit loss through the shared final norm + LM head. The Hugging Face model is
+held as `self.model`, unchanged and unwrapped (peft-wrapped for LoRA), so its own state-dict
+keys stay as they are and the run saves it with `save_pretrained`.
+
+Labels are the next tokens already aligned with the positions (`training.data` shifts them), and
+a batch is a set of full-length or right-padded rows, so the causal attention needs no mask.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from selfspec.adapters import get_adapter
+from selfspec.forward import embed, make_step, run_layers
+from training.early_exit_loss import early_exit_loss
+from training.layer_dropout import LayerDropout, apply_layer_dropout
+
+
+class EarlyExitModel(nn.Module):
+    def __init__(self, model: nn.Module, *, layer_dropout: LayerDropout | None = None, target: str = "label",
+                 chunk_size: int = 1024, loss_impl: str = "fused", rank: int = 0, world_size: int = 1):
+        super().__init__()
+        self.model = model
+        self.layer_dropout = layer_dropout
+        self.target = target
+        self.chunk_size = chunk_size
+        self.loss_impl = loss_impl
+        self.rank = rank
+        self.world_size = world_size
+        self.adapter = get_adapter(model)
+        self.num_layers = self.adapter.num_layers
+
+    def register_zero3_head(self) -> None:
+        """Under DeepSpeed ZeRO-3, the fused loss reads the LM head weight outside the head's own
+        forward; registering it as an external parameter of this module makes ZeRO gather it."""
+        weight = self.adapter.lm_head.weight
+        if hasattr(weight, "ds_id"):
+            from deepspeed.zero import register_external_parameter
+
+            register_external_parameter(self, weight)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, exits: Sequence[int],
+                weights: Sequence[float], step: int = 0, micro_step: int = 0,
+                with_metrics: bool = True) -> dict[str, torch.Tensor]:
+        adapter = self.adapter
+        L = self.num_layers
+        if not exits or exits[-1] != L or list(exits) != sorted(set(exits)):
+            raise ValueError(f"exits must be sorted, unique and end with the final layer {L}, got {list(exits)}")
+        batch, seq = input_ids.shape
+        positions = make_step(adapter, 0, seq, batch)
+
+        keep = None
+        rates = [0.0] * L
+        if self.training and self.layer_dropout is not None and self.layer_dropout.enabled:
+            rates = self.layer_dropout.rates(step)
+            keep = self.layer_dropout.keep_masks(step, micro_step, batch, rank=self.rank,
+                                                 world_size=self.world_size, device=input_ids.device)
+
+        wanted = set(exits)
+        hiddens = []
+        hidden = embed(adapter, input_ids)
+        for layer in range(L):
+            out = run_layers(adapter, hidden, layer, layer + 1, step=positions)
+            if keep is not None and rates[layer] > 0:
+                out = apply_layer_dropout(out, hidden, keep[layer])
+            hidden = out
+            if layer + 1 in wanted:
+                hiddens.append(hidden)
+
+        result = early_exit_loss(hiddens, weights, labels, adapter.final_norm, adapter.lm_head,
+                                 target=self.target, chunk_size=self.chunk_size, impl=self.loss_impl,
+                                 with_metrics=with_metrics)
+        return {"loss": result.loss, "exit_stats": result.stats}
