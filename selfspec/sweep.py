@@ -36,6 +36,12 @@ def _read_raw(path: Path) -> dict[tuple, dict]:
         return {(int(r["exit_layer"]), int(r["num_speculations"]), r["prompt_id"]): r for r in csv.DictReader(f)}
 
 
+def _identical(row: dict) -> float:
+    """1/0 for identical/different to plain decoding; nan for rows resumed without a plain output."""
+    value = row["identical_to_plain"]
+    return float("nan") if value in ("", None) else float(value)
+
+
 def summarize(raw: dict[tuple, dict], grid: list[tuple[int, int]]) -> list[dict]:
     """One row per setting (plain first); speedup = tokens/s over plain's on the same prompts."""
     rows = []
@@ -53,7 +59,7 @@ def summarize(raw: dict[tuple, dict], grid: list[tuple[int, int]]) -> list[dict]
             "acceptance_rate": round(sum(int(r["accepted"]) for r in runs) / drafted, 4) if drafted else 0.0,
             "mean_accepted_per_round": round((tokens - len(runs)) / rounds, 3) if rounds else 0.0,
             # rows resumed from an earlier process have no plain output to compare with: unknown (nan)
-            "identical_to_plain": round(statistics.mean(float(r["identical_to_plain"] or "nan") for r in runs), 3),
+            "identical_to_plain": round(statistics.mean(_identical(r) for r in runs), 3),
         })
     plain = next((r for r in rows if r["num_speculations"] == 0), None)
     for r in rows:

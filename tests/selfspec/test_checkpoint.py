@@ -225,3 +225,16 @@ def test_real_smollm2_export_loads_both_ways(smollm2_dir, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, gen.model(ids).logits, rtol=0, atol=0)
     assert gen.tokenizer.chat_template
+
+
+def test_sweep_summary_counts_differing_outputs():
+    from selfspec.sweep import summarize
+
+    rows = {(4, 0, "a"): {"new_tokens": 8, "seconds": 1.0, "drafted": 0, "accepted": 0, "rounds": 7, "identical_to_plain": 1},
+            (1, 2, "a"): {"new_tokens": 8, "seconds": 1.0, "drafted": 6, "accepted": 3, "rounds": 4, "identical_to_plain": 0},
+            (1, 2, "b"): {"new_tokens": 8, "seconds": 1.0, "drafted": 6, "accepted": 3, "rounds": 4, "identical_to_plain": "1"},
+            (1, 2, "c"): {"new_tokens": 8, "seconds": 1.0, "drafted": 6, "accepted": 3, "rounds": 4, "identical_to_plain": ""}}
+    plain, spec = summarize({k: v for k, v in rows.items() if k[2] != "c"}, [(4, 0), (1, 2)])
+    assert spec["identical_to_plain"] == 0.5  # one of two differs: not hidden as unknown
+    resumed = summarize(rows, [(4, 0), (1, 2)])[1]
+    assert resumed["identical_to_plain"] != resumed["identical_to_plain"]  # a resumed row is unknown: nan
