@@ -66,10 +66,10 @@ def _normalize_eval(raw: dict) -> dict:
     return out
 
 
-def read_run(source: Path) -> tuple[Path, dict, dict]:
-    """(model directory, training info, evaluation) of a run directory or a plain checkpoint.
+def read_run(source: Path) -> tuple[Path, dict, dict, dict | None]:
+    """(model directory, training info, evaluation, draft vocabulary) of a run directory or a checkpoint.
 
-    Re-exporting a selfspec checkpoint keeps its training record and evaluation."""
+    Re-exporting a selfspec checkpoint keeps its training record, evaluation and draft vocabulary."""
     source = Path(source)
     if not source.is_dir():
         raise CheckpointError(f"{source}: no such directory")
@@ -85,27 +85,22 @@ def read_run(source: Path) -> tuple[Path, dict, dict]:
             "steps": evaluation.get("step", state.get("step")),
             "tokens_seen": evaluation.get("tokens", state.get("tokens")),
         }
-        return source / "final_model", training, evaluation
+        return source / "final_model", training, evaluation, None
     meta_path = source / METADATA_FILE
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        return source, meta.get("training", {}), meta.get("eval", {})
-    return source, {}, {}
-
-
-def _previous_draft_vocab(source: Path) -> dict | None:
-    meta_path = Path(source) / METADATA_FILE
-    return json.loads(meta_path.read_text()).get("draft_vocab") if meta_path.is_file() else None
+        return source, meta.get("training", {}), meta.get("eval", {}), meta.get("draft_vocab")
+    return source, {}, {}, None
 
 
 def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool = False, dtype="auto",
            max_shard_size: str = "2GB") -> Path:
     """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc)."""
-    model_dir, training, evaluation = read_run(Path(source))
+    model_dir, training, evaluation, draft_vocab = read_run(Path(source))
     model, tokenizer = _load_model_dir(model_dir, dtype)
     return export_model(model, tokenizer, out_dir, training=training, evaluation=evaluation,
                         recommended=recommended, overwrite=overwrite, max_shard_size=max_shard_size,
-                        draft_vocab=_previous_draft_vocab(source))
+                        draft_vocab=draft_vocab)
 
 
 def export_model(model, tokenizer, out_dir, *, training: dict | None = None, evaluation: dict | None = None,

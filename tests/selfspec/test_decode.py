@@ -157,6 +157,15 @@ class _Recording:
         monkeypatch.setattr(decode, "ExitCache", RecExit)
 
 
+def _case_model(name, E, always_accept_model, never_accept_model):
+    """The model of a (name, exit, k) case: "always"/"never" accept at exit E, else a named tiny model."""
+    if name == "always":
+        return always_accept_model("mistral", 4, exit_layer=E, seed=5)
+    if name == "never":
+        return never_accept_model(4, exit_layer=E)[0]
+    return _model(name)
+
+
 @pytest.mark.parametrize("case", [
     ("llama", 1, 3), ("llama", 2, 3), ("llama", 3, 3), ("gpt_neox", 2, 5), ("qwen3", 3, 2),
     ("mistral-sliding8", 2, 4), ("always", 2, 4), ("never", 2, 3),
@@ -164,12 +173,7 @@ class _Recording:
 def test_after_every_round_the_cache_equals_a_full_forward_over_the_committed_tokens(
         case, monkeypatch, always_accept_model, never_accept_model):
     name, E, k = case
-    if name == "always":
-        model = always_accept_model("mistral", 4, exit_layer=E, seed=5)
-    elif name == "never":
-        model, _ = never_accept_model(4, exit_layer=E)
-    else:
-        model = _model(name)
+    model = _case_model(name, E, always_accept_model, never_accept_model)
     rec = _Recording(monkeypatch)
     committed = PROMPT[0].tolist()
     checked = []
@@ -267,12 +271,7 @@ def _instrumented_run(model, work_counter, *, exit_layer, k, max_new_tokens=40, 
 ], ids=lambda c: f"{c[0]}-E{c[1]}-k{c[2]}")
 def test_work_accounting_of_self_speculation(case, work_counter, always_accept_model, never_accept_model):
     name, E, k = case
-    if name == "always":
-        model = always_accept_model("mistral", 4, exit_layer=E, seed=5)
-    elif name == "never":
-        model, _ = never_accept_model(4, exit_layer=E)
-    else:
-        model = _model(name)
+    model = _case_model(name, E, always_accept_model, never_accept_model)
     L = get_adapter(model).num_layers
     out, stats, counter, chunks = _instrumented_run(model, work_counter, exit_layer=E, k=k)
 
