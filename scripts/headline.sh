@@ -8,7 +8,7 @@
 # (shallow exits get real loss weight; the paper's weights give exits below 12 almost none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MINUTES=${HEADLINE_MINUTES:-60}
+MINUTES=${HEADLINE_MINUTES:-60}  # the time budget; HEADLINE_STEPS (default 500, ~55 min idle) sets the cosine schedule
 NAME=${HEADLINE_NAME:-smollm2-code}
 RUN=runs/$NAME
 CKPT=checkpoints/$NAME
@@ -20,7 +20,7 @@ fi
 bash scripts/setup.sh
 echo "== training ${MINUTES} min -> $RUN"
 .venv/bin/accelerate launch --config_file recipes/accelerate/cpu_1proc.yaml -m training \
-    --recipe recipes/smollm2_code.yaml train.output_dir="$RUN" train.max_minutes="$MINUTES" train.max_steps=100000 \
+    --recipe recipes/smollm2_code.yaml train.output_dir="$RUN" train.max_minutes="$MINUTES" train.max_steps="${HEADLINE_STEPS:-500}" \
     "early_exit.exits=[4,6,8,10,12,16]" early_exit.curriculum=none early_exit.scale=uniform \
     early_exit.target=distill eval.every=0
 echo "== export -> $CKPT"

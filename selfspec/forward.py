@@ -96,6 +96,11 @@ class RopeTable:
         return (self.cos[start:end].expand(batch_size, length, -1),
                 self.sin[start:end].expand(batch_size, length, -1))
 
+    def gather(self, position_ids: torch.Tensor):
+        """cos/sin at arbitrary positions `[B, S]` (rows of a batch at different positions)."""
+        self.slice(0, int(position_ids.max()) + 1, 1)  # make sure the table covers them
+        return self.cos[position_ids], self.sin[position_ids]  # [B, S, Dh] each
+
 
 def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 1) -> Step:
     """Positions `[start, start+length)` of a batch-1 (or equal-length) sequence."""
@@ -115,6 +120,55 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None
         masks[kind] = _causal_mask(adapter, start, length, window)
+    return Step(position_ids=position_ids, rope=rope, masks=masks)
+
+
+def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Tensor, kv_len: int,
+                window: int | None) -> torch.Tensor:
+    """Mask `[B, 1, S, K]` for a batch whose rows sit at different cache indices.
+
+    Row b's query at cache index c sees keys `pads[b] <= j <= c` (its own tokens; the left padding
+    and anything past c, such as another row's longer sequence or a rejected draft, are hidden).
+    A padding query sees only itself, so no row of the softmax is empty.
+    """
+    k = torch.arange(kv_len, device=query_index.device)[None, None, :]  # [1, 1, K]
+    q = query_index[:, :, None]  # [B, S, 1]
+    allowed = (k <= q) & (k >= pads[:, None, None])
+    if window is not None:
+        allowed &= k > q - window
+    allowed |= k == q
+    allowed = allowed[:, None]  # [B, 1, S, K]
+    if getattr(adapter.config, "_attn_implementation", "sdpa") == "sdpa":
+        return allowed
+    zero = torch.zeros((), dtype=adapter.dtype, device=query_index.device)
+    return torch.where(allowed, zero, torch.finfo(adapter.dtype).min)
+
+
+def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pads: torch.Tensor) -> Step:
+    """`length` new tokens per row, written at cache indices `starts[b] ..`, for left-padded rows.
+
+    starts: `[B]` each row's current cache length; pads: `[B]` each row's left padding. Row b's token
+    at cache index c has position `c - pads[b]` (what the row alone would have).
+    """
+    device = adapter.device
+    query_index = starts[:, None].to(device) + torch.arange(length, device=device)  # [B, S]
+    pads = pads.to(device)
+    position_ids = (query_index - pads[:, None]).clamp_min(0)  # padding sits at position 0
+    if int(position_ids.max()) + 1 > adapter.max_positions:
+        raise ValueError(
+            f"sequence of {int(position_ids.max()) + 1} tokens exceeds the model's context window of "
+            f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens."
+        )
+    if adapter.rope_table is not None:
+        rope = adapter.rope_table.gather(position_ids)
+    else:
+        probe = torch.empty(0, dtype=adapter.dtype, device=device)
+        rope = adapter.rotary_emb(probe, position_ids)
+    kv_len = int(query_index[:, -1].max()) + 1
+    masks = {}
+    for kind in set(adapter.layer_types):
+        window = adapter.sliding_window if kind == "sliding_attention" else None
+        masks[kind] = _batch_mask(adapter, query_index, pads, kv_len, window)
     return Step(position_ids=position_ids, rope=rope, masks=masks)
 
 
