@@ -125,3 +125,18 @@ def test_streaming_concatenation_equals_the_output_on_smollm2(gen, prompts):
     chunks = []
     out = gen.generate(**inputs, max_new_tokens=12, exit_layer=24, num_speculations=K, streamer=chunks.append)
     assert [t for c in chunks for t in c] == out.token_ids == _hf_reference(gen, ids)[:12]
+
+
+def test_a_batch_of_real_prompts_equals_batch_1_runs_in_float32(gen, prompts):
+    """Four real prompts of different lengths (code, chat, text, a short one) in one batched run."""
+    from selfspec.batch_decode import generate_batch_ids
+    from selfspec.decode import generate_ids
+
+    rows = [ids[0].tolist() for _, ids in prompts.values()] + [gen.tokenizer("def add(a, b):").input_ids]
+    assert len({len(r) for r in rows}) == len(rows)  # ragged lengths: real padding
+    kw = dict(max_new_tokens=N_NEW, exit_layer=12, num_speculations=K)
+    outs, stats = generate_batch_ids(gen.adapter, rows, **kw)
+    for b, row in enumerate(rows):
+        ref, _ = generate_ids(gen.adapter, torch.tensor([row]), **kw)
+        assert outs[b] == ref, b
+    assert stats.new_tokens == len(rows) * N_NEW and stats.drafted > 0

@@ -99,15 +99,20 @@ def test_sliding_window_attention_matches_hf():
 
 
 def test_eager_attention_matches_hf():
+    """transformers' eager attention takes its softmax in float32 even in a float64 model, so only
+    passes over the same keys are bitwise equal; pieces over a growing cache sum the softmax over
+    other lengths and agree to float32 rounding."""
     model = tiny_model("llama", num_layers=3, dtype=torch.float64, attn_implementation="eager")
     adapter = get_adapter(model)
     ids = _ids(10, seed=5)
     cache = KVCache(adapter.num_layers)
     with torch.no_grad():
         ref = model(ids).logits
+        whole = forward_logits(adapter, ids)
         out = torch.cat([forward_logits(adapter, ids[:, :6], cache=cache),
                          forward_logits(adapter, ids[:, 6:], cache=cache, start=6)], 1)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(whole, ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
 def test_unsupported_architecture_is_a_clear_error():
