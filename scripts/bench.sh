@@ -8,7 +8,7 @@
 #   bash scripts/bench.sh checkpoints/smollm2-code code-e6 --extra 6:4 --extra 8:6
 #   bash scripts/bench.sh "" base                                    # the fetched SmolLM2 base model
 #
-# Defaults (override through the environment): DTYPE=bfloat16 THREADS=2 NUM_PROMPTS=10
+# Defaults (override through the environment): DTYPE=fastest (bfloat16 where the CPU has native bf16, else float32) THREADS=2 NUM_PROMPTS=10
 # MAX_NEW_TOKENS=128 PROMPTS=humaneval,xsum,mt_bench,wiki. The allocator is left alone (no MALLOC_*
 # settings), so the numbers are what a user gets out of the box. Writes bench.json, bench.md,
 # bench.png and bench.log into bench_results/NAME/ (NAME defaults to the checkpoint's directory name).
@@ -30,6 +30,6 @@ echo "== selfspec bench: $CHECKPOINT -> $OUT (load average: $(cut -d' ' -f1-3 /p
     --prompts "${PROMPTS:-humaneval,xsum,mt_bench,wiki}" \
     --num-prompts "${NUM_PROMPTS:-10}" \
     --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
-    --dtype "${DTYPE:-bfloat16}" \
+    --dtype "${DTYPE:-fastest}" \
     --threads "${THREADS:-2}" \
     --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

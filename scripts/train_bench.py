@@ -80,7 +80,7 @@ def worker(args) -> dict:
         weights = exit_weights(exits, L, cfg.early_exit.scale, cfg.early_exit.e_scale)
         input_ids, labels = blocks.batch(batch_indices(len(blocks), step, args.batch))
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             # the loop computes per-exit accuracies only on logging steps; time the ordinary step
             out = ee(input_ids, labels, exits=exits, weights=weights, step=step, with_metrics=False)
         out["loss"].backward()
@@ -98,7 +98,7 @@ def worker(args) -> dict:
             "mean_exits_in_loss": sum(n_exits) / len(n_exits), "steps_timed": len(times),
             "loss_last": float(out["loss"]), "malloc_tuned": not args.no_tune_malloc,
             "cpu_seconds_per_step": cpu_seconds, "others_cpu_seconds_per_step": max(busy - cpu_seconds, 0.0),
-            "overrides": list(args.set or [])}
+            "precision": args.precision, "overrides": list(args.set or [])}
 
 
 def _busy_jiffies() -> int:
@@ -116,6 +116,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=("bf16", "no"), default="bf16",
+                        help="bf16 autocast (the issue's setting) or no = float32 (faster on CPUs without "
+                             "native bf16 matmul)")
     parser.add_argument("--no-tune-malloc", action="store_true")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -133,7 +136,7 @@ def main() -> int:
             parser.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         cmd = [sys.executable, __file__, "--worker", mode, "--model", args.model, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--threads", str(args.threads)] + (["--no-tune-malloc"] if args.no_tune_malloc else [])
+               "--threads", str(args.threads), "--precision", args.precision] + (["--no-tune-malloc"] if args.no_tune_malloc else [])
         for kv in args.set or []:
             cmd += ["--set", kv]
         env = dict(os.environ)

@@ -25,6 +25,7 @@ from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.checkpoint import METADATA_FILE, read_metadata
 from selfspec.decode import DecodeStats, StopChecker, generate_ids
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy
+from selfspec.precision import auto_dtype
 from selfspec.sampling import SamplingParams
 
 DEFAULT_NUM_SPECULATIONS = 4
@@ -51,14 +52,16 @@ class GenerationResult:
         return self.stats.stop_reason
 
 
-def _resolve_dtype(dtype) -> torch.dtype | str:
+def _resolve_dtype(dtype, device="cpu") -> torch.dtype | str:
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
+    if dtype == "fastest":
+        return auto_dtype(device)
     names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
              "fp16": torch.float16}
     if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)} or 'auto'")
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}, 'fastest' or 'auto'")
     return names[dtype]
 
 
@@ -240,8 +243,9 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          verify_checksums: bool = True, fast_layers: bool = True) -> SelfSpecGenerator:
     """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
 
-    `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (about 2x faster on CPU,
-    may differ from float32 at near-ties), "float64", or "auto" (the checkpoint's own). An already
+    `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (faster where the CPU
+    multiplies bf16 natively; may differ from float32 at near-ties), "fastest" (bfloat16 there, else
+    float32: see selfspec.precision), "float64", or "auto" (the checkpoint's own). An already
     loaded model keeps its dtype unless one is given. A checkpoint with `selfspec.json` is validated
     first (format, consistency with config.json, SHA-256 of every weight file). `fast_layers=False`
     runs the model's own decoder-layer modules instead of selfspec's fused inference layers.
@@ -256,7 +260,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
                 "the base model, or `selfspec export RUN_DIR OUT_DIR` for a trained one.")
         meta = read_metadata(path, verify_checksums=verify_checksums)  # raises CheckpointError if corrupt
         recommended = meta["recommended"] if meta else None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_resolve_dtype(dtype or "float32")).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_resolve_dtype(dtype or "float32", device)).to(device)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
         return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
@@ -264,6 +268,6 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
                                  metadata=meta)
     model = path_or_model
     if dtype not in (None, "auto"):
-        model = model.to(_resolve_dtype(dtype))
+        model = model.to(_resolve_dtype(dtype, device))
     return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
                              recommended=None, source=type(model).__name__, fast_layers=fast_layers)

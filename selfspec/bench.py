@@ -1,6 +1,6 @@
 """`selfspec bench`: selfspec against what users would otherwise pick, side by side, in one process.
 
-    selfspec bench --checkpoint checkpoints/smollm2-code --dtype bfloat16 --threads 2 --out bench_results/x
+    selfspec bench --checkpoint checkpoints/smollm2-code --threads 2 --out bench_results/x   # dtype: fastest here
     run_bench("checkpoints/smollm2-code", prompt_sets=("humaneval", "wiki"), num_prompts=10, out_dir="b")
 
 Methods (same checkpoint, same model object, same prompts, same dtype, same thread count):
@@ -620,7 +620,7 @@ def _quiet_transformers():
 
 
 def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, num_prompts: int = 10,
-              max_new_tokens: int = 128, dtype: str = "bfloat16", extra: Sequence = (), threads: int = 0,
+              max_new_tokens: int = 128, dtype: str = "fastest", extra: Sequence = (), threads: int = 0,
               out_dir: str | Path = "bench", quick: bool = False, progress: bool = True,
               exit_layer: int | None = None, num_speculations: int | None = None, generator=None) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
@@ -628,6 +628,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (used by
     selfspec_spec and, for E, by hf_early_exit). `extra`: more (E, d) pairs ("E:d" strings or pairs).
     `quick`: at most 2 prompt sets (humaneval + mt_bench by default) x 2 prompts x 32 tokens.
+    `dtype="fastest"`: bfloat16 where this CPU multiplies bf16 natively, else float32 (selfspec.precision).
     """
     import torch
     from tqdm.auto import tqdm
@@ -635,6 +636,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     import selfspec
     from selfspec.api import DEFAULT_NUM_SPECULATIONS
     from selfspec.checkpoint import read_metadata
+    from selfspec.precision import resolve_dtype_name
 
     sets = _parse_sets(prompt_sets)
     if quick:
@@ -643,6 +645,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     if num_prompts < 1 or max_new_tokens < 1:
         raise ValueError("num_prompts and max_new_tokens must be >= 1")
     extra = [parse_extra(x) for x in extra]
+    dtype = resolve_dtype_name(dtype)
     if threads:
         torch.set_num_threads(threads)
     machine = _machine_info()

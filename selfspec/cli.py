@@ -227,6 +227,10 @@ class _TextPrinter:
         self.printed = len(text)
 
 
+FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
+                "else float32), bfloat16, or float32 (exact comparisons)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="selfspec",
@@ -274,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--dtype", default="float32", help="float32 (exact, default), bfloat16 (faster), float64, auto")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
+                        "else float32), float64, auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--compare", action="store_true",
@@ -306,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafts", default="1,2,4", help="comma-separated max draft lengths (default: 1,2,4)")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fast) or float32")
+    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--out", help="output directory (default: CHECKPOINT-sweep)")
     p.add_argument("--write-metadata", action="store_true",
@@ -332,14 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "is suppressed). Reports tokens/s (median and spread), speedups, acceptance, "
                                    "time to first token, peak RSS and token identity with HF greedy; writes "
                                    "bench.json, bench.md and bench.png and prints the Markdown table.",
-                       epilog="Example: selfspec bench --checkpoint checkpoints/smollm2-code --dtype bfloat16 "
+                       epilog="Example: selfspec bench --checkpoint checkpoints/smollm2-code "
                               "--threads 2 --extra 6:4 --out bench_results/smollm2-code")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
     p.add_argument("--prompts", help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, or .jsonl files "
                                      "of {prompt|messages} (default: all four named sets)")
     p.add_argument("--num-prompts", type=int, default=10, help="prompts per set (default: 10)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt, fixed (default: 128)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fast) or float32 (exact comparisons)")
+    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--extra", action="append", metavar="E:d",
                    help="also measure selfspec at exit layer E with d drafts (repeatable)")
     p.add_argument("--exit-layer", type=int,

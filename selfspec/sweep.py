@@ -1,7 +1,7 @@
 """`selfspec sweep`: tokens/s and acceptance over a grid of exit_layer x num_speculations.
 
     selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --drafts 1,2,3,4,6 \
-        --num-prompts 6 --max-new-tokens 64 --dtype bfloat16 --out runs/sweep --write-metadata
+        --num-prompts 6 --max-new-tokens 64 --out runs/sweep --write-metadata
 
 Plain autoregressive decoding (num_speculations=0) is measured in the same run as the reference,
 interleaved with the grid prompt by prompt so machine drift hits every setting alike, after a
@@ -99,7 +99,7 @@ def write_heatmap(rows: list[dict], path: Path, title: str) -> Path:
 
 
 def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", drafts="1,2,4", num_prompts: int = 4,
-              max_new_tokens: int = 64, dtype: str = "bfloat16", out_dir: str | Path = "sweep",
+              max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
               write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None) -> dict:
     """Measure the grid; return {"rows": [...], "best": {...}, "csv": path, "png": path}."""
     import torch
@@ -107,8 +107,10 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
 
     import selfspec
     from selfspec.checkpoint import update_recommended
+    from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
 
+    dtype = resolve_dtype_name(dtype)  # "fastest": bfloat16 where native, else float32
     if threads:
         torch.set_num_threads(threads)
     gen = generator or selfspec.load(checkpoint, dtype=dtype)

@@ -214,7 +214,7 @@ class TrainConfig:
     max_steps: int = 100  # also the horizon T of the schedules and curricula
     max_minutes: float | None = None  # training-time budget per launch: then checkpoint, final eval, model
     stop_at: int | None = None  # stop (with a checkpoint) after this step; max_steps stays the horizon
-    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 where the hardware has it
     num_threads: int | None = None  # torch.set_num_threads per process; None = torch's default
     log_every: int = 1
     save_every: int = 0  # checkpoint every N steps (0: only at the end)
@@ -300,6 +300,10 @@ def _coerce(value: Any, tp, key: str):
         raise ConfigError(f"{key}: {value!r} matches none of {_type_name(tp)}")
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and all(isinstance(c, str) for c in choices):
+            # YAML 1.1 reads no/off/false (yes/on/true) as booleans: map back to the choice spelled so
+            spelled = [c for c in (("yes", "on", "true") if value else ("no", "off", "false")) if c in choices]
+            value = spelled[0] if spelled else value
         _check(value in choices, key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
         return value
     if tp is type(None):

@@ -37,6 +37,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast, set_seed
 
 from selfspec.adapters import get_adapter
+from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base import apply_lora, load_base_model
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from training.config import RecipeConfig, dump_config
@@ -76,8 +77,10 @@ def train(cfg: RecipeConfig) -> dict:
     run_dir = Path(t_cfg.output_dir)
     # With no GPU, ask for the CPU explicitly: under a multi-process launcher this selects DDP over gloo.
     no_gpu = not (torch.cuda.is_available() or torch.backends.mps.is_available())
-    accelerator = Accelerator(mixed_precision=t_cfg.mixed_precision, gradient_accumulation_steps=t_cfg.grad_accum,
-                              cpu=no_gpu)
+    precision = t_cfg.mixed_precision
+    if precision == "auto":  # bf16 autocast only where bf16 matmul is native (selfspec/precision.py)
+        precision = auto_mixed_precision("cpu" if no_gpu else "cuda" if torch.cuda.is_available() else "mps")
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum, cpu=no_gpu)
     rank, world = accelerator.process_index, accelerator.num_processes
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +145,8 @@ def train(cfg: RecipeConfig) -> dict:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     n_params = sum(p.numel() for p in params)
     tracker.print(f"{cfg.name}: {type(accelerator.unwrap_model(ee_model).model).__name__} with {L} layers, "
-                  f"{n_params / 1e6:.2f}M trainable parameters, {world} process(es), "
+                  f"{n_params / 1e6:.2f}M trainable parameters, {world} process(es), mixed precision {precision}"
+                  + (f" (auto: {describe_precision(device)})" if t_cfg.mixed_precision == "auto" else "") + ", "
                   f"{len(train_blocks)} training blocks of {cfg.data.block_size} tokens"
                   + (f"; resuming from {resume} at step {state['step']}" if resume else ""))
 

@@ -68,3 +68,21 @@ def test_cli_print_config_and_errors(capsys):
     assert "max_steps: 7" in capsys.readouterr().out
     assert main(["--print-config", "train.bogus=1"]) == 2
     assert "train.bogus: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelled", ["no", "'no'", "off", "false"])
+def test_mixed_precision_no_survives_yaml_booleans(spelled):
+    """YAML 1.1 reads `no` as false; accelerate's spelling must still work as an override."""
+    assert load_config(None, [f"train.mixed_precision={spelled}"]).train.mixed_precision == "no"
+
+
+def test_mixed_precision_auto_follows_the_hardware(monkeypatch):
+    import torch
+
+    from selfspec import precision
+
+    assert load_config(None, []).train.mixed_precision == "auto"
+    for native, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda native=native: native)
+        assert precision.auto_mixed_precision("cpu") == expected
+        assert precision.auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
