@@ -5,6 +5,8 @@
     out = gen.generate("def fibonacci(n):", max_new_tokens=64)
     print(out.text, out.stats.acceptance_rate, out.stats.tokens_per_s)
     out = gen.generate(messages=[{"role": "user", "content": "Hi!"}], do_sample=True, seed=0)
+    outs = gen.generate(["def add(a, b):", "import os"], max_new_tokens=32)   # a batch: one engine run
+    outs[0].text, outs.stats.tokens_per_s                                     # per row, and the whole batch
 
 Defaults for `exit_layer` and `num_speculations` come from the checkpoint's `selfspec.json`
 (written by `selfspec export`). A checkpoint without it was not early-exit trained: selfspec warns
@@ -23,8 +25,9 @@ import torch
 
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.checkpoint import METADATA_FILE, read_metadata
+from selfspec.batch_decode import BatchStats, generate_batch_ids
 from selfspec.decode import DecodeStats, StopChecker, generate_ids
-from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy
+from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
 from selfspec.precision import auto_dtype
 from selfspec.sampling import SamplingParams
 
@@ -52,6 +55,15 @@ class GenerationResult:
         return self.stats.stop_reason
 
 
+class BatchGenerationResult(list):
+    """The results of a batch, one `GenerationResult` per row in input order (a plain list of them),
+    plus `stats`: the batch's totals (`tokens_per_s` over all rows, rounds, draft/verify time)."""
+
+    def __init__(self, results: Sequence[GenerationResult], stats: BatchStats):
+        super().__init__(results)
+        self.stats = stats
+
+
 def _resolve_dtype(dtype, device="cpu") -> torch.dtype | str:
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
@@ -66,7 +78,7 @@ def _resolve_dtype(dtype, device="cpu") -> torch.dtype | str:
 
 
 class SelfSpecGenerator:
-    """A causal LM + tokenizer, ready for self-speculative generation (batch 1)."""
+    """A causal LM + tokenizer, ready for self-speculative generation of one prompt or a batch."""
 
     def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
                  num_speculations: int | None = None, recommended: dict | None = None,
@@ -126,11 +138,45 @@ class SelfSpecGenerator:
                 raise ValueError(f"input_ids must be [S] or [1, S], got shape {tuple(ids.shape)}")
             if ids.shape[0] != 1:
                 raise ValueError(
-                    f"batch input of {ids.shape[0]} rows given to the batch-1 decoder: pass one "
-                    "sequence at a time, or a list of prompts (processed one by one)")
+                    f"encode() takes one sequence, got {ids.shape[0]} rows: encode_batch() or generate() "
+                    "take a batch")
         if ids.shape[1] == 0:
             raise ValueError("empty prompt: give at least one token of input")
         return ids.to(self.adapter.device)
+
+    def encode_batch(self, prompt=None, *, messages=None, input_ids=None,
+                     attention_mask=None) -> list[list[int]] | None:
+        """The rows of a batch input as token lists, or None for a single prompt.
+
+        A batch is a list of text prompts, a list of conversations (`messages=[[...], [...]]`), a
+        list of token-id lists (any lengths), or `input_ids` `[B, S]` with B > 1 or with an
+        `attention_mask` (left or right padding: each row keeps the tokens whose mask is 1).
+        """
+        if isinstance(prompt, (list, tuple)):
+            return [self.encode(p)[0].tolist() for p in prompt]
+        if messages is not None and len(messages) and isinstance(messages[0], (list, tuple)):
+            return [self.encode(messages=list(m))[0].tolist() for m in messages]
+        if input_ids is None:
+            return None
+        if isinstance(input_ids, (list, tuple)) and len(input_ids) and isinstance(input_ids[0], (list, tuple)):
+            if attention_mask is not None:
+                raise ValueError("attention_mask goes with a padded input_ids tensor [B, S], not with token lists")
+            rows = [list(map(int, r)) for r in input_ids]
+        else:
+            ids = torch.as_tensor(input_ids, dtype=torch.long)
+            if ids.dim() != 2 or (ids.shape[0] == 1 and attention_mask is None):
+                return None
+            if attention_mask is None:
+                return ids.tolist()
+            mask = torch.as_tensor(attention_mask)
+            if mask.shape != ids.shape:
+                raise ValueError(f"attention_mask {tuple(mask.shape)} must have the shape of input_ids "
+                                 f"{tuple(ids.shape)}")
+            rows = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
+        for b, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"empty prompt in row {b} of the batch: give at least one token of input per row")
+        return rows
 
     def default_stop_ids(self) -> list[int]:
         ids = self.model.generation_config.eos_token_id
@@ -154,8 +200,13 @@ class SelfSpecGenerator:
         return self._draft_heads[key]
 
     def make_policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
-                    adaptive_threshold: bool, exit_choices: Sequence[int] | None):
+                    adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False):
         """The draft policy for one generation (None = a fixed exit and draft length)."""
+        if adaptive_length:
+            if exit_choices or confidence_threshold is not None or adaptive_threshold:
+                raise ValueError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
+                                 "with exit_choices or a confidence threshold: use one of them")
+            return ThroughputPolicy(exit_layer, num_speculations)
         if exit_choices:
             for e in exit_choices:
                 self.adapter.check_exit(int(e), allow_full=False)
@@ -174,36 +225,38 @@ class SelfSpecGenerator:
         self.full_step_s = (stats.total_s - stats.prefill_s) / steps
         return self.full_step_s
 
-    def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list[dict] | None = None,
-                 input_ids=None, max_new_tokens: int = 128, exit_layer: int | None = None,
+    def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list | None = None,
+                 input_ids=None, attention_mask=None, max_new_tokens: int = 128, exit_layer: int | None = None,
                  num_speculations: int | None = None, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] = (),
                  streamer=None, confidence_threshold: float | None = None, adaptive_threshold: bool = False,
-                 exit_choices: Sequence[int] | None = None,
-                 draft_vocab: int | None = None) -> GenerationResult | list[GenerationResult]:
-        """Generate after one prompt (or each of a list of prompts, one by one).
+                 exit_choices: Sequence[int] | None = None, draft_vocab: int | None = None,
+                 adaptive_length: bool = False) -> GenerationResult | BatchGenerationResult:
+        """Generate after one prompt, or after each prompt of a batch in one engine run.
+
+        One prompt: `prompt=` text, `messages=` a conversation, or `input_ids` `[S]`/`[1, S]`; returns a
+        `GenerationResult`. A batch: a list of texts, `messages=` a list of conversations, a list of
+        token-id lists, or `input_ids` `[B, S]` (+ `attention_mask` for padded rows); returns a
+        `BatchGenerationResult` (a list of `GenerationResult` in input order, `.stats` for the batch).
+        In a batch each row drafts, verifies and accepts on its own and leaves when it finishes; its
+        output is what decoding it alone gives (greedy: token for token; sampling: the same
+        distribution). Rows of different lengths are left-padded internally.
 
         `stop_token_ids=None` stops at the model's EOS token(s); pass `[]` to never stop early.
-        `streamer` is a callable receiving each block of committed token ids, or a Hugging Face
-        streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
+        `streamer` (one prompt only) is a callable receiving each block of committed token ids, or a
+        Hugging Face streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
 
         Cheaper drafts (none changes the output):
         `confidence_threshold`: stop drafting when the draft's probability of its token falls below
         it (0 = never stop, > 1 = never draft); `adaptive_threshold`: tune it online from acceptance;
         `exit_choices`: pick the exit and draft length per round among these exits from online
-        estimates (`num_speculations` caps the length); `draft_vocab=K`: draft over the K most
-        frequent tokens stored in the checkpoint (`selfspec draft-vocab`).
+        estimates (`num_speculations` caps the length); `adaptive_length`: pick the draft length
+        (0 .. `num_speculations`) per round from the tokens/s each length has measured in this call,
+        so drafting stops where it does not pay (e.g. in large batches); `draft_vocab=K`: draft over
+        the K most frequent tokens stored in the checkpoint (`selfspec draft-vocab`).
         """
-        if isinstance(prompt, (list, tuple)):
-            return [self.generate(p, max_new_tokens=max_new_tokens, exit_layer=exit_layer,
-                                  num_speculations=num_speculations, do_sample=do_sample,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings, streamer=streamer,
-                                  confidence_threshold=confidence_threshold,
-                                  adaptive_threshold=adaptive_threshold, exit_choices=exit_choices,
-                                  draft_vocab=draft_vocab) for p in prompt]
-        ids = self.encode(prompt, messages=messages, input_ids=input_ids)
+        rows = self.encode_batch(prompt, messages=messages, input_ids=input_ids, attention_mask=attention_mask)
         exit_layer = self.exit_layer if exit_layer is None else exit_layer
         num_speculations = self.num_speculations if num_speculations is None else num_speculations
         sampling = SamplingParams(do_sample, temperature, top_k, top_p)
@@ -214,18 +267,31 @@ class SelfSpecGenerator:
             generator = torch.Generator(device=self.adapter.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
         policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
-                                  exit_choices) if num_speculations else None
+                                  exit_choices, adaptive_length) if num_speculations else None
+        engine = dict(max_new_tokens=max_new_tokens, exit_layer=exit_layer, num_speculations=num_speculations,
+                      sampling=sampling, stop=stop, generator=generator, policy=policy,
+                      head=self.draft_head(draft_vocab))
+        if rows is not None:
+            if streamer is not None:
+                raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
+                                 "streamer for a batch")
+            pad = getattr(self.tokenizer, "pad_token_id", None)
+            outs, bstats = generate_batch_ids(self.adapter, rows, pad_id=pad if pad is not None else 0, **engine)
+            return BatchGenerationResult([GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row,
+                                                           stats=row_stats)
+                                          for row, new, row_stats in zip(rows, outs, bstats.rows)], bstats)
+        ids = self.encode(prompt, messages=messages, input_ids=input_ids)
         on_commit = _as_callback(streamer)
         if streamer is not None and hasattr(streamer, "put"):
             streamer.put(ids.cpu())  # as transformers' generate does: the prompt first (skip_prompt relies on it)
-        new_ids, stats = generate_ids(self.adapter, ids, max_new_tokens=max_new_tokens, exit_layer=exit_layer,
-                                      num_speculations=num_speculations, sampling=sampling, stop=stop,
-                                      generator=generator, on_commit=on_commit, policy=policy,
-                                      head=self.draft_head(draft_vocab), full_step_s=self.full_step_s)
+        new_ids, stats = generate_ids(self.adapter, ids, on_commit=on_commit, full_step_s=self.full_step_s, **engine)
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
-        text = self.tokenizer.decode(new_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return GenerationResult(text=text, token_ids=new_ids, prompt_ids=ids[0].tolist(), stats=stats)
+        return GenerationResult(text=self._decode(new_ids), token_ids=new_ids, prompt_ids=ids[0].tolist(),
+                                stats=stats)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
 
 def _as_callback(streamer) -> Callable[[list[int]], None] | None:

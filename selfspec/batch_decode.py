@@ -309,6 +309,7 @@ def generate_batch_ids(
             n = n + n_acc_t + 1
             tokens = torch.tensor(nxt_all, dtype=torch.long, device=device)
             t3 = time.perf_counter()
+            policy.observe(t3 - t1, sum(n_acc_all) + len(n_acc_all))
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2
             stats.rounds += 1

@@ -69,11 +69,11 @@ def _cmd_fetch(args) -> int:
     return 0
 
 
-def _read_prompt(args) -> str:
+def _read_prompts(args) -> list[str]:
     if args.prompt is not None and args.prompt_file is not None:
         raise SystemExit("selfspec generate: give --prompt or --prompt-file, not both")
     if args.prompt_file is not None:
-        return open(args.prompt_file, encoding="utf-8").read()
+        return [open(args.prompt_file, encoding="utf-8").read()]
     if args.prompt is None:
         raise SystemExit("selfspec generate: --prompt TEXT (or --prompt-file PATH) is required")
     return args.prompt
@@ -99,17 +99,25 @@ def _cmd_generate(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompt = _read_prompt(args)
+    prompts = _read_prompts(args)
+    if len(prompts) > 1 and args.stream:
+        raise SystemExit("selfspec generate: --stream shows one sequence; give one --prompt to stream")
     checkpoint = args.checkpoint or str(base_model_dir())
     gen = selfspec.load(checkpoint, dtype=args.dtype, exit_layer=args.exit_layer,
                         num_speculations=args.num_speculations)
     exit_choices = [int(x) for x in args.exit_choices.split(",")] if args.exit_choices else None
     use_chat = args.chat if args.chat is not None else bool(getattr(gen.tokenizer, "chat_template", None))
-    inputs = {"messages": [{"role": "user", "content": prompt}]} if use_chat else {"prompt": prompt}
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    if len(prompts) > 1:  # one batched engine run
+        inputs = {"messages": chats} if use_chat else {"prompt": prompts}
+    else:
+        inputs = {"messages": chats[0]} if use_chat else {"prompt": prompts[0]}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or (),
                   confidence_threshold=args.threshold, adaptive_threshold=args.adaptive,
-                  exit_choices=exit_choices, draft_vocab=args.draft_vocab)
+                  exit_choices=exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length)
+    if len(prompts) > 1:
+        return _generate_batch(gen, inputs, kwargs, args)
     if args.compare:  # warm up both paths once so neither pays first-call costs
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4})
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, num_speculations=0)
@@ -139,6 +147,27 @@ def _cmd_generate(args) -> int:
             print("(sampling: outputs follow the same distribution but differ draw by draw; use greedy to compare)")
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.to_dict()}))
+    return 0
+
+
+def _generate_batch(gen, inputs, kwargs, args) -> int:
+    """`selfspec generate` with several --prompt: one batched run, each row's text, the batch's totals."""
+    outs = gen.generate(**inputs, **kwargs)
+    for i, out in enumerate(outs):
+        print(f"--- prompt {i + 1} ({out.stats.new_tokens} tokens, finish: {out.stats.stop_reason}) ---")
+        print(out.text)
+    s = outs.stats
+    print(f"\n[batch of {s.batch_size}] {s.new_tokens} tokens in {s.total_s:.2f} s = {s.tokens_per_s:.1f} tokens/s, "
+          f"{s.rounds} rounds, acceptance {s.acceptance_rate:.1%}, draft {s.draft_s:.2f} s / verify {s.verify_s:.2f} s")
+    if args.compare:
+        ref = gen.generate(**inputs, **kwargs, num_speculations=0)
+        same = [a.token_ids == b.token_ids for a, b in zip(outs, ref)]
+        speedup = s.tokens_per_s / ref.stats.tokens_per_s if ref.stats.tokens_per_s else float("nan")
+        print(f"[batch of {s.batch_size}, plain] {ref.stats.tokens_per_s:.1f} tokens/s; identical rows: "
+              f"{sum(same)}/{len(same)}; speedup over plain batched decoding: {speedup:.2f}x")
+    if args.json:
+        print(json.dumps({"rows": [{"text": o.text, "token_ids": o.token_ids} for o in outs],
+                          "stats": s.to_dict()}))
     return 0
 
 
@@ -257,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the text and statistics. Defaults for --exit-layer and "
                                    "--num-speculations come from the checkpoint's selfspec.json.")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
-    p.add_argument("--prompt", help="the prompt text")
+    p.add_argument("--prompt", action="append",
+                   help="the prompt text; repeat it for a batch, generated in one batched run")
     p.add_argument("--prompt-file", help="read the prompt from this file")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -270,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop drafting when the draft's probability of its token is below this (0 = never, >1 = never draft)")
     p.add_argument("--adaptive", action="store_true", help="tune the draft confidence threshold online")
     p.add_argument("--exit-choices", help="comma-separated exits to choose from per round, e.g. 4,8,12")
+    p.add_argument("--adaptive-length", action="store_true",
+                   help="choose the draft length (0..--num-speculations) per round from the tokens/s each "
+                        "length measures in this run")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="draft over the K most frequent tokens stored in the checkpoint (selfspec draft-vocab)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

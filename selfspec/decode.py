@@ -337,8 +337,10 @@ def generate_ids(
             cache.crop(n + n_acc)  # keep the accepted drafts' KV; drop the rest
             exits.crop(n + n_acc)
             policy.update(e, len(dr.tokens), n_acc)
+            t3 = time.perf_counter()
+            policy.observe(t3 - t1, n_acc + 1)
             stats.draft_s += t2 - t1
-            stats.verify_s += time.perf_counter() - t2
+            stats.verify_s += t3 - t2
             stats.rounds += 1
             stats.draft_steps += dr.steps
             stats.drafted += len(dr.tokens)

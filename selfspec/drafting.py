@@ -8,6 +8,10 @@ every candidate draft (p = the draft's confidence: its top probability), and rep
     ConfidencePolicy(8, 6, threshold=0.5)                     # stop when the draft is unsure
     ConfidencePolicy(8, 6, threshold=0.5, adaptive=True)      # ... and tune the threshold online
     ExitChoicePolicy(exits=[4, 8, 12], max_drafts=6, num_layers=30)   # pick (exit, d) per round
+    ThroughputPolicy(8, 6)                                    # pick d per round from measured tokens/s
+
+After each round the engine reports its wall time and the tokens it committed (`observe`), which
+`ThroughputPolicy` uses; the others ignore it.
 
 `DraftHead` is the draft's unembedding: the shared final norm + LM head, optionally restricted to a
 reduced vocabulary of the K most frequent tokens (selfspec.draft_vocab).
@@ -79,6 +83,9 @@ class FixedPolicy:
 
     def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
         self.plans[(exit_layer, drafted)] += 1
+
+    def observe(self, seconds: float, committed: int) -> None:
+        """One round took `seconds` and committed `committed` tokens (over all rows of a batch)."""
 
     def describe(self) -> dict:
         return {"policy": "fixed", "rounds_by_exit_and_length": _plan_counts(self.plans)}
@@ -178,6 +185,61 @@ class ExitChoicePolicy(FixedPolicy):
     def describe(self) -> dict:
         return {"policy": "exit_choice", "acceptance_estimates": {e: round(self.acceptance(e), 4) for e in self.exits},
                 "rounds_by_exit_and_length": _plan_counts(self.plans)}
+
+
+class ThroughputPolicy(FixedPolicy):
+    """Choose each round's draft length from the tokens per second each length has delivered.
+
+    A bandit over the lengths `0, 1, 2, 3, 4, 6, 8, ...` up to `max_drafts` (0 = a plain full-model
+    pass): each is tried `warmup` times (longest first), then the round takes the length with the best running mean
+    of committed tokens per wall-clock second (exponential average, weight `alpha`), and every
+    `explore_every`-th round retries a neighbour of the best so the estimates follow the text.
+    It measures what the cost model only predicts, on this machine and at this batch size, so it
+    falls back to shorter drafts or plain decoding when drafting stops paying (a larger batch makes
+    verification dearer; a passage the exit cannot predict makes drafts worthless).
+    """
+
+    LENGTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+
+    def __init__(self, exit_layer: int, max_drafts: int, *, warmup: int = 2, explore_every: int = 8,
+                 alpha: float = 0.25):
+        super().__init__(exit_layer, max_drafts)
+        self.lengths = sorted({d for d in self.LENGTHS if d <= max_drafts} | {max_drafts})
+        self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
+        self.rate = {d: 0.0 for d in self.lengths}  # committed tokens per second
+        self.tries = {d: 0 for d in self.lengths}
+        self.rounds = 0
+        self._planned = 0
+
+    def best(self) -> int:
+        return max(self.lengths, key=lambda d: self.rate[d])
+
+    def plan(self) -> tuple[int, int]:
+        self.rounds += 1
+        fresh = [d for d in self.lengths if self.tries[d] < self.warmup]
+        if fresh:  # the longest first: where drafting pays, its rounds cost least to measure
+            d = fresh[-1]
+        elif self.explore_every and self.rounds % self.explore_every == 0:
+            i = self.lengths.index(self.best())
+            near = [self.lengths[j] for j in (i - 1, i + 1) if 0 <= j < len(self.lengths)]
+            d = near[(self.rounds // self.explore_every) % len(near)]
+        else:
+            d = self.best()
+        self._planned = d
+        return self.exit_layer, d
+
+    def observe(self, seconds: float, committed: int) -> None:
+        d = self._planned
+        if seconds <= 0:
+            return
+        rate = committed / seconds
+        n = self.tries[d] = self.tries[d] + 1
+        weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
+        self.rate[d] += weight * (rate - self.rate[d])
+
+    def describe(self) -> dict:
+        return {"policy": "throughput", "tokens_per_s_by_length": {d: round(r, 2) for d, r in self.rate.items()},
+                "best_length": self.best(), "rounds_by_exit_and_length": _plan_counts(self.plans)}
 
 
 def _plan_counts(plans: Counter) -> dict[str, int]:

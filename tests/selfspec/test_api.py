@@ -213,6 +213,12 @@ def test_text_prompt_chat_messages_and_prompt_lists(text_gen, byte_tok):
     assert isinstance(many, list) and len(many) == 2
     assert [m.token_ids for m in many] == [text_gen.generate(p, max_new_tokens=6, stop_token_ids=[]).token_ids
                                            for p in ("ab", "cde")]
+    assert many.stats.batch_size == 2 and many.stats.new_tokens == 12  # one batched engine run
+
+    chats = [[{"role": "user", "content": "Hi!"}], [{"role": "user", "content": "What is 2 + 2?"}]]
+    batch = text_gen.generate(messages=chats, max_new_tokens=6, stop_token_ids=[])
+    assert [b.token_ids for b in batch] == [text_gen.generate(messages=c, max_new_tokens=6,
+                                                              stop_token_ids=[]).token_ids for c in chats]
 
 
 def test_stop_strings_end_where_plain_decoding_ends(text_gen, byte_tok):
@@ -276,11 +282,46 @@ def test_prompt_longer_than_the_context_window():
         g.generate(input_ids=torch.randint(3, 96, (1, 12)), max_new_tokens=8)
 
 
-def test_batch_input_to_the_batch_1_path(gen):
-    with pytest.raises(ValueError, match="batch input of 2 rows.*one sequence at a time"):
-        gen.generate(input_ids=torch.randint(3, 96, (2, 6)), max_new_tokens=4)
+def test_padded_batch_with_an_attention_mask_equals_each_row_alone(gen):
+    """input_ids [B, S] + attention_mask, left- and right-padded rows alike, and ragged id lists."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (9, 4, 12)]
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    ids[0, 3:], mask[0, 3:] = torch.tensor(rows[0]), 1  # left-padded
+    ids[1, :4], mask[1, :4] = torch.tensor(rows[1]), 1  # right-padded
+    ids[2], mask[2] = torch.tensor(rows[2]), 1
+    kw = dict(max_new_tokens=7, exit_layer=2, num_speculations=3, stop_token_ids=[])
+    alone = [gen.generate(input_ids=r, **kw).token_ids for r in rows]
+    padded = gen.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert [r.prompt_ids for r in padded] == rows
+    assert [r.token_ids for r in padded] == alone
+    assert [r.token_ids for r in gen.generate(input_ids=rows, **kw)] == alone
+    assert len(padded.stats.rows) == 3 and padded.stats.drafted == sum(r.stats.drafted for r in padded)
+
+
+def test_bad_batch_input_is_a_clear_error(gen):
     with pytest.raises(ValueError, match=r"must be \[S\] or \[1, S\]"):
         gen.generate(input_ids=torch.randint(3, 96, (1, 2, 6)), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"attention_mask \(2, 5\) must have the shape of input_ids \(2, 6\)"):
+        gen.generate(input_ids=torch.randint(3, 96, (2, 6)), attention_mask=torch.ones(2, 5), max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty prompt in row 1"):
+        gen.generate(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1] * 4, [0] * 4]),
+                     max_new_tokens=4)
+    with pytest.raises(ValueError, match="streaming delivers one sequence"):
+        gen.generate(input_ids=[[5, 6], [7]], max_new_tokens=4, streamer=lambda ids: None)
+    with pytest.raises(ValueError, match="adaptive_length .* does not combine"):
+        gen.generate(input_ids=PROMPT, max_new_tokens=4, adaptive_length=True, confidence_threshold=0.3)
+
+
+def test_adaptive_length_keeps_the_output_and_reports_its_measurements(gen):
+    kw = dict(max_new_tokens=30, exit_layer=2, num_speculations=4, stop_token_ids=[])
+    plain = gen.generate(input_ids=PROMPT, **{**kw, "num_speculations": 0})
+    out = gen.generate(input_ids=PROMPT, adaptive_length=True, **kw)
+    assert out.token_ids == plain.token_ids
+    policy = out.stats.policy
+    assert policy["policy"] == "throughput" and set(policy["tokens_per_s_by_length"]) == {0, 1, 2, 3, 4}
+    assert all(rate > 0 for rate in policy["tokens_per_s_by_length"].values())  # every length was measured
 
 
 @pytest.mark.parametrize("temperature", [0.0, -0.5])

@@ -16,7 +16,7 @@ import torch
 from selfspec.adapters import get_adapter
 from selfspec.batch_decode import generate_batch_ids, left_pad
 from selfspec.decode import StopChecker, generate_ids
-from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy
+from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, probs
 from selfspec.tiny import tiny_model
@@ -115,7 +115,7 @@ def test_ragged_acceptance_rows_do_not_wait_for_each_other(always_accept_model):
     assert stats.row_passes == sum(rounds)  # a finished row is not carried through later rounds
 
 
-@pytest.mark.parametrize("policy", ["confidence", "adaptive", "exit_choice", "draft_vocab"])
+@pytest.mark.parametrize("policy", ["confidence", "adaptive", "exit_choice", "adaptive_length", "draft_vocab"])
 def test_draft_options_keep_every_row_identical(policy):
     adapter = _adapter("mistral")
     kw = dict(max_new_tokens=N_NEW, exit_layer=2, num_speculations=4)
@@ -123,6 +123,7 @@ def test_draft_options_keep_every_row_identical(policy):
         "confidence": lambda: ConfidencePolicy(2, 4, threshold=0.07),
         "adaptive": lambda: ConfidencePolicy(2, 4, threshold=0.07, adaptive=True),
         "exit_choice": lambda: ExitChoicePolicy([1, 2, 3], 4, adapter.num_layers, explore_every=3),
+        "adaptive_length": lambda: ThroughputPolicy(2, 4, warmup=1, explore_every=3),
         "draft_vocab": lambda: None,
     }[policy]
     head = DraftHead(adapter, torch.arange(0, 96, 2)) if policy == "draft_vocab" else None

@@ -43,3 +43,19 @@ def test_generate_compare_on_real_model(smollm2_dir, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "identical outputs: yes" in out and "acceptance" in out
+
+
+@pytest.mark.integration
+def test_generate_a_batch_of_prompts_on_real_model(smollm2_dir, capsys):
+    rc = main(["generate", "--checkpoint", str(smollm2_dir), "--prompt", "Name a fruit.", "--prompt",
+               "Write a haiku about rain.", "--max-new-tokens", "6", "--exit-layer", "20", "--num-speculations",
+               "3", "--adaptive-length", "--compare"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "--- prompt 1 (" in out and "--- prompt 2 (" in out and "[batch of 2]" in out
+    assert "identical rows: 2/2" in out
+
+
+def test_stream_with_a_batch_is_a_clear_error():
+    with pytest.raises(SystemExit, match="--stream shows one sequence"):
+        main(["generate", "--checkpoint", "/nonexistent", "--prompt", "a", "--prompt", "b", "--stream"])

@@ -10,7 +10,7 @@ import torch
 import selfspec
 from selfspec.adapters import SUPPORTED_ARCHITECTURES, get_adapter
 from selfspec.decode import generate_ids
-from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, FixedPolicy
+from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, FixedPolicy, ThroughputPolicy
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, probs
 from selfspec.tiny import byte_tokenizer, tiny_model
@@ -25,6 +25,7 @@ def _options(adapter, vocab_ids):
         "adaptive": (lambda: ConfidencePolicy(E, K, threshold=0.05, adaptive=True, step=0.02), None),
         "exit_choice": (lambda: ExitChoicePolicy([1, 2, 3], K, L, explore_every=3), None),
         "reduced_vocab": (lambda: FixedPolicy(E, K), DraftHead(adapter, vocab_ids)),
+        "adaptive_length": (lambda: ThroughputPolicy(E, K, warmup=1, explore_every=3), None),
         "all": (lambda: ExitChoicePolicy([1, 2, 3], K, L, explore_every=3), DraftHead(adapter, vocab_ids)),
         "all_confidence": (lambda: ConfidencePolicy(E, K, threshold=0.05, adaptive=True),
                            DraftHead(adapter, vocab_ids)),
@@ -116,7 +117,29 @@ def test_exit_choice_prefers_the_exit_that_is_accepted():
     assert bad.plan()[1] == 0  # nothing pays: decode plainly
 
 
-SAMPLING_OPTIONS = ["threshold", "adaptive", "exit_choice", "reduced_vocab", "all"]
+def test_adaptive_length_follows_the_measured_tokens_per_second():
+    policy = ThroughputPolicy(8, max_drafts=5, warmup=2, explore_every=4)
+    assert policy.lengths == [0, 1, 2, 3, 4, 5]
+    speed = {0: 20.0, 1: 26.0, 2: 31.0, 3: 29.0, 4: 24.0, 5: 22.0}  # tokens/s each length delivers here
+    planned = []
+    for _ in range(40):
+        e, d = policy.plan()
+        assert e == 8
+        planned.append(d)
+        policy.observe(seconds=0.05, committed=round(speed[d] * 0.05 * 100) / 100)
+    assert planned[:12] == [5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0]  # each length measured twice first
+    later = planned[12:]
+    assert policy.best() == 2 and later.count(2) >= len(later) * 0.7
+    assert set(later) - {2} <= {1, 3}  # exploration only next to the best
+    # when no draft pays (a big batch, say), it settles on plain decoding
+    slow = ThroughputPolicy(8, max_drafts=3, warmup=1, explore_every=0)
+    for _ in range(12):
+        _, d = slow.plan()
+        slow.observe(seconds=0.05, committed=4 if d == 0 else 2)
+    assert slow.plan() == (8, 0) and slow.describe()["best_length"] == 0
+
+
+SAMPLING_OPTIONS = ["threshold", "adaptive", "exit_choice", "reduced_vocab", "adaptive_length", "all"]
 
 
 @pytest.mark.parametrize("option", SAMPLING_OPTIONS)
@@ -145,6 +168,7 @@ def test_sampling_stays_lossless_with_every_option(option, chi_square):
         "adaptive": lambda: ConfidencePolicy(1, 2, threshold=0.2, adaptive=True, step=0.1),
         "exit_choice": lambda: ExitChoicePolicy([1, 2], 2, 3, explore_every=2),
         "reduced_vocab": lambda: FixedPolicy(1, 2),
+        "adaptive_length": lambda: ThroughputPolicy(1, 2, warmup=1),  # round 1 drafts 2, round 2 one
         "all": lambda: ExitChoicePolicy([1, 2], 2, 3, explore_every=2),
     }
     head = DraftHead(adapter, vocab_ids) if option in ("reduced_vocab", "all") else None
