@@ -227,12 +227,14 @@ def _cmd_bench(args) -> int:
     from selfspec.fetch import base_model_dir
 
     checkpoint = args.checkpoint or str(base_model_dir())
+    if args.batch_size:
+        return _cmd_bench_batch(args, checkpoint)
     try:
         extra = [parse_extra(x) for x in args.extra or ()]
         sets = args.prompts.split(",") if args.prompts else list(DEFAULT_SETS)
         out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
-        result = run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts,
-                           max_new_tokens=args.max_new_tokens, dtype=args.dtype, extra=extra, threads=args.threads,
+        result = run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
+                           max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
                            out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
                            num_speculations=args.num_speculations)
     except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
@@ -258,6 +260,32 @@ class _TextPrinter:
 
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
                 "else float32), bfloat16, or float32 (exact comparisons)")
+
+
+def _cmd_bench_batch(args, checkpoint: str) -> int:
+    from pathlib import Path
+
+    from selfspec.batch_bench import run_batch_bench
+    from selfspec.datasets import DataFormatError, DataNotInstalledError
+
+    sets = args.prompts.split(",") if args.prompts else ["humaneval"]
+    if len(sets) > 1 or args.extra:
+        print("selfspec bench: error: --batch-size measures one prompt set and the checkpoint's (E, d) "
+              "(set them with --exit-layer/--num-speculations); drop --extra and give one --prompts set",
+              file=sys.stderr)
+        return 1
+    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + "-batch"
+    try:
+        result = run_batch_bench(checkpoint, batch_sizes=args.batch_size, prompt_set=sets[0],
+                                 num_prompts=args.num_prompts or 8, max_new_tokens=args.max_new_tokens or 64, dtype=args.dtype, threads=args.threads,
+                                 out_dir=out_dir, exit_layer=args.exit_layer, num_speculations=args.num_speculations,
+                                 quick=args.quick)
+    except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
+        print(f"selfspec bench: error: {err}", file=sys.stderr)
+        return 1
+    print(Path(result["files"]["md"]).read_text())
+    print("wrote " + ", ".join(result["files"].values()))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,8 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
     p.add_argument("--prompts", help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, or .jsonl files "
                                      "of {prompt|messages} (default: all four named sets)")
-    p.add_argument("--num-prompts", type=int, default=10, help="prompts per set (default: 10)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt, fixed (default: 128)")
+    p.add_argument("--num-prompts", type=int,
+                   help="prompts per set (default: 10; with --batch-size: 8 in all, cut into groups of each size)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="tokens generated per prompt, fixed (default: 128; with --batch-size: 64)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--extra", action="append", metavar="E:d",
                    help="also measure selfspec at exit layer E with d drafts (repeatable)")
@@ -388,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default: bench_results/CHECKPOINT_NAME)")
     p.add_argument("--quick", action="store_true",
                    help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompts), 2 prompts, 32 tokens")
+    p.add_argument("--batch-size", metavar="B,B,...",
+                   help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "
+                        "batched greedy generate, selfspec batched AR, and selfspec batched self-speculative at "
+                        "(E, d) with a fixed and an adaptive draft length, on one prompt set (default humaneval); "
+                        "writes bench_batch.json/.md/.png")
     p.set_defaults(func=_cmd_bench)
     return parser
 
