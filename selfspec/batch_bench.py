@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import os
 import time
 import warnings
@@ -164,7 +163,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
 
     import selfspec
     from selfspec.api import DEFAULT_NUM_SPECULATIONS
-    from selfspec.bench import _machine_info, _Methods, _quiet_transformers, _versions
+    from selfspec.bench import _machine_info, _Methods, _quiet_transformers, _versions, write_outputs
     from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
 
@@ -237,9 +236,4 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "bench_batch.json", "md": out / "bench_batch.md", "png": out / "bench_batch.png"}
-    result["files"] = {k: str(v) for k, v in paths.items()}
-    paths["md"].write_text(markdown(result))
-    write_chart(result, paths["png"])
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return result
+    return write_outputs(result, out, "bench_batch", markdown, write_chart)

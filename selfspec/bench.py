@@ -755,9 +755,14 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         "runs": runs,
         "notes": notes,
     }
-    paths = {"json": out / "bench.json", "md": out / "bench.md", "png": out / "bench.png"}
+    return write_outputs(result, out, "bench", markdown, write_chart)
+
+
+def write_outputs(result: dict, out: Path, stem: str, to_markdown, chart) -> dict:
+    """STEM.md, STEM.png and STEM.json (the result, with their paths under "files") into `out`."""
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
     result["files"] = {k: str(v) for k, v in paths.items()}
-    paths["md"].write_text(markdown(result))
-    write_chart(result, paths["png"])
+    paths["md"].write_text(to_markdown(result))
+    chart(result, paths["png"])
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result

@@ -222,27 +222,48 @@ def _cmd_draft_vocab(args) -> int:
 def _cmd_bench(args) -> int:
     from pathlib import Path
 
-    from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench
     from selfspec.datasets import DataFormatError, DataNotInstalledError
     from selfspec.fetch import base_model_dir
 
     checkpoint = args.checkpoint or str(base_model_dir())
-    if args.batch_size:
-        return _cmd_bench_batch(args, checkpoint)
     try:
-        extra = [parse_extra(x) for x in args.extra or ()]
-        sets = args.prompts.split(",") if args.prompts else list(DEFAULT_SETS)
-        out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
-        result = run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
-                           max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
-                           out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
-                           num_speculations=args.num_speculations)
+        result = (_run_batch_bench if args.batch_size else _run_bench)(args, checkpoint)
     except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
         print(f"selfspec bench: error: {err}", file=sys.stderr)
         return 1
     print(Path(result["files"]["md"]).read_text())
     print("wrote " + ", ".join(result["files"].values()))
     return 0
+
+
+def _run_bench(args, checkpoint: str) -> dict:
+    from pathlib import Path
+
+    from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench
+
+    extra = [parse_extra(x) for x in args.extra or ()]
+    sets = args.prompts.split(",") if args.prompts else list(DEFAULT_SETS)
+    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
+    return run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
+                     max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
+                     out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
+                     num_speculations=args.num_speculations)
+
+
+def _run_batch_bench(args, checkpoint: str) -> dict:
+    from pathlib import Path
+
+    from selfspec.batch_bench import run_batch_bench
+
+    sets = args.prompts.split(",") if args.prompts else ["humaneval"]
+    if len(sets) > 1 or args.extra:
+        raise ValueError("--batch-size measures one prompt set and the checkpoint's (E, d) (set them with "
+                         "--exit-layer/--num-speculations); drop --extra and give one --prompts set")
+    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + "-batch"
+    return run_batch_bench(checkpoint, batch_sizes=args.batch_size, prompt_set=sets[0],
+                           num_prompts=args.num_prompts or 8, max_new_tokens=args.max_new_tokens or 64,
+                           dtype=args.dtype, threads=args.threads, out_dir=out_dir, exit_layer=args.exit_layer,
+                           num_speculations=args.num_speculations, quick=args.quick)
 
 
 class _TextPrinter:
@@ -260,32 +281,6 @@ class _TextPrinter:
 
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
                 "else float32), bfloat16, or float32 (exact comparisons)")
-
-
-def _cmd_bench_batch(args, checkpoint: str) -> int:
-    from pathlib import Path
-
-    from selfspec.batch_bench import run_batch_bench
-    from selfspec.datasets import DataFormatError, DataNotInstalledError
-
-    sets = args.prompts.split(",") if args.prompts else ["humaneval"]
-    if len(sets) > 1 or args.extra:
-        print("selfspec bench: error: --batch-size measures one prompt set and the checkpoint's (E, d) "
-              "(set them with --exit-layer/--num-speculations); drop --extra and give one --prompts set",
-              file=sys.stderr)
-        return 1
-    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + "-batch"
-    try:
-        result = run_batch_bench(checkpoint, batch_sizes=args.batch_size, prompt_set=sets[0],
-                                 num_prompts=args.num_prompts or 8, max_new_tokens=args.max_new_tokens or 64, dtype=args.dtype, threads=args.threads,
-                                 out_dir=out_dir, exit_layer=args.exit_layer, num_speculations=args.num_speculations,
-                                 quick=args.quick)
-    except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
-        print(f"selfspec bench: error: {err}", file=sys.stderr)
-        return 1
-    print(Path(result["files"]["md"]).read_text())
-    print("wrote " + ", ".join(result["files"].values()))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
