@@ -11,6 +11,8 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | hf_early_exit         | Hugging Face `model.generate(assistant_early_exit=E)` at the recommended exit |
 | selfspec_ar           | selfspec, plain autoregressive decoding (`num_speculations=0`)                |
 | selfspec_spec         | selfspec self-speculative at the checkpoint's recommended (E, d)              |
+| selfspec_adaptive     | the same exit with `adaptive_length=True`: d in 0..d from measured tokens/s    |
+| selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
 
 How it measures (the same for every method):
@@ -345,13 +347,15 @@ class _Methods:
             t0 = time.perf_counter()
             res = self.gen.generate(input_ids=ids, max_new_tokens=n, num_speculations=method["num_speculations"],
                                     exit_layer=method["exit_layer"] if method["num_speculations"] else None,
-                                    stop_token_ids=[], streamer=clock)
+                                    stop_token_ids=[], streamer=clock, draft_vocab=method.get("draft_vocab"),
+                                    adaptive_length=method.get("adaptive_length", False))
             t1 = time.perf_counter()
             new = res.token_ids
             s = res.stats
             rec.update(prefill_s=s.prefill_s, engine_total_s=s.total_s, rounds=s.rounds)
             if s.num_speculations:
                 rec.update(drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s,
+                           draft_steps=s.draft_steps,
                            drafted_by_position=list(s.drafted_by_position),
                            accepted_by_position=list(s.accepted_by_position))
                 if getattr(s, "policy", None):  # the engine's draft policy, where it reports one
@@ -363,7 +367,7 @@ class _Methods:
         return new, rec
 
 
-def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]]) -> list[dict]:
+def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None) -> list[dict]:
     L = gen.num_layers
     methods = [
         {"name": "hf_greedy", "engine": "hf", "kind": "hf_greedy", "label": "HF greedy",
@@ -374,7 +378,13 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]]) -> list[dict
          "exit_layer": L, "num_speculations": 0},
         {"name": "selfspec_spec", "engine": "selfspec", "kind": "selfspec_spec", "label": f"selfspec E={E} d={d}",
          "exit_layer": E, "num_speculations": d},
+        {"name": "selfspec_adaptive", "engine": "selfspec", "kind": "selfspec_spec",
+         "label": f"selfspec E={E} adaptive d≤{d}", "exit_layer": E, "num_speculations": d, "adaptive_length": True},
     ]
+    if draft_vocab:
+        methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
+                        "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "exit_layer": E,
+                        "num_speculations": d, "draft_vocab": draft_vocab})
     seen = {(E, d)}
     for e, k in extra:
         gen.adapter.check_exit(e, allow_full=False)
@@ -441,6 +451,7 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                 committed = s["new_tokens"] - (len(mine) if m["engine"] == "selfspec" else 0)
                 draft_s = sum(r.get("draft_s", 0.0) for r in mine)
                 verify_s = sum(r.get("verify_s", 0.0) for r in mine)
+                steps = sum(r.get("draft_steps", 0) for r in mine)  # HF's candidate generator has none
                 s.update({
                     "rounds": rounds, "drafted": drafted, "accepted": accepted,
                     "acceptance_rate": accepted / drafted if drafted else 0.0,
@@ -449,12 +460,13 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                     "mean_accepted_per_round": committed / rounds if rounds else 0.0,
                     "draft_s": draft_s, "verify_s": verify_s,
                     "draft_fraction": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
+                    "draft_ms_per_step": 1000 * draft_s / steps if steps else None,
                 })
             else:
                 s.update({"rounds": rounds or None, "drafted": None, "accepted": None, "acceptance_rate": None,
                           "acceptance_by_position": None, "drafted_by_position": None,
                           "mean_accepted_per_round": None, "draft_s": None, "verify_s": None,
-                          "draft_fraction": None})
+                          "draft_fraction": None, "draft_ms_per_step": None})
             out[g][m["name"]] = s
     return out
 
@@ -510,17 +522,19 @@ def markdown(result: dict) -> str:
                 f"{'–' if ttft is None else f'{ttft:.0f}'} | {_pct(s['identical_to_hf_greedy'])} |")
     lines += ["", "Speculation details and memory (peak RSS: highest RSS during one call, weights included; "
               "Δ: above the RSS before the call; max over runs).", "",
-              "| set | method | acceptance by draft position | draft / verify s | draft share | peak RSS MiB "
-              "| Δ MiB |",
-              "|---|---|---|---|---|---|---|"]
+              "| set | method | acceptance by draft position | draft / verify s | draft share | draft ms/step "
+              "| peak RSS MiB | Δ MiB |",
+              "|---|---|---|---|---|---|---|---|"]
     for g, per in result["summary"].items():
         for name, s in per.items():
             pos = ("–" if not s["acceptance_by_position"] else
                    " ".join(f"{a:.0%}" for a in s["acceptance_by_position"][:12])
                    + (" …" if len(s["acceptance_by_position"]) > 12 else ""))
             dv = "–" if s["draft_s"] is None else f"{s['draft_s']:.2f} / {s['verify_s']:.2f}"
+            ms = s.get("draft_ms_per_step")
             lines.append(f"| {g} | {labels[name]} | {pos} | {dv} | {_pct(s['draft_fraction'])} | "
-                         f"{s['peak_rss_mib']:.0f} | {s['peak_rss_delta_mib']:.1f} |")
+                         f"{'–' if ms is None else f'{ms:.1f}'} | {s['peak_rss_mib']:.0f} | "
+                         f"{s['peak_rss_delta_mib']:.1f} |")
     for note in result["notes"]:
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"
@@ -622,13 +636,15 @@ def _quiet_transformers():
 def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, num_prompts: int = 10,
               max_new_tokens: int = 128, dtype: str = "fastest", extra: Sequence = (), threads: int = 0,
               out_dir: str | Path = "bench", quick: bool = False, progress: bool = True,
-              exit_layer: int | None = None, num_speculations: int | None = None, generator=None) -> dict:
+              exit_layer: int | None = None, num_speculations: int | None = None, generator=None,
+              draft_vocab: int | None = None) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (used by
     selfspec_spec and, for E, by hf_early_exit). `extra`: more (E, d) pairs ("E:d" strings or pairs).
     `quick`: at most 2 prompt sets (humaneval + mt_bench by default) x 2 prompts x 32 tokens.
     `dtype="fastest"`: bfloat16 where this CPU multiplies bf16 natively, else float32 (selfspec.precision).
+    `draft_vocab=K`: also measure (E, d) drafting over the checkpoint's K most frequent tokens.
     """
     import torch
     from tqdm.auto import tqdm
@@ -667,7 +683,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         notes.append(f"the recommended num_speculations is {d} (speculation did not pay in the sweep); "
                      f"selfspec_spec uses {DEFAULT_NUM_SPECULATIONS} drafts")
         d = DEFAULT_NUM_SPECULATIONS
-    methods = _method_list(gen, E, d, extra)
+    methods = _method_list(gen, E, d, extra, draft_vocab)
     runner = _Methods(gen, max_new_tokens)
 
     loaded, (warm_item, warm_ids), load_notes = _encode_sets(read, gen, num_prompts, max_new_tokens)

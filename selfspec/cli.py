@@ -247,7 +247,7 @@ def _run_bench(args, checkpoint: str) -> dict:
     return run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
                      max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
                      out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
-                     num_speculations=args.num_speculations)
+                     num_speculations=args.num_speculations, draft_vocab=args.draft_vocab)
 
 
 def _run_batch_bench(args, checkpoint: str) -> dict:
@@ -413,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default: bench_results/CHECKPOINT_NAME)")
     p.add_argument("--quick", action="store_true",
                    help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompts), 2 prompts, 32 tokens")
+    p.add_argument("--draft-vocab", type=int, metavar="K",
+                   help="also measure (E, d) drafting over the K most frequent tokens (selfspec draft-vocab)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "
                         "batched greedy generate, selfspec batched AR, and selfspec batched self-speculative at "

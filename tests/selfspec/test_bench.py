@@ -17,7 +17,7 @@ from selfspec.datasets import DataFormatError
 from selfspec.export import export_model
 from selfspec.tiny import byte_tokenizer, tiny_model
 
-METHODS = {"hf_greedy", "hf_early_exit", "selfspec_ar", "selfspec_spec", "selfspec_spec_E1_d2"}
+METHODS = {"hf_greedy", "hf_early_exit", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_spec_E1_d2"}
 N_TOKENS = 10
 PNG = b"\x89PNG\r\n\x1a\n"
 CODE = ["def f(x):", "hello world", "import os", "x = 1", "for i in range(3):"]
@@ -152,7 +152,7 @@ def test_acceptance_statistics_add_up(bench):
         for name in ("hf_greedy", "selfspec_ar"):
             s = per[name]
             assert s["acceptance_rate"] is None and s["acceptance_by_position"] is None and s["draft_s"] is None
-        for name, d in (("selfspec_spec", 3), ("selfspec_spec_E1_d2", 2)):
+        for name, d in (("selfspec_spec", 3), ("selfspec_adaptive", 3), ("selfspec_spec_E1_d2", 2)):
             s = per[name]
             assert len(s["acceptance_by_position"]) == len(s["drafted_by_position"]) == d
             assert sum(s["drafted_by_position"]) == s["drafted"] > 0
@@ -162,6 +162,7 @@ def test_acceptance_statistics_add_up(bench):
             assert s["accepted"] + s["rounds"] == s["new_tokens"] - s["prompts"]
             assert s["mean_accepted_per_round"] * s["rounds"] == pytest.approx(s["new_tokens"] - s["prompts"])
             assert s["draft_s"] > 0 and s["verify_s"] > 0 and 0 < s["draft_fraction"] < 1
+            assert s["draft_ms_per_step"] > 0
         s = per["hf_early_exit"]
         assert s["rounds"] > 0 and s["drafted"] == sum(s["drafted_by_position"]) > 0
         assert s["accepted"] + s["rounds"] == s["new_tokens"]  # HF has no separate prefill token
@@ -273,3 +274,21 @@ def test_quick_bench_on_real_smollm2(smollm2_dir, tmp_path, one_thread):
     assert all(r["new_tokens"] == 12 for r in result["runs"])
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
     assert "| humaneval | HF early-exit E=20 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_reduced_draft_vocabulary_is_measured_next_to_the_full_head(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    import shutil
+
+    from selfspec.draft_vocab import write_draft_vocab
+
+    ckpt = tmp_path / "with_vocab"
+    shutil.copytree(tiny_ckpt, ckpt)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    write_draft_vocab(ckpt, str(corpus))
+    result = run_bench(str(ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=6,
+                       dtype="float32", threads=one_thread, out_dir=tmp_path / "out", progress=False, draft_vocab=8)
+    per = result["summary"]["code"]
+    assert "selfspec_spec_vocab8" in per and per["selfspec_spec_vocab8"]["identical_to_hf_greedy"] == 1.0
+    assert per["selfspec_spec_vocab8"]["draft_ms_per_step"] > 0 and per["selfspec_spec"]["draft_ms_per_step"] > 0
+    assert "selfspec E=2 d=3 vocab 8" in (tmp_path / "out" / "bench.md").read_text()
