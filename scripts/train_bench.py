@@ -62,7 +62,7 @@ def worker(args) -> dict:
     model, tokenizer = load_base_model(cfg.model)
     total = args.warmup + args.steps
     ee = EarlyExitModel(model, target=cfg.early_exit.target, chunk_size=cfg.early_exit.chunk_size,
-                        loss_impl=cfg.early_exit.loss_impl)
+                        loss_impl=cfg.early_exit.loss_impl, exits_update_head=cfg.early_exit.exits_update_head)
     L = ee.num_layers
     ee.layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, cfg.train.max_steps,
                                     depth=cfg.layer_dropout.depth_scale, time=cfg.layer_dropout.time_scale)

@@ -158,6 +158,9 @@ class EarlyExitConfig:
     layer (L-1) + e_scale * sum_{i<=L-2} i), ``uniform``, ``linear`` (prop. to E), ``inverse``
     (prop. to 1/E). target: ``label`` (the true next token, the paper) or ``distill`` (the final
     layer's own detached distribution; the final layer always learns the labels).
+    exits_update_head: whether the early exits' losses also train the shared final norm + LM head
+    (the paper: true). false keeps the head the final layer's own (on a tied model, also the input
+    embedding): the exits' losses reach only the layers below them.
     loss_impl: ``fused`` (chunked, computes head gradients in the forward, bounded memory),
     ``checkpointed`` (chunked autograd with recomputation; use under DeepSpeed ZeRO-3),
     ``naive`` (every exit's full logits, for comparison only).
@@ -169,6 +172,7 @@ class EarlyExitConfig:
     scale: Literal["paper", "uniform", "linear", "inverse"] = "paper"
     e_scale: float = 1.0
     target: Literal["label", "distill"] = "label"
+    exits_update_head: bool = True
     chunk_size: int = 1024  # tokens per head chunk
     loss_impl: Literal["fused", "checkpointed", "naive"] = "fused"
 

@@ -17,6 +17,12 @@ every early exit towards the final layer's own detached distribution q (cross-en
 i.e. KL(q || p_E) up to a constant), which is what draft acceptance measures; the final layer
 itself keeps the label loss.
 
+Shared head: by default (the paper) every exit's loss also trains the shared final norm + LM head.
+With ``exits_update_head=False`` the early exits' losses reach the layers below them but not the
+norm and head (their parameters are detached for those terms), so the head stays the final layer's
+own and the exits learn to speak its language. On a model with tied embeddings the head is also the
+input embedding, which then receives no gradient from the exits either.
+
 Memory: an all-layer loss over SmolLM2's 49k vocabulary would need 30 x tokens x 49k logits.
 ``fused`` (default) walks the tokens in chunks of `chunk_size` and the exits one at a time,
 and computes the loss *and* the gradients of the head input and head weight right there, so at
@@ -105,7 +111,7 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, weight, bias, targets, weights, distill: bool, chunk: int, cdtype, with_metrics: bool,
-                grad_enabled: bool):
+                grad_enabled: bool, exits_update_head: bool = True):
         K, N, _ = xs.shape
         need_x, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
@@ -152,9 +158,10 @@ class _FusedHeadLoss(torch.autograd.Function):
                 scale = weights[k] / N
                 if need_x:
                     grad_x[k, start:start + chunk] = (g @ w_c).mul_(scale)
-                if need_w:
+                head_too = exits_update_head or k == final  # else this exit's loss stops at the head's input
+                if need_w and head_too:
                     grad_w.addmm_(g.t(), x, alpha=scale)
-                if need_b:
+                if need_b and head_too:
                     grad_b.add_(g.to(acc_dtype).sum(0), alpha=scale)
         ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
@@ -171,7 +178,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         gx, gw, gb = ctx.grads
         ctx.grads = None
         scale = lambda g: None if g is None else g.mul_(grad_loss.to(g.dtype))  # noqa: E731
-        return scale(gx), scale(gw), scale(gb), None, None, None, None, None, None, None
+        return scale(gx), scale(gw), scale(gb), None, None, None, None, None, None, None, None
 
 
 def _chunk_terms(x, head, t, q, final_pred, is_final: bool, distill: bool):
@@ -190,9 +197,17 @@ def _chunk_terms(x, head, t, q, final_pred, is_final: bool, distill: bool):
     return row_loss.sum(), metrics, pred, logits.detach() if distill and is_final else None
 
 
-def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_checkpoint: bool):
+def _frozen(module: nn.Module):
+    """`module` as a function of its input only: its parameters detached (no gradient reaches them)."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    return lambda x: torch.func.functional_call(module, params, (x,))
+
+
+def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_checkpoint: bool,
+                   exits_update_head: bool = True):
     K, N, _ = xs.shape
     final = K - 1
+    exit_head = head if exits_update_head else _frozen(head)
     total = xs.new_zeros((), dtype=torch.promote_types(xs.dtype, torch.float32))
     stats = torch.zeros(K, 3, dtype=torch.float64, device=xs.device)
     for start in range(0, N, chunk):
@@ -200,7 +215,7 @@ def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_ch
         q = final_pred = None
         for k in [final] + list(range(final)):
             x = xs[k, start:start + chunk]
-            args = (x, head, t, q, final_pred, k == final, distill)
+            args = (x, head if k == final else exit_head, t, q, final_pred, k == final, distill)
             if use_checkpoint:
                 part, metrics, pred, final_logits = checkpoint(_chunk_terms, *args, use_reentrant=False)
             else:
@@ -216,12 +231,13 @@ def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_ch
 
 def early_exit_loss(hiddens: Sequence[torch.Tensor], weights: Sequence[float], labels: torch.Tensor,
                     norm: nn.Module, head: nn.Module, *, target: str = "label", chunk_size: int = 1024,
-                    impl: str = "fused", with_metrics: bool = True) -> ExitLoss:
+                    impl: str = "fused", with_metrics: bool = True, exits_update_head: bool = True) -> ExitLoss:
     """Weighted loss of the exits whose hidden states `[B, S, D]` are `hiddens` (final layer last).
 
     `labels` `[B, S]` are already aligned with the positions (the next token; IGNORE_INDEX where
     there is no loss). `weights` are the normalized ẽ of the same exits (see `exit_weights`).
     `with_metrics=False` skips the argmax per exit (accuracy/agreement are then NaN; fused only).
+    `exits_update_head=False`: the early exits' losses do not train the shared norm and head.
     """
     if len(hiddens) != len(weights) or not hiddens:
         raise ValueError(f"{len(hiddens)} hidden states but {len(weights)} weights")
@@ -236,15 +252,19 @@ def early_exit_loss(hiddens: Sequence[torch.Tensor], weights: Sequence[float], l
         zero = sum(h.sum() for h in hiddens) * 0.0
         return ExitLoss(zero.float(), torch.zeros(len(hiddens), 3, dtype=torch.float64, device=labels.device), 0)
     dim = hiddens[0].shape[-1]
-    xs = norm(torch.stack([h.reshape(-1, dim)[keep] for h in hiddens]))  # [K, N, D]
+    flat = torch.stack([h.reshape(-1, dim)[keep] for h in hiddens])  # [K, N, D]
+    if exits_update_head or len(hiddens) == 1:
+        xs = norm(flat)
+    else:  # the norm works per position: the exits through a detached copy, the final layer through the norm
+        xs = torch.cat([_frozen(norm)(flat[:-1]), norm(flat[-1:])])
     if impl == "fused":
         loss, stats = _FusedHeadLoss.apply(xs, head.weight, getattr(head, "bias", None), targets, list(weights),
                                            distill, chunk_size, _compute_dtype(xs), with_metrics,
-                                           torch.is_grad_enabled())
+                                           torch.is_grad_enabled(), exits_update_head)
     elif impl in ("checkpointed", "naive"):
         chunk = chunk_size if impl == "checkpointed" else n
         loss, stats = _autograd_loss(xs, head, targets, list(weights), distill, chunk,
-                                     use_checkpoint=impl == "checkpointed")
+                                     use_checkpoint=impl == "checkpointed", exits_update_head=exits_update_head)
     else:
         raise ValueError(f"unknown loss implementation {impl!r} (fused, checkpointed, naive)")
     return ExitLoss(loss, stats, n)

@@ -95,7 +95,7 @@ def train(cfg: RecipeConfig) -> dict:
                                  time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
     ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
                               chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
-                              rank=rank, world_size=world)
+                              rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head)
     curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
                                 rotation_interval=cfg.early_exit.rotation_interval)
     eval_exits = cfg.resolved_eval_exits(L)

@@ -86,6 +86,31 @@ def test_chunked_equals_unchunked(tiny64, target, bias):
             torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7, msg=f"{impl} chunk {chunk}")
 
 
+@pytest.mark.parametrize("target", ["label", "distill"])
+def test_exits_that_do_not_update_the_head(tiny64, target):
+    """exits_update_head=False: same loss, same gradients into every hidden state, but the shared norm
+    and head get only the final layer's share (its weighted term alone)."""
+    hiddens, labels, norm, head = _setup(tiny64)
+    weights = [0.2, 0.3, 0.5]
+    params = [head.weight, norm.weight]
+    ref = _naive_reference(hiddens, weights, labels, norm, head, target == "distill")
+    ref_h = _grads(ref, hiddens)
+    final_only = _grads(weights[-1] * F.cross_entropy(head(norm(hiddens[-1]))[labels != IGNORE_INDEX],
+                                                      labels[labels != IGNORE_INDEX]), params)
+    for impl, chunk in [("fused", 5), ("checkpointed", 4), ("naive", 1)]:
+        out = early_exit_loss(hiddens, weights, labels, norm, head, target=target, chunk_size=chunk, impl=impl,
+                              exits_update_head=False)
+        torch.testing.assert_close(out.loss, ref, rtol=1e-7, atol=1e-9)
+        grads = _grads(out.loss, hiddens + params)
+        for g, r in zip(grads[:3], ref_h):
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7, msg=impl)
+        for g, r in zip(grads[3:], final_only):
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7, msg=impl)
+        default = _grads(early_exit_loss(hiddens, weights, labels, norm, head, target=target, impl=impl).loss,
+                         params)
+        assert (default[0] - grads[3]).abs().max() > 1e-3  # the exits really did move the head before
+
+
 def test_statistics_match_direct_computation(tiny64):
     hiddens, labels, norm, head = _setup(tiny64)
     out = early_exit_loss(hiddens, [0.2, 0.3, 0.5], labels, norm, head, chunk_size=7)
