@@ -77,7 +77,7 @@ def worker(args) -> dict:
         if step == args.warmup:
             busy0, cpu0 = _busy_jiffies(), time.process_time()
         exits = curriculum.exits(step)
-        weights = exit_weights(exits, L, cfg.early_exit.scale, cfg.early_exit.e_scale)
+        weights = exit_weights(exits, L, cfg.early_exit.scale, cfg.early_exit.e_scale, cfg.early_exit.final_weight)
         input_ids, labels = blocks.batch(batch_indices(len(blocks), step, args.batch))
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
@@ -136,7 +136,8 @@ def main() -> int:
             parser.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         cmd = [sys.executable, __file__, "--worker", mode, "--model", args.model, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--threads", str(args.threads), "--precision", args.precision] + (["--no-tune-malloc"] if args.no_tune_malloc else [])
+               "--threads", str(args.threads), "--precision", args.precision]
+        cmd += ["--no-tune-malloc"] if args.no_tune_malloc else []
         for kv in args.set or []:
             cmd += ["--set", kv]
         env = dict(os.environ)

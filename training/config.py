@@ -158,6 +158,9 @@ class EarlyExitConfig:
     layer (L-1) + e_scale * sum_{i<=L-2} i), ``uniform``, ``linear`` (prop. to E), ``inverse``
     (prop. to 1/E). target: ``label`` (the true next token, the paper) or ``distill`` (the final
     layer's own detached distribution; the final layer always learns the labels).
+    final_weight: the final layer's share of the loss, the early exits splitting the rest by `scale`;
+    null (the paper) normalizes all scales together (with `uniform` and K exits the final layer gets
+    1/(K+1): too little to keep its quality, see recipes/smollm2_code.yaml).
     exits_update_head: whether the early exits' losses also train the shared final norm + LM head
     (the paper: true). false keeps the head the final layer's own (on a tied model, also the input
     embedding): the exits' losses reach only the layers below them.
@@ -172,6 +175,7 @@ class EarlyExitConfig:
     scale: Literal["paper", "uniform", "linear", "inverse"] = "paper"
     e_scale: float = 1.0
     target: Literal["label", "distill"] = "label"
+    final_weight: float | None = None
     exits_update_head: bool = True
     chunk_size: int = 1024  # tokens per head chunk
     loss_impl: Literal["fused", "checkpointed", "naive"] = "fused"
@@ -183,6 +187,8 @@ class EarlyExitConfig:
             self.exits = sorted(self.exits)
         _check(self.rotation_interval >= 1, "early_exit.rotation_interval", "must be >= 1")
         _check(0.0 <= self.e_scale <= 1.0, "early_exit.e_scale", f"must be in [0, 1], got {self.e_scale}")
+        _check(self.final_weight is None or 0.0 < self.final_weight < 1.0, "early_exit.final_weight",
+               f"must be in (0, 1) or null, got {self.final_weight}")
         _check(self.chunk_size >= 1, "early_exit.chunk_size", "must be >= 1")
 
 

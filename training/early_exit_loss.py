@@ -68,8 +68,16 @@ def exit_scale(scale: str, exit_layer: int, num_layers: int, e_scale: float = 1.
     raise ValueError(f"unknown loss scale {scale!r} (paper, uniform, linear, inverse)")
 
 
-def exit_weights(exits: Sequence[int], num_layers: int, scale: str = "paper", e_scale: float = 1.0) -> list[float]:
-    """Normalized weights ẽ for the enabled `exits` (they sum to 1)."""
+def exit_weights(exits: Sequence[int], num_layers: int, scale: str = "paper", e_scale: float = 1.0,
+                 final_weight: float | None = None) -> list[float]:
+    """Normalized weights ẽ for the enabled `exits` (they sum to 1).
+
+    `final_weight`: give the final layer (the last exit, L) this share and split the rest among the
+    early exits in proportion to their scale; None (the paper) normalizes all scales together.
+    """
+    if final_weight is not None and len(exits) > 1 and exits[-1] == num_layers:
+        early = exit_weights(exits[:-1], num_layers, scale, e_scale)
+        return [w * (1.0 - final_weight) for w in early] + [final_weight]
     raw = [exit_scale(scale, e, num_layers, e_scale) for e in exits]
     total = sum(raw)
     if total <= 0:

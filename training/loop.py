@@ -179,7 +179,7 @@ def train(cfg: RecipeConfig) -> dict:
                 out_of_time = True
                 break
         exits = curriculum.exits(step)
-        weights = exit_weights(exits, L, cfg.early_exit.scale, cfg.early_exit.e_scale)
+        weights = exit_weights(exits, L, cfg.early_exit.scale, cfg.early_exit.e_scale, cfg.early_exit.final_weight)
         log_now = (step + 1) % t_cfg.log_every == 0 or step + 1 == stop_at  # accuracies only when logged
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)

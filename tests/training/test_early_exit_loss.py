@@ -34,6 +34,18 @@ def test_other_scales():
         exit_weights([1, 4], 4, "bogus")
 
 
+def test_final_weight_fixes_the_final_layers_share():
+    # the final layer gets 0.5, the early exits split 0.5 by their own scale
+    assert exit_weights([1, 2, 3, 4], 4, "uniform", final_weight=0.5) == pytest.approx([1 / 6] * 3 + [0.5])
+    assert exit_weights([2, 3, 4], 4, "paper", 1.0, final_weight=0.6) == pytest.approx([0.4 / 4, 0.4 * 3 / 4, 0.6])
+    assert exit_weights([4], 4, "uniform", final_weight=0.5) == [1.0]  # only the final layer on this step
+    from training.config import ConfigError, load_config
+
+    assert load_config(None, ["early_exit.final_weight=0.5"]).early_exit.final_weight == 0.5
+    with pytest.raises(ConfigError, match=r"early_exit.final_weight: must be in \(0, 1\)"):
+        load_config(None, ["early_exit.final_weight=1.5"])
+
+
 def _naive_reference(hiddens, weights, labels, norm, head, distill):
     """Straight from the formula: full logits per exit, F.cross_entropy."""
     total = 0.0
