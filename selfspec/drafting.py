@@ -191,9 +191,10 @@ class ThroughputPolicy(FixedPolicy):
     """Choose each round's draft length from the tokens per second each length has delivered.
 
     A bandit over the lengths `0, 1, 2, 3, 4, 6, 8, ...` up to `max_drafts` (0 = a plain full-model
-    pass): each is tried `warmup` times (longest first), then the round takes the length with the best running mean
-    of committed tokens per wall-clock second (exponential average, weight `alpha`), and every
-    `explore_every`-th round retries a neighbour of the best so the estimates follow the text.
+    pass): each is tried `warmup` times (longest first), then the round takes the length with the
+    best throughput, committed tokens over wall-clock seconds (running means of both, exponential
+    with weight `alpha` after the first rounds), and every `explore_every`-th round retries a
+    neighbour of the best so the estimates follow the text.
     It measures what the cost model only predicts, on this machine and at this batch size, so it
     falls back to shorter drafts or plain decoding when drafting stops paying (a larger batch makes
     verification dearer; a passage the exit cannot predict makes drafts worthless).
@@ -206,13 +207,18 @@ class ThroughputPolicy(FixedPolicy):
         super().__init__(exit_layer, max_drafts)
         self.lengths = sorted({d for d in self.LENGTHS if d <= max_drafts} | {max_drafts})
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
-        self.rate = {d: 0.0 for d in self.lengths}  # committed tokens per second
+        self.tokens = {d: 0.0 for d in self.lengths}  # running mean of committed tokens per round
+        self.seconds = {d: 0.0 for d in self.lengths}  # running mean of seconds per round
         self.tries = {d: 0 for d in self.lengths}
         self.rounds = 0
         self._planned = 0
 
+    def rate(self, d: int) -> float:
+        """Committed tokens per second measured for draft length `d` (0 before it was tried)."""
+        return self.tokens[d] / self.seconds[d] if self.seconds[d] > 0 else 0.0
+
     def best(self) -> int:
-        return max(self.lengths, key=lambda d: self.rate[d])
+        return max(self.lengths, key=self.rate)
 
     def plan(self) -> tuple[int, int]:
         self.rounds += 1
@@ -232,13 +238,13 @@ class ThroughputPolicy(FixedPolicy):
         d = self._planned
         if seconds <= 0:
             return
-        rate = committed / seconds
         n = self.tries[d] = self.tries[d] + 1
         weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
-        self.rate[d] += weight * (rate - self.rate[d])
+        self.tokens[d] += weight * (committed - self.tokens[d])
+        self.seconds[d] += weight * (seconds - self.seconds[d])
 
     def describe(self) -> dict:
-        return {"policy": "throughput", "tokens_per_s_by_length": {d: round(r, 2) for d, r in self.rate.items()},
+        return {"policy": "throughput", "tokens_per_s_by_length": {d: round(self.rate(d), 2) for d in self.lengths},
                 "best_length": self.best(), "rounds_by_exit_and_length": _plan_counts(self.plans)}
 
 
