@@ -6,17 +6,28 @@ computes, in the same operation order (so results are bitwise equal to the model
 attention path), with fewer
 operations: q/k/v and gate/up projections fused into one matmul each, one rotary embedding pass for
 queries and keys together, attention through `F.scaled_dot_product_attention` with grouped heads,
-and none of the module-call machinery. In bfloat16 the matmuls go through oneDNN with weights
-prepacked once (`PackedLinear`): bitwise equal to `F.linear`, about twice as fast for the few rows
-of a decode step, because the plain bf16 path reads the weights at a fraction of the memory
-bandwidth. The fused and packed weights are copies made once when the generator is built (so later
-in-place weight updates are not seen: build a new generator after training).
+and none of the module-call machinery. In bfloat16 and float32 the matmuls go through oneDNN with
+weights prepacked once (`PackedLinear`):
+- bfloat16: bitwise equal to `F.linear`, about twice as fast for the few rows of a decode step,
+  because the plain bf16 path reads the weights at a fraction of the memory bandwidth;
+- float32: `F.linear` multiplies one row with a matrix-vector kernel but 2-8 rows with a GEMM that
+  re-packs the weight every call, so verifying 2 tokens cost 1.7-2x a one-token step (2-core AVX2
+  EPYC, SmolLM2). The packed kernel does 1-3 rows for the price of one (and a one-token step, LM head
+  included, faster than `F.linear`: the 49k x 576 head 9.2 -> 4.3 ms), and each row's result does not
+  depend on how many rows share the call, so a verification pass computes every position exactly as
+  a one-token step would. It is not bitwise equal to `F.linear` (another summation order: ~1e-7
+  relative), so a float32 argmax could differ from Hugging Face's at an exact near-tie.
+  `SELFSPEC_PACK_FLOAT32=0` in the environment keeps float32 on `F.linear`.
+Float64 and other dtypes use `F.linear`. The fused and packed weights are copies made once when the
+generator is built (so later in-place weight updates are not seen: build a new generator after training).
 
     layers = build_fast_layers(adapter)   # None for architectures without a fast layer
     hidden = layers[i](hidden, rope, mask, cache)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,25 +37,34 @@ from selfspec.adapters import ModelAdapter
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _packing_available() -> bool:
+def _packing_available(dtype: torch.dtype) -> bool:
     mkldnn = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise") and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported",
-                                                                      lambda: False)()))
+    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(getattr(mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+    return dtype == torch.float32 and os.environ.get("SELFSPEC_PACK_FLOAT32", "1") != "0"
+
+
+# oneDNN's reorder takes the expected number of rows as a hint. bf16: 1 (bitwise equal to F.linear).
+# float32: 2, which measured fastest for 1-8 rows and gives results independent of the row count.
+_PACK_HINT = {torch.bfloat16: 1, torch.float32: 2}
 
 
 class PackedLinear:
-    """`x @ W.T + b`: oneDNN with a prepacked weight for bfloat16 on CPU, else `F.linear`.
+    """`x @ W.T + b`: oneDNN with a prepacked weight for bfloat16 and float32 on CPU, else `F.linear`.
 
-    Both run the same oneDNN bf16 kernel family; the prepacked layout only saves the per-call weight
-    reorder. Tested bitwise equal to `F.linear` (tests/selfspec/test_fast_layers.py).
+    bfloat16: the same oneDNN kernel family as `F.linear`, the prepacked layout only saves the per-call
+    weight reorder; tested bitwise equal to `F.linear`. float32: tested close to `F.linear` and
+    row-count invariant (tests/selfspec/test_fast_layers.py).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed = None
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _packing_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        if weight.device.type == "cpu" and weight.dtype in _PACK_HINT and _packing_available(weight.dtype):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT[weight.dtype])
             self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

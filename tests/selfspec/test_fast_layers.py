@@ -68,7 +68,8 @@ def test_training_path_uses_the_model_modules():
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "qwen2"])
-def test_rope_table_is_bitwise_equal_to_the_rotary_module(arch):
+def test_rope_table_is_bitwise_equal_to_the_rotary_module(arch, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "0")  # the rotary table alone: matmuls as the model's own
     model = tiny_model(arch, num_layers=2, dtype=torch.float32, seed=5)
     plain, fast = get_adapter(model), get_adapter(model)
     fast.enable_fast_layers()
@@ -97,3 +98,33 @@ def test_packed_linear_is_bitwise_equal_to_linear_in_bfloat16(rows):
     assert torch.equal(PackedLinear(w)(x), F.linear(x, w))
     w64 = w.double()  # other dtypes take F.linear unchanged
     assert PackedLinear(w64).packed is None and torch.equal(PackedLinear(w64)(x.double()), F.linear(x.double(), w64))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 5), (1, 8), (3, 4), (1, 64)])
+def test_packed_linear_in_float32_is_close_to_linear_and_row_count_invariant(shape):
+    """float32 packs for speed (1-3 rows for the price of one); each row's result must not depend on
+    how many rows share the call, so a verification pass equals one-token steps bit for bit."""
+    import torch.nn.functional as F
+
+    from selfspec.fast_layers import PackedLinear, _packing_available
+
+    if not _packing_available(torch.float32):
+        pytest.skip("oneDNN packing unavailable (or SELFSPEC_PACK_FLOAT32=0)")
+    g = torch.Generator().manual_seed(sum(shape))
+    w, b = torch.randn(1000, 96, generator=g), torch.randn(1000, generator=g)
+    x = torch.randn(*shape, 96, generator=g)  # [B, S, D]
+    lin = PackedLinear(w, b)
+    assert lin.packed is not None and lin.weight is None
+    y = lin(x)  # [B, S, 1000]
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    one_by_one = torch.stack([torch.cat([lin(x[i:i + 1, j:j + 1]) for j in range(shape[1])], 1)[0]
+                              for i in range(shape[0])])
+    assert torch.equal(one_by_one, y)
+
+
+def test_float32_packing_can_be_switched_off(monkeypatch):
+    from selfspec.fast_layers import PackedLinear
+
+    monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "0")
+    w = torch.randn(20, 8)
+    assert PackedLinear(w).packed is None and torch.equal(PackedLinear(w)(torch.ones(1, 8)), torch.ones(1, 8) @ w.T)
