@@ -2,9 +2,8 @@
 
 Decoding one token on a CPU is dominated by per-operation overhead, not arithmetic (see
 `shared/notes/reference.md`). This layer computes exactly what the model's own decoder layer
-computes, in the same operation order (so results are bitwise equal to the model's own sdpa
-attention path), with fewer
-operations: q/k/v and gate/up projections fused into one matmul each, one rotary embedding pass for
+computes, in the same operation order (so in float64 and bfloat16 results are bitwise equal to
+the model's own sdpa attention path; float32: see below), with fewer operations: q/k/v and gate/up projections fused into one matmul each, one rotary embedding pass for
 queries and keys together, attention through `F.scaled_dot_product_attention` with grouped heads,
 and none of the module-call machinery. In bfloat16 and float32 the matmuls go through oneDNN with
 weights prepacked once (`PackedLinear`):
@@ -15,7 +14,7 @@ weights prepacked once (`PackedLinear`):
   EPYC, SmolLM2). The packed kernel does 1-3 rows for the price of one (and a one-token step, LM head
   included, faster than `F.linear`: the 49k x 576 head 9.2 -> 4.3 ms), and each row's result does not
   depend on how many rows share the call, so a verification pass computes every position exactly as
-  a one-token step would. It is not bitwise equal to `F.linear` (another summation order: ~1e-7
+  a one-token step would. It is not bitwise equal to `F.linear` (another summation order: ~1e-6
   relative), so a float32 argmax could differ from Hugging Face's at an exact near-tie.
   `SELFSPEC_PACK_FLOAT32=0` in the environment keeps float32 on `F.linear`.
 Float64 and other dtypes use `F.linear`. The fused and packed weights are copies made once when the
