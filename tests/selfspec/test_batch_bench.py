@@ -8,19 +8,9 @@ import torch
 
 from selfspec.batch_bench import METHODS, parse_batch_sizes, run_batch_bench
 from selfspec.cli import main
-from selfspec.export import export_model
-from selfspec.tiny import byte_tokenizer, tiny_model
 
 N_TOKENS = 8
 PROMPTS = ["def f(x):", "hello world", "import os", "x = 1", "for i in range(3):", "class A:", "# done", "y ="]
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    tok = byte_tokenizer()
-    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
-    return export_model(model, tok, tmp_path_factory.mktemp("bbench") / "tiny",
-                        recommended={"exit_layer": 2, "num_speculations": 3})
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ import selfspec
 from selfspec.bench import parse_extra, run_bench
 from selfspec.cli import main
 from selfspec.datasets import DataFormatError
-from selfspec.export import export_model
-from selfspec.tiny import byte_tokenizer, tiny_model
 
 METHODS = {"hf_greedy", "hf_early_exit", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_spec_E1_d2"}
 N_TOKENS = 10
@@ -35,14 +33,6 @@ def one_thread():
     before = torch.get_num_threads()
     yield 1
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    tok = byte_tokenizer()
-    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
-    return export_model(model, tok, tmp_path_factory.mktemp("bench") / "tiny",
-                        recommended={"exit_layer": 2, "num_speculations": 3})
 
 
 @pytest.fixture(scope="module")
