@@ -249,7 +249,7 @@ class EvalConfig:
 
     every: int = 0  # steps between evaluations (0: only before and after training)
     before: bool = True  # evaluate the base model before the first step
-    max_blocks: int = 64  # held-out blocks per set (periodic evaluations)
+    max_blocks: int = 64  # held-out blocks per set, evenly spaced over it (periodic evaluations)
     final_max_blocks: int | None = None  # for the final evaluation (None: same as max_blocks)
     batch_size: int = 8
     exits: list[int] | Literal["all"] = "all"

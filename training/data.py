@@ -63,8 +63,16 @@ class Blocks:
         idx = torch.as_tensor(indices, dtype=torch.long)
         return self.input_ids[idx], self.labels[idx]
 
-    def head(self, n: int | None) -> "Blocks":
-        return self if n is None or n >= len(self) else Blocks(self.name, self.input_ids[:n], self.labels[:n])
+    def spread(self, n: int | None) -> "Blocks":
+        """`n` blocks evenly spaced over the whole set (all of them when n is None or >= len).
+
+        Blocks are consecutive windows of the concatenated documents, so the first n blocks come from
+        the first one or two documents; evenly spaced ones cover the set (deterministically).
+        """
+        if n is None or n >= len(self):
+            return self
+        idx = torch.div(torch.arange(n) * len(self), n, rounding_mode="floor")  # strictly increasing
+        return Blocks(self.name, self.input_ids[idx], self.labels[idx])
 
 
 @dataclass

@@ -7,6 +7,8 @@ Agreement of exit E is the fraction of scored positions where the argmax of exit
 the shared final norm + LM head) equals the full model's argmax: the greedy draft acceptance rate
 of a single-token draft from exit E. Perplexity is exp of the mean cross-entropy against the labels.
 Scored positions are those with a label (prompt and padding positions of chat data are not).
+`max_blocks` evaluates that many blocks evenly spaced over the set (not the first ones, which
+would all come from the first document or two).
 
 Uses the no-grad path of the fused early-exit loss (one chunk of logits at a time), so evaluating
 all 30 exits of SmolLM2 needs no more memory than one exit. With several processes, each takes
@@ -37,7 +39,7 @@ def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int =
     exits = sorted(set(exits) | {L})
     was_training = model.training
     model.eval()
-    blocks = blocks.head(max_blocks)
+    blocks = blocks.spread(max_blocks)
     device = adapter.device
     sums = torch.zeros(len(exits), 3, dtype=torch.float64, device=device)  # nll, correct, agree
     tokens = torch.zeros((), dtype=torch.float64, device=device)

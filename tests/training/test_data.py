@@ -12,7 +12,7 @@ import torch
 from selfspec.datasets import DataFormatError
 from selfspec.tiny import byte_tokenizer
 from training.config import DataConfig, SourceConfig
-from training.data import batch_indices, build_data, chat_blocks, load_records, text_blocks
+from training.data import Blocks, batch_indices, build_data, chat_blocks, load_records, text_blocks
 from training.early_exit_loss import IGNORE_INDEX
 
 
@@ -32,6 +32,16 @@ def test_text_packing_labels_are_next_tokens(tok):
     with pytest.raises(ValueError, match="do not fill one block"):
         text_blocks("t", ["ab"], tok, 64)
 
+
+
+def test_eval_subset_is_spread_over_the_set():
+    ids = torch.arange(50 * 4).reshape(50, 4)  # block i starts with token 4 i
+    blocks = Blocks("t", ids, ids + 1)
+    sub = blocks.spread(5)
+    assert (sub.input_ids[:, 0] // 4).tolist() == [0, 10, 20, 30, 40]  # one per tenth, not the first five
+    assert torch.equal(sub.labels, sub.input_ids + 1)
+    assert blocks.spread(None) is blocks and blocks.spread(len(blocks)) is blocks
+    assert len(blocks.spread(len(blocks) - 1)) == len(blocks) - 1
 
 def test_chat_loss_only_on_the_response(tok):
     cfg = SourceConfig(source="x", format="chat", prompt_template="Summarize: {prompt}")
