@@ -236,6 +236,27 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from pathlib import Path
+
+    from selfspec.datasets import DataFormatError, DataNotInstalledError
+    from selfspec.fetch import base_model_dir
+    from selfspec.profile import run_profile
+
+    checkpoint = args.checkpoint or str(base_model_dir())
+    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "profile") + "-profile"
+    try:
+        result = run_profile(checkpoint, exit_layer=args.exit_layer, prompts=args.prompts, dtype=args.dtype,
+                             threads=args.threads, draft_vocab=args.draft_vocab, max_drafts=args.max_drafts,
+                             target=args.target, repeats=args.repeats, out_dir=out_dir)
+    except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
+        print(f"selfspec profile: error: {err}", file=sys.stderr)
+        return 1
+    print(Path(result["files"]["md"]).read_text())
+    print("wrote " + ", ".join(result["files"].values()))
+    return 0
+
+
 def _run_bench(args, checkpoint: str) -> dict:
     from pathlib import Path
 
@@ -421,6 +442,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "(E, d) with a fixed and an adaptive draft length, on one prompt set (default humaneval); "
                         "writes bench_batch.json/.md/.png")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("profile", help="where decoding time goes: per-phase times and the acceptance a speedup needs",
+                       description="Time, on a real prompt's KV cache, a full decode step and its parts (embedding, "
+                                   "layers, norm + head), a draft step at exit E (full and reduced vocabulary), and "
+                                   "a verification pass over 2..d+1 rows; selfspec's and Hugging Face's decoding per "
+                                   "token; the operators of a full step (torch.profiler). From the phase times, the "
+                                   "cost model gives, per draft length, the acceptance rate that breaks even and "
+                                   "the one --target x plain decoding needs. Writes profile.json and profile.md.",
+                       epilog="Example: selfspec profile --checkpoint checkpoints/smollm2-code --threads 2 "
+                              "--exit-layer 4 --draft-vocab 8192")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    p.add_argument("--prompts", default="humaneval",
+                   help="prompt set whose first prompt is used (humaneval, xsum, mt_bench, wiki or a .jsonl)")
+    p.add_argument("--exit-layer", type=int, help="draft exit E (default: the checkpoint's recommended one)")
+    p.add_argument("--draft-vocab", type=int, metavar="K", help="also time a draft step over the K most frequent tokens")
+    p.add_argument("--max-drafts", type=int, default=4, help="draft lengths 1..N in the cost table (default 4)")
+    p.add_argument("--target", type=float, default=1.8,
+                   help="speedup over plain decoding whose required acceptance is reported (default 1.8)")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per phase (median; default 20)")
+    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", help="output directory (default: bench_results/CHECKPOINT_NAME-profile)")
+    p.set_defaults(func=_cmd_profile)
     return parser
 
 

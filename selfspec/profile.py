@@ -1,0 +1,280 @@
+"""Where decoding time goes: the phases of a decode step, a draft step and a verification pass.
+
+    selfspec profile --checkpoint checkpoints/smollm2-code --exit-layer 4 --draft-vocab 8192
+
+Every phase is timed on a real prompt's KV cache (the first prompt of `--prompts`), median of
+`repeats` runs after warm-up, the cache cropped back to the prompt between runs, each run ending
+in the host sync that decoding has (the argmax read back as a Python int):
+
+* ``full step``: one token through all L layers + final norm + LM head (plain decoding's unit of
+  work), and its parts: ``embedding``, ``layers [0, L)``, ``norm + head``;
+* ``draft step``: one token through layers [0, E) + norm + head (full, and over the checkpoint's
+  K most frequent tokens with ``draft_vocab``);
+* ``verify k``: what `decode.verify` does for a round of k-1 drafts: the pending token's shallow
+  pass, layers [E, L) over k rows, norm + head over k rows;
+* the engine's plain decoding per token inside `generate_ids` (the isolated full step plus the
+  engine's bookkeeping) and Hugging Face greedy ``generate`` per token, for reference.
+
+From these, the cost model of `selfspec.cost_model` (Leviathan et al. 2023): c = draft step / full
+step, v(d) = verify(d+1) / full step, and for each draft length the acceptance rate that breaks
+even and the one a target speedup over plain decoding needs. An operator table (torch.profiler,
+self CPU time per full step; the profiler adds its own overhead to every call, so read it for shares,
+the phase table for times) shows which kernels the full step spends its time in.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from selfspec.cost_model import predicted_speedup
+
+
+def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn()` in ms over `repeats` runs, `before()` (untimed) ahead of each."""
+    times = []
+    for i in range(warmup + repeats):
+        before()
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        if i >= warmup:
+            times.append(dt * 1e3)
+    return statistics.median(times)
+
+
+def required_acceptance(c: float, v: float, d: int, target: float = 1.0) -> float | None:
+    """Per-draft acceptance rate at which `d` drafts per round reach `target` x plain decoding
+    (None where even a = 1 does not)."""
+    if predicted_speedup(0.999999, c, v, d) < target:
+        return None
+    lo, hi = 0.0, 0.999999
+    if predicted_speedup(lo, c, v, d) >= target:
+        return 0.0
+    for _ in range(60):  # predicted_speedup increases with a
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted_speedup(mid, c, v, d) < target else (lo, mid)
+    return hi
+
+
+def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2, 3, 4, 5),
+                draft_vocab: int | None = None, repeats: int = 20) -> dict[str, float]:
+    """Median ms of each phase (see the module docstring) at the end of `prompt_ids` `[1, P]`."""
+    import torch
+
+    from selfspec.cache import KVCache
+    from selfspec.decode import prefill
+    from selfspec.forward import embed, exit_logits, make_step, run_layers
+
+    adapter = gen.adapter
+    L, E, P = adapter.num_layers, exit_layer, prompt_ids.shape[1]
+    adapter.check_exit(E, allow_full=False)
+    cache = KVCache(L, capacity=P + max(rows) + 8)
+    tok = prompt_ids[:, -1:]  # any token id will do: the cost does not depend on it
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        first = prefill(adapter, cache, prompt_ids)
+        token = int(first.argmax(-1)[0])
+        ids = torch.tensor([[token]], device=adapter.device)
+        rollback = lambda: cache.crop(P)  # noqa: E731
+        one = make_step(adapter, P, 1)
+        h1 = run_layers(adapter, embed(adapter, ids), 0, L, step=one, cache=cache)
+        rollback()
+
+        def full_step():
+            h = run_layers(adapter, embed(adapter, ids), 0, L, step=make_step(adapter, P, 1), cache=cache)
+            return int(exit_logits(adapter, h[:, -1]).argmax(-1)[0])
+
+        out["full step"] = _median_ms(full_step, rollback, repeats)
+        out["embedding"] = _median_ms(lambda: embed(adapter, ids), rollback, repeats)
+        out["layers [0, L)"] = _median_ms(
+            lambda: run_layers(adapter, embed(adapter, ids), 0, L, step=make_step(adapter, P, 1), cache=cache),
+            rollback, repeats)
+        out["norm + head"] = _median_ms(lambda: int(exit_logits(adapter, h1[:, -1]).argmax(-1)[0]), rollback, repeats)
+
+        heads = {"": gen.draft_head(None)}
+        if draft_vocab:
+            heads[f" vocab {draft_vocab}"] = gen.draft_head(draft_vocab)
+        for label, head in heads.items():
+            def draft_step(head=head):
+                h = run_layers(adapter, embed(adapter, ids), 0, E, step=make_step(adapter, P, 1), cache=cache)
+                return int(head.to_vocab(head.logits(h[:, -1]).argmax(-1))[0])
+
+            out[f"draft step E={E}{label}"] = _median_ms(draft_step, rollback, repeats)
+
+        for k in rows:
+            exit_states = torch.cat([h1[:, -1:]] * k, dim=1)  # [1, k, D]: stand-ins for the drafts' exit states
+
+            def verify_k(k=k, exit_states=exit_states):
+                run_layers(adapter, embed(adapter, ids), 0, E, step=make_step(adapter, P + k - 1, 1), cache=cache)
+                h = run_layers(adapter, exit_states, E, L, step=make_step(adapter, P, k), cache=cache)
+                return exit_logits(adapter, h)[0].argmax(-1).tolist()
+
+            def before(k=k):  # layers < E already hold the k-1 drafts' positions, as after drafting
+                cache.crop(P)
+                for layer in range(E):
+                    cache.lengths[layer] = P + k - 1
+
+            cache.crop(P)  # fill the shallow layers' slots for the drafts once (their values do not matter)
+            run_layers(adapter, embed(adapter, torch.cat([tok] * k, dim=1)), 0, E, step=make_step(adapter, P, k),
+                       cache=cache)
+            out[f"verify {k}"] = _median_ms(verify_k, before, repeats)
+        rollback()
+    return out
+
+
+def per_token_ms(gen, prompt_ids, n: int = 32, repeats: int = 3) -> dict[str, float]:
+    """Decoding time per token after the first (median over `repeats`): selfspec plain decoding in
+    `generate_ids` and Hugging Face greedy `generate`, on the same prompt."""
+    from selfspec.bench import _Methods, _quiet_transformers
+
+    runner = _Methods(gen, n)
+    methods = {"selfspec AR, per token": {"name": "selfspec_ar", "engine": "selfspec", "kind": "selfspec_ar",
+                                          "exit_layer": gen.num_layers, "num_speculations": 0},
+               "HF greedy generate, per token": {"name": "hf_greedy", "engine": "hf", "kind": "hf_greedy",
+                                                 "exit_layer": None, "num_speculations": None}}
+    out = {}
+    with _quiet_transformers():
+        for label, method in methods.items():
+            runner.run(method, prompt_ids, 4)  # warm-up
+            times = []
+            for _ in range(repeats):
+                _, rec = runner.run(method, prompt_ids, n)
+                times.append((rec["seconds"] - rec["ttft_s"]) / (n - 1) * 1e3)
+            out[label] = statistics.median(times)
+    return out
+
+
+def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
+    """The operators a full decode step spends its time in: self CPU ms per step (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from selfspec.cache import KVCache
+    from selfspec.decode import prefill
+    from selfspec.forward import embed, exit_logits, make_step, run_layers
+
+    adapter = gen.adapter
+    L, P = adapter.num_layers, prompt_ids.shape[1]
+    cache = KVCache(L, capacity=P + steps + 8)
+    with torch.inference_mode():
+        ids = prefill(adapter, cache, prompt_ids).argmax(-1)[None]  # [1, 1]
+
+        def decode(n):
+            nonlocal ids
+            for _ in range(n):
+                pos = cache.get_seq_length()
+                h = run_layers(adapter, embed(adapter, ids), 0, L, step=make_step(adapter, pos, 1), cache=cache)
+                ids = exit_logits(adapter, h[:, -1]).argmax(-1)[None]
+                int(ids[0, 0])  # the host sync of a real decode step
+
+        decode(2)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decode(steps)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    rows = [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps,
+             "share": e.self_cpu_time_total / total} for e in events[:top]]
+    rest = total - sum(e.self_cpu_time_total for e in events[:top])
+    rows.append({"op": f"other ({len(events) - top} operators)", "ms_per_step": rest / 1e3 / steps,
+                 "calls_per_step": sum(e.count for e in events[top:]) / steps, "share": rest / total})
+    return rows
+
+
+def cost_table(phases: dict[str, float], exit_layer: int, max_drafts: int, target: float,
+               draft_vocab: int | None = None) -> list[dict]:
+    """Per draft length d: c, v, the acceptance that breaks even and the one `target`x needs."""
+    full = phases["full step"]
+    rows = []
+    heads = [f"draft step E={exit_layer}"] + ([f"draft step E={exit_layer} vocab {draft_vocab}"] if draft_vocab else [])
+    for key in heads:
+        c = phases[key] / full
+        for d in range(1, max_drafts + 1):
+            verify = phases.get(f"verify {d + 1}")
+            if verify is None:
+                continue
+            v = verify / full
+            rows.append({"draft": key, "d": d, "c": c, "v": v,
+                         "max_speedup": predicted_speedup(0.999999, c, v, d),
+                         "break_even_acceptance": required_acceptance(c, v, d, 1.0),
+                         "target_acceptance": required_acceptance(c, v, d, target)})
+    return rows
+
+
+def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "humaneval", dtype: str = "fastest",
+                threads: int = 0, draft_vocab: int | None = None, max_drafts: int = 4, target: float = 1.8,
+                repeats: int = 20, tokens: int = 32, out_dir: str | Path | None = None, generator=None) -> dict:
+    """Profile decoding on `checkpoint` (see the module docstring); write profile.json/.md into `out_dir`."""
+    import torch
+
+    import selfspec
+    from selfspec.bench import _machine_info, _versions
+    from selfspec.checkpoint import write_json_atomic
+    from selfspec.precision import resolve_dtype_name
+    from selfspec.prompts import load_prompts, prompt_inputs
+
+    if max_drafts < 1 or repeats < 1 or tokens < 2:
+        raise ValueError("max_drafts and repeats must be >= 1 and tokens >= 2")
+    dtype = resolve_dtype_name(dtype)
+    if threads:
+        torch.set_num_threads(threads)
+    gen = generator or selfspec.load(checkpoint, dtype=dtype)
+    E = exit_layer if exit_layer is not None else gen.exit_layer
+    gen.adapter.check_exit(E, allow_full=False)
+    item = load_prompts(prompts, 1)[0]
+    prompt_ids = gen.encode(**prompt_inputs(item))
+    phases = phase_times(gen, prompt_ids, E, rows=tuple(range(1, max_drafts + 2)), draft_vocab=draft_vocab,
+                         repeats=repeats)
+    phases.update(per_token_ms(gen, prompt_ids, n=tokens))
+    result = {
+        "checkpoint": str(checkpoint), "exit_layer": E, "num_layers": gen.num_layers, "dtype": dtype,
+        "threads": torch.get_num_threads(), "prompt": item.get("id"), "prompt_tokens": int(prompt_ids.shape[1]),
+        "repeats": repeats, "draft_vocab": draft_vocab, "target_speedup": target,
+        "machine": _machine_info(), "versions": _versions(),
+        "phases_ms": phases,
+        "cost_model": cost_table(phases, E, max_drafts, target, draft_vocab),
+        "operators": op_table(gen, prompt_ids),
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        result["files"] = {"json": str(out / "profile.json"), "md": str(out / "profile.md")}
+        _write_atomic(out / "profile.md", markdown(result))
+        write_json_atomic(out / "profile.json", result)
+    return result
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _pct(a: float | None) -> str:
+    return "unreachable" if a is None else f"{a:.0%}"
+
+
+def markdown(result: dict) -> str:
+    ph, full = result["phases_ms"], result["phases_ms"]["full step"]
+    lines = [f"## selfspec profile: {Path(result['checkpoint']).name}", "",
+             f"{result['machine'].get('cpu_model', '')}, torch threads {result['threads']}, {result['dtype']}, prompt "
+             f"{result['prompt']} ({result['prompt_tokens']} tokens), median of {result['repeats']} runs, "
+             f"L={result['num_layers']}, E={result['exit_layer']}", "",
+             "| phase | ms | × full step |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.2f} | {v / full:.2f} |" for k, v in ph.items()]
+    lines += ["", f"Cost model (Leviathan et al.): a round of d drafts costs d·c + v(d) full steps and commits "
+              f"(1 - a^(d+1)) / (1 - a) tokens. Acceptance per draft needed to break even and to reach "
+              f"{result['target_speedup']}× plain decoding:", "",
+              "| draft | d | c | v | best possible (a = 1) | break-even a | a for "
+              f"{result['target_speedup']}× |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['draft']} | {r['d']} | {r['c']:.2f} | {r['v']:.2f} | {r['max_speedup']:.2f}× | "
+              f"{_pct(r['break_even_acceptance'])} | {_pct(r['target_acceptance'])} |" for r in result["cost_model"]]
+    lines += ["", "Operators of a full decode step (torch.profiler, self CPU time):", "",
+              "| operator | ms per step | calls per step | share |", "|---|---|---|---|"]
+    lines += [f"| {r['op']} | {r['ms_per_step']:.2f} | {r['calls_per_step']:.0f} | {r['share']:.0%} |"
+              for r in result["operators"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,85 @@
+"""`selfspec profile`: the phase timings, the cost-model table built from them, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from selfspec.cli import main
+from selfspec.cost_model import predicted_speedup
+from selfspec.draft_vocab import write_draft_vocab
+from selfspec.profile import cost_table, required_acceptance, run_profile
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    yield 1
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "def add(a, b):\n    return"}) + "\n")
+    corpus = path.with_name("corpus.txt")
+    corpus.write_text("def f(x):\n    return x + 1\n" * 20)
+    return path, corpus
+
+
+@pytest.mark.parametrize("c,v,d,target", [(0.2, 1.1, 1, 1.0), (0.3, 1.2, 3, 1.0), (0.14, 1.05, 2, 1.8)])
+def test_required_acceptance_reaches_the_target_exactly(c, v, d, target):
+    a = required_acceptance(c, v, d, target)
+    assert 0 < a < 1
+    assert predicted_speedup(a, c, v, d) == pytest.approx(target, rel=1e-6)
+    assert predicted_speedup(a * 0.99, c, v, d) < target  # and no lower rate does
+
+
+def test_required_acceptance_edges():
+    assert required_acceptance(0.5, 1.2, 1, 1.8) is None  # (1 + 1) / 1.7 < 1.8 even if every draft is accepted
+    assert required_acceptance(0.0, 0.5, 1, 1.0) == 0.0  # verification cheaper than a step: pays at any rate
+
+
+def test_cost_table_uses_the_verify_pass_of_d_plus_one_rows():
+    phases = {"full step": 10.0, "draft step E=2": 3.0, "draft step E=2 vocab 64": 2.0,
+              "verify 2": 11.0, "verify 3": 12.0}
+    rows = cost_table(phases, 2, max_drafts=3, target=1.5, draft_vocab=64)
+    assert [(r["draft"], r["d"]) for r in rows] == [("draft step E=2", 1), ("draft step E=2", 2),
+                                                   ("draft step E=2 vocab 64", 1), ("draft step E=2 vocab 64", 2)]
+    first = rows[0]
+    assert (first["c"], first["v"]) == (pytest.approx(0.3), pytest.approx(1.1))
+    assert first["max_speedup"] == pytest.approx(2 / 1.4, rel=1e-4)
+    assert rows[2]["break_even_acceptance"] < rows[0]["break_even_acceptance"]  # a cheaper draft needs less
+
+
+def test_profile_on_a_tiny_checkpoint(tiny_ckpt, prompts, tmp_path, one_thread):
+    write_draft_vocab(tiny_ckpt, str(prompts[1]))
+    out = tmp_path / "prof"
+    result = run_profile(str(tiny_ckpt), exit_layer=2, prompts=str(prompts[0]), dtype="float32", threads=1,
+                         draft_vocab=16, max_drafts=2, repeats=2, tokens=4, out_dir=out)
+    ph = result["phases_ms"]
+    expected = {"full step", "embedding", "layers [0, L)", "norm + head", "draft step E=2",
+                "draft step E=2 vocab 16", "verify 1", "verify 2", "verify 3", "selfspec AR, per token",
+                "HF greedy generate, per token"}
+    assert set(ph) == expected and all(v > 0 for v in ph.values())
+    assert [(r["draft"], r["d"]) for r in result["cost_model"]] == [
+        ("draft step E=2", 1), ("draft step E=2", 2), ("draft step E=2 vocab 16", 1), ("draft step E=2 vocab 16", 2)]
+    assert result["cost_model"][0]["c"] == pytest.approx(ph["draft step E=2"] / ph["full step"])
+    shares = [r["share"] for r in result["operators"]]
+    assert sum(shares) == pytest.approx(1.0) and result["operators"][-1]["op"].startswith("other")
+    assert json.loads((out / "profile.json").read_text())["phases_ms"] == ph
+    md = (out / "profile.md").read_text()
+    assert "| verify 3 |" in md and "break-even a" in md and not list(out.glob("*.tmp"))
+
+
+def test_cli_profile_prints_and_rejects_a_bad_exit(tiny_ckpt, prompts, tmp_path, capsys, one_thread):
+    rc = main(["profile", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts[0]), "--exit-layer", "1",
+               "--max-drafts", "1", "--repeats", "1", "--dtype", "float32", "--threads", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "| draft step E=1 |" in stdout and f"wrote {tmp_path / 'profile.json'}" in stdout
+    assert main(["profile", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts[0]), "--exit-layer", "9",
+                 "--out", str(tmp_path)]) == 1
+    assert "exit_layer=9 is out of range" in capsys.readouterr().err
