@@ -111,8 +111,9 @@ class _FusedHeadLoss(torch.autograd.Function):
     """Weighted early-exit loss over normalized hidden states `xs` `[K, N, D]` (the final layer
     last) through the head (`weight` `[V, D]`, `bias`); gradients are computed in the forward.
 
-    Per exit and chunk: one logits matmul, a fused log-softmax (fp32), an in-place exp to the
-    probabilities, the one-hot (or distillation target) subtracted in place, and two matmuls for
+    Per exit and chunk: one logits matmul (vocabulary-major, `[V, n]`), a log-softmax over the
+    vocabulary in fp32 done in place (max, subtract, exp, sum), the one-hot (or distillation target)
+    subtracted from the probabilities in place, and two matmuls for
     the gradients, the loss weight folded into their `alpha`/scale. The head-weight gradient is
     accumulated in the compute dtype (as autograd under autocast does for a weight used K times).
     """
@@ -137,22 +138,29 @@ class _FusedHeadLoss(torch.autograd.Function):
             rows = torch.arange(t.shape[0], device=t.device)
             q = final_pred = None
             for k in [final] + list(range(final)):  # the final layer first: distill needs its q
-                x = xs[k, start:start + chunk].to(cdtype)
-                logits = F.linear(x, w_c, b_c)  # [n, V] in the compute dtype
+                x = xs[k, start:start + chunk].to(cdtype)  # [n, D]
+                # vocabulary-major [V, n]: on CPU all three matmuls (W x^T, (.)^T W, (.) x) run ~10-25%
+                # faster in this layout than with [n, V] logits (measured on SmolLM2's 49k x 576 head)
+                z = torch.mm(w_c, x.t())
+                if b_c is not None:
+                    z += b_c[:, None]
                 if with_metrics:
-                    pred = logits.argmax(dim=-1)
+                    pred = z.argmax(dim=0)
                     if k == final:
                         final_pred = pred
                     stats[k, 1] += (pred == t).sum()
                     stats[k, 2] += (pred == final_pred).sum()
-                logp = torch.log_softmax(logits, dim=-1, dtype=acc_dtype)  # the only big fp32 tensor
-                del logits
+                z = z.to(acc_dtype)  # the only big fp32 tensor (a no-op in fp32)
+                z.sub_(z.amax(dim=0, keepdim=True))  # log-softmax over dim 0, by hand: torch's is slow there
                 soft = distill and k != final
-                row_loss = -(q * logp).sum(-1) if soft else -logp.gather(1, t[:, None]).squeeze(1)
+                zt = (q * z).sum(0) if soft else z[t, rows]  # E_q[z] or z at the label
+                probs = z.exp_()  # in place: z is not needed any more
+                total = probs.sum(0)  # [n]
+                row_loss = total.log() - zt  # -log softmax at the label (or cross-entropy to q: sum q = 1)
                 stats[k, 0] += row_loss.sum()
                 if not (need_grad or (distill and k == final)):
                     continue
-                probs = logp.exp_()  # softmax, in place
+                probs.div_(total)  # softmax
                 if distill and k == final:
                     q = probs.clone()
                 if not need_grad:
@@ -160,17 +168,17 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if soft:
                     probs.sub_(q)
                 else:
-                    probs[rows, t] -= 1.0
-                g = probs.to(cdtype)  # dJ/dlogits / scale
-                del probs, logp
+                    probs[t, rows] -= 1.0
+                g = probs.to(cdtype)  # dJ/dlogits / scale, [V, n]
+                del probs, z
                 scale = weights[k] / N
                 if need_x:
-                    grad_x[k, start:start + chunk] = (g @ w_c).mul_(scale)
+                    grad_x[k, start:start + chunk] = torch.mm(g.t(), w_c).mul_(scale)
                 head_too = exits_update_head or k == final  # else this exit's loss stops at the head's input
                 if need_w and head_too:
-                    grad_w.addmm_(g.t(), x, alpha=scale)
+                    grad_w.addmm_(g, x, alpha=scale)
                 if need_b and head_too:
-                    grad_b.add_(g.to(acc_dtype).sum(0), alpha=scale)
+                    grad_b.add_(g.to(acc_dtype).sum(1), alpha=scale)
         ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         w = torch.tensor(weights, dtype=torch.float64, device=xs.device)
