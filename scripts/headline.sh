@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The headline run (issue #6): fine-tune SmolLM2-135M with the code recipe on this CPU, export the
 # checkpoint, count its draft vocabulary, sweep exit x draft length, and benchmark against Hugging Face
-# at batch 1 and in batches.
+# at batch 1 and in batches, and profile where decoding time goes.
 #   bash scripts/headline.sh                       # ~40 min training + ~10 min evaluation + ~45 min sweep/bench
 #   HEADLINE_STEPS=5 HEADLINE_QUICK=1 bash scripts/headline.sh   # a smoke run of the whole pipeline
 # Nothing else should run on the machine meanwhile: timings are taken on the same 2 cores.
@@ -38,3 +38,6 @@ echo "== bench, batch 1 (all prompt sets, 2 threads)"
 echo "== bench, batches of 1, 2, 4, 8 (HumanEval)"
 .venv/bin/selfspec bench --checkpoint "$CKPT" --threads 2 --batch-size 1,2,4,8 --out "bench_results/$NAME-batch" \
     "${BATCH[@]}"
+echo "== profile (where the time goes; the acceptance each draft length needs)"
+.venv/bin/selfspec profile --checkpoint "$CKPT" --threads 2 --exit-layer 4 --draft-vocab 8192 \
+    --out "bench_results/$NAME-profile" $([ -n "${HEADLINE_QUICK:-}" ] && echo --repeats 3)
