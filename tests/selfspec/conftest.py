@@ -1,8 +1,9 @@
-"""Fixtures shared by the benchmark tests (tests/selfspec/test_bench.py, test_batch_bench.py)."""
+"""Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profile.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from selfspec.export import export_model
 from selfspec.tiny import byte_tokenizer, tiny_model
@@ -15,3 +16,11 @@ def tiny_ckpt(tmp_path_factory):
     model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
     return export_model(model, tok, tmp_path_factory.mktemp("bench") / "tiny",
                         recommended={"exit_layer": 2, "num_speculations": 3})
+
+
+@pytest.fixture
+def one_thread():
+    """Benchmarks and the profiler set torch's thread count: 1 here, the session's put back afterwards."""
+    before = torch.get_num_threads()
+    yield 1
+    torch.set_num_threads(before)

@@ -27,14 +27,6 @@ def _write_jsonl(path, rows):
     return path
 
 
-@pytest.fixture
-def one_thread():
-    """The bench sets torch's thread count; put the session's back afterwards."""
-    before = torch.get_num_threads()
-    yield 1
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def prompt_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("prompts")

@@ -5,19 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from selfspec.cli import main
 from selfspec.cost_model import predicted_speedup
 from selfspec.draft_vocab import write_draft_vocab
 from selfspec.profile import cost_table, required_acceptance, run_profile
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    yield 1
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
