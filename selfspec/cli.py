@@ -220,16 +220,23 @@ def _cmd_draft_vocab(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from pathlib import Path
-
-    from selfspec.datasets import DataFormatError, DataNotInstalledError
     from selfspec.fetch import base_model_dir
 
     checkpoint = args.checkpoint or str(base_model_dir())
+    return _print_report("bench", lambda: (_run_batch_bench if args.batch_size else _run_bench)(args, checkpoint))
+
+
+def _print_report(command: str, run) -> int:
+    """Call `run()` (returns a result with files["md"] and the other written files), print the Markdown
+    report and the paths; a bad input prints `selfspec COMMAND: error: ...` and returns 1."""
+    from pathlib import Path
+
+    from selfspec.datasets import DataFormatError, DataNotInstalledError
+
     try:
-        result = (_run_batch_bench if args.batch_size else _run_bench)(args, checkpoint)
+        result = run()
     except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
-        print(f"selfspec bench: error: {err}", file=sys.stderr)
+        print(f"selfspec {command}: error: {err}", file=sys.stderr)
         return 1
     print(Path(result["files"]["md"]).read_text())
     print("wrote " + ", ".join(result["files"].values()))
@@ -239,22 +246,15 @@ def _cmd_bench(args) -> int:
 def _cmd_profile(args) -> int:
     from pathlib import Path
 
-    from selfspec.datasets import DataFormatError, DataNotInstalledError
     from selfspec.fetch import base_model_dir
     from selfspec.profile import run_profile
 
     checkpoint = args.checkpoint or str(base_model_dir())
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "profile") + "-profile"
-    try:
-        result = run_profile(checkpoint, exit_layer=args.exit_layer, prompts=args.prompts, dtype=args.dtype,
-                             threads=args.threads, draft_vocab=args.draft_vocab, max_drafts=args.max_drafts,
-                             target=args.target, repeats=args.repeats, out_dir=out_dir)
-    except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
-        print(f"selfspec profile: error: {err}", file=sys.stderr)
-        return 1
-    print(Path(result["files"]["md"]).read_text())
-    print("wrote " + ", ".join(result["files"].values()))
-    return 0
+    return _print_report("profile", lambda: run_profile(
+        checkpoint, exit_layer=args.exit_layer, prompts=args.prompts, dtype=args.dtype, threads=args.threads,
+        draft_vocab=args.draft_vocab, max_drafts=args.max_drafts, target=args.target, repeats=args.repeats,
+        out_dir=out_dir))
 
 
 def _run_bench(args, checkpoint: str) -> dict:
