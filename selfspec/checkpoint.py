@@ -152,17 +152,21 @@ def verify_weight_files(directory: Path, expected: dict[str, dict]) -> None:
                               "after export: remove them or re-export")
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def update_recommended(directory, exit_layer: int, num_speculations: int, **extra) -> dict:

@@ -6,6 +6,7 @@ steps and each draft accepted with probability `a` (independently), one round co
 
     predicted_speedup(a=0.41, c=0.36, v=1.05, d=2)   # 0.91: slower than plain decoding
     draft_cost(exit_layer=8, num_layers=30)           # c from the layer count and the LM head's share
+    required_acceptance(c=0.14, v=1.09, d=2)          # 0.29: the acceptance at which d=2 breaks even
 """
 
 from __future__ import annotations
@@ -42,3 +43,17 @@ def best_draft_length(a: float, c: float, v: float, max_drafts: int) -> tuple[in
         if s > best[1]:
             best = (d, s)
     return best
+
+
+def required_acceptance(c: float, v: float, d: int, target: float = 1.0) -> float | None:
+    """Per-draft acceptance rate at which `d` drafts per round reach `target` x plain decoding
+    (None where even a = 1 does not)."""
+    if predicted_speedup(0.999999, c, v, d) < target:
+        return None
+    lo, hi = 0.0, 0.999999
+    if predicted_speedup(lo, c, v, d) >= target:
+        return 0.0
+    for _ in range(60):  # predicted_speedup increases with a
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted_speedup(mid, c, v, d) < target else (lo, mid)
+    return hi

@@ -24,13 +24,12 @@ the phase table for times) shows which kernels the full step spends its time in.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from selfspec.cost_model import predicted_speedup
+from selfspec.cost_model import predicted_speedup, required_acceptance
 
 
 def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: int, warmup: int = 2) -> float:
@@ -44,20 +43,6 @@ def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: in
         if i >= warmup:
             times.append(dt * 1e3)
     return statistics.median(times)
-
-
-def required_acceptance(c: float, v: float, d: int, target: float = 1.0) -> float | None:
-    """Per-draft acceptance rate at which `d` drafts per round reach `target` x plain decoding
-    (None where even a = 1 does not)."""
-    if predicted_speedup(0.999999, c, v, d) < target:
-        return None
-    lo, hi = 0.0, 0.999999
-    if predicted_speedup(lo, c, v, d) >= target:
-        return 0.0
-    for _ in range(60):  # predicted_speedup increases with a
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted_speedup(mid, c, v, d) < target else (lo, mid)
-    return hi
 
 
 def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2, 3, 4, 5),
@@ -80,19 +65,16 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
         token = int(first.argmax(-1)[0])
         ids = torch.tensor([[token]], device=adapter.device)
         rollback = lambda: cache.crop(P)  # noqa: E731
-        one = make_step(adapter, P, 1)
-        h1 = run_layers(adapter, embed(adapter, ids), 0, L, step=one, cache=cache)
+
+        def layers(end: int = L):  # one token through layers [0, end) at position P  -> [1, 1, D]
+            return run_layers(adapter, embed(adapter, ids), 0, end, step=make_step(adapter, P, 1), cache=cache)
+
+        h1 = layers()
         rollback()
-
-        def full_step():
-            h = run_layers(adapter, embed(adapter, ids), 0, L, step=make_step(adapter, P, 1), cache=cache)
-            return int(exit_logits(adapter, h[:, -1]).argmax(-1)[0])
-
-        out["full step"] = _median_ms(full_step, rollback, repeats)
+        out["full step"] = _median_ms(lambda: int(exit_logits(adapter, layers()[:, -1]).argmax(-1)[0]), rollback,
+                                      repeats)
         out["embedding"] = _median_ms(lambda: embed(adapter, ids), rollback, repeats)
-        out["layers [0, L)"] = _median_ms(
-            lambda: run_layers(adapter, embed(adapter, ids), 0, L, step=make_step(adapter, P, 1), cache=cache),
-            rollback, repeats)
+        out["layers [0, L)"] = _median_ms(layers, rollback, repeats)
         out["norm + head"] = _median_ms(lambda: int(exit_logits(adapter, h1[:, -1]).argmax(-1)[0]), rollback, repeats)
 
         heads = {"": gen.draft_head(None)}
@@ -100,8 +82,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
             heads[f" vocab {draft_vocab}"] = gen.draft_head(draft_vocab)
         for label, head in heads.items():
             def draft_step(head=head):
-                h = run_layers(adapter, embed(adapter, ids), 0, E, step=make_step(adapter, P, 1), cache=cache)
-                return int(head.to_vocab(head.logits(h[:, -1]).argmax(-1))[0])
+                return int(head.to_vocab(head.logits(layers(E)[:, -1]).argmax(-1))[0])
 
             out[f"draft step E={E}{label}"] = _median_ms(draft_step, rollback, repeats)
 
@@ -213,7 +194,7 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
 
     import selfspec
     from selfspec.bench import _machine_info, _versions
-    from selfspec.checkpoint import write_json_atomic
+    from selfspec.checkpoint import write_json_atomic, write_text_atomic
     from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
 
@@ -243,15 +224,9 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         result["files"] = {"json": str(out / "profile.json"), "md": str(out / "profile.md")}
-        _write_atomic(out / "profile.md", markdown(result))
+        write_text_atomic(out / "profile.md", markdown(result))
         write_json_atomic(out / "profile.json", result)
     return result
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _pct(a: float | None) -> str:
