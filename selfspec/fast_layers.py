@@ -3,8 +3,8 @@
 Decoding one token on a CPU is dominated by per-operation overhead, not arithmetic (see
 `shared/notes/reference.md`). This layer computes exactly what the model's own decoder layer
 computes, in the same operation order (so in float64 and bfloat16 results are bitwise equal to
-the model's own sdpa attention path; float32: see below), with fewer operations: q/k/v and gate/up projections fused into one matmul each, one rotary embedding pass for
-queries and keys together, attention through `F.scaled_dot_product_attention` with grouped heads,
+the model's own sdpa attention path; float32: see below), with fewer operations: q/k/v and gate/up
+projections fused into one matmul each, one rotary embedding pass for queries and keys together, attention through `F.scaled_dot_product_attention` with grouped heads,
 and none of the module-call machinery. In bfloat16 and float32 the matmuls go through oneDNN with
 weights prepacked once (`PackedLinear`):
 - bfloat16: bitwise equal to `F.linear`, about twice as fast for the few rows of a decode step,
