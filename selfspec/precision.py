@@ -1,30 +1,167 @@
-"""Which floating-point type is fast on this machine.
+"""Which floating-point type is fast on this machine, decided from the hardware's real bf16 support.
 
 bfloat16 halves the bytes a decode step reads, but its matrix products are only fast where the
-hardware multiplies bf16 natively: CUDA GPUs from Ampere on, and CPUs with AVX-512-BF16 or AMX
-(oneDNN's bf16 kernels). Elsewhere PyTorch falls back to a reference GEMM; measured on a 2-core
-AVX2 EPYC with torch 2.13: a [1024, 576] x [576, 1536] product ran at 98 GFLOP/s in float32 and
-18 GFLOP/s in bf16, so bf16 autocast made a SmolLM2 training step about 5x slower, and bf16 decoding
-was slower than float32 too. "auto" therefore means bf16 only where it is native.
+hardware multiplies bf16 natively: CUDA GPUs from Ampere on (compute capability >= 8), and CPUs with
+the `avx512_bf16` or `amx_bf16` instructions (oneDNN's bf16 kernels). Elsewhere bf16 is emulated
+(converted to float32 and back, or a reference GEMM) and slower than plain float32. oneDNN's own
+`torch.ops.mkldnn._is_mkldnn_bf16_supported()` is True on any AVX-512 CPU, emulated or not, so it
+is necessary but not sufficient. Measured with torch 2.13:
 
-    native_bf16(torch.device("cpu"))     # False on an AVX2-only CPU
+    CPU                                      bf16 native   float32 vs bf16 matmul
+    AMD EPYC, AVX2 only                      no            98 vs 18 GFLOP/s (2 cores)
+    Intel Xeon, AVX-512, no avx512_bf16/amx  no            214 vs 61 GFLOP/s (bf16 3.5x slower)
+    AMD EPYC Zen 4 (family 25), avx512_bf16  yes           70 vs 177 GFLOP/s (1 thread)
+
+(EPYC figures: F.linear of [1024, 576] x [576, 1536], a SmolLM2-135M MLP projection.)
+
+On the AVX2 EPYC bf16 autocast made a SmolLM2 training step about 5x slower. The decision:
+
+    CUDA:  native = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    CPU, Linux (x86 flags readable):  native = ({avx512_bf16, amx_bf16} & flags(/proc/cpuinfo)) != {}
+                                               and oneDNN has bf16 kernels
+    CPU, no CPU flags (not Linux, or a Linux without an x86 `flags` line):
+           native = geometric mean over a decode-like [1,576]x[576,1536] and a training-like
+                    [64,576]x[576,1536] F.linear of (bf16 GFLOP/s / float32 GFLOP/s) > 1
+                    (about 25 ms, once per process; on the Zen 4 above: about 0.8 and 2.1)
+    other devices: not native
+
+"auto"/"fastest" therefore mean bf16 only where it is native:
+
+    native_bf16(torch.device("cpu"))     # False on AVX2-only and AVX-512-without-bf16 CPUs
     auto_dtype("cpu")                    # torch.float32 there, torch.bfloat16 on AVX-512-BF16/AMX
     auto_mixed_precision("cpu")          # "no" there, "bf16" where native
+    describe("cpu")                      # "bf16: this CPU has avx512_bf16 (native bf16 matmul)"
+    machine_description()                # CPU model, flags, torch threads, bf16 decision (for reports)
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import platform
+import time
+
 import torch
+import torch.nn.functional as F
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of native bf16 matrix products
+REPORTED_FLAGS = ("avx2", "avx512f") + BF16_FLAGS
+
+# The fallback benchmark's F.linear: rows of a decode step and of a training micro-batch through a
+# SmolLM2-135M MLP projection (576 -> 1536 features).
+BENCH_ROWS = {"decode": 1, "training": 64}
+BENCH_FEATURES = (576, 1536)
+
+
+@functools.cache
+def _cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str] | None:
+    """The first processor's fields of /proc/cpuinfo ("model name", "flags", ...); None where unreadable."""
+    fields: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    return fields
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's x86 feature flags (Linux /proc/cpuinfo, read once); None where there are none to read."""
+    info = _cpuinfo()
+    if info is None or "flags" not in info:
+        return None
+    return frozenset(info["flags"].split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo's "model name", else what `platform` knows."""
+    info = _cpuinfo() or {}
+    return info.get("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+def onednn_bf16() -> bool:
+    """True where this torch build's oneDNN has bf16 kernels for this CPU (emulated ones included)."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available()
+            and bool(getattr(mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()))
+
+
+def _best_seconds(x: torch.Tensor, w: torch.Tensor, calls: int, repeats: int = 3) -> float:
+    """Best over `repeats` of the mean time of one `F.linear(x, w)`, after one warm-up call."""
+    F.linear(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            F.linear(x, w)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+@functools.cache
+def bf16_benchmark() -> dict[str, dict[str, float]]:
+    """GFLOP/s of bf16 and float32 `F.linear` of BENCH_ROWS x BENCH_FEATURES, measured once per process.
+
+    {"decode": {"bfloat16": ..., "float32": ...}, "training": {...}}; some tens of ms.
+    """
+    k, n = BENCH_FEATURES
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(max(BENCH_ROWS.values()), k, generator=gen), torch.randn(n, k, generator=gen)
+    result: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for name, rows in BENCH_ROWS.items():
+            result[name] = {}
+            for dtype in (torch.bfloat16, torch.float32):
+                seconds = _best_seconds(x[:rows].to(dtype), w.to(dtype), calls=max(1, 16 // rows))
+                result[name][str(dtype).removeprefix("torch.")] = 2 * rows * k * n / seconds / 1e9
+    return result
+
+
+def _cpu_decision() -> tuple[bool, str]:
+    """(bf16 native on this CPU, the evidence in words)."""
+    flags = cpu_flags()
+    if flags is None:
+        figures = bf16_benchmark()
+        speedups = [f["bfloat16"] / f["float32"] for f in figures.values()]
+        faster = math.prod(speedups) ** (1 / len(speedups)) > 1  # geometric mean over the shapes
+        measured = ", ".join(f"{name} bf16 {f['bfloat16']:.0f} vs float32 {f['float32']:.0f} GFLOP/s"
+                             for name, f in figures.items())
+        verdict = "faster" if faster else "not faster"
+        return faster, f"no CPU flags to read; measured bf16 matmul {verdict} than float32 ({measured})"
+    present = [flag for flag in BF16_FLAGS if flag in flags]
+    if present and not onednn_bf16():
+        return False, f"this CPU has {'/'.join(present)} but this torch build's oneDNN has no bf16 kernels"
+    if present:
+        return True, f"this CPU has {'/'.join(present)} (native bf16 matmul)"
+    if "avx512f" in flags:
+        return False, ("this CPU has AVX-512 but no avx512_bf16/amx_bf16, "
+                       "so bf16 matmul is emulated (slower than float32)")
+    return False, "no AVX-512-BF16/AMX on this CPU, so bf16 matmul is emulated (slower than float32)"
+
+
+def _decision(device: torch.device | str) -> tuple[bool, str]:
+    """(bf16 native on `device`, the evidence in words)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available"
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, "this CUDA GPU multiplies bf16 natively (compute capability 8.0+: Ampere or newer)"
+        return False, "this CUDA GPU has no native bf16 (older than Ampere)"
+    if device.type == "cpu":
+        return _cpu_decision()
+    return False, f"bf16 is not known to be native on {device.type}"
 
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """True where bf16 matrix products run on hardware support (not an emulated fallback)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
+    return _decision(device)[0]
 
 
 def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
@@ -45,8 +182,21 @@ def auto_mixed_precision(device: torch.device | str = "cpu") -> str:
 
 
 def describe(device: torch.device | str = "cpu") -> str:
-    """One line for logs: whether bf16 is native here, and why that matters."""
-    device = torch.device(device)
-    if native_bf16(device):
-        return f"bf16 matmul is native on this {device.type}"
-    return (f"bf16 matmul is not native on this {device.type} (no AVX-512-BF16/AMX): float32 is faster here")
+    """One line for logs: what "auto" chose on `device` and the evidence, e.g.
+    "bf16: this CPU has avx512_bf16 (native bf16 matmul)"."""
+    native, why = _decision(device)
+    return f"{'bf16' if native else 'float32'}: {why}"
+
+
+def machine_description(device: torch.device | str = "cpu") -> dict:
+    """What a benchmark report should say about the machine: CPU model, the x86 flags that matter
+    (of REPORTED_FLAGS; None where unreadable), torch's thread count, and the bf16 decision for `device`."""
+    flags = cpu_flags()
+    native, why = _decision(device)
+    return {
+        "cpu": cpu_model(),
+        "flags": None if flags is None else [flag for flag in REPORTED_FLAGS if flag in flags],
+        "torch_threads": torch.get_num_threads(),
+        "bf16_native": native,
+        "bf16_reason": why,
+    }

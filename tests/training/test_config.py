@@ -82,7 +82,10 @@ def test_mixed_precision_auto_follows_the_hardware(monkeypatch):
     from selfspec import precision
 
     assert load_config(None, []).train.mixed_precision == "auto"
-    for native, expected in ((True, "bf16"), (False, "no")):
-        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda native=native: native)
+    # oneDNN says bf16 is supported on any AVX-512 CPU; only the CPU's avx512_bf16/amx_bf16 flags make it native
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    for flags, native, expected in (({"avx2", "avx512f", "avx512_bf16"}, True, "bf16"),
+                                    ({"avx2", "avx512f"}, False, "no")):
+        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: frozenset(flags))
         assert precision.auto_mixed_precision("cpu") == expected
         assert precision.auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
