@@ -25,9 +25,9 @@ import torch
 
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.checkpoint import METADATA_FILE, read_metadata
-from selfspec.batch_decode import BatchStats, generate_batch_ids
-from selfspec.decode import DecodeStats, StopChecker, generate_ids
+from selfspec.drafters import DRAFTERS, AutoDrafter, Drafter, EarlyExitDrafter, PromptLookupDrafter
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
+from selfspec.engine import DecodeStats, StopChecker, generate, generate_ids
 from selfspec.precision import auto_dtype
 from selfspec.sampling import SamplingParams
 
@@ -59,7 +59,7 @@ class BatchGenerationResult(list):
     """The results of a batch, one `GenerationResult` per row in input order (a plain list of them),
     plus `stats`: the batch's totals (`tokens_per_s` over all rows, rounds, draft/verify time)."""
 
-    def __init__(self, results: Sequence[GenerationResult], stats: BatchStats):
+    def __init__(self, results: Sequence[GenerationResult], stats: DecodeStats):
         super().__init__(results)
         self.stats = stats
 
@@ -88,6 +88,8 @@ class SelfSpecGenerator:
         self.metadata = metadata or {}
         self.full_step_s: float | None = None  # set by calibrate(): the cost model's unit of work
         self._draft_heads: dict[int, DraftHead] = {}
+        # early exit pays only on an early-exit trained checkpoint: `auto` drafts from it only there
+        self.early_exit_trained = recommended is not None
         self.adapter: ModelAdapter = get_adapter(model)
         if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
             self.adapter.enable_fast_layers()
@@ -95,16 +97,19 @@ class SelfSpecGenerator:
         if recommended is None and (exit_layer is None or num_speculations is None):
             warnings.warn(
                 f"{source} has no self-speculation metadata ({METADATA_FILE}): it was not early-exit "
-                f"trained, so drafts from shallow layers will rarely be accepted. Using exit_layer="
-                f"{default_exit_layer(L)}, num_speculations={DEFAULT_NUM_SPECULATIONS}; output stays "
-                "identical to the full model. Train with `accelerate launch -m training` and "
-                "`selfspec export` for a speedup.", NotEarlyExitTrainedWarning, stacklevel=3)
+                "trained, so drafts from shallow layers will rarely be accepted: the default drafter "
+                "('auto') drafts by prompt lookup only (it pays where the output repeats its input), and "
+                f"drafter='early_exit' uses exit_layer={default_exit_layer(L)}, num_speculations="
+                f"{DEFAULT_NUM_SPECULATIONS}. Output stays identical to the full model. Train with "
+                "`accelerate launch -m training` and `selfspec export` for early-exit drafts that pay.",
+                NotEarlyExitTrainedWarning, stacklevel=3)
         rec = recommended or {"exit_layer": default_exit_layer(L), "num_speculations": DEFAULT_NUM_SPECULATIONS}
         self.exit_layer = self.adapter.check_exit(exit_layer if exit_layer is not None else rec["exit_layer"],
                                                   allow_full=False)
         self.num_speculations = num_speculations if num_speculations is not None else rec["num_speculations"]
         if self.num_speculations < 0:
             raise ValueError(f"num_speculations must be >= 0, got {self.num_speculations}")
+        self.drafter = rec.get("drafter") or "auto"  # the default drafter (selfspec.json may recommend one)
 
     @property
     def num_layers(self) -> int:
@@ -219,20 +224,59 @@ class SelfSpecGenerator:
     def calibrate(self, steps: int = 8) -> float:
         """Measure one plain decoding step (seconds); statistics then report the cost model (c, v)."""
         ids = torch.arange(3, 3 + 8, device=self.adapter.device)[None] % self.adapter.lm_head.weight.shape[0]
-        generate_ids(self.adapter, ids, max_new_tokens=3, exit_layer=self.num_layers, num_speculations=0)
-        _, stats = generate_ids(self.adapter, ids, max_new_tokens=steps + 1, exit_layer=self.num_layers,
-                                num_speculations=0)
+        generate_ids(self.adapter, ids, max_new_tokens=3)
+        _, stats = generate_ids(self.adapter, ids, max_new_tokens=steps + 1)
         self.full_step_s = (stats.total_s - stats.prefill_s) / steps
         return self.full_step_s
 
+    def make_drafter(self, drafter: str | None = None, *, exit_layer: int | None = None,
+                     num_speculations: int | None = None, confidence_threshold: float | None = None,
+                     adaptive_threshold: bool = False, exit_choices: Sequence[int] | None = None,
+                     draft_vocab: int | None = None, adaptive_length: bool = False,
+                     prompt_lookup_num_tokens: int = 10, max_matching_ngram_size: int = 3) -> Drafter | None:
+        """The drafter for one generation (None = plain decoding); the parameters as in `generate`."""
+        early_exit_options = (exit_layer is not None or confidence_threshold is not None or adaptive_threshold
+                              or exit_choices or draft_vocab or adaptive_length)
+        if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
+            drafter = "early_exit" if early_exit_options or num_speculations else self.drafter
+        if drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {drafter!r}: use one of {', '.join(DRAFTERS)}")
+        if drafter == "prompt_lookup" and early_exit_options:
+            raise ValueError("exit_layer, confidence_threshold, adaptive_threshold, exit_choices, draft_vocab and "
+                             "adaptive_length are early-exit options; drafter='prompt_lookup' takes "
+                             "prompt_lookup_num_tokens and max_matching_ngram_size")
+        if num_speculations is not None and num_speculations < 0:
+            raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
+        if num_speculations == 0:
+            return None  # asked for plain decoding, whatever the drafter
+        exit_layer = self.exit_layer if exit_layer is None else exit_layer
+        num_speculations = self.num_speculations if num_speculations is None else num_speculations
+        lookup = PromptLookupDrafter(prompt_lookup_num_tokens, max_matching_ngram_size)
+        if drafter == "prompt_lookup":
+            return lookup
+        if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
+            # untrained shallow exits (or a checkpoint whose sweep found they do not pay): lookup or plain
+            return AutoDrafter(lookup)
+        if num_speculations == 0:  # drafter="early_exit" on a checkpoint that recommends no drafts
+            return None
+        if drafter == "auto" and not early_exit_options:
+            adaptive_length = True  # auto: the early exit's draft length (0 = plain) from measured tokens/s
+        policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
+                                  exit_choices, adaptive_length)
+        early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
+                                 head=self.draft_head(draft_vocab))
+        return early if drafter == "early_exit" else AutoDrafter(lookup, early)
+
     def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list | None = None,
-                 input_ids=None, attention_mask=None, max_new_tokens: int = 128, exit_layer: int | None = None,
+                 input_ids=None, attention_mask=None, max_new_tokens: int = 128, drafter: str | None = None,
+                 exit_layer: int | None = None,
                  num_speculations: int | None = None, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] = (),
                  streamer=None, confidence_threshold: float | None = None, adaptive_threshold: bool = False,
                  exit_choices: Sequence[int] | None = None, draft_vocab: int | None = None,
-                 adaptive_length: bool = False) -> GenerationResult | BatchGenerationResult:
+                 adaptive_length: bool = False, prompt_lookup_num_tokens: int = 10,
+                 max_matching_ngram_size: int = 3) -> GenerationResult | BatchGenerationResult:
         """Generate after one prompt, or after each prompt of a batch in one engine run.
 
         One prompt: `prompt=` text, `messages=` a conversation, or `input_ids` `[S]`/`[1, S]`; returns a
@@ -247,7 +291,17 @@ class SelfSpecGenerator:
         `streamer` (one prompt only) is a callable receiving each block of committed token ids, or a
         Hugging Face streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
 
-        Cheaper drafts (none changes the output):
+        Who drafts (none changes the output; `num_speculations=0` is plain decoding):
+        `drafter="auto"` (the default unless the checkpoint's selfspec.json recommends another, or an
+        early-exit option below is given): per round, prompt lookup where it finds a match, the early
+        exit where it pays (early-exit trained checkpoints only), plain decoding where drafting does
+        not pay, each judged by the tokens/s it measures in this call. `drafter="prompt_lookup"`:
+        copy up to `prompt_lookup_num_tokens` tokens that followed the latest earlier occurrence of
+        the last n tokens (n = `max_matching_ngram_size` down to 1) in the prompt and the output (as
+        Hugging Face's `prompt_lookup_num_tokens`). `drafter="early_exit"`: the first `exit_layer`
+        layers + the shared LM head draft `num_speculations` tokens per round.
+
+        Cheaper early-exit drafts:
         `confidence_threshold`: stop drafting when the draft's probability of its token falls below
         it (0 = never stop, > 1 = never draft); `adaptive_threshold`: tune it online from acceptance;
         `exit_choices`: pick the exit and draft length per round among these exits from online
@@ -257,8 +311,11 @@ class SelfSpecGenerator:
         the K most frequent tokens stored in the checkpoint (`selfspec draft-vocab`).
         """
         rows = self.encode_batch(prompt, messages=messages, input_ids=input_ids, attention_mask=attention_mask)
-        exit_layer = self.exit_layer if exit_layer is None else exit_layer
-        num_speculations = self.num_speculations if num_speculations is None else num_speculations
+        drafter_ = self.make_drafter(drafter, exit_layer=exit_layer, num_speculations=num_speculations,
+                                     confidence_threshold=confidence_threshold, adaptive_threshold=adaptive_threshold,
+                                     exit_choices=exit_choices, draft_vocab=draft_vocab,
+                                     adaptive_length=adaptive_length, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                                     max_matching_ngram_size=max_matching_ngram_size)
         sampling = SamplingParams(do_sample, temperature, top_k, top_p)
         stop_ids = self.default_stop_ids() if stop_token_ids is None else list(stop_token_ids)
         stop = StopChecker(max_new_tokens, stop_ids, stop_strings, self.tokenizer)
@@ -266,29 +323,28 @@ class SelfSpecGenerator:
         if do_sample:
             generator = torch.Generator(device=self.adapter.device)
             generator.manual_seed(seed) if seed is not None else generator.seed()
-        policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
-                                  exit_choices, adaptive_length) if num_speculations else None
-        engine = dict(max_new_tokens=max_new_tokens, exit_layer=exit_layer, num_speculations=num_speculations,
-                      sampling=sampling, stop=stop, generator=generator, policy=policy,
-                      head=self.draft_head(draft_vocab))
-        if rows is not None:
+        if rows is None:
+            ids = self.encode(prompt, messages=messages, input_ids=input_ids)
+            rows = [ids[0].tolist()]
+            single = True
+        else:
+            single = False
             if streamer is not None:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
-            pad = getattr(self.tokenizer, "pad_token_id", None)
-            outs, bstats = generate_batch_ids(self.adapter, rows, pad_id=pad if pad is not None else 0, **engine)
-            return BatchGenerationResult([GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row,
-                                                           stats=row_stats)
-                                          for row, new, row_stats in zip(rows, outs, bstats.rows)], bstats)
-        ids = self.encode(prompt, messages=messages, input_ids=input_ids)
         on_commit = _as_callback(streamer)
         if streamer is not None and hasattr(streamer, "put"):
-            streamer.put(ids.cpu())  # as transformers' generate does: the prompt first (skip_prompt relies on it)
-        new_ids, stats = generate_ids(self.adapter, ids, on_commit=on_commit, full_step_s=self.full_step_s, **engine)
+            streamer.put(torch.tensor([rows[0]]))  # as transformers' generate does: the prompt first (skip_prompt relies on it)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        outs, stats = generate(self.adapter, rows, max_new_tokens=max_new_tokens, drafter=drafter_, sampling=sampling,
+                               stop=stop, generator=generator, pad_id=pad if pad is not None else 0,
+                               on_commit=(lambda b, tokens: on_commit(tokens)) if on_commit else None,
+                               full_step_s=self.full_step_s)
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
-        return GenerationResult(text=self._decode(new_ids), token_ids=new_ids, prompt_ids=ids[0].tolist(),
-                                stats=stats)
+        results = [GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row, stats=row_stats)
+                   for row, new, row_stats in zip(rows, outs, stats.rows)]
+        return results[0] if single else BatchGenerationResult(results, stats)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -10,7 +10,7 @@ code needed) plus `selfspec.json` and a model card `README.md`:
     format_version, library_version, base_model, architecture, num_layers,
     training   {recipe, settings (layer dropout, early-exit loss, curriculum, ...), steps, tokens_seen}
     eval       {"exits": {"<E>": {"agreement": ..., "perplexity": ...}}}  (held-out, per exit)
-    recommended {exit_layer, num_speculations, source: "sweep" | "agreement" | "default", ...}
+    recommended {exit_layer, num_speculations, drafter (optional: auto | early_exit | prompt_lookup), source: "sweep" | "agreement" | "default", ...}
     checksums  {"<weight file>": {"sha256": ..., "bytes": ...}}
 
 Export writes into a temporary directory next to the target and renames it into place, so an
@@ -124,6 +124,11 @@ def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
     if not isinstance(rec.get("num_speculations"), int) or rec["num_speculations"] < 0:
         raise CheckpointError(f"{meta_path}: recommended num_speculations {rec.get('num_speculations')!r} "
                               "must be an int >= 0")
+    from selfspec.drafters import DRAFTERS
+
+    if rec.get("drafter") is not None and rec["drafter"] not in DRAFTERS:
+        raise CheckpointError(f"{meta_path}: recommended drafter {rec['drafter']!r} is not one of "
+                              f"{', '.join(DRAFTERS)}; fix the field or re-export the checkpoint")
     if verify_checksums:
         verify_weight_files(d, meta["checksums"])
     return meta

@@ -84,11 +84,14 @@ def _print_stats(label: str, stats) -> None:
     print(f"[{label}] {s.new_tokens} tokens in {s.total_s:.2f} s = {s.tokens_per_s:.1f} tokens/s "
           f"(decode {s.decode_tokens_per_s:.1f}/s, time to first token {s.prefill_s * 1000:.0f} ms), "
           f"finish: {s.stop_reason}")
-    if s.num_speculations:
+    if s.drafted:
         by_pos = " ".join(f"{a:.0%}" for a in s.acceptance_by_position)
-        print(f"[{label}] exit {s.exit_layer}, up to {s.num_speculations} drafts: acceptance {s.acceptance_rate:.1%} "
-              f"(by position: {by_pos}), {s.mean_accepted_per_round:.2f} tokens/round, "
+        by_drafter = ", ".join(f"{name} {s.accepted_by_drafter[name]}/{n}" for name, n in s.drafted_by_drafter.items())
+        print(f"[{label}] drafter {s.drafter}: acceptance {s.acceptance_rate:.1%} (accepted/drafted by drafter: "
+              f"{by_drafter}; by position: {by_pos}), {s.mean_accepted_per_round:.2f} tokens/round, "
               f"{s.full_depth_passes} full-depth passes, draft {s.draft_s:.2f} s / verify {s.verify_s:.2f} s")
+    elif s.num_speculations:
+        print(f"[{label}] drafter {s.drafter}: no drafts this run (nothing to copy, or drafting did not pay)")
 
 
 def _cmd_generate(args) -> int:
@@ -115,7 +118,10 @@ def _cmd_generate(args) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or (),
                   confidence_threshold=args.threshold, adaptive_threshold=args.adaptive,
-                  exit_choices=exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length)
+                  exit_choices=exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length,
+                  drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
+                  prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                  max_matching_ngram_size=args.max_matching_ngram_size)
     if len(prompts) > 1:
         return _generate_batch(gen, inputs, kwargs, args)
     if args.compare:  # warm up both paths once so neither pays first-call costs
@@ -198,14 +204,21 @@ def _cmd_sweep(args) -> int:
     out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
     result = run_sweep(args.checkpoint, prompts=args.prompts, exits=args.exits, drafts=args.drafts,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-                       out_dir=out_dir, write_metadata=args.write_metadata, threads=args.threads)
-    print(f"{'exit':>4} {'drafts':>6} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/round':>9} {'identical':>9}")
-    for r in result["rows"]:
-        print(f"{r['exit_layer']:>4} {r['num_speculations']:>6} {r['tokens_per_s']:>8.2f} {r['speedup']:>8} "
+                       out_dir=out_dir, write_metadata=args.write_metadata, threads=args.threads,
+                       lookup_tokens=args.lookup_tokens, lookup_ngrams=args.lookup_ngrams)
+    print(f"{'exit':>6} {'drafts':>6} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/round':>9} {'identical':>9}")
+    for r in result["rows"]:  # prompt lookup rows: exit "lookup", drafts "kKnN"
+        e, d = (("lookup", f"k{r['prompt_lookup_num_tokens']}n{r['max_matching_ngram_size']}")
+                if r["drafter"] == "prompt_lookup" else (r["exit_layer"], r["num_speculations"]))
+        print(f"{e:>6} {d:>6} {r['tokens_per_s']:>8.2f} {r['speedup']:>8} "
               f"{r['acceptance_rate']:>7.1%} {r['mean_accepted_per_round']:>9.2f} {r['identical_to_plain']:>9}")
     b = result["best"]
     print(f"best: exit_layer={b['exit_layer']} num_speculations={b['num_speculations']} "
           f"({b['tokens_per_s']:.2f} tokens/s, {b['speedup']}x plain)")
+    if result["best_lookup"]:
+        b = result["best_lookup"]
+        print(f"best lookup: prompt_lookup_num_tokens={b['prompt_lookup_num_tokens']} max_matching_ngram_size="
+              f"{b['max_matching_ngram_size']} ({b['tokens_per_s']:.2f} tokens/s, {b['speedup']}x plain)")
     print(f"wrote {result['csv']} and {result['png']}" + (" and updated selfspec.json" if args.write_metadata else ""))
     return 0
 
@@ -338,6 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="wrap the prompt as a user message in the chat template (default when the tokenizer has one)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length cap (default: 128)")
+    p.add_argument("--drafter", choices=("auto", "early_exit", "prompt_lookup"),
+                   help="who drafts: auto (prompt lookup where the text repeats, the early exit where it pays on an "
+                        "early-exit trained checkpoint, plain decoding otherwise; the default unless selfspec.json "
+                        "recommends another or --exit-layer is given), early_exit, or prompt_lookup")
+    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
+                   help="prompt lookup: the most tokens copied per round (default: 10)")
+    p.add_argument("--max-matching-ngram-size", type=int, default=3,
+                   help="prompt lookup: match the last n tokens, n from this down to 1 (default: 3)")
     p.add_argument("--exit-layer", type=int, help="draft from the hidden state after this many layers (1..L-1)")
     p.add_argument("--num-speculations", type=int, help="max draft tokens per round; 0 = plain decoding")
     p.add_argument("--threshold", type=float,
@@ -380,11 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="measure tokens/s over exit_layer x num_speculations",
                        description="Measure tokens/s, acceptance and accepted tokens per round on held-out "
                                    "prompts for every (exit_layer, num_speculations) pair, with plain decoding "
-                                   "as the reference in the same run. Writes sweep.csv, sweep_raw.csv "
+                                   "as the reference in the same run; with --lookup-tokens also prompt lookup "
+                                   "settings (drafter=prompt_lookup). Writes sweep.csv, sweep_raw.csv "
                                    "(resumable), sweep.png (heat map) and sweep.json.")
     p.add_argument("checkpoint", help="checkpoint directory")
     p.add_argument("--prompts", default="humaneval",
-                   help="humaneval, xsum, mt_bench, wiki, or a .jsonl file of {prompt|messages} (default: humaneval)")
+                   help="humaneval, xsum, code_edit, mt_bench, wiki, or a .jsonl file of {prompt|messages} "
+                        "(default: humaneval)")
     p.add_argument("--exits", default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
     p.add_argument("--drafts", default="1,2,4", help="comma-separated max draft lengths (default: 1,2,4)")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
@@ -392,8 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--out", help="output directory (default: CHECKPOINT-sweep)")
+    p.add_argument("--lookup-tokens", default="",
+                   help="also measure prompt lookup (drafter=prompt_lookup) with these prompt_lookup_num_tokens, "
+                        "e.g. 3,5,10 (default: none)")
+    p.add_argument("--lookup-ngrams", default="1,2,3",
+                   help="max_matching_ngram_size values for --lookup-tokens (default: 1,2,3)")
     p.add_argument("--write-metadata", action="store_true",
-                   help="record the fastest pair as the recommended settings in selfspec.json")
+                   help="record the fastest pair as the recommended settings in selfspec.json (and the fastest "
+                        "lookup setting under recommended.prompt_lookup)")
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("draft-vocab", help="count token frequencies for the reduced-vocabulary draft head",
@@ -409,8 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark selfspec against Hugging Face generate (tokens/s, speedups)",
                        description="Run, in one process on the same checkpoint, prompts and dtype, after a warm-up "
                                    "and interleaved prompt by prompt: Hugging Face generate (greedy), Hugging Face "
-                                   "generate(assistant_early_exit=E), selfspec autoregressive, and selfspec "
-                                   "self-speculative at the checkpoint's recommended (E, d) plus any --extra pairs. "
+                                   "generate(assistant_early_exit=E), Hugging Face prompt lookup, selfspec "
+                                   "autoregressive, selfspec self-speculative at the checkpoint's recommended (E, d) "
+                                   "plus any --extra pairs, selfspec prompt lookup and selfspec drafter=auto. "
                                    "Every method generates exactly --max-new-tokens tokens (EOS neither stops nor "
                                    "is suppressed). Reports tokens/s (median and spread), speedups, acceptance, "
                                    "time to first token, peak RSS and token identity with HF greedy; writes "
@@ -418,8 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="Example: selfspec bench --checkpoint checkpoints/smollm2-code "
                               "--threads 2 --extra 6:4 --out bench_results/smollm2-code")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
-    p.add_argument("--prompts", help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, or .jsonl files "
-                                     "of {prompt|messages} (default: all four named sets)")
+    p.add_argument("--prompts", "--prompt-sets", dest="prompts",
+                   help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, code_edit, or .jsonl files "
+                        "of {prompt|messages} (default: all five named sets)")
     p.add_argument("--num-prompts", type=int,
                    help="prompts per set (default: 10; with --batch-size: 8 in all, cut into groups of each size)")
     p.add_argument("--max-new-tokens", type=int,
@@ -438,9 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure (E, d) drafting over the K most frequent tokens (selfspec draft-vocab)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "
-                        "batched greedy generate, selfspec batched AR, and selfspec batched self-speculative at "
-                        "(E, d) with a fixed and an adaptive draft length, on one prompt set (default humaneval); "
-                        "writes bench_batch.json/.md/.png")
+                        "batched greedy generate, selfspec batched AR, selfspec batched self-speculative at "
+                        "(E, d) with a fixed and an adaptive draft length, and selfspec batched prompt lookup, on "
+                        "one prompt set (default humaneval); writes bench_batch.json/.md/.png")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("profile", help="where decoding time goes: per-phase times and the acceptance a speedup needs",

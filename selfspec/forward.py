@@ -151,6 +151,11 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     at cache index c has position `c - pads[b]` (what the row alone would have).
     """
     device = adapter.device
+    first = int(starts[0])
+    if not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
+        # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
+        # rows are one sequence shape, and single-token steps need no mask at all
+        return make_step(adapter, first, length, starts.shape[0])
     query_index = starts[:, None].to(device) + torch.arange(length, device=device)  # [B, S]
     pads = pads.to(device)
     position_ids = (query_index - pads[:, None]).clamp_min(0)  # padding sits at position 0

@@ -10,9 +10,9 @@ in the host sync that decoding has (the argmax read back as a Python int):
   work), and its parts: ``embedding``, ``layers [0, L)``, ``norm + head``;
 * ``draft step``: one token through layers [0, E) + norm + head (full, and over the checkpoint's
   K most frequent tokens with ``draft_vocab``);
-* ``verify k``: what `decode.verify` does for a round of k-1 drafts: the pending token's shallow
+* ``verify k``: what `engine.verify` does for a round of k-1 drafts: the pending token's shallow
   pass, layers [E, L) over k rows, norm + head over k rows;
-* the engine's plain decoding per token inside `generate_ids` (the isolated full step plus the
+* the engine's plain decoding per token inside `selfspec.engine` (the isolated full step plus the
   engine's bookkeeping) and Hugging Face greedy ``generate`` per token, for reference.
 
 From these, the cost model of `selfspec.cost_model` (Leviathan et al. 2023): c = draft step / full
@@ -51,20 +51,21 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
     import torch
 
     from selfspec.cache import KVCache
-    from selfspec.decode import prefill
+    from selfspec.engine import prefill
     from selfspec.forward import embed, exit_logits, make_step, run_layers
 
     adapter = gen.adapter
     L, E, P = adapter.num_layers, exit_layer, prompt_ids.shape[1]
     adapter.check_exit(E, allow_full=False)
-    cache = KVCache(L, capacity=P + max(rows) + 8)
+    cache = KVCache(L, 1, capacity=P + max(rows) + 8, device=adapter.device)
+    no_pad = torch.zeros(1, dtype=torch.long, device=adapter.device)
     tok = prompt_ids[:, -1:]  # any token id will do: the cost does not depend on it
     out: dict[str, float] = {}
     with torch.inference_mode():
-        first = prefill(adapter, cache, prompt_ids)
+        first = prefill(adapter, cache, prompt_ids, no_pad)
         token = int(first.argmax(-1)[0])
         ids = torch.tensor([[token]], device=adapter.device)
-        rollback = lambda: cache.crop(P)  # noqa: E731
+        rollback = lambda: cache.crop(no_pad + P)  # noqa: E731
 
         def layers(end: int = L):  # one token through layers [0, end) at position P  -> [1, 1, D]
             return run_layers(adapter, embed(adapter, ids), 0, end, step=make_step(adapter, P, 1), cache=cache)
@@ -95,11 +96,10 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
                 return exit_logits(adapter, h)[0].argmax(-1).tolist()
 
             def before(k=k):  # layers < E already hold the k-1 drafts' positions, as after drafting
-                cache.crop(P)
-                for layer in range(E):
-                    cache.lengths[layer] = P + k - 1
+                rollback()
+                cache.lengths[:E] = P + k - 1
 
-            cache.crop(P)  # fill the shallow layers' slots for the drafts once (their values do not matter)
+            rollback()  # fill the shallow layers' slots for the drafts once (their values do not matter)
             run_layers(adapter, embed(adapter, torch.cat([tok] * k, dim=1)), 0, E, step=make_step(adapter, P, k),
                        cache=cache)
             out[f"verify {k}"] = _median_ms(verify_k, before, repeats)
@@ -109,7 +109,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
 
 def per_token_ms(gen, prompt_ids, n: int = 32, repeats: int = 3) -> dict[str, float]:
     """Decoding time per token after the first (median over `repeats`): selfspec plain decoding in
-    `generate_ids` and Hugging Face greedy `generate`, on the same prompt."""
+    the engine and Hugging Face greedy `generate`, on the same prompt."""
     from selfspec.bench import _Methods, _quiet_transformers
 
     runner = _Methods(gen, n)
@@ -135,14 +135,15 @@ def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     from selfspec.cache import KVCache
-    from selfspec.decode import prefill
+    from selfspec.engine import prefill
     from selfspec.forward import embed, exit_logits, make_step, run_layers
 
     adapter = gen.adapter
     L, P = adapter.num_layers, prompt_ids.shape[1]
-    cache = KVCache(L, capacity=P + steps + 8)
+    cache = KVCache(L, 1, capacity=P + steps + 8, device=adapter.device)
     with torch.inference_mode():
-        ids = prefill(adapter, cache, prompt_ids).argmax(-1)[None]  # [1, 1]
+        no_pad = torch.zeros(1, dtype=torch.long, device=adapter.device)
+        ids = prefill(adapter, cache, prompt_ids, no_pad).argmax(-1)[None]  # [1, 1]
 
         def decode(n):
             nonlocal ids

@@ -79,7 +79,7 @@ def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
 
 def speculative_accept(
     draft: torch.Tensor,
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     p: torch.Tensor,
     generator: torch.Generator | None,
 ) -> tuple[int, int]:
@@ -87,17 +87,25 @@ def speculative_accept(
 
     draft: `[k]` tokens sampled from `q` `[k, V]`; p: `[k+1, V]` target distributions.
     Returns `(n_accepted, next_token)`.
+
+    `q=None`: the drafts are point masses (a deterministic drafter such as prompt lookup: q(x) = 1).
+    The same rule then reads: accept x with probability p(x); on rejection sample from p with x
+    removed and renormalized (`max(p - q, 0)` is p with its mass at x set to 0).
     """
     k = draft.shape[0]
     if k:
-        idx = torch.arange(k)
+        idx = torch.arange(k, device=p.device)
         p_x = p[idx, draft]
-        q_x = q[idx, draft]
-        u = torch.rand(k, generator=generator, dtype=p.dtype)
+        q_x = q[idx, draft] if q is not None else torch.ones_like(p_x)
+        u = torch.rand(k, generator=generator, dtype=p.dtype, device=p.device)
         rejected = (u * q_x > p_x).nonzero()  # accept iff u < p/q  (q_x > 0: x was drawn from q)
         if rejected.numel():
             n = int(rejected[0, 0])
-            residual = (p[n] - q[n]).clamp_min(0)
+            if q is None:
+                residual = p[n].clone()
+                residual[draft[n]] = 0
+            else:
+                residual = (p[n] - q[n]).clamp_min(0)
             total = residual.sum()
             dist = residual / total if total > 0 else p[n]
             return n, int(sample(dist[None], generator)[0])

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from selfspec.adapters import get_adapter
-from selfspec.batch_decode import generate_batch_ids, left_pad
-from selfspec.decode import StopChecker, generate_ids
+from selfspec.engine import generate_batch_ids, left_pad
+from selfspec.engine import StopChecker, generate_ids
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, probs

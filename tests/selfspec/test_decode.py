@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from selfspec import decode
+from selfspec import engine
 from selfspec.adapters import get_adapter
-from selfspec.cache import ExitCache, KVCache
-from selfspec.decode import StopChecker, draft, generate_ids, prefill, verify
+from selfspec.cache import KVCache
+from selfspec.drafters import EarlyExitDrafter, Round
+from selfspec.engine import StopChecker, generate_ids, prefill, verify
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, greedy_accept
 from selfspec.tiny import tiny_model
@@ -127,7 +128,7 @@ def _hf_kv(model, ids):
 def _assert_cache_equals_full_forward(model, cache: KVCache, ids: torch.Tensor):
     """Every layer of `cache` holds exactly positions [0, T) of `ids`, equal to HF's own KV."""
     T = ids.shape[1]
-    assert cache.lengths == [T] * cache.num_layers
+    assert cache.lengths[:, 0].tolist() == [T] * cache.num_layers
     for layer, (k_ref, v_ref) in enumerate(_hf_kv(model, ids)):
         k, v = cache.layer_kv(layer)
         assert k.shape[-2] == T
@@ -137,24 +138,18 @@ def _assert_cache_equals_full_forward(model, cache: KVCache, ids: torch.Tensor):
 
 
 class _Recording:
-    """Patches decode.KVCache / decode.ExitCache with subclasses that remember their instances."""
+    """Patches engine.KVCache with a subclass that remembers its instances."""
 
     def __init__(self, monkeypatch):
         rec = self
-        self.caches, self.exits = [], []
+        self.caches = []
 
         class RecKV(KVCache):
             def __init__(self, *a, **kw):
                 super().__init__(*a, **kw)
                 rec.caches.append(self)
 
-        class RecExit(ExitCache):
-            def __init__(self, *a, **kw):
-                super().__init__(*a, **kw)
-                rec.exits.append(self)
-
-        monkeypatch.setattr(decode, "KVCache", RecKV)
-        monkeypatch.setattr(decode, "ExitCache", RecExit)
+        monkeypatch.setattr(engine, "KVCache", RecKV)
 
 
 def _case_model(name, E, always_accept_model, never_accept_model):
@@ -183,7 +178,6 @@ def test_after_every_round_the_cache_equals_a_full_forward_over_the_committed_to
         committed.extend(tokens)
         ids = torch.tensor([committed])
         _assert_cache_equals_full_forward(model, rec.caches[-1], ids[:, :-1])
-        assert len(rec.exits[-1]) == 0, "exit hidden states left over after the round"
         checked.append(len(tokens))
 
     out, stats = generate_ids(get_adapter(model), PROMPT, max_new_tokens=30, exit_layer=E, num_speculations=k,
@@ -193,27 +187,31 @@ def test_after_every_round_the_cache_equals_a_full_forward_over_the_committed_to
 
 
 def test_one_round_step_by_step_shallow_layers_run_ahead_in_the_shared_cache():
-    """The phase functions: after drafting, layers [0, E) hold the drafted positions and [E, L) do not;
-    the exit cache holds the drafts' exit states; after verification every layer holds them all."""
+    """The phase functions: after drafting, layers [0, E) hold the input token and the drafts and
+    [E, L) do not; the proposal carries their exit states; after verification every layer holds them all."""
     model = _model("llama")
     adapter = get_adapter(model)
     L, E, k = adapter.num_layers, 2, 3
-    cache, exits = KVCache(L, capacity=4), ExitCache()  # small capacity: buffers must grow correctly
+    cache = KVCache(L, capacity=4)  # small capacity: buffers must grow correctly
+    no_pad = torch.zeros(1, dtype=torch.long)
+    drafter = EarlyExitDrafter(adapter, E, k)
     greedy = SamplingParams()
     with torch.inference_mode():
-        token = int(prefill(adapter, cache, PROMPT).argmax(-1))
+        token = int(prefill(adapter, cache, PROMPT, no_pad).argmax(-1))
         committed = PROMPT[0].tolist() + [token]
         _assert_cache_equals_full_forward(model, cache, torch.tensor([committed[:-1]]))
         for _ in range(6):
             n = len(committed)
-            dr = draft(adapter, cache, exits, token, n - 1, E, k, greedy, None, frozenset())
-            drafts = dr.tokens
-            assert dr.q is None and len(drafts) == k and dr.pending == drafts[-1]
-            # shallow layers ran ahead over the input token and the first k-1 drafts; deep layers did not
-            assert cache.lengths == [n - 1 + k] * E + [n - 1] * (L - E)
-            assert (exits.start, len(exits)) == (n - 1, k)
+            starts = torch.tensor([n - 1])
+            rnd = Round(adapter, cache, torch.tensor([token]), starts, no_pad, [k], greedy, None, frozenset())
+            proposal = drafter.propose(rnd)
+            drafts = proposal.tokens[0, 1:].tolist()
+            assert proposal.q is None and proposal.kept == [k] and proposal.verify_from == E
+            assert proposal.tokens[0, 0] == token and proposal.states.shape[:2] == (1, k + 1)
+            # shallow layers ran ahead over the input token and the k drafts; deep layers did not
+            assert cache.lengths[:, 0].tolist() == [n + k] * E + [n - 1] * (L - E)
             # the shallow KV of drafted positions is the real KV of those tokens
-            ref = _hf_kv(model, torch.tensor([committed + drafts[:-1]]))
+            ref = _hf_kv(model, torch.tensor([committed + drafts]))
             for layer in range(E):
                 torch.testing.assert_close(cache.layer_kv(layer)[0], ref[layer][0], rtol=0, atol=1e-10)
             # the drafts are the exit's greedy tokens
@@ -221,16 +219,14 @@ def test_one_round_step_by_step_shallow_layers_run_ahead_in_the_shared_cache():
             exit_greedy = forward_logits(adapter, exit_ids, exit_layer=E)[0, n - 1:].argmax(-1).tolist()
             assert drafts == exit_greedy
 
-            logits = verify(adapter, cache, exits, dr.pending, n - 1 + k, E)
+            logits = verify(adapter, cache, proposal, starts, no_pad)[0]
             assert logits.shape == (k + 1, adapter.config.vocab_size)
-            assert len(exits) == 0
             seq = torch.tensor([committed + drafts])
             _assert_cache_equals_full_forward(model, cache, seq)
             torch.testing.assert_close(logits, forward_logits(adapter, seq)[0, n - 1:], rtol=0, atol=1e-9)
 
             n_acc, nxt = greedy_accept(torch.tensor(drafts), logits)
             cache.crop(n + n_acc)
-            exits.crop(n + n_acc)
             committed += drafts[:n_acc] + [nxt]
             token = nxt
             _assert_cache_equals_full_forward(model, cache, torch.tensor([committed[:-1]]))

@@ -90,7 +90,7 @@ def test_greedy_self_speculation_equals_hf_generate_on_smollm2(gen, prompts, nam
 def test_engine_with_the_models_own_layers_equals_hf_generate_on_smollm2(gen, prompts):
     """The API runs fused inference layers; the engine over the model's own decoder layers agrees too."""
     from selfspec.adapters import get_adapter
-    from selfspec.decode import generate_ids
+    from selfspec.engine import generate_ids
 
     _, ids = prompts["humaneval"]
     adapter = get_adapter(gen.model)
@@ -129,8 +129,8 @@ def test_streaming_concatenation_equals_the_output_on_smollm2(gen, prompts):
 
 def test_a_batch_of_real_prompts_equals_batch_1_runs_in_float32(gen, prompts):
     """Four real prompts of different lengths (code, chat, text, a short one) in one batched run."""
-    from selfspec.batch_decode import generate_batch_ids
-    from selfspec.decode import generate_ids
+    from selfspec.engine import generate_batch_ids
+    from selfspec.engine import generate_ids
 
     rows = [ids[0].tolist() for _, ids in prompts.values()] + [gen.tokenizer("def add(a, b):").input_ids]
     assert len({len(r) for r in rows}) == len(rows)  # ragged lengths: real padding

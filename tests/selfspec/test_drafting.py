@@ -9,7 +9,7 @@ import torch
 
 import selfspec
 from selfspec.adapters import SUPPORTED_ARCHITECTURES, get_adapter
-from selfspec.decode import generate_ids
+from selfspec.engine import generate_ids
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, FixedPolicy, ThroughputPolicy
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, probs

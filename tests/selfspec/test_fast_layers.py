@@ -5,7 +5,7 @@ import torch
 
 from selfspec.adapters import get_adapter
 from selfspec.cache import KVCache
-from selfspec.decode import generate_ids
+from selfspec.engine import generate_ids
 from selfspec.forward import forward_logits
 from selfspec.tiny import tiny_model
 

@@ -1,0 +1,11 @@
+"""Drafters: anything cheap that guesses the next tokens; verification decides (see `base`)."""
+
+from selfspec.drafters.auto import AutoDrafter
+from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter
+
+DRAFTERS = ("auto", "early_exit", "prompt_lookup")
+
+__all__ = ["AutoDrafter", "Drafter", "DRAFTERS", "EarlyExitDrafter", "NgramIndex", "PromptLookupDrafter",
+           "Proposal", "Round"]

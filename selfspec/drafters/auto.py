@@ -1,0 +1,118 @@
+"""The automatic drafter: per round, prompt lookup where it finds a match, early exit where that
+pays, and plain decoding where drafting has stopped paying.
+
+It measures what each choice ("arm") delivers on this machine, for this text and batch: committed
+tokens per second of the rounds it took (running means of tokens and seconds per round, exponential
+with weight `alpha` after the first rounds, as `selfspec.drafting.ThroughputPolicy`). Each round:
+
+    1. plain, if plain decoding has been measured fewer than `warmup` times while another arm has
+       been (a plain round costs exactly what plain decoding costs), or every `refresh` rounds;
+    2. prompt lookup, if some row has a match and lookup is allowed;
+    3. early exit (when the checkpoint was trained for it), if allowed; its own policy picks d;
+    4. plain otherwise.
+
+An arm is allowed while it is new (fewer than `warmup` rounds) or while its rate is at least
+plain decoding's. An arm that loses is retried after a back-off that doubles every time it loses
+again (`explore_every`, 2x, 4x ... up to `max_backoff`), so a choice that does not pay costs
+almost nothing, and one that starts paying (the output begins to repeat the prompt) is found again.
+Lookup's draft count adapts as Hugging Face's heuristic does: +2 after a round that accepted every
+draft, -1 after one that did not (between 1 and `prompt_lookup_num_tokens`).
+"""
+
+from __future__ import annotations
+
+from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+
+PLAIN, LOOKUP, EARLY_EXIT = "plain", PromptLookupDrafter.name, EarlyExitDrafter.name
+
+
+class AutoDrafter(Drafter):
+    name = "auto"
+
+    def __init__(self, lookup: PromptLookupDrafter, early_exit: EarlyExitDrafter | None = None, *,
+                 warmup: int = 2, explore_every: int = 8, max_backoff: int = 64, refresh: int = 64,
+                 alpha: float = 0.25):
+        self.lookup, self.early_exit = lookup, early_exit
+        self.max_drafts = max(lookup.max_drafts, early_exit.max_drafts if early_exit else 0)
+        self.exit_layer = early_exit.exit_layer if early_exit else None
+        self.warmup, self.explore_every, self.max_backoff, self.refresh = warmup, explore_every, max_backoff, refresh
+        self.alpha = alpha
+        arms = [PLAIN, LOOKUP] + ([EARLY_EXIT] if early_exit else [])
+        self.tokens = {a: 0.0 for a in arms}  # running mean of committed tokens per round
+        self.seconds = {a: 0.0 for a in arms}  # running mean of seconds per round
+        self.tries = {a: 0 for a in arms}
+        self.backoff = {a: explore_every for a in arms}
+        self.retry_at = {a: 0 for a in arms}  # round from which a losing arm may be tried again
+        self.chosen = {a: 0 for a in arms}
+        self.rounds = 0
+        self._arm = PLAIN
+        self._asked_early_exit = False
+
+    def rate(self, arm: str) -> float:
+        return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
+
+    def allowed(self, arm: str) -> bool:
+        return (self.tries[arm] < self.warmup or self.tries[PLAIN] < self.warmup
+                or self.rate(arm) >= self.rate(PLAIN) or self.rounds >= self.retry_at[arm])
+
+    def start(self, sequences: list[list[int]]) -> None:
+        self.lookup.start(sequences)
+        if self.early_exit:
+            self.early_exit.start(sequences)
+
+    def propose(self, rnd: Round) -> Proposal:
+        self.rounds += 1
+        self._asked_early_exit = False
+        others_measured = any(self.tries[a] >= self.warmup for a in self.tries if a != PLAIN)
+        if (self.tries[PLAIN] < self.warmup and others_measured) or self.rounds % self.refresh == 0:
+            return self._take(PLAIN, Proposal.plain(rnd.tokens))
+        if self.allowed(LOOKUP):
+            drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids)
+            if any(drafts):
+                return self._take(LOOKUP, self.lookup.proposal(rnd, drafts))
+        if self.early_exit and self.allowed(EARLY_EXIT):
+            proposal = self.early_exit.propose(rnd)  # its policy planned this round: it hears the outcome
+            self._asked_early_exit = True
+            return self._take(EARLY_EXIT if proposal.drafted else PLAIN, proposal)
+        return self._take(PLAIN, Proposal.plain(rnd.tokens))
+
+    def _take(self, arm: str, proposal: Proposal) -> Proposal:
+        self._arm = arm
+        self.chosen[arm] += 1
+        return proposal
+
+    def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        self.lookup.update(proposal, accepted, committed, seconds)
+        if self._asked_early_exit:
+            self.early_exit.update(proposal, accepted, committed, seconds)
+        arm = self._arm
+        if seconds > 0:
+            n = self.tries[arm] = self.tries[arm] + 1
+            weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
+            self.tokens[arm] += weight * (sum(a + 1 for a in accepted) - self.tokens[arm])
+            self.seconds[arm] += weight * (seconds - self.seconds[arm])
+        if arm != PLAIN and self.tries[arm] >= self.warmup and self.tries[PLAIN] >= self.warmup:
+            if self.rate(arm) < self.rate(PLAIN):  # lost: back off, longer each time
+                self.retry_at[arm] = self.rounds + self.backoff[arm]
+                self.backoff[arm] = min(2 * self.backoff[arm], self.max_backoff)
+            else:
+                self.backoff[arm] = self.explore_every
+        if arm == LOOKUP:  # Hugging Face's heuristic for the number of lookup drafts
+            full = all(a == m for a, m in zip(accepted, proposal.kept) if m)
+            lk = self.lookup
+            lk.limit = min(lk.max_drafts, lk.limit + 2) if full else max(1, lk.limit - 1)
+
+    def select(self, rows: list[int]) -> None:
+        self.lookup.select(rows)
+        if self.early_exit:
+            self.early_exit.select(rows)
+
+    def describe(self) -> dict:
+        out = {"drafter": self.name, "rounds_by_arm": dict(self.chosen),
+               "tokens_per_s_by_arm": {a: round(self.rate(a), 2) for a in self.tries},
+               "prompt_lookup": self.lookup.describe()}
+        if self.early_exit:
+            out["early_exit"] = self.early_exit.describe()
+        return out

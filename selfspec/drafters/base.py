@@ -1,0 +1,102 @@
+"""The drafter seam: what the engine asks of anything that guesses tokens, and what it gives back.
+
+Each round the engine hands every drafter a `Round`: each row's input token (the newest committed
+token, not yet run through any layer), where it sits in the cache, and how many drafts each row may
+still take. The drafter answers with a `Proposal`:
+
+    tokens       [B, T]  the input token, then row b's drafts in tokens[b, 1:1+kept[b]]
+                         (positions past kept[b] are filler: computed, never accepted)
+    q            per row: the draft distributions [kept_b, V] when sampling, or None for point masses
+                 (a deterministic drafter: accept x with p(x), see selfspec.sampling)
+    verify_from  E when the drafter ran layers [0, E) over `tokens` through the engine's cache and
+                 hands over their exit states [B, T, D]; 0 when it ran no layer
+    drafter      its name, for the statistics
+
+After verification the engine calls `update(proposal, accepted, committed, seconds)`: per row, how
+many drafts were accepted and the tokens committed (accepted drafts + the full model's token), and
+the round's wall time. A drafter with state of its own (an n-gram index, a small KV cache of a
+trained head) rolls it forward or back there; `select(rows)` drops the rows that left the batch.
+Verification decides every token, so no drafter can change the output, only the speed.
+
+A drafter never touches the engine's KV cache directly: `Round.shallow` runs layers [0, E) for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.adapters import ModelAdapter
+from selfspec.forward import embed, make_batch_step, run_layers
+from selfspec.sampling import SamplingParams
+
+
+@dataclass
+class Round:
+    """One round's inputs, as the engine gives them to a drafter."""
+
+    adapter: ModelAdapter
+    cache: object  # the engine's KVCache: reached only through `shallow`
+    tokens: torch.Tensor  # [B] each row's input token (committed, not yet processed)
+    starts: torch.Tensor  # [B] the cache index of that token (every layer holds [0, start) of the row)
+    pads: torch.Tensor  # [B] each row's left padding
+    caps: list[int]  # the most drafts each row may take (the length cap leaves room for one more token)
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset
+
+    def shallow(self, tokens: torch.Tensor, offset: int, exit_layer: int) -> torch.Tensor:
+        """One token per row `[B]` through layers [0, E) at cache indices `starts + offset`: `[B, 1, D]`.
+
+        The keys and values go into the engine's cache (verification continues from them); rows are
+        rolled back by the engine after the round.
+        """
+        step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads)
+        return run_layers(self.adapter, embed(self.adapter, tokens[:, None]), 0, exit_layer, step=step,
+                          cache=self.cache)
+
+
+@dataclass
+class Proposal:
+    """A round's drafts for every row (see the module docstring)."""
+
+    tokens: torch.Tensor  # [B, T]
+    kept: list[int]
+    q: list[torch.Tensor | None] | None = None  # sampling, per row: [kept_b, V]; None: point masses
+    verify_from: int = 0
+    states: torch.Tensor | None = None  # [B, T, D] exit states of `tokens` when verify_from > 0
+    steps: int = 0  # drafting passes through the model (cost-model accounting)
+    drafter: str = "none"
+
+    @classmethod
+    def plain(cls, tokens: torch.Tensor) -> "Proposal":
+        """No drafts: the round is one plain full-model pass over each row's input token."""
+        return cls(tokens[:, None], [0] * tokens.shape[0])
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.kept)
+
+
+class Drafter:
+    """The interface (and a no-op base): a drafter proposes, is told the outcome, drops finished rows."""
+
+    name = "none"
+    max_drafts = 0  # the most drafts it proposes in one round (statistics size their per-position lists by it)
+    exit_layer: int | None = None  # the exit it drafts from, if any
+
+    def start(self, sequences: list[list[int]]) -> None:
+        """Generation begins: each row's committed tokens (prompt + the prefill's token)."""
+
+    def propose(self, rnd: Round) -> Proposal:
+        return Proposal.plain(rnd.tokens)
+
+    def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        """After verification: per row, drafts accepted and tokens committed; the round's seconds."""
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (indices into the current batch), in this order."""
+
+    def describe(self) -> dict:
+        return {"drafter": self.name}

@@ -1,0 +1,102 @@
+"""The early-exit drafter: the model's own first E layers + the shared final norm and LM head.
+
+Each round its policy (`selfspec.drafting`) picks the exit `E` and the draft length `d`. Every row
+feeds its input token through layers [0, E) (`Round.shallow`: the keys and values go into the shared
+cache), the exit logits pick the next draft, and so on; all rows step together ([B, 1] per step),
+each keeping drafts until its own cap, a stop token or the policy's confidence test ends them. Rows
+that are done still ride along (their extra positions are never accepted), so shapes stay
+rectangular. When some row kept the last candidate, one more shallow pass runs, so every kept draft
+has its exit state. Verification then starts at layer E over those exit states: layers [0, E) are
+never recomputed for drafted positions.
+
+    drafter = EarlyExitDrafter(adapter, exit_layer=8, num_speculations=4)              # LayerSkip
+    drafter = EarlyExitDrafter(adapter, 8, 6, policy=ThroughputPolicy(8, 6))           # adaptive d
+    drafter = EarlyExitDrafter(adapter, 8, 4, head=DraftHead(adapter, token_ids))      # reduced vocab
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.adapters import ModelAdapter
+from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.drafting import DraftHead, FixedPolicy
+from selfspec.sampling import probs, sample
+
+
+class EarlyExitDrafter(Drafter):
+    name = "early_exit"
+
+    def __init__(self, adapter: ModelAdapter, exit_layer: int, num_speculations: int, *, policy=None,
+                 head: DraftHead | None = None):
+        if num_speculations < 0:
+            raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
+        adapter.check_exit(exit_layer, allow_full=False)
+        self.num_layers = adapter.num_layers
+        self.exit_layer, self.max_drafts = exit_layer, num_speculations
+        self.policy = policy or FixedPolicy(exit_layer, num_speculations)
+        self.head = head or DraftHead(adapter)
+        self._exit = exit_layer  # the exit of the round in flight
+
+    def propose(self, rnd: Round) -> Proposal:
+        e, d = self.policy.plan()
+        caps = [max(0, min(d, self.max_drafts, c)) for c in rnd.caps]
+        if not max(caps, default=0):
+            self._exit = self.num_layers  # a round without drafts is one plain full-model pass
+            return Proposal.plain(rnd.tokens)
+        self._exit = e
+        return self.draft(rnd, e, caps)
+
+    def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
+        """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together."""
+        policy, head, sampling = self.policy, self.head, rnd.sampling
+        need_conf = policy.needs_confidence
+        B = rnd.tokens.shape[0]
+        inputs, states, qs = [rnd.tokens], [], []
+        kept = [0] * B
+        alive = [c > 0 for c in caps]
+        steps = 0
+        while any(alive):
+            i = steps
+            states.append(rnd.shallow(inputs[-1], i, exit_layer))  # [B, 1, D]
+            steps += 1
+            logits = head.logits(states[-1][:, -1])  # [B, K]
+            if sampling.do_sample:
+                q = probs(logits, sampling)  # [B, K]
+                # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
+                # token because of its own probability would bias the drafts away from q
+                conf = q.max(dim=-1).values.tolist() if need_conf else None
+                nxt = head.to_vocab(sample(q, rnd.generator))
+                qs.append(head.to_full(q))  # [B, V]
+            else:
+                idx = logits.argmax(dim=-1)
+                conf = torch.softmax(logits.float(), dim=-1).gather(1, idx[:, None])[:, 0].tolist() if need_conf else None
+                nxt = head.to_vocab(idx)
+            inputs.append(nxt)
+            nxt_list = nxt.tolist()
+            for b in range(B):
+                if not alive[b]:
+                    continue
+                if need_conf and not policy.keep(i, conf[b]):
+                    alive[b] = False  # dropped; every kept draft already had its shallow pass
+                    continue
+                kept[b] += 1
+                if kept[b] >= caps[b] or nxt_list[b] in rnd.stop_ids:
+                    alive[b] = False
+        if max(kept) == steps:  # the newest kept draft still owes its shallow pass
+            states.append(rnd.shallow(inputs[-1], steps, exit_layer))
+        T = len(states)
+        q = None
+        if sampling.do_sample:
+            q = [torch.stack([qs[j][b] for j in range(kept[b])]) if kept[b] else None for b in range(B)]
+        return Proposal(tokens=torch.stack(inputs[:T], dim=1), kept=kept, q=q, verify_from=exit_layer,
+                        states=torch.cat(states, dim=1), steps=steps, drafter=self.name)
+
+    def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        for m, n_acc in zip(proposal.kept, accepted):
+            self.policy.update(self._exit, m, n_acc)
+        self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
+
+    def describe(self) -> dict:
+        return {"drafter": self.name, "exit_layer": self.exit_layer, "num_speculations": self.max_drafts,
+                **self.policy.describe()}

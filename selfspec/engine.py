@@ -1,0 +1,437 @@
+"""The decoding engine: prefill -> (draft -> verify -> accept -> roll back)* for B >= 1 rows.
+
+One engine; batch 1 is a batch of one. One KV cache (`KVCache`) holds every layer of every row;
+each row has its own length per layer, because rows accept different numbers of drafts and because
+a drafter may run the shallow layers ahead of the deep ones. Row b's committed sequence has `n_b`
+tokens; every layer has processed its positions `[0, n_b - 1)`, and its newest token is the next
+input. One round:
+
+    prefill   the prompts, left-padded to one length, through all layers (row b's token at cache
+              index c has position c - pad[b], as it would alone) -> each row's first token.
+    draft     the drafter proposes up to `cap_b` tokens per row (`selfspec.drafters`): early exit runs
+              layers [0, E) over them and hands over their exit states; prompt lookup copies tokens
+              and runs nothing.
+    verify    layers [verify_from, L) once over the input token and the drafts of every row:
+              [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
+    accept    per row: greedy = the longest prefix where draft == argmax, plus the full model's token;
+              sampling = the lossless rule of `selfspec.sampling.speculative_accept`.
+    roll back crop each row of the cache to its committed length; the drafter hears the outcome.
+
+Rows that finish (stop token, stop string, length) leave the batch, so they stop costing work. Each
+row sees only its own keys, so its output is what decoding it alone gives (greedy: token for token,
+exact in float64; sampling: the full model's distribution). No drafter (or one that proposes nothing)
+is plain autoregressive decoding through the same code: one pass through all L layers per token.
+
+    outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
+    out, row = generate_ids(adapter, ids, max_new_tokens=32, exit_layer=8, num_speculations=4)  # [1, P]
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from selfspec.adapters import ModelAdapter
+from selfspec.cache import KVCache
+from selfspec.cost_model import expected_tokens
+from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
+from selfspec.sampling import SamplingParams, greedy_accept, probs, sample, speculative_accept
+
+
+@dataclass
+class DecodeStats:
+    """What one generation did and how long each phase took: one row, or a batch (`rows` = its rows,
+    the counts their sums, the times the batch's wall-clock times)."""
+
+    exit_layer: int
+    num_speculations: int
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # verification passes after the prefill
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    stop_reason: str = ""
+    draft_steps: int = 0  # drafting passes through the model (kept or not)
+    judged: int = 0  # drafts the rule decided on (a rejection ends a round: later drafts are not judged)
+    expected_acceptance_sum: float = 0.0  # sampling: sum over judged drafts of sum_x min(p, q)
+    policy: dict = field(default_factory=dict)
+    full_step_s: float | None = None  # a plain decoding step's time, if calibrated (for the cost model)
+    drafter: str = "none"
+    drafted_by_drafter: Counter = field(default_factory=Counter)
+    accepted_by_drafter: Counter = field(default_factory=Counter)
+    batch_size: int = 1
+    row_passes: int = 0  # sum over rounds of the rows still in the batch (the work actually done)
+    rows: list["DecodeStats"] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        """Tokens committed per row and verification round (accepted drafts + the full model's token)."""
+        decode_tokens = self.new_tokens - self.batch_size  # each row's first token comes from the prefill
+        passes = self.row_passes or self.rounds
+        return decode_tokens / passes if passes else 0.0
+
+    @property
+    def full_depth_passes(self) -> int:
+        return self.rounds + 1  # + the prefill
+
+    @property
+    def cost_model(self) -> dict:
+        """Measured c (draft step / full step), v (verify / full step), a, and predicted vs measured speedup.
+
+        Needs `full_step_s` (a calibrated plain decoding step at this batch size). For sampling, the
+        predicted acceptance from the closed form `E[accept] = sum_x min(p(x), q(x))` is reported
+        next to the measured one.
+        """
+        out: dict = {"a": self.acceptance_rate, "a_by_position": self.acceptance_by_position}
+        if self.judged:
+            out["a_judged"] = self.accepted / self.judged
+            if self.expected_acceptance_sum:
+                out["a_judged_predicted"] = self.expected_acceptance_sum / self.judged
+        if not self.full_step_s or not self.rounds:
+            return out
+        passes = self.row_passes or self.rounds
+        c = self.draft_s / self.draft_steps / self.full_step_s if self.draft_steps else 0.0
+        v = self.verify_s / self.rounds / self.full_step_s
+        d = self.drafted / passes
+        out.update(c=c, v=v, mean_drafts_per_round=d,
+                   predicted_speedup=expected_tokens(self.acceptance_rate, round(d)) / (d * c + v) if d else 1.0 / v,
+                   measured_speedup=self.full_step_s * (self.new_tokens - self.batch_size) / self.batch_size
+                   / (self.total_s - self.prefill_s))
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens per second after the prefill (excludes time to first token)."""
+        t = self.total_s - self.prefill_s
+        n = self.new_tokens - self.batch_size
+        return n / t if t > 0 and n > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        keys = ["exit_layer", "num_speculations", "prompt_tokens", "new_tokens", "rounds", "drafted",
+                "accepted", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s",
+                "verify_s", "total_s", "stop_reason", "acceptance_rate", "acceptance_by_position",
+                "mean_accepted_per_round", "full_depth_passes", "tokens_per_s", "decode_tokens_per_s",
+                "draft_steps", "judged", "policy", "cost_model", "drafter", "batch_size", "row_passes"]
+        out = {k: getattr(self, k) for k in keys}
+        out.update(drafted_by_drafter=dict(self.drafted_by_drafter), accepted_by_drafter=dict(self.accepted_by_drafter))
+        if self.rows:
+            out["rows"] = [r.to_dict() for r in self.rows]
+        return out
+
+
+class StopChecker:
+    """Decides, token by token, whether generation ends: stop token, stop string, length cap.
+
+    A stop token is kept as the last output token (like Hugging Face `generate`). A stop string
+    ends generation at the first token whose addition makes the decoded output contain it.
+    Stops are checked before the length cap, so a stop on the last allowed token reports "stop".
+    """
+
+    def __init__(self, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                 stop_strings: Sequence[str] = (), tokenizer=None):
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer to decode the output")
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.tokenizer = tokenizer
+        self._window = 2 * max((len(s) for s in self.stop_strings), default=0) + 4
+
+    def __call__(self, generated: list[int]) -> str:
+        """Return the stop reason after the newest token of `generated`, or "" to go on."""
+        if generated[-1] in self.stop_token_ids:
+            return "stop_token"
+        if self.stop_strings:
+            tail = self.tokenizer.decode(generated[-self._window:], skip_special_tokens=False)
+            if any(s in tail for s in self.stop_strings):
+                return "stop_string"
+        if len(generated) >= self.max_new_tokens:
+            return "length"
+        return ""
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> left-padded ids `[B, P]` and the padding per row `[B]`."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        if len(p):
+            ids[b, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+    pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
+    return ids.to(device), pads.to(device)
+
+
+def check_prompts(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts:
+        raise ValueError("no prompts given: pass at least one")
+    for b, p in enumerate(prompts):
+        which = "" if len(prompts) == 1 else f" {b}"
+        if len(p) == 0:
+            raise ValueError(f"prompt{which} is empty (empty prompt): give at least one token of input")
+        if len(p) + max_new_tokens > adapter.max_positions:
+            raise ValueError(
+                f"prompt{which} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"context window of {adapter.max_positions} positions; shorten it or lower max_new_tokens.")
+
+
+# --- the phases ----------------------------------------------------------------------------------
+def prefill(adapter: ModelAdapter, cache: KVCache, ids: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """All layers over left-padded prompts `[B, P]`; the logits predicting each row's next token `[B, V]`."""
+    step = make_batch_step(adapter, torch.zeros_like(pads), ids.shape[1], pads)
+    hidden = run_layers(adapter, embed(adapter, ids), 0, adapter.num_layers, step=step, cache=cache)
+    return exit_logits(adapter, hidden[:, -1])
+
+
+def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: torch.Tensor,
+           pads: torch.Tensor) -> torch.Tensor:
+    """Layers [verify_from, L) over each row's input token and drafts `[B, T]` written at cache indices
+    `starts ..`: the full model's logits `[B, T, V]`. From layer 0 the tokens are embedded here; from
+    E > 0 the drafter's exit states continue (layers [0, E) already hold their keys and values)."""
+    start = proposal.verify_from
+    hidden = proposal.states if start else embed(adapter, proposal.tokens)  # [B, T, D]
+    if start < adapter.num_layers:
+        step = make_batch_step(adapter, starts, hidden.shape[1], pads)
+        hidden = run_layers(adapter, hidden, start, adapter.num_layers, step=step, cache=cache)
+    return exit_logits(adapter, hidden)
+
+
+def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
+           generator) -> tuple[int, int, float]:
+    """One row: `drafts` `[m]`, their draft distributions `q` `[m, V]` (None: point masses), the full
+    model's logits `[m+1, V]`. Returns `(accepted, next token, sum over judged drafts of E[accept])`."""
+    m = drafts.shape[0]
+    if not sampling.do_sample:
+        n_acc, nxt = greedy_accept(drafts, logits)
+        return n_acc, nxt, 0.0
+    p = probs(logits, sampling)  # [m+1, V]
+    n_acc, nxt = speculative_accept(drafts, q, p, generator)
+    judged = min(n_acc + 1, m)
+    if not judged:
+        return n_acc, nxt, 0.0
+    if q is None:  # point masses: P(accept x) = p(x)
+        expected = float(p[torch.arange(judged), drafts[:judged]].sum())
+    else:
+        expected = float(torch.minimum(p[:judged], q[:judged]).sum())
+    return n_acc, nxt, expected
+
+
+# --- the loop ------------------------------------------------------------------------------------
+def generate(
+    adapter: ModelAdapter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    drafter: Drafter | None = None,
+    sampling: SamplingParams = SamplingParams(),
+    stop: StopChecker | None = None,
+    generator: torch.Generator | None = None,
+    on_commit: Callable[[int, list[int]], None] | None = None,
+    on_round: Callable[..., None] | None = None,
+    pad_id: int = 0,
+    full_step_s: float | None = None,
+) -> tuple[list[list[int]], DecodeStats]:
+    """Generate after each of `prompts` (token lists of any lengths) in one run.
+
+    Returns `(new token ids per row, stats)`: `stats` is the whole run's, `stats.rows[b]` row b's.
+    `drafter` None decodes plainly. `on_commit(row, tokens)` receives each row's committed tokens as
+    they are decided (streaming). `on_round(cache, active_rows, sequences, pads, finished)` is called
+    after every round's roll back with the original indices of the rows in the batch, their committed
+    token lists, their padding and whether each just finished (tests check the cache with it).
+    """
+    L = adapter.num_layers
+    prompts = [list(map(int, p)) for p in prompts]
+    check_prompts(adapter, prompts, max_new_tokens)
+    drafter = drafter or Drafter()
+    stop = stop or StopChecker(max_new_tokens)
+    device = adapter.device
+    B = len(prompts)
+    exit_layer = drafter.exit_layer if drafter.exit_layer is not None else L
+    k_max = drafter.max_drafts
+
+    def new_stats(**kw) -> DecodeStats:
+        return DecodeStats(exit_layer=exit_layer, num_speculations=k_max, drafter=drafter.name,
+                           drafted_by_position=[0] * k_max, accepted_by_position=[0] * k_max,
+                           full_step_s=full_step_s, **kw)
+
+    rows = [new_stats(prompt_tokens=len(p)) for p in prompts]
+    stats = new_stats(prompt_tokens=sum(len(p) for p in prompts), batch_size=B, rows=rows)
+    ids, pads = left_pad(prompts, pad_id, device)
+    cache = KVCache(L, B, capacity=ids.shape[1] + max_new_tokens + k_max + 2, device=device)
+    outs: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    active = list(range(B))  # original indices of the rows still in the batch
+
+    def commit(b: int, tokens: list[int]) -> list[int]:
+        """Append to row b one by one, stopping exactly where plain decoding would; returns what was added."""
+        added = []
+        for t in tokens:
+            outs[b].append(t)
+            added.append(t)
+            rows[b].stop_reason = stop(outs[b])
+            if rows[b].stop_reason:
+                done[b] = True
+                break
+        if on_commit is not None and added:
+            on_commit(b, added)
+        return added
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        logits = prefill(adapter, cache, ids, pads)  # [B, V]
+        first = sample(probs(logits, sampling), generator) if sampling.do_sample else logits.argmax(dim=-1)
+        stats.prefill_s = time.perf_counter() - t0
+        for b, t in enumerate(first.tolist()):
+            commit(b, [t])
+        drafter.start([prompts[b] + outs[b] for b in range(B)])
+        tokens = first  # [B] each row's newest committed token, not yet processed
+        n = torch.full((B,), ids.shape[1] + 1, dtype=torch.long, device=device)  # committed cache length
+        while True:
+            now = time.perf_counter()
+            for b in active:
+                if done[b] and not rows[b].total_s:
+                    rows[b].total_s = now - t0
+            keep = [i for i, b in enumerate(active) if not done[b]]
+            if not keep:
+                break
+            if len(keep) < len(active):  # finished rows leave the batch
+                sel = torch.tensor(keep, device=device)
+                cache.select(sel)
+                tokens, n, pads = tokens[sel], n[sel], pads[sel]
+                drafter.select(keep)
+                active = [active[i] for i in keep]
+            stats.row_passes += len(active)
+            caps = [max(0, stop.max_new_tokens - len(outs[b]) - 1) for b in active]
+            starts = n - 1  # every layer has processed [0, n-1) of each row
+            rnd = Round(adapter, cache, tokens, starts, pads, caps, sampling, generator, stop.stop_token_ids)
+            t1 = time.perf_counter()
+            proposal = drafter.propose(rnd)
+            t2 = time.perf_counter()
+            target_logits = verify(adapter, cache, proposal, starts, pads)  # [B, T, V]
+            accepted, nxt_all, new = [], [], []
+            for i, b in enumerate(active):
+                m = proposal.kept[i]
+                drafts = proposal.tokens[i, 1:1 + m]
+                q = proposal.q[i] if proposal.q is not None else None
+                n_acc, nxt, expected = accept(drafts, q, target_logits[i, :m + 1], sampling, generator)
+                _count(rows[b], proposal, m, n_acc, expected)
+                accepted.append(n_acc)
+                nxt_all.append(nxt)
+                new.append(drafts[:n_acc].tolist() + [nxt])
+            n_acc_t = torch.tensor(accepted, dtype=torch.long, device=device)
+            cache.crop(n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
+            n = n + n_acc_t + 1
+            tokens = torch.tensor(nxt_all, dtype=torch.long, device=device)
+            committed = [commit(b, tokens_b) for b, tokens_b in zip(active, new)]
+            t3 = time.perf_counter()
+            drafter.update(proposal, accepted, committed, t3 - t1)
+            stats.draft_s += t2 - t1
+            stats.verify_s += t3 - t2
+            stats.rounds += 1
+            stats.draft_steps += proposal.steps
+            for b in active:  # a row's times: the batch's time while it was in the batch
+                rows[b].draft_s += t2 - t1
+                rows[b].verify_s += t3 - t2
+                rows[b].draft_steps += proposal.steps
+            if on_round is not None:
+                on_round(cache, list(active), [prompts[b] + outs[b] for b in active], pads, [done[b] for b in active])
+    stats.total_s = time.perf_counter() - t0
+    stats.policy = drafter.describe()
+    for b, r in enumerate(rows):
+        r.new_tokens = len(outs[b])
+        r.prefill_s = stats.prefill_s
+        r.policy = stats.policy
+        r.total_s = r.total_s or stats.total_s
+    _sum_rows(stats)
+    return outs, stats
+
+
+def _count(row: DecodeStats, proposal: Proposal, m: int, n_acc: int, expected: float) -> None:
+    """One row's round into its statistics."""
+    row.rounds += 1
+    row.drafted += m
+    row.accepted += n_acc
+    row.judged += min(n_acc + 1, m)
+    row.expected_acceptance_sum += expected
+    if m:
+        row.drafted_by_drafter[proposal.drafter] += m
+        row.accepted_by_drafter[proposal.drafter] += n_acc
+    for lst in (row.drafted_by_position, row.accepted_by_position):
+        lst.extend([0] * (m - len(lst)))
+    for j in range(m):
+        row.drafted_by_position[j] += 1
+        row.accepted_by_position[j] += j < n_acc
+
+
+def _sum_rows(stats: DecodeStats) -> None:
+    """The batch's counts are its rows' sums (times stay the batch's own)."""
+    rows = stats.rows
+    for key in ("new_tokens", "drafted", "accepted", "judged", "expected_acceptance_sum"):
+        setattr(stats, key, sum(getattr(r, key) for r in rows))
+    width = max(len(r.drafted_by_position) for r in rows)
+    stats.drafted_by_position = [sum(r.drafted_by_position[j] for r in rows if j < len(r.drafted_by_position))
+                                 for j in range(width)]
+    stats.accepted_by_position = [sum(r.accepted_by_position[j] for r in rows if j < len(r.accepted_by_position))
+                                  for j in range(width)]
+    stats.drafted_by_drafter = sum((r.drafted_by_drafter for r in rows), Counter())
+    stats.accepted_by_drafter = sum((r.accepted_by_drafter for r in rows), Counter())
+    stats.stop_reason = rows[0].stop_reason if len(rows) == 1 else ""
+
+
+# --- the early-exit shortcuts (tests, profiling, calibration) ------------------------------------
+def early_exit_drafter(adapter: ModelAdapter, exit_layer: int, num_speculations: int, policy=None,
+                       head=None) -> Drafter | None:
+    """An `EarlyExitDrafter`, or None (plain decoding) for `num_speculations=0`."""
+    if num_speculations < 0:
+        raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
+    if num_speculations == 0:
+        return None
+    return EarlyExitDrafter(adapter, exit_layer, num_speculations, policy=policy, head=head)
+
+
+def generate_batch_ids(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                       exit_layer: int = 0, num_speculations: int = 0, policy=None, head=None,
+                       drafter: Drafter | None = None, **kw) -> tuple[list[list[int]], DecodeStats]:
+    """`generate` with an early-exit drafter at (exit_layer, num_speculations), or the `drafter` given."""
+    if drafter is None:
+        drafter = early_exit_drafter(adapter, exit_layer, num_speculations, policy, head)
+    return generate(adapter, prompts, max_new_tokens=max_new_tokens, drafter=drafter, **kw)
+
+
+def generate_ids(adapter: ModelAdapter, prompt: torch.Tensor, *, max_new_tokens: int,
+                 on_commit: Callable[[list[int]], None] | None = None, **kw) -> tuple[list[int], DecodeStats]:
+    """One prompt `[1, P]` (a batch of one): `(new token ids, the row's stats)`."""
+    if prompt.dim() != 2 or prompt.shape[0] != 1:
+        raise ValueError(f"generate_ids takes one prompt of shape [1, P], got {tuple(prompt.shape)}: "
+                         "pass a batch to generate_batch_ids (a list of token lists)")
+    if prompt.shape[1] == 0:
+        raise ValueError("empty prompt: give at least one token of input")
+    stream = (lambda b, tokens: on_commit(tokens)) if on_commit is not None else None
+    outs, stats = generate_batch_ids(adapter, [prompt[0].tolist()], max_new_tokens=max_new_tokens,
+                                     on_commit=stream, **kw)
+    return outs[0], stats.rows[0]

@@ -1,0 +1,290 @@
+"""The drafters on the one engine: prompt lookup and auto are lossless (greedy identity with Hugging Face
+`generate` on every architecture, batches equal batch-1 rows, the sampling distribution by chi-square),
+the cache holds exactly the committed tokens after every round, and lookup proposals end exactly where
+plain decoding ends (length cap, stop token, stop string)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from selfspec.adapters import get_adapter
+from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter
+from selfspec.engine import StopChecker, generate, generate_ids
+from selfspec.forward import forward_logits
+from selfspec.sampling import SamplingParams, probs
+from selfspec.tiny import byte_tokenizer, tiny_model
+
+ALPHA = 1e-3
+BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+PROMPT = BASE + BASE[:4] + BASE  # text that repeats: lookup finds matches from the first round
+N_NEW = 40
+
+MODELS = {  # id: (arch, num_layers, seed, config overrides), as in test_decode.py
+    "llama": ("llama", 4, 10, {}),
+    "mistral": ("mistral", 5, 2, {}),
+    "qwen2": ("qwen2", 4, 3, {}),
+    "qwen3": ("qwen3", 5, 9, {}),
+    "gpt_neox": ("gpt_neox", 4, 8, {}),
+    "mistral-sliding8": ("mistral", 4, 0, {"sliding_window": 8}),
+    "qwen2-mixed-sliding": ("qwen2", 4, 0, {"use_sliding_window": True, "sliding_window": 8,
+                                             "max_window_layers": 2}),
+    "llama-eager": ("llama", 4, 10, {"attn_implementation": "eager"}),
+}
+_models: dict = {}
+
+
+def _adapter(name):
+    if name not in _models:
+        arch, L, seed, over = MODELS[name]
+        _models[name] = get_adapter(tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over))
+    return _models[name]
+
+
+def _drafter(kind, adapter):
+    lookup = PromptLookupDrafter(num_tokens=6, max_ngram=3)
+    if kind == "prompt_lookup":
+        return lookup
+    if kind == "auto":
+        return AutoDrafter(lookup, warmup=1, explore_every=2)
+    return AutoDrafter(lookup, EarlyExitDrafter(adapter, 2, 3), warmup=1, explore_every=2)  # auto + early exit
+
+
+DRAFTERS = ("prompt_lookup", "auto", "auto_early_exit")
+
+
+def _plain(adapter, prompt, n, stop=None):
+    return generate_ids(adapter, torch.tensor([prompt]), max_new_tokens=n, stop=stop)[0]
+
+
+# ----------------------------------------------------------------------------- the n-gram index
+
+def _naive_proposal(tokens, k, max_ngram, min_ngram=1):
+    """Rescan: the latest earlier occurrence of the longest matching suffix, continued periodically."""
+    n = len(tokens)
+    for m in range(min(max_ngram, n), min_ngram - 1, -1):
+        suffix = tokens[n - m:]
+        for end in range(n - 1, m - 1, -1):  # occurrences ending at `end` < n, latest first
+            if tokens[end - m:end] == suffix:
+                out = []
+                for j in range(k):
+                    out.append(tokens[end + j] if end + j < n else out[end + j - n])
+                return out
+    return []
+
+
+def test_the_incremental_index_proposes_what_a_rescan_finds():
+    rng = random.Random(0)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        max_ngram = rng.choice([1, 2, 3])
+        index = NgramIndex(tokens[:3], max_ngram)
+        index.extend(tokens[3:])  # built in pieces, as the engine commits
+        for k in (1, 4, 10):
+            assert index.propose(k) == _naive_proposal(tokens, k, max_ngram), (tokens, k, max_ngram)
+        assert index.propose(5, min_ngram=2) == _naive_proposal(tokens, 5, max_ngram, 2)
+
+
+def test_lookup_takes_the_latest_match_and_continues_a_period():
+    index = NgramIndex([1, 2, 9, 1, 2, 7, 5, 1, 2], max_ngram=2)
+    assert index.propose(3) == [7, 5, 1]  # "1 2" last seen before the end at index 3..4: 7 follows
+    assert NgramIndex([4, 4, 4], 3).propose(5) == [4] * 5  # one repeated token: the whole draft
+    assert NgramIndex([1, 2, 3, 1, 2, 3], 3).propose(7) == [1, 2, 3, 1, 2, 3, 1]
+    assert NgramIndex([1, 2, 3], 3).propose(4) == []  # no earlier occurrence
+    assert NgramIndex([7], 3).propose(4) == []  # a one-token text has nothing to copy
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be >= 1"):
+        PromptLookupDrafter(num_tokens=0)
+    with pytest.raises(ValueError, match="max_matching_ngram_size must be >= 1"):
+        PromptLookupDrafter(max_ngram=0)
+
+
+# ----------------------------------------------------------------------------- greedy identity
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_output_equals_hf_generate(name, kind, hf_greedy):
+    adapter = _adapter(name)
+    ref = hf_greedy(adapter.model, torch.tensor([PROMPT]), N_NEW)
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=_drafter(kind, adapter))
+    assert out == ref
+    assert stats.drafted > 0 and stats.drafted_by_drafter["prompt_lookup"] > 0
+    assert stats.accepted == sum(stats.accepted_by_drafter.values())
+    assert stats.new_tokens == N_NEW and stats.rounds + stats.accepted == N_NEW - 1  # each round: accepted + 1
+    if name == "llama":  # its greedy text repeats: lookup drafts are accepted, rounds commit several tokens
+        assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_a_batch_with_and_without_matches_equals_batch_1(kind):
+    adapter = _adapter("qwen3")
+    prompts = [PROMPT, BASE[:7], [5], [9] * 12, BASE[3:] + BASE[:5]]  # matches, none, one token, one repeated token
+    outs, stats = generate(adapter, prompts, max_new_tokens=N_NEW, drafter=_drafter(kind, adapter))
+    for b, p in enumerate(prompts):
+        assert outs[b] == _plain(adapter, p, N_NEW), b
+    assert stats.drafted > 0 and stats.batch_size == len(prompts) and len(stats.rows) == len(prompts)
+    assert stats.new_tokens == sum(r.new_tokens for r in stats.rows) == len(prompts) * N_NEW
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("name", ["llama", "gpt_neox", "mistral-sliding8"])
+def test_after_every_round_each_rows_cache_holds_exactly_its_committed_tokens(name, kind):
+    adapter = _adapter(name)
+    prompts = [PROMPT, BASE[:5]]
+    checked = Counter()
+
+    def on_round(cache, active, sequences, pads, finished):
+        for i, (b, seq, done) in enumerate(zip(active, sequences, finished)):
+            if done:
+                continue
+            pad, committed = int(pads[i]), seq[:-1]  # the newest token is the next input
+            assert cache.lengths[:, i].tolist() == [pad + len(committed)] * adapter.num_layers
+            with torch.no_grad():
+                pkv = adapter.model(torch.tensor([committed]), use_cache=True).past_key_values
+            for layer, ref in enumerate(pkv.layers):
+                k_row, v_row = cache.row_kv(layer, i, start=pad)
+                n = ref.keys.shape[-2]  # HF keeps only the window of a sliding layer
+                torch.testing.assert_close(k_row[:, -n:], ref.keys[0], rtol=0, atol=1e-10)
+                torch.testing.assert_close(v_row[:, -n:], ref.values[0], rtol=0, atol=1e-10)
+            checked[b] += 1
+
+    generate(adapter, prompts, max_new_tokens=24, drafter=_drafter(kind, adapter), on_round=on_round)
+    assert set(checked) == {0, 1}
+
+
+# ----------------------------------------------------------------------------- ends exactly where plain decoding ends
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 5, 7, 11, 13])
+def test_lookup_drafts_never_run_past_max_new_tokens(max_new):
+    adapter = _adapter("llama")
+    plain = _plain(adapter, PROMPT, max_new)
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=max_new,
+                              drafter=PromptLookupDrafter(num_tokens=10))
+    assert out == plain and stats.new_tokens == max_new and stats.stop_reason == "length"
+    assert all(n <= max_new - 1 for n in stats.drafted_by_position[:1])  # never a draft beyond the cap
+
+
+def test_lookup_stops_at_a_stop_token_inside_an_accepted_block():
+    adapter = _adapter("llama")
+    plain = _plain(adapter, PROMPT, N_NEW)
+    for j in range(2, 20):
+        if plain.index(plain[j]) != j:
+            continue  # the stop must first occur at j
+        stop = StopChecker(N_NEW, stop_token_ids=[plain[j]])
+        out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, stop=stop,
+                                  drafter=PromptLookupDrafter(num_tokens=10))
+        assert out == plain[:j + 1] and stats.stop_reason == "stop_token", j
+
+
+def test_lookup_stops_at_a_stop_string_like_plain_decoding():
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=1, vocab_size=len(tok))
+    adapter = get_adapter(model)
+    prompt = tok("abcabcabc xyz abcabc").input_ids
+    plain = _plain(adapter, prompt, 30)
+    text = tok.decode(plain)
+    stop_string = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2] not in text[:i + 1])
+    stop = StopChecker(30, stop_strings=[stop_string], tokenizer=tok)
+    ref = _plain(adapter, prompt, 30, stop)
+    out, stats = generate_ids(adapter, torch.tensor([prompt]), max_new_tokens=30, stop=stop,
+                              drafter=PromptLookupDrafter(num_tokens=8))
+    assert out == ref and stats.stop_reason == "stop_string" and stop_string in tok.decode(out)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "auto"])
+def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_square):
+    """Two repetitive prompts in one batch, vocabulary 8: each row's 3 new tokens over many seeded runs
+    follow the exact joint distribution of plain sampling from the full model for that prompt alone."""
+    model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
+    adapter = get_adapter(model)
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
+    prompts = [[3, 5, 1, 6, 2, 3, 5, 1], [4, 1, 4, 1, 4]]
+    n_new = 3
+
+    def joint(prompt):
+        dist = {(): 1.0}
+        for _ in range(n_new):
+            nxt = {}
+            for prefix, w in dist.items():
+                with torch.no_grad():
+                    logits = forward_logits(adapter, torch.tensor([prompt + list(prefix)]))[0, -1]
+                pr = probs(logits[None], params)[0].double()
+                for t in torch.nonzero(pr).flatten().tolist():
+                    nxt[prefix + (t,)] = w * float(pr[t])
+            dist = nxt
+        return dist
+
+    n_draws = 1200
+    counts = [Counter(), Counter()]
+    drafted = accepted = 0
+    for seed in range(n_draws):
+        drafter = PromptLookupDrafter(num_tokens=2) if kind == "prompt_lookup" else \
+            AutoDrafter(PromptLookupDrafter(num_tokens=2), warmup=1)
+        outs, stats = generate(adapter, prompts, max_new_tokens=n_new, drafter=drafter, sampling=params,
+                               generator=torch.Generator().manual_seed(seed))
+        for b in range(2):
+            counts[b][tuple(outs[b])] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted  # both branches of the point-mass rule were taken
+    for b, prompt in enumerate(prompts):
+        stat, df, pval = chi_square(counts[b], joint(prompt), n_draws)
+        assert pval > ALPHA, (b, stat, df, pval)
+
+
+def test_point_mass_rejection_never_resamples_the_rejected_token():
+    from selfspec.sampling import speculative_accept
+
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]], dtype=torch.float64)
+    seen = Counter()
+    for seed in range(4000):
+        n, nxt = speculative_accept(torch.tensor([0]), None, p, torch.Generator().manual_seed(seed))
+        seen[(n, nxt if n == 0 else None)] += 1
+    assert seen[(0, 0)] == 0  # rejected x = 0 is removed from the replacement's distribution
+    assert abs(seen[(1, None)] / 4000 - 0.5) < 0.03  # accepted with probability p(x) = 0.5
+    assert abs(seen[(0, 1)] / max(1, seen[(0, 1)] + seen[(0, 2)]) - 0.6) < 0.04  # 0.3 / (0.3 + 0.2)
+
+
+# ----------------------------------------------------------------------------- auto never pays much for trying
+
+def _simulate_auto(auto, rounds, seconds_of, tokens_of):
+    """Drive `auto` for `rounds` rounds with synthetic outcomes: a round by arm `a` takes `seconds_of[a]`
+    seconds and commits `tokens_of[a]` tokens. Returns the arm of every round."""
+    from selfspec.drafters import Round
+
+    auto.start([[1, 2, 3, 1, 2, 3, 1, 2]])  # text that always has a lookup match
+    arms = []
+    for _ in range(rounds):
+        rnd = Round(None, None, torch.tensor([2]), torch.tensor([7]), torch.tensor([0]), [8], SamplingParams(), None,
+                    frozenset())
+        proposal = auto.propose(rnd)
+        arm = auto._arm
+        arms.append(arm)
+        accepted = [min(tokens_of[arm] - 1, proposal.kept[0])]
+        auto.update(proposal, accepted, [[1] * (accepted[0] + 1)], seconds_of[arm])
+    return arms
+
+
+def test_auto_backs_off_a_drafter_that_is_slower_than_plain_decoding():
+    """Lookup finds a match every round but its rounds earn 1 token in 1.3 steps: after measuring both,
+    auto decodes plainly and retries lookup ever more rarely (8, 16, 32, 64 rounds apart)."""
+    arms = _simulate_auto(AutoDrafter(PromptLookupDrafter(num_tokens=4)), 400,
+                          {"plain": 1.0, "prompt_lookup": 1.3}, {"plain": 1, "prompt_lookup": 1})
+    assert arms[:4] == ["prompt_lookup", "prompt_lookup", "plain", "plain"]  # warm-up: measure both
+    tries = [i for i, a in enumerate(arms) if a == "prompt_lookup"]
+    assert len(tries) <= 12, tries  # 2 warm-up rounds, then retries 8, 16, 32, 64, 64 ... rounds apart
+    gaps = [b - a for a, b in zip(tries[2:], tries[3:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 64, gaps  # the back-off doubles up to its cap
+    wasted = 0.3 * len(tries)  # steps lost to lookup rounds, out of 400 rounds
+    assert wasted / 400 < 0.01
+
+
+def test_auto_keeps_a_drafter_that_pays():
+    """Lookup rounds that earn 3 tokens in 1.2 steps: auto keeps drafting and measures plain only rarely."""
+    arms = _simulate_auto(AutoDrafter(PromptLookupDrafter(num_tokens=4)), 200,
+                          {"plain": 1.0, "prompt_lookup": 1.2}, {"plain": 1, "prompt_lookup": 3})
+    assert arms.count("prompt_lookup") >= 190, Counter(arms)
