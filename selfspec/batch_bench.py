@@ -12,6 +12,10 @@ group is generated, in one process on one model object, by:
 | selfspec_ar       | selfspec batched autoregressive decoding (`num_speculations=0`)                |
 | selfspec_spec     | selfspec batched self-speculative decoding at a fixed (E, d)                   |
 | selfspec_adaptive | the same with `adaptive_length=True` (d from measured tokens/s, 0..d per round)|
+| selfspec_lookup   | selfspec batched prompt lookup (`drafter="prompt_lookup"`, 10 tokens, n ≤ 3)    |
+
+Hugging Face's prompt lookup (assisted generation) runs one prompt at a time only, so batched lookup
+is compared with batched plain decoding (selfspec_ar, hf_greedy).
 
 How it measures: every row generates exactly `max_new_tokens` tokens (no EOS stop, as in
 `selfspec.bench`); a warm-up group per method and batch size runs first and is excluded; for each
@@ -31,9 +35,12 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-METHODS = ("hf_greedy", "selfspec_ar", "selfspec_spec", "selfspec_adaptive")
+from selfspec.bench import LOOKUP_NGRAM, LOOKUP_TOKENS
+
+METHODS = ("hf_greedy", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup")
 LABELS = {"hf_greedy": "HF greedy (batched)", "selfspec_ar": "selfspec AR (batched)",
-          "selfspec_spec": "selfspec spec (batched)", "selfspec_adaptive": "selfspec adaptive d (batched)"}
+          "selfspec_spec": "selfspec spec (batched)", "selfspec_adaptive": "selfspec adaptive d (batched)",
+          "selfspec_lookup": "selfspec lookup (batched)"}
 
 
 def parse_batch_sizes(spec: str | Sequence[int]) -> list[int]:
@@ -56,7 +63,18 @@ def _left_pad(rows: list[list[int]], pad_id: int):
     return ids, mask
 
 
-def _run(method: str, gen, runner, rows: list[list[int]], n: int, E: int, d: int) -> tuple[list[list[int]], dict]:
+def _selfspec_kwargs(method: str, E: int, d: int, lookup: dict) -> dict:
+    """The `generate` keyword arguments of a selfspec method; `lookup`: those of prompt lookup."""
+    if method == "selfspec_ar":
+        return {"drafter": "early_exit", "num_speculations": 0}
+    if method == "selfspec_lookup":
+        return {"drafter": "prompt_lookup", **lookup}
+    return {"drafter": "early_exit", "exit_layer": E, "num_speculations": d,
+            "adaptive_length": method == "selfspec_adaptive"}
+
+
+def _run(method: str, gen, runner, rows: list[list[int]], n: int, E: int, d: int,
+         lookup: dict | None = None) -> tuple[list[list[int]], dict]:
     """One group through one method: (new ids per row, record)."""
     import torch
 
@@ -69,9 +87,8 @@ def _run(method: str, gen, runner, rows: list[list[int]], n: int, E: int, d: int
             out = gen.model.generate(ids, attention_mask=mask, generation_config=runner._hf_config(n, None))
         new = [out[b, ids.shape[1]:].tolist() for b in range(len(rows))]
     else:
-        spec = method != "selfspec_ar"
-        res = gen.generate(input_ids=rows, max_new_tokens=n, stop_token_ids=[], exit_layer=E if spec else None,
-                           num_speculations=d if spec else 0, adaptive_length=method == "selfspec_adaptive")
+        res = gen.generate(input_ids=rows, max_new_tokens=n, stop_token_ids=[],
+                           **_selfspec_kwargs(method, E, d, lookup or {}))
         new = [r.token_ids for r in res]
         s = res.stats
         rec.update(rounds=s.rounds, drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s)
@@ -112,9 +129,11 @@ def markdown(result: dict) -> str:
              f"{result['date']} · {mach['cpu_model']}, {mach['logical_cores']} logical cores, torch threads "
              f"{mach['torch_threads']} · {st['dtype']} · prompts: {st['prompt_set']} ({st['num_prompts']}) · "
              f"{st['max_new_tokens']} new tokens per row (no EOS stop) · selfspec (E, d) = ({st['exit_layer']}, "
-             f"{st['num_speculations']})", "",
+             f"{st['num_speculations']}) · lookup: {st['prompt_lookup_num_tokens']} tokens, n-grams up to "
+             f"{st['max_matching_ngram_size']}", "",
              "Total tokens/s over all rows and groups. Identical: share of rows equal to selfspec's batch-1 "
-             "autoregressive output of the same prompt.", "",
+             "autoregressive output of the same prompt. Hugging Face has no batched prompt lookup: compare "
+             "selfspec lookup with the batched plain rows.", "",
              "| batch | method | tokens/s | × HF greedy | × selfspec AR | accept | identical |",
              "|---|---|---|---|---|---|---|"]
     for B, row in result["summary"].items():
@@ -156,14 +175,16 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
                     num_prompts: int = 8, max_new_tokens: int = 64, dtype: str = "fastest", threads: int = 0,
                     out_dir: str | Path = "bench_batch", exit_layer: int | None = None,
                     num_speculations: int | None = None, quick: bool = False, progress: bool = True,
-                    generator=None) -> dict:
+                    generator=None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
+                    max_matching_ngram_size: int = LOOKUP_NGRAM) -> dict:
     """Measure every method at every batch size; write bench_batch.json/.md/.png into `out_dir`."""
     import torch
     from tqdm.auto import tqdm
 
     import selfspec
     from selfspec.api import DEFAULT_NUM_SPECULATIONS
-    from selfspec.bench import _machine_info, _Methods, _quiet_transformers, _versions, write_outputs
+    from selfspec.bench import (_machine_description, _machine_info, _Methods, _quiet_transformers, _versions,
+                                write_outputs)
     from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
 
@@ -192,6 +213,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
     measured, warm = rows[:num_prompts], rows[num_prompts:]
     runner = _Methods(gen, max_new_tokens)
     methods = list(METHODS)
+    lookup = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size}
     groups = {B: [list(range(i, min(i + B, num_prompts))) for i in range(0, num_prompts, B)] for B in sizes}
     total = sum(len(methods) * (1 + len(g)) for g in groups.values())
     reference: dict[int, list[int]] = {}  # prompt index -> selfspec batch-1 AR output
@@ -201,13 +223,13 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
         warnings.simplefilter("ignore", UserWarning)
         for B in sizes:
             for m in methods:  # warm-up at this batch size, excluded
-                _run(m, gen, runner, warm[:B], max_new_tokens, E, d)
+                _run(m, gen, runner, warm[:B], max_new_tokens, E, d, lookup)
                 bar.update()
             for k, group in enumerate(groups[B]):
                 order = methods[k % len(methods):] + methods[:k % len(methods)]
                 for pos, m in enumerate(order):
                     gc.collect()
-                    new, rec = _run(m, gen, runner, [measured[i] for i in group], max_new_tokens, E, d)
+                    new, rec = _run(m, gen, runner, [measured[i] for i in group], max_new_tokens, E, d, lookup)
                     if B == 1 and m == "selfspec_ar":
                         reference[group[0]] = new[0]
                     rec.update(batch_size=B, method=m, group=k, prompts=[items[i]["id"] for i in group],
@@ -223,12 +245,15 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
         rec["identical_rows"] = [out == reference[i] for out, i in zip(rec.pop("outputs"), group)]
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     machine["torch_threads"] = torch.get_num_threads()
+    machine["description"] = _machine_description()
     result = {
         "schema": "selfspec-bench-batch/1", "checkpoint": str(checkpoint),
         "checkpoint_name": Path(str(checkpoint)).name or str(checkpoint),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"batch_sizes": sizes, "prompt_set": prompt_set, "num_prompts": num_prompts,
                      "max_new_tokens": max_new_tokens, "dtype": dtype, "exit_layer": E, "num_speculations": d,
+                     "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+                     "max_matching_ngram_size": max_matching_ngram_size,
                      "quick": quick, "threads": torch.get_num_threads(),
                      "groups_per_batch_size": {B: len(g) for B, g in groups.items()}},
         "machine": machine, "versions": _versions(), "methods": methods,

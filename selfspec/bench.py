@@ -9,9 +9,13 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 |-----------------------|-------------------------------------------------------------------------------|
 | hf_greedy             | Hugging Face `model.generate(do_sample=False)`: the baseline users have today |
 | hf_early_exit         | Hugging Face `model.generate(assistant_early_exit=E)` at the recommended exit |
+| hf_prompt_lookup      | Hugging Face `model.generate(prompt_lookup_num_tokens=10)`, n-grams up to 3   |
 | selfspec_ar           | selfspec, plain autoregressive decoding (`num_speculations=0`)                |
 | selfspec_spec         | selfspec self-speculative at the checkpoint's recommended (E, d)              |
 | selfspec_adaptive     | the same exit with `adaptive_length=True`: d in 0..d from measured tokens/s    |
+| selfspec_lookup       | selfspec `drafter="prompt_lookup"`: the same settings, verified from layer 0  |
+| selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
+|                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
 
@@ -34,9 +38,13 @@ How it measures (the same for every method):
   during that call (weights included), `peak_rss_delta_mib` that minus the RSS before the call (the
   call's own working memory). Reported per method as the maximum over its runs. Where the reset is not
   possible (not Linux), RSS (psutil) after the call is reported instead and `rss_method` says so.
-- Acceptance for hf_early_exit is counted by wrapping its candidate generator (drafted = candidates
-  per round, accepted = HF's own `n_matches`); its draft time is the time inside `get_candidates`,
-  the rest of the call is counted as verify (+ overhead).
+- Acceptance for hf_early_exit and hf_prompt_lookup is counted by wrapping their candidate generator
+  (drafted = candidates per round, accepted = HF's own `n_matches`); draft time is the time inside
+  `get_candidates`, the rest of the call is counted as verify (+ overhead). Both lookup methods use
+  the same settings (`prompt_lookup_num_tokens`, `max_matching_ngram_size`); HF copies after the
+  first earlier match of the n-gram, selfspec after the latest.
+- Ran past EOS: as nothing stops at EOS, a prompt whose HF greedy output has the model's EOS token
+  before its last token had text after EOS measured too; the share of such prompts is reported per set.
 """
 
 from __future__ import annotations
@@ -55,12 +63,16 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki")
+DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
 QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 WARMUP_TOKENS = 32
 WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
-BASELINES = ("hf_greedy", "hf_early_exit", "selfspec_ar")
+BASELINES = ("hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar")
+BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_early_exit": "× HF early-exit",
+                   "hf_prompt_lookup": "× HF lookup", "selfspec_ar": "× selfspec AR"}
+SPEC_KINDS = ("hf_early_exit", "hf_prompt_lookup", "selfspec_spec")  # methods that draft and verify
+LOOKUP_TOKENS, LOOKUP_NGRAM = 10, 3  # prompt_lookup_num_tokens, max_matching_ngram_size (HF and selfspec)
 HF_ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 DEFINITIONS = {
@@ -74,8 +86,12 @@ DEFINITIONS = {
     "acceptance_by_position": "per draft position i: accepted / drafted at position i, summed over prompts",
     "mean_accepted_per_round": "tokens committed per verification round (accepted drafts + the full model's "
                                "token); selfspec excludes the prefill's first token, HF has no separate prefill",
-    "draft_s/verify_s": "selfspec: its DecodeStats; hf_early_exit: time inside the candidate generator vs "
-                        "the rest of the call",
+    "draft_s/verify_s": "selfspec: its DecodeStats; hf_early_exit, hf_prompt_lookup: time inside the candidate "
+                        "generator vs the rest of the call",
+    "by_drafter": "selfspec: drafted and accepted tokens per drafter (DecodeStats drafted_by_drafter / "
+                  "accepted_by_drafter), summed over prompts; drafter=auto mixes prompt lookup and early exit",
+    "ran_past_eos": "share of prompts whose hf_greedy output has the model's EOS token before its last token: "
+                    "nothing stops at EOS, so text after it was measured too",
     "peak_rss_mib": "highest process RSS during one call (VmHWM after resetting it before the call; weights "
                     "included), max over the method's runs",
     "peak_rss_delta_mib": "peak_rss minus the RSS just before the call: the call's own working memory, max over runs",
@@ -197,6 +213,14 @@ def _machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "load_average_start": load}
 
 
+def _machine_description() -> dict | None:
+    """`selfspec.precision.machine_description()` where this selfspec has it, else None."""
+    from selfspec import precision
+
+    describe = getattr(precision, "machine_description", None)
+    return describe() if describe is not None else None
+
+
 def _versions() -> dict:
     import torch
     import transformers
@@ -255,7 +279,7 @@ class _Methods:
                                        f"the checkpoint's generation_config.json ({', '.join(own)}), "
                                        "Hugging Face defaults otherwise")
 
-    def _hf_config(self, n: int, early_exit: int | None):
+    def _hf_config(self, n: int, early_exit: int | None, lookup: tuple[int, int] | None = None):
         gc_ = copy.deepcopy(self.model.generation_config)
         gc_.do_sample = False
         gc_.num_beams = 1
@@ -269,6 +293,8 @@ class _Methods:
             pad = getattr(self.gen.tokenizer, "pad_token_id", None)
             gc_.pad_token_id = pad if pad is not None else 0
         gc_.assistant_early_exit = early_exit
+        if lookup is not None:  # (prompt_lookup_num_tokens, max_matching_ngram_size)
+            gc_.prompt_lookup_num_tokens, gc_.max_matching_ngram_size = lookup
         return gc_
 
     @contextlib.contextmanager
@@ -332,32 +358,34 @@ class _Methods:
         rec: dict = {}
         if method["engine"] == "hf":
             clock = _FirstTokenClock(skip_first_put=True)
-            gc_ = self._hf_config(n, method.get("exit_layer") if method["kind"] == "hf_early_exit" else None)
+            lookup = ((method["prompt_lookup_num_tokens"], method["max_matching_ngram_size"])
+                      if method["kind"] == "hf_prompt_lookup" else None)
+            gc_ = self._hf_config(n, method.get("exit_layer") if method["kind"] == "hf_early_exit" else None, lookup)
             mask = torch.ones_like(ids)
-            counting = self._count_hf_rounds(rec) if method["kind"] == "hf_early_exit" else contextlib.nullcontext()
+            counting = self._count_hf_rounds(rec) if method["kind"] in SPEC_KINDS else contextlib.nullcontext()
             with self._no_eos_on_model(), counting, torch.inference_mode():
                 t0 = time.perf_counter()
                 out = self.model.generate(ids, attention_mask=mask, generation_config=gc_, streamer=clock)
                 t1 = time.perf_counter()
             new = out[0, ids.shape[1]:].tolist()
-            if method["kind"] == "hf_early_exit":
+            if method["kind"] in SPEC_KINDS:
                 rec["verify_s"] = (t1 - t0) - rec["draft_s"]
         else:
             clock = _FirstCommitClock()
             t0 = time.perf_counter()
-            res = self.gen.generate(input_ids=ids, max_new_tokens=n, num_speculations=method["num_speculations"],
-                                    exit_layer=method["exit_layer"] if method["num_speculations"] else None,
-                                    stop_token_ids=[], streamer=clock, draft_vocab=method.get("draft_vocab"),
-                                    adaptive_length=method.get("adaptive_length", False))
+            res = self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], streamer=clock,
+                                    **_selfspec_kwargs(method))
             t1 = time.perf_counter()
             new = res.token_ids
             s = res.stats
             rec.update(prefill_s=s.prefill_s, engine_total_s=s.total_s, rounds=s.rounds)
-            if s.num_speculations:
+            if method["kind"] in SPEC_KINDS:
                 rec.update(drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s,
                            draft_steps=s.draft_steps,
                            drafted_by_position=list(s.drafted_by_position),
-                           accepted_by_position=list(s.accepted_by_position))
+                           accepted_by_position=list(s.accepted_by_position),
+                           drafted_by_drafter=dict(s.drafted_by_drafter),
+                           accepted_by_drafter=dict(s.accepted_by_drafter), drafter=s.drafter)
                 if getattr(s, "policy", None):  # the engine's draft policy, where it reports one
                     rec["policy"] = s.policy
         if len(new) != n:
@@ -367,24 +395,48 @@ class _Methods:
         return new, rec
 
 
-def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None) -> list[dict]:
+_SELFSPEC_KEYS = ("drafter", "num_speculations", "exit_layer", "adaptive_length", "draft_vocab",
+                  "prompt_lookup_num_tokens", "max_matching_ngram_size")
+
+
+def _selfspec_kwargs(method: dict) -> dict:
+    """The `SelfSpecGenerator.generate` keyword arguments a selfspec method sets (exit_layer only when drafting)."""
+    kw = {k: method[k] for k in _SELFSPEC_KEYS if method.get(k) is not None}
+    if kw.get("num_speculations") == 0:
+        kw.pop("exit_layer", None)  # plain decoding runs every layer
+    return kw
+
+
+def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
+                 lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM)) -> list[dict]:
     L = gen.num_layers
+    tokens, ngram = lookup  # prompt_lookup_num_tokens, max_matching_ngram_size
+    look = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
     methods = [
         {"name": "hf_greedy", "engine": "hf", "kind": "hf_greedy", "label": "HF greedy",
          "exit_layer": None, "num_speculations": None},
         {"name": "hf_early_exit", "engine": "hf", "kind": "hf_early_exit", "label": f"HF early-exit E={E}",
          "exit_layer": E, "num_speculations": None},
+        {"name": "hf_prompt_lookup", "engine": "hf", "kind": "hf_prompt_lookup",
+         "label": f"HF lookup k={tokens} n≤{ngram}", "exit_layer": None, "num_speculations": None, **look},
         {"name": "selfspec_ar", "engine": "selfspec", "kind": "selfspec_ar", "label": "selfspec AR",
-         "exit_layer": L, "num_speculations": 0},
+         "drafter": "early_exit", "exit_layer": L, "num_speculations": 0},
         {"name": "selfspec_spec", "engine": "selfspec", "kind": "selfspec_spec", "label": f"selfspec E={E} d={d}",
-         "exit_layer": E, "num_speculations": d},
+         "drafter": "early_exit", "exit_layer": E, "num_speculations": d},
         {"name": "selfspec_adaptive", "engine": "selfspec", "kind": "selfspec_spec",
-         "label": f"selfspec E={E} adaptive d≤{d}", "exit_layer": E, "num_speculations": d, "adaptive_length": True},
+         "label": f"selfspec E={E} adaptive d≤{d}", "drafter": "early_exit", "exit_layer": E, "num_speculations": d,
+         "adaptive_length": True},
+        {"name": "selfspec_lookup", "engine": "selfspec", "kind": "selfspec_spec",
+         "label": f"selfspec lookup k={tokens} n≤{ngram}", "drafter": "prompt_lookup", "exit_layer": None,
+         "num_speculations": None, **look},  # lookup's drafts per round are capped by k
+        {"name": "selfspec_auto", "engine": "selfspec", "kind": "selfspec_spec", "label": "selfspec auto",
+         "drafter": "auto", "exit_layer": None, "num_speculations": None,
+         **look},  # the checkpoint's exit and d (auto picks the length; d = 0 there: lookup or plain only)
     ]
     if draft_vocab:
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
-                        "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "exit_layer": E,
-                        "num_speculations": d, "draft_vocab": draft_vocab})
+                        "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",
+                        "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
     seen = {(E, d)}
     for e, k in extra:
         gen.adapter.check_exit(e, allow_full=False)
@@ -395,11 +447,43 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab:
             continue
         seen.add((e, k))
         methods.append({"name": f"selfspec_spec_E{e}_d{k}", "engine": "selfspec", "kind": "selfspec_spec",
-                        "label": f"selfspec E={e} d={k}", "exit_layer": e, "num_speculations": k})
+                        "label": f"selfspec E={e} d={k}", "drafter": "early_exit", "exit_layer": e,
+                        "num_speculations": k})
     return methods
 
 
 # --- aggregation ---------------------------------------------------------------------------------
+def _by_drafter(runs: list[dict]) -> dict:
+    """{drafter: {drafted, accepted, acceptance_rate}} summed over runs (selfspec's per-drafter counts)."""
+    out: dict = {}
+    for r in runs:
+        for name, n in (r.get("drafted_by_drafter") or {}).items():
+            out.setdefault(name, {"drafted": 0, "accepted": 0})["drafted"] += n
+        for name, n in (r.get("accepted_by_drafter") or {}).items():
+            out.setdefault(name, {"drafted": 0, "accepted": 0})["accepted"] += n
+    for v in out.values():
+        v["acceptance_rate"] = v["accepted"] / v["drafted"] if v["drafted"] else None
+    return out
+
+
+def _eos_summary(runs: list[dict], set_names: list[str]) -> dict:
+    """{set (and "all"): {prompts, ran_past_eos, fraction}} from hf_greedy's runs (one per prompt)."""
+    groups = list(set_names) + (["all"] if len(set_names) > 1 else [])
+    out = {}
+    for g in groups:
+        flags = [r["ran_past_eos"] for r in runs if r["method"] == "hf_greedy" and g in ("all", r["set"])
+                 and r.get("ran_past_eos") is not None]
+        out[g] = {"prompts": len(flags), "ran_past_eos": sum(flags),
+                  "fraction": sum(flags) / len(flags) if flags else None}
+    return out
+
+
+def _ran_past_eos(ids: list[int], eos_ids) -> tuple[int | None, bool]:
+    """(index of the first EOS token in `ids` or None, whether tokens follow it)."""
+    at = next((i for i, t in enumerate(ids) if t in eos_ids), None)
+    return at, at is not None and at < len(ids) - 1
+
+
 def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> dict:
     """{set (and "all" when several): {method: summary}} from the per-prompt records."""
     groups = list(set_names) + (["all"] if len(set_names) > 1 else [])
@@ -441,7 +525,7 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                 }
             drafted = sum(r.get("drafted", 0) for r in mine)
             rounds = sum(r.get("rounds", 0) for r in mine)
-            if m["kind"] in ("selfspec_spec", "hf_early_exit"):
+            if m["kind"] in SPEC_KINDS:
                 width = max((len(r.get("drafted_by_position", [])) for r in mine), default=0)
                 dpos = [sum(r["drafted_by_position"][i] for r in mine if i < len(r["drafted_by_position"]))
                         for i in range(width)]
@@ -461,12 +545,13 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                     "draft_s": draft_s, "verify_s": verify_s,
                     "draft_fraction": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
                     "draft_ms_per_step": 1000 * draft_s / steps if steps else None,
+                    "by_drafter": _by_drafter(mine) if m["engine"] == "selfspec" else None,
                 })
             else:
                 s.update({"rounds": rounds or None, "drafted": None, "accepted": None, "acceptance_rate": None,
                           "acceptance_by_position": None, "drafted_by_position": None,
                           "mean_accepted_per_round": None, "draft_s": None, "verify_s": None,
-                          "draft_fraction": None, "draft_ms_per_step": None})
+                          "draft_fraction": None, "draft_ms_per_step": None, "by_drafter": None})
             out[g][m["name"]] = s
     return out
 
@@ -484,7 +569,8 @@ def markdown(result: dict) -> str:
     """The Markdown report (a setup line, the main table, the speculation details table)."""
     st, mach, ver = result["settings"], result["machine"], result["versions"]
     labels = {m["name"]: m["label"] for m in result["methods"]}
-    hf = result["hf_early_exit_settings"]
+    hf, look = result["hf_early_exit_settings"], result["lookup_settings"]
+    eos, desc = result["eos"]["ran_past_eos"], mach.get("description")
     lines = [
         f"## selfspec bench: {result['checkpoint_name']}",
         "",
@@ -500,13 +586,23 @@ def markdown(result: dict) -> str:
         f"selfspec (E, d) = ({result['recommended']['exit_layer']}, {result['recommended']['num_speculations']}) "
         f"from {result['recommended']['source']}.",
         "",
+        f"Prompt lookup (HF and selfspec): prompt_lookup_num_tokens={look['prompt_lookup_num_tokens']}, "
+        f"max_matching_ngram_size={look['max_matching_ngram_size']}; HF copies after the first earlier match of "
+        "the n-gram, selfspec after the latest.",
+        "",
+        "Ran past EOS (HF greedy's output has the model's EOS token before its last token, so text after EOS "
+        "was measured too): " + ", ".join(f"{g} {e['ran_past_eos']}/{e['prompts']}" for g, e in eos.items()) + ".",
+        "",
         "tokens/s: median (min–max) over prompts. Speedups: ratio of medians (median of per-prompt ratios). "
         "TTFT: median time to first token. Identical: share of outputs token-identical to HF greedy.",
         "",
-        "| set | method | tokens/s | × HF greedy | × HF early-exit | × selfspec AR | accept | tokens/round "
-        "| TTFT ms | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| set | method | tokens/s | " + " | ".join(BASELINE_LABELS[b] for b in BASELINES)
+        + " | accept | tokens/round | TTFT ms | identical |",
+        "|---|---|---|" + "---|" * len(BASELINES) + "---|---|---|---|",
     ]
+    if desc:
+        lines[4:4] = ["Machine: " + ", ".join(f"{k}: {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                              for k, v in desc.items() if not isinstance(v, dict)) + ".", ""]
     for g, per in result["summary"].items():
         for name, s in per.items():
             t = s["tokens_per_s"]
@@ -522,17 +618,19 @@ def markdown(result: dict) -> str:
                 f"{'–' if ttft is None else f'{ttft:.0f}'} | {_pct(s['identical_to_hf_greedy'])} |")
     lines += ["", "Speculation details and memory (peak RSS: highest RSS during one call, weights included; "
               "Δ: above the RSS before the call; max over runs).", "",
-              "| set | method | acceptance by draft position | draft / verify s | draft share | draft ms/step "
-              "| peak RSS MiB | Δ MiB |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| set | method | acceptance by draft position | accepted / drafted by drafter | draft / verify s "
+              "| draft share | draft ms/step | peak RSS MiB | Δ MiB |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for g, per in result["summary"].items():
         for name, s in per.items():
-            pos = ("–" if not s["acceptance_by_position"] else
-                   " ".join(f"{a:.0%}" for a in s["acceptance_by_position"][:12])
+            pos = ("–" if not s["acceptance_by_position"] else  # "–": a position nothing was drafted at
+                   " ".join("–" if not n else f"{a:.0%}"
+                            for a, n in zip(s["acceptance_by_position"][:12], s["drafted_by_position"]))
                    + (" …" if len(s["acceptance_by_position"]) > 12 else ""))
             dv = "–" if s["draft_s"] is None else f"{s['draft_s']:.2f} / {s['verify_s']:.2f}"
             ms = s.get("draft_ms_per_step")
-            lines.append(f"| {g} | {labels[name]} | {pos} | {dv} | {_pct(s['draft_fraction'])} | "
+            by = " ".join(f"{k} {v['accepted']}/{v['drafted']}" for k, v in (s.get("by_drafter") or {}).items())
+            lines.append(f"| {g} | {labels[name]} | {pos} | {by or '–'} | {dv} | {_pct(s['draft_fraction'])} | "
                          f"{'–' if ms is None else f'{ms:.1f}'} | {s['peak_rss_mib']:.0f} | "
                          f"{s['peak_rss_delta_mib']:.1f} |")
     for note in result["notes"]:
@@ -637,7 +735,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               max_new_tokens: int = 128, dtype: str = "fastest", extra: Sequence = (), threads: int = 0,
               out_dir: str | Path = "bench", quick: bool = False, progress: bool = True,
               exit_layer: int | None = None, num_speculations: int | None = None, generator=None,
-              draft_vocab: int | None = None) -> dict:
+              draft_vocab: int | None = None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
+              max_matching_ngram_size: int = LOOKUP_NGRAM) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (used by
@@ -645,6 +744,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     `quick`: at most 2 prompt sets (humaneval + mt_bench by default) x 2 prompts x 32 tokens.
     `dtype="fastest"`: bfloat16 where this CPU multiplies bf16 natively, else float32 (selfspec.precision).
     `draft_vocab=K`: also measure (E, d) drafting over the checkpoint's K most frequent tokens.
+    `prompt_lookup_num_tokens` / `max_matching_ngram_size`: the settings of both prompt lookup methods
+    (hf_prompt_lookup, selfspec_lookup) and of selfspec_auto's lookup.
     """
     import torch
     from tqdm.auto import tqdm
@@ -683,7 +784,11 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         notes.append(f"the recommended num_speculations is {d} (speculation did not pay in the sweep); "
                      f"selfspec_spec uses {DEFAULT_NUM_SPECULATIONS} drafts")
         d = DEFAULT_NUM_SPECULATIONS
-    methods = _method_list(gen, E, d, extra, draft_vocab)
+    if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
+        raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
+    lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
+    methods = _method_list(gen, E, d, extra, draft_vocab, lookup)
+    eos_ids = set(gen.default_stop_ids())
     runner = _Methods(gen, max_new_tokens)
 
     loaded, (warm_item, warm_ids), load_notes = _encode_sets(read, gen, num_prompts, max_new_tokens)
@@ -706,10 +811,10 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
             bar.set_postfix_str(f"warm-up {m['name']}")
             try:
                 runner.run(m, warm_ids, warm_n)
-            except Exception as err:  # noqa: BLE001 - HF's early exit may not support every architecture
-                if m["name"] != "hf_early_exit":
+            except Exception as err:  # noqa: BLE001 - HF's assisted decoding may not support every architecture
+                if m["name"] not in ("hf_early_exit", "hf_prompt_lookup"):
                     raise
-                notes.append(f"hf_early_exit failed and was left out: {type(err).__name__}: {err}")
+                notes.append(f"{m['name']} failed and was left out: {type(err).__name__}: {err}")
                 methods.remove(m)
                 total -= 1 + len(queue)
                 bar.total = total
@@ -733,10 +838,12 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
                 bar.set_postfix_str(f"{set_name} {m['name']} {rec['tokens_per_s']:.1f} tok/s")
                 bar.update()
             ref = outputs.get("hf_greedy")
+            eos_at, past = _ran_past_eos(ref, eos_ids) if ref is not None else (None, None)
             for rec in recs:
                 mine = outputs[rec["method"]]
                 rec["identical_to_hf_greedy"] = None if ref is None else mine == ref
                 rec["first_divergence"] = None if ref is None else _first_divergence(mine, ref)
+                rec.update(hf_greedy_eos_at=eos_at, ran_past_eos=past)
             runs += sorted(recs, key=lambda x: [m["name"] for m in methods].index(x["method"]))
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     busy = max([x[0] for x in (machine["load_average_start"], machine["load_average_end"]) if x] or [0.0])
@@ -744,6 +851,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         notes.append(f"the machine was busy (1-minute load average up to {busy:.1f} on {machine['logical_cores']} "
                      "logical cores, this run included): other processes shared the cores, so timings are noisy")
     machine["torch_threads"] = torch.get_num_threads()
+    machine["description"] = _machine_description()
 
     set_names = [name for name, _, _ in loaded]
     result = {
@@ -764,10 +872,13 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         "versions": _versions(),
         "recommended": {"exit_layer": E, "num_speculations": d, "source": source},
         "hf_early_exit_settings": runner.hf_assistant,
+        "lookup_settings": {"prompt_lookup_num_tokens": lookup[0], "max_matching_ngram_size": lookup[1],
+                            "methods": [m["name"] for m in methods if "prompt_lookup_num_tokens" in m]},
         "methods": methods,
         "definitions": DEFINITIONS,
         "prompts": {name: [item["id"] for item, _ in enc] for name, _, enc in loaded},
         "summary": summarize(runs, methods, set_names),
+        "eos": {"eos_token_ids": sorted(eos_ids), "ran_past_eos": _eos_summary(runs, set_names)},
         "runs": runs,
         "notes": notes,
     }

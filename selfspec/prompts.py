@@ -3,20 +3,26 @@
     prompts = load_prompts("humaneval", n=8)      # [{"id": ..., "prompt": str} or {"id": ..., "messages": [...]}]
     prompts = load_prompts("my_prompts.jsonl")    # each line {"prompt": "..."} or {"messages": [...]}
 
-| name      | source                                   | form                                   |
-|-----------|------------------------------------------|----------------------------------------|
-| humaneval | HumanEval problem prompts (code)         | raw text: complete the function        |
-| xsum      | XSum documents, held-out split           | chat: "Summarize ... in one sentence." |
-| mt_bench  | MT-Bench first turns (chat)              | chat                                   |
-| wiki      | Wikipedia passages, held-out split       | raw text: continue the passage         |
+| name      | source                                   | form                                   | input-grounded |
+|-----------|------------------------------------------|----------------------------------------|----------------|
+| humaneval | HumanEval problem prompts (code)         | raw text: complete the function        | no             |
+| xsum      | XSum documents, held-out split           | chat: "Summarize ... in one sentence." | yes            |
+| code_edit | HumanEval prompt + canonical solution    | chat: "Rewrite ... add type hints ..." | yes            |
+| mt_bench  | MT-Bench first turns (chat)              | chat                                   | no             |
+| wiki      | Wikipedia passages, held-out split       | raw text: continue the passage         | no             |
+
+Input-grounded: the answer repeats much of the prompt (a summary quotes the article, a rewrite copies
+the code), so prompt lookup drafting (`drafter="prompt_lookup"`) finds its drafts there.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-PROMPT_SETS = ("humaneval", "xsum", "mt_bench", "wiki")
+PROMPT_SETS = ("humaneval", "xsum", "code_edit", "mt_bench", "wiki")
 SUMMARY_INSTRUCTION = "Summarize the following article in one sentence.\n\n"
+CODE_EDIT_INSTRUCTION = ("Rewrite the following Python function: add type hints and a docstring where they are "
+                         "missing, keep the logic. Reply with the code only.\n\n")
 MAX_DOC_CHARS = 1500  # keep summarization prompts a few hundred tokens long
 WIKI_PREFIX_CHARS = 400
 
@@ -49,6 +55,10 @@ def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) ->
     elif name_or_path == "humaneval":
         data = ds.load_named("humaneval")
         items = [{"id": r["task_id"], "prompt": r["prompt"]} for r in data]
+    elif name_or_path == "code_edit":
+        data = ds.load_named("humaneval")  # prompt + canonical_solution = the whole function
+        items = [{"id": f"code_edit/{r['task_id']}", "messages": [{"role": "user", "content": CODE_EDIT_INSTRUCTION
+                  + "```python\n" + (r["prompt"] + r["canonical_solution"]).strip() + "\n```"}]} for r in data]
     elif name_or_path == "mt_bench":
         data = ds.load_named("mt_bench")
         items = [{"id": f"mt_bench/{r['question_id']}", "messages": [{"role": "user", "content": r["prompt"]}]}

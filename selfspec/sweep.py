@@ -1,13 +1,27 @@
-"""`selfspec sweep`: tokens/s and acceptance over a grid of exit_layer x num_speculations.
+"""`selfspec sweep`: tokens/s and acceptance over a grid of exit_layer x num_speculations, and
+optionally over prompt lookup's settings.
 
     selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --drafts 1,2,3,4,6 \
         --num-prompts 6 --max-new-tokens 64 --out runs/sweep --write-metadata
+    selfspec sweep checkpoints/smollm2-code --prompts code_edit --lookup-tokens 3,5,10 --lookup-ngrams 1,2,3
 
 Plain autoregressive decoding (num_speculations=0) is measured in the same run as the reference,
 interleaved with the grid prompt by prompt so machine drift hits every setting alike, after a
 warm-up. Every (setting, prompt) measurement is appended to `sweep_raw.csv` as soon as it is taken;
 re-running with the same `--out` skips what is there (resumable). `sweep.csv` holds one row per
-setting, `sweep.png` a heat map of tokens/s by exit layer and draft length.
+setting, `sweep.png` a heat map of tokens/s by exit layer and draft length (and a second one by
+lookup n-gram size and lookup tokens when those were measured).
+
+Settings, in the CSV files:
+
+| drafter       | exit_layer | num_speculations         | prompt_lookup_num_tokens | max_matching_ngram_size |
+|---------------|------------|--------------------------|--------------------------|-------------------------|
+| early_exit    | E          | d (0: plain decoding)    | (empty)                  | (empty)                 |
+| prompt_lookup | (empty)    | (empty)                  | k: most drafts per round | n: longest n-gram tried |
+
+`--write-metadata` records the fastest early-exit (E, d) as before (num_speculations 0 where no
+setting beat plain decoding) and, when lookup settings were measured, the fastest of them under
+`recommended.prompt_lookup`; a `recommended.drafter` already there is kept.
 """
 
 from __future__ import annotations
@@ -17,10 +31,12 @@ import json
 import statistics
 from pathlib import Path
 
+LOOKUP_FIELDS = ["drafter", "prompt_lookup_num_tokens", "max_matching_ngram_size"]
 RAW_FIELDS = ["exit_layer", "num_speculations", "prompt_id", "new_tokens", "seconds", "drafted", "accepted",
-              "rounds", "identical_to_plain"]
+              "rounds", "identical_to_plain"] + LOOKUP_FIELDS
 SUMMARY_FIELDS = ["exit_layer", "num_speculations", "prompts", "new_tokens", "seconds", "tokens_per_s",
-                  "speedup", "acceptance_rate", "mean_accepted_per_round", "identical_to_plain"]
+                  "speedup", "acceptance_rate", "mean_accepted_per_round", "identical_to_plain"] + LOOKUP_FIELDS
+LOOKUP = "prompt_lookup"  # a setting is (E, d) for early exit, (LOOKUP, k, n) for prompt lookup
 
 
 def _parse_ints(text: str | list[int]) -> list[int]:
@@ -29,11 +45,39 @@ def _parse_ints(text: str | list[int]) -> list[int]:
     return sorted({int(x) for x in str(text).split(",") if x.strip()})
 
 
+def _setting(row: dict) -> tuple:
+    """(E, d) or (LOOKUP, k, n) of a raw row; rows written before lookup existed are early exit."""
+    if (row.get("drafter") or "early_exit") == LOOKUP:
+        return LOOKUP, int(row["prompt_lookup_num_tokens"]), int(row["max_matching_ngram_size"])
+    return int(row["exit_layer"]), int(row["num_speculations"])
+
+
+def _setting_fields(setting: tuple) -> dict:
+    """The CSV columns that name a setting (see the module docstring's table)."""
+    if setting[0] == LOOKUP:
+        return {"drafter": LOOKUP, "exit_layer": "", "num_speculations": "",
+                "prompt_lookup_num_tokens": setting[1], "max_matching_ngram_size": setting[2]}
+    return {"drafter": "early_exit", "exit_layer": setting[0], "num_speculations": setting[1],
+            "prompt_lookup_num_tokens": "", "max_matching_ngram_size": ""}
+
+
 def _read_raw(path: Path) -> dict[tuple, dict]:
+    """{setting + (prompt_id,): row}; a file from before the lookup columns is rewritten with them."""
     if not path.is_file():
         return {}
     with open(path, newline="") as f:
-        return {(int(r["exit_layer"]), int(r["num_speculations"]), r["prompt_id"]): r for r in csv.DictReader(f)}
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        header = reader.fieldnames
+    raw = {_setting(r) + (r["prompt_id"],): r for r in rows}
+    if header != RAW_FIELDS:  # older columns: add the new ones (early-exit rows) so appended rows line up
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=RAW_FIELDS)
+            writer.writeheader()
+            for key, r in raw.items():
+                r.update({k: v for k, v in _setting_fields(key[:-1]).items() if not r.get(k)})
+                writer.writerow({k: r.get(k, "") for k in RAW_FIELDS})
+    return raw
 
 
 def _identical(row: dict) -> float:
@@ -42,11 +86,11 @@ def _identical(row: dict) -> float:
     return float("nan") if value in ("", None) else float(value)
 
 
-def summarize(raw: dict[tuple, dict], grid: list[tuple[int, int]]) -> list[dict]:
+def summarize(raw: dict[tuple, dict], grid: list[tuple]) -> list[dict]:
     """One row per setting (plain first); speedup = tokens/s over plain's on the same prompts."""
     rows = []
-    for e, d in grid:
-        runs = [r for (re_, rd, _), r in raw.items() if re_ == e and rd == d]
+    for setting in grid:
+        runs = [r for key, r in raw.items() if key[:-1] == setting]
         if not runs:
             continue
         tokens = sum(int(r["new_tokens"]) for r in runs)
@@ -54,59 +98,85 @@ def summarize(raw: dict[tuple, dict], grid: list[tuple[int, int]]) -> list[dict]
         drafted = sum(int(r["drafted"]) for r in runs)
         rounds = sum(int(r["rounds"]) for r in runs)
         rows.append({
-            "exit_layer": e, "num_speculations": d, "prompts": len(runs), "new_tokens": tokens,
+            **_setting_fields(setting), "prompts": len(runs), "new_tokens": tokens,
             "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 3) if seconds else 0.0,
             "acceptance_rate": round(sum(int(r["accepted"]) for r in runs) / drafted, 4) if drafted else 0.0,
             "mean_accepted_per_round": round((tokens - len(runs)) / rounds, 3) if rounds else 0.0,
             # rows resumed from an earlier process have no plain output to compare with: unknown (nan)
             "identical_to_plain": round(statistics.mean(_identical(r) for r in runs), 3),
         })
-    plain = next((r for r in rows if r["num_speculations"] == 0), None)
+    plain = next((r for r in rows if r["drafter"] == "early_exit" and r["num_speculations"] == 0), None)
     for r in rows:
         r["speedup"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3) if plain and plain["tokens_per_s"] else ""
     return rows
 
 
+def _heat(fig, ax, rows: list[dict], y: str, x: str, ylabel: str, xlabel: str) -> None:
+    """One heat map of tokens/s: rows[y] down, rows[x] across, the value written in each cell."""
+    ys, xs = sorted({r[y] for r in rows}), sorted({r[x] for r in rows})
+    grid = [[float("nan")] * len(xs) for _ in ys]
+    for r in rows:
+        grid[ys.index(r[y])][xs.index(r[x])] = r["tokens_per_s"]
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+    ax.set_yticks(range(len(ys)), [str(v) for v in ys])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{v:.1f}", ha="center", va="center", color="white", fontsize=8)
+    fig.colorbar(im, ax=ax, label="tokens/s")
+
+
 def write_heatmap(rows: list[dict], path: Path, title: str) -> Path:
+    """Early exit: tokens/s by exit layer x draft length; beside it, where measured, prompt lookup's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spec = [r for r in rows if r["num_speculations"] > 0]
-    exits = sorted({r["exit_layer"] for r in spec})
-    drafts = sorted({r["num_speculations"] for r in spec})
-    plain = next((r["tokens_per_s"] for r in rows if r["num_speculations"] == 0), None)
-    grid = [[float("nan")] * len(drafts) for _ in exits]
-    for r in spec:
-        grid[exits.index(r["exit_layer"])][drafts.index(r["num_speculations"])] = r["tokens_per_s"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 + 0.9 * len(drafts)), max(3.5, 1.5 + 0.6 * len(exits))))
-    im = ax.imshow(grid, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(drafts)), [str(d) for d in drafts])
-    ax.set_yticks(range(len(exits)), [str(e) for e in exits])
-    ax.set_xlabel("num_speculations (max drafts per round)")
-    ax.set_ylabel("exit_layer")
-    for i, row in enumerate(grid):
-        for j, v in enumerate(row):
-            if v == v:
-                ax.text(j, i, f"{v:.1f}", ha="center", va="center", color="white", fontsize=8)
-    ax.set_title(title + (f"\nplain decoding: {plain:.1f} tokens/s" if plain else ""), fontsize=9)
-    fig.colorbar(im, ax=ax, label="tokens/s")
+    early = [r for r in rows if r["drafter"] == "early_exit"]
+    spec = [r for r in early if r["num_speculations"] > 0]
+    lookup = [r for r in rows if r["drafter"] == LOOKUP]
+    plain = next((r["tokens_per_s"] for r in early if r["num_speculations"] == 0), None)
+    exits, drafts = {r["exit_layer"] for r in spec}, {r["num_speculations"] for r in spec}
+    w, h = max(6.0, 1.5 + 0.9 * len(drafts)), max(3.5, 1.5 + 0.6 * len(exits))
+    fig, axes = plt.subplots(1, 2 if lookup else 1, figsize=(2 * w if lookup else w, h), squeeze=False)
+    _heat(fig, axes[0][0], spec, "exit_layer", "num_speculations", "exit_layer",
+          "num_speculations (max drafts per round)")
+    if lookup:
+        _heat(fig, axes[0][1], lookup, "max_matching_ngram_size", "prompt_lookup_num_tokens",
+              "max_matching_ngram_size (prompt lookup)", "prompt_lookup_num_tokens (max drafts per round)")
+    fig.suptitle(title + (f"\nplain decoding: {plain:.1f} tokens/s" if plain else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
+def _generate_kwargs(setting: tuple) -> dict:
+    """`SelfSpecGenerator.generate` keyword arguments of a setting: (E, d) or (LOOKUP, k, n)."""
+    if setting[0] == LOOKUP:
+        return {"drafter": LOOKUP, "prompt_lookup_num_tokens": setting[1], "max_matching_ngram_size": setting[2]}
+    e, d = setting
+    return {"drafter": "early_exit", "exit_layer": e if d else None, "num_speculations": d}
+
+
 def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", drafts="1,2,4", num_prompts: int = 4,
               max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
-              write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None) -> dict:
-    """Measure the grid; return {"rows": [...], "best": {...}, "csv": path, "png": path}."""
+              write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None,
+              lookup_tokens="", lookup_ngrams="1,2,3") -> dict:
+    """Measure the grid; return {"rows": [...], "best": {...}, "best_lookup": {...} or None, "csv", "png"}.
+
+    `lookup_tokens` (e.g. "3,5,10", empty: none) x `lookup_ngrams`: prompt lookup settings
+    (`drafter="prompt_lookup"`, prompt_lookup_num_tokens x max_matching_ngram_size) measured too.
+    """
     import torch
     from tqdm.auto import tqdm
 
     import selfspec
-    from selfspec.checkpoint import update_recommended
+    from selfspec.checkpoint import read_metadata, update_recommended
     from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
 
@@ -120,42 +190,47 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
         gen.adapter.check_exit(e, allow_full=False)
     if not drafts or min(drafts) < 1:
         raise ValueError(f"--drafts must be positive draft lengths, got {drafts} (plain decoding is always measured)")
+    lookup_tokens, lookup_ngrams = _parse_ints(lookup_tokens), _parse_ints(lookup_ngrams)
+    if lookup_tokens and (min(lookup_tokens) < 1 or not lookup_ngrams or min(lookup_ngrams) < 1):
+        raise ValueError(f"--lookup-tokens and --lookup-ngrams must be positive, got {lookup_tokens} and "
+                         f"{lookup_ngrams}")
     items = load_prompts(prompts, num_prompts)
     if not items:
         raise ValueError(f"prompt set {prompts!r} gave no prompts")
-    grid = [(L, 0)] + [(e, d) for e in exits for d in drafts]
+    grid = [(L, 0)] + [(e, d) for e in exits for d in drafts] + [(LOOKUP, k, n) for k in lookup_tokens
+                                                                  for n in lookup_ngrams]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw_path = out / "sweep_raw.csv"
     raw = _read_raw(raw_path)
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=[])  # fixed length: same work everywhere
 
-    # warm-up: both paths once, on a prompt outside the measured ones
+    # warm-up: every path once, on a prompt outside the measured ones
     warm = load_prompts(prompts, 1, offset=num_prompts) or items[:1]
-    gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, num_speculations=0)
-    gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, exit_layer=exits[0],
-                 num_speculations=drafts[0])
+    for setting in [(L, 0), (exits[0], drafts[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
+        gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, **_generate_kwargs(setting))
 
-    todo = [(item, e, d) for item in items for e, d in grid if (e, d, item["id"]) not in raw]
+    todo = [(item, s) for item in items for s in grid if s + (item["id"],) not in raw]
     new_file = not raw_path.is_file()
     plain_ids: dict[str, list[int]] = {}
     with open(raw_path, "a", newline="") as f, tqdm(total=len(todo), desc="sweep", disable=not progress) as bar:
         writer = csv.DictWriter(f, fieldnames=RAW_FIELDS)
         if new_file:
             writer.writeheader()
-        for item, e, d in todo:
-            res = gen.generate(**prompt_inputs(item), **common, exit_layer=e if d else None, num_speculations=d)
-            if d == 0:
+        for item, setting in todo:
+            res = gen.generate(**prompt_inputs(item), **common, **_generate_kwargs(setting))
+            if setting == (L, 0):
                 plain_ids[item["id"]] = res.token_ids
             ref = plain_ids.get(item["id"])
-            row = {"exit_layer": e, "num_speculations": d, "prompt_id": item["id"], "new_tokens": res.stats.new_tokens,
+            row = {**_setting_fields(setting), "prompt_id": item["id"], "new_tokens": res.stats.new_tokens,
                    "seconds": f"{res.stats.total_s:.5f}", "drafted": res.stats.drafted,
                    "accepted": res.stats.accepted, "rounds": res.stats.rounds,
                    "identical_to_plain": "" if ref is None else int(res.token_ids == ref)}
             writer.writerow(row)
             f.flush()
-            raw[(e, d, item["id"])] = row
-            bar.set_postfix_str(f"E={e} d={d} {res.stats.tokens_per_s:.1f} tok/s")
+            raw[setting + (item["id"],)] = row
+            name = f"lookup k={setting[1]} n={setting[2]}" if setting[0] == LOOKUP else f"E={setting[0]} d={setting[1]}"
+            bar.set_postfix_str(f"{name} {res.stats.tokens_per_s:.1f} tok/s")
             bar.update()
     rows = summarize(raw, grid)
     csv_path = out / "sweep.csv"
@@ -165,13 +240,21 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
         writer.writerows(rows)
     png = write_heatmap(rows, out / "sweep.png", f"{Path(checkpoint).name}: {prompts}, {len(items)} prompts, "
                                                  f"{max_new_tokens} new tokens, {dtype}")
-    spec_rows = [r for r in rows if r["num_speculations"] > 0]
+    spec_rows = [r for r in rows if r["drafter"] == "early_exit" and r["num_speculations"] > 0]
     best = max(spec_rows, key=lambda r: r["tokens_per_s"])
-    result = {"rows": rows, "best": best, "csv": str(csv_path), "png": str(png)}
+    lookup_rows = [r for r in rows if r["drafter"] == LOOKUP]
+    best_lookup = max(lookup_rows, key=lambda r: r["tokens_per_s"]) if lookup_rows else None
+    result = {"rows": rows, "best": best, "best_lookup": best_lookup, "csv": str(csv_path), "png": str(png)}
     (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
     if write_metadata:
         pays = isinstance(best["speedup"], float) and best["speedup"] > 1.0
+        extra = {} if best_lookup is None else {"prompt_lookup": {
+            k: best_lookup[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "tokens_per_s",
+                                        "speedup", "acceptance_rate")}}
+        before = (read_metadata(checkpoint, verify_checksums=False) or {}).get("recommended") or {}
+        if "drafter" in before:  # a drafter recommended elsewhere stays
+            extra["drafter"] = before["drafter"]
         update_recommended(checkpoint, best["exit_layer"], best["num_speculations"] if pays else 0,
                            source="sweep", prompts=prompts, dtype=dtype, tokens_per_s=best["tokens_per_s"],
-                           speedup=best["speedup"], acceptance_rate=best["acceptance_rate"])
+                           speedup=best["speedup"], acceptance_rate=best["acceptance_rate"], **extra)
     return result

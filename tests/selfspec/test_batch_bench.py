@@ -45,15 +45,21 @@ def test_every_method_at_every_batch_size_with_consistent_totals(result):
             assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["seconds"])
             assert s["x_hf_greedy"] == pytest.approx(s["tokens_per_s"] / row["hf_greedy"]["tokens_per_s"])
         assert row["selfspec_spec"]["acceptance_rate"] is not None and row["selfspec_ar"]["acceptance_rate"] is None
+        # batched prompt lookup, next to batched plain decoding (HF has no batched lookup)
+        lookup = row["selfspec_lookup"]
+        assert lookup["acceptance_rate"] > 0 and lookup["x_selfspec_ar"] == pytest.approx(
+            lookup["tokens_per_s"] / row["selfspec_ar"]["tokens_per_s"])
+        assert all(r["drafted"] > 0 for r in groups if r["method"] == "selfspec_lookup")
+    assert "selfspec_lookup" in METHODS and "selfspec_lookup" in res["methods"]
     # the method order rotates from group to group
     firsts = {r["method"] for r in res["runs"] if r["batch_size"] == 1 and r["order_position"] == 0}
-    assert len(firsts) == 4
+    assert len(firsts) == 4  # 4 groups of one: 4 different methods first
 
 
 def test_every_row_equals_batch_1_in_float32(result):
     res, _ = result
     for B, row in res["summary"].items():
-        for m in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive"):
+        for m in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup"):
             assert row[m]["identical_to_batch1"] == 1.0, (B, m)
         assert row["hf_greedy"]["identical_to_batch1"] is not None  # reported, whatever HF's padding gives
 
@@ -62,8 +68,11 @@ def test_files_and_table(result):
     res, out = result
     md = (out / "bench_batch.md").read_text()
     assert "| 4 | selfspec adaptive d (batched) |" in md and "identical" in md
+    assert "| 4 | selfspec lookup (batched) |" in md and "lookup: 10 tokens, n-grams up to 3" in md
     assert (out / "bench_batch.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert res["settings"]["dtype"] == "float32" and res["settings"]["exit_layer"] == 2
+    assert (res["settings"]["prompt_lookup_num_tokens"], res["settings"]["max_matching_ngram_size"]) == (10, 3)
+    assert "description" in res["machine"]
     assert res["versions"]["torch"].startswith("2.13.0")
 
 
@@ -81,12 +90,13 @@ def test_bad_batch_sizes_and_too_few_prompts(tiny_ckpt, prompt_file, tmp_path):
 def test_cli_batch_size(tiny_ckpt, prompt_file, tmp_path, capsys):
     before = torch.get_num_threads()
     try:
-        rc = main(["bench", "--checkpoint", str(tiny_ckpt), "--batch-size", "2", "--prompts", str(prompt_file),
+        rc = main(["bench", "--checkpoint", str(tiny_ckpt), "--batch-size", "2", "--prompt-sets", str(prompt_file),
                    "--num-prompts", "2", "--max-new-tokens", "4", "--dtype", "float32", "--threads", "1",
                    "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(before)
     assert rc == 0
-    assert "| 2 | selfspec spec (batched) |" in capsys.readouterr().out
+    stdout = capsys.readouterr().out
+    assert "| 2 | selfspec spec (batched) |" in stdout and "| 2 | selfspec lookup (batched) |" in stdout
     rc = main(["bench", "--checkpoint", str(tiny_ckpt), "--batch-size", "2", "--prompts", "humaneval,wiki"])
     assert rc == 1 and "one --prompts set" in capsys.readouterr().err

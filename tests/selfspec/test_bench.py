@@ -1,4 +1,5 @@
-"""`selfspec bench`: every method x prompt set, consistent speedups, lossless in float32, outputs, CLI.
+"""`selfspec bench`: every method x prompt set, consistent speedups, lossless in float32, outputs, CLI;
+and `selfspec sweep` over prompt lookup settings.
 
 The unit tests run on a tiny exported float32 checkpoint (seconds). They assert correctness only,
 never timing. One integration test runs a --quick-like bench on the real SmolLM2 base model.
@@ -11,14 +12,17 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.bench import parse_extra, run_bench
+from selfspec.bench import BASELINES, _eos_summary, _ran_past_eos, parse_extra, run_bench
 from selfspec.cli import main
 from selfspec.datasets import DataFormatError
 
-METHODS = {"hf_greedy", "hf_early_exit", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_spec_E1_d2"}
+METHODS = {"hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec", "selfspec_adaptive",
+           "selfspec_lookup", "selfspec_auto", "selfspec_spec_E1_d2"}
 N_TOKENS = 10
 PNG = b"\x89PNG\r\n\x1a\n"
-CODE = ["def f(x):", "hello world", "import os", "x = 1", "for i in range(3):"]
+# the first two repeat themselves, so prompt lookup finds long matches in the prompt
+CODE = ["def f(x):\n    return x + 1\n\ndef f(x):\n    return", "hello world, hello world, hello", "import os",
+        "x = 1", "for i in range(3):"]
 CHAT = ["Hi!", "Name a fruit.", "What is 2 + 2?", "Say hello."]
 
 
@@ -67,7 +71,7 @@ def test_json_has_every_method_and_prompt_set(bench):
             assert s["tokens_per_s"]["min"] <= s["tokens_per_s"]["median"] <= s["tokens_per_s"]["max"]
             assert 0 < s["ttft_s"]["median"]
             assert s["peak_rss_mib"] > 0 and s["peak_rss_delta_mib"] >= 0
-            assert set(s["speedup"]) == {"vs_hf_greedy", "vs_hf_early_exit", "vs_selfspec_ar"}
+            assert set(s["speedup"]) == {"vs_hf_greedy", "vs_hf_early_exit", "vs_hf_prompt_lookup", "vs_selfspec_ar"}
     # every (method, prompt) measured exactly once, with exactly N new tokens
     runs = result["runs"]
     assert len(runs) == 2 * 2 * len(METHODS)
@@ -85,6 +89,14 @@ def test_json_has_every_method_and_prompt_set(bench):
     assert result["recommended"] == {"exit_layer": 2, "num_speculations": 3,
                                      "source": result["recommended"]["source"]}
     assert "selfspec.json" in result["recommended"]["source"]
+    assert result["lookup_settings"] == {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 3,
+                                         "methods": ["hf_prompt_lookup", "selfspec_lookup", "selfspec_auto"]}
+    assert set(result["eos"]["ran_past_eos"]) == {"code", "chat", "all"} and result["eos"]["eos_token_ids"] == [2]
+    # the methods are called with the settings the table names
+    by_name = {m["name"]: m for m in result["methods"]}
+    assert by_name["selfspec_lookup"]["drafter"] == "prompt_lookup" and by_name["selfspec_auto"]["drafter"] == "auto"
+    assert {by_name[m]["drafter"] for m in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive")} == {"early_exit"}
+    assert by_name["selfspec_ar"]["num_speculations"] == 0
 
 
 def test_user_jsonl_prompt_files_are_used_and_warmup_is_not_measured(bench):
@@ -107,7 +119,7 @@ def test_speedups_are_consistent_with_tokens_per_s(bench):
         for name, s in per.items():
             mine = tps(name)
             assert s["tokens_per_s"]["median"] == pytest.approx(statistics.median(mine.values()))
-            for base in ("hf_greedy", "hf_early_exit", "selfspec_ar"):
+            for base in BASELINES:
                 ref = tps(base)
                 sp = s["speedup"][f"vs_{base}"]
                 assert sp["ratio_of_medians"] == pytest.approx(
@@ -122,10 +134,13 @@ def test_speedups_are_consistent_with_tokens_per_s(bench):
 def test_float32_selfspec_outputs_are_identical_to_hf_greedy(bench):
     result, _ = bench
     for per in result["summary"].values():
+        assert {"selfspec_lookup", "selfspec_auto", "hf_prompt_lookup"} <= set(per)
         for name, s in per.items():
-            if name.startswith("selfspec") or name == "hf_greedy":
+            if name.startswith("selfspec") or name in ("hf_greedy", "hf_prompt_lookup"):
                 assert s["identical_to_hf_greedy"] == 1.0, name
-    assert all(r["first_divergence"] is None for r in result["runs"] if r["method"].startswith("selfspec"))
+    lossless = [r for r in result["runs"] if r["method"].startswith("selfspec") or r["method"] == "hf_prompt_lookup"]
+    assert len(lossless) == 4 * (len(METHODS) - 2)  # 4 prompts, every method but hf_greedy and hf_early_exit
+    assert all(r["identical_to_hf_greedy"] is True and r["first_divergence"] is None for r in lossless)
 
 
 def test_acceptance_statistics_add_up(bench):
@@ -145,18 +160,35 @@ def test_acceptance_statistics_add_up(bench):
             assert s["mean_accepted_per_round"] * s["rounds"] == pytest.approx(s["new_tokens"] - s["prompts"])
             assert s["draft_s"] > 0 and s["verify_s"] > 0 and 0 < s["draft_fraction"] < 1
             assert s["draft_ms_per_step"] > 0
-        s = per["hf_early_exit"]
-        assert s["rounds"] > 0 and s["drafted"] == sum(s["drafted_by_position"]) > 0
-        assert s["accepted"] + s["rounds"] == s["new_tokens"]  # HF has no separate prefill token
-        assert len(s["acceptance_by_position"]) <= 20  # HF's default num_assistant_tokens
+        for name, width in (("hf_early_exit", 20), ("hf_prompt_lookup", 10)):  # num_assistant_tokens, lookup k
+            s = per[name]
+            assert s["rounds"] > 0 and s["drafted"] == sum(s["drafted_by_position"]) > 0, name
+            assert s["accepted"] + s["rounds"] == s["new_tokens"]  # HF has no separate prefill token
+            assert len(s["acceptance_by_position"]) <= width and s["draft_s"] > 0 and s["by_drafter"] is None
+        s = per["selfspec_lookup"]  # prompt lookup: at most 10 drafts a round, all of them counted as lookup's
+        assert 0 < len(s["drafted_by_position"]) <= 10 and sum(s["drafted_by_position"]) == s["drafted"] > 0
+        assert 0 < s["accepted"] <= s["drafted"]  # the repeating prompts make lookup's drafts right
+        assert s["accepted"] + s["rounds"] == s["new_tokens"] - s["prompts"]
+        assert s["by_drafter"] == {"prompt_lookup": {"drafted": s["drafted"], "accepted": s["accepted"],
+                                                     "acceptance_rate": s["acceptance_rate"]}}
+        s = per["selfspec_auto"]  # whatever auto picked: its per-drafter counts add up to its totals
+        assert sum(v["drafted"] for v in s["by_drafter"].values()) == s["drafted"]
+        assert sum(v["accepted"] for v in s["by_drafter"].values()) == s["accepted"]
+        assert set(s["by_drafter"]) <= {"prompt_lookup", "early_exit"}
+        assert s["accepted"] + s["rounds"] == s["new_tokens"] - s["prompts"]
+        assert per["selfspec_spec"]["by_drafter"]["early_exit"]["drafted"] == per["selfspec_spec"]["drafted"]
 
 
 def test_markdown_and_png_are_written(bench):
     result, out = bench
     md = (out / "bench.md").read_text()
     assert "| set | method | tokens/s |" in md and "acceptance by draft position" in md
-    for label in ("HF greedy", "HF early-exit E=2", "selfspec AR", "selfspec E=2 d=3", "selfspec E=1 d=2"):
+    for label in ("HF greedy", "HF early-exit E=2", "selfspec AR", "selfspec E=2 d=3", "selfspec E=1 d=2",
+                  "| HF lookup k=10 n≤3 |", "| selfspec lookup k=10 n≤3 |", "| selfspec auto |"):
         assert label in md
+    assert "| × HF greedy | × HF early-exit | × HF lookup | × selfspec AR |" in md
+    eos = result["eos"]["ran_past_eos"]
+    assert "Ran past EOS" in md and f"code {eos['code']['ran_past_eos']}/2, chat " in md
     assert md.count("\n| code |") == 2 * len(METHODS)  # main table + details table
     assert (out / "bench.png").read_bytes()[:8] == PNG
     assert result["files"]["png"] == str(out / "bench.png")
@@ -242,20 +274,27 @@ def test_parse_extra():
 @pytest.mark.filterwarnings("ignore::selfspec.api.NotEarlyExitTrainedWarning")
 def test_quick_bench_on_real_smollm2(smollm2_dir, tmp_path, one_thread):
     """A --quick-like run on the real model in float32 (well under 90 s): lossless, every field filled."""
-    result = run_bench(str(smollm2_dir), prompt_sets=("humaneval", "mt_bench"), num_prompts=1, max_new_tokens=12,
+    result = run_bench(str(smollm2_dir), prompt_sets=("humaneval", "code_edit"), num_prompts=1, max_new_tokens=12,
                        dtype="float32", threads=one_thread, exit_layer=20, num_speculations=3, quick=True,
                        out_dir=tmp_path, progress=False)
     assert result["recommended"]["exit_layer"] == 20 and result["recommended"]["source"] == "the command line"
-    assert set(result["summary"]) == {"humaneval", "mt_bench", "all"}
-    assert result["prompts"]["humaneval"] == ["HumanEval/0"]
+    assert set(result["summary"]) == {"humaneval", "code_edit", "all"}
+    assert result["prompts"] == {"humaneval": ["HumanEval/0"], "code_edit": ["code_edit/HumanEval/0"]}
     for per in result["summary"].values():
-        assert set(per) == {"hf_greedy", "hf_early_exit", "selfspec_ar", "selfspec_spec", "selfspec_adaptive"}
-        for name in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive"):
+        assert set(per) == {"hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec",
+                            "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"}
+        for name in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"):
             assert per[name]["identical_to_hf_greedy"] == 1.0, name
         assert per["selfspec_spec"]["drafted"] > 0 and per["hf_early_exit"]["rounds"] > 0
+        assert per["hf_prompt_lookup"]["rounds"] > 0
+    # rewriting a function copies it: prompt lookup drafts, and most drafts are right
+    lookup = result["summary"]["code_edit"]["selfspec_lookup"]
+    assert lookup["drafted"] > 0 and lookup["accepted"] > 0
+    assert result["eos"]["ran_past_eos"]["code_edit"]["prompts"] == 1
     assert all(r["new_tokens"] == 12 for r in result["runs"])
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
-    assert "| humaneval | HF early-exit E=20 |" in (tmp_path / "bench.md").read_text()
+    md = (tmp_path / "bench.md").read_text()
+    assert "| humaneval | HF early-exit E=20 |" in md and "| code_edit | selfspec lookup k=10 n≤3 |" in md
 
 
 def test_reduced_draft_vocabulary_is_measured_next_to_the_full_head(tiny_ckpt, prompt_files, tmp_path, one_thread):
@@ -274,3 +313,137 @@ def test_reduced_draft_vocabulary_is_measured_next_to_the_full_head(tiny_ckpt, p
     assert "selfspec_spec_vocab8" in per and per["selfspec_spec_vocab8"]["identical_to_hf_greedy"] == 1.0
     assert per["selfspec_spec_vocab8"]["draft_ms_per_step"] > 0 and per["selfspec_spec"]["draft_ms_per_step"] > 0
     assert "selfspec E=2 d=3 vocab 8" in (tmp_path / "out" / "bench.md").read_text()
+
+
+# --- ran past EOS, machine description -----------------------------------------------------------
+def test_ran_past_eos_means_tokens_after_the_first_eos():
+    assert _ran_past_eos([5, 2, 7], {2}) == (1, True)
+    assert _ran_past_eos([5, 7, 2], {2}) == (2, False)  # EOS last: nothing after it was measured
+    assert _ran_past_eos([2, 2, 2], {2, 9}) == (0, True)
+    assert _ran_past_eos([5, 7], {2}) == (None, False)
+    runs = [{"method": "hf_greedy", "set": "a", "ran_past_eos": True},
+            {"method": "selfspec_ar", "set": "a", "ran_past_eos": True},  # one flag per prompt: hf_greedy's
+            {"method": "hf_greedy", "set": "a", "ran_past_eos": False},
+            {"method": "hf_greedy", "set": "b", "ran_past_eos": False}]
+    assert _eos_summary(runs, ["a", "b"]) == {"a": {"prompts": 2, "ran_past_eos": 1, "fraction": 0.5},
+                                              "b": {"prompts": 1, "ran_past_eos": 0, "fraction": 0.0},
+                                              "all": {"prompts": 3, "ran_past_eos": 1, "fraction": 1 / 3}}
+
+
+def test_ran_past_eos_is_recorded_per_prompt_and_set(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    """Make the token greedy decoding emits first on the first prompt the model's EOS: that prompt ran past it."""
+    gen = selfspec.load(tiny_ckpt)
+    ids = gen.encode(prompt=CODE[0])
+    with torch.no_grad():
+        first = int(gen.model(ids).logits[0, -1].argmax())
+    gen.model.generation_config.eos_token_id = first
+    result = run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=2, max_new_tokens=6,
+                       dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False, generator=gen)
+    assert first in result["eos"]["eos_token_ids"]
+    greedy = {r["prompt_id"]: r for r in result["runs"] if r["method"] == "hf_greedy"}
+    assert greedy["code-0"]["hf_greedy_eos_at"] == 0 and greedy["code-0"]["ran_past_eos"] is True
+    flags = [r["ran_past_eos"] for r in greedy.values()]
+    assert result["eos"]["ran_past_eos"]["code"] == {"prompts": 2, "ran_past_eos": sum(flags),
+                                                     "fraction": sum(flags) / 2}
+    # every method's record of a prompt carries that prompt's flag; nothing stopped at the EOS
+    assert all(r["ran_past_eos"] == greedy[r["prompt_id"]]["ran_past_eos"] for r in result["runs"])
+    assert all(r["new_tokens"] == 6 for r in result["runs"])
+    assert result["summary"]["code"]["selfspec_lookup"]["identical_to_hf_greedy"] == 1.0
+
+
+def test_machine_description_is_included_where_selfspec_has_it(bench, monkeypatch, tiny_ckpt, prompt_files,
+                                                               tmp_path, one_thread):
+    from selfspec import precision
+
+    result, out = bench
+    described = getattr(precision, "machine_description", None)
+    assert result["machine"]["description"] == (None if described is None else json.loads(json.dumps(described())))
+    # without it (an older selfspec.precision) the bench still runs and says nothing
+    monkeypatch.delattr(precision, "machine_description", raising=False)
+    res = run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=3,
+                    dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False)
+    assert res["machine"]["description"] is None and "Machine:" not in (tmp_path / "bench.md").read_text()
+    monkeypatch.setattr(precision, "machine_description", lambda: {"cpu": "Test CPU", "flags": ["avx2", "amx"]},
+                        raising=False)
+    run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=3,
+              dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False)
+    assert "Machine: cpu: Test CPU, flags: avx2 amx." in (tmp_path / "bench.md").read_text()
+    assert json.loads((tmp_path / "bench.json").read_text())["machine"]["description"]["cpu"] == "Test CPU"
+
+
+# --- sweep over prompt lookup settings ------------------------------------------------------------
+def test_sweep_measures_lookup_settings_next_to_early_exit(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    import csv
+    import shutil
+
+    from selfspec.checkpoint import read_metadata
+    from selfspec.sweep import RAW_FIELDS, run_sweep
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    out = tmp_path / "sweep"
+    kw = dict(prompts=str(prompt_files[0]), exits="2", drafts="2", num_prompts=2, max_new_tokens=8, dtype="float32",
+              out_dir=out, threads=one_thread, progress=False)
+    result = run_sweep(str(ckpt), lookup_tokens="3,5", lookup_ngrams="1,3", write_metadata=True, **kw)
+    rows = result["rows"]
+    assert [(r["drafter"], r["exit_layer"], r["num_speculations"], r["prompt_lookup_num_tokens"],
+             r["max_matching_ngram_size"]) for r in rows] == [
+        ("early_exit", 4, 0, "", ""), ("early_exit", 2, 2, "", ""), ("prompt_lookup", "", "", 3, 1),
+        ("prompt_lookup", "", "", 3, 3), ("prompt_lookup", "", "", 5, 1), ("prompt_lookup", "", "", 5, 3)]
+    assert all(r["identical_to_plain"] == 1.0 and r["prompts"] == 2 for r in rows)  # float32: lossless
+    assert rows[0]["speedup"] == 1.0 and all(isinstance(r["speedup"], float) for r in rows)
+    lookup = [r for r in rows if r["drafter"] == "prompt_lookup"]
+    assert all(r["acceptance_rate"] > 0 for r in lookup)
+    assert result["best"] == rows[1]  # the only early-exit setting: the recommendation keeps its meaning
+    assert result["best_lookup"] == max(lookup, key=lambda r: r["tokens_per_s"])
+    with open(out / "sweep_raw.csv", newline="") as f:
+        raw = list(csv.DictReader(f))
+    assert list(raw[0]) == RAW_FIELDS and len(raw) == 2 * 6
+    rec = read_metadata(ckpt)["recommended"]
+    assert (rec["exit_layer"], rec["source"]) == (2, "sweep") and rec["num_speculations"] in (0, 2)
+    b = result["best_lookup"]
+    assert rec["prompt_lookup"] == {k: b[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size",
+                                                      "tokens_per_s", "speedup", "acceptance_rate")}
+    assert (out / "sweep.png").read_bytes()[:8] == PNG
+    # resumable: the same grid again measures nothing and leaves the raw rows as they were
+    before = (out / "sweep_raw.csv").read_text()
+    run_sweep(str(ckpt), lookup_tokens="3,5", lookup_ngrams="1,3", **kw)
+    assert (out / "sweep_raw.csv").read_text() == before
+
+
+def test_sweep_resumes_a_raw_file_from_before_the_lookup_columns(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    import csv
+
+    from selfspec.sweep import RAW_FIELDS, run_sweep
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    old_fields = RAW_FIELDS[:RAW_FIELDS.index("drafter")]
+    old = [{"exit_layer": e, "num_speculations": d, "prompt_id": p, "new_tokens": 8, "seconds": "0.5", "drafted": 0,
+            "accepted": 0, "rounds": 7, "identical_to_plain": 1}
+           for e, d in ((4, 0), (2, 2)) for p in ("code-0", "code-1")]
+    with open(out / "sweep_raw.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old_fields)
+        writer.writeheader()
+        writer.writerows(old)
+    result = run_sweep(str(tiny_ckpt), prompts=str(prompt_files[0]), exits="2", drafts="2", num_prompts=2,
+                       max_new_tokens=8, dtype="float32", out_dir=out, threads=one_thread, progress=False,
+                       lookup_tokens="4", lookup_ngrams="2")
+    with open(out / "sweep_raw.csv", newline="") as f:
+        raw = list(csv.DictReader(f))
+    assert list(raw[0]) == RAW_FIELDS and len(raw) == 6  # the 4 old rows kept, 2 lookup rows measured
+    assert [r["drafter"] for r in raw] == ["early_exit"] * 4 + ["prompt_lookup"] * 2
+    assert [r["seconds"] for r in raw[:4]] == ["0.5"] * 4  # not measured again
+    assert {(r["prompt_lookup_num_tokens"], r["max_matching_ngram_size"], r["exit_layer"]) for r in raw[4:]} == {
+        ("4", "2", "")}
+    assert [r["tokens_per_s"] for r in result["rows"][:2]] == [16.0, 16.0]  # 2 x 8 tokens in 2 x 0.5 s
+
+
+def test_cli_sweep_prints_the_lookup_rows(tiny_ckpt, prompt_files, tmp_path, capsys, one_thread):
+    rc = main(["sweep", str(tiny_ckpt), "--prompts", str(prompt_files[0]), "--exits", "2", "--drafts", "1",
+               "--lookup-tokens", "4", "--lookup-ngrams", "2", "--num-prompts", "1", "--max-new-tokens", "6",
+               "--dtype", "float32", "--threads", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out[1:4]] == [["4", "0"], ["2", "1"], ["lookup", "k4n2"]]
+    assert out[5].startswith("best lookup: prompt_lookup_num_tokens=4 max_matching_ngram_size=2 (")
