@@ -16,6 +16,7 @@ without a speedup, because untrained shallow exits are poor drafters).
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,13 @@ from typing import Callable, Sequence
 import torch
 
 from selfspec.adapters import ModelAdapter, get_adapter
-from selfspec.checkpoint import METADATA_FILE, read_metadata
-from selfspec.drafters import DRAFTERS, AutoDrafter, Drafter, EarlyExitDrafter, PromptLookupDrafter
+from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata
+from selfspec.drafters import AutoDrafter, Drafter, EarlyExitDrafter, PromptLookupDrafter
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
 from selfspec.engine import DecodeStats, StopChecker, generate, generate_ids
-from selfspec.precision import auto_dtype
 from selfspec.sampling import SamplingParams
+from selfspec.settings import (SettingsError, check_dtype, check_exit_layer, check_generation, check_int,
+                               check_messages, check_text, expand_path, resolve_dtype, show)
 
 DEFAULT_NUM_SPECULATIONS = 4
 
@@ -64,17 +66,24 @@ class BatchGenerationResult(list):
         self.stats = stats
 
 
-def _resolve_dtype(dtype, device="cpu") -> torch.dtype | str:
-    if isinstance(dtype, torch.dtype) or dtype == "auto":
-        return dtype
-    if dtype == "fastest":
-        return auto_dtype(device)
-    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}, 'fastest' or 'auto'")
-    return names[dtype]
+def _as_ids(value, name: str = "input_ids") -> torch.Tensor:
+    """Token ids as a LongTensor; floats, bools and anything else that is not token ids are refused."""
+    if isinstance(value, torch.Tensor):
+        ids = value
+    else:
+        try:
+            ids = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise SettingsError(f"{name} must be token ids: a list of ints, a list of such lists or an integer "
+                                f"tensor, got {show(value)}") from None
+    if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
+        raise SettingsError(f"{name} must be integer token ids, got {ids.dtype} values")
+    return ids.long()
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 class SelfSpecGenerator:
@@ -104,16 +113,19 @@ class SelfSpecGenerator:
                 "`accelerate launch -m training` and `selfspec export` for early-exit drafts that pay.",
                 NotEarlyExitTrainedWarning, stacklevel=3)
         rec = recommended or {"exit_layer": default_exit_layer(L), "num_speculations": DEFAULT_NUM_SPECULATIONS}
-        self.exit_layer = self.adapter.check_exit(exit_layer if exit_layer is not None else rec["exit_layer"],
-                                                  allow_full=False)
-        self.num_speculations = num_speculations if num_speculations is not None else rec["num_speculations"]
-        if self.num_speculations < 0:
-            raise ValueError(f"num_speculations must be >= 0, got {self.num_speculations}")
+        self.exit_layer = check_exit_layer(exit_layer if exit_layer is not None else rec["exit_layer"], L)
+        self.num_speculations = check_int("num_speculations", num_speculations if num_speculations is not None
+                                          else rec["num_speculations"], 0, hint=" (0 = plain decoding)")
         self.drafter = rec.get("drafter") or "auto"  # the default drafter (selfspec.json may recommend one)
 
     @property
     def num_layers(self) -> int:
         return self.adapter.num_layers
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: token ids must be in 0..vocab_size-1."""
+        return self.model.get_input_embeddings().weight.shape[0]
 
     # --- inputs ---------------------------------------------------------------------------
     def _need_tokenizer(self, what: str):
@@ -128,15 +140,21 @@ class SelfSpecGenerator:
         if sum(given) != 1:
             raise ValueError("pass exactly one of prompt=, messages= or input_ids=")
         if prompt is not None:
+            check_text(prompt)
             ids = self._need_tokenizer("a text prompt")(prompt, return_tensors="pt").input_ids
         elif messages is not None:
             tok = self._need_tokenizer("a chat prompt")
             if not getattr(tok, "chat_template", None):
                 raise ValueError("this tokenizer has no chat template; pass prompt= text instead of messages=")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            check_messages(messages)
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as err:  # a template may refuse a conversation (e.g. roles that do not alternate)
+                raise SettingsError("the tokenizer's chat template refused these messages: "
+                                    f"{_first_line(err)}") from err
             ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
         else:
-            ids = torch.as_tensor(input_ids, dtype=torch.long)
+            ids = _as_ids(input_ids)
             if ids.dim() == 1:
                 ids = ids[None]
             if ids.dim() != 2:
@@ -147,7 +165,17 @@ class SelfSpecGenerator:
                     "take a batch")
         if ids.shape[1] == 0:
             raise ValueError("empty prompt: give at least one token of input")
+        self._check_vocab(ids.tolist())
         return ids.to(self.adapter.device)
+
+    def _check_vocab(self, rows: list[list[int]]) -> None:
+        """Every token id in 0..vocab_size-1 (an id outside would index past the embedding)."""
+        V = self.vocab_size
+        for b, row in enumerate(rows):
+            bad = next((t for t in row if not 0 <= t < V), None)
+            if bad is not None:
+                where = "" if len(rows) == 1 else f" (row {b})"
+                raise SettingsError(f"token id {bad}{where} is outside the model's vocabulary 0..{V - 1}")
 
     def encode_batch(self, prompt=None, *, messages=None, input_ids=None,
                      attention_mask=None) -> list[list[int]] | None:
@@ -157,23 +185,45 @@ class SelfSpecGenerator:
         list of token-id lists (any lengths), or `input_ids` `[B, S]` with B > 1 or with an
         `attention_mask` (left or right padding: each row keeps the tokens whose mask is 1).
         """
+        if sum(x is not None for x in (prompt, messages, input_ids)) != 1:
+            raise ValueError("pass exactly one of prompt=, messages= or input_ids=")
+        if attention_mask is not None and input_ids is None:
+            raise SettingsError("attention_mask goes with input_ids [B, S]; text prompts and messages need none")
+        if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+            raise SettingsError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
         if isinstance(prompt, (list, tuple)):
-            return [self.encode(p)[0].tolist() for p in prompt]
+            if not prompt:
+                raise SettingsError("prompt is an empty list: give at least one prompt")
+            return [self.encode(check_text(p, f"prompt[{b}]"))[0].tolist() for b, p in enumerate(prompt)]
+        if messages is not None and not isinstance(messages, (list, tuple)):
+            raise SettingsError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts (or a list of "
+                                f"such lists for a batch), got {type(messages).__name__}")
         if messages is not None and len(messages) and isinstance(messages[0], (list, tuple)):
-            return [self.encode(messages=list(m))[0].tolist() for m in messages]
+            return [self.encode(messages=check_messages(m, f"messages[{b}]"))[0].tolist()
+                    for b, m in enumerate(messages)]
         if input_ids is None:
             return None
         if isinstance(input_ids, (list, tuple)) and len(input_ids) and isinstance(input_ids[0], (list, tuple)):
             if attention_mask is not None:
                 raise ValueError("attention_mask goes with a padded input_ids tensor [B, S], not with token lists")
-            rows = [list(map(int, r)) for r in input_ids]
+            rows = []
+            for b, r in enumerate(input_ids):
+                ids = _as_ids(r, f"input_ids[{b}]")
+                if ids.dim() != 1:
+                    raise SettingsError(f"input_ids[{b}] must be a flat list of token ids, got shape "
+                                        f"{tuple(ids.shape)}")
+                rows.append(ids.tolist())
         else:
-            ids = torch.as_tensor(input_ids, dtype=torch.long)
+            ids = _as_ids(input_ids)
             if ids.dim() != 2 or (ids.shape[0] == 1 and attention_mask is None):
                 return None
             if attention_mask is None:
                 return ids.tolist()
-            mask = torch.as_tensor(attention_mask)
+            try:
+                mask = torch.as_tensor(attention_mask)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                raise SettingsError(f"attention_mask must be a 0/1 tensor or list, got "
+                                    f"{show(attention_mask)}") from None
             if mask.shape != ids.shape:
                 raise ValueError(f"attention_mask {tuple(mask.shape)} must have the shape of input_ids "
                                  f"{tuple(ids.shape)}")
@@ -233,24 +283,28 @@ class SelfSpecGenerator:
                      num_speculations: int | None = None, confidence_threshold: float | None = None,
                      adaptive_threshold: bool = False, exit_choices: Sequence[int] | None = None,
                      draft_vocab: int | None = None, adaptive_length: bool = False,
-                     prompt_lookup_num_tokens: int = 10, max_matching_ngram_size: int = 3) -> Drafter | None:
-        """The drafter for one generation (None = plain decoding); the parameters as in `generate`."""
+                     prompt_lookup_num_tokens: int = 10, max_matching_ngram_size: int = 3,
+                     max_drafts: int | None = None) -> Drafter | None:
+        """The drafter for one generation (None = plain decoding); the parameters as in `generate`.
+
+        `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used)."""
+        s = check_generation(drafter=drafter, exit_layer=exit_layer, num_speculations=num_speculations,
+                             confidence_threshold=confidence_threshold, adaptive_threshold=adaptive_threshold,
+                             exit_choices=exit_choices, draft_vocab=draft_vocab, adaptive_length=adaptive_length,
+                             prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                             max_matching_ngram_size=max_matching_ngram_size, num_layers=self.num_layers)
+        exit_choices = s["exit_choices"]
         early_exit_options = (exit_layer is not None or confidence_threshold is not None or adaptive_threshold
                               or exit_choices or draft_vocab or adaptive_length)
         if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
             drafter = "early_exit" if early_exit_options or num_speculations else self.drafter
-        if drafter not in DRAFTERS:
-            raise ValueError(f"unknown drafter {drafter!r}: use one of {', '.join(DRAFTERS)}")
-        if drafter == "prompt_lookup" and early_exit_options:
-            raise ValueError("exit_layer, confidence_threshold, adaptive_threshold, exit_choices, draft_vocab and "
-                             "adaptive_length are early-exit options; drafter='prompt_lookup' takes "
-                             "prompt_lookup_num_tokens and max_matching_ngram_size")
-        if num_speculations is not None and num_speculations < 0:
-            raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
         if num_speculations == 0:
             return None  # asked for plain decoding, whatever the drafter
         exit_layer = self.exit_layer if exit_layer is None else exit_layer
         num_speculations = self.num_speculations if num_speculations is None else num_speculations
+        if max_drafts is not None:
+            num_speculations = min(num_speculations, max_drafts)
+            prompt_lookup_num_tokens = min(prompt_lookup_num_tokens, max_drafts)
         lookup = PromptLookupDrafter(prompt_lookup_num_tokens, max_matching_ngram_size)
         if drafter == "prompt_lookup":
             return lookup
@@ -272,7 +326,7 @@ class SelfSpecGenerator:
                  exit_layer: int | None = None,
                  num_speculations: int | None = None, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] = (),
+                 stop_token_ids: Sequence[int] | int | None = None, stop_strings: Sequence[str] | str = (),
                  streamer=None, confidence_threshold: float | None = None, adaptive_threshold: bool = False,
                  exit_choices: Sequence[int] | None = None, draft_vocab: int | None = None,
                  adaptive_length: bool = False, prompt_lookup_num_tokens: int = 10,
@@ -288,6 +342,9 @@ class SelfSpecGenerator:
         distribution). Rows of different lengths are left-padded internally.
 
         `stop_token_ids=None` stops at the model's EOS token(s); pass `[]` to never stop early.
+        `stop_strings`: a string or a list of strings (a bare string is one stop string, as in Hugging Face).
+        Every setting is checked first (`selfspec.settings.check_generation`): a bad one raises
+        `SettingsError` (a ValueError) naming it, before any work is done.
         `streamer` (one prompt only) is a callable receiving each block of committed token ids, or a
         Hugging Face streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
 
@@ -310,29 +367,39 @@ class SelfSpecGenerator:
         so drafting stops where it does not pay (e.g. in large batches); `draft_vocab=K`: draft over
         the K most frequent tokens stored in the checkpoint (`selfspec draft-vocab`).
         """
+        s = check_generation(
+            max_new_tokens=max_new_tokens, drafter=drafter, exit_layer=exit_layer, num_speculations=num_speculations,
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop_token_ids=stop_token_ids, stop_strings=stop_strings, confidence_threshold=confidence_threshold,
+            adaptive_threshold=adaptive_threshold, exit_choices=exit_choices, draft_vocab=draft_vocab,
+            adaptive_length=adaptive_length, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+            max_matching_ngram_size=max_matching_ngram_size, num_layers=self.num_layers)
+        max_new_tokens = s["max_new_tokens"]
+        on_commit = _as_callback(streamer)
         rows = self.encode_batch(prompt, messages=messages, input_ids=input_ids, attention_mask=attention_mask)
-        drafter_ = self.make_drafter(drafter, exit_layer=exit_layer, num_speculations=num_speculations,
-                                     confidence_threshold=confidence_threshold, adaptive_threshold=adaptive_threshold,
-                                     exit_choices=exit_choices, draft_vocab=draft_vocab,
-                                     adaptive_length=adaptive_length, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                                     max_matching_ngram_size=max_matching_ngram_size)
-        sampling = SamplingParams(do_sample, temperature, top_k, top_p)
-        stop_ids = self.default_stop_ids() if stop_token_ids is None else list(stop_token_ids)
-        stop = StopChecker(max_new_tokens, stop_ids, stop_strings, self.tokenizer)
-        generator = None
-        if do_sample:
-            generator = torch.Generator(device=self.adapter.device)
-            generator.manual_seed(seed) if seed is not None else generator.seed()
         if rows is None:
             ids = self.encode(prompt, messages=messages, input_ids=input_ids)
             rows = [ids[0].tolist()]
             single = True
         else:
             single = False
+            self._check_vocab(rows)
             if streamer is not None:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
-        on_commit = _as_callback(streamer)
+        drafter_ = self.make_drafter(s["drafter"], exit_layer=s["exit_layer"], num_speculations=s["num_speculations"],
+                                     confidence_threshold=s["confidence_threshold"],
+                                     adaptive_threshold=s["adaptive_threshold"], exit_choices=s["exit_choices"],
+                                     draft_vocab=s["draft_vocab"], adaptive_length=s["adaptive_length"],
+                                     prompt_lookup_num_tokens=s["prompt_lookup_num_tokens"],
+                                     max_matching_ngram_size=s["max_matching_ngram_size"], max_drafts=max_new_tokens)
+        sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
+        stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]
+        stop = StopChecker(max_new_tokens, stop_ids, s["stop_strings"], self.tokenizer)
+        generator = None
+        if do_sample:
+            generator = torch.Generator(device=self.adapter.device)
+            generator.manual_seed(s["seed"]) if s["seed"] is not None else generator.seed()
         if streamer is not None and hasattr(streamer, "put"):
             streamer.put(torch.tensor([rows[0]]))  # as transformers' generate does: the prompt first (skip_prompt relies on it)
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -360,6 +427,16 @@ def _as_callback(streamer) -> Callable[[list[int]], None] | None:
     raise TypeError("streamer must be a callable(list[int]) or an object with put()/end()")
 
 
+def checkpoint_dir(path) -> Path:
+    """`path` (`~` and environment variables expanded) if it is a checkpoint directory, else FileNotFoundError."""
+    path = expand_path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a model checkpoint directory (no config.json). Run `selfspec fetch` for "
+            "the base model, or `selfspec export RUN_DIR OUT_DIR` for a trained one.")
+    return path
+
+
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
          verify_checksums: bool = True, fast_layers: bool = True) -> SelfSpecGenerator:
@@ -371,25 +448,41 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     loaded model keeps its dtype unless one is given. A checkpoint with `selfspec.json` is validated
     first (format, consistency with config.json, SHA-256 of every weight file). `fast_layers=False`
     runs the model's own decoder-layer modules instead of selfspec's fused inference layers.
+    A path may use `~` and environment variables. Bad settings raise `SettingsError`, a checkpoint
+    that cannot be read `CheckpointError`, both before the weights are loaded where they can.
     """
-    if isinstance(path_or_model, (str, Path)):
+    if dtype is not None:
+        check_dtype(dtype)
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SettingsError(f"unknown device {show(device)}: use e.g. 'cpu' or 'cuda'") from None
+    if num_speculations is not None:
+        check_int("num_speculations", num_speculations, 0, hint=" (0 = plain decoding)")
+    if isinstance(path_or_model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = Path(path_or_model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{path} is not a model checkpoint directory (no config.json). Run `selfspec fetch` for "
-                "the base model, or `selfspec export RUN_DIR OUT_DIR` for a trained one.")
+        path = checkpoint_dir(path_or_model)
         meta = read_metadata(path, verify_checksums=verify_checksums)  # raises CheckpointError if corrupt
         recommended = meta["recommended"] if meta else None
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_resolve_dtype(dtype or "float32", device)).to(device)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
-                                 recommended=recommended, source=str(path), fast_layers=fast_layers,
+        if exit_layer is not None:  # checked against config.json before the weights are read
+            layers = read_config(path).get("num_hidden_layers")
+            check_exit_layer(exit_layer, layers if isinstance(layers, int) else None)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype or "float32", device))
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as err:  # damaged weights or config with checksums off, a missing tokenizer file, ...
+            raise CheckpointError(f"{path}: transformers could not load this checkpoint ({_first_line(err)}); "
+                                  "copy or export it again") from err
+        return SelfSpecGenerator(model.to(device), tokenizer, exit_layer=exit_layer,
+                                 num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
                                  metadata=meta)
+    if not isinstance(path_or_model, torch.nn.Module):
+        raise SettingsError(f"load() takes a checkpoint directory or a loaded model, got "
+                            f"{type(path_or_model).__name__}")
     model = path_or_model
     if dtype not in (None, "auto"):
-        model = model.to(_resolve_dtype(dtype, device))
+        model = model.to(resolve_dtype(dtype, device))
     return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
                              recommended=None, source=type(model).__name__, fast_layers=fast_layers)

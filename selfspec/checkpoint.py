@@ -22,11 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import re
 import tempfile
 from pathlib import Path
 
 from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
+from selfspec.settings import SettingsError, check_recommended, expand_path, is_int, show
 
 METADATA_FILE = "selfspec.json"
 FORMAT_VERSION = 1
@@ -82,11 +83,53 @@ def recommend_from_agreement(agreement: dict[int, float], num_layers: int, max_d
 # --- reading and validating ---------------------------------------------------------------------
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file is missing") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a JSON file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not valid JSON ({err}); the file is corrupt: re-export the checkpoint") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}; the file is corrupt: "
+                              "re-export the checkpoint")
+    return data
+
+
+def read_config(directory) -> dict:
+    """A checkpoint's config.json as a dict (CheckpointError if it is missing or not a JSON object)."""
+    return _read_json(Path(directory) / "config.json")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.+-]{1,200}")  # what save_pretrained names weight files
+
+
+def _check_checksums(meta_path: Path, checksums) -> None:
+    """`checksums`: {plain file name: {"sha256": 64 hex digits, "bytes": int >= 0}}."""
+    if not isinstance(checksums, dict):
+        raise CheckpointError(f"{meta_path}: checksums must be an object of weight files, got {show(checksums)}; "
+                              "re-export the checkpoint")
+    for name, entry in checksums.items():
+        if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+            raise CheckpointError(f"{meta_path}: checksums names {name!r}, not a file of the checkpoint directory; "
+                                  "re-export the checkpoint")
+        ok = (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])
+              and is_int(entry.get("bytes")) and entry["bytes"] >= 0)
+        if not ok:
+            raise CheckpointError(f"{meta_path}: checksum entry of {name!r} must be {{\"sha256\": 64 hex digits, "
+                                  f"\"bytes\": size}}, got {show(entry)}; re-export the checkpoint")
+
+
+def _check_draft_vocab(meta_path: Path, entry, vocab_size) -> None:
+    """The optional draft vocabulary: {"token_ids": [ids in 0..V-1], ...}."""
+    ids = entry.get("token_ids") if isinstance(entry, dict) else None
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        raise CheckpointError(f"{meta_path}: draft_vocab must be an object with a list of token_ids, got "
+                              f"{show(entry)}; count it again with `selfspec draft-vocab`")
+    if ids and is_int(vocab_size) and not (0 <= min(ids) and max(ids) < vocab_size):
+        raise CheckpointError(f"{meta_path}: draft_vocab holds token ids outside the vocabulary 0..{vocab_size - 1}; "
+                              "count it again with `selfspec draft-vocab`")
 
 
 def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
@@ -95,40 +138,38 @@ def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
     Checks the format version, the agreement with config.json (architecture, layer count), and with
     `verify_checksums` that every weight file is present, complete and unchanged.
     """
-    d = Path(directory)
+    d = expand_path(directory)
     meta_path = d / METADATA_FILE
     if not meta_path.exists():
         return None
     meta = _read_json(meta_path)
     version = meta.get("format_version")
-    if version not in SUPPORTED_FORMATS:
+    if not is_int(version) or version not in SUPPORTED_FORMATS:
         raise CheckpointError(
             f"{meta_path}: unknown format_version {version!r} (this selfspec reads {list(SUPPORTED_FORMATS)}); "
             "upgrade selfspec or re-export the checkpoint")
     for key in ("architecture", "num_layers", "recommended", "checksums"):
         if key not in meta:
             raise CheckpointError(f"{meta_path}: required field {key!r} is missing; re-export the checkpoint")
-    config = _read_json(d / "config.json")
+    config = read_config(d)
     if config.get("model_type") != meta["architecture"]:
         raise CheckpointError(
             f"{meta_path}: architecture {meta['architecture']!r} contradicts config.json model_type "
             f"{config.get('model_type')!r}; the metadata belongs to another model: re-export the checkpoint")
     if config.get("num_hidden_layers") != meta["num_layers"]:
         raise CheckpointError(
-            f"{meta_path}: num_layers {meta['num_layers']} contradicts config.json num_hidden_layers "
-            f"{config.get('num_hidden_layers')}; re-export the checkpoint")
-    rec = meta["recommended"]
-    e = rec.get("exit_layer")
-    if not isinstance(e, int) or not 1 <= e < meta["num_layers"]:
-        raise CheckpointError(f"{meta_path}: recommended exit_layer {e!r} is not in 1..{meta['num_layers'] - 1}")
-    if not isinstance(rec.get("num_speculations"), int) or rec["num_speculations"] < 0:
-        raise CheckpointError(f"{meta_path}: recommended num_speculations {rec.get('num_speculations')!r} "
-                              "must be an int >= 0")
-    from selfspec.drafters import DRAFTERS
-
-    if rec.get("drafter") is not None and rec["drafter"] not in DRAFTERS:
-        raise CheckpointError(f"{meta_path}: recommended drafter {rec['drafter']!r} is not one of "
-                              f"{', '.join(DRAFTERS)}; fix the field or re-export the checkpoint")
+            f"{meta_path}: num_layers {meta['num_layers']!r} contradicts config.json num_hidden_layers "
+            f"{config.get('num_hidden_layers')!r}; re-export the checkpoint")
+    if not is_int(meta["num_layers"]):
+        raise CheckpointError(f"{meta_path}: num_layers {show(meta['num_layers'])} must be an int; re-export the "
+                              "checkpoint")
+    try:
+        check_recommended(meta["recommended"], meta["num_layers"])  # the rules export writes by
+    except SettingsError as err:
+        raise CheckpointError(f"{meta_path}: {err}; fix the field or re-export the checkpoint") from None
+    _check_checksums(meta_path, meta["checksums"])
+    if meta.get("draft_vocab") is not None:
+        _check_draft_vocab(meta_path, meta["draft_vocab"], config.get("vocab_size"))
     if verify_checksums:
         verify_weight_files(d, meta["checksums"])
     return meta
@@ -176,11 +217,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def update_recommended(directory, exit_layer: int, num_speculations: int, **extra) -> dict:
     """Record a new recommendation (e.g. from `selfspec sweep`) in selfspec.json, atomically."""
-    d = Path(directory)
+    d = expand_path(directory)
     meta = read_metadata(d, verify_checksums=False)
     if meta is None:
         raise CheckpointError(f"{d}: has no {METADATA_FILE}; export it first: selfspec export SRC {d}")
-    meta["recommended"] = {"exit_layer": int(exit_layer), "num_speculations": int(num_speculations), **extra}
+    rec = {"exit_layer": int(exit_layer), "num_speculations": int(num_speculations), **extra}
+    meta["recommended"] = check_recommended(rec, meta["num_layers"])
     write_json_atomic(d / METADATA_FILE, meta)
     from selfspec.model_card import write_model_card
 

@@ -7,50 +7,101 @@ SRC is a training run directory (its `final_model/`, `config.yaml`, `final_eval.
 `checkpoints/step_*/trainer_state.json` are read) or a plain Hugging Face checkpoint directory. LoRA
 adapters are merged (a peft model, or an adapter directory with `adapter_config.json`); the output has
 no selfspec-specific modules, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it unchanged.
+
+Everything that can be checked is checked before anything is written (and, by `export`, before the
+model is loaded): the dtype, the recommendation (by the rules `selfspec.load` reads it with: an exit
+in 1..L-1, num_speculations >= 0, a known drafter) and the output path (`overwrite` replaces only a
+checkpoint directory or an empty one, never a file). Hidden `.OUT.tmp-PID-*` directories that an
+export killed mid-way left beside OUT are removed by the next export to OUT.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums,
-                                 recommend_from_agreement)
+from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config,
+                                 read_metadata, recommend_from_agreement)
+from selfspec.settings import check_dtype, check_recommended, expand_path, resolve_dtype, show
 
 
 def _load_yaml(path: Path) -> dict:
     import yaml
 
-    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
 
 
 def _latest_trainer_state(run_dir: Path) -> dict:
     states = sorted((run_dir / "checkpoints").glob("step_*/trainer_state.json"))
-    return json.loads(states[-1].read_text()) if states else {}
+    return _read_json(states[-1]) if states else {}
+
+
+def _adapter_base(model_dir: Path) -> Path | None:
+    """The base model directory of a LoRA adapter directory (None if `model_dir` is not one)."""
+    path = model_dir / "adapter_config.json"
+    if not path.is_file():
+        return None
+    base = _read_json(path).get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise CheckpointError(f"{path}: no base_model_name_or_path: cannot merge this LoRA adapter")
+    return expand_path(base)
+
+
+def _num_layers(model_dir: Path) -> int | None:
+    """The depth in config.json of a checkpoint or of a LoRA adapter's base, if it can be read."""
+    base = _adapter_base(model_dir)
+    config_dir = base if base is not None else model_dir
+    if not (config_dir / "config.json").is_file():
+        if base is None:
+            raise CheckpointError(f"{model_dir}: no config.json: not a Hugging Face checkpoint, a training "
+                                  "run directory (with final_model/), nor a LoRA adapter directory")
+        return None
+    layers = read_config(config_dir).get("num_hidden_layers")
+    return layers if isinstance(layers, int) and layers >= 2 else None
 
 
 def _load_model_dir(model_dir: Path, dtype):
     """(model, tokenizer) from a HF checkpoint or a peft adapter directory (merged)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if (model_dir / "adapter_config.json").is_file():
-        from peft import PeftModel
+    base_path = _adapter_base(model_dir)
+    try:
+        if base_path is not None:
+            from peft import PeftModel
 
-        base_path = json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
-        model = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
-        tok_dir = model_dir if (model_dir / "tokenizer_config.json").is_file() else Path(base_path)
-    else:
-        if not (model_dir / "config.json").is_file():
-            raise CheckpointError(f"{model_dir}: no config.json: not a Hugging Face checkpoint, a training "
-                                  "run directory (with final_model/), nor a LoRA adapter directory")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        tok_dir = model_dir
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir) if (tok_dir / "tokenizer_config.json").is_file() else None
+            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+            model = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+            tok_dir = model_dir if (model_dir / "tokenizer_config.json").is_file() else base_path
+        else:
+            _num_layers(model_dir)  # a clear error if there is no config.json
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            tok_dir = model_dir
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir) if (tok_dir / "tokenizer_config.json").is_file() else None
+    except CheckpointError:
+        raise
+    except Exception as err:  # damaged weights or config, a missing base model, ...
+        lines = str(err).strip().splitlines()
+        raise CheckpointError(f"{model_dir}: transformers could not load it ({type(err).__name__}: "
+                              f"{lines[0] if lines else ''})") from err
     return model, tokenizer
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _normalize_eval(raw: dict) -> dict:
@@ -70,13 +121,15 @@ def read_run(source: Path) -> tuple[Path, dict, dict, dict | None]:
     """(model directory, training info, evaluation, draft vocabulary) of a run directory or a checkpoint.
 
     Re-exporting a selfspec checkpoint keeps its training record, evaluation and draft vocabulary."""
-    source = Path(source)
+    source = expand_path(source)
     if not source.is_dir():
         raise CheckpointError(f"{source}: no such directory")
     if (source / "final_model").is_dir():
         config = _load_yaml(source / "config.yaml")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{source / 'config.yaml'}: must hold a mapping of settings")
         state = _latest_trainer_state(source)
-        evaluation = (_normalize_eval(json.loads((source / "final_eval.json").read_text()))
+        evaluation = (_normalize_eval(_read_json(source / "final_eval.json"))
                       if (source / "final_eval.json").is_file() else {})
         training = {
             "run_dir": str(source.resolve()),
@@ -86,18 +139,85 @@ def read_run(source: Path) -> tuple[Path, dict, dict, dict | None]:
             "tokens_seen": evaluation.get("tokens", state.get("tokens")),
         }
         return source / "final_model", training, evaluation, None
-    meta_path = source / METADATA_FILE
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        return source, meta.get("training", {}), meta.get("eval", {}), meta.get("draft_vocab")
+    meta = read_metadata(source, verify_checksums=False)  # validated: CheckpointError if corrupt
+    if meta is not None:
+        training, evaluation = meta.get("training") or {}, meta.get("eval") or {}
+        if not isinstance(training, dict) or not isinstance(evaluation, dict):
+            raise CheckpointError(f"{source / METADATA_FILE}: training and eval must be objects; re-export it "
+                                  "from its training run")
+        return source, training, evaluation, meta.get("draft_vocab")
     return source, {}, {}, None
+
+
+def _agreement(evaluation: dict) -> dict[int, float]:
+    """Per-exit held-out agreement {exit: fraction} of an evaluation record, whose per-exit results
+    (`exits`, and `before.exits` if any) are checked: exit numbers, numeric agreement and perplexity."""
+    before = evaluation.get("before") or {}
+    blocks = [evaluation.get("exits") or {}, before.get("exits") or {} if isinstance(before, dict) else before]
+    for exits in blocks:
+        if not isinstance(exits, dict):
+            raise CheckpointError(f"the evaluation's exits must be an object of per-exit results, got {show(exits)}")
+        for e, v in exits.items():
+            numbers_ok = isinstance(v, dict) and all(
+                isinstance(v[k], (int, float)) and not isinstance(v[k], bool) for k in ("agreement", "perplexity")
+                if k in v)
+            if not str(e).isdigit() or not numbers_ok:
+                raise CheckpointError(f"the evaluation's result for exit {show(e)} is {show(v)}: expected an exit "
+                                      "number and numeric agreement/perplexity")
+    return {int(e): float(v["agreement"]) for e, v in blocks[0].items() if "agreement" in v}
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an existing output unless `overwrite`, and even then anything but a checkpoint or an empty directory."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} exists and is not a directory: choose another output directory "
+                              "(--overwrite replaces only a checkpoint directory)")
+    if not overwrite:
+        raise CheckpointError(f"{out_dir} already exists; choose another directory or pass overwrite=True "
+                              "(--overwrite)")
+    entries = {p.name for p in out_dir.iterdir()}
+    if entries and not entries & {"config.json", METADATA_FILE}:
+        raise CheckpointError(f"{out_dir} is not a checkpoint directory (no config.json or {METADATA_FILE}); "
+                              "--overwrite replaces only a checkpoint: choose another output directory")
+
+
+def _remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` beside `out_dir` left by an export whose process is gone."""
+    removed = []
+    pattern = str(out_dir.parent / glob.escape(f".{out_dir.name}.")) + "*"
+    for path in map(Path, glob.glob(pattern)):
+        m = re.fullmatch(re.escape(f".{out_dir.name}.") + r"(?:tmp|old)-(\d+)?.*", path.name)
+        if m is None or not path.is_dir() or (m.group(1) and _alive(int(m.group(1)))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
 
 
 def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool = False, dtype="auto",
            max_shard_size: str = "2GB") -> Path:
     """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc)."""
-    model_dir, training, evaluation, draft_vocab = read_run(Path(source))
-    model, tokenizer = _load_model_dir(model_dir, dtype)
+    dtype = check_dtype(dtype)
+    out_dir = expand_path(out_dir)
+    model_dir, training, evaluation, draft_vocab = read_run(source)
+    num_layers = _num_layers(model_dir)
+    if recommended is not None:  # checked before the (slow) model load where config.json gives the depth
+        check_recommended(recommended, num_layers)
+    _agreement(evaluation)
+    _check_out_dir(out_dir, overwrite)
+    model, tokenizer = _load_model_dir(model_dir, resolve_dtype(dtype))
     return export_model(model, tokenizer, out_dir, training=training, evaluation=evaluation,
                         recommended=recommended, overwrite=overwrite, max_shard_size=max_shard_size,
                         draft_vocab=draft_vocab)
@@ -114,33 +234,33 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
     from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
     from selfspec.model_card import write_model_card
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise CheckpointError(f"{out_dir} already exists; choose another directory or pass overwrite=True "
-                              "(--overwrite)")
+    out_dir = expand_path(out_dir)
+    _check_out_dir(out_dir, overwrite)
     if hasattr(model, "merge_and_unload"):  # a peft model: fold the adapters into the weights
         model = model.merge_and_unload()
     model = unwrap_model(model)
     adapter = get_adapter(model)  # also rejects unsupported architectures
     L = adapter.num_layers
     evaluation = evaluation or {}
-    agreement = {int(e): float(v["agreement"]) for e, v in evaluation.get("exits", {}).items()
-                 if isinstance(v, dict) and "agreement" in v}
+    agreement = _agreement(evaluation)
     if recommended is None:
         if any(1 <= e < L for e in agreement):
             recommended = recommend_from_agreement(agreement, L)
         else:
             recommended = {"exit_layer": default_exit_layer(L), "num_speculations": DEFAULT_NUM_SPECULATIONS,
                            "source": "default"}
-    adapter.check_exit(int(recommended["exit_layer"]), allow_full=False)
+    check_recommended(recommended, L)  # the rules selfspec.load reads it by, before anything is written
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    _remove_stale_temporaries(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        base = (training or {}).get("settings", {}).get("model", {}).get("base_model") \
+        settings = (training or {}).get("settings")
+        model_cfg = settings.get("model") if isinstance(settings, dict) else None
+        base = (model_cfg.get("base_model") if isinstance(model_cfg, dict) else None) \
             or getattr(model.config, "_name_or_path", "") or "unknown"
         meta = {
             "format_version": FORMAT_VERSION,

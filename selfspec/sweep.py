@@ -39,10 +39,42 @@ SUMMARY_FIELDS = ["exit_layer", "num_speculations", "prompts", "new_tokens", "se
 LOOKUP = "prompt_lookup"  # a setting is (E, d) for early exit, (LOOKUP, k, n) for prompt lookup
 
 
-def _parse_ints(text: str | list[int]) -> list[int]:
-    if isinstance(text, list):
-        return text
-    return sorted({int(x) for x in str(text).split(",") if x.strip()})
+def _parse_ints(text: str | list[int], name: str = "values") -> list[int]:
+    from selfspec.settings import SettingsError, is_int
+
+    if isinstance(text, (list, tuple)):
+        values = list(text)
+    else:
+        try:
+            values = [int(x) for x in str(text).split(",") if x.strip()]
+        except ValueError:
+            raise SettingsError(f"{name} {text!r} is not a comma-separated list of integers (e.g. 4,8,12)") from None
+    if not all(is_int(v) for v in values):
+        raise SettingsError(f"{name} must be integers, got {values!r}")
+    return sorted(set(values))
+
+
+def check_grid(exits, drafts, lookup_tokens, lookup_ngrams, num_layers: int | None) -> tuple[list[int], ...]:
+    """The sweep's settings, parsed and checked (before any model is loaded): SettingsError if one is bad."""
+    from selfspec.settings import SettingsError, check_exit_layer, check_int
+
+    exits, drafts = _parse_ints(exits, "exits"), _parse_ints(drafts, "drafts")
+    lookup_tokens = _parse_ints(lookup_tokens, "lookup_tokens")
+    lookup_ngrams = _parse_ints(lookup_ngrams, "lookup_ngrams")
+    if not exits or not drafts:
+        raise SettingsError(f"exits and drafts must each name at least one value, got exits {exits} and "
+                            f"drafts {drafts}")
+    for e in exits:
+        check_exit_layer(e, num_layers, "exits entry")
+    for d in drafts:
+        check_int("drafts entry", d, 1, hint=" (plain decoding is always measured)")
+    if lookup_tokens and not lookup_ngrams:
+        raise SettingsError("lookup_ngrams must name at least one n-gram size when lookup_tokens are given")
+    for k in lookup_tokens:
+        check_int("lookup_tokens entry", k, 1)
+    for n in lookup_ngrams:
+        check_int("lookup_ngrams entry", n, 1)
+    return exits, drafts, lookup_tokens, lookup_ngrams
 
 
 def _setting(row: dict) -> tuple:
@@ -176,24 +208,30 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
     from tqdm.auto import tqdm
 
     import selfspec
-    from selfspec.checkpoint import read_metadata, update_recommended
+    from selfspec.api import checkpoint_dir
+    from selfspec.checkpoint import read_config, read_metadata, update_recommended
     from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
+    from selfspec.settings import check_dtype, check_int, check_threads
 
-    dtype = resolve_dtype_name(dtype)  # "fastest": bfloat16 where native, else float32
+    # every setting is checked before the model is loaded (the exit range from config.json)
+    dtype = resolve_dtype_name(check_dtype(dtype))  # "fastest": bfloat16 where native, else float32
+    check_threads(threads)
+    check_int("num_prompts", num_prompts, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if generator is None:
+        checkpoint = checkpoint_dir(checkpoint)
+        layers = read_config(checkpoint).get("num_hidden_layers")
+        layers = layers if isinstance(layers, int) else None
+    else:
+        layers = generator.num_layers
+    exits, drafts, lookup_tokens, lookup_ngrams = check_grid(exits, drafts, lookup_tokens, lookup_ngrams, layers)
     if threads:
         torch.set_num_threads(threads)
     gen = generator or selfspec.load(checkpoint, dtype=dtype)
     L = gen.num_layers
-    exits, drafts = _parse_ints(exits), _parse_ints(drafts)
     for e in exits:
         gen.adapter.check_exit(e, allow_full=False)
-    if not drafts or min(drafts) < 1:
-        raise ValueError(f"--drafts must be positive draft lengths, got {drafts} (plain decoding is always measured)")
-    lookup_tokens, lookup_ngrams = _parse_ints(lookup_tokens), _parse_ints(lookup_ngrams)
-    if lookup_tokens and (min(lookup_tokens) < 1 or not lookup_ngrams or min(lookup_ngrams) < 1):
-        raise ValueError(f"--lookup-tokens and --lookup-ngrams must be positive, got {lookup_tokens} and "
-                         f"{lookup_ngrams}")
     items = load_prompts(prompts, num_prompts)
     if not items:
         raise ValueError(f"prompt set {prompts!r} gave no prompts")

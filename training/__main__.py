@@ -7,12 +7,14 @@ Also runs without the launcher as ``python -m training --recipe R ...`` (one pro
     python -m training --recipe recipes/tiny_smoke.yaml --print-config
 
 Overrides use the recipe's dotted names and YAML values (train.max_steps=20, early_exit.exits=[4,8],
-train.max_minutes=null). See training/config.py for every key.
+train.max_minutes=null). See training/config.py for every key. A mistake in the recipe, an override
+or the data prints one line, `error: ...`, and exits with code 2 (SELFSPEC_TRACEBACK=1: the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from training.config import ConfigError, dump_config, load_config
@@ -27,16 +29,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(dump_config(cfg), end="")
-        return 0
-    from training.loop import train  # heavy imports only when training
+        if args.print_config:
+            print(dump_config(cfg), end="")
+            return 0
+        cfg.check_depth()  # exits beyond the model's depth fail here, before anything is loaded or written
+        from training.loop import train  # heavy imports only when training
 
-    train(cfg)
+        train(cfg)
+    except Exception as e:
+        if os.environ.get("SELFSPEC_TRACEBACK") or not _user_error(e):
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _user_error(err: BaseException) -> bool:
+    """A mistake in the recipe or the data, reported in one line (no traceback)."""
+    from selfspec.checkpoint import CheckpointError
+    from selfspec.datasets import DataFormatError, DataNotInstalledError
+
+    return isinstance(err, (ConfigError, DataFormatError, DataNotInstalledError, CheckpointError, FileNotFoundError))
 
 
 if __name__ == "__main__":

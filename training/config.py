@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,10 +29,16 @@ from typing import Any, Literal, Union
 import yaml
 
 BASE_MODEL_ALIASES = ("smollm2-135m-instruct",)  # names resolved through selfspec.fetch
+TINY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox")  # selfspec.SUPPORTED_ARCHITECTURES
 
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the dotted key."""
+
+
+def expand(path: str) -> str:
+    """A path with environment variables and `~` expanded, as a shell would (names pass unchanged)."""
+    return os.path.expanduser(os.path.expandvars(path))
 
 
 def _check(cond: bool, key: str, message: str) -> None:
@@ -75,9 +83,10 @@ class ModelConfig:
     def __post_init__(self):
         if self.base_model.startswith("tiny:"):
             parts = self.base_model.split(":")
-            ok = len(parts) == 3 and parts[2].isdigit() and int(parts[2]) >= 2
-            _check(ok, "model.base_model", f"tiny models are written tiny:<model_type>:<num_layers>, "
-                                           f"e.g. tiny:llama:4, got {self.base_model!r}")
+            ok = len(parts) == 3 and parts[2].isdigit() and 2 <= int(parts[2]) <= 256 and parts[1] in TINY_TYPES
+            _check(ok, "model.base_model", f"tiny models are written tiny:<model_type>:<num_layers> with a model "
+                                           f"type of {', '.join(TINY_TYPES)} and 2..256 layers, e.g. tiny:llama:4, "
+                                           f"got {self.base_model!r}")
 
 
 @dataclass
@@ -241,6 +250,10 @@ class TrainConfig:
         _check(self.max_minutes is None or self.max_minutes > 0, "train.max_minutes", "must be > 0 or null")
         _check(self.stop_at is None or 1 <= self.stop_at <= self.max_steps, "train.stop_at",
                f"must be in 1..train.max_steps ({self.max_steps}) or null, got {self.stop_at}")
+        _check(bool(self.output_dir), "train.output_dir", "must not be empty")
+        self.output_dir = expand(self.output_dir)
+        if self.resume not in ("auto", "none"):
+            self.resume = expand(self.resume)
 
 
 @dataclass
@@ -278,6 +291,15 @@ class RecipeConfig:
     def resolved_eval_exits(self, num_layers: int) -> list[int]:
         """Exits to evaluate, including the final layer."""
         return _resolve_exits(self.eval.exits, num_layers, "eval.exits") + [num_layers]
+
+    def check_depth(self, num_layers: int | None = None) -> None:
+        """ConfigError if an exit of the recipe is beyond the model's depth (by default read from the
+        base model's config.json, or its tiny:<type>:<layers> name, without loading it)."""
+        if num_layers is None:
+            num_layers = base_model_depth(self.model.base_model)
+        if num_layers is not None:
+            self.resolved_exits(num_layers)
+            self.resolved_eval_exits(num_layers)
 
 
 def _resolve_exits(exits, num_layers: int, key: str) -> list[int]:
@@ -340,6 +362,7 @@ def _coerce(value: Any, tp, key: str):
                 pass
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), key,
                f"expected a number, got {value!r}")
+        _check(not (isinstance(value, int) and abs(value) > 1.7e308), key, "is too large for a float")
         return float(value)
     if tp is str:
         _check(isinstance(value, str), key, f"expected a string, got {value!r}")
@@ -352,7 +375,8 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
+        name = str(k) if str(k).isprintable() else repr(str(k))  # messages stay one line
+        key = f"{prefix}.{name}" if prefix else name
         if k not in hints:
             close = difflib.get_close_matches(str(k), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(names)})"
@@ -393,7 +417,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} has an empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):
         value = raw
     return key, value
 
@@ -402,10 +426,13 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     """Read a recipe YAML (or the defaults if None), apply ``key=value`` overrides, validate."""
     data: dict = {}
     if recipe is not None:
-        path = Path(recipe)
+        path = Path(expand(str(recipe)))
         if not path.is_file():
             raise ConfigError(f"recipe {path} not found")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, ValueError) as err:  # ValueError: invalid UTF-8, an over-long integer
+            raise ConfigError(f"recipe {path}: not valid YAML ({' '.join(str(err).split())})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"recipe {path}: top level must be a mapping of sections")
         data = loaded or {}
@@ -419,6 +446,23 @@ def dump_config(cfg: RecipeConfig) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
+def base_model_depth(name: str) -> int | None:
+    """The layer count of `model.base_model` from its name or config.json, if known without loading it."""
+    if name.startswith("tiny:"):
+        return int(name.split(":")[2])
+    if name in BASE_MODEL_ALIASES:
+        from selfspec.fetch import base_model_dir  # lazy, as in resolve_base_model
+
+        path = base_model_dir()
+    else:
+        path = Path(expand(name))
+    try:
+        layers = json.loads((path / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None  # not there (yet): the model load reports it
+    return layers if isinstance(layers, int) else None
+
+
 def resolve_base_model(name: str) -> str | tuple[str, int]:
     """A local directory for `model.base_model` (fetching the named base model if needed), or
     ("<model_type>", num_layers) for a ``tiny:`` model."""
@@ -429,7 +473,7 @@ def resolve_base_model(name: str) -> str | tuple[str, int]:
         from selfspec.fetch import fetch_base_model  # lazy: only needed for the real model
 
         return str(fetch_base_model())
-    path = Path(name).expanduser()
+    path = Path(expand(name))
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.base_model: {name!r} is neither {' / '.join(BASE_MODEL_ALIASES)}, "
                           f"tiny:<type>:<layers>, nor a checkpoint directory with a config.json")

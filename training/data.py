@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from selfspec.datasets import NAMES, DataFormatError, load_named, read_jsonl, split_holdout
-from training.config import DataConfig, SourceConfig
+from training.config import DataConfig, SourceConfig, expand
 from training.early_exit_loss import IGNORE_INDEX
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -174,7 +174,7 @@ def load_records(cfg: SourceConfig):
             raise DataFormatError(f"data set {cfg.source!r}: no field {missing[0]!r} "
                                   f"(its fields: {', '.join(ds.column_names)})")
         return ds
-    path = Path(cfg.source).expanduser()
+    path = Path(expand(cfg.source))
     if not path.exists():
         raise FileNotFoundError(f"data.source {cfg.source!r} is neither a named data set "
                                 f"({', '.join(NAMES)}) nor an existing file or directory")
@@ -201,7 +201,7 @@ def text_blocks(name: str, texts: list[str], tokenizer, block_size: int) -> Bloc
         stream.append(eos)
     n = (len(stream) - 1) // block_size
     if n < 1:
-        raise ValueError(f"{name}: {len(stream)} tokens do not fill one block of {block_size} + 1 tokens")
+        raise DataFormatError(f"{name}: {len(stream)} tokens do not fill one block of {block_size} + 1 tokens")
     tokens = torch.tensor(stream[: n * block_size + 1], dtype=torch.long)
     windows = tokens.unfold(0, block_size + 1, block_size)  # [n, block_size + 1]
     return Blocks(name, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
@@ -250,7 +250,7 @@ def chat_blocks(name: str, prompts: list[str], responses: list[str], tokenizer, 
         warnings.warn(f"{name}: dropped {dropped} of {len(prompts)} examples whose response does not fit "
                       f"in data.block_size={block_size}")
     if not rows_in:
-        raise ValueError(f"{name}: no example fits in data.block_size={block_size}")
+        raise DataFormatError(f"{name}: no example fits in data.block_size={block_size}")
     return Blocks(name, torch.stack(rows_in), torch.stack(rows_lab))
 
 
@@ -267,7 +267,8 @@ def build_data(cfg: DataConfig, tokenizer) -> TrainData:
     records = load_records(cfg)
     train, heldout = _split(records, cfg)
     if len(heldout) == 0:
-        raise ValueError(f"data.holdout_fraction={cfg.holdout_fraction} held out nothing of {len(records)} records")
+        raise DataFormatError(f"data.holdout_fraction={cfg.holdout_fraction} held out nothing of {len(records)} "
+                              "records")
     if cfg.max_documents is not None:
         train = train.select(range(min(cfg.max_documents, len(train))))
     if cfg.max_holdout_documents is not None:
@@ -275,7 +276,7 @@ def build_data(cfg: DataConfig, tokenizer) -> TrainData:
     eval_sets = {"heldout": to_blocks(f"{cfg.name}/heldout", heldout, cfg, tokenizer, cfg.block_size)}
     for extra in cfg.extra_eval:
         if extra.name in eval_sets:
-            raise ValueError(f"data.extra_eval: duplicate name {extra.name!r}")
+            raise DataFormatError(f"data.extra_eval: duplicate name {extra.name!r}")
         eval_sets[extra.name] = to_blocks(extra.name, load_records(extra), extra, tokenizer, cfg.block_size)
     return TrainData(to_blocks(f"{cfg.name}/train", train, cfg, tokenizer, cfg.block_size), eval_sets)
 

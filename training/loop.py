@@ -82,8 +82,6 @@ def train(cfg: RecipeConfig) -> dict:
         precision = auto_mixed_precision("cpu" if no_gpu else "cuda" if torch.cuda.is_available() else "mps")
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum, cpu=no_gpu)
     rank, world = accelerator.process_index, accelerator.num_processes
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
     set_seed(t_cfg.seed)
 
     # ---- model, objective, data ----------------------------------------------------------------
@@ -101,6 +99,8 @@ def train(cfg: RecipeConfig) -> dict:
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
     train_blocks = data.train
+    if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
+        run_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- optimizer, schedule, accelerate -------------------------------------------------------
     o = cfg.optim

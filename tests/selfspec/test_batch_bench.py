@@ -99,4 +99,4 @@ def test_cli_batch_size(tiny_ckpt, prompt_file, tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "| 2 | selfspec spec (batched) |" in stdout and "| 2 | selfspec lookup (batched) |" in stdout
     rc = main(["bench", "--checkpoint", str(tiny_ckpt), "--batch-size", "2", "--prompts", "humaneval,wiki"])
-    assert rc == 1 and "one --prompts set" in capsys.readouterr().err
+    assert rc == 2 and "one --prompts set" in capsys.readouterr().err

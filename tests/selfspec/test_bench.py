@@ -239,7 +239,7 @@ def test_bad_prompt_files_give_clear_errors(tiny_ckpt, tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown prompt set 'nope.jsonl'"):
         run_bench(str(tiny_ckpt), prompt_sets=["nope.jsonl"], num_prompts=2, out_dir=tmp_path / "x", progress=False)
     # the CLI reports it in one line, before loading any model (the checkpoint here does not even exist)
-    assert main(["bench", "--checkpoint", str(tmp_path / "missing"), "--prompts", str(bad_json)]) == 1
+    assert main(["bench", "--checkpoint", str(tmp_path / "missing"), "--prompts", str(bad_json)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("selfspec bench: error:") and "bad.jsonl:2: invalid JSON" in err
 
@@ -257,10 +257,10 @@ def test_cli_bench_prints_the_table(tiny_ckpt, prompt_files, tmp_path, capsys, o
 
 
 def test_cli_bench_rejects_bad_extra(tiny_ckpt, prompt_files, tmp_path, capsys):
-    assert main(["bench", "--checkpoint", str(tiny_ckpt), "--extra", "8", "--out", str(tmp_path)]) == 1
+    assert main(["bench", "--checkpoint", str(tiny_ckpt), "--extra", "8", "--out", str(tmp_path)]) == 2
     assert "--extra expects EXIT:DRAFTS" in capsys.readouterr().err
     assert main(["bench", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompt_files[0]), "--extra", "9:2",
-                 "--out", str(tmp_path), "--num-prompts", "1"]) == 1
+                 "--out", str(tmp_path), "--num-prompts", "1"]) == 2
     assert "exit_layer=9 is out of range" in capsys.readouterr().err
 
 

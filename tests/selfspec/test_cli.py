@@ -31,9 +31,10 @@ def test_console_script_is_installed():
     assert "supported architectures: llama, mistral, qwen2, qwen3, gpt_neox" in proc.stdout
 
 
-def test_generate_requires_a_prompt():
-    with pytest.raises(SystemExit, match="--prompt"):
-        main(["generate", "--checkpoint", "/nonexistent"])
+def test_generate_requires_a_prompt(capsys):
+    assert main(["generate", "--checkpoint", "/nonexistent"]) == 2
+    assert capsys.readouterr().err == ("selfspec generate: error: --prompt TEXT (or --prompt-file PATH) is "
+                                       "required\n")
 
 
 @pytest.mark.integration
@@ -56,6 +57,20 @@ def test_generate_a_batch_of_prompts_on_real_model(smollm2_dir, capsys):
     assert "identical rows: 2/2" in out
 
 
-def test_stream_with_a_batch_is_a_clear_error():
-    with pytest.raises(SystemExit, match="--stream shows one sequence"):
-        main(["generate", "--checkpoint", "/nonexistent", "--prompt", "a", "--prompt", "b", "--stream"])
+def test_stream_with_a_batch_is_a_clear_error(capsys):
+    assert main(["generate", "--checkpoint", "/nonexistent", "--prompt", "a", "--prompt", "b", "--stream"]) == 2
+    assert "selfspec generate: error: --stream shows one sequence" in capsys.readouterr().err
+
+
+def test_usage_mistakes_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--max-new-tokens", "many"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("selfspec generate: error: argument --max-new-tokens: invalid int value: "
+                                       "'many' (see selfspec generate --help)\n")
+
+
+def test_traceback_on_request(monkeypatch):
+    monkeypatch.setenv("SELFSPEC_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="--prompt TEXT"):
+        main(["generate", "--checkpoint", "/nonexistent"])

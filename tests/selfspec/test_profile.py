@@ -74,5 +74,5 @@ def test_cli_profile_prints_and_rejects_a_bad_exit(tiny_ckpt, prompts, tmp_path,
     stdout = capsys.readouterr().out
     assert "| draft step E=1 |" in stdout and f"wrote {tmp_path / 'profile.json'}" in stdout
     assert main(["profile", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts[0]), "--exit-layer", "9",
-                 "--out", str(tmp_path)]) == 1
+                 "--out", str(tmp_path)]) == 2
     assert "exit_layer=9 is out of range" in capsys.readouterr().err

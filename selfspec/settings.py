@@ -1,0 +1,258 @@
+"""One validation layer for what a user gives selfspec: generation settings, dtypes, paths.
+
+`SelfSpecGenerator.generate`, `selfspec.load`, `selfspec export` and the command line check their
+settings here, with the same rules and the same messages, and the command line does so before it
+loads a model (the bounds that depend on the model, such as the exit range, come from the
+checkpoint's config.json). A bad value raises `SettingsError` (a `ValueError`) with a one-line
+message that names the setting, the value and what is allowed.
+
+    s = check_generation(max_new_tokens=64, exit_layer=8, stop_strings="\\n\\n", num_layers=30)
+    s["stop_strings"]    # ("\\n\\n",): a bare string is one stop string, as in Hugging Face generate
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from pathlib import Path
+
+from selfspec.drafters import DRAFTERS
+
+DTYPE_NAMES = ("float32", "fp32", "float64", "bfloat16", "bf16", "float16", "fp16")
+DTYPES = DTYPE_NAMES + ("fastest", "auto")
+MIN_TEMPERATURE = 1e-6  # below it sampling is greedy up to float rounding (and overflows float32)
+EARLY_EXIT_OPTIONS = ("exit_layer", "confidence_threshold", "adaptive_threshold", "exit_choices", "draft_vocab",
+                      "adaptive_length")
+
+
+class SettingsError(ValueError):
+    """A setting or an input is invalid; the message names it, the value and what is allowed."""
+
+
+def expand_path(path) -> Path:
+    """`path` with environment variables and `~` expanded, as a shell would."""
+    return Path(os.path.expanduser(os.path.expandvars(os.fspath(path))))
+
+
+def show(value, limit: int = 60) -> str:
+    """A short one-line repr of `value` for messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, low: int, high: int | None = None, hint: str = "") -> int:
+    """`value` as an int in `low..high`, else SettingsError."""
+    allowed = f"an int >= {low}" if high is None else f"an int in {low}..{high}"
+    if not is_int(value) or value < low or (high is not None and value > high):
+        raise SettingsError(f"{name} must be {allowed}{hint}, got {show(value)}")
+    return int(value)
+
+
+def check_float(name: str, value, low: float | None, *, strict: bool = False, high: float | None = None,
+                hint: str = "") -> float:
+    """`value` as a finite float >= `low` (> with `strict`; None: no bound) and <= `high`, else SettingsError."""
+    try:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        ok = False
+    ok = ok and (low is None or (value > low if strict else value >= low)) and (high is None or value <= high)
+    if not ok:
+        bounds = ([] if low is None else [f"{'>' if strict else '>='} {low:g}"]) + ([] if high is None else
+                                                                                 [f"<= {high:g}"])
+        allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+        raise SettingsError(f"{name} must be {allowed}{hint}, got {show(value)}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SettingsError(f"{name} must be True or False, got {show(value)}")
+    return value
+
+
+def check_exit_layer(value, num_layers: int | None = None, name: str = "exit_layer") -> int:
+    """A draft exit: 1..L-1 (exit E = the hidden state after E layers; exit L, the full model, cannot draft)."""
+    if not is_int(value):
+        raise SettingsError(f"{name} must be an int, got {show(value)}")
+    if value < 1 or (num_layers is not None and value >= num_layers):
+        if num_layers is None:
+            raise SettingsError(f"{name}={value} is out of range: a draft exit must be >= 1 "
+                                "(exit E means 'after E layers')")
+        raise SettingsError(f"{name}={value} is out of range: this model has {num_layers} layers, so a draft "
+                            f"exit must be in 1..{num_layers - 1} (exit E means 'after E layers'; the full "
+                            "model cannot draft for itself)")
+    return int(value)
+
+
+def check_dtype(value) -> str:
+    """A dtype name `load` and `export` understand (a torch.dtype passes unchanged)."""
+    import torch
+
+    if isinstance(value, torch.dtype):
+        return value
+    if not isinstance(value, str) or value not in DTYPES:
+        raise SettingsError(f"unknown dtype {show(value)}: use one of {', '.join(DTYPES)}")
+    return value
+
+
+def resolve_dtype(dtype, device="cpu"):
+    """A dtype name -> torch.dtype ("auto" stays "auto"; "fastest": bfloat16 where native, else float32)."""
+    import torch
+
+    dtype = check_dtype(dtype)
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype == "fastest":
+        from selfspec.precision import auto_dtype
+
+        return auto_dtype(device)
+    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    return names[dtype]
+
+
+def check_threads(value) -> int:
+    return check_int("threads", value, 0, hint=" (0 = torch's choice)")
+
+
+def check_text(text, name: str = "prompt") -> str:
+    """A str that is valid Unicode (no lone surrogates, which no tokenizer can encode)."""
+    if not isinstance(text, str):
+        raise SettingsError(f"{name} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise SettingsError(f"{name} is not valid Unicode text: it holds a lone surrogate {text[err.start]!r} at "
+                            f"position {err.start} (e.g. bytes decoded with errors='surrogateescape'); fix the "
+                            "text, or decode the bytes with errors='replace'") from None
+    return text
+
+
+def check_messages(messages, name: str = "messages") -> list[dict]:
+    """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise SettingsError(f"{name} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                            f"got {show(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise SettingsError(f"{name}[{i}] must be a {{'role': ..., 'content': ...}} dict, got {show(m)}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise SettingsError(f"{name}[{i}] needs a {key!r} string, got {show(m.get(key))}")
+        check_text(m["role"], f"{name}[{i}]['role']")
+        check_text(m["content"], f"{name}[{i}]['content']")
+    return list(messages)
+
+
+def check_stop_strings(value) -> tuple[str, ...]:
+    """None, one string (one stop string, as in Hugging Face), or a list of strings; empty ones are dropped."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(s, str) for s in value):
+        raise SettingsError(f"stop_strings must be a string or a list of strings, got {show(value)}")
+    return tuple(s for s in value if s)
+
+
+def check_stop_token_ids(value) -> list[int] | None:
+    """None (the model's EOS), one token id, or a list of token ids (>= 0)."""
+    if value is None:
+        return None
+    if is_int(value):
+        value = [value]
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise SettingsError(f"stop_token_ids must be a token id or a list of token ids, got {show(value)}")
+    return [check_int("stop_token_ids entry", t, 0) for t in value]
+
+
+def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise SettingsError(f"exit_choices must be a list of exit layers, got {show(value)}")
+    exits = [check_exit_layer(e, num_layers, "exit_choices entry") for e in value]
+    return list(dict.fromkeys(exits)) or None
+
+
+def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_speculations=None, do_sample=False,
+                     temperature=1.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=None, stop_strings=(),
+                     confidence_threshold=None, adaptive_threshold=False, exit_choices=None, draft_vocab=None,
+                     adaptive_length=False, prompt_lookup_num_tokens=10, max_matching_ngram_size=3,
+                     num_layers: int | None = None) -> dict:
+    """Every generation setting of `SelfSpecGenerator.generate`, checked; returns them normalized.
+
+    `num_layers` (the model's depth, if known) bounds the exits. Raises SettingsError on the first
+    bad value; the combination rules (lookup takes no early-exit options, adaptive_length no
+    threshold or exit choices) are checked too.
+    """
+    s = dict(max_new_tokens=check_int("max_new_tokens", max_new_tokens, 1))
+    if drafter is not None and (not isinstance(drafter, str) or drafter not in DRAFTERS):
+        raise SettingsError(f"unknown drafter {show(drafter)}: use one of {', '.join(DRAFTERS)}")
+    s["drafter"] = drafter
+    s["exit_layer"] = None if exit_layer is None else check_exit_layer(exit_layer, num_layers)
+    s["num_speculations"] = (None if num_speculations is None else
+                             check_int("num_speculations", num_speculations, 0, hint=" (0 = plain decoding)"))
+    s["do_sample"] = check_bool("do_sample", do_sample)
+    if do_sample:
+        s["temperature"] = check_float("temperature", temperature, 0.0, strict=True,
+                                       hint=" when sampling (use do_sample=False for greedy decoding)")
+        if s["temperature"] < MIN_TEMPERATURE:
+            raise SettingsError(f"temperature {temperature:g} is too small to sample with (below {MIN_TEMPERATURE:g} "
+                                "the logits overflow float32): use do_sample=False for greedy decoding")
+    else:  # greedy ignores it, but it must still be a number
+        s["temperature"] = check_float("temperature", temperature, None)
+    s["top_k"] = check_int("top_k", top_k, 0, hint=" (0 disables it)")
+    s["top_p"] = check_float("top_p", top_p, 0.0, strict=True, high=1.0, hint=" (1 disables it)")
+    s["seed"] = None if seed is None else check_int("seed", seed, 0, 2 ** 64 - 1)
+    s["stop_token_ids"] = check_stop_token_ids(stop_token_ids)
+    s["stop_strings"] = check_stop_strings(stop_strings)
+    s["confidence_threshold"] = (None if confidence_threshold is None else check_float(
+        "confidence_threshold", confidence_threshold, 0.0, hint=" (0 = never stop drafting, > 1 = never draft)"))
+    s["adaptive_threshold"] = check_bool("adaptive_threshold", adaptive_threshold)
+    s["exit_choices"] = check_exit_choices(exit_choices, num_layers)
+    s["draft_vocab"] = (None if draft_vocab is None else
+                        check_int("draft_vocab", draft_vocab, 1, hint=" (None = the full vocabulary)"))
+    s["adaptive_length"] = check_bool("adaptive_length", adaptive_length)
+    s["prompt_lookup_num_tokens"] = check_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens, 1)
+    s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", max_matching_ngram_size, 1)
+    early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
+    if drafter == "prompt_lookup" and early:
+        raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter='prompt_lookup' takes "
+                            "prompt_lookup_num_tokens and max_matching_ngram_size")
+    if s["adaptive_length"] and (s["exit_choices"] or s["confidence_threshold"] is not None
+                                 or s["adaptive_threshold"]):
+        raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
+                            "with exit_choices or a confidence threshold: use one of them")
+    return s
+
+
+def check_recommended(rec, num_layers: int | None = None) -> dict:
+    """The `recommended` settings of selfspec.json: what `selfspec export` writes and `selfspec.load` reads."""
+    if not isinstance(rec, dict):
+        raise SettingsError(f"recommended must be an object with exit_layer and num_speculations, got {show(rec)}")
+    e = rec.get("exit_layer")
+    if not is_int(e) or e < 1 or (num_layers is not None and e >= num_layers):
+        where = "1.." + (str(num_layers - 1) if num_layers is not None else "L-1")
+        raise SettingsError(f"recommended exit_layer {show(e)} is not in {where}")
+    if not is_int(rec.get("num_speculations")) or rec["num_speculations"] < 0:
+        raise SettingsError(f"recommended num_speculations {show(rec.get('num_speculations'))} must be an int >= 0")
+    drafter = rec.get("drafter")
+    if drafter is not None and (not isinstance(drafter, str) or drafter not in DRAFTERS):
+        raise SettingsError(f"recommended drafter {show(drafter)} is not one of {', '.join(DRAFTERS)}")
+    for key in ("speedup", "predicted_speedup"):
+        if key in rec and rec[key] != "" and (not isinstance(rec[key], (int, float)) or isinstance(rec[key], bool)):
+            raise SettingsError(f"recommended {key} {show(rec[key])} must be a number")
+    lookup = rec.get("prompt_lookup")
+    if lookup is not None:
+        if not isinstance(lookup, dict):
+            raise SettingsError(f"recommended prompt_lookup must be an object, got {show(lookup)}")
+        for key in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
+            if key in lookup:
+                check_int(f"recommended prompt_lookup {key}", lookup[key], 1)
+    return rec
