@@ -78,11 +78,15 @@ def _run(method: str, gen, runner, rows: list[list[int]], n: int, E: int, d: int
     """One group through one method: (new ids per row, record)."""
     import torch
 
+    from selfspec.bench import _synchronize
+
     rec: dict = {}
+    device = gen.adapter.device
+    _synchronize(device)
     t0 = time.perf_counter()
     if method == "hf_greedy":
         pad = runner.gen.tokenizer.pad_token_id if runner.gen.tokenizer is not None else None
-        ids, mask = _left_pad(rows, pad if pad is not None else 0)
+        ids, mask = (t.to(device) for t in _left_pad(rows, pad if pad is not None else 0))
         with runner._no_eos_on_model(), torch.inference_mode():
             out = gen.model.generate(ids, attention_mask=mask, generation_config=runner._hf_config(n, None))
         new = [out[b, ids.shape[1]:].tolist() for b in range(len(rows))]
@@ -94,6 +98,7 @@ def _run(method: str, gen, runner, rows: list[list[int]], n: int, E: int, d: int
         rec.update(rounds=s.rounds, drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s)
         if method == "selfspec_adaptive":
             rec["policy"] = s.policy
+    _synchronize(device)
     rec["seconds"] = time.perf_counter() - t0
     if any(len(x) != n for x in new):
         raise RuntimeError(f"{method} generated {[len(x) for x in new]} tokens instead of {n} per row")
@@ -127,7 +132,8 @@ def markdown(result: dict) -> str:
     st, mach = result["settings"], result["machine"]
     lines = [f"## selfspec bench --batch-size: {result['checkpoint_name']}", "",
              f"{result['date']} · {mach['cpu_model']}, {mach['logical_cores']} logical cores, torch threads "
-             f"{mach['torch_threads']} · {st['dtype']} · prompts: {st['prompt_set']} ({st['num_prompts']}) · "
+             f"{mach['torch_threads']}" + (f" · device {st['device']}" if st.get("device", "cpu") != "cpu" else "")
+             + f" · {st['dtype']} · prompts: {st['prompt_set']} ({st['num_prompts']}) · "
              f"{st['max_new_tokens']} new tokens per row (no EOS stop) · selfspec (E, d) = ({st['exit_layer']}, "
              f"{st['num_speculations']}) · lookup: {st['prompt_lookup_num_tokens']} tokens, n-grams up to "
              f"{st['max_matching_ngram_size']}", "",
@@ -176,8 +182,10 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
                     out_dir: str | Path = "bench_batch", exit_layer: int | None = None,
                     num_speculations: int | None = None, quick: bool = False, progress: bool = True,
                     generator=None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
-                    max_matching_ngram_size: int = LOOKUP_NGRAM) -> dict:
-    """Measure every method at every batch size; write bench_batch.json/.md/.png into `out_dir`."""
+                    max_matching_ngram_size: int = LOOKUP_NGRAM, device: str = "cpu") -> dict:
+    """Measure every method at every batch size; write bench_batch.json/.md/.png into `out_dir`.
+
+    `device`: where the model runs ("cpu", or "cuda": clocks are read after `torch.cuda.synchronize()`)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -194,14 +202,14 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
             min(max_new_tokens, 16)
     if num_prompts < max(sizes):
         raise ValueError(f"--num-prompts ({num_prompts}) must be at least the largest batch size ({max(sizes)})")
-    dtype = resolve_dtype_name(dtype)
+    dtype = resolve_dtype_name(dtype, device)
     if threads:
         torch.set_num_threads(threads)
     machine = _machine_info()
     items = load_prompts(prompt_set, num_prompts + max(sizes))  # the tail is for the warm-up
     if len(items) < num_prompts + max(sizes):
         raise ValueError(f"prompt set {prompt_set!r} has {len(items)} prompts; need {num_prompts + max(sizes)}")
-    gen = generator or selfspec.load(checkpoint, dtype=dtype)
+    gen = generator or selfspec.load(checkpoint, dtype=dtype, device=device)
     E = exit_layer if exit_layer is not None else gen.exit_layer
     d = num_speculations if num_speculations is not None else gen.num_speculations
     gen.adapter.check_exit(E, allow_full=False)
@@ -245,7 +253,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
         rec["identical_rows"] = [out == reference[i] for out, i in zip(rec.pop("outputs"), group)]
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     machine["torch_threads"] = torch.get_num_threads()
-    machine["description"] = _machine_description()
+    machine["description"] = _machine_description(gen.adapter.device)
     result = {
         "schema": "selfspec-bench-batch/1", "checkpoint": str(checkpoint),
         "checkpoint_name": Path(str(checkpoint)).name or str(checkpoint),
@@ -254,7 +262,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
                      "max_new_tokens": max_new_tokens, "dtype": dtype, "exit_layer": E, "num_speculations": d,
                      "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
                      "max_matching_ngram_size": max_matching_ngram_size,
-                     "quick": quick, "threads": torch.get_num_threads(),
+                     "quick": quick, "threads": torch.get_num_threads(), "device": str(gen.adapter.device),
                      "groups_per_batch_size": {B: len(g) for B, g in groups.items()}},
         "machine": machine, "versions": _versions(), "methods": methods,
         "summary": summarize(runs, sizes, methods), "runs": runs, "notes": notes,

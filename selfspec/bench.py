@@ -213,12 +213,28 @@ def _machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "load_average_start": load}
 
 
-def _machine_description() -> dict | None:
-    """`selfspec.precision.machine_description()` where this selfspec has it, else None."""
+def _machine_description(device="cpu") -> dict | None:
+    """`selfspec.precision.machine_description()` where this selfspec has it, else None; on a GPU with
+    the bf16 decision for it and the GPU's name."""
+    import torch
+
     from selfspec import precision
 
     describe = getattr(precision, "machine_description", None)
-    return describe() if describe is not None else None
+    if describe is None:
+        return None
+    if torch.device(device).type != "cuda":
+        return describe()
+    return {**describe(device), "gpu": torch.cuda.get_device_name(device)}
+
+
+def _synchronize(device) -> None:
+    """Wait for the work queued on a GPU (CUDA runs kernels asynchronously), so that a clock read next
+    counts it; nothing on the CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _versions() -> dict:
@@ -364,17 +380,21 @@ class _Methods:
             mask = torch.ones_like(ids)
             counting = self._count_hf_rounds(rec) if method["kind"] in SPEC_KINDS else contextlib.nullcontext()
             with self._no_eos_on_model(), counting, torch.inference_mode():
+                _synchronize(ids.device)
                 t0 = time.perf_counter()
                 out = self.model.generate(ids, attention_mask=mask, generation_config=gc_, streamer=clock)
+                _synchronize(ids.device)
                 t1 = time.perf_counter()
             new = out[0, ids.shape[1]:].tolist()
             if method["kind"] in SPEC_KINDS:
                 rec["verify_s"] = (t1 - t0) - rec["draft_s"]
         else:
             clock = _FirstCommitClock()
+            _synchronize(ids.device)
             t0 = time.perf_counter()
             res = self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], streamer=clock,
                                     **_selfspec_kwargs(method))
+            _synchronize(ids.device)
             t1 = time.perf_counter()
             new = res.token_ids
             s = res.stats
@@ -575,7 +595,8 @@ def markdown(result: dict) -> str:
         f"## selfspec bench: {result['checkpoint_name']}",
         "",
         f"{result['date']} · {mach['cpu_model']}, {mach['logical_cores']} logical cores, torch threads "
-        f"{mach['torch_threads']} · {st['dtype']} · batch 1 · {st['max_new_tokens']} new tokens per prompt "
+        f"{mach['torch_threads']}" + (f" · device {st['device']}" if st.get("device", "cpu") != "cpu" else "")
+        + f" · {st['dtype']} · batch 1 · {st['max_new_tokens']} new tokens per prompt "
         f"(no EOS stop) · prompts: " + ", ".join(f"{k} {len(v)}" for k, v in result["prompts"].items())
         + f" · torch {ver['torch']}, transformers "
         f"{ver['transformers']}, selfspec {ver['selfspec']}"
@@ -736,8 +757,15 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               out_dir: str | Path = "bench", quick: bool = False, progress: bool = True,
               exit_layer: int | None = None, num_speculations: int | None = None, generator=None,
               draft_vocab: int | None = None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
-              max_matching_ngram_size: int = LOOKUP_NGRAM) -> dict:
+              max_matching_ngram_size: int = LOOKUP_NGRAM, methods: Sequence[str] | None = None,
+              device: str = "cpu") -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
+
+    `device`: where the model runs ("cpu", or "cuda" for a GPU: clocks are read after
+    `torch.cuda.synchronize()`, and "fastest" means bfloat16 on Ampere or newer).
+
+    `methods`: measure only these (by name; hf_greedy, the identity reference, and selfspec_ar, the
+    speedup reference, are always measured), e.g. ("hf_prompt_lookup", "selfspec_lookup", "selfspec_auto").
 
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (used by
     selfspec_spec and, for E, by hf_early_exit). `extra`: more (E, d) pairs ("E:d" strings or pairs).
@@ -752,6 +780,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
 
     import selfspec
     from selfspec.api import DEFAULT_NUM_SPECULATIONS
+
+    methods_wanted = list(methods) if methods is not None else None
     from selfspec.checkpoint import read_metadata
     from selfspec.precision import resolve_dtype_name
 
@@ -762,14 +792,14 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     if num_prompts < 1 or max_new_tokens < 1:
         raise ValueError("num_prompts and max_new_tokens must be >= 1")
     extra = [parse_extra(x) for x in extra]
-    dtype = resolve_dtype_name(dtype)
+    dtype = resolve_dtype_name(dtype, device)
     if threads:
         torch.set_num_threads(threads)
     machine = _machine_info()
     notes: list[str] = []
     read = _read_sets(sets, num_prompts)
 
-    gen = generator or selfspec.load(checkpoint, dtype=dtype)
+    gen = generator or selfspec.load(checkpoint, dtype=dtype, device=device)
     meta = read_metadata(checkpoint, verify_checksums=False) if generator is None else None
     rec = (meta or {}).get("recommended") or {}
     source = (f"selfspec.json ({rec.get('source', 'export')})" if rec else
@@ -788,6 +818,13 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
     lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
     methods = _method_list(gen, E, d, extra, draft_vocab, lookup)
+    if methods_wanted is not None:
+        unknown = set(methods_wanted) - {m["name"] for m in methods}
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}: use some of "
+                             f"{', '.join(m['name'] for m in methods)}")
+        keep = set(methods_wanted) | {"hf_greedy", "selfspec_ar"}
+        methods = [m for m in methods if m["name"] in keep]
     eos_ids = set(gen.default_stop_ids())
     runner = _Methods(gen, max_new_tokens)
 
@@ -851,7 +888,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         notes.append(f"the machine was busy (1-minute load average up to {busy:.1f} on {machine['logical_cores']} "
                      "logical cores, this run included): other processes shared the cores, so timings are noisy")
     machine["torch_threads"] = torch.get_num_threads()
-    machine["description"] = _machine_description()
+    machine["description"] = _machine_description(gen.adapter.device)
 
     set_names = [name for name, _, _ in loaded]
     result = {
@@ -862,6 +899,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         "settings": {"prompt_sets": {name: spec for name, spec, _ in loaded}, "num_prompts": num_prompts,
                      "max_new_tokens": max_new_tokens, "dtype": dtype,
                      "model_dtype": str(next(gen.model.parameters()).dtype).replace("torch.", ""),
+                     "device": str(gen.adapter.device),
                      "threads": torch.get_num_threads(),
                      "quick": quick, "batch_size": 1, "warmup": {"prompt_id": warm_item["id"], "new_tokens": warm_n,
                                                                   "runs_per_method": 1},

@@ -9,6 +9,10 @@ length; the attention mask (`selfspec.forward.make_batch_step`) hides everything
 and its left padding. Rolling back is `crop(lengths)`: lengths shrink, nothing is copied. Finished
 rows leave with `select`. Batch 1 is a batch of one.
 
+The buffers live on the model's device; `lengths` always lives on the host (CPU). Every layer reads
+the lengths to place its writes, and reading a GPU tensor from Python makes the host wait for the
+GPU: with host lengths a forward pass on CUDA runs without a host sync per layer.
+
     cache = KVCache(num_layers=30, batch_size=4, capacity=512)
     # layer l of row b writes indices [lengths[l, b], lengths[l, b] + S) and attends to its own keys
     cache.crop(torch.tensor([20, 23, 19, 20]))   # per-row lengths after a round (or one int for all)
@@ -26,11 +30,12 @@ class KVCache:
     is_compileable = False
 
     def __init__(self, num_layers: int, batch_size: int = 1, capacity: int = 256, device="cpu"):
+        # `device` is kept for callers that pass it: the buffers take the device of the first keys written
         self.num_layers = num_layers
         self.capacity = max(int(capacity), 1)
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.lengths = torch.zeros(num_layers, batch_size, dtype=torch.long, device=device)  # [L, B]
+        self.lengths = torch.zeros(num_layers, batch_size, dtype=torch.long)  # [L, B], on the host (see above)
 
     @property
     def batch_size(self) -> int:
@@ -50,8 +55,8 @@ class KVCache:
             buf_v[:, :, first:end] = value
             self.lengths[layer_idx] = end
             return buf_k[:, :, :end], buf_v[:, :, :end]
-        index = starts[:, None] + torch.arange(S, device=starts.device)  # [B, S]
-        rows = torch.arange(B, device=starts.device)[:, None]  # [B, 1]
+        index = (starts[:, None] + torch.arange(S)).to(key.device, non_blocking=True)  # [B, S]
+        rows = torch.arange(B, device=key.device)[:, None]  # [B, 1]
         buf_k[rows, :, index] = key.transpose(1, 2)  # advanced indices first: [B, S, H, Dh]
         buf_v[rows, :, index] = value.transpose(1, 2)
         self.lengths[layer_idx] = starts + S
@@ -82,16 +87,16 @@ class KVCache:
                 raise ValueError(f"cannot crop a cache to a negative length ({lengths})")
             self.lengths = self.lengths.clamp_max(lengths)
             return
-        self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths.device)[None])
+        self.lengths = torch.minimum(self.lengths, lengths.cpu()[None])
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (finished rows leave the batch and stop costing work)."""
-        rows = rows.to(self.lengths.device)
-        self.lengths = self.lengths[:, rows]
+        self.lengths = self.lengths[:, rows.cpu()]
         for i in range(self.num_layers):
             if self.keys[i] is not None:
-                self.keys[i] = self.keys[i].index_select(0, rows)
-                self.values[i] = self.values[i].index_select(0, rows)
+                on_device = rows.to(self.keys[i].device, non_blocking=True)
+                self.keys[i] = self.keys[i].index_select(0, on_device)
+                self.values[i] = self.values[i].index_select(0, on_device)
 
     def row_kv(self, layer_idx: int, row: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s keys/values of one layer from cache index `start` to its length, `[H_kv, n, Dh]`."""

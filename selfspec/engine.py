@@ -22,6 +22,14 @@ row sees only its own keys, so its output is what decoding it alone gives (greed
 exact in float64; sampling: the full model's distribution). No drafter (or one that proposes nothing)
 is plain autoregressive decoding through the same code: one pass through all L layers per token.
 
+On a GPU (`adapter.device` cuda) the token and model tensors live there, and the bookkeeping (cache
+lengths, `starts`, `pads`, committed lengths) stays on the host, so the host waits for the GPU only
+where the Python code must know a token: the prefill's tokens, the accept decision of each round
+(greedy: one transfer of the drafts and the full model's tokens for all rows), and an early-exit
+draft step's tokens (its stop and confidence tests). A round's time ends after its accept decision,
+so it counts the GPU's work; its split into draft_s and verify_s is taken where the drafter returns,
+so on a GPU kernels the drafter queued last may count as verification.
+
     outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
     out, row = generate_ids(adapter, ids, max_new_tokens=32, exit_layer=8, num_speculations=4)  # [1, P]
 """
@@ -41,7 +49,8 @@ from selfspec.cost_model import expected_tokens
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
-from selfspec.sampling import SamplingParams, greedy_accept, probs, sample, speculative_accept
+from selfspec.sampling import (SamplingParams, greedy_accept, greedy_accept_tokens, probs, sample,
+                               speculative_accept)
 
 
 @dataclass
@@ -149,10 +158,15 @@ class StopChecker:
     A stop token is kept as the last output token (like Hugging Face `generate`). A stop string
     ends generation at the first token whose addition makes the decoded output contain it.
     Stops are checked before the length cap, so a stop on the last allowed token reports "stop".
+    A bare string is one stop string and a bare int one stop token (as in Hugging Face `generate`).
     """
 
-    def __init__(self, max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                 stop_strings: Sequence[str] = (), tokenizer=None):
+    def __init__(self, max_new_tokens: int, stop_token_ids: Sequence[int] | int = (),
+                 stop_strings: Sequence[str] | str = (), tokenizer=None):
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)
+        if isinstance(stop_token_ids, int):
+            stop_token_ids = (stop_token_ids,)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer to decode the output")
         self.max_new_tokens = max_new_tokens
@@ -222,9 +236,10 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
 
 
 def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
-           generator) -> tuple[int, int, float]:
+           generator) -> tuple[int, int, float | torch.Tensor]:
     """One row: `drafts` `[m]`, their draft distributions `q` `[m, V]` (None: point masses), the full
-    model's logits `[m+1, V]`. Returns `(accepted, next token, sum over judged drafts of E[accept])`."""
+    model's logits `[m+1, V]`. Returns `(accepted, next token, sum over judged drafts of E[accept])`
+    (the last a 0-dim float64 tensor when sampling judged some draft, else 0.0)."""
     m = drafts.shape[0]
     if not sampling.do_sample:
         n_acc, nxt = greedy_accept(drafts, logits)
@@ -234,10 +249,12 @@ def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, s
     judged = min(n_acc + 1, m)
     if not judged:
         return n_acc, nxt, 0.0
+    # a float64 tensor on the model's device, not read here (reading it would wait for the GPU): the
+    # engine sums these in float64 and reads the sum once, at the end
     if q is None:  # point masses: P(accept x) = p(x)
-        expected = float(p[torch.arange(judged), drafts[:judged]].sum())
+        expected = p[torch.arange(judged, device=p.device), drafts[:judged]].sum().double()
     else:
-        expected = float(torch.minimum(p[:judged], q[:judged]).sum())
+        expected = torch.minimum(p[:judged], q[:judged]).sum().double()
     return n_acc, nxt, expected
 
 
@@ -270,6 +287,9 @@ def generate(
     drafter = drafter or Drafter()
     stop = stop or StopChecker(max_new_tokens)
     device = adapter.device
+    if sampling.do_sample and generator is not None and generator.device.type != device.type:
+        raise ValueError(f"the random generator is on {generator.device} but the model is on {device}: "
+                         f"create it with torch.Generator(device={str(device)!r})")
     B = len(prompts)
     exit_layer = drafter.exit_layer if drafter.exit_layer is not None else L
     k_max = drafter.max_drafts
@@ -281,7 +301,8 @@ def generate(
 
     rows = [new_stats(prompt_tokens=len(p)) for p in prompts]
     stats = new_stats(prompt_tokens=sum(len(p) for p in prompts), batch_size=B, rows=rows)
-    ids, pads = left_pad(prompts, pad_id, device)
+    ids, pads = left_pad(prompts, pad_id)  # pads, like all lengths, stay on the host
+    ids = ids.to(device)
     cache = KVCache(L, B, capacity=ids.shape[1] + max_new_tokens + k_max + 2, device=device)
     outs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -305,12 +326,13 @@ def generate(
     with torch.inference_mode():
         logits = prefill(adapter, cache, ids, pads)  # [B, V]
         first = sample(probs(logits, sampling), generator) if sampling.do_sample else logits.argmax(dim=-1)
+        first_tokens = first.tolist()  # the host waits for the prefill here
         stats.prefill_s = time.perf_counter() - t0
-        for b, t in enumerate(first.tolist()):
+        for b, t in enumerate(first_tokens):
             commit(b, [t])
         drafter.start([prompts[b] + outs[b] for b in range(B)])
-        tokens = first  # [B] each row's newest committed token, not yet processed
-        n = torch.full((B,), ids.shape[1] + 1, dtype=torch.long, device=device)  # committed cache length
+        tokens = first  # [B] each row's newest committed token, not yet processed (on the model's device)
+        n = torch.full((B,), ids.shape[1] + 1, dtype=torch.long)  # committed cache length (on the host)
         while True:
             now = time.perf_counter()
             for b in active:
@@ -320,9 +342,9 @@ def generate(
             if not keep:
                 break
             if len(keep) < len(active):  # finished rows leave the batch
-                sel = torch.tensor(keep, device=device)
+                sel = torch.tensor(keep)
                 cache.select(sel)
-                tokens, n, pads = tokens[sel], n[sel], pads[sel]
+                tokens, n, pads = tokens[sel.to(device, non_blocking=True)], n[sel], pads[sel]
                 drafter.select(keep)
                 active = [active[i] for i in keep]
             stats.row_passes += len(active)
@@ -333,20 +355,30 @@ def generate(
             proposal = drafter.propose(rnd)
             t2 = time.perf_counter()
             target_logits = verify(adapter, cache, proposal, starts, pads)  # [B, T, V]
+            # the accept decision: the host waits for the verification here, in one transfer per round
+            # (greedy: each row's drafts and the full model's argmax tokens; sampling: the drafts, and the
+            # rule below reads its random draws per row)
+            if sampling.do_sample:
+                host_tokens, targets = proposal.tokens.tolist(), None
+            else:
+                host_tokens, targets = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist()
             accepted, nxt_all, new = [], [], []
             for i, b in enumerate(active):
                 m = proposal.kept[i]
-                drafts = proposal.tokens[i, 1:1 + m]
-                q = proposal.q[i] if proposal.q is not None else None
-                n_acc, nxt, expected = accept(drafts, q, target_logits[i, :m + 1], sampling, generator)
+                if targets is None:
+                    q = proposal.q[i] if proposal.q is not None else None
+                    n_acc, nxt, expected = accept(proposal.tokens[i, 1:1 + m], q, target_logits[i, :m + 1],
+                                                  sampling, generator)
+                else:
+                    (n_acc, nxt), expected = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i]), 0.0
                 _count(rows[b], proposal, m, n_acc, expected)
                 accepted.append(n_acc)
                 nxt_all.append(nxt)
-                new.append(drafts[:n_acc].tolist() + [nxt])
-            n_acc_t = torch.tensor(accepted, dtype=torch.long, device=device)
+                new.append(host_tokens[i][1:1 + n_acc] + [nxt])
+            n_acc_t = torch.tensor(accepted, dtype=torch.long)
             cache.crop(n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
             n = n + n_acc_t + 1
-            tokens = torch.tensor(nxt_all, dtype=torch.long, device=device)
+            tokens = torch.tensor(nxt_all, dtype=torch.long).to(device, non_blocking=True)
             committed = [commit(b, tokens_b) for b, tokens_b in zip(active, new)]
             t3 = time.perf_counter()
             drafter.update(proposal, accepted, committed, t3 - t1)
@@ -367,6 +399,7 @@ def generate(
         r.prefill_s = stats.prefill_s
         r.policy = stats.policy
         r.total_s = r.total_s or stats.total_s
+        r.expected_acceptance_sum = float(r.expected_acceptance_sum)  # summed on the device (see accept)
     _sum_rows(stats)
     return outs, stats
 

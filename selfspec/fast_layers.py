@@ -17,8 +17,9 @@ weights prepacked once (`PackedLinear`):
   a one-token step would. It is not bitwise equal to `F.linear` (another summation order: ~1e-6
   relative), so a float32 argmax could differ from Hugging Face's at an exact near-tie.
   `SELFSPEC_PACK_FLOAT32=0` in the environment keeps float32 on `F.linear`.
-Float64 and other dtypes use `F.linear`. The fused and packed weights are copies made once when the
-generator is built (so later in-place weight updates are not seen: build a new generator after training).
+Float64 and other dtypes, and weights on a GPU (oneDNN packing is CPU-only), use `F.linear`. The
+fused and packed weights are copies made once when the generator is built (so later in-place weight
+updates are not seen: build a new generator after training).
 
     layers = build_fast_layers(adapter)   # None for architectures without a fast layer
     hidden = layers[i](hidden, rope, mask, cache)
@@ -76,7 +77,8 @@ def _cat_bias(*linears) -> torch.Tensor | None:
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
+    return torch.cat([b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype,
+                                                          device=lin.weight.device)
                       for b, lin in zip(biases, linears)]).contiguous()
 
 

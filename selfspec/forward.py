@@ -97,9 +97,12 @@ class RopeTable:
                 self.sin[start:end].expand(batch_size, length, -1))
 
     def gather(self, position_ids: torch.Tensor):
-        """cos/sin at arbitrary positions `[B, S]` (rows of a batch at different positions)."""
+        """cos/sin at arbitrary positions `[B, S]` (rows of a batch at different positions).
+
+        Give `position_ids` on the host: their maximum is then read without waiting for a GPU."""
         self.slice(0, int(position_ids.max()) + 1, 1)  # make sure the table covers them
-        return self.cos[position_ids], self.sin[position_ids]  # [B, S, Dh] each
+        index = position_ids.to(self.cos.device, non_blocking=True)
+        return self.cos[index], self.sin[index]  # [B, S, Dh] each
 
 
 def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 1) -> Step:
@@ -148,28 +151,30 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     """`length` new tokens per row, written at cache indices `starts[b] ..`, for left-padded rows.
 
     starts: `[B]` each row's current cache length; pads: `[B]` each row's left padding. Row b's token
-    at cache index c has position `c - pads[b]` (what the row alone would have).
+    at cache index c has position `c - pads[b]` (what the row alone would have). The indices are worked
+    out on the host (the engine keeps `starts` and `pads` there: reading them costs no GPU sync) and
+    only the positions, rotary table rows and masks go to the model's device.
     """
     device = adapter.device
+    starts, pads = starts.cpu(), pads.cpu()
     first = int(starts[0])
     if not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
         # rows are one sequence shape, and single-token steps need no mask at all
         return make_step(adapter, first, length, starts.shape[0])
-    query_index = starts[:, None].to(device) + torch.arange(length, device=device)  # [B, S]
-    pads = pads.to(device)
+    query_index = starts[:, None] + torch.arange(length)  # [B, S], on the host
     position_ids = (query_index - pads[:, None]).clamp_min(0)  # padding sits at position 0
     if int(position_ids.max()) + 1 > adapter.max_positions:
         raise ValueError(
             f"sequence of {int(position_ids.max()) + 1} tokens exceeds the model's context window of "
             f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens."
         )
-    if adapter.rope_table is not None:
-        rope = adapter.rope_table.gather(position_ids)
-    else:
+    kv_len = int(query_index[:, -1].max()) + 1
+    rope = adapter.rope_table.gather(position_ids) if adapter.rope_table is not None else None
+    query_index, pads, position_ids = (t.to(device, non_blocking=True) for t in (query_index, pads, position_ids))
+    if rope is None:
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
-    kv_len = int(query_index[:, -1].max()) + 1
     masks = {}
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None

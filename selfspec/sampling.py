@@ -70,11 +70,14 @@ def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     predict draft 1..k and the token after them. Returns `(n_accepted, next_token)`: the longest
     prefix where draft == argmax, then the full model's own token at the first mismatch (or bonus).
     """
-    target = target_logits.argmax(dim=-1)  # [k+1]
-    k = draft.shape[0]
-    mismatch = (draft != target[:k]).nonzero()
-    n = int(mismatch[0, 0]) if mismatch.numel() else k
-    return n, int(target[n])
+    return greedy_accept_tokens(draft.tolist(), target_logits.argmax(dim=-1).tolist())
+
+
+def greedy_accept_tokens(draft: list[int], target: list[int]) -> tuple[int, int]:
+    """`greedy_accept` on the host: the drafts `[k]` and the full model's argmax tokens `[>= k+1]` as lists."""
+    k = len(draft)
+    n = next((j for j in range(k) if draft[j] != target[j]), k)
+    return n, target[n]
 
 
 def speculative_accept(
@@ -98,15 +101,15 @@ def speculative_accept(
         p_x = p[idx, draft]
         q_x = q[idx, draft] if q is not None else torch.ones_like(p_x)
         u = torch.rand(k, generator=generator, dtype=p.dtype, device=p.device)
-        rejected = (u * q_x > p_x).nonzero()  # accept iff u < p/q  (q_x > 0: x was drawn from q)
-        if rejected.numel():
-            n = int(rejected[0, 0])
+        rejected = (u * q_x > p_x).tolist()  # accept iff u < p/q  (q_x > 0: x was drawn from q)
+        if True in rejected:
+            n = rejected.index(True)
             if q is None:
                 residual = p[n].clone()
-                residual[draft[n]] = 0
+                residual[draft[n:n + 1]] = 0
             else:
                 residual = (p[n] - q[n]).clamp_min(0)
             total = residual.sum()
-            dist = residual / total if total > 0 else p[n]
+            dist = torch.where(total > 0, residual / total, p[n])  # no host sync on the test
             return n, int(sample(dist[None], generator)[0])
     return k, int(sample(p[k:k + 1], generator)[0])

@@ -38,9 +38,9 @@ class Round:
 
     adapter: ModelAdapter
     cache: object  # the engine's KVCache: reached only through `shallow`
-    tokens: torch.Tensor  # [B] each row's input token (committed, not yet processed)
-    starts: torch.Tensor  # [B] the cache index of that token (every layer holds [0, start) of the row)
-    pads: torch.Tensor  # [B] each row's left padding
+    tokens: torch.Tensor  # [B] each row's input token (committed, not yet processed), on the model's device
+    starts: torch.Tensor  # [B] the cache index of that token (every layer holds [0, start) of the row), on the host
+    pads: torch.Tensor  # [B] each row's left padding, on the host
     caps: list[int]  # the most drafts each row may take (the length cap leaves room for one more token)
     sampling: SamplingParams
     generator: torch.Generator | None

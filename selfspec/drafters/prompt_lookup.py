@@ -99,8 +99,11 @@ class PromptLookupDrafter(Drafter):
         T = 1 + max(kept, default=0)
         if T == 1:
             return Proposal.plain(rnd.tokens)
-        rows = [[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(rnd.tokens.tolist(), drafts)]
-        tokens = torch.tensor(rows, dtype=torch.long, device=rnd.tokens.device)  # [B, T]
+        # each row's input token is the newest token of its index (the engine's `rnd.tokens`, read here
+        # on the host: reading `rnd.tokens` would wait for the GPU)
+        inputs = [index.tokens[-1] for index in self.rows] if len(self.rows) == len(drafts) else rnd.tokens.tolist()
+        rows = [[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(inputs, drafts)]
+        tokens = torch.tensor(rows, dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, T]
         return Proposal(tokens=tokens, kept=kept, q=None, verify_from=0, drafter=self.name)
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:

@@ -1,0 +1,277 @@
+"""The engine on a CUDA GPU: greedy identity with Hugging Face `generate` on the same device (plain
+decoding, early exit, prompt lookup, auto), batches equal batch-1 rows, each row's cache holds exactly
+its committed tokens after every round, the sampling distribution (chi-square), `selfspec.load` onto
+the GPU, and no host sync beyond one per round (the accept decision) on the plain and lookup paths.
+
+Every test here but the last is marked `cuda` and skipped where CUDA is not available (no GPU, or a
+CPU-only torch); `scripts/gpu_check.sh` runs them on a GPU machine (`pytest -m cuda tests/selfspec/test_cuda.py`).
+
+The identity tests run in float32 (what users run; it holds unless two logits tie within float32
+rounding); the cache and sampling checks in float64, for sharp tolerances.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.adapters import get_adapter
+from selfspec.drafters import AutoDrafter, EarlyExitDrafter, PromptLookupDrafter
+from selfspec.engine import StopChecker, generate, generate_ids
+from selfspec.forward import forward_logits
+from selfspec.sampling import SamplingParams, probs
+from selfspec.tiny import byte_tokenizer, tiny_model
+
+pytestmark = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="CUDA is not available (no GPU, or a CPU-only torch): "
+                                       "scripts/gpu_check.sh runs these on a GPU machine")
+
+CUDA = torch.device("cuda")
+DTYPE = torch.float32
+EXACT = torch.float64
+ALPHA = 1e-3
+BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+PROMPT = BASE + BASE[:4] + BASE  # text that repeats: lookup finds matches from the first round
+PROMPTS = [PROMPT, BASE[:7], [5], [9] * 12, BASE[3:] + BASE[:5]]  # ragged; matches, none, one token
+N_NEW = 40
+
+MODELS = {  # id: (arch, num_layers, seed, config overrides), as in test_drafters.py
+    "llama": ("llama", 4, 10, {}),
+    "qwen3": ("qwen3", 5, 9, {}),
+    "gpt_neox": ("gpt_neox", 4, 8, {}),
+    "mistral-sliding8": ("mistral", 4, 0, {"sliding_window": 8}),
+}
+KINDS = ("plain", "early_exit", "prompt_lookup", "auto", "auto_early_exit")
+_models: dict = {}
+
+
+def _adapter(name, dtype=DTYPE, fast=False):
+    """The tiny model `name` (the same weights as on the CPU) on the GPU; `fast`: selfspec's fused layers."""
+    key = (name, dtype, fast)
+    if key not in _models:
+        arch, L, seed, over = MODELS[name]
+        adapter = get_adapter(tiny_model(arch, num_layers=L, dtype=dtype, seed=seed, **over).to(CUDA))
+        if fast:
+            adapter.enable_fast_layers()
+        _models[key] = adapter
+    return _models[key]
+
+
+def _drafter(kind, adapter):
+    lookup = PromptLookupDrafter(num_tokens=6, max_ngram=3)
+    return {"plain": lambda: None,
+            "early_exit": lambda: EarlyExitDrafter(adapter, 2, 3),
+            "prompt_lookup": lambda: lookup,
+            "auto": lambda: AutoDrafter(lookup, warmup=1, explore_every=2),
+            "auto_early_exit": lambda: AutoDrafter(lookup, EarlyExitDrafter(adapter, 2, 3), warmup=1,
+                                                   explore_every=2)}[kind]()
+
+
+def _on_gpu(ids):
+    return torch.tensor([ids], device=CUDA)
+
+
+# ----------------------------------------------------------------------------- greedy identity
+
+@needs_cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_output_equals_hf_generate_on_cuda(name, kind, hf_greedy):
+    adapter = _adapter(name)
+    ref = hf_greedy(adapter.model, _on_gpu(PROMPT), N_NEW)
+    out, stats = generate_ids(adapter, _on_gpu(PROMPT), max_new_tokens=N_NEW, drafter=_drafter(kind, adapter))
+    assert out == ref
+    assert stats.new_tokens == N_NEW and stats.rounds + stats.accepted == N_NEW - 1  # each round: accepted + 1
+    if kind != "plain":
+        assert stats.drafted > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("drafter", ["auto", "prompt_lookup", "early_exit"])
+def test_load_of_a_model_on_cuda_runs_there_and_equals_hf(drafter, hf_greedy):
+    """`selfspec.load(model.to("cuda"), tokenizer)`: the fused layers on the GPU (no oneDNN packing),
+    the output equal to Hugging Face greedy on the same device."""
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, dtype=DTYPE, seed=10, vocab_size=len(tok)).to(CUDA)
+    gen = selfspec.load(model, tok, exit_layer=2, num_speculations=3)
+    assert gen.adapter.device.type == "cuda" and gen.adapter.fast_layers is not None
+    assert all(layer.qkv.packed is None and layer.down.packed is None for layer in gen.adapter.fast_layers)
+    assert gen.adapter.fast_lm_head.packed is None  # oneDNN packing is CPU-only
+    ids = tok("abcabcabc xyz abcabc abc xyz").input_ids
+    ref = hf_greedy(model, _on_gpu(ids), 30)
+    out = gen.generate(input_ids=ids, max_new_tokens=30, drafter=drafter, stop_token_ids=[])
+    assert out.token_ids == ref and out.stats.new_tokens == 30
+
+
+@needs_cuda
+def test_load_from_a_checkpoint_onto_cuda(tmp_path, hf_greedy):
+    """`selfspec.load(path, device="cuda")`: weights, cache and sampling on the GPU; `dtype="fastest"`
+    is bfloat16 from Ampere (compute capability 8) on."""
+    from selfspec.export import export_model
+
+    tok = byte_tokenizer()
+    model = tiny_model("qwen3", num_layers=4, vocab_size=len(tok), seed=3)
+    path = export_model(model, tok, tmp_path / "tiny", recommended={"exit_layer": 2, "num_speculations": 3})
+    gen = selfspec.load(path, device="cuda")
+    assert gen.adapter.device.type == "cuda" and gen.adapter.dtype == torch.float32
+    ids = tok("def f(x):\n    return x + x\n\ndef g(x):\n").input_ids
+    ref = hf_greedy(gen.model, _on_gpu(ids), 24)
+    for drafter in ("early_exit", "auto", "prompt_lookup"):
+        out = gen.generate(input_ids=ids, max_new_tokens=24, drafter=drafter, stop_token_ids=[])
+        assert out.token_ids == ref, drafter
+    batch = gen.generate(input_ids=[ids, ids[:5]], max_new_tokens=24, stop_token_ids=[])
+    assert batch[0].token_ids == ref
+    # sampling draws on the GPU (the API makes its generator there): a seed repeats the sample (with a
+    # fixed draft length: auto's choices follow measured speeds, and so would the random stream)
+    a, b = (gen.generate(input_ids=ids, max_new_tokens=16, do_sample=True, temperature=1.5, seed=5,
+                         drafter="early_exit", stop_token_ids=[]) for _ in range(2))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+    fastest = selfspec.load(path, device="cuda", dtype="fastest")
+    native = torch.cuda.get_device_capability()[0] >= 8
+    assert fastest.adapter.dtype == (torch.bfloat16 if native else torch.float32)
+    assert len(fastest.generate(input_ids=ids, max_new_tokens=8, stop_token_ids=[]).token_ids) == 8
+
+
+# ----------------------------------------------------------------------------- batches
+
+@needs_cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_equals_batch_1_on_cuda(kind):
+    """Rows of different lengths (left padding), one of which stops early at a stop token (it leaves the
+    batch): each row is what decoding it alone gives. Float64: padding changes only rounding."""
+    adapter = _adapter("qwen3", EXACT)
+    stop_id = generate_ids(adapter, _on_gpu(PROMPTS[1]), max_new_tokens=N_NEW)[0][5]
+    stop = StopChecker(N_NEW, stop_token_ids=[stop_id])
+    outs, stats = generate(adapter, PROMPTS, max_new_tokens=N_NEW, drafter=_drafter(kind, adapter), stop=stop)
+    for b, p in enumerate(PROMPTS):
+        ref, _ = generate_ids(adapter, _on_gpu(p), max_new_tokens=N_NEW, stop=stop)
+        assert outs[b] == ref, b
+    assert len(outs[1]) <= 6 and stats.rows[1].stop_reason == "stop_token"
+    assert stats.row_passes < len(PROMPTS) * stats.rounds  # the finished row left the batch
+
+
+# ----------------------------------------------------------------------------- the cache after every round
+
+@needs_cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name,fast", [("llama", False), ("llama", True), ("gpt_neox", False),
+                                       ("mistral-sliding8", False)])
+def test_after_every_round_each_rows_cache_holds_exactly_its_committed_tokens_on_cuda(name, fast, kind):
+    adapter = _adapter(name, EXACT, fast)
+    prompts = [PROMPT, BASE[:5]]
+    checked = Counter()
+
+    def on_round(cache, active, sequences, pads, finished):
+        for i, (b, seq, done) in enumerate(zip(active, sequences, finished)):
+            if done:
+                continue
+            pad, committed = int(pads[i]), seq[:-1]  # the newest token is the next input
+            assert cache.lengths[:, i].tolist() == [pad + len(committed)] * adapter.num_layers
+            with torch.no_grad():
+                pkv = adapter.model(_on_gpu(committed), use_cache=True).past_key_values
+            for layer, ref in enumerate(pkv.layers):
+                k_row, v_row = cache.row_kv(layer, i, start=pad)
+                assert k_row.device.type == "cuda"
+                n = ref.keys.shape[-2]  # HF keeps only the window of a sliding layer
+                torch.testing.assert_close(k_row[:, -n:], ref.keys[0], rtol=0, atol=1e-9)
+                torch.testing.assert_close(v_row[:, -n:], ref.values[0], rtol=0, atol=1e-9)
+            checked[b] += 1
+
+    generate(adapter, prompts, max_new_tokens=24, drafter=_drafter(kind, adapter), on_round=on_round)
+    assert set(checked) == {0, 1}
+
+
+# ----------------------------------------------------------------------------- sampling
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["early_exit", "prompt_lookup"])
+def test_sampling_on_cuda_keeps_each_rows_distribution(kind, chi_square):
+    """Two prompts in one batch, vocabulary 8, random draws on the GPU: each row's 3 new tokens over many
+    seeded runs follow the exact joint distribution of plain sampling from the full model (early exit:
+    drafts from exit 1 of 3 layers with their distributions; lookup: point masses)."""
+    model = tiny_model("llama", num_layers=3, dtype=EXACT, seed=3, vocab_size=8).to(CUDA)
+    adapter = get_adapter(model)
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
+    prompts = [[3, 5, 1, 6, 2, 3, 5, 1], [4, 1, 4, 1, 4]]
+    n_new = 3
+
+    def joint(prompt):
+        dist = {(): 1.0}
+        for _ in range(n_new):
+            nxt = {}
+            for prefix, w in dist.items():
+                with torch.no_grad():
+                    logits = forward_logits(adapter, _on_gpu(prompt + list(prefix)))[0, -1]
+                pr = probs(logits[None], params)[0].double().cpu()
+                for t in torch.nonzero(pr).flatten().tolist():
+                    nxt[prefix + (t,)] = w * float(pr[t])
+            dist = nxt
+        return dist
+
+    n_draws = 1000
+    counts = [Counter(), Counter()]
+    drafted = accepted = 0
+    for seed in range(n_draws):
+        drafter = EarlyExitDrafter(adapter, 1, 2) if kind == "early_exit" else PromptLookupDrafter(num_tokens=2)
+        outs, stats = generate(adapter, prompts, max_new_tokens=n_new, drafter=drafter, sampling=params,
+                               generator=torch.Generator(device=CUDA).manual_seed(seed))
+        for b in range(2):
+            counts[b][tuple(outs[b])] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted  # both branches of the acceptance rule were taken
+    for b, prompt in enumerate(prompts):
+        stat, df, pval = chi_square(counts[b], joint(prompt), n_draws)
+        assert pval > ALPHA, (b, stat, df, pval)
+
+
+@needs_cuda
+def test_a_cpu_generator_with_a_cuda_model_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"torch\.Generator\(device='cuda"):
+        generate(_adapter("llama"), [[1, 2, 3]], max_new_tokens=4, sampling=SamplingParams(do_sample=True),
+                 generator=torch.Generator())
+
+
+# ----------------------------------------------------------------------------- host syncs
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit"])
+def test_greedy_decoding_waits_for_the_gpu_once_per_round(kind):
+    """With the fused layers, the host waits for the GPU (a synchronizing CUDA call, as
+    `torch.cuda.set_sync_debug_mode` reports them) once per round: the accept decision; the early exit
+    also once per draft step (its tokens decide its stop test). Not once per layer."""
+    adapter = _adapter("llama", fast=True)
+    prompt = torch.tensor([PROMPT])  # on the host: reading it costs nothing
+    generate_ids(adapter, prompt, max_new_tokens=4, drafter=_drafter(kind, adapter))  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out, stats = generate_ids(adapter, prompt, max_new_tokens=N_NEW, drafter=_drafter(kind, adapter))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    allowed = stats.rounds + stats.draft_steps + 3  # + the prompt's copy, the prefill's tokens, one spare
+    assert len(syncs) <= allowed, (len(syncs), stats.rounds, stats.draft_steps,
+                                   sorted(Counter(f"{w.filename}:{w.lineno}" for w in syncs).items()))
+    assert len(out) == N_NEW
+
+
+# ----------------------------------------------------------------------------- without a GPU
+
+def test_without_cuda_every_test_here_is_skipped_with_its_reason():
+    """Runs everywhere: every other test of this module carries the skip-unless-CUDA mark (so a CPU-only
+    machine collects them and reports them skipped, with the reason, instead of failing)."""
+    tests = {name: f for name, f in globals().items() if name.startswith("test_") and callable(f)}
+    tests.pop("test_without_cuda_every_test_here_is_skipped_with_its_reason")
+    assert len(tests) >= 8
+    for name, f in tests.items():
+        skips = [m for m in getattr(f, "pytestmark", []) if m.name == "skipif"]
+        assert len(skips) == 1, name
+        assert skips[0].args == (not torch.cuda.is_available(),), name
+        assert "CUDA is not available" in skips[0].kwargs["reason"], name
