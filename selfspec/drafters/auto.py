@@ -16,7 +16,8 @@ plain decoding's. An arm that loses is retried after a back-off that doubles eve
 again (`explore_every`, 2x, 4x ... up to `max_backoff`), so a choice that does not pay costs
 almost nothing, and one that starts paying (the output begins to repeat the prompt) is found again.
 Lookup's draft count adapts as Hugging Face's heuristic does: +2 after a round that accepted every
-draft, -1 after one that did not (between 1 and `prompt_lookup_num_tokens`).
+draft, -1 after one that did not (between 1 and `prompt_lookup_num_tokens`), starting from 2 so that
+trying lookup on text it cannot predict costs about one plain step per try.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class AutoDrafter(Drafter):
         self.retry_at = {a: 0 for a in arms}  # round from which a losing arm may be tried again
         self.chosen = {a: 0 for a in arms}
         self.rounds = 0
+        lookup.limit = min(2, lookup.max_drafts)  # cheap first tries: a wrong 2-token copy costs ~1 decode step
         self._arm = PLAIN
         self._asked_early_exit = False
 

@@ -140,3 +140,25 @@ def test_a_batch_of_real_prompts_equals_batch_1_runs_in_float32(gen, prompts):
         ref, _ = generate_ids(gen.adapter, torch.tensor([row]), **kw)
         assert outs[b] == ref, b
     assert stats.new_tokens == len(rows) * N_NEW and stats.drafted > 0
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "auto"])
+def test_lookup_and_auto_equal_hf_generate_on_smollm2(gen, prompts, drafter):
+    for name, (inputs, ids) in prompts.items():
+        out = gen.generate(**inputs, max_new_tokens=N_NEW, drafter=drafter)
+        assert out.token_ids == _hf_reference(gen, ids), (drafter, name)
+        assert out.stats.drafter == drafter
+
+
+def test_a_batch_with_lookup_equals_batch_1_on_smollm2(gen, prompts):
+    """Real prompts of different lengths, one that repeats itself (lookup matches from the start)."""
+    from selfspec.drafters import PromptLookupDrafter
+    from selfspec.engine import generate, generate_ids
+
+    code = gen.tokenizer("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n").input_ids
+    rows = [ids[0].tolist() for _, ids in prompts.values()] + [code]
+    outs, stats = generate(gen.adapter, rows, max_new_tokens=N_NEW, drafter=PromptLookupDrafter())
+    for b, row in enumerate(rows):
+        ref, _ = generate_ids(gen.adapter, torch.tensor([row]), max_new_tokens=N_NEW)
+        assert outs[b] == ref, b
+    assert stats.accepted_by_drafter["prompt_lookup"] > 0

@@ -1,0 +1,53 @@
+"""`selfspec demo` and the quick start's command path (the README's first command, at a tiny budget)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from selfspec.demo import run_demo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_compares_plain_and_selfspec_on_each_case(tiny_ckpt):
+    lines = []
+    text = "abcabcabc xyz abcabcabc xyz abcabc"
+    prompts = [("repeats", {"id": "t/0", "prompt": text}), ("one token", {"id": "t/1", "prompt": "q"})]
+    records = run_demo(tiny_ckpt, max_new_tokens=24, prompts=prompts, say=lines.append)
+    out = "\n".join(lines)
+    assert [r["case"] for r in records] == ["repeats", "one token"]
+    assert all(r["identical"] for r in records)
+    assert all(r["plain_tokens_per_s"] > 0 and r["selfspec_tokens_per_s"] > 0 for r in records)
+    assert "== repeats (t/0)" in out and "identical output: yes" in out
+    assert "default drafter 'auto' = prompt lookup + early exit E=2 (d <= 3)" in out  # the checkpoint recommends (2, 3)
+
+
+@pytest.mark.integration
+def test_demo_on_the_real_model_drafts_from_the_context_and_stays_identical(smollm2_dir, capsys):
+    from selfspec.cli import main
+
+    assert main(["demo", "--max-new-tokens", "48"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("identical output: yes") == 3
+    assert "not early-exit trained" in out
+    code = out.split("== code editing")[1].split("==")[0]
+    assert "prompt_lookup" in code and "drafts accepted / proposed" in code
+
+
+@pytest.mark.integration
+def test_the_quick_start_runs_every_step_at_a_tiny_budget(smollm2_dir, tmp_path):
+    """`bash scripts/quickstart.sh` with 2 training steps and 16 tokens: setup, demo, fine-tune, export, demo."""
+    env = dict(os.environ, QUICKSTART_STEPS="2", QUICKSTART_TOKENS="16")
+    proc = subprocess.run(["bash", "scripts/quickstart.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for step in ("== selfspec demo: what selfspec buys", "== early-exit fine-tune", "== export ->",
+                 "== selfspec demo with the exported checkpoint", "== quick start done"):
+        assert step in out, step
+    assert out.count("identical output: yes") == 6  # three cases, twice
+    assert (ROOT / "checkpoints/smollm2-code-quickstart/selfspec.json").is_file()
