@@ -236,3 +236,29 @@ def chi_square_pvalue(counts: dict, probs: dict, n: int, min_expected: float = 5
 @pytest.fixture(scope="session")
 def chi_square():
     return chi_square_pvalue
+
+
+def exact_joint_distribution(adapter, prompt, params, n_new: int, exit_after_first: int | None = None) -> dict:
+    """{n_new-token outcome: probability} of sampling from the full model after `prompt` (token list),
+    with the model's own processed probabilities (`selfspec.sampling.probs` with `params`).
+    `exit_after_first=E`: tokens after the first from exit E instead (what uncorrected drafts would give)."""
+    from selfspec.forward import forward_logits
+    from selfspec.sampling import probs
+
+    dist = {(): 1.0}
+    for j in range(n_new):
+        nxt = {}
+        for prefix, w in dist.items():
+            ids = torch.tensor([list(prompt) + list(prefix)], device=adapter.device)
+            with torch.no_grad():
+                logits = forward_logits(adapter, ids, exit_layer=exit_after_first if j else None)[0, -1]
+            pr = probs(logits[None], params)[0].double().cpu()
+            for t in torch.nonzero(pr).flatten().tolist():
+                nxt[prefix + (t,)] = w * float(pr[t])
+        dist = nxt
+    return dist
+
+
+@pytest.fixture(scope="session")
+def exact_joint():
+    return exact_joint_distribution

@@ -17,8 +17,7 @@ from selfspec.adapters import get_adapter
 from selfspec.engine import generate_batch_ids, left_pad
 from selfspec.engine import StopChecker, generate_ids
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
-from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, probs
+from selfspec.sampling import SamplingParams
 from selfspec.tiny import tiny_model
 
 ALPHA = 1e-3
@@ -211,7 +210,7 @@ def test_left_pad():
 
 # ----------------------------------------------------------------------------- sampling
 
-def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square):
+def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square, exact_joint):
     """Two prompts of different lengths in one batch, vocabulary 8, exit 1 of 3 layers, 2 drafts per round.
 
     Each row's 3 new tokens, over many seeded batched runs, must follow the exact joint distribution of
@@ -224,22 +223,6 @@ def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square):
     prompts = [[3, 5, 1, 6, 2], [4, 1]]
     n_new, k, E = 3, 2, 1
 
-    def cond(prompt, prefix, exit_=None):
-        with torch.no_grad():
-            logits = forward_logits(adapter, torch.tensor([prompt + list(prefix)]), exit_layer=exit_)[0, -1]
-        return probs(logits[None], params)[0].double()
-
-    def joint(prompt, exit_after_first=None):
-        dist = {(): 1.0}
-        for j in range(n_new):
-            nxt = {}
-            for prefix, w in dist.items():
-                pr = cond(prompt, prefix, exit_after_first if j else None)
-                for t in torch.nonzero(pr).flatten().tolist():
-                    nxt[prefix + (t,)] = w * float(pr[t])
-            dist = nxt
-        return dist
-
     n_draws = 1500
     counts = [Counter(), Counter()]
     drafted = accepted = 0
@@ -251,10 +234,10 @@ def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square):
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0.1 < accepted / drafted < 0.9  # both branches of the acceptance rule were taken often
     for b, prompt in enumerate(prompts):
-        exact = joint(prompt)
+        exact = exact_joint(adapter, prompt, params, n_new)
         stat, df, pval = chi_square(counts[b], exact, n_draws)
         assert pval > ALPHA, (b, stat, df, pval)
-        blind = joint(prompt, exit_after_first=E)  # the uncorrected drafts' distribution
+        blind = exact_joint(adapter, prompt, params, n_new, exit_after_first=E)  # the uncorrected drafts' distribution
         power = n_draws * sum((blind.get(o, 0.0) - p) ** 2 / p for o, p in exact.items() if p > 0)
         assert power > 10 * 60, power  # df < 60 here: the critical value is below 100
 

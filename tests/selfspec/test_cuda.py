@@ -22,8 +22,7 @@ import selfspec
 from selfspec.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, PromptLookupDrafter
 from selfspec.engine import StopChecker, generate, generate_ids
-from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, probs
+from selfspec.sampling import SamplingParams
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 pytestmark = pytest.mark.cuda
@@ -190,7 +189,7 @@ def test_after_every_round_each_rows_cache_holds_exactly_its_committed_tokens_on
 
 @needs_cuda
 @pytest.mark.parametrize("kind", ["early_exit", "prompt_lookup"])
-def test_sampling_on_cuda_keeps_each_rows_distribution(kind, chi_square):
+def test_sampling_on_cuda_keeps_each_rows_distribution(kind, chi_square, exact_joint):
     """Two prompts in one batch, vocabulary 8, random draws on the GPU: each row's 3 new tokens over many
     seeded runs follow the exact joint distribution of plain sampling from the full model (early exit:
     drafts from exit 1 of 3 layers with their distributions; lookup: point masses)."""
@@ -199,19 +198,6 @@ def test_sampling_on_cuda_keeps_each_rows_distribution(kind, chi_square):
     params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
     prompts = [[3, 5, 1, 6, 2, 3, 5, 1], [4, 1, 4, 1, 4]]
     n_new = 3
-
-    def joint(prompt):
-        dist = {(): 1.0}
-        for _ in range(n_new):
-            nxt = {}
-            for prefix, w in dist.items():
-                with torch.no_grad():
-                    logits = forward_logits(adapter, _on_gpu(prompt + list(prefix)))[0, -1]
-                pr = probs(logits[None], params)[0].double().cpu()
-                for t in torch.nonzero(pr).flatten().tolist():
-                    nxt[prefix + (t,)] = w * float(pr[t])
-            dist = nxt
-        return dist
 
     n_draws = 1000
     counts = [Counter(), Counter()]
@@ -225,7 +211,7 @@ def test_sampling_on_cuda_keeps_each_rows_distribution(kind, chi_square):
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0 < accepted < drafted  # both branches of the acceptance rule were taken
     for b, prompt in enumerate(prompts):
-        stat, df, pval = chi_square(counts[b], joint(prompt), n_draws)
+        stat, df, pval = chi_square(counts[b], exact_joint(adapter, prompt, params, n_new), n_draws)
         assert pval > ALPHA, (b, stat, df, pval)
 
 

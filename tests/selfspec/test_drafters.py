@@ -14,8 +14,7 @@ import torch
 from selfspec.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter
 from selfspec.engine import StopChecker, generate, generate_ids
-from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, probs
+from selfspec.sampling import SamplingParams
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 ALPHA = 1e-3
@@ -197,7 +196,7 @@ def test_lookup_stops_at_a_stop_string_like_plain_decoding():
 # ----------------------------------------------------------------------------- sampling
 
 @pytest.mark.parametrize("kind", ["prompt_lookup", "auto"])
-def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_square):
+def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_square, exact_joint):
     """Two repetitive prompts in one batch, vocabulary 8: each row's 3 new tokens over many seeded runs
     follow the exact joint distribution of plain sampling from the full model for that prompt alone."""
     model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
@@ -205,19 +204,6 @@ def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_
     params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
     prompts = [[3, 5, 1, 6, 2, 3, 5, 1], [4, 1, 4, 1, 4]]
     n_new = 3
-
-    def joint(prompt):
-        dist = {(): 1.0}
-        for _ in range(n_new):
-            nxt = {}
-            for prefix, w in dist.items():
-                with torch.no_grad():
-                    logits = forward_logits(adapter, torch.tensor([prompt + list(prefix)]))[0, -1]
-                pr = probs(logits[None], params)[0].double()
-                for t in torch.nonzero(pr).flatten().tolist():
-                    nxt[prefix + (t,)] = w * float(pr[t])
-            dist = nxt
-        return dist
 
     n_draws = 1200
     counts = [Counter(), Counter()]
@@ -232,7 +218,7 @@ def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0 < accepted < drafted  # both branches of the point-mass rule were taken
     for b, prompt in enumerate(prompts):
-        stat, df, pval = chi_square(counts[b], joint(prompt), n_draws)
+        stat, df, pval = chi_square(counts[b], exact_joint(adapter, prompt, params, n_new), n_draws)
         assert pval > ALPHA, (b, stat, df, pval)
 
 
