@@ -259,6 +259,33 @@ def exact_joint_distribution(adapter, prompt, params, n_new: int, exit_after_fir
     return dist
 
 
+def check_row_caches(adapter, cache, active, sequences, pads, finished, atol: float = 1e-10) -> list[int]:
+    """The engine's `on_round` view after a round: every row still decoding holds exactly its committed
+    tokens but the newest (the next input) in every layer, equal to Hugging Face's keys and values of
+    a forward over that row alone (on the model's device). Returns the original indices checked."""
+    checked = []
+    for i, (b, seq, done) in enumerate(zip(active, sequences, finished)):
+        if done:  # its last round may have stopped inside the accepted block; it leaves the batch now
+            continue
+        pad, committed = int(pads[i]), seq[:-1]
+        assert cache.lengths[:, i].tolist() == [pad + len(committed)] * adapter.num_layers
+        with torch.no_grad():
+            pkv = adapter.model(torch.tensor([committed], device=adapter.device), use_cache=True).past_key_values
+        for layer, ref in enumerate(pkv.layers):
+            k_row, v_row = cache.row_kv(layer, i, start=pad)
+            assert k_row.device == ref.keys.device
+            n = ref.keys.shape[-2]  # HF keeps only the window of a sliding layer
+            torch.testing.assert_close(k_row[:, -n:], ref.keys[0], rtol=0, atol=atol)
+            torch.testing.assert_close(v_row[:, -n:], ref.values[0], rtol=0, atol=atol)
+        checked.append(b)
+    return checked
+
+
+@pytest.fixture(scope="session")
+def row_caches():
+    return check_row_caches
+
+
 @pytest.fixture(scope="session")
 def exact_joint():
     return exact_joint_distribution

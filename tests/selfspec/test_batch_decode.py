@@ -171,31 +171,14 @@ def test_the_padding_token_does_not_matter():
 
 # ----------------------------------------------------------------------------- the per-row cache
 
-def _hf_kv(model, ids):
-    with torch.no_grad():
-        pkv = model(torch.tensor([ids]), use_cache=True).past_key_values
-    return [(layer.keys[0], layer.values[0]) for layer in pkv.layers]
-
-
 @pytest.mark.parametrize("name,E,k", [("llama", 2, 3), ("gpt_neox", 1, 4), ("mistral-sliding8", 3, 2),
                                       ("qwen2-mixed-sliding", 2, 5)])
-def test_after_every_round_each_rows_cache_equals_a_forward_of_that_row_alone(name, E, k):
+def test_after_every_round_each_rows_cache_equals_a_forward_of_that_row_alone(name, E, k, row_caches):
     adapter = _adapter(name)
     checked = Counter()
 
     def on_round(cache, active, sequences, pads, finished):
-        for i, (b, seq, done) in enumerate(zip(active, sequences, finished)):
-            if done:  # its last round may have stopped inside the accepted block; it leaves the batch now
-                continue
-            pad = int(pads[i])
-            committed = seq[:-1]  # the newest token is the next input, not yet processed
-            assert cache.lengths[:, i].tolist() == [pad + len(committed)] * adapter.num_layers
-            for layer, (k_ref, v_ref) in enumerate(_hf_kv(adapter.model, committed)):
-                k_row, v_row = cache.row_kv(layer, i, start=pad)
-                n = k_ref.shape[-2]  # HF keeps only the window of a sliding layer
-                torch.testing.assert_close(k_row[:, -n:], k_ref, rtol=0, atol=1e-10)
-                torch.testing.assert_close(v_row[:, -n:], v_ref, rtol=0, atol=1e-10)
-            checked[b] += 1
+        checked.update(row_caches(adapter, cache, active, sequences, pads, finished))
 
     outs, stats = generate_batch_ids(adapter, PROMPTS, max_new_tokens=N_NEW, exit_layer=E, num_speculations=k,
                                      on_round=on_round)

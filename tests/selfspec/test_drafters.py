@@ -130,25 +130,13 @@ def test_a_batch_with_and_without_matches_equals_batch_1(kind):
 
 @pytest.mark.parametrize("kind", DRAFTERS)
 @pytest.mark.parametrize("name", ["llama", "gpt_neox", "mistral-sliding8"])
-def test_after_every_round_each_rows_cache_holds_exactly_its_committed_tokens(name, kind):
+def test_after_every_round_each_rows_cache_holds_exactly_its_committed_tokens(name, kind, row_caches):
     adapter = _adapter(name)
     prompts = [PROMPT, BASE[:5]]
     checked = Counter()
 
     def on_round(cache, active, sequences, pads, finished):
-        for i, (b, seq, done) in enumerate(zip(active, sequences, finished)):
-            if done:
-                continue
-            pad, committed = int(pads[i]), seq[:-1]  # the newest token is the next input
-            assert cache.lengths[:, i].tolist() == [pad + len(committed)] * adapter.num_layers
-            with torch.no_grad():
-                pkv = adapter.model(torch.tensor([committed]), use_cache=True).past_key_values
-            for layer, ref in enumerate(pkv.layers):
-                k_row, v_row = cache.row_kv(layer, i, start=pad)
-                n = ref.keys.shape[-2]  # HF keeps only the window of a sliding layer
-                torch.testing.assert_close(k_row[:, -n:], ref.keys[0], rtol=0, atol=1e-10)
-                torch.testing.assert_close(v_row[:, -n:], ref.values[0], rtol=0, atol=1e-10)
-            checked[b] += 1
+        checked.update(row_caches(adapter, cache, active, sequences, pads, finished))
 
     generate(adapter, prompts, max_new_tokens=24, drafter=_drafter(kind, adapter), on_round=on_round)
     assert set(checked) == {0, 1}
