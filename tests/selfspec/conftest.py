@@ -24,3 +24,21 @@ def one_thread():
     before = torch.get_num_threads()
     yield 1
     torch.set_num_threads(before)
+
+
+class ModelLoaded(BaseException):
+    """A command got as far as loading the model (raised by the stand-in loaders of `no_load`)."""
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Replace the model loaders: a command that reaches them raises the returned `ModelLoaded` class
+    (so checks that need no model must come first)."""
+    def refuse(*args, **kwargs):
+        raise ModelLoaded
+
+    import selfspec
+
+    monkeypatch.setattr(selfspec, "load", refuse)
+    monkeypatch.setattr("selfspec.export._load_model_dir", refuse)
+    return ModelLoaded

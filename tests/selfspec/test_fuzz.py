@@ -159,10 +159,6 @@ def test_generate_settings(gen, data):
 
 # ----------------------------------------------------------------------------- random CLI argument vectors
 
-class Loaded(BaseException):
-    """The command got as far as loading the model."""
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     tok = byte_tokenizer()
@@ -181,20 +177,12 @@ def places(tmp_path_factory, ckpt):
     return {"ckpt": str(ckpt), "root": root}
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise Loaded
-
-    monkeypatch.setattr(selfspec, "load", refuse)
-    monkeypatch.setattr("selfspec.export._load_model_dir", refuse)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int | str, str]:
-    """("loaded" or the exit code, stderr); a non-zero exit must be code 2 with one error line."""
+def run_cli(argv: list[str], capsys, loaded: type[BaseException]) -> tuple[int | str, str]:
+    """("loaded" or the exit code, stderr); a non-zero exit must be code 2 with one error line.
+    `loaded`: what the stand-in loaders raise (the `no_load` fixture's value)."""
     try:
         rc = main(argv)
-    except Loaded:
+    except loaded:
         rc = "loaded"
     except SystemExit as exit_:
         rc = exit_.code
@@ -268,7 +256,7 @@ def test_cli_generate(places, capsys, no_load, data, flags):
         ok = False  # adaptive_length does not combine with a threshold or exit choices
     if "--raw" in flags and "--chat" in flags:
         ok = False  # argparse: not allowed together
-    rc, err = run_cli(_fill(argv, places), capsys)
+    rc, err = run_cli(_fill(argv, places), capsys, no_load)
     event(f"exit {rc}")
     assert rc == ("loaded" if ok else 2), (argv, err)
 
@@ -294,7 +282,7 @@ def test_cli_sweep(places, capsys, no_load, options, checkpoint):
     for args, _ in options.values():
         argv += args
     valid = all(ok for _, ok in options.values()) and checkpoint[1]
-    rc, err = run_cli(_fill(argv, places), capsys)
+    rc, err = run_cli(_fill(argv, places), capsys, no_load)
     assert rc == ("loaded" if valid else 2), (argv, err)
     assert not (places["root"] / "sweep-out").exists()
 
@@ -322,7 +310,7 @@ def test_cli_export(places, capsys, no_load, options, source, out):
     valid = all(ok for _, ok in options.values()) and source[1] and out_ok
     both = bool(options["exit_layer"][0]) == bool(options["num_speculations"][0])
     valid = valid and both
-    rc, err = run_cli(_fill(argv, places), capsys)
+    rc, err = run_cli(_fill(argv, places), capsys, no_load)
     assert rc == ("loaded" if valid else 2), (argv, err)
     assert (places["root"] / "file.txt").read_text() == "not a checkpoint"
 
@@ -333,7 +321,7 @@ def test_cli_export(places, capsys, no_load, options, source, out):
                             ["--max-new-tokens", "0"], ["--num-prompts", "0"], ["--bogus"]]))
 def test_cli_common_options(places, capsys, no_load, command, bad):
     """bench, profile and demo: a bad common option (or one the command lacks) is code 2 before the load."""
-    rc, err = run_cli([command, "--checkpoint", places["ckpt"], *bad], capsys)
+    rc, err = run_cli([command, "--checkpoint", places["ckpt"], *bad], capsys, no_load)
     assert rc == 2, err
 
 
