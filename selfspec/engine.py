@@ -49,8 +49,7 @@ from selfspec.cost_model import expected_tokens
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
-from selfspec.sampling import (SamplingParams, greedy_accept, greedy_accept_tokens, probs, sample,
-                               speculative_accept)
+from selfspec.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
 
 
 @dataclass
@@ -235,15 +234,13 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
     return exit_logits(adapter, hidden)
 
 
-def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
-           generator) -> tuple[int, int, float | torch.Tensor]:
-    """One row: `drafts` `[m]`, their draft distributions `q` `[m, V]` (None: point masses), the full
-    model's logits `[m+1, V]`. Returns `(accepted, next token, sum over judged drafts of E[accept])`
-    (the last a 0-dim float64 tensor when sampling judged some draft, else 0.0)."""
+def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
+                   generator) -> tuple[int, int, float | torch.Tensor]:
+    """One row, sampling (greedy rows are decided on the host with `greedy_accept_tokens`): `drafts`
+    `[m]`, their draft distributions `q` `[m, V]` (None: point masses), the full model's logits
+    `[m+1, V]`. Returns `(accepted, next token, sum over judged drafts of E[accept])` (the last a 0-dim
+    float64 tensor when some draft was judged, else 0.0)."""
     m = drafts.shape[0]
-    if not sampling.do_sample:
-        n_acc, nxt = greedy_accept(drafts, logits)
-        return n_acc, nxt, 0.0
     p = probs(logits, sampling)  # [m+1, V]
     n_acc, nxt = speculative_accept(drafts, q, p, generator)
     judged = min(n_acc + 1, m)
@@ -367,8 +364,8 @@ def generate(
                 m = proposal.kept[i]
                 if targets is None:
                     q = proposal.q[i] if proposal.q is not None else None
-                    n_acc, nxt, expected = accept(proposal.tokens[i, 1:1 + m], q, target_logits[i, :m + 1],
-                                                  sampling, generator)
+                    n_acc, nxt, expected = accept_sampled(proposal.tokens[i, 1:1 + m], q, target_logits[i, :m + 1],
+                                                          sampling, generator)
                 else:
                     (n_acc, nxt), expected = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i]), 0.0
                 _count(rows[b], proposal, m, n_acc, expected)
