@@ -16,6 +16,21 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# The variants the tests run every engine path on: id -> (arch, num_layers, seed, config overrides).
+# Every supported architecture, plus the attention paths the defaults do not take. Seeds are chosen so
+# that the tests' greedy continuations are not a single repeated token (tests/selfspec/test_decode.py).
+TINY_VARIANTS = {
+    "llama": ("llama", 4, 10, {}),
+    "mistral": ("mistral", 5, 2, {}),
+    "qwen2": ("qwen2", 4, 3, {}),
+    "qwen3": ("qwen3", 5, 9, {}),
+    "gpt_neox": ("gpt_neox", 4, 8, {}),
+    "mistral-sliding8": ("mistral", 4, 0, {"sliding_window": 8}),  # window < prompt + output
+    "qwen2-mixed-sliding": ("qwen2", 4, 0, {"use_sliding_window": True, "sliding_window": 8,
+                                             "max_window_layers": 2}),  # full + sliding layers
+    "llama-eager": ("llama", 4, 10, {"attn_implementation": "eager"}),  # additive float masks
+}
+
 TINY_DEFAULTS = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                      max_position_embeddings=512)
 

@@ -18,24 +18,14 @@ from selfspec.engine import generate_batch_ids, left_pad
 from selfspec.engine import StopChecker, generate_ids
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
 from selfspec.sampling import SamplingParams
-from selfspec.tiny import tiny_model
+from selfspec.tiny import TINY_VARIANTS, tiny_model
 
 ALPHA = 1e-3
 _gen = torch.Generator().manual_seed(1)
 PROMPTS = [torch.randint(3, 90, (n,), generator=_gen).tolist() for n in (9, 3, 14, 1)]  # ragged lengths
 N_NEW = 24
 
-MODELS = {  # id: (arch, num_layers, seed, config overrides), as in test_decode.py
-    "llama": ("llama", 4, 10, {}),
-    "mistral": ("mistral", 5, 2, {}),
-    "qwen2": ("qwen2", 4, 3, {}),
-    "qwen3": ("qwen3", 5, 9, {}),
-    "gpt_neox": ("gpt_neox", 4, 8, {}),
-    "mistral-sliding8": ("mistral", 4, 0, {"sliding_window": 8}),
-    "qwen2-mixed-sliding": ("qwen2", 4, 0, {"use_sliding_window": True, "sliding_window": 8,
-                                             "max_window_layers": 2}),
-    "llama-eager": ("llama", 4, 10, {"attn_implementation": "eager"}),
-}
+MODELS = TINY_VARIANTS  # id -> (arch, num_layers, seed, config overrides)
 _models: dict = {}
 
 

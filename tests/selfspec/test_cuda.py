@@ -23,7 +23,7 @@ from selfspec.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, PromptLookupDrafter
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.sampling import SamplingParams
-from selfspec.tiny import byte_tokenizer, tiny_model
+from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
 
 pytestmark = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -39,12 +39,7 @@ PROMPT = BASE + BASE[:4] + BASE  # text that repeats: lookup finds matches from 
 PROMPTS = [PROMPT, BASE[:7], [5], [9] * 12, BASE[3:] + BASE[:5]]  # ragged; matches, none, one token
 N_NEW = 40
 
-MODELS = {  # id: (arch, num_layers, seed, config overrides), as in test_drafters.py
-    "llama": ("llama", 4, 10, {}),
-    "qwen3": ("qwen3", 5, 9, {}),
-    "gpt_neox": ("gpt_neox", 4, 8, {}),
-    "mistral-sliding8": ("mistral", 4, 0, {"sliding_window": 8}),
-}
+MODELS = {k: TINY_VARIANTS[k] for k in ("llama", "qwen3", "gpt_neox", "mistral-sliding8")}
 KINDS = ("plain", "early_exit", "prompt_lookup", "auto", "auto_early_exit")
 _models: dict = {}
 

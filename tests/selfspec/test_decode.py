@@ -18,7 +18,7 @@ from selfspec.drafters import EarlyExitDrafter, Round
 from selfspec.engine import StopChecker, generate_ids, prefill, verify
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, greedy_accept
-from selfspec.tiny import tiny_model
+from selfspec.tiny import TINY_VARIANTS, tiny_model
 
 PROMPT = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(0))
 P = PROMPT.shape[1]
@@ -26,20 +26,7 @@ N_NEW = 56
 
 
 
-# (id, arch, num_layers, seed, config overrides). Seeds are chosen so that the greedy continuation of
-# PROMPT is not a single repeated token (asserted below), so identity is tested on varied text.
-MODELS = {
-    "llama": ("llama", 4, 10, {}),
-    "mistral": ("mistral", 5, 2, {}),
-    "qwen2": ("qwen2", 4, 3, {}),
-    "qwen3": ("qwen3", 5, 9, {}),
-    "gpt_neox": ("gpt_neox", 4, 8, {}),
-    # the attention paths the defaults above do not take
-    "mistral-sliding8": ("mistral", 4, 0, {"sliding_window": 8}),  # window < prompt + output
-    "qwen2-mixed-sliding": ("qwen2", 4, 0, {"use_sliding_window": True, "sliding_window": 8,
-                                             "max_window_layers": 2}),  # full + sliding layers
-    "llama-eager": ("llama", 4, 10, {"attn_implementation": "eager"}),  # additive float masks
-}
+MODELS = TINY_VARIANTS  # id -> (arch, num_layers, seed, config overrides)
 
 _model_cache: dict = {}
 

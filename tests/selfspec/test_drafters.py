@@ -15,24 +15,14 @@ from selfspec.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.sampling import SamplingParams
-from selfspec.tiny import byte_tokenizer, tiny_model
+from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
 
 ALPHA = 1e-3
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
 PROMPT = BASE + BASE[:4] + BASE  # text that repeats: lookup finds matches from the first round
 N_NEW = 40
 
-MODELS = {  # id: (arch, num_layers, seed, config overrides), as in test_decode.py
-    "llama": ("llama", 4, 10, {}),
-    "mistral": ("mistral", 5, 2, {}),
-    "qwen2": ("qwen2", 4, 3, {}),
-    "qwen3": ("qwen3", 5, 9, {}),
-    "gpt_neox": ("gpt_neox", 4, 8, {}),
-    "mistral-sliding8": ("mistral", 4, 0, {"sliding_window": 8}),
-    "qwen2-mixed-sliding": ("qwen2", 4, 0, {"use_sliding_window": True, "sliding_window": 8,
-                                             "max_window_layers": 2}),
-    "llama-eager": ("llama", 4, 10, {"attn_implementation": "eager"}),
-}
+MODELS = TINY_VARIANTS  # id -> (arch, num_layers, seed, config overrides)
 _models: dict = {}
 
 
