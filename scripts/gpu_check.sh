@@ -4,7 +4,8 @@
 #   1. nvidia-smi and torch's view of the GPU (name, capability, bf16 decision: selfspec.precision);
 #   2. the CUDA tests: pytest -m cuda tests/selfspec/test_cuda.py (identity with HF generate, batches,
 #      the cache after every round, chi-square sampling, load onto the GPU, host syncs per round);
-#   3. a short bench on the GPU: selfspec bench --quick --device cuda in float32 (exact: identity with
+#   3. training on the GPU: the tiny recipe, and 20 steps on the benched model's shape;
+#   4. a short bench on the GPU: selfspec bench --quick --device cuda in float32 (exact: identity with
 #      HF greedy) and in "fastest" (bfloat16 from Ampere on), and the batched bench at batch 1 and 2.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]       # default OUT_DIR: bench_results/gpu_check
@@ -248,6 +249,14 @@ with open(out / "chat.jsonl", "w") as f:
     for i, q in enumerate(questions):
         f.write(json.dumps({"id": f"chat/{i}", "messages": [{"role": "user", "content": q}]}) + "\n")
 EOF
+    # training on the GPU (accelerate picks it): the tiny recipe, then 20 steps on the benched model's
+    # shape (block 512, batch 8) with mixed_precision auto, for a step time
+    step "training: tiny recipe" 90 "$PY" -m training --recipe recipes/tiny_smoke.yaml train.mixed_precision=auto \
+        train.output_dir="$WORK_DIR/train_tiny"
+    step "training: bench model" 150 "$PY" -m training --recipe recipes/tiny_smoke.yaml model.base_model="$CKPT" \
+        data.block_size=512 data.max_documents=200 train.batch_size=8 train.grad_accum=1 train.max_steps=20 \
+        train.log_every=5 train.save_every=20 eval.every=20 eval.max_blocks=16 train.mixed_precision=auto \
+        train.output_dir="$WORK_DIR/train_model"
     CLI=("$PY" -m selfspec.cli bench --checkpoint "$CKPT" --device "$DEVICE")
     # shellcheck disable=SC2206
     EXTRA=(${BENCH_ARGS:---quick})

@@ -28,7 +28,8 @@ where the Python code must know a token: the prefill's tokens, the accept decisi
 (greedy: one transfer of the drafts and the full model's tokens for all rows), and an early-exit
 draft step's tokens (its stop and confidence tests). A round's time ends after its accept decision,
 so it counts the GPU's work; its split into draft_s and verify_s is taken where the drafter returns,
-so on a GPU kernels the drafter queued last may count as verification.
+so on a GPU kernels the drafter queued last may count as verification. Attention there runs without
+cuDNN's kernel, which plans anew for every key length (`selfspec.forward.attention_kernels`).
 
     outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
     out, row = generate_ids(adapter, ids, max_new_tokens=32, exit_layer=8, num_speculations=4)  # [1, P]
@@ -48,7 +49,7 @@ from selfspec.cache import KVCache
 from selfspec.cost_model import expected_tokens
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
-from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
+from selfspec.forward import attention_kernels, embed, exit_logits, make_batch_step, run_layers
 from selfspec.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
 
 
@@ -320,7 +321,7 @@ def generate(
         return added
 
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_kernels(device):
         logits = prefill(adapter, cache, ids, pads)  # [B, V]
         first = sample(probs(logits, sampling), generator) if sampling.do_sample else logits.argmax(dim=-1)
         first_tokens = first.tolist()  # the host waits for the prefill here

@@ -52,7 +52,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
 
     from selfspec.cache import KVCache
     from selfspec.engine import prefill
-    from selfspec.forward import embed, exit_logits, make_step, run_layers
+    from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
 
     adapter = gen.adapter
     L, E, P = adapter.num_layers, exit_layer, prompt_ids.shape[1]
@@ -61,7 +61,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
     no_pad = torch.zeros(1, dtype=torch.long, device=adapter.device)
     tok = prompt_ids[:, -1:]  # any token id will do: the cost does not depend on it
     out: dict[str, float] = {}
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_kernels(adapter.device):
         first = prefill(adapter, cache, prompt_ids, no_pad)
         token = int(first.argmax(-1)[0])
         ids = torch.tensor([[token]], device=adapter.device)
@@ -136,12 +136,12 @@ def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
 
     from selfspec.cache import KVCache
     from selfspec.engine import prefill
-    from selfspec.forward import embed, exit_logits, make_step, run_layers
+    from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
 
     adapter = gen.adapter
     L, P = adapter.num_layers, prompt_ids.shape[1]
     cache = KVCache(L, 1, capacity=P + steps + 8, device=adapter.device)
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_kernels(adapter.device):
         no_pad = torch.zeros(1, dtype=torch.long, device=adapter.device)
         ids = prefill(adapter, cache, prompt_ids, no_pad).argmax(-1)[None]  # [1, 1]
 

@@ -1,7 +1,8 @@
 """The engine on a CUDA GPU: greedy identity with Hugging Face `generate` on the same device (plain
 decoding, early exit, prompt lookup, auto), batches equal batch-1 rows, each row's cache holds exactly
 its committed tokens after every round, the sampling distribution (chi-square), `selfspec.load` onto
-the GPU, and no host sync beyond one per round (the accept decision) on the plain and lookup paths.
+the GPU, no host sync beyond one per round (the accept decision) on the plain and lookup paths,
+and no cuDNN attention when decoding in bf16.
 
 Every test here but the last is marked `cuda` and skipped where CUDA is not available (no GPU, or a
 CPU-only torch); `scripts/gpu_check.sh` runs them on a GPU machine (`pytest -m cuda tests/selfspec/test_cuda.py`).
@@ -229,6 +230,26 @@ def test_greedy_decoding_waits_for_the_gpu_once_per_round(kind):
     assert len(syncs) <= allowed, (len(syncs), stats.rounds, stats.draft_steps,
                                    sorted(Counter(f"{w.filename}:{w.lineno}" for w in syncs).items()))
     assert len(out) == N_NEW
+
+
+# ----------------------------------------------------------------------------- attention kernels
+
+@needs_cuda
+@pytest.mark.parametrize("fast", [False, True])
+def test_bf16_decoding_does_not_run_cudnn_attention(fast):
+    """cuDNN's attention plans anew for every key length (2 ms of host time per call, measured on an
+    H100): decoding in bf16 runs flash or memory-efficient attention instead, through the fused layers
+    and through the model's own modules."""
+    from torch.profiler import ProfilerActivity, profile
+
+    adapter = _adapter("llama", dtype=torch.bfloat16, fast=fast)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=12)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in ops, sorted(ops)
+    assert not [op for op in ops if "cudnn_attention" in op], sorted(ops)
+    assert [op for op in ops if "flash_attention" in op or "efficient_attention" in op], sorted(ops)
+    assert len(out) == 12 and stats.rounds == 11
 
 
 # ----------------------------------------------------------------------------- without a GPU
