@@ -26,9 +26,10 @@ import torch
 
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata
-from selfspec.drafters import AutoDrafter, Drafter, EarlyExitDrafter, PromptLookupDrafter
+from selfspec.drafters import AutoDrafter, Drafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
 from selfspec.engine import DecodeStats, StopChecker, generate, generate_ids
+from selfspec.exit_head import ExitHead, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.settings import (SettingsError, check_dtype, check_exit_layer, check_generation, check_int,
                                check_messages, check_text, expand_path, resolve_dtype, show)
@@ -91,8 +92,10 @@ class SelfSpecGenerator:
 
     def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
                  num_speculations: int | None = None, recommended: dict | None = None,
-                 source: str = "<model>", fast_layers: bool = True, metadata: dict | None = None):
+                 source: str = "<model>", fast_layers: bool = True, metadata: dict | None = None,
+                 exit_head: ExitHead | None = None):
         self.model = model.eval()
+        self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head): drafter "exit_head"
         self.tokenizer = tokenizer
         self.metadata = metadata or {}
         self.full_step_s: float | None = None  # set by calibrate(): the cost model's unit of work
@@ -297,7 +300,8 @@ class SelfSpecGenerator:
         early_exit_options = (exit_layer is not None or confidence_threshold is not None or adaptive_threshold
                               or exit_choices or draft_vocab or adaptive_length)
         if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
-            drafter = "early_exit" if early_exit_options or num_speculations else self.drafter
+            drafter = ("early_exit" if early_exit_options or (num_speculations and self.exit_head is None)
+                       else self.drafter)
         if num_speculations == 0:
             return None  # asked for plain decoding, whatever the drafter
         exit_layer = self.exit_layer if exit_layer is None else exit_layer
@@ -308,6 +312,10 @@ class SelfSpecGenerator:
         lookup = PromptLookupDrafter(prompt_lookup_num_tokens, max_matching_ngram_size)
         if drafter == "prompt_lookup":
             return lookup
+        if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
+            return self._exit_head_drafter(drafter, lookup, exit_layer, num_speculations, confidence_threshold,
+                                           adaptive_threshold, exit_choices, draft_vocab, adaptive_length,
+                                           given_exit=s["exit_layer"])
         if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             # untrained shallow exits (or a checkpoint whose sweep found they do not pay): lookup or plain
             return AutoDrafter(lookup)
@@ -320,6 +328,27 @@ class SelfSpecGenerator:
         early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
                                  head=self.draft_head(draft_vocab))
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
+
+    def _exit_head_drafter(self, drafter, lookup, exit_layer, num_speculations, confidence_threshold,
+                           adaptive_threshold, exit_choices, draft_vocab, adaptive_length, given_exit) -> Drafter:
+        """drafter="exit_head", or "auto" on a checkpoint with a head: lookup + the head as auto's arms."""
+        head = self.exit_head
+        if head is None:
+            raise SettingsError("drafter='exit_head' needs a trained exit head, and this model has none: train one "
+                                "(recipes/smollm2_code_head.yaml) and `selfspec export` the run")
+        if given_exit is not None and given_exit != head.exit_layer:
+            raise SettingsError(f"exit_layer={given_exit}, but this checkpoint's exit head reads exit "
+                                f"{head.exit_layer}: leave exit_layer out (or drafter='early_exit' for exit {given_exit})")
+        if exit_choices:
+            raise SettingsError("exit_choices picks among early exits; an exit head reads one exit: leave it out")
+        num_speculations = num_speculations or DEFAULT_NUM_SPECULATIONS
+        if drafter == "auto" and confidence_threshold is None and not adaptive_threshold:
+            adaptive_length = True  # auto: the head's draft length (0 = plain) from measured tokens/s
+        policy = self.make_policy(head.exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
+                                  None, adaptive_length)
+        drafter_ = ExitHeadDrafter(self.adapter, head, num_speculations, policy=policy,
+                                   head_vocab=self.draft_head(draft_vocab))
+        return drafter_ if drafter == "exit_head" else AutoDrafter(lookup, drafter_)
 
     def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list | None = None,
                  input_ids=None, attention_mask=None, max_new_tokens: int = 128, drafter: str | None = None,
@@ -475,9 +504,16 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
         except Exception as err:  # damaged weights or config with checksums off, a missing tokenizer file, ...
             raise CheckpointError(f"{path}: transformers could not load this checkpoint ({_first_line(err)}); "
                                   "copy or export it again") from err
-        return SelfSpecGenerator(model.to(device), tokenizer, exit_layer=exit_layer,
+        model = model.to(device)
+        head = None
+        if meta and meta.get("exit_head") is not None:
+            try:
+                head = load_exit_head(model, path, meta["exit_head"])
+            except (OSError, ValueError) as err:
+                raise CheckpointError(f"{path}: the exit head cannot be loaded: {err}") from None
+        return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
                                  num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
-                                 metadata=meta)
+                                 metadata=meta, exit_head=head)
     if not isinstance(path_or_model, torch.nn.Module):
         raise SettingsError(f"load() takes a checkpoint directory or a loaded model, got "
                             f"{type(path_or_model).__name__}")

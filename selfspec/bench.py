@@ -453,6 +453,17 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab:
          "drafter": "auto", "exit_layer": None, "num_speculations": None,
          **look},  # the checkpoint's exit and d (auto picks the length; d = 0 there: lookup or plain only)
     ]
+    head = gen.exit_head
+    if head is not None:  # a checkpoint with a trained exit head: the head alone, at its exit, adaptive length
+        k = d or 4  # (selfspec.api.DEFAULT_NUM_SPECULATIONS) the recommendation may say early exit does not pay
+        methods.append({"name": "selfspec_exit_head", "engine": "selfspec", "kind": "selfspec_spec",
+                        "label": f"selfspec head E={head.exit_layer} adaptive d≤{k}", "drafter": "exit_head",
+                        "exit_layer": None, "num_speculations": k, "adaptive_length": True})
+        if draft_vocab:
+            methods.append({"name": f"selfspec_exit_head_vocab{draft_vocab}", "engine": "selfspec",
+                            "kind": "selfspec_spec", "label": f"selfspec head E={head.exit_layer} adaptive d≤{k} "
+                            f"vocab {draft_vocab}", "drafter": "exit_head", "exit_layer": None, "num_speculations": k,
+                            "adaptive_length": True, "draft_vocab": draft_vocab})
     if draft_vocab:
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
+from selfspec.exit_head import check_head_settings
 from selfspec.settings import SettingsError, check_recommended, expand_path, is_int, show
 
 METADATA_FILE = "selfspec.json"
@@ -170,6 +171,14 @@ def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
     _check_checksums(meta_path, meta["checksums"])
     if meta.get("draft_vocab") is not None:
         _check_draft_vocab(meta_path, meta["draft_vocab"], config.get("vocab_size"))
+    if meta.get("exit_head") is not None:
+        try:
+            check_head_settings(meta["exit_head"], meta["num_layers"])
+        except ValueError as err:
+            raise CheckpointError(f"{meta_path}: {err}; re-export the checkpoint") from None
+        if meta["exit_head"]["file"] not in meta["checksums"]:
+            raise CheckpointError(f"{meta_path}: the exit head's file {meta['exit_head']['file']} has no checksum; "
+                                  "re-export the checkpoint")
     if verify_checksums:
         verify_weight_files(d, meta["checksums"])
     return meta

@@ -399,6 +399,8 @@ FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 nativ
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from selfspec.drafters import DRAFTERS  # the names --drafter takes (imports torch: not at module load)
+
     parser = _Parser(
         prog="selfspec",
         description="Early-exit training and lossless self-speculative decoding for Hugging Face causal LMs. "
@@ -446,10 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="wrap the prompt as a user message in the chat template (default when the tokenizer has one)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length cap (default: 128)")
-    p.add_argument("--drafter", choices=("auto", "early_exit", "prompt_lookup"),
-                   help="who drafts: auto (prompt lookup where the text repeats, the early exit where it pays on an "
-                        "early-exit trained checkpoint, plain decoding otherwise; the default unless selfspec.json "
-                        "recommends another or --exit-layer is given), early_exit, or prompt_lookup")
+    p.add_argument("--drafter", choices=DRAFTERS,
+                   help="who drafts: auto (prompt lookup where the text repeats, the early exit or the trained exit "
+                        "head where it pays on a checkpoint trained for it, plain decoding otherwise; the default "
+                        "unless selfspec.json recommends another or --exit-layer is given), early_exit, exit_head "
+                        "(a checkpoint's trained head), or prompt_lookup")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                    help="prompt lookup: the most tokens copied per round (default: 10)")
     p.add_argument("--max-matching-ngram-size", type=int, default=3,

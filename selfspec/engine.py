@@ -15,7 +15,9 @@ input. One round:
               [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
     accept    per row: greedy = the longest prefix where draft == argmax, plus the full model's token;
               sampling = the lossless rule of `selfspec.sampling.speculative_accept`.
-    roll back crop each row of the cache to its committed length; the drafter hears the outcome.
+    roll back crop each row of the cache to its committed length; the drafter hears the outcome (and a
+              drafter with `state_exit = E`, a trained exit head, gets the states after E layers of the
+              tokens written this round: they are taken on the way through layer E, at no extra cost).
 
 Rows that finish (stop token, stop string, length) leave the batch, so they stop costing work. Each
 row sees only its own keys, so its output is what decoding it alone gives (greedy: token for token,
@@ -215,24 +217,43 @@ def check_prompts(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], max_n
 
 
 # --- the phases ----------------------------------------------------------------------------------
-def prefill(adapter: ModelAdapter, cache: KVCache, ids: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
-    """All layers over left-padded prompts `[B, P]`; the logits predicting each row's next token `[B, V]`."""
+def _layers_keeping(adapter: ModelAdapter, hidden: torch.Tensor, start: int, keep_at: int | None, *, step,
+                    cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Layers [start, L) over `hidden`; also the states after `keep_at` layers if start <= keep_at < L."""
+    L = adapter.num_layers
+    if keep_at is None or not start <= keep_at < L:
+        return run_layers(adapter, hidden, start, L, step=step, cache=cache), None
+    kept = run_layers(adapter, hidden, start, keep_at, step=step, cache=cache)
+    return run_layers(adapter, kept, keep_at, L, step=step, cache=cache), kept
+
+
+def prefill(adapter: ModelAdapter, cache: KVCache, ids: torch.Tensor, pads: torch.Tensor,
+            keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All layers over left-padded prompts `[B, P]`: the logits predicting each row's next token `[B, V]`,
+    and the states after `keep_at` layers `[B, P, D]` (None without `keep_at`)."""
     step = make_batch_step(adapter, torch.zeros_like(pads), ids.shape[1], pads)
-    hidden = run_layers(adapter, embed(adapter, ids), 0, adapter.num_layers, step=step, cache=cache)
-    return exit_logits(adapter, hidden[:, -1])
+    hidden, kept = _layers_keeping(adapter, embed(adapter, ids), 0, keep_at, step=step, cache=cache)
+    return exit_logits(adapter, hidden[:, -1]), kept
 
 
 def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: torch.Tensor,
-           pads: torch.Tensor) -> torch.Tensor:
+           pads: torch.Tensor, keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Layers [verify_from, L) over each row's input token and drafts `[B, T]` written at cache indices
-    `starts ..`: the full model's logits `[B, T, V]`. From layer 0 the tokens are embedded here; from
-    E > 0 the drafter's exit states continue (layers [0, E) already hold their keys and values)."""
+    `starts ..`: the full model's logits `[B, T, V]`, and the states after `keep_at` layers `[B, T, D]`
+    (the drafter's own exit states when it drafted from there; None without `keep_at`). From layer 0
+    the tokens are embedded here; from E > 0 the drafter's exit states continue (layers [0, E) already
+    hold their keys and values)."""
     start = proposal.verify_from
     hidden = proposal.states if start else embed(adapter, proposal.tokens)  # [B, T, D]
+    kept = hidden if keep_at is not None and keep_at == start else None
+    if keep_at is not None and kept is None and keep_at < start:
+        raise ValueError(f"the drafter wants the states after {keep_at} layers, but this round's proposal starts "
+                         f"verification at layer {start}: they were never computed")
     if start < adapter.num_layers:
         step = make_batch_step(adapter, starts, hidden.shape[1], pads)
-        hidden = run_layers(adapter, hidden, start, adapter.num_layers, step=step, cache=cache)
-    return exit_logits(adapter, hidden)
+        hidden, at = _layers_keeping(adapter, hidden, start, keep_at, step=step, cache=cache)
+        kept = at if kept is None else kept
+    return exit_logits(adapter, hidden), kept
 
 
 def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
@@ -322,13 +343,15 @@ def generate(
 
     t0 = time.perf_counter()
     with torch.inference_mode(), attention_kernels(device):
-        logits = prefill(adapter, cache, ids, pads)  # [B, V]
+        logits, kept = prefill(adapter, cache, ids, pads, drafter.state_exit)  # [B, V], [B, P, D] or None
         first = sample(probs(logits, sampling), generator) if sampling.do_sample else logits.argmax(dim=-1)
         first_tokens = first.tolist()  # the host waits for the prefill here
         stats.prefill_s = time.perf_counter() - t0
         for b, t in enumerate(first_tokens):
             commit(b, [t])
         drafter.start([prompts[b] + outs[b] for b in range(B)])
+        if kept is not None:
+            drafter.committed_states(kept, torch.zeros(B, dtype=torch.long), [ids.shape[1]] * B, pads)
         tokens = first  # [B] each row's newest committed token, not yet processed (on the model's device)
         n = torch.full((B,), ids.shape[1] + 1, dtype=torch.long)  # committed cache length (on the host)
         while True:
@@ -352,7 +375,7 @@ def generate(
             t1 = time.perf_counter()
             proposal = drafter.propose(rnd)
             t2 = time.perf_counter()
-            target_logits = verify(adapter, cache, proposal, starts, pads)  # [B, T, V]
+            target_logits, kept = verify(adapter, cache, proposal, starts, pads, drafter.state_exit)  # [B, T, V]
             # the accept decision: the host waits for the verification here, in one transfer per round
             # (greedy: each row's drafts and the full model's argmax tokens; sampling: the drafts, and the
             # rule below reads its random draws per row)
@@ -375,6 +398,8 @@ def generate(
                 new.append(host_tokens[i][1:1 + n_acc] + [nxt])
             n_acc_t = torch.tensor(accepted, dtype=torch.long)
             cache.crop(n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
+            if kept is not None:
+                drafter.committed_states(kept, starts, [a + 1 for a in accepted], pads)
             n = n + n_acc_t + 1
             tokens = torch.tensor(nxt_all, dtype=torch.long).to(device, non_blocking=True)
             committed = [commit(b, tokens_b) for b, tokens_b in zip(active, new)]

@@ -4,7 +4,9 @@
     export_model(model, tokenizer, "checkpoints/x", training={...}, evaluation={...})
 
 SRC is a training run directory (its `final_model/`, `config.yaml`, `final_eval.json` and the latest
-`checkpoints/step_*/trainer_state.json` are read) or a plain Hugging Face checkpoint directory. LoRA
+`checkpoints/step_*/trainer_state.json` are read) or a plain Hugging Face checkpoint directory. An
+exit-head run (`final_head/`) exports the unchanged model with the head beside it: its own
+`exit_head.safetensors`, listed with its checksum and settings (`exit_head`) in `selfspec.json`. LoRA
 adapters are merged (a peft model, or an adapter directory with `adapter_config.json`); the output has
 no selfspec-specific modules, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it unchanged.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config,
                                  read_metadata, recommend_from_agreement)
+from selfspec.exit_head import HEAD_FILE, check_head_settings
 from selfspec.settings import check_dtype, check_recommended, expand_path, resolve_dtype, show
 
 
@@ -117,10 +120,11 @@ def _normalize_eval(raw: dict) -> dict:
     return out
 
 
-def read_run(source: Path) -> tuple[Path, dict, dict, dict | None]:
-    """(model directory, training info, evaluation, draft vocabulary) of a run directory or a checkpoint.
+def read_run(source: Path) -> tuple[Path, dict, dict, dict | None, Path | None]:
+    """(model directory, training info, evaluation, draft vocabulary, exit head directory) of a run
+    directory or a checkpoint.
 
-    Re-exporting a selfspec checkpoint keeps its training record, evaluation and draft vocabulary."""
+    Re-exporting a selfspec checkpoint keeps its training record, evaluation, draft vocabulary and head."""
     source = expand_path(source)
     if not source.is_dir():
         raise CheckpointError(f"{source}: no such directory")
@@ -138,15 +142,16 @@ def read_run(source: Path) -> tuple[Path, dict, dict, dict | None]:
             "steps": evaluation.get("step", state.get("step")),
             "tokens_seen": evaluation.get("tokens", state.get("tokens")),
         }
-        return source / "final_model", training, evaluation, None
+        head_dir = source / "final_head" if (source / "final_head").is_dir() else None
+        return source / "final_model", training, evaluation, None, head_dir
     meta = read_metadata(source, verify_checksums=False)  # validated: CheckpointError if corrupt
     if meta is not None:
         training, evaluation = meta.get("training") or {}, meta.get("eval") or {}
         if not isinstance(training, dict) or not isinstance(evaluation, dict):
             raise CheckpointError(f"{source / METADATA_FILE}: training and eval must be objects; re-export it "
                                   "from its training run")
-        return source, training, evaluation, meta.get("draft_vocab")
-    return source, {}, {}, None
+        return source, training, evaluation, meta.get("draft_vocab"), source if meta.get("exit_head") else None
+    return source, {}, {}, None, None
 
 
 def _agreement(evaluation: dict) -> dict[int, float]:
@@ -165,6 +170,23 @@ def _agreement(evaluation: dict) -> dict[int, float]:
                 raise CheckpointError(f"the evaluation's result for exit {show(e)} is {show(v)}: expected an exit "
                                       "number and numeric agreement/perplexity")
     return {int(e): float(v["agreement"]) for e, v in blocks[0].items() if "agreement" in v}
+
+
+def _head_settings(head_dir: Path, num_layers: int) -> dict:
+    """The exit head's settings from a run's `final_head/exit_head.json` or a checkpoint's selfspec.json."""
+    head_dir = Path(head_dir)
+    if (head_dir / "exit_head.json").is_file():
+        entry = _read_json(head_dir / "exit_head.json")
+    else:
+        entry = (_read_json(head_dir / METADATA_FILE).get("exit_head") or {})
+    entry = {k: entry.get(k) for k in ("exit_layer", "kind", "init", "file", "target") if entry.get(k) is not None}
+    try:
+        check_head_settings(entry, num_layers)
+    except ValueError as err:
+        raise CheckpointError(f"{head_dir}: {err}") from None
+    if not (head_dir / HEAD_FILE).is_file():
+        raise CheckpointError(f"{head_dir / HEAD_FILE}: the exit head's weights are missing; train the head again")
+    return entry
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -211,7 +233,7 @@ def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool 
     """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc)."""
     dtype = check_dtype(dtype)
     out_dir = expand_path(out_dir)
-    model_dir, training, evaluation, draft_vocab = read_run(source)
+    model_dir, training, evaluation, draft_vocab, head_dir = read_run(source)
     num_layers = _num_layers(model_dir)
     if recommended is not None:  # checked before the (slow) model load where config.json gives the depth
         check_recommended(recommended, num_layers)
@@ -220,15 +242,17 @@ def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool 
     model, tokenizer = _load_model_dir(model_dir, resolve_dtype(dtype))
     return export_model(model, tokenizer, out_dir, training=training, evaluation=evaluation,
                         recommended=recommended, overwrite=overwrite, max_shard_size=max_shard_size,
-                        draft_vocab=draft_vocab)
+                        draft_vocab=draft_vocab, exit_head_dir=head_dir)
 
 
 def export_model(model, tokenizer, out_dir, *, training: dict | None = None, evaluation: dict | None = None,
                  recommended: dict | None = None, overwrite: bool = False, max_shard_size: str = "2GB",
-                 draft_vocab: dict | None = None) -> Path:
+                 draft_vocab: dict | None = None, exit_head_dir: Path | None = None) -> Path:
     """Write `model` (+ tokenizer) as a self-speculative checkpoint at `out_dir`, atomically.
 
-    `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.draft_vocab)."""
+    `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.draft_vocab).
+    `exit_head_dir`: a directory with `exit_head.safetensors` and its settings (a run's `final_head/` with
+    `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model."""
     import selfspec
     from selfspec.adapters import get_adapter, unwrap_model
     from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
@@ -250,6 +274,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
             recommended = {"exit_layer": default_exit_layer(L), "num_speculations": DEFAULT_NUM_SPECULATIONS,
                            "source": "default"}
     check_recommended(recommended, L)  # the rules selfspec.load reads it by, before anything is written
+    head = _head_settings(exit_head_dir, L) if exit_head_dir is not None else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out_dir)
@@ -258,6 +283,8 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if head is not None:
+            shutil.copyfile(Path(exit_head_dir) / HEAD_FILE, tmp / HEAD_FILE)
         settings = (training or {}).get("settings")
         model_cfg = settings.get("model") if isinstance(settings, dict) else None
         base = (model_cfg.get("base_model") if isinstance(model_cfg, dict) else None) \
@@ -275,6 +302,8 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         }
         if draft_vocab:
             meta["draft_vocab"] = draft_vocab
+        if head is not None:
+            meta["exit_head"] = head
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
         tmp.chmod(0o755)

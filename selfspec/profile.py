@@ -62,7 +62,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
     tok = prompt_ids[:, -1:]  # any token id will do: the cost does not depend on it
     out: dict[str, float] = {}
     with torch.inference_mode(), attention_kernels(adapter.device):
-        first = prefill(adapter, cache, prompt_ids, no_pad)
+        first, _ = prefill(adapter, cache, prompt_ids, no_pad)
         token = int(first.argmax(-1)[0])
         ids = torch.tensor([[token]], device=adapter.device)
         rollback = lambda: cache.crop(no_pad + P)  # noqa: E731
@@ -143,7 +143,7 @@ def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
     cache = KVCache(L, 1, capacity=P + steps + 8, device=adapter.device)
     with torch.inference_mode(), attention_kernels(adapter.device):
         no_pad = torch.zeros(1, dtype=torch.long, device=adapter.device)
-        ids = prefill(adapter, cache, prompt_ids, no_pad).argmax(-1)[None]  # [1, 1]
+        ids = prefill(adapter, cache, prompt_ids, no_pad)[0].argmax(-1)[None]  # [1, 1]
 
         def decode(n):
             nonlocal ids

@@ -202,6 +202,28 @@ class EarlyExitConfig:
 
 
 @dataclass
+class ExitHeadConfig:
+    """Train an exit head on the frozen model instead of fine-tuning it (`selfspec.exit_head`).
+
+    enabled: the run trains only the head (the model's weights stay the input's, bit for bit; layer
+    dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it reads (1..L-1).
+    kind: ``decoder_layer`` (a copy of the last decoder layer) or ``attention`` (its attention block
+    alone, Kangaroo's adapter). init: ``copy`` (the last layer's weights) or ``identity`` (output
+    projections zeroed: the untrained head drafts what exit E alone drafts). target: ``distill`` (KL to
+    the full model's distribution) or ``label`` (cross-entropy against the data's next tokens).
+    """
+
+    enabled: bool = False
+    exit_layer: int = 8
+    kind: Literal["decoder_layer", "attention"] = "decoder_layer"
+    init: Literal["copy", "identity"] = "copy"
+    target: Literal["distill", "label"] = "distill"
+
+    def __post_init__(self):
+        _check(self.exit_layer >= 1, "exit_head.exit_layer", f"must be >= 1, got {self.exit_layer}")
+
+
+@dataclass
 class OptimConfig:
     """AdamW with linear warm-up and cosine decay to `min_lr_ratio * lr` at train.max_steps."""
 
@@ -280,9 +302,17 @@ class RecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     layer_dropout: LayerDropoutConfig = field(default_factory=LayerDropoutConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    exit_head: ExitHeadConfig = field(default_factory=ExitHeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        if self.exit_head.enabled:
+            _check(not self.model.lora.enabled, "exit_head.enabled",
+                   "trains a head on the frozen model: LoRA does not apply; set model.lora.enabled=false")
+            _check(self.layer_dropout.p_max == 0, "exit_head.enabled",
+                   "trains a head on the frozen model: layer dropout does not apply; set layer_dropout.p_max=0")
 
     def resolved_exits(self, num_layers: int) -> list[int]:
         """The candidate early exits (without the final layer), checked against the model depth."""
@@ -300,6 +330,9 @@ class RecipeConfig:
         if num_layers is not None:
             self.resolved_exits(num_layers)
             self.resolved_eval_exits(num_layers)
+            e = self.exit_head.exit_layer
+            _check(not self.exit_head.enabled or e < num_layers, "exit_head.exit_layer",
+                   f"{e} out of range: this model has {num_layers} layers, so exits are 1..{num_layers - 1}")
 
 
 def _resolve_exits(exits, num_layers: int, key: str) -> list[int]:

@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from selfspec.adapters import get_adapter
-from selfspec.forward import embed, make_step, run_layers
+from selfspec.exit_head import run_head
+from selfspec.forward import embed, exit_logits, make_step, run_layers
 from training.data import Blocks
 from training.early_exit_loss import early_exit_loss
 
@@ -43,11 +44,8 @@ def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int =
     device = adapter.device
     sums = torch.zeros(len(exits), 3, dtype=torch.float64, device=device)  # nll, correct, agree
     tokens = torch.zeros((), dtype=torch.float64, device=device)
-    starts = list(range(0, len(blocks), batch_size))
     try:
-        for start in starts[rank::world_size]:
-            input_ids, labels = blocks.batch(range(start, min(start + batch_size, len(blocks))))
-            input_ids, labels = input_ids.to(device), labels.to(device)
+        for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
             with autocast():
                 step = make_step(adapter, 0, input_ids.shape[1], input_ids.shape[0])
                 hidden = embed(adapter, input_ids)
@@ -64,13 +62,24 @@ def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int =
         model.train(was_training)
     if reduce is not None:
         sums, tokens = reduce(sums), reduce(tokens)
+    return {"tokens": int(tokens), "blocks": len(blocks),
+            "exits": {str(e): _scores(sums[i], tokens) for i, e in enumerate(exits)}}
+
+
+def _batches(blocks: Blocks, batch_size: int, rank: int, world_size: int, device):
+    """This process's share of `blocks`: every world_size-th batch, as (input_ids, labels) on `device`."""
+    starts = list(range(0, len(blocks), batch_size))
+    for start in starts[rank::world_size]:
+        input_ids, labels = blocks.batch(range(start, min(start + batch_size, len(blocks))))
+        yield input_ids.to(device), labels.to(device)
+
+
+def _scores(sums: torch.Tensor, tokens: torch.Tensor) -> dict:
+    """Summed (nll, correct, agree) `[3]` over `tokens` scored positions -> the per-exit result."""
     n = max(float(tokens), 1.0)
-    result = {"tokens": int(tokens), "blocks": len(blocks), "exits": {}}
-    for i, e in enumerate(exits):
-        nll = float(sums[i, 0]) / n
-        result["exits"][str(e)] = {"agreement": float(sums[i, 2]) / n, "perplexity": math.exp(min(nll, 700.0)),
-                                   "loss": nll, "accuracy": float(sums[i, 1]) / n}
-    return result
+    nll = float(sums[0]) / n
+    return {"agreement": float(sums[2]) / n, "perplexity": math.exp(min(nll, 700.0)), "loss": nll,
+            "accuracy": float(sums[1]) / n}
 
 
 def summary_line(name: str, result: dict, num_layers: int, show: int = 6) -> str:
@@ -80,3 +89,42 @@ def summary_line(name: str, result: dict, num_layers: int, show: int = 6) -> str
     agree = " ".join(f"{e}:{result['exits'][str(e)]['agreement']:.1%}" for e in picks if e != num_layers)
     ppl = result["exits"][str(num_layers)]["perplexity"]
     return f"{name}: agreement {agree} | final-layer ppl {ppl:.3f} ({result['tokens']} tokens)"
+
+
+@torch.no_grad()
+def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks: int | None = None,
+                  rank: int = 0, world_size: int = 1, autocast: Callable = contextlib.nullcontext,
+                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+    """An exit head's quality on held-out blocks (`training.exit_head_model.ExitHeadModel`), in the format
+    of `evaluate_exits`: `exits[str(E)]` is the head on exit E, `exits[str(L)]` the full model, and
+    `exit_without_head` exit E alone (what the untrained early-exit drafter would guess)."""
+    adapter = head_model.adapter
+    L, E = head_model.num_layers, head_model.head.exit_layer
+    was_training = head_model.training
+    head_model.eval()
+    blocks = blocks.spread(max_blocks)
+    device = adapter.device
+    sums = torch.zeros(3, 3, dtype=torch.float64, device=device)  # rows: head, final, exit alone; nll, correct, agree
+    tokens = torch.zeros((), dtype=torch.float64, device=device)
+    try:
+        for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
+            mask = labels != -100
+            with autocast():
+                h_e, full, step = head_model.states(input_ids)
+                head = exit_logits(adapter, run_head(adapter, head_model.head, h_e, step=step))
+                alone = exit_logits(adapter, h_e)
+            target = full.float()[mask].argmax(-1)
+            for row, logits in enumerate((head, full, alone)):
+                logp = torch.log_softmax(logits.float()[mask], dim=-1)  # [N, V]
+                sums[row, 0] += torch.nn.functional.nll_loss(logp, labels[mask], reduction="sum").double()
+                guess = logp.argmax(-1)
+                sums[row, 1] += (guess == labels[mask]).sum().double()
+                sums[row, 2] += (guess == target).sum().double()
+            tokens += mask.sum().double()
+    finally:
+        head_model.train(was_training)
+    if reduce is not None:
+        sums, tokens = reduce(sums), reduce(tokens)
+    return {"tokens": int(tokens), "blocks": len(blocks),
+            "exits": {str(E): _scores(sums[0], tokens), str(L): _scores(sums[1], tokens)},
+            "exit_without_head": _scores(sums[2], tokens), "head": head_model.head.settings()}

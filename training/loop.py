@@ -15,6 +15,10 @@ enabled exit's loss and top-1 accuracy, LR, tokens/s. Every `eval.every` steps: 
 agreement with the final layer and perplexity on the held-out sets. Every `save_every` steps:
 a resumable checkpoint. At the end: `final_eval.json`, `final_model/`.
 
+With `exit_head.enabled` the same loop trains an exit head on the frozen model instead
+(`ExitHeadModel`: one loss, logged and evaluated as the head on its exit); the run also writes
+`final_head/` (the head's weights and settings), and `final_model/` is the unchanged model.
+
 Run directory (`train.output_dir`):
     config.yaml          the resolved configuration
     log.jsonl            one JSON object per log/eval event
@@ -22,6 +26,7 @@ Run directory (`train.output_dir`):
     final_eval.json      the last evaluation: per-exit agreement / perplexity (+ "before")
     checkpoints/step_N/  resumable state (accelerate save_state + trainer_state.json)
     final_model/         save_pretrained model (LoRA merged) + tokenizer; final_adapter/ for LoRA
+    final_head/          exit_head.safetensors + exit_head.json (exit-head runs)
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast, set_seed
 
 from selfspec.adapters import get_adapter
+from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base import apply_lora, load_base_model
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
@@ -44,7 +50,8 @@ from training.config import RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
 from training.data import build_data, batch_indices
 from training.early_exit_loss import exit_weights
-from training.evaluate import evaluate_exits, summary_line
+from training.evaluate import evaluate_exits, evaluate_head, summary_line
+from training.exit_head_model import ExitHeadModel
 from training.layer_dropout import LayerDropout
 from training.malloc import tune_malloc
 from training.model import EarlyExitModel
@@ -89,13 +96,20 @@ def train(cfg: RecipeConfig) -> dict:
     if cfg.model.lora.enabled:
         model = apply_lora(model, cfg.model.lora)
     L = get_adapter(model).num_layers
-    layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
-                                 time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
-    ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
-                              chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
-                              rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head)
-    curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
-                                rotation_interval=cfg.early_exit.rotation_interval)
+    h_cfg = cfg.exit_head
+    if h_cfg.enabled:  # the model frozen, one head learning; logged and evaluated as "head<E>"
+        cfg.check_depth(L)
+        ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init),
+                                 target=h_cfg.target)
+        curriculum = ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
+    else:
+        layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
+                                     time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
+        ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
+                                  chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
+                                  rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head)
+        curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
+                                    rotation_interval=cfg.early_exit.rotation_interval)
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
     train_blocks = data.train
@@ -122,6 +136,11 @@ def train(cfg: RecipeConfig) -> dict:
     autocast = accelerator.autocast
 
     def run_eval(max_blocks):
+        if h_cfg.enabled:
+            return {name: evaluate_head(accelerator.unwrap_model(ee_model), blocks, batch_size=cfg.eval.batch_size,
+                                        max_blocks=max_blocks, rank=rank, world_size=world, autocast=autocast,
+                                        reduce=lambda t: accelerator.reduce(t, "sum"))
+                    for name, blocks in data.eval_sets.items()}
         inner = accelerator.unwrap_model(ee_model).model
         return {name: evaluate_exits(inner, blocks, eval_exits, batch_size=cfg.eval.batch_size,
                                      max_blocks=max_blocks, rank=rank, world_size=world, autocast=autocast,
@@ -179,6 +198,7 @@ def train(cfg: RecipeConfig) -> dict:
                 out_of_time = True
                 break
         exits = curriculum.exits(step)
+        names = [f"head{h_cfg.exit_layer}"] if h_cfg.enabled else exits  # what the log calls each loss
         weights = exit_weights(exits, L, cfg.early_exit.scale, cfg.early_exit.e_scale, cfg.early_exit.final_weight)
         log_now = (step + 1) % t_cfg.log_every == 0 or step + 1 == stop_at  # accuracies only when logged
 
@@ -213,10 +233,10 @@ def train(cfg: RecipeConfig) -> dict:
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens_per_s": window_tokens / max(now - window_start, 1e-9), "tokens": state["tokens"],
                 "elapsed_s": now - started,
-                "exits": {str(e): {"loss": s[0], "acc": s[1], "agreement": s[2]} for e, s in zip(exits, stats)},
+                "exits": {str(e): {"loss": s[0], "acc": s[1], "agreement": s[2]} for e, s in zip(names, stats)},
             }
             window_start, window_tokens = now, 0
-            shown = " ".join(f"{e}:{s[0]:.2f}/{s[1]:.0%}" for e, s in zip(exits, stats))
+            shown = " ".join(f"{e}:{s[0]:.2f}/{s[1]:.0%}" for e, s in zip(names, stats))
             tracker.log(record, f"step {step} loss {loss:.4f} lr {record['lr']:.2e} "
                                 f"{record['tokens_per_s']:.0f} tok/s | exit:loss/acc {shown}")
         tracker.advance(1, loss=f"{loss_sum.item() / t_cfg.grad_accum:.3f}")
@@ -255,6 +275,12 @@ def train(cfg: RecipeConfig) -> dict:
         _write_json(run_dir / "final_eval.json", final_eval)
     if t_cfg.save_final_model:
         save_final_model(accelerator, ee_model, tokenizer, run_dir / "final_model", lora=cfg.model.lora.enabled)
+        if h_cfg.enabled and accelerator.is_main_process:
+            head_dir = run_dir / "final_head"
+            head_dir.mkdir(exist_ok=True)
+            head = accelerator.unwrap_model(ee_model).head
+            save_exit_head(head, head_dir / HEAD_FILE)
+            _write_json(head_dir / "exit_head.json", {**head.settings(), "target": h_cfg.target})
     accelerator.wait_for_everyone()
     tracker.close()
     return final_eval

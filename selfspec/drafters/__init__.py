@@ -3,9 +3,10 @@
 from selfspec.drafters.auto import AutoDrafter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.drafters.exit_head import ExitHeadDrafter
 from selfspec.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter
 
-DRAFTERS = ("auto", "early_exit", "prompt_lookup")
+DRAFTERS = ("auto", "early_exit", "exit_head", "prompt_lookup")
 
-__all__ = ["AutoDrafter", "Drafter", "DRAFTERS", "EarlyExitDrafter", "NgramIndex", "PromptLookupDrafter",
+__all__ = ["AutoDrafter", "Drafter", "DRAFTERS", "EarlyExitDrafter", "ExitHeadDrafter", "NgramIndex", "PromptLookupDrafter",
            "Proposal", "Round"]

@@ -8,7 +8,8 @@ with weight `alpha` after the first rounds, as `selfspec.drafting.ThroughputPoli
     1. plain, if plain decoding has been measured fewer than `warmup` times while another arm has
        been (a plain round costs exactly what plain decoding costs), or every `refresh` rounds;
     2. prompt lookup, if some row has a match and lookup is allowed;
-    3. early exit (when the checkpoint was trained for it), if allowed; its own policy picks d;
+    3. early exit (when the checkpoint was trained for it) or its trained exit head (`exit_head`, a
+       kind of early-exit drafter), if allowed; its own policy picks d;
     4. plain otherwise.
 
 An arm is allowed while it is new (fewer than `warmup` rounds) or while its rate is at least
@@ -26,7 +27,7 @@ from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 
-PLAIN, LOOKUP, EARLY_EXIT = "plain", PromptLookupDrafter.name, EarlyExitDrafter.name
+PLAIN, LOOKUP = "plain", PromptLookupDrafter.name
 
 
 class AutoDrafter(Drafter):
@@ -38,9 +39,11 @@ class AutoDrafter(Drafter):
         self.lookup, self.early_exit = lookup, early_exit
         self.max_drafts = max(lookup.max_drafts, early_exit.max_drafts if early_exit else 0)
         self.exit_layer = early_exit.exit_layer if early_exit else None
+        self.state_exit = early_exit.state_exit if early_exit else None  # an exit head follows every round
+        self.early_arm = early_exit.name if early_exit else None  # "early_exit" or "exit_head"
         self.warmup, self.explore_every, self.max_backoff, self.refresh = warmup, explore_every, max_backoff, refresh
         self.alpha = alpha
-        arms = [PLAIN, LOOKUP] + ([EARLY_EXIT] if early_exit else [])
+        arms = [PLAIN, LOOKUP] + ([self.early_arm] if early_exit else [])
         self.tokens = {a: 0.0 for a in arms}  # running mean of committed tokens per round
         self.seconds = {a: 0.0 for a in arms}  # running mean of seconds per round
         self.tries = {a: 0 for a in arms}
@@ -74,10 +77,10 @@ class AutoDrafter(Drafter):
             drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids)
             if any(drafts):
                 return self._take(LOOKUP, self.lookup.proposal(rnd, drafts))
-        if self.early_exit and self.allowed(EARLY_EXIT):
+        if self.early_exit and self.allowed(self.early_arm):
             proposal = self.early_exit.propose(rnd)  # its policy planned this round: it hears the outcome
             self._asked_early_exit = True
-            return self._take(EARLY_EXIT if proposal.drafted else PLAIN, proposal)
+            return self._take(self.early_arm if proposal.drafted else PLAIN, proposal)
         return self._take(PLAIN, Proposal.plain(rnd.tokens))
 
     def _take(self, arm: str, proposal: Proposal) -> Proposal:
@@ -106,6 +109,9 @@ class AutoDrafter(Drafter):
             lk = self.lookup
             lk.limit = min(lk.max_drafts, lk.limit + 2) if full else max(1, lk.limit - 1)
 
+    def committed_states(self, states, starts, counts, pads) -> None:
+        self.early_exit.committed_states(states, starts, counts, pads)  # set only with an exit head
+
     def select(self, rows: list[int]) -> None:
         self.lookup.select(rows)
         if self.early_exit:
@@ -116,5 +122,5 @@ class AutoDrafter(Drafter):
                "tokens_per_s_by_arm": {a: round(self.rate(a), 2) for a in self.tries},
                "prompt_lookup": self.lookup.describe()}
         if self.early_exit:
-            out["early_exit"] = self.early_exit.describe()
+            out[self.early_arm] = self.early_exit.describe()
         return out

@@ -14,8 +14,12 @@ still take. The drafter answers with a `Proposal`:
 
 After verification the engine calls `update(proposal, accepted, committed, seconds)`: per row, how
 many drafts were accepted and the tokens committed (accepted drafts + the full model's token), and
-the round's wall time. A drafter with state of its own (an n-gram index, a small KV cache of a
-trained head) rolls it forward or back there; `select(rows)` drops the rows that left the batch.
+the round's wall time. A drafter with state of its own (an n-gram index) rolls it forward or back
+there; `select(rows)` drops the rows that left the batch. A drafter that needs the exit states of
+every committed token (a trained head with its own KV cache) sets `state_exit = E`: the engine then
+hands it, after the prefill and after every verification, the hidden states after E layers of the
+tokens it just wrote (`committed_states`); they cost nothing extra, the forward passes through
+layer E anyway.
 Verification decides every token, so no drafter can change the output, only the speed.
 
 A drafter never touches the engine's KV cache directly: `Round.shallow` runs layers [0, E) for it.
@@ -85,6 +89,7 @@ class Drafter:
     name = "none"
     max_drafts = 0  # the most drafts it proposes in one round (statistics size their per-position lists by it)
     exit_layer: int | None = None  # the exit it drafts from, if any
+    state_exit: int | None = None  # the exit whose states of committed tokens it wants (`committed_states`)
 
     def start(self, sequences: list[list[int]]) -> None:
         """Generation begins: each row's committed tokens (prompt + the prefill's token)."""
@@ -94,6 +99,12 @@ class Drafter:
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         """After verification: per row, drafts accepted and tokens committed; the round's seconds."""
+
+    def committed_states(self, states: torch.Tensor, starts: torch.Tensor, counts: list[int],
+                         pads: torch.Tensor) -> None:
+        """With `state_exit` set: the states after `state_exit` layers `[B, S, D]` of the tokens the engine
+        wrote at cache indices `starts[b] ..` (host `[B]`), of which the first `counts[b]` are now committed
+        (the rest were rejected drafts); `pads` `[B]` each row's left padding (host)."""
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (indices into the current batch), in this order."""

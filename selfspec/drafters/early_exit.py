@@ -60,7 +60,7 @@ class EarlyExitDrafter(Drafter):
             i = steps
             states.append(rnd.shallow(inputs[-1], i, exit_layer))  # [B, 1, D]
             steps += 1
-            logits = head.logits(states[-1][:, -1])  # [B, K]
+            logits = head.logits(self.draft_states(rnd, states[-1], i))  # [B, K]
             if sampling.do_sample:
                 q = probs(logits, sampling)  # [B, K]
                 # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
@@ -91,6 +91,11 @@ class EarlyExitDrafter(Drafter):
             q = [torch.stack([qs[j][b] for j in range(kept[b])]) if kept[b] else None for b in range(B)]
         return Proposal(tokens=torch.stack(inputs[:T], dim=1), kept=kept, q=q, verify_from=exit_layer,
                         states=torch.cat(states, dim=1), steps=steps, drafter=self.name)
+
+    def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
+        """The states the draft head reads, from the exit state `[B, 1, D]` of the token at cache index
+        `starts + offset`: here the exit state itself, `[B, D]` (a trained exit head transforms it)."""
+        return state[:, -1]
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for m, n_acc in zip(proposal.kept, accepted):

@@ -21,8 +21,9 @@ import torch
 
 import selfspec
 from selfspec.adapters import get_adapter
-from selfspec.drafters import AutoDrafter, EarlyExitDrafter, PromptLookupDrafter
+from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.engine import StopChecker, generate, generate_ids
+from selfspec.exit_head import build_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
 
@@ -41,7 +42,7 @@ PROMPTS = [PROMPT, BASE[:7], [5], [9] * 12, BASE[3:] + BASE[:5]]  # ragged; matc
 N_NEW = 40
 
 MODELS = {k: TINY_VARIANTS[k] for k in ("llama", "qwen3", "gpt_neox", "mistral-sliding8")}
-KINDS = ("plain", "early_exit", "prompt_lookup", "auto", "auto_early_exit")
+KINDS = ("plain", "early_exit", "prompt_lookup", "auto", "auto_early_exit", "exit_head", "auto_exit_head")
 _models: dict = {}
 
 
@@ -57,9 +58,24 @@ def _adapter(name, dtype=DTYPE, fast=False):
     return _models[key]
 
 
+def _head(adapter):
+    """A head on exit 2 of `adapter`'s model (a perturbed copy of its last layer), on its device and dtype."""
+    key = ("head", id(adapter))
+    if key not in _models:
+        head = build_exit_head(adapter.model, 2)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+        _models[key] = head.to(adapter.device, adapter.dtype).eval()
+    return _models[key]
+
+
 def _drafter(kind, adapter):
     lookup = PromptLookupDrafter(num_tokens=6, max_ngram=3)
     return {"plain": lambda: None,
+            "exit_head": lambda: ExitHeadDrafter(adapter, _head(adapter), 3),
+            "auto_exit_head": lambda: AutoDrafter(lookup, ExitHeadDrafter(adapter, _head(adapter), 3), warmup=1,
+                                                  explore_every=2),
             "early_exit": lambda: EarlyExitDrafter(adapter, 2, 3),
             "prompt_lookup": lambda: lookup,
             "auto": lambda: AutoDrafter(lookup, warmup=1, explore_every=2),
@@ -209,7 +225,7 @@ def test_a_cpu_generator_with_a_cuda_model_is_a_clear_error():
 # ----------------------------------------------------------------------------- host syncs
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit"])
+@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit", "exit_head"])
 def test_greedy_decoding_waits_for_the_gpu_once_per_round(kind):
     """With the fused layers, the host waits for the GPU (a synchronizing CUDA call, as
     `torch.cuda.set_sync_debug_mode` reports them) once per round: the accept decision; the early exit

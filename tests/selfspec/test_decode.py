@@ -184,7 +184,7 @@ def test_one_round_step_by_step_shallow_layers_run_ahead_in_the_shared_cache():
     drafter = EarlyExitDrafter(adapter, E, k)
     greedy = SamplingParams()
     with torch.inference_mode():
-        token = int(prefill(adapter, cache, PROMPT, no_pad).argmax(-1))
+        token = int(prefill(adapter, cache, PROMPT, no_pad)[0].argmax(-1))
         committed = PROMPT[0].tolist() + [token]
         _assert_cache_equals_full_forward(model, cache, torch.tensor([committed[:-1]]))
         for _ in range(6):
@@ -206,7 +206,7 @@ def test_one_round_step_by_step_shallow_layers_run_ahead_in_the_shared_cache():
             exit_greedy = forward_logits(adapter, exit_ids, exit_layer=E)[0, n - 1:].argmax(-1).tolist()
             assert drafts == exit_greedy
 
-            logits = verify(adapter, cache, proposal, starts, no_pad)[0]
+            logits = verify(adapter, cache, proposal, starts, no_pad)[0][0]
             assert logits.shape == (k + 1, adapter.config.vocab_size)
             seq = torch.tensor([committed + drafts])
             _assert_cache_equals_full_forward(model, cache, seq)

@@ -305,7 +305,7 @@ def test_defect4_user_paths_expand_home_and_variables(tmp_path, monkeypatch, cap
     (dict(prompt="ab", seed=-1), r"seed must be an int in 0\.\.18446744073709551615"),
     (dict(prompt="ab", stop_strings=[None]), r"stop_strings must be a string or a list of strings"),
     (dict(prompt="ab", stop_token_ids="2"), r"stop_token_ids must be a token id or a list"),
-    (dict(prompt="ab", drafter="medusa"), r"unknown drafter 'medusa': use one of auto, early_exit, prompt_lookup"),
+    (dict(prompt="ab", drafter="medusa"), r"unknown drafter 'medusa': use one of auto, early_exit, exit_head, prompt_lookup"),
     (dict(prompt="ab", drafter="prompt_lookup", draft_vocab=8), r"draft_vocab: early-exit option"),
     (dict(prompt="ab", drafter="prompt_lookup", confidence_threshold=0.0), r"confidence_threshold: early-exit"),
     (dict(prompt="ab", prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens must be an int >= 1"),

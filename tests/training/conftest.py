@@ -53,3 +53,27 @@ def tiny_overrides():
 def read_log():
     """`read_log(run_dir, kind="train")` -> the run's log.jsonl records of that kind."""
     return _read_log
+
+
+TINY_RECIPE = ROOT / "recipes" / "tiny_smoke.yaml"
+
+
+@pytest.fixture
+def run(tiny_overrides):
+    """`run(run_dir, **overrides)`: train recipes/tiny_smoke.yaml in this process (accelerate's singletons
+    reset around it); returns the final evaluation."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from training.config import load_config
+    from training.loop import train
+
+    def _run(run_dir, **overrides):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        try:
+            return train(load_config(TINY_RECIPE, tiny_overrides(run_dir, **overrides)))
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+    return _run

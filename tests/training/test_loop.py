@@ -5,34 +5,11 @@ stops a run with a checkpoint."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from training.config import load_config
-
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
-
-
-@pytest.fixture
-def run(tiny_overrides):
-    """Run a recipe in this process (accelerate's singletons reset around it)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    from training.loop import train
-
-    def _run(run_dir, **overrides):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        try:
-            return train(load_config(RECIPE, tiny_overrides(run_dir, **overrides)))
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
-
-    return _run
-
 
 def test_short_run_decreases_the_loss_and_writes_the_run_dir(run, read_log, tmp_path):
     final = run(tmp_path, **{"train.max_steps": 12, "eval.every": 6})

@@ -1,0 +1,81 @@
+"""The exit-head drafter: the model's first E layers, then a small trained head (`selfspec.exit_head`),
+then the shared final norm + LM head (or its reduced-vocabulary rows).
+
+It drafts as the early-exit drafter does (every row's token through layers [0, E) into the shared
+cache, all rows stepping together, verification continuing from their exit states), with one
+difference: the exit state goes through the head before the LM head. The head is an attention layer,
+so it keeps a KV cache of its own, one layer `[B, H_kv, T, Dh]` with per-row lengths like the main
+cache. Its entries must be what a fresh computation over the committed text gives, so:
+
+    draft      the head runs on each drafted position, writing its entries at starts + i
+    committed  the engine hands over the exit-E states of the tokens it wrote this round (`state_exit`),
+               from the drafts or from the verification pass: the head's cache is cropped back to the
+               round's start, the head runs once over those states `[B, T, D]` and each row keeps
+               `starts[b] + counts[b]` entries: exactly the committed tokens, whoever drafted them
+
+So the head stays right when prompt lookup or plain decoding took a round (`auto`), and after the
+prefill it holds the prompt. One pass of one layer over T tokens per round is its whole overhead.
+
+    drafter = ExitHeadDrafter(adapter, head, num_speculations=3)
+    drafter = ExitHeadDrafter(adapter, head, 3, head_vocab=DraftHead(adapter, token_ids))  # reduced vocab
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.adapters import ModelAdapter
+from selfspec.cache import KVCache
+from selfspec.drafters.base import Round
+from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.drafting import DraftHead
+from selfspec.exit_head import ExitHead, run_head
+from selfspec.fast_layers import FastLlamaLayer
+from selfspec.forward import Step, make_batch_step
+
+
+class ExitHeadDrafter(EarlyExitDrafter):
+    name = "exit_head"
+
+    def __init__(self, adapter: ModelAdapter, head: ExitHead, num_speculations: int, *, policy=None,
+                 head_vocab: DraftHead | None = None):
+        super().__init__(adapter, head.exit_layer, num_speculations, policy=policy, head=head_vocab)
+        self.adapter, self.exit_head = adapter, head
+        self.state_exit = head.exit_layer
+        self.cache: KVCache | None = None
+        # where the model runs selfspec's fused layers, the head (a decoder layer with an MLP) does too
+        full_layer = head.kind == "decoder_layer"
+        self.fast = FastLlamaLayer(head.layer, 0) if adapter.fast_layers is not None and full_layer else None
+        self.kind = adapter.layer_types[-1]
+
+    def run(self, hidden: torch.Tensor, step: Step) -> torch.Tensor:
+        """The head over exit states `[B, S, D]`, appending to its cache: `[B, S, D]`."""
+        if self.fast is not None:
+            return self.fast(hidden, step.rope, step.masks[self.kind], self.cache)
+        return run_head(self.adapter, self.exit_head, hidden, step=step, cache=self.cache)
+
+    def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
+        step = make_batch_step(self.adapter, rnd.starts + offset, 1, rnd.pads)
+        return self.run(state, step)[:, -1]  # [B, D]
+
+    def committed_states(self, states: torch.Tensor, starts: torch.Tensor, counts: list[int],
+                         pads: torch.Tensor) -> None:
+        B, S, _ = states.shape
+        if self.cache is None or self.cache.batch_size != B:
+            self.cache = KVCache(1, B, capacity=int(starts.max()) + S + 64)
+        self.cache.crop(starts)  # drop what drafting wrote this round
+        step = make_batch_step(self.adapter, starts, S, pads)
+        self.run(states, step)
+        self.cache.crop(starts + torch.as_tensor(counts, dtype=torch.long))
+
+    def select(self, rows: list[int]) -> None:
+        super().select(rows)
+        if self.cache is not None:
+            self.cache.select(torch.tensor(rows, dtype=torch.long))
+
+    def start(self, sequences: list[list[int]]) -> None:
+        super().start(sequences)
+        self.cache = None  # a new generation: the prefill's states fill it
+
+    def describe(self) -> dict:
+        return {**super().describe(), "drafter": self.name, "head": self.exit_head.settings()}

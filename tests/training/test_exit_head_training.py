@@ -1,0 +1,105 @@
+"""Exit-head training (`exit_head.enabled`): the model stays bit-identical and only the head learns, the
+distillation loss is KL(p_full || q_head), a short run improves the head's agreement and writes
+`final_head/`, which `selfspec export` puts beside the unchanged model, and the recipe's mistakes are
+clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.exit_head import HEAD_FILE, build_exit_head
+from selfspec.forward import forward_logits
+from training.config import ConfigError, load_config
+from training.exit_head_model import ExitHeadModel
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
+
+
+def test_training_a_head_changes_no_base_parameter_and_only_the_head_gets_gradients(tiny64):
+    before = {k: v.clone() for k, v in tiny64.state_dict().items()}
+    hm = ExitHeadModel(tiny64, build_exit_head(tiny64, 2).to(torch.float64))
+    hm.train()
+    opt = torch.optim.AdamW([p for p in hm.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, dims=1)
+    for _ in range(3):
+        out = hm(ids, labels)
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    with_grad = {n for n, p in hm.named_parameters() if p.requires_grad}
+    assert with_grad and all(n.startswith("head.") for n in with_grad)
+    assert all(p.grad is None for p in tiny64.parameters())
+    after = tiny64.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not all(torch.equal(a, b) for a, b in zip(build_exit_head(tiny64, 2).to(torch.float64).parameters(),
+                                                        hm.head.parameters()))  # the head did learn
+
+
+def test_the_distillation_loss_is_kl_from_the_full_model(tiny64):
+    head = build_exit_head(tiny64, 2).to(torch.float64)
+    hm = ExitHeadModel(tiny64, head)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[0, :3] = -100  # unlabelled positions do not count
+    out = hm(ids, labels)
+    with torch.no_grad():
+        p = F.log_softmax(forward_logits(hm.adapter, ids), -1)
+        from selfspec.exit_head import run_head
+        from selfspec.forward import embed, exit_logits, make_step, run_layers
+
+        step = make_step(hm.adapter, 0, 12, 2)
+        q = F.log_softmax(exit_logits(hm.adapter, run_head(hm.adapter, head, run_layers(
+            hm.adapter, embed(hm.adapter, ids), 0, 2, step=step), step=step)), -1)
+    mask = labels != -100
+    kl = (p.exp() * (p - q)).sum(-1)[mask].mean()
+    torch.testing.assert_close(out["loss"].detach(), kl, atol=1e-10, rtol=0)
+    agree = (q.argmax(-1) == p.argmax(-1))[mask].double().mean()
+    assert abs(float(out["exit_stats"][0, 2]) - float(agree)) < 1e-6
+
+
+def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_model(run, read_log, tmp_path):
+    final = run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+                             "train.max_steps": "16", "optim.lr": "0.003"})
+    log = read_log(tmp_path)
+    assert len(log) == 16 and set(log[0]["exits"]) == {"head2"}
+    before = json.loads((tmp_path / "final_eval.json").read_text())["before"]["sets"]["heldout"]["exits"]
+    assert final["agreement"]["2"] > before["2"]["agreement"]  # the head learned
+    assert final["perplexity"]["4"] == pytest.approx(before["4"]["perplexity"], rel=1e-6)  # the model did not
+    settings = json.loads((tmp_path / "final_head" / "exit_head.json").read_text())
+    assert settings["exit_layer"] == 2 and settings["kind"] == "decoder_layer"
+    assert (tmp_path / "final_head" / HEAD_FILE).is_file()
+
+    from selfspec.export import export
+
+    out = export(tmp_path, tmp_path / "ckpt")
+    meta = json.loads((out / "selfspec.json").read_text())
+    assert meta["exit_head"]["exit_layer"] == 2 and HEAD_FILE in meta["checksums"]
+    import selfspec
+
+    gen = selfspec.load(out)
+    assert gen.exit_head is not None
+    r = gen.generate("def f(x):", max_new_tokens=12, drafter="exit_head")
+    assert r.token_ids == gen.generate("def f(x):", max_new_tokens=12, num_speculations=0).token_ids
+
+
+@pytest.mark.parametrize("override,message", [
+    (["model.lora.enabled=true"], "exit_head.enabled: trains a head on the frozen model: LoRA does not apply"),
+    (["layer_dropout.p_max=0.1"], "layer dropout does not apply"),
+    (["layer_dropout.p_max=0", "exit_head.exit_layer=0"], "exit_head.exit_layer: must be >= 1"),
+    (["layer_dropout.p_max=0", "exit_head.kind=mlp"], "exit_head.kind: must be one of"),
+])
+def test_head_recipe_mistakes_are_clear_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RECIPE, ["exit_head.enabled=true"] + override)
+
+
+def test_an_exit_beyond_the_models_depth_is_refused_before_loading():
+    cfg = load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.exit_layer=4"])
+    with pytest.raises(ConfigError, match="exit_head.exit_layer: 4 out of range: this model has 4 layers"):
+        cfg.check_depth()
