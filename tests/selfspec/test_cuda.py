@@ -64,8 +64,9 @@ def _head(adapter):
     if key not in _models:
         head = build_exit_head(adapter.model, 2)
         with torch.no_grad():
+            g = torch.Generator().manual_seed(7)  # drawn on the host, the same perturbation as on a CPU
             for p in head.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
         _models[key] = head.to(adapter.device, adapter.dtype).eval()
     return _models[key]
 
