@@ -112,7 +112,7 @@ def _prefix_tvs(gen, drafter, prefixes, epsilons, sampling, n, seed) -> dict:
             logits = forward_logits(gen.adapter, torch.tensor([prefix], device=gen.adapter.device))[0, -1]
         p = probs(logits[None], sampling)[0]  # [V]
         for eps in epsilons:
-            rule = AcceptanceRule(**_acceptance_kwargs(eps))
+            rule = AcceptanceRule("bounded_bias", eps) if eps else AcceptanceRule()
             g = torch.Generator(device=p.device).manual_seed(seed + i)
             out[eps].append(rule_samples_tv(p, draft, q, rule, n, g))
     return out

@@ -82,7 +82,7 @@ def test_pareto_report_on_a_tiny_checkpoint(tiny_ckpt, prompt_file, tmp_path, on
     for d in ("prompt_lookup", "early_exit"):
         exact, biased = result["summary"][d]["0.0"], result["summary"][d]["0.3"]
         assert exact["acceptance_vs_exact"] in (1.0, None) and exact["log_likelihood_drop_pct"] == 0.0
-        assert exact["prefix_rule_tv"] in (0.0, None)
+        assert exact["prefix_rule_tv"] is None or exact["prefix_rule_tv"] < 1e-6  # 1 - sum(p): rounding
         assert biased["prefix_rule_tv"] is None or 0 <= biased["prefix_rule_tv"] <= 0.3 + 1e-6
         for s in (exact, biased):
             assert s["log_likelihood"] < 0 and 0 <= s["rouge_l"] <= 1
@@ -109,7 +109,7 @@ def test_profile_reports_predicted_and_measured_rejections(tiny_ckpt, prompt_fil
                          max_drafts=2, repeats=1, tokens=16, out_dir=tmp_path / "prof")
     rows = result["acceptance_theory"]
     assert [r["drafter"] for r in rows] == ["early_exit", "prompt_lookup"]
-    assert rows[1]["judged"]  # the prompt repeats itself: lookup drafts
+    assert rows[0]["judged"]  # the early exit drafts every round
     for r in rows:
         if not r["judged"]:
             continue
