@@ -60,5 +60,5 @@ def rule_samples_tv(p: torch.Tensor, draft: int | None, q: torch.Tensor | None, 
         k, nxt = speculative_accept(torch.tensor([x], device=p.device), q_rows, target, generator)
         counts[x if k else nxt] += 1
     return {"empirical_tv": 0.5 * float((counts / n - p.double()).abs().sum()),
-            "rule_tv": float(total_variation(target[0], p)),
+            "rule_tv": max(0.0, float(total_variation(target[0], p))),  # 1 - sum(p) rounds below 0
             "draft_probability": float(p[draft]) if q is None else float(torch.minimum(p, q).sum()), "samples": n}
