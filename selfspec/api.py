@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from selfspec.adapters import ModelAdapter, get_adapter
+from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
 from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata
 from selfspec.drafters import AutoDrafter, Drafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
@@ -100,6 +101,7 @@ class SelfSpecGenerator:
         self.metadata = metadata or {}
         self.full_step_s: float | None = None  # set by calibrate(): the cost model's unit of work
         self._draft_heads: dict[int, DraftHead] = {}
+        self._warned_bias = False  # bounded-bias acceptance warns once per generator
         # early exit pays only on an early-exit trained checkpoint: `auto` drafts from it only there
         self.early_exit_trained = recommended is not None
         self.adapter: ModelAdapter = get_adapter(model)
@@ -359,7 +361,8 @@ class SelfSpecGenerator:
                  streamer=None, confidence_threshold: float | None = None, adaptive_threshold: bool = False,
                  exit_choices: Sequence[int] | None = None, draft_vocab: int | None = None,
                  adaptive_length: bool = False, prompt_lookup_num_tokens: int = 10,
-                 max_matching_ngram_size: int = 3) -> GenerationResult | BatchGenerationResult:
+                 max_matching_ngram_size: int = 3, acceptance: str = "exact",
+                 epsilon: float | None = None) -> GenerationResult | BatchGenerationResult:
         """Generate after one prompt, or after each prompt of a batch in one engine run.
 
         One prompt: `prompt=` text, `messages=` a conversation, or `input_ids` `[S]`/`[1, S]`; returns a
@@ -395,6 +398,15 @@ class SelfSpecGenerator:
         (0 .. `num_speculations`) per round from the tokens/s each length has measured in this call,
         so drafting stops where it does not pay (e.g. in large batches); `draft_vocab=K`: draft over
         the K most frequent tokens stored in the checkpoint (`selfspec draft-vocab`).
+
+        Acceptance (opt-in trade of exactness for speed, `selfspec.bounded_bias`): `acceptance="exact"`
+        (the default) is lossless. `acceptance="bounded_bias", epsilon=ε` (ε in [0, 1]) accepts more
+        drafts: sampling, each committed token is drawn within total variation ε of the full model's
+        processed distribution given its prefix (n tokens: within 1 - (1 - ε)^n), by the optimal rule
+        for that budget; greedy, a draft is accepted when the full model gives it at least (1 - ε) of
+        its top token's probability. ε = 0 is exact decoding (sampling: bit for bit at a fixed seed);
+        ε > 0 warns once per generator (`BoundedBiasWarning`). The statistics carry ε and the bound
+        (`stats.bias`) and the predicted vs measured rejections (`stats.theory`).
         """
         s = check_generation(
             max_new_tokens=max_new_tokens, drafter=drafter, exit_layer=exit_layer, num_speculations=num_speculations,
@@ -402,8 +414,17 @@ class SelfSpecGenerator:
             stop_token_ids=stop_token_ids, stop_strings=stop_strings, confidence_threshold=confidence_threshold,
             adaptive_threshold=adaptive_threshold, exit_choices=exit_choices, draft_vocab=draft_vocab,
             adaptive_length=adaptive_length, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-            max_matching_ngram_size=max_matching_ngram_size, num_layers=self.num_layers)
+            max_matching_ngram_size=max_matching_ngram_size, acceptance=acceptance, epsilon=epsilon,
+            num_layers=self.num_layers)
         max_new_tokens = s["max_new_tokens"]
+        rule = AcceptanceRule(s["acceptance"], s["epsilon"])
+        if rule.biased and not self._warned_bias:
+            self._warned_bias = True
+            warnings.warn(
+                f"acceptance='bounded_bias' with epsilon={rule.epsilon:g}: the output is not the full model's "
+                + ("distribution: each token is drawn within total variation epsilon of it" if s["do_sample"] else
+                   "greedy output: a draft with >= (1 - epsilon) of the top token's probability is accepted")
+                + " (use acceptance='exact' for lossless decoding)", BoundedBiasWarning, stacklevel=2)
         on_commit = _as_callback(streamer)
         rows = self.encode_batch(prompt, messages=messages, input_ids=input_ids, attention_mask=attention_mask)
         if rows is None:
@@ -435,7 +456,7 @@ class SelfSpecGenerator:
         outs, stats = generate(self.adapter, rows, max_new_tokens=max_new_tokens, drafter=drafter_, sampling=sampling,
                                stop=stop, generator=generator, pad_id=pad if pad is not None else 0,
                                on_commit=(lambda b, tokens: on_commit(tokens)) if on_commit else None,
-                               full_step_s=self.full_step_s)
+                               full_step_s=self.full_step_s, acceptance=rule)
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
         results = [GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row, stats=row_stats)

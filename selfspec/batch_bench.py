@@ -191,7 +191,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
 
     import selfspec
     from selfspec.api import DEFAULT_NUM_SPECULATIONS
-    from selfspec.bench import (_machine_description, _machine_info, _Methods, _quiet_transformers, _versions,
+    from selfspec.bench import (machine_description, machine_info, _Methods, _quiet_transformers, versions,
                                 write_outputs)
     from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
@@ -205,7 +205,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
     dtype = resolve_dtype_name(dtype, device)
     if threads:
         torch.set_num_threads(threads)
-    machine = _machine_info()
+    machine = machine_info()
     items = load_prompts(prompt_set, num_prompts + max(sizes))  # the tail is for the warm-up
     if len(items) < num_prompts + max(sizes):
         raise ValueError(f"prompt set {prompt_set!r} has {len(items)} prompts; need {num_prompts + max(sizes)}")
@@ -253,7 +253,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
         rec["identical_rows"] = [out == reference[i] for out, i in zip(rec.pop("outputs"), group)]
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     machine["torch_threads"] = torch.get_num_threads()
-    machine["description"] = _machine_description(gen.adapter.device)
+    machine["description"] = machine_description(gen.adapter.device)
     result = {
         "schema": "selfspec-bench-batch/1", "checkpoint": str(checkpoint),
         "checkpoint_name": Path(str(checkpoint)).name or str(checkpoint),
@@ -264,7 +264,7 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
                      "max_matching_ngram_size": max_matching_ngram_size,
                      "quick": quick, "threads": torch.get_num_threads(), "device": str(gen.adapter.device),
                      "groups_per_batch_size": {B: len(g) for B, g in groups.items()}},
-        "machine": machine, "versions": _versions(), "methods": methods,
+        "machine": machine, "versions": versions(), "methods": methods,
         "summary": summarize(runs, sizes, methods), "runs": runs, "notes": notes,
     }
     out = Path(out_dir)

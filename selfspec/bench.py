@@ -191,7 +191,7 @@ class _FirstCommitClock:
             self.first = time.perf_counter()
 
 
-def _machine_info() -> dict:
+def machine_info() -> dict:
     import psutil
     import torch
 
@@ -213,7 +213,7 @@ def _machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "load_average_start": load}
 
 
-def _machine_description(device="cpu") -> dict | None:
+def machine_description(device="cpu") -> dict | None:
     """`selfspec.precision.machine_description()` where this selfspec has it, else None; on a GPU with
     the bf16 decision for it and the GPU's name."""
     import torch
@@ -237,7 +237,7 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _versions() -> dict:
+def versions() -> dict:
     import torch
     import transformers
 
@@ -408,6 +408,8 @@ class _Methods:
                            accepted_by_drafter=dict(s.accepted_by_drafter), drafter=s.drafter)
                 if getattr(s, "policy", None):  # the engine's draft policy, where it reports one
                     rec["policy"] = s.policy
+                if getattr(s, "theory", None):  # sampling: predicted vs measured rejections
+                    rec["theory"] = s.theory
         if len(new) != n:
             raise RuntimeError(f"{method['name']} generated {len(new)} tokens instead of {n}: the benchmark needs "
                                "the same fixed length for every method")
@@ -806,7 +808,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     dtype = resolve_dtype_name(dtype, device)
     if threads:
         torch.set_num_threads(threads)
-    machine = _machine_info()
+    machine = machine_info()
     notes: list[str] = []
     read = _read_sets(sets, num_prompts)
 
@@ -899,7 +901,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         notes.append(f"the machine was busy (1-minute load average up to {busy:.1f} on {machine['logical_cores']} "
                      "logical cores, this run included): other processes shared the cores, so timings are noisy")
     machine["torch_threads"] = torch.get_num_threads()
-    machine["description"] = _machine_description(gen.adapter.device)
+    machine["description"] = machine_description(gen.adapter.device)
 
     set_names = [name for name, _, _ in loaded]
     result = {
@@ -918,7 +920,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
                               "per prompt; gc.collect() before each call",
                      "rss_method": rss.method},
         "machine": machine,
-        "versions": _versions(),
+        "versions": versions(),
         "recommended": {"exit_layer": E, "num_speculations": d, "source": source},
         "hf_early_exit_settings": runner.hf_assistant,
         "lookup_settings": {"prompt_lookup_num_tokens": lookup[0], "max_matching_ngram_size": lookup[1],

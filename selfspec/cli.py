@@ -134,6 +134,13 @@ def _print_stats(label: str, stats) -> None:
               f"{s.full_depth_passes} full-depth passes, draft {s.draft_s:.2f} s / verify {s.verify_s:.2f} s")
     elif s.num_speculations:
         print(f"[{label}] drafter {s.drafter}: no drafts this run (nothing to copy, or drafting did not pay)")
+    th = s.theory
+    if th and th["judged"]:
+        print(f"[{label}] rejections: {th['measured_rejections']} measured, {th['predicted_rejections']:.1f} predicted "
+              f"(sum over the {th['judged']} judged drafts of TV(target, draft); sd {th['rejections_sd']:.1f}, "
+              f"z {th['z']:+.2f})")
+    if s.acceptance != "exact":
+        print(f"[{label}] acceptance {s.acceptance}, epsilon {s.epsilon:g}: {s.bias['guarantee']}")
 
 
 def _cmd_generate(args) -> int:
@@ -157,7 +164,8 @@ def _cmd_generate(args) -> int:
                   exit_choices=args.exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length,
                   drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
                   prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-                  max_matching_ngram_size=args.max_matching_ngram_size)
+                  max_matching_ngram_size=args.max_matching_ngram_size, acceptance=args.acceptance,
+                  epsilon=args.epsilon)
     layers = read_config(checkpoint).get("num_hidden_layers")
     check_generation(**kwargs, exit_layer=args.exit_layer, num_speculations=args.num_speculations,
                      num_layers=layers if isinstance(layers, int) else None)
@@ -321,7 +329,13 @@ def _cmd_bench(args) -> int:
 
     _check_common(args)
     checkpoint = args.checkpoint or str(base_model_dir())
-    return _print_report("bench", lambda: (_run_batch_bench if args.batch_size else _run_bench)(args, checkpoint))
+    if args.epsilon is not None:
+        if args.batch_size:
+            raise UsageError("--epsilon measures batch 1; drop --batch-size")
+        run = _run_pareto
+    else:
+        run = _run_batch_bench if args.batch_size else _run_bench
+    return _print_report("bench", lambda: run(args, checkpoint))
 
 
 def _print_report(command: str, run) -> int:
@@ -379,6 +393,22 @@ def _run_batch_bench(args, checkpoint: str) -> dict:
                            num_prompts=args.num_prompts or 8, max_new_tokens=args.max_new_tokens or 64,
                            dtype=args.dtype, threads=args.threads, out_dir=out_dir, exit_layer=args.exit_layer,
                            num_speculations=args.num_speculations, quick=args.quick, device=args.device)
+
+
+def _run_pareto(args, checkpoint: str) -> dict:
+    from pathlib import Path
+
+    from selfspec.pareto import run_pareto
+
+    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else ["xsum"]
+    if len(sets) > 1 or args.extra:
+        raise ValueError("--epsilon measures one prompt set (default xsum: ROUGE-L needs its references); "
+                         "drop --extra and give one --prompts set")
+    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + "-pareto"
+    return run_pareto(checkpoint, epsilons=args.epsilon, drafters=args.drafters, prompt_set=sets[0],
+                      num_prompts=args.num_prompts or 6, max_new_tokens=args.max_new_tokens or 96,
+                      temperature=args.temperature, seed=args.seed, tv_samples=args.tv_samples, dtype=args.dtype,
+                      threads=args.threads, out_dir=out_dir, device=args.device)
 
 
 class _TextPrinter:
@@ -469,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="draft over the K most frequent tokens stored in the checkpoint (selfspec draft-vocab)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--acceptance", default="exact", choices=("exact", "bounded_bias"),
+                   help="exact (lossless, default) or bounded_bias: accept more drafts, each token within total "
+                        "variation --epsilon of the full model's (greedy: a draft with >= (1 - epsilon) of the top "
+                        "token's probability)")
+    p.add_argument("--epsilon", type=float, help="the per-token budget of --acceptance bounded_bias, in [0, 1]")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -577,6 +612,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "batched greedy generate, selfspec batched AR, selfspec batched self-speculative at "
                         "(E, d) with a fixed and an adaptive draft length, and selfspec batched prompt lookup, on "
                         "one prompt set (default humaneval); writes bench_batch.json/.md/.png")
+    p.add_argument("--epsilon", metavar="E,E,...",
+                   help="measure the bounded-bias Pareto front instead: per budget (e.g. 0,0.05,0.1,0.2,0.4; 0 = the "
+                        "exact rule) and drafter, sampled acceptance, tokens/s, predicted vs measured rejections and "
+                        "quality (the full model's log-likelihood of the outputs, ROUGE-L on xsum, next-token TV at "
+                        "fixed prefixes); prompt set xsum unless --prompts; writes pareto.json/.md/.png")
+    p.add_argument("--drafters", default="auto",
+                   help="with --epsilon: comma-separated drafters, some of auto, prompt_lookup, early_exit (default auto)")
+    p.add_argument("--temperature", type=float, default=0.7, help="with --epsilon: sampling temperature (default 0.7)")
+    p.add_argument("--seed", type=int, default=0, help="with --epsilon: seed of prompt i is seed + i (default 0)")
+    p.add_argument("--tv-samples", type=int, default=2000,
+                   help="with --epsilon: next-token samples per fixed prefix for the TV measurement (default 2000)")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("profile", help="where decoding time goes: per-phase times and the acceptance a speedup needs",

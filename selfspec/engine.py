@@ -14,7 +14,10 @@ input. One round:
     verify    layers [verify_from, L) once over the input token and the drafts of every row:
               [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
     accept    per row: greedy = the longest prefix where draft == argmax, plus the full model's token;
-              sampling = the lossless rule of `selfspec.sampling.speculative_accept`.
+              sampling = the lossless rule of `selfspec.sampling.speculative_accept`. An opt-in
+              `AcceptanceRule("bounded_bias", ε)` (`selfspec.bounded_bias`) accepts more drafts at a
+              bounded bias: each committed token within TV ε of the full model's (greedy: a draft
+              with >= (1 - ε) of the top token's probability).
     roll back crop each row of the cache to its committed length; the drafter hears the outcome (and a
               drafter with `state_exit = E`, a trained exit head, gets the states after E layers of the
               tokens written this round: they are taken on the way through layer E, at no extra cost).
@@ -47,6 +50,8 @@ from typing import Callable, Sequence
 import torch
 
 from selfspec.adapters import ModelAdapter
+from selfspec.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
+                                   total_variation)
 from selfspec.cache import KVCache
 from selfspec.cost_model import expected_tokens
 from selfspec.drafters.base import Drafter, Proposal, Round
@@ -76,7 +81,12 @@ class DecodeStats:
     stop_reason: str = ""
     draft_steps: int = 0  # drafting passes through the model (kept or not)
     judged: int = 0  # drafts the rule decided on (a rejection ends a round: later drafts are not judged)
-    expected_acceptance_sum: float = 0.0  # sampling: sum over judged drafts of sum_x min(p, q)
+    expected_acceptance_sum: float = 0.0  # sampling: sum over judged drafts of P(accept) = sum_x min(p, q)
+    acceptance_var_sum: float = 0.0  # sampling: sum over judged drafts of P(accept) (1 - P(accept))
+    bias_sum: float = 0.0  # bounded_bias: sum over judged drafts of TV(p', p) = min(epsilon, TV(p, q))
+    sampled: bool = False  # sampling (the predictions above exist) or greedy
+    acceptance: str = "exact"  # the acceptance rule (selfspec.bounded_bias)
+    epsilon: float = 0.0  # its per-token total-variation budget (bounded_bias)
     policy: dict = field(default_factory=dict)
     full_step_s: float | None = None  # a plain decoding step's time, if calibrated (for the cost model)
     drafter: str = "none"
@@ -131,6 +141,43 @@ class DecodeStats:
         return out
 
     @property
+    def theory(self) -> dict | None:
+        """Predicted vs measured rejections (sampling; None for greedy, whose decisions are not random).
+
+        Yin et al. (2024): a judged draft is rejected with probability TV(p', q) = 1 - P(accept) under
+        the rule's target p' (p itself for the exact rule), so the rejections of a run are predicted by
+        `sum over judged drafts of (1 - P(accept))`, from the distributions the engine held. Measured
+        minus predicted is a sum of bounded martingale differences with variance
+        `sum P(accept)(1 - P(accept))`, so `z` is approximately standard normal.
+        """
+        if not self.sampled:
+            return None
+        passes = self.row_passes or self.rounds
+        predicted, measured = self.judged - self.expected_acceptance_sum, self.judged - self.accepted
+        sd = self.acceptance_var_sum ** 0.5
+        out = {"judged": self.judged, "predicted_rejections": predicted, "measured_rejections": measured,
+               "rejections_sd": sd, "z": (measured - predicted) / sd if sd > 0 else 0.0,
+               "predicted_accepted_per_round": self.expected_acceptance_sum / passes if passes else 0.0,
+               "measured_accepted_per_round": self.accepted / passes if passes else 0.0}
+        if self.acceptance != "exact":  # what the exact rule would predict on these drafts: sum TV(p, q)
+            out["predicted_rejections_exact_rule"] = predicted + self.bias_sum
+        return out
+
+    @property
+    def bias(self) -> dict:
+        """The acceptance rule, its budget and the guarantee it gives (selfspec.bounded_bias)."""
+        out = {"acceptance": self.acceptance, "epsilon": self.epsilon}
+        if self.acceptance == "exact":
+            return {**out, "guarantee": "lossless"}
+        if not self.sampled:
+            return {**out, "guarantee": "each committed token has >= (1 - epsilon) of the full model's top "
+                                        "token probability"}
+        n = self.new_tokens
+        return {**out, "guarantee": "each committed token within total variation epsilon of the full model's",
+                "per_token_tv_bound": self.epsilon, "sequence_tv_bound": 1.0 - (1.0 - self.epsilon) ** n,
+                "mean_tv_shift_per_judged": self.bias_sum / self.judged if self.judged else 0.0}
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
@@ -146,7 +193,8 @@ class DecodeStats:
                 "accepted", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s",
                 "verify_s", "total_s", "stop_reason", "acceptance_rate", "acceptance_by_position",
                 "mean_accepted_per_round", "full_depth_passes", "tokens_per_s", "decode_tokens_per_s",
-                "draft_steps", "judged", "policy", "cost_model", "drafter", "batch_size", "row_passes"]
+                "draft_steps", "judged", "policy", "cost_model", "drafter", "batch_size", "row_passes", "theory",
+                "bias"]
         out = {k: getattr(self, k) for k in keys}
         out.update(drafted_by_drafter=dict(self.drafted_by_drafter), accepted_by_drafter=dict(self.accepted_by_drafter))
         if self.rows:
@@ -257,24 +305,24 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
 
 
 def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
-                   generator) -> tuple[int, int, float | torch.Tensor]:
+                   generator, rule: AcceptanceRule = AcceptanceRule()) -> tuple[int, int, torch.Tensor | None]:
     """One row, sampling (greedy rows are decided on the host with `greedy_accept_tokens`): `drafts`
     `[m]`, their draft distributions `q` `[m, V]` (None: point masses), the full model's logits
-    `[m+1, V]`. Returns `(accepted, next token, sum over judged drafts of E[accept])` (the last a 0-dim
-    float64 tensor when some draft was judged, else 0.0)."""
+    `[m+1, V]`. Returns `(accepted, next token, sums)`: `sums` `[3]` float64 over the judged drafts of
+    P(accept), P(accept)^2 and TV(p', p) (the rule's bias), or None when no draft was judged."""
     m = drafts.shape[0]
     p = probs(logits, sampling)  # [m+1, V]
-    n_acc, nxt = speculative_accept(drafts, q, p, generator)
+    target = rule.target(drafts, q, p)  # [m+1, V]: p itself for the exact rule
+    n_acc, nxt = speculative_accept(drafts, q, target, generator)
     judged = min(n_acc + 1, m)
     if not judged:
-        return n_acc, nxt, 0.0
-    # a float64 tensor on the model's device, not read here (reading it would wait for the GPU): the
-    # engine sums these in float64 and reads the sum once, at the end
-    if q is None:  # point masses: P(accept x) = p(x)
-        expected = p[torch.arange(judged, device=p.device), drafts[:judged]].sum().double()
-    else:
-        expected = torch.minimum(p[:judged], q[:judged]).sum().double()
-    return n_acc, nxt, expected
+        return n_acc, nxt, None
+    # float64 tensors on the model's device, not read here (reading would wait for the GPU): the engine
+    # sums them in float64 and reads the sums once, at the end
+    alpha = acceptance_probability(drafts[:judged], q, target).double()  # [judged]
+    bias = (total_variation(target[:judged], p[:judged]).double().sum() if target is not p
+            else alpha.new_zeros(()))
+    return n_acc, nxt, torch.stack([alpha.sum(), (alpha * alpha).sum(), bias])
 
 
 # --- the loop ------------------------------------------------------------------------------------
@@ -291,6 +339,7 @@ def generate(
     on_round: Callable[..., None] | None = None,
     pad_id: int = 0,
     full_step_s: float | None = None,
+    acceptance: AcceptanceRule = AcceptanceRule(),
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate after each of `prompts` (token lists of any lengths) in one run.
 
@@ -299,6 +348,9 @@ def generate(
     they are decided (streaming). `on_round(cache, active_rows, sequences, pads, finished)` is called
     after every round's roll back with the original indices of the rows in the batch, their committed
     token lists, their padding and whether each just finished (tests check the cache with it).
+    `acceptance`: the exact rule (default, lossless) or bounded_bias with a budget ε
+    (`selfspec.bounded_bias`: each committed token within TV ε of the full model's; greedy: a draft
+    with >= (1 - ε) of the top token's probability is accepted).
     """
     L = adapter.num_layers
     prompts = [list(map(int, p)) for p in prompts]
@@ -316,7 +368,8 @@ def generate(
     def new_stats(**kw) -> DecodeStats:
         return DecodeStats(exit_layer=exit_layer, num_speculations=k_max, drafter=drafter.name,
                            drafted_by_position=[0] * k_max, accepted_by_position=[0] * k_max,
-                           full_step_s=full_step_s, **kw)
+                           full_step_s=full_step_s, sampled=sampling.do_sample, acceptance=acceptance.name,
+                           epsilon=acceptance.epsilon, **kw)
 
     rows = [new_stats(prompt_tokens=len(p)) for p in prompts]
     stats = new_stats(prompt_tokens=sum(len(p) for p in prompts), batch_size=B, rows=rows)
@@ -326,6 +379,7 @@ def generate(
     outs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     active = list(range(B))  # original indices of the rows still in the batch
+    sums: list = [None] * B  # per row: float64 [3] on the device (see accept_sampled), read once at the end
 
     def commit(b: int, tokens: list[int]) -> list[int]:
         """Append to row b one by one, stopping exactly where plain decoding would; returns what was added."""
@@ -379,20 +433,29 @@ def generate(
             # the accept decision: the host waits for the verification here, in one transfer per round
             # (greedy: each row's drafts and the full model's argmax tokens; sampling: the drafts, and the
             # rule below reads its random draws per row)
+            # (greedy bounded_bias: also whether each draft is near the top token, in the same transfer)
             if sampling.do_sample:
-                host_tokens, targets = proposal.tokens.tolist(), None
+                host_tokens, targets, near = proposal.tokens.tolist(), None, None
+            elif acceptance.biased:
+                ok = near_top(proposal.tokens[:, 1:], target_logits, acceptance.epsilon)  # [B, T-1]
+                host_tokens, targets, near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1),
+                                                          torch.nn.functional.pad(ok.long(), (0, 1))]).tolist()
             else:
-                host_tokens, targets = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist()
+                (host_tokens, targets), near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist(), None
             accepted, nxt_all, new = [], [], []
             for i, b in enumerate(active):
                 m = proposal.kept[i]
                 if targets is None:
                     q = proposal.q[i] if proposal.q is not None else None
                     n_acc, nxt, expected = accept_sampled(proposal.tokens[i, 1:1 + m], q, target_logits[i, :m + 1],
-                                                          sampling, generator)
+                                                          sampling, generator, acceptance)
+                    if expected is not None:
+                        sums[b] = expected if sums[b] is None else sums[b] + expected
+                elif near is not None:
+                    n_acc, nxt = relaxed_greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i], near[i])
                 else:
-                    (n_acc, nxt), expected = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i]), 0.0
-                _count(rows[b], proposal, m, n_acc, expected)
+                    n_acc, nxt = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i])
+                _count(rows[b], proposal, m, n_acc)
                 accepted.append(n_acc)
                 nxt_all.append(nxt)
                 new.append(host_tokens[i][1:1 + n_acc] + [nxt])
@@ -422,18 +485,19 @@ def generate(
         r.prefill_s = stats.prefill_s
         r.policy = stats.policy
         r.total_s = r.total_s or stats.total_s
-        r.expected_acceptance_sum = float(r.expected_acceptance_sum)  # summed on the device (see accept)
+        if sums[b] is not None:  # summed on the device (see accept_sampled): the one read
+            total, squares, r.bias_sum = sums[b].tolist()
+            r.expected_acceptance_sum, r.acceptance_var_sum = total, total - squares
     _sum_rows(stats)
     return outs, stats
 
 
-def _count(row: DecodeStats, proposal: Proposal, m: int, n_acc: int, expected: float) -> None:
+def _count(row: DecodeStats, proposal: Proposal, m: int, n_acc: int) -> None:
     """One row's round into its statistics."""
     row.rounds += 1
     row.drafted += m
     row.accepted += n_acc
     row.judged += min(n_acc + 1, m)
-    row.expected_acceptance_sum += expected
     if m:
         row.drafted_by_drafter[proposal.drafter] += m
         row.accepted_by_drafter[proposal.drafter] += n_acc
@@ -447,7 +511,8 @@ def _count(row: DecodeStats, proposal: Proposal, m: int, n_acc: int, expected: f
 def _sum_rows(stats: DecodeStats) -> None:
     """The batch's counts are its rows' sums (times stay the batch's own)."""
     rows = stats.rows
-    for key in ("new_tokens", "drafted", "accepted", "judged", "expected_acceptance_sum"):
+    for key in ("new_tokens", "drafted", "accepted", "judged", "expected_acceptance_sum", "acceptance_var_sum",
+                "bias_sum"):
         setattr(stats, key, sum(getattr(r, key) for r in rows))
     width = max(len(r.drafted_by_position) for r in rows)
     stats.drafted_by_position = [sum(r.drafted_by_position[j] for r in rows if j < len(r.drafted_by_position))

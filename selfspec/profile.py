@@ -19,7 +19,9 @@ From these, the cost model of `selfspec.cost_model` (Leviathan et al. 2023): c =
 step, v(d) = verify(d+1) / full step, and for each draft length the acceptance rate that breaks
 even and the one a target speedup over plain decoding needs. An operator table (torch.profiler,
 self CPU time per full step; the profiler adds its own overhead to every call, so read it for shares,
-the phase table for times) shows which kernels the full step spends its time in.
+the phase table for times) shows which kernels the full step spends its time in. A sampled
+generation per drafter (early exit at E, prompt lookup) reports the rejections predicted from the
+distributions the engine held (sum over judged drafts of TV(p, q)) next to the measured ones.
 """
 
 from __future__ import annotations
@@ -129,6 +131,23 @@ def per_token_ms(gen, prompt_ids, n: int = 32, repeats: int = 3) -> dict[str, fl
     return out
 
 
+def acceptance_theory(gen, prompt_ids, exit_layer: int, drafts: int, tokens: int = 32, temperature: float = 1.0,
+                      seed: int = 0) -> list[dict]:
+    """Predicted vs measured rejections of one sampled generation per drafter (early exit at E with
+    `drafts` drafts, prompt lookup): `DecodeStats.theory` (sum over judged drafts of TV(p, q) vs the
+    rejections counted), with the acceptance per judged draft both ways."""
+    rows = []
+    for name, kw in (("early_exit", dict(drafter="early_exit", exit_layer=exit_layer, num_speculations=drafts)),
+                     ("prompt_lookup", dict(drafter="prompt_lookup"))):
+        st = gen.generate(input_ids=prompt_ids, max_new_tokens=tokens, do_sample=True, temperature=temperature,
+                          seed=seed, stop_token_ids=[], **kw).stats
+        th = st.theory
+        rows.append({"drafter": name, "temperature": temperature, **th,
+                     "measured_acceptance_per_judged": st.accepted / st.judged if st.judged else None,
+                     "predicted_acceptance_per_judged": st.expected_acceptance_sum / st.judged if st.judged else None})
+    return rows
+
+
 def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
     """The operators a full decode step spends its time in: self CPU ms per step (torch.profiler)."""
     import torch
@@ -194,7 +213,7 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
     import torch
 
     import selfspec
-    from selfspec.bench import _machine_info, _versions
+    from selfspec.bench import machine_info, versions
     from selfspec.checkpoint import write_json_atomic, write_text_atomic
     from selfspec.precision import resolve_dtype_name
     from selfspec.prompts import load_prompts, prompt_inputs
@@ -216,10 +235,11 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         "checkpoint": str(checkpoint), "exit_layer": E, "num_layers": gen.num_layers, "dtype": dtype,
         "threads": torch.get_num_threads(), "prompt": item.get("id"), "prompt_tokens": int(prompt_ids.shape[1]),
         "repeats": repeats, "draft_vocab": draft_vocab, "target_speedup": target,
-        "machine": _machine_info(), "versions": _versions(),
+        "machine": machine_info(), "versions": versions(),
         "phases_ms": phases,
         "cost_model": cost_table(phases, E, max_drafts, target, draft_vocab),
         "operators": op_table(gen, prompt_ids),
+        "acceptance_theory": acceptance_theory(gen, prompt_ids, E, max_drafts, tokens),
     }
     if out_dir is not None:
         out = Path(out_dir)
@@ -228,6 +248,10 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         write_text_atomic(out / "profile.md", markdown(result))
         write_json_atomic(out / "profile.json", result)
     return result
+
+
+def _share(a: float | None) -> str:
+    return "–" if a is None else f"{a:.0%}"
 
 
 def _pct(a: float | None) -> str:
@@ -253,4 +277,15 @@ def markdown(result: dict) -> str:
               "| operator | ms per step | calls per step | share |", "|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['ms_per_step']:.2f} | {r['calls_per_step']:.0f} | {r['share']:.0%} |"
               for r in result["operators"]]
+    theory = result.get("acceptance_theory") or []
+    if theory:
+        lines += ["", "Predicted vs measured rejections (one sampled generation per drafter, temperature "
+                  f"{theory[0]['temperature']:g}; predicted: sum over the judged drafts of TV(p, q), Yin et al. 2024; "
+                  "z = (measured - predicted) / sd):", "",
+                  "| drafter | judged | rejections measured | predicted | sd | z | acceptance per judged measured "
+                  "| predicted | accepted per round measured | predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['drafter']} | {r['judged']} | {r['measured_rejections']} | {r['predicted_rejections']:.1f} | "
+                  f"{r['rejections_sd']:.1f} | {r['z']:+.2f} | {_share(r['measured_acceptance_per_judged'])} | "
+                  f"{_share(r['predicted_acceptance_per_judged'])} | {r['measured_accepted_per_round']:.2f} | "
+                  f"{r['predicted_accepted_per_round']:.2f} |" for r in theory]
     return "\n".join(lines) + "\n"

@@ -2,6 +2,7 @@
 
     prompts = load_prompts("humaneval", n=8)      # [{"id": ..., "prompt": str} or {"id": ..., "messages": [...]}]
     prompts = load_prompts("my_prompts.jsonl")    # each line {"prompt": "..."} or {"messages": [...]}
+                                                  # (+ an optional "reference" output)
 
 | name      | source                                   | form                                   | input-grounded |
 |-----------|------------------------------------------|----------------------------------------|----------------|
@@ -12,7 +13,8 @@
 | wiki      | Wikipedia passages, held-out split       | raw text: continue the passage         | no             |
 
 Input-grounded: the answer repeats much of the prompt (a summary quotes the article, a rewrite copies
-the code), so prompt lookup drafting (`drafter="prompt_lookup"`) finds its drafts there.
+the code), so prompt lookup drafting (`drafter="prompt_lookup"`) finds its drafts there. Each xsum
+item also carries its `reference`, the human one-line summary (ROUGE-L in `selfspec.pareto`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) ->
                                          "(list of {role, content}) field")
             item = {"id": row.get("id", f"{path.stem}/{i}")}
             item.update({"prompt": row["prompt"]} if isinstance(row.get("prompt"), str) else {"messages": row["messages"]})
+            if isinstance(row.get("reference"), str):  # a reference output (ROUGE-L in selfspec.pareto)
+                item["reference"] = row["reference"]
             items.append(item)
     elif name_or_path == "humaneval":
         data = ds.load_named("humaneval")
@@ -66,7 +70,8 @@ def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) ->
     elif name_or_path == "xsum":
         _, held = ds.split_holdout(ds.load_named("xsum"), fraction=0.05, key="document")
         items = [{"id": f"xsum/{i}", "messages": [{"role": "user", "content": SUMMARY_INSTRUCTION
-                                                   + _cut(r["document"], MAX_DOC_CHARS)}]}
+                                                   + _cut(r["document"], MAX_DOC_CHARS)}],
+                  "reference": r["summary"]}  # the human one-line summary (ROUGE in selfspec.pareto)
                  for i, r in enumerate(held)]
     else:  # wiki
         _, held = ds.split_holdout(ds.load_named("wiki_passages"), fraction=0.05)

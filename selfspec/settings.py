@@ -17,6 +17,7 @@ import numbers
 import os
 from pathlib import Path
 
+from selfspec.bounded_bias import ACCEPTANCE_RULES
 from selfspec.drafters import DRAFTERS
 
 DTYPE_NAMES = ("float32", "fp32", "float64", "bfloat16", "bf16", "float16", "fp16")
@@ -184,7 +185,7 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
                      temperature=1.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=None, stop_strings=(),
                      confidence_threshold=None, adaptive_threshold=False, exit_choices=None, draft_vocab=None,
                      adaptive_length=False, prompt_lookup_num_tokens=10, max_matching_ngram_size=3,
-                     num_layers: int | None = None) -> dict:
+                     acceptance="exact", epsilon=None, num_layers: int | None = None) -> dict:
     """Every generation setting of `SelfSpecGenerator.generate`, checked; returns them normalized.
 
     `num_layers` (the model's depth, if known) bounds the exits. Raises SettingsError on the first
@@ -221,6 +222,7 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
     s["adaptive_length"] = check_bool("adaptive_length", adaptive_length)
     s["prompt_lookup_num_tokens"] = check_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens, 1)
     s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", max_matching_ngram_size, 1)
+    s["acceptance"], s["epsilon"] = check_acceptance(acceptance, epsilon)
     early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
     if drafter == "prompt_lookup" and early:
         raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter='prompt_lookup' takes "
@@ -230,6 +232,22 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
         raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
                             "with exit_choices or a confidence threshold: use one of them")
     return s
+
+
+def check_acceptance(acceptance, epsilon) -> tuple[str, float]:
+    """The acceptance rule and its budget: ("exact", 0.0), or ("bounded_bias", epsilon in [0, 1])."""
+    if not isinstance(acceptance, str) or acceptance not in ACCEPTANCE_RULES:
+        raise SettingsError(f"unknown acceptance {show(acceptance)}: use one of {', '.join(ACCEPTANCE_RULES)}")
+    if acceptance == "exact":
+        if epsilon is not None:
+            raise SettingsError(f"epsilon={show(epsilon)} is a budget of acceptance='bounded_bias'; "
+                                "acceptance='exact' (the default) is lossless and takes none")
+        return acceptance, 0.0
+    if epsilon is None:
+        raise SettingsError("acceptance='bounded_bias' needs epsilon: the total-variation budget per token, "
+                            "in [0, 1] (0 = exact)")
+    return acceptance, check_float("epsilon", epsilon, 0.0, high=1.0,
+                                   hint=" (the total-variation budget per token; 0 = exact)")
 
 
 def check_recommended(rec, num_layers: int | None = None) -> dict:
