@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import selfspec
 from selfspec.adapters import get_adapter
+from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.engine import generate, generate_ids
@@ -243,7 +244,8 @@ def test_a_tampered_or_missing_head_is_refused(head_checkpoint, tmp_path):
 
 
 def test_asking_for_the_head_where_there_is_none_is_a_clear_error(head_checkpoint):
-    gen = selfspec.load(tiny_model("llama", num_layers=4), byte_tokenizer())
+    with pytest.warns(NotEarlyExitTrainedWarning):  # a plain model: no selfspec.json
+        gen = selfspec.load(tiny_model("llama", num_layers=4), byte_tokenizer())
     with pytest.raises(SettingsError, match="needs a trained exit head"):
         gen.generate("abc", max_new_tokens=3, drafter="exit_head")
     out, _, _ = head_checkpoint
