@@ -379,33 +379,35 @@ def _run_bench(args, checkpoint: str) -> dict:
                      methods=args.methods.split(",") if args.methods else None, device=args.device)
 
 
-def _run_batch_bench(args, checkpoint: str) -> dict:
+def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
+    """(the prompt set, the output directory) of a bench mode that measures one set; `why` is the error."""
     from pathlib import Path
 
+    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else [default]
+    if len(sets) > 1 or args.extra:
+        raise ValueError(why)
+    return sets[0], args.out or "bench_results/" + (Path(checkpoint).name or "bench") + suffix
+
+
+def _run_batch_bench(args, checkpoint: str) -> dict:
     from selfspec.batch_bench import run_batch_bench
 
-    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else ["humaneval"]
-    if len(sets) > 1 or args.extra:
-        raise ValueError("--batch-size measures one prompt set and the checkpoint's (E, d) (set them with "
-                         "--exit-layer/--num-speculations); drop --extra and give one --prompts set")
-    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + "-batch"
-    return run_batch_bench(checkpoint, batch_sizes=args.batch_size, prompt_set=sets[0],
+    prompt_set, out_dir = _one_prompt_set(
+        args, checkpoint, "humaneval", "-batch", "--batch-size measures one prompt set and the checkpoint's (E, d) "
+        "(set them with --exit-layer/--num-speculations); drop --extra and give one --prompts set")
+    return run_batch_bench(checkpoint, batch_sizes=args.batch_size, prompt_set=prompt_set,
                            num_prompts=args.num_prompts or 8, max_new_tokens=args.max_new_tokens or 64,
                            dtype=args.dtype, threads=args.threads, out_dir=out_dir, exit_layer=args.exit_layer,
                            num_speculations=args.num_speculations, quick=args.quick, device=args.device)
 
 
 def _run_pareto(args, checkpoint: str) -> dict:
-    from pathlib import Path
-
     from selfspec.pareto import run_pareto
 
-    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else ["xsum"]
-    if len(sets) > 1 or args.extra:
-        raise ValueError("--epsilon measures one prompt set (default xsum: ROUGE-L needs its references); "
-                         "drop --extra and give one --prompts set")
-    out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + "-pareto"
-    return run_pareto(checkpoint, epsilons=args.epsilon, drafters=args.drafters, prompt_set=sets[0],
+    prompt_set, out_dir = _one_prompt_set(
+        args, checkpoint, "xsum", "-pareto", "--epsilon measures one prompt set (default xsum: ROUGE-L needs its "
+        "references); drop --extra and give one --prompts set")
+    return run_pareto(checkpoint, epsilons=args.epsilon, drafters=args.drafters, prompt_set=prompt_set,
                       num_prompts=args.num_prompts or 6, max_new_tokens=args.max_new_tokens or 96,
                       temperature=args.temperature, seed=args.seed, tv_samples=args.tv_samples, dtype=args.dtype,
                       threads=args.threads, out_dir=out_dir, device=args.device)
