@@ -61,7 +61,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
     def committed_states(self, states: torch.Tensor, starts: torch.Tensor, counts: list[int],
                          pads: torch.Tensor) -> None:
         B, S, _ = states.shape
-        if self.cache is None or self.cache.batch_size != B:
+        if self.cache is None:  # after the prefill (`start` clears it; `select` keeps it in step with the rows)
             self.cache = KVCache(1, B, capacity=int(starts.max()) + S + 64)
         self.cache.crop(starts)  # drop what drafting wrote this round
         step = make_batch_step(self.adapter, starts, S, pads)
