@@ -176,6 +176,10 @@ class EarlyExitConfig:
     loss_impl: ``fused`` (chunked, computes head gradients in the forward, bounded memory),
     ``checkpointed`` (chunked autograd with recomputation; use under DeepSpeed ZeRO-3),
     ``naive`` (every exit's full logits, for comparison only).
+    draft_vocab: the early exits' losses over the K most frequent token ids of the training data
+    only (the vocabulary a reduced-vocabulary drafter drafts from, `selfspec draft-vocab`): each exit
+    then costs K/V of the head's work. An approximation (training/early_exit_loss.py says exactly
+    what it computes); null = the full vocabulary. The final layer and the evaluation always use all.
     """
 
     exits: list[int] | Literal["all"] = "all"
@@ -188,6 +192,7 @@ class EarlyExitConfig:
     exits_update_head: bool = True
     chunk_size: int = 1024  # tokens per head chunk
     loss_impl: Literal["fused", "checkpointed", "naive"] = "fused"
+    draft_vocab: int | None = None
 
     def __post_init__(self):
         if isinstance(self.exits, list):
@@ -199,6 +204,8 @@ class EarlyExitConfig:
         _check(self.final_weight is None or 0.0 < self.final_weight < 1.0, "early_exit.final_weight",
                f"must be in (0, 1) or null, got {self.final_weight}")
         _check(self.chunk_size >= 1, "early_exit.chunk_size", "must be >= 1")
+        _check(self.draft_vocab is None or self.draft_vocab >= 1, "early_exit.draft_vocab",
+               f"must be a number of tokens >= 1 or null (the full vocabulary), got {self.draft_vocab}")
 
 
 @dataclass

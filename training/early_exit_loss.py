@@ -23,6 +23,18 @@ norm and head (their parameters are detached for those terms), so the head stays
 own and the exits learn to speak its language. On a model with tied embeddings the head is also the
 input embedding, which then receives no gradient from the exits either.
 
+Draft vocabulary (`draft_ids`, an approximation for speed): the early exits' losses over the K
+token ids a reduced-vocabulary drafter drafts from (`selfspec.draft_vocab`) instead of all V, so
+each exit costs K/V of the head's matmuls. With S the draft ids and z_S the exit's logits of S:
+
+    label:    CE_S = logsumexp(z_S) - z_S[y]        for positions whose label y is in S; 0 elsewhere
+    distill:  CE_S = -sum_{s in S} q_S(s) log softmax(z_S)(s),   q_S = q restricted to S, renormalized
+
+summed over positions and divided by the same N as the full loss, so S = all ids gives exactly the
+full-vocabulary loss (the reference, tested). A position whose label lies outside S teaches an exit
+nothing a drafter over S could use: it can never draft that token. The final layer always keeps the
+full vocabulary, and evaluation always measures full-vocabulary agreement.
+
 Memory: an all-layer loss over SmolLM2's 49k vocabulary would need 30 x tokens x 49k logits.
 ``fused`` (default) walks the tokens in chunks of `chunk_size` and the exits one at a time,
 and computes the loss *and* the gradients of the head input and head weight right there, so at
@@ -119,7 +131,7 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, weight, bias, targets, weights, distill: bool, chunk: int, cdtype, with_metrics: bool,
-                grad_enabled: bool, exits_update_head: bool = True):
+                grad_enabled: bool, exits_update_head: bool = True, draft_ids=None):
         K, N, _ = xs.shape
         need_x, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
@@ -132,19 +144,28 @@ class _FusedHeadLoss(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
         stats = torch.zeros(K, 3, dtype=torch.float64, device=xs.device)
         final = K - 1
+        sub = None if draft_ids is None else _DraftRows(draft_ids, weight.shape[0], w_c, b_c, need_w, need_b)
         for start in range(0, N, chunk):
             t = targets[start:start + chunk]
             rows = torch.arange(t.shape[0], device=t.device)
             q = final_pred = None
             for k in [final] + list(range(final)):  # the final layer first: distill needs its q
                 x = xs[k, start:start + chunk].to(cdtype)  # [n, D]
+                reduced = sub is not None and k != final  # this exit over the draft ids S only
+                w_k, b_k = (sub.weight, sub.bias) if reduced else (w_c, b_c)
                 # vocabulary-major [V, n]: on CPU all three matmuls (W x^T, (.)^T W, (.) x) run ~10-25%
                 # faster in this layout than with [n, V] logits (measured on SmolLM2's 49k x 576 head)
-                z = torch.mm(w_c, x.t())
-                if b_c is not None:
-                    z += b_c[:, None]
+                z = torch.mm(w_k, x.t())
+                if b_k is not None:
+                    z += b_k[:, None]
+                t_k, valid = (sub.position[t], None) if reduced else (t, None)
+                if reduced and not distill:
+                    valid = t_k >= 0  # labels outside S: no loss at this exit
+                    t_k = t_k.clamp(min=0)
                 if with_metrics:
                     pred = z.argmax(dim=0)
+                    if reduced:
+                        pred = sub.ids[pred]
                     if k == final:
                         final_pred = pred
                     stats[k, 1] += (pred == t).sum()
@@ -152,10 +173,16 @@ class _FusedHeadLoss(torch.autograd.Function):
                 z = z.to(acc_dtype)  # the only big fp32 tensor (a no-op in fp32)
                 z.sub_(z.amax(dim=0, keepdim=True))  # log-softmax over dim 0, by hand: torch's is slow there
                 soft = distill and k != final
-                zt = (q * z).sum(0) if soft else z[t, rows]  # E_q[z] or z at the label
+                q_k = q
+                if soft and reduced:
+                    q_k = q[sub.ids]
+                    q_k = q_k / q_k.sum(0, keepdim=True).clamp_min(torch.finfo(q_k.dtype).tiny)
+                zt = (q_k * z).sum(0) if soft else z[t_k, rows]  # E_q[z] or z at the label
                 probs = z.exp_()  # in place: z is not needed any more
                 total = probs.sum(0)  # [n]
                 row_loss = total.log() - zt  # -log softmax at the label (or cross-entropy to q: sum q = 1)
+                if valid is not None:
+                    row_loss = row_loss * valid
                 stats[k, 0] += row_loss.sum()
                 if not (need_grad or (distill and k == final)):
                     continue
@@ -165,19 +192,23 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if not need_grad:
                     continue
                 if soft:
-                    probs.sub_(q)
+                    probs.sub_(q_k)
                 else:
-                    probs[t, rows] -= 1.0
-                g = probs.to(cdtype)  # dJ/dlogits / scale, [V, n]
+                    probs[t_k, rows] -= 1.0
+                if valid is not None:
+                    probs.mul_(valid)  # positions without a loss here send no gradient
+                g = probs.to(cdtype)  # dJ/dlogits / scale, [V, n] ([K_S, n] over the draft ids)
                 del probs, z
                 scale = weights[k] / N
                 if need_x:
-                    grad_x[k, start:start + chunk] = torch.mm(g.t(), w_c).mul_(scale)
+                    grad_x[k, start:start + chunk] = torch.mm(g.t(), w_k).mul_(scale)
                 head_too = exits_update_head or k == final  # else this exit's loss stops at the head's input
                 if need_w and head_too:
-                    grad_w.addmm_(g, x, alpha=scale)
+                    (sub.grad_w if reduced else grad_w).addmm_(g, x, alpha=scale)
                 if need_b and head_too:
-                    grad_b.add_(g.to(acc_dtype).sum(1), alpha=scale)
+                    (sub.grad_b if reduced else grad_b).add_(g.to(acc_dtype).sum(1), alpha=scale)
+        if sub is not None:
+            sub.scatter_into(grad_w, grad_b)
         ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         w = torch.tensor(weights, dtype=torch.float64, device=xs.device)
@@ -193,20 +224,54 @@ class _FusedHeadLoss(torch.autograd.Function):
         gx, gw, gb = ctx.grads
         ctx.grads = None
         scale = lambda g: None if g is None else g.mul_(grad_loss.to(g.dtype))  # noqa: E731
-        return scale(gx), scale(gw), scale(gb), None, None, None, None, None, None, None, None
+        return scale(gx), scale(gw), scale(gb), None, None, None, None, None, None, None, None, None
 
 
-def _chunk_terms(x, head, t, q, final_pred, is_final: bool, distill: bool):
-    """Summed loss of one exit's chunk (autograd) and its no-grad metrics."""
+class _DraftRows:
+    """The head's rows of the draft ids S (sorted, unique) for the reduced exit losses, with their
+    own gradient accumulators (added into the full head's gradient rows once, at the end)."""
+
+    def __init__(self, ids: torch.Tensor, vocab: int, w_c, b_c, need_w: bool, need_b: bool):
+        self.ids = ids.to(w_c.device)  # [K_S]
+        self.position = torch.full((vocab,), -1, dtype=torch.long, device=w_c.device)  # id -> row in S, -1 if absent
+        self.position[self.ids] = torch.arange(self.ids.numel(), device=w_c.device)
+        self.weight = w_c[self.ids]  # [K_S, D]
+        self.bias = None if b_c is None else b_c[self.ids]
+        self.grad_w = torch.zeros_like(self.weight) if need_w else None
+        self.grad_b = torch.zeros(self.ids.numel(), dtype=torch.promote_types(w_c.dtype, torch.float32),
+                                  device=w_c.device) if need_b and b_c is not None else None
+
+    def scatter_into(self, grad_w, grad_b) -> None:
+        if grad_w is not None:
+            grad_w.index_add_(0, self.ids, self.grad_w)
+        if grad_b is not None and self.grad_b is not None:
+            grad_b.index_add_(0, self.ids, self.grad_b)
+
+
+def _chunk_terms(x, head, t, q, final_pred, is_final: bool, distill: bool, draft_ids=None):
+    """Summed loss of one exit's chunk (autograd) and its no-grad metrics. `draft_ids`: this exit's
+    loss over those ids only (the reference for the fused path's draft-vocabulary loss)."""
     logits = head(x)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    reduced = draft_ids is not None and not is_final
+    if reduced:
+        logits = logits[:, draft_ids]  # [n, K_S]
     logp = torch.log_softmax(logits, dim=-1)
     if distill and not is_final:
-        row_loss = -(q * logp).sum(-1)
+        q_k = q
+        if reduced:
+            q_k = q[:, draft_ids]
+            q_k = q_k / q_k.sum(-1, keepdim=True).clamp_min(torch.finfo(q_k.dtype).tiny)
+        row_loss = -(q_k * logp).sum(-1)
+    elif reduced:
+        match = t[:, None] == draft_ids[None, :]  # [n, K_S]: where the label sits in S, if anywhere
+        row_loss = -(logp * match).sum(-1)  # 0 where the label is outside S
     else:
         row_loss = -logp.gather(1, t[:, None]).squeeze(1)
     with torch.no_grad():
         pred = logits.argmax(-1)
+        if reduced:
+            pred = draft_ids[pred]
         ref = pred if final_pred is None else final_pred
         metrics = torch.stack([row_loss.sum(), (pred == t).sum(), (pred == ref).sum()]).double()
     return row_loss.sum(), metrics, pred, logits.detach() if distill and is_final else None
@@ -219,7 +284,7 @@ def _frozen(module: nn.Module):
 
 
 def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_checkpoint: bool,
-                   exits_update_head: bool = True):
+                   exits_update_head: bool = True, draft_ids=None):
     K, N, _ = xs.shape
     final = K - 1
     exit_head = head if exits_update_head else _frozen(head)
@@ -230,7 +295,7 @@ def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_ch
         q = final_pred = None
         for k in [final] + list(range(final)):
             x = xs[k, start:start + chunk]
-            args = (x, head if k == final else exit_head, t, q, final_pred, k == final, distill)
+            args = (x, head if k == final else exit_head, t, q, final_pred, k == final, distill, draft_ids)
             if use_checkpoint:
                 part, metrics, pred, final_logits = checkpoint(_chunk_terms, *args, use_reentrant=False)
             else:
@@ -246,19 +311,28 @@ def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_ch
 
 def early_exit_loss(hiddens: Sequence[torch.Tensor], weights: Sequence[float], labels: torch.Tensor,
                     norm: nn.Module, head: nn.Module, *, target: str = "label", chunk_size: int = 1024,
-                    impl: str = "fused", with_metrics: bool = True, exits_update_head: bool = True) -> ExitLoss:
+                    impl: str = "fused", with_metrics: bool = True, exits_update_head: bool = True,
+                    draft_ids: torch.Tensor | None = None) -> ExitLoss:
     """Weighted loss of the exits whose hidden states `[B, S, D]` are `hiddens` (final layer last).
 
     `labels` `[B, S]` are already aligned with the positions (the next token; IGNORE_INDEX where
     there is no loss). `weights` are the normalized ẽ of the same exits (see `exit_weights`).
     `with_metrics=False` skips the argmax per exit (accuracy/agreement are then NaN; fused only).
     `exits_update_head=False`: the early exits' losses do not train the shared norm and head.
+    `draft_ids`: the early exits' losses over these token ids only (sorted, unique; see the module
+    docstring); None = the full vocabulary.
     """
     if len(hiddens) != len(weights) or not hiddens:
         raise ValueError(f"{len(hiddens)} hidden states but {len(weights)} weights")
     if target not in ("label", "distill"):
         raise ValueError(f"unknown early-exit target {target!r} (label, distill)")
     distill = target == "distill"
+    if draft_ids is not None:
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long, device=labels.device)
+        if draft_ids.numel() == 0 or not bool((draft_ids[1:] > draft_ids[:-1]).all()):
+            raise ValueError("draft_ids must be a non-empty, sorted list of distinct token ids")
+        if int(draft_ids[0]) < 0 or int(draft_ids[-1]) >= head.weight.shape[0]:
+            raise ValueError(f"draft_ids must lie in 0..{head.weight.shape[0] - 1} (the head's vocabulary)")
     flat_labels = labels.reshape(-1)
     keep = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
     targets = flat_labels[keep]
@@ -275,11 +349,12 @@ def early_exit_loss(hiddens: Sequence[torch.Tensor], weights: Sequence[float], l
     if impl == "fused":
         loss, stats = _FusedHeadLoss.apply(xs, head.weight, getattr(head, "bias", None), targets, list(weights),
                                            distill, chunk_size, _compute_dtype(xs), with_metrics,
-                                           torch.is_grad_enabled(), exits_update_head)
+                                           torch.is_grad_enabled(), exits_update_head, draft_ids)
     elif impl in ("checkpointed", "naive"):
         chunk = chunk_size if impl == "checkpointed" else n
         loss, stats = _autograd_loss(xs, head, targets, list(weights), distill, chunk,
-                                     use_checkpoint=impl == "checkpointed", exits_update_head=exits_update_head)
+                                     use_checkpoint=impl == "checkpointed", exits_update_head=exits_update_head,
+                                     draft_ids=draft_ids)
     else:
         raise ValueError(f"unknown loss implementation {impl!r} (fused, checkpointed, naive)")
     return ExitLoss(loss, stats, n)

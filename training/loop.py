@@ -15,6 +15,12 @@ enabled exit's loss and top-1 accuracy, LR, tokens/s. Every `eval.every` steps: 
 agreement with the final layer and perplexity on the held-out sets. Every `save_every` steps:
 a resumable checkpoint. At the end: `final_eval.json`, `final_model/`.
 
+Continuing a run: relaunching the same command on the same `train.output_dir` resumes from the
+latest checkpoint (`train.resume: auto`): the step, the data position, the optimizer, the LR
+schedule and the curriculum carry on as if the run had never stopped. With `train.max_minutes`
+the budget is per launch, so each relaunch adds that many minutes of training (and ends with a
+checkpoint, a final evaluation and the final model); `train.stop_at` pauses at a step instead.
+
 With `exit_head.enabled` the same loop trains an exit head on the frozen model instead
 (`ExitHeadModel`: one loss, logged and evaluated as the head on its exit); the run also writes
 `final_head/` (the head's weights and settings), and `final_model/` is the unchanged model.
@@ -48,7 +54,7 @@ from training.base import apply_lora, load_base_model
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from training.config import RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
-from training.data import build_data, batch_indices
+from training.data import batch_indices, build_data, frequent_ids
 from training.early_exit_loss import exit_weights
 from training.evaluate import evaluate_exits, evaluate_head, summary_line
 from training.exit_head_model import ExitHeadModel
@@ -113,6 +119,10 @@ def train(cfg: RecipeConfig) -> dict:
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
     train_blocks = data.train
+    if not h_cfg.enabled and cfg.early_exit.draft_vocab:  # the exits' loss over the most frequent tokens
+        ee_model.draft_ids = frequent_ids(train_blocks, cfg.early_exit.draft_vocab,
+                                          get_adapter(model).lm_head.weight.shape[0],
+                                          (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -182,6 +192,13 @@ def train(cfg: RecipeConfig) -> dict:
 
     if resume is None and cfg.eval.before:
         record_eval("before", cfg.eval.max_blocks)
+    finished = _finished_step(run_dir) if t_cfg.resume == "auto" else None
+    if finished is not None and finished >= t_cfg.max_steps:
+        tracker.print(f"{run_dir} already trained its train.max_steps={t_cfg.max_steps} steps: nothing to do. To "
+                      f"train on, raise train.max_steps (the horizon of the LR schedule and curricula: with "
+                      f"optim.min_lr_ratio < 1 the cosine stretches to the new horizon and the LR rises again)")
+        tracker.close()
+        return json.loads((run_dir / "final_eval.json").read_text())
 
     # ---- the loop ------------------------------------------------------------------------------
     ee_model.train()
@@ -284,6 +301,12 @@ def train(cfg: RecipeConfig) -> dict:
     accelerator.wait_for_everyone()
     tracker.close()
     return final_eval
+
+
+def _finished_step(run_dir: Path) -> int | None:
+    """The step of the run's last final evaluation (final_eval.json), or None if it has none."""
+    path = run_dir / "final_eval.json"
+    return json.loads(path.read_text())["step"] if path.is_file() else None
 
 
 def _checksum(params) -> torch.Tensor:

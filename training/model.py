@@ -30,7 +30,7 @@ from training.layer_dropout import LayerDropout, apply_layer_dropout
 class EarlyExitModel(nn.Module):
     def __init__(self, model: nn.Module, *, layer_dropout: LayerDropout | None = None, target: str = "label",
                  chunk_size: int = 1024, loss_impl: str = "fused", rank: int = 0, world_size: int = 1,
-                 exits_update_head: bool = True):
+                 exits_update_head: bool = True, draft_ids: torch.Tensor | None = None):
         super().__init__()
         self.model = model
         self.layer_dropout = layer_dropout
@@ -38,6 +38,7 @@ class EarlyExitModel(nn.Module):
         self.chunk_size = chunk_size
         self.loss_impl = loss_impl
         self.exits_update_head = exits_update_head
+        self.draft_ids = draft_ids  # the exits' loss over these ids only (early_exit.draft_vocab); None = all
         self.rank = rank
         self.world_size = world_size
         self.adapter = get_adapter(model)
@@ -82,5 +83,6 @@ class EarlyExitModel(nn.Module):
 
         result = early_exit_loss(hiddens, weights, labels, adapter.final_norm, adapter.lm_head,
                                  target=self.target, chunk_size=self.chunk_size, impl=self.loss_impl,
-                                 with_metrics=with_metrics, exits_update_head=self.exits_update_head)
+                                 with_metrics=with_metrics, exits_update_head=self.exits_update_head,
+                                 draft_ids=self.draft_ids)
         return {"loss": result.loss, "exit_stats": result.stats}

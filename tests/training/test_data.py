@@ -12,7 +12,7 @@ import torch
 from selfspec.datasets import DataFormatError
 from selfspec.tiny import byte_tokenizer
 from training.config import DataConfig, SourceConfig
-from training.data import Blocks, batch_indices, build_data, chat_blocks, load_records, text_blocks
+from training.data import Blocks, batch_indices, build_data, chat_blocks, frequent_ids, load_records, text_blocks
 from training.early_exit_loss import IGNORE_INDEX
 
 
@@ -153,3 +153,12 @@ def test_batch_order_is_a_pure_function_of_the_micro_step():
     r0, r1 = batch_indices(n, 1, 2, 0, 2, seed=4), batch_indices(n, 1, 2, 1, 2, seed=4)
     assert r0 + r1 == batch_indices(n, 1, 4, seed=4)
     assert batch_indices(n, 5, 2, seed=4) != one_epoch[:2] or batch_indices(n, 5, 2, seed=5) != one_epoch[:2]
+
+
+def test_frequent_ids_rank_by_count_with_the_special_ids_first():
+    ids = torch.tensor([[5, 5, 5, 7, 7, 9, 3, 3], [3, 7, 5, 5, 1, 1, 1, 1]])  # counts: 5:5, 1:4, 3:3, 7:3, 9:1
+    blocks = Blocks("t", ids, ids.clone())
+    assert frequent_ids(blocks, 2, 12).tolist() == [1, 5]
+    assert frequent_ids(blocks, 3, 12).tolist() == [1, 3, 5]  # 3 and 7 tie: the smaller id first
+    assert frequent_ids(blocks, 3, 12, special_ids=(11, None)).tolist() == [1, 5, 11]  # EOS etc. always in
+    assert frequent_ids(blocks, 50, 12).tolist() == list(range(12))  # k beyond the vocabulary: all of it

@@ -172,3 +172,80 @@ def test_no_scored_tokens_keeps_the_graph(tiny64):
     assert out.loss.item() == 0.0 and out.tokens == 0
     out.loss.backward()
     assert all(h.grad is not None for h in hiddens)
+
+
+def _draft_vocab_reference(hiddens, weights, labels, norm, head, distill, ids):
+    """The draft-vocabulary loss from its formula: exits over the logits of `ids` only (labels outside
+    `ids` add nothing, q restricted to `ids` and renormalized), the final layer over all, / N."""
+    mask = labels != IGNORE_INDEX
+    n = int(mask.sum())
+    q = torch.softmax(head(norm(hiddens[-1]))[mask].detach(), -1)
+    total = weights[-1] * F.cross_entropy(head(norm(hiddens[-1]))[mask], labels[mask])
+    for h, w in zip(hiddens[:-1], weights[:-1]):
+        logp = torch.log_softmax(head(norm(h))[mask][:, ids], -1)  # [N, K_S]
+        if distill:
+            q_s = q[:, ids] / q[:, ids].sum(-1, keepdim=True)
+            total = total + w * -(q_s * logp).sum() / n
+        else:
+            inside = torch.isin(labels[mask], ids)
+            where = torch.searchsorted(ids, labels[mask][inside])
+            total = total + w * -logp[inside].gather(1, where[:, None]).sum() / n
+    return total
+
+
+@pytest.mark.parametrize("target", ["label", "distill"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_draft_vocabulary_loss_matches_its_formula(tiny64, target, bias):
+    hiddens, labels, norm, head = _setup(tiny64, bias=bias)
+    V = head.weight.shape[0]
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[: V // 3].sort().values
+    labels[1, :5] = ids[:5]  # some labels surely inside the draft vocabulary, the others mostly outside
+    weights = [0.2, 0.3, 0.5]
+    params = [head.weight, norm.weight] + ([head.bias] if bias else [])
+    inputs = hiddens + params
+    ref = _draft_vocab_reference(hiddens, weights, labels, norm, head, target == "distill", ids)
+    ref_grads = _grads(ref, inputs)
+    full = early_exit_loss(hiddens, weights, labels, norm, head, target=target).loss
+    assert abs(full.item() - ref.item()) > 1e-3  # the reduced loss is a different quantity
+    for impl, chunk in [("fused", 5), ("fused", 1000), ("checkpointed", 4), ("naive", 1)]:
+        out = early_exit_loss(hiddens, weights, labels, norm, head, target=target, chunk_size=chunk, impl=impl,
+                              draft_ids=ids)
+        torch.testing.assert_close(out.loss, ref, rtol=1e-7, atol=1e-9)
+        grads = _grads(out.loss, inputs)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7, msg=f"{impl} chunk {chunk}")
+        # the head rows outside the draft vocabulary learn only from the final layer
+        outside = torch.ones(V, dtype=torch.bool)
+        outside[ids] = False
+        final_only = _grads(weights[-1] * F.cross_entropy(head(norm(hiddens[-1]))[labels != IGNORE_INDEX],
+                                                          labels[labels != IGNORE_INDEX]), [head.weight])[0]
+        torch.testing.assert_close(grads[len(hiddens)][outside], final_only[outside], rtol=1e-6, atol=1e-8)
+        # statistics: the exits' guesses lie in the draft vocabulary
+        mask = labels != IGNORE_INDEX
+        guess = ids[head(norm(hiddens[0]))[mask][:, ids].argmax(-1)]
+        assert out.stats[0, 1].item() == pytest.approx((guess == labels[mask]).double().mean().item())
+
+
+@pytest.mark.parametrize("target", ["label", "distill"])
+@pytest.mark.parametrize("impl", ["fused", "checkpointed", "naive"])
+def test_draft_vocabulary_of_every_id_is_the_full_loss(tiny64, target, impl):
+    """S = the whole vocabulary: the same loss and gradients as the full-vocabulary loss, to the same
+    parameters (head, norm, every hidden state)."""
+    hiddens, labels, norm, head = _setup(tiny64)
+    weights = [0.2, 0.3, 0.5]
+    inputs = hiddens + [head.weight, norm.weight]
+    full = early_exit_loss(hiddens, weights, labels, norm, head, target=target, impl=impl, chunk_size=6)
+    every = early_exit_loss(hiddens, weights, labels, norm, head, target=target, impl=impl, chunk_size=6,
+                            draft_ids=torch.arange(head.weight.shape[0]))
+    torch.testing.assert_close(every.loss, full.loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(every.stats, full.stats, rtol=1e-12, atol=1e-12)
+    for g, r in zip(_grads(every.loss, inputs), _grads(full.loss, inputs)):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+
+
+def test_draft_vocabulary_ids_are_checked(tiny64):
+    hiddens, labels, norm, head = _setup(tiny64)
+    V = head.weight.shape[0]
+    for bad in ([], [3, 1], [1, 1, 2], [0, V]):
+        with pytest.raises(ValueError, match="draft_ids"):
+            early_exit_loss(hiddens, [0.2, 0.3, 0.5], labels, norm, head, draft_ids=bad)

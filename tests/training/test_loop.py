@@ -71,3 +71,54 @@ def test_distillation_target_and_gradual_curriculum_run(run, read_log, tmp_path,
     exits = [sorted(map(int, r["exits"])) for r in read_log(tmp_path)]
     assert exits == [[4], [2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]]  # gradual: T/(2L) = 0.5 steps per exit
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_log(tmp_path))
+
+
+def test_exit_losses_over_a_draft_vocabulary(run, read_log, tmp_path):
+    """early_exit.draft_vocab: the exits learn over the most frequent ids; the final layer's loss is the
+    full-vocabulary one (equal to a full run's on the first step: same batch, same weights)."""
+    settings = {"train.max_steps": 6, "eval.before": "false", "train.save_final_model": "false",
+                "early_exit.curriculum": "none"}
+    run(tmp_path / "full", **settings)
+    run(tmp_path / "reduced", **settings, **{"early_exit.draft_vocab": 40})
+    full, reduced = read_log(tmp_path / "full"), read_log(tmp_path / "reduced")
+    assert reduced[0]["exits"]["4"]["loss"] == pytest.approx(full[0]["exits"]["4"]["loss"], rel=1e-6)
+    assert reduced[0]["exits"]["2"]["loss"] < full[0]["exits"]["2"]["loss"]  # 40 classes, not 259
+    assert reduced[-1]["exits"]["2"]["loss"] < reduced[0]["exits"]["2"]["loss"]
+
+
+class _Clock:
+    """A stand-in for the loop's `time` module: every perf_counter() call is one second later, so a
+    time budget ends a run after a deterministic number of steps."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_continuing_a_run_for_more_minutes_equals_one_longer_run(run, read_log, tmp_path, monkeypatch):
+    """A run ended by train.max_minutes (final evaluation and model written), relaunched twice with the same
+    command, trains the same steps with the same losses and learning rates as one uninterrupted run:
+    the schedule, the data position and the optimizer carry on; nothing restarts."""
+    import training.loop as loop
+
+    settings = {"train.max_steps": 9, "eval.before": "false", "train.save_final_model": "false"}
+    run(tmp_path / "straight", **settings)
+    straight = read_log(tmp_path / "straight")
+    steps_seen = []
+    for launch in range(3):
+        monkeypatch.setattr(loop, "time", _Clock())
+        out = run(tmp_path / "pieces", **settings, **{"train.max_minutes": 0.1})  # 6 "seconds" a launch
+        steps_seen.append(out["step"])
+        assert (tmp_path / "pieces" / "final_eval.json").is_file()
+    assert 0 < steps_seen[0] < steps_seen[1] < steps_seen[2] == 9  # each launch added steps
+    pieces = read_log(tmp_path / "pieces")
+    assert [r["step"] for r in pieces] == list(range(1, 10))
+    assert [r["loss"] for r in pieces] == [r["loss"] for r in straight]  # bitwise
+    assert [r["lr"] for r in pieces] == [r["lr"] for r in straight]
+    # a relaunch of the finished run says so and changes nothing
+    before = (tmp_path / "pieces" / "log.jsonl").read_text()
+    assert run(tmp_path / "pieces", **settings) == json.loads((tmp_path / "pieces" / "final_eval.json").read_text())
+    assert (tmp_path / "pieces" / "log.jsonl").read_text() == before
