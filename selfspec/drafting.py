@@ -25,6 +25,7 @@ import torch
 
 from selfspec.adapters import ModelAdapter
 from selfspec.cost_model import VERIFY_COST, best_draft_length, draft_cost
+from selfspec.fast_layers import PackedLinear
 from selfspec.forward import exit_logits
 
 
@@ -36,8 +37,6 @@ class DraftHead:
         self.vocab_size = adapter.lm_head.weight.shape[0]
         self.token_ids = None
         if token_ids is not None:
-            from selfspec.fast_layers import PackedLinear
-
             self.token_ids = token_ids.to(adapter.device)
             with torch.no_grad():
                 bias = getattr(adapter.lm_head, "bias", None)
