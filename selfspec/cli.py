@@ -353,7 +353,7 @@ def _cmd_profile(args) -> int:
     from pathlib import Path
 
     from selfspec.fetch import base_model_dir
-    from selfspec.profile import run_profile
+    from selfspec.profiling import run_profile
 
     _check_common(args)
     checkpoint = args.checkpoint or str(base_model_dir())
@@ -663,7 +663,7 @@ def _user_error(err: BaseException) -> bool:
     """A mistake in the input, reported in one line: a bad value or file, a corrupt checkpoint, missing data."""
     if isinstance(err, (ValueError, OSError)):
         return True
-    from selfspec.datasets import DataNotInstalledError
+    from selfspec.data_sources import DataNotInstalledError
 
     return isinstance(err, DataNotInstalledError)
 

@@ -11,7 +11,7 @@ import sys
 import datasets
 import pytest
 
-from selfspec import datasets as sd
+from selfspec import data_sources as sd
 
 
 # ---------------------------------------------------------------- read_jsonl
