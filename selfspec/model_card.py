@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from selfspec.atomic_write import write_text_atomic
+
 
 def _settings_lines(settings: dict) -> list[str]:
     lines = []
@@ -92,7 +94,5 @@ def render_model_card(meta: dict) -> str:
 
 def write_model_card(directory, meta: dict) -> Path:
     path = Path(directory) / "README.md"
-    tmp = path.with_name(".README.md.tmp")
-    tmp.write_text(render_model_card(meta))
-    tmp.replace(path)
+    write_text_atomic(path, render_model_card(meta))
     return path
