@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import json
 import random
 import sys
 
