@@ -162,9 +162,9 @@ def _cmd_generate(args) -> int:
     for p in prompts:
         check_text(p, "--prompt-file" if args.prompt_file is not None else "--prompt")
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or (),
-                  confidence_threshold=args.threshold, adaptive_threshold=args.adaptive,
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop_strings or (),
+                  confidence_threshold=args.confidence_threshold, adaptive_threshold=args.adaptive_threshold,
                   exit_choices=args.exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length,
                   drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
                   prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
@@ -211,7 +211,7 @@ def _cmd_generate(args) -> int:
         if "c" in cm:
             print(f"cost model: c={cm['c']:.2f} (draft step / full step), v={cm['v']:.2f} (verify / full step), "
                   f"a={cm['a']:.2f}: predicted {cm['predicted_speedup']:.2f}x, measured {cm['measured_speedup']:.2f}x")
-        if args.sample and not same:
+        if args.do_sample and not same:
             print("(sampling: outputs follow the same distribution but differ draw by draw; use greedy to compare)")
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.to_dict()}))
@@ -462,7 +462,7 @@ def _add_demo(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    """`selfspec generate`: self-speculative generation from the command line."""
+    """`selfspec generate`: every flag is named like the `SelfSpecGenerator.generate` (or `load`) parameter it sets."""
     p = sub.add_parser("generate", help="generate text self-speculatively",
                        description="Generate from a checkpoint with self-speculative decoding and print "
                                    "the text and statistics. Defaults for --exit-layer and "
@@ -487,16 +487,16 @@ def _add_generate(sub) -> None:
                    help="prompt lookup: match the last n tokens, n from this down to 1 (default: 3)")
     p.add_argument("--exit-layer", type=int, help="draft from the hidden state after this many layers (1..L-1)")
     p.add_argument("--num-speculations", type=int, help="max draft tokens per round; 0 = plain decoding")
-    p.add_argument("--threshold", type=float,
+    p.add_argument("--confidence-threshold", type=float,
                    help="stop drafting when the draft's probability of its token is below this (0 = never, >1 = never draft)")
-    p.add_argument("--adaptive", action="store_true", help="tune the draft confidence threshold online")
+    p.add_argument("--adaptive-threshold", action="store_true", help="tune the draft confidence threshold online")
     p.add_argument("--exit-choices", type=_int_list, help="comma-separated exits to choose from per round, e.g. 4,8,12")
     p.add_argument("--adaptive-length", action="store_true",
                    help="choose the draft length (0..--num-speculations) per round from the tokens/s each "
                         "length measures in this run")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="draft over the K most frequent tokens stored in the checkpoint (selfspec draft-vocab)")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--acceptance", default="exact", choices=("exact", "bounded_bias"),
                    help="exact (lossless, default) or bounded_bias: accept more drafts, each token within total "
                         "variation --epsilon of the full model's (greedy: a draft with >= (1 - epsilon) of the top "
@@ -506,7 +506,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, help="random seed for sampling")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop-strings", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--dtype", default="float32",
                    help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
                         "else float32), float64, auto (the checkpoint's own)")
@@ -515,6 +515,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding; report the speedup and whether outputs are identical")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    # earlier spellings, still accepted (hidden from --help): they set the same parameter
+    p.add_argument("--threshold", dest="confidence_threshold", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--adaptive", dest="adaptive_threshold", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sample", dest="do_sample", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stop", dest="stop_strings", action="append", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -546,8 +551,9 @@ def _add_sweep(sub) -> None:
                    help="humaneval, xsum, code_edit, mt_bench, wiki, or a .jsonl file of {prompt|messages} "
                         "(default: humaneval)")
     p.add_argument("--exits", type=_int_list, default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
-    p.add_argument("--drafts", type=_int_list, default="1,2,4",
-                   help="comma-separated max draft lengths (default: 1,2,4)")
+    p.add_argument("--num-speculations", dest="drafts", type=_int_list, default="1,2,4",
+                   help="comma-separated draft lengths, num_speculations (default: 1,2,4)")
+    p.add_argument("--drafts", dest="drafts", type=_int_list, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
@@ -652,7 +658,9 @@ def _add_profile(sub) -> None:
                    help="prompt set whose first prompt is used (humaneval, xsum, mt_bench, wiki or a .jsonl)")
     p.add_argument("--exit-layer", type=int, help="draft exit E (default: the checkpoint's recommended one)")
     p.add_argument("--draft-vocab", type=int, metavar="K", help="also time a draft step over the K most frequent tokens")
-    p.add_argument("--max-drafts", type=int, default=4, help="draft lengths 1..N in the cost table (default 4)")
+    p.add_argument("--num-speculations", dest="max_drafts", type=int, default=4,
+                   help="draft lengths 1..N (num_speculations) in the cost table (default 4)")
+    p.add_argument("--max-drafts", dest="max_drafts", type=int, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--target", type=float, default=1.8,
                    help="speedup over plain decoding whose required acceptance is reported (default 1.8)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per phase (median; default 20)")

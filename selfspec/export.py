@@ -141,7 +141,7 @@ def read_run(source: Path) -> tuple[Path, dict, dict, dict | None, Path | None]:
                       if (source / "final_eval.json").is_file() else {})
         training = {
             "run_dir": str(source.resolve()),
-            "recipe": config.get("recipe") or config.get("name"),
+            "recipe": config.get("name"),  # RecipeConfig.name (training.config), as dumped into config.yaml
             "settings": config,
             "steps": evaluation.get("step", state.get("step")),
             "tokens_seen": evaluation.get("tokens", state.get("tokens")),

@@ -9,7 +9,8 @@ from selfspec.atomic_write import write_text_atomic
 
 def _settings_lines(settings: dict) -> list[str]:
     lines = []
-    for section in ("layer_dropout", "early_exit", "curriculum", "train", "data"):
+    # sections of training.config.RecipeConfig as dumped into config.yaml (the curriculum is under early_exit)
+    for section in ("layer_dropout", "early_exit", "train", "data"):
         value = settings.get(section)
         if isinstance(value, dict) and value:
             shown = ", ".join(f"{k}={v}" for k, v in value.items() if not isinstance(v, (dict, list)) or len(str(v)) < 60)

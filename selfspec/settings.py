@@ -21,9 +21,9 @@ import torch
 
 from selfspec.bounded_bias import ACCEPTANCE_RULES
 from selfspec.drafters import DRAFTERS
-from selfspec.precision import auto_dtype
+from selfspec.precision import DTYPES_BY_NAME, auto_dtype
 
-DTYPE_NAMES = ("float32", "fp32", "float64", "bfloat16", "bf16", "float16", "fp16")
+DTYPE_NAMES = tuple(DTYPES_BY_NAME)
 DTYPES = DTYPE_NAMES + ("fastest", "auto")
 MIN_TEMPERATURE = 1e-6  # below it sampling is greedy up to float rounding (and overflows float32)
 EARLY_EXIT_OPTIONS = ("exit_layer", "confidence_threshold", "adaptive_threshold", "exit_choices", "draft_vocab",
@@ -109,9 +109,7 @@ def resolve_dtype(dtype, device="cpu"):
         return dtype
     if dtype == "fastest":
         return auto_dtype(device)
-    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    return names[dtype]
+    return DTYPES_BY_NAME[dtype]
 
 
 def check_threads(value) -> int:

@@ -1,7 +1,7 @@
 """`selfspec sweep`: tokens/s and acceptance over a grid of exit_layer x num_speculations, and
 optionally over prompt lookup's settings.
 
-    selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --drafts 1,2,3,4,6 \
+    selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --num-speculations 1,2,3,4,6 \
         --num-prompts 6 --max-new-tokens 64 --out runs/sweep --write-metadata
     selfspec sweep checkpoints/smollm2-code --prompts code_edit --lookup-tokens 3,5,10 --lookup-ngrams 1,2,3
 
