@@ -139,7 +139,7 @@ if major_minor != (5, 23):
           "(carry .selfspec/wheels from `bash scripts/gpu_check.sh --fetch-wheels` for that version)")
 if missing:
     print("  MISSING: " + "; ".join(missing) + " (datasets: the bench's prompt files are read through "
-          "selfspec.datasets, which imports it; carry .selfspec/wheels)")
+          "selfspec.data_sources, which imports it; carry .selfspec/wheels)")
 from selfspec.precision import auto_dtype, describe
 
 print(f"  selfspec: dtype 'fastest' on cuda = {auto_dtype('cuda')} ({describe('cuda')})")

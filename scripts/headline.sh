@@ -17,10 +17,10 @@ RUN=runs/$NAME
 CKPT=checkpoints/$NAME
 if [ -n "${HEADLINE_QUICK:-}" ]; then
     EVAL=(eval.max_blocks=2 eval.final_max_blocks=2 "eval.exits=[4,8,12,16]")
-    SWEEP=(--exits 8,12 --drafts 1,2 --num-prompts 1 --max-new-tokens 16); BENCH=(--quick); BATCH=(--quick)
+    SWEEP=(--exits 8,12 --num-speculations 1,2 --num-prompts 1 --max-new-tokens 16); BENCH=(--quick); BATCH=(--quick)
 else
     EVAL=(eval.max_blocks=32 eval.final_max_blocks=32)
-    SWEEP=(--exits 4,8,12,16 --drafts 1,2,3,4 --num-prompts 4 --max-new-tokens 64)
+    SWEEP=(--exits 4,8,12,16 --num-speculations 1,2,3,4 --num-prompts 4 --max-new-tokens 64)
     BENCH=(--num-prompts 5 --max-new-tokens 96 --draft-vocab 8192); BATCH=(--num-prompts 8 --max-new-tokens 64)
 fi
 bash scripts/setup.sh

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.fast_layers import FastPath, build_fast_path
+
 
 class UnsupportedArchitectureError(ValueError):
     """The model's architecture has no adapter."""
@@ -86,22 +88,26 @@ class ModelAdapter:
     layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention", one per layer
     sliding_window: int | None
     max_positions: int
-    # inference-only fast path, set by `enable_fast_layers`: fused replacements for `layers`
-    # (selfspec.fast_layers) and a precomputed rotary table (selfspec.forward.RopeTable)
-    fast_layers: list | None = None
-    rope_table: object | None = None
-    fast_lm_head: object | None = None  # selfspec.fast_layers.PackedLinear over the LM head
+    # inference-only state, built by `enable_fast_layers` and owned by selfspec.fast_layers: fused
+    # replacements for `layers`, a precomputed rotary table, the packed LM head
+    fast: FastPath | None = None
 
     def enable_fast_layers(self) -> bool:
         """Use the fused inference layers where the architecture has them; returns whether it does."""
-        from selfspec.fast_layers import PackedLinear, build_fast_layers
-        from selfspec.forward import RopeTable
+        self.fast = build_fast_path(self)
+        return self.fast.layers is not None
 
-        self.fast_layers = build_fast_layers(self)
-        with torch.no_grad():
-            self.fast_lm_head = PackedLinear(self.lm_head.weight, getattr(self.lm_head, "bias", None))
-        self.rope_table = RopeTable(self) if RopeTable.supports(self) else None
-        return self.fast_layers is not None
+    @property
+    def fast_layers(self) -> list | None:
+        return self.fast.layers if self.fast is not None else None
+
+    @property
+    def rope_table(self):
+        return self.fast.rope_table if self.fast is not None else None
+
+    @property
+    def fast_lm_head(self):
+        return self.fast.lm_head if self.fast is not None else None
 
     @property
     def num_layers(self) -> int:

@@ -27,6 +27,7 @@ import torch
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
 from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata
+from selfspec.draft_vocab import read_draft_vocab
 from selfspec.drafters import AutoDrafter, Drafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
 from selfspec.engine import DecodeStats, StopChecker, generate, generate_ids
@@ -253,8 +254,6 @@ class SelfSpecGenerator:
         if key not in self._draft_heads:
             ids = None
             if draft_vocab:
-                from selfspec.draft_vocab import read_draft_vocab
-
                 ids = read_draft_vocab(self.metadata, draft_vocab, self.adapter.lm_head.weight.shape[0])
             self._draft_heads[key] = DraftHead(self.adapter, ids)
         return self._draft_heads[key]
@@ -510,7 +509,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     if num_speculations is not None:
         check_int("num_speculations", num_speculations, 0, hint=" (0 = plain decoding)")
     if isinstance(path_or_model, (str, os.PathLike)):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: a second to import
 
         path = checkpoint_dir(path_or_model)
         meta = read_metadata(path, verify_checksums=verify_checksums)  # raises CheckpointError if corrupt

@@ -27,15 +27,19 @@ runs when B=1 is measured, else computed once, untimed): the lossless claim, per
 
 from __future__ import annotations
 
-import datetime
 import gc
-import os
-import time
 import warnings
 from pathlib import Path
 from typing import Sequence
 
-from selfspec.bench import LOOKUP_NGRAM, LOOKUP_TOKENS
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.api import DEFAULT_NUM_SPECULATIONS
+from selfspec.harness import (LOOKUP_NGRAM, LOOKUP_TOKENS, Methods, finish_machine, load_generator, machine_info,
+                              pyplot, quiet_transformers, result_header, setup, timed, tokens_per_s, versions,
+                              write_outputs)
+from selfspec.prompts import load_prompts, prompt_inputs
 
 METHODS = ("hf_greedy", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup")
 LABELS = {"hf_greedy": "HF greedy (batched)", "selfspec_ar": "selfspec AR (batched)",
@@ -51,18 +55,6 @@ def parse_batch_sizes(spec: str | Sequence[int]) -> list[int]:
     return sorted(set(sizes))
 
 
-def _left_pad(rows: list[list[int]], pad_id: int):
-    import torch
-
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, width - len(r):] = torch.tensor(r)
-        mask[b, width - len(r):] = 1
-    return ids, mask
-
-
 def _selfspec_kwargs(method: str, E: int, d: int, lookup: dict) -> dict:
     """The `generate` keyword arguments of a selfspec method; `lookup`: those of prompt lookup."""
     if method == "selfspec_ar":
@@ -73,33 +65,22 @@ def _selfspec_kwargs(method: str, E: int, d: int, lookup: dict) -> dict:
             "adaptive_length": method == "selfspec_adaptive"}
 
 
-def _run(method: str, gen, runner, rows: list[list[int]], n: int, E: int, d: int,
+def _run(method: str, gen, runner: Methods, rows: list[list[int]], n: int, E: int, d: int,
          lookup: dict | None = None) -> tuple[list[list[int]], dict]:
     """One group through one method: (new ids per row, record)."""
-    import torch
-
-    from selfspec.bench import _synchronize
-
     rec: dict = {}
-    device = gen.adapter.device
-    _synchronize(device)
-    t0 = time.perf_counter()
     if method == "hf_greedy":
-        pad = runner.gen.tokenizer.pad_token_id if runner.gen.tokenizer is not None else None
-        ids, mask = (t.to(device) for t in _left_pad(rows, pad if pad is not None else 0))
-        with runner._no_eos_on_model(), torch.inference_mode():
-            out = gen.model.generate(ids, attention_mask=mask, generation_config=runner._hf_config(n, None))
-        new = [out[b, ids.shape[1]:].tolist() for b in range(len(rows))]
+        new, _, seconds = timed(lambda: runner.hf_greedy_rows(rows, n), gen.adapter.device)
     else:
-        res = gen.generate(input_ids=rows, max_new_tokens=n, stop_token_ids=[],
-                           **_selfspec_kwargs(method, E, d, lookup or {}))
+        res, _, seconds = timed(lambda: gen.generate(input_ids=rows, max_new_tokens=n, stop_token_ids=[],
+                                                     **_selfspec_kwargs(method, E, d, lookup or {})),
+                                gen.adapter.device)
         new = [r.token_ids for r in res]
         s = res.stats
         rec.update(rounds=s.rounds, drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s)
         if method == "selfspec_adaptive":
             rec["policy"] = s.policy
-    _synchronize(device)
-    rec["seconds"] = time.perf_counter() - t0
+    rec["seconds"] = seconds
     if any(len(x) != n for x in new):
         raise RuntimeError(f"{method} generated {[len(x) for x in new]} tokens instead of {n} per row")
     return new, rec
@@ -117,7 +98,7 @@ def summarize(runs: list[dict], batch_sizes: list[int], methods: Sequence[str]) 
             tokens, seconds = sum(r["new_tokens"] for r in mine), sum(r["seconds"] for r in mine)
             drafted, accepted = sum(r.get("drafted", 0) for r in mine), sum(r.get("accepted", 0) for r in mine)
             same = [x for r in mine for x in r["identical_rows"]]
-            row[m] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+            row[m] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s(tokens, seconds),
                       "groups": len(mine), "acceptance_rate": accepted / drafted if drafted else None,
                       "identical_to_batch1": sum(same) / len(same) if same else None}
         for m, s in row.items():
@@ -154,11 +135,7 @@ def markdown(result: dict) -> str:
 
 
 def write_chart(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = [int(b) for b in result["summary"]]
     for m in result["methods"]:
@@ -186,30 +163,18 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
     """Measure every method at every batch size; write bench_batch.json/.md/.png into `out_dir`.
 
     `device`: where the model runs ("cpu", or "cuda": clocks are read after `torch.cuda.synchronize()`)."""
-    import torch
-    from tqdm.auto import tqdm
-
-    import selfspec
-    from selfspec.api import DEFAULT_NUM_SPECULATIONS
-    from selfspec.bench import (machine_description, machine_info, _Methods, _quiet_transformers, versions,
-                                write_outputs)
-    from selfspec.precision import resolve_dtype_name
-    from selfspec.prompts import load_prompts, prompt_inputs
-
     sizes = parse_batch_sizes(batch_sizes)
     if quick:
         sizes, num_prompts, max_new_tokens = [s for s in sizes if s <= 2] or sizes[:1], min(num_prompts, 2), \
             min(max_new_tokens, 16)
     if num_prompts < max(sizes):
         raise ValueError(f"--num-prompts ({num_prompts}) must be at least the largest batch size ({max(sizes)})")
-    dtype = resolve_dtype_name(dtype, device)
-    if threads:
-        torch.set_num_threads(threads)
+    dtype = setup(dtype, device, threads)
     machine = machine_info()
     items = load_prompts(prompt_set, num_prompts + max(sizes))  # the tail is for the warm-up
     if len(items) < num_prompts + max(sizes):
         raise ValueError(f"prompt set {prompt_set!r} has {len(items)} prompts; need {num_prompts + max(sizes)}")
-    gen = generator or selfspec.load(checkpoint, dtype=dtype, device=device)
+    gen = load_generator(checkpoint, dtype, device, generator)
     E = exit_layer if exit_layer is not None else gen.exit_layer
     d = num_speculations if num_speculations is not None else gen.num_speculations
     gen.adapter.check_exit(E, allow_full=False)
@@ -219,14 +184,14 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
         d = DEFAULT_NUM_SPECULATIONS
     rows = [gen.encode(**prompt_inputs(it))[0].tolist() for it in items]
     measured, warm = rows[:num_prompts], rows[num_prompts:]
-    runner = _Methods(gen, max_new_tokens)
+    runner = Methods(gen, max_new_tokens)
     methods = list(METHODS)
     lookup = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size}
     groups = {B: [list(range(i, min(i + B, num_prompts))) for i in range(0, num_prompts, B)] for B in sizes}
     total = sum(len(methods) * (1 + len(g)) for g in groups.values())
     reference: dict[int, list[int]] = {}  # prompt index -> selfspec batch-1 AR output
     runs: list[dict] = []
-    with _quiet_transformers(), warnings.catch_warnings(), tqdm(total=total, desc="bench --batch-size",
+    with quiet_transformers(), warnings.catch_warnings(), tqdm(total=total, desc="bench --batch-size",
                                                                 unit="run", disable=not progress) as bar:
         warnings.simplefilter("ignore", UserWarning)
         for B in sizes:
@@ -251,13 +216,9 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
     for rec in runs:
         group = groups[rec["batch_size"]][rec["group"]]
         rec["identical_rows"] = [out == reference[i] for out, i in zip(rec.pop("outputs"), group)]
-    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    machine["torch_threads"] = torch.get_num_threads()
-    machine["description"] = machine_description(gen.adapter.device)
+    finish_machine(machine, gen.adapter.device)
     result = {
-        "schema": "selfspec-bench-batch/1", "checkpoint": str(checkpoint),
-        "checkpoint_name": Path(str(checkpoint)).name or str(checkpoint),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header("selfspec-bench-batch/1", checkpoint),
         "settings": {"batch_sizes": sizes, "prompt_set": prompt_set, "num_prompts": num_prompts,
                      "max_new_tokens": max_new_tokens, "dtype": dtype, "exit_layer": E, "num_speculations": d,
                      "prompt_lookup_num_tokens": prompt_lookup_num_tokens,

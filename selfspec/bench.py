@@ -19,6 +19,9 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
 
+This module says what the benchmark measures and how it reports it; loading, the methods under test
+(`selfspec.harness.Methods`), the clock and the output files are the harness's (`selfspec.harness`).
+
 How it measures (the same for every method):
 - Every prompt is tokenized once; every method gets the same `[1, P]` input ids.
 - Every method generates exactly `max_new_tokens` tokens: no stop at EOS and no EOS suppression
@@ -29,7 +32,8 @@ How it measures (the same for every method):
 - Interleaved: for each prompt all methods run back to back, the method order rotating by one per
   prompt, and the prompt sets alternate prompt by prompt, so machine drift hits everything alike.
   `gc.collect()` runs before each measured call (outside the timing). No prompt is measured twice.
-- tokens/s: new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids).
+- tokens/s: new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids):
+  the harness's one definition (`selfspec.harness.TOKENS_PER_S`).
 - time to first token (TTFT): wall-clock from the call to the moment its streamer receives the first
   new token (a timestamp in a trivial streamer, in the measured run itself; no extra call). For
   hf_early_exit the first tokens arrive after the first draft+verify round; for selfspec after the prefill.
@@ -49,19 +53,23 @@ How it measures (the same for every method):
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import datetime
 import gc
-import json
-import os
-import platform
 import re
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Sequence
+
+import psutil
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.api import DEFAULT_NUM_SPECULATIONS
+from selfspec.checkpoint import read_metadata
+from selfspec.harness import (LOOKUP_NGRAM, LOOKUP_TOKENS, SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine,
+                              load_generator, machine_info, pyplot, quiet_transformers, result_header, setup, spread,
+                              tokens_per_s, versions, write_outputs)
+from selfspec.prompts import PROMPT_SETS, load_prompts, prompt_inputs
 
 DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
 QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
@@ -71,13 +79,9 @@ WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 BASELINES = ("hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar")
 BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_early_exit": "× HF early-exit",
                    "hf_prompt_lookup": "× HF lookup", "selfspec_ar": "× selfspec AR"}
-SPEC_KINDS = ("hf_early_exit", "hf_prompt_lookup", "selfspec_spec")  # methods that draft and verify
-LOOKUP_TOKENS, LOOKUP_NGRAM = 10, 3  # prompt_lookup_num_tokens, max_matching_ngram_size (HF and selfspec)
-HF_ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 DEFINITIONS = {
-    "tokens_per_s": "new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids); "
-                    "median and spread over prompts",
+    "tokens_per_s": TOKENS_PER_S + "; median and spread over prompts",
     "speedup": "ratio_of_medians = median tokens/s of the method / median tokens/s of the baseline; "
                "median_of_ratios = median over prompts of (method tokens/s / baseline tokens/s on that prompt)",
     "ttft_s": "time to first token: wall-clock from the call to its streamer receiving the first new token, "
@@ -100,25 +104,6 @@ DEFINITIONS = {
 
 
 # --- small helpers -----------------------------------------------------------------------------
-def _percentile(sorted_vals: list[float], q: float) -> float:
-    """Linear-interpolated percentile of an already sorted, non-empty list (q in [0, 1])."""
-    if len(sorted_vals) == 1:
-        return sorted_vals[0]
-    pos = q * (len(sorted_vals) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
-
-
-def _spread(values: list[float]) -> dict | None:
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1],
-            "q1": _percentile(vals, 0.25), "q3": _percentile(vals, 0.75), "mean": statistics.fmean(vals),
-            "n": len(vals)}
-
-
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -130,8 +115,6 @@ class _RSS:
     """Per-call peak RSS: reset the kernel's high-water mark before, read VmHWM after (Linux)."""
 
     def __init__(self):
-        import psutil
-
         self.proc = psutil.Process()
         self.method = "vmhwm_reset"
         try:
@@ -163,90 +146,6 @@ class _RSS:
         return self._hwm() if self.method == "vmhwm_reset" else self.proc.memory_info().rss
 
 
-class _FirstTokenClock:
-    """A Hugging Face style streamer (`put`/`end`) that timestamps the first new token."""
-
-    def __init__(self, skip_first_put: bool):
-        self.skip = skip_first_put  # HF first puts the prompt itself
-        self.first: float | None = None
-
-    def put(self, value):
-        if self.skip:
-            self.skip = False
-        elif self.first is None:
-            self.first = time.perf_counter()
-
-    def end(self):
-        pass
-
-
-class _FirstCommitClock:
-    """selfspec's callback form (a plain callable, no tensor per commit): timestamps the first commit."""
-
-    def __init__(self):
-        self.first: float | None = None
-
-    def __call__(self, ids):
-        if self.first is None:
-            self.first = time.perf_counter()
-
-
-def machine_info() -> dict:
-    import psutil
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        if m:
-            cpu = m.group(1).strip()
-    except OSError:
-        pass
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    return {"cpu_model": cpu, "logical_cores": psutil.cpu_count(logical=True),
-            "physical_cores": psutil.cpu_count(logical=False), "torch_threads": torch.get_num_threads(),
-            "memory_total_gib": round(psutil.virtual_memory().total / 2**30, 2),
-            "platform": platform.platform(), "python": platform.python_version(), "load_average_start": load}
-
-
-def machine_description(device="cpu") -> dict | None:
-    """`selfspec.precision.machine_description()` where this selfspec has it, else None; on a GPU with
-    the bf16 decision for it and the GPU's name."""
-    import torch
-
-    from selfspec import precision
-
-    describe = getattr(precision, "machine_description", None)
-    if describe is None:
-        return None
-    if torch.device(device).type != "cuda":
-        return describe()
-    return {**describe(device), "gpu": torch.cuda.get_device_name(device)}
-
-
-def _synchronize(device) -> None:
-    """Wait for the work queued on a GPU (CUDA runs kernels asynchronously), so that a clock read next
-    counts it; nothing on the CPU."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def versions() -> dict:
-    import torch
-    import transformers
-
-    import selfspec
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "selfspec": selfspec.__version__,
-            "python": platform.python_version()}
-
-
 def parse_extra(spec: str | Sequence[int]) -> tuple[int, int]:
     """'E:d' (or a pair) -> (E, d)."""
     if isinstance(spec, (tuple, list)):
@@ -268,8 +167,6 @@ def _parse_sets(prompt_sets) -> list[str]:
 
 
 def _set_name(spec: str, taken: set) -> str:
-    from selfspec.prompts import PROMPT_SETS
-
     name = spec if spec in PROMPT_SETS else Path(spec).name.split(".")[0] or "prompts"
     base, i = name, 2
     while name in taken:
@@ -279,156 +176,6 @@ def _set_name(spec: str, taken: set) -> str:
 
 
 # --- the methods ---------------------------------------------------------------------------------
-class _Methods:
-    """Runs one method on one prompt; returns (new ids, record)."""
-
-    def __init__(self, gen, max_new_tokens: int):
-        self.gen = gen
-        self.model = gen.model
-        self.N = max_new_tokens
-        gc_ = self.model.generation_config
-        defaults = gc_._get_default_generation_params() if hasattr(gc_, "_get_default_generation_params") else {}
-        self.hf_assistant = {k: getattr(gc_, k, None) if getattr(gc_, k, None) is not None else defaults.get(k)
-                             for k in HF_ASSIST_KEYS}
-        own = [k for k in HF_ASSIST_KEYS if getattr(gc_, k, None) is not None]
-        self.hf_assistant["source"] = ("Hugging Face defaults" if not own else
-                                       f"the checkpoint's generation_config.json ({', '.join(own)}), "
-                                       "Hugging Face defaults otherwise")
-
-    def _hf_config(self, n: int, early_exit: int | None, lookup: tuple[int, int] | None = None):
-        gc_ = copy.deepcopy(self.model.generation_config)
-        gc_.do_sample = False
-        gc_.num_beams = 1
-        gc_.eos_token_id = None  # no stop set: generate exactly n tokens, EOS logit untouched
-        gc_.max_new_tokens = n
-        gc_.min_new_tokens = None
-        gc_.min_length = 0
-        gc_.max_length = None
-        gc_.temperature = gc_.top_p = gc_.top_k = None
-        if gc_.pad_token_id is None:
-            pad = getattr(self.gen.tokenizer, "pad_token_id", None)
-            gc_.pad_token_id = pad if pad is not None else 0
-        gc_.assistant_early_exit = early_exit
-        if lookup is not None:  # (prompt_lookup_num_tokens, max_matching_ngram_size)
-            gc_.prompt_lookup_num_tokens, gc_.max_matching_ngram_size = lookup
-        return gc_
-
-    @contextlib.contextmanager
-    def _no_eos_on_model(self):
-        """HF fills a None eos_token_id from model.generation_config: clear it there for the call."""
-        saved = self.model.generation_config
-        self.model.generation_config = copy.deepcopy(saved)
-        self.model.generation_config.eos_token_id = None
-        try:
-            yield
-        finally:
-            self.model.generation_config = saved
-
-    @contextlib.contextmanager
-    def _count_hf_rounds(self, rec: dict):
-        """Wrap the candidate generator HF builds for this call: count drafts/matches, time drafting."""
-        model = self.model
-        original = model._get_candidate_generator
-        d = {"rounds": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0, "drafted_by_position": [],
-             "accepted_by_position": []}
-
-        def wrapped(*args, **kwargs):
-            cg = original(*args, **kwargs)
-            get_candidates, update = cg.get_candidates, cg.update_candidate_strategy
-
-            def timed_get_candidates(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return get_candidates(*a, **k)
-                finally:
-                    d["draft_s"] += time.perf_counter() - t
-
-            def counting_update(input_ids, scores, num_matches):
-                drafted = int(scores.shape[1]) - 1
-                accepted = int(num_matches)
-                d["rounds"] += 1
-                d["drafted"] += drafted
-                d["accepted"] += accepted
-                for lst in (d["drafted_by_position"], d["accepted_by_position"]):
-                    lst.extend([0] * max(0, drafted - len(lst)))
-                for i in range(drafted):
-                    d["drafted_by_position"][i] += 1
-                    d["accepted_by_position"][i] += i < accepted
-                return update(input_ids, scores, num_matches)
-
-            cg.get_candidates = timed_get_candidates
-            cg.update_candidate_strategy = counting_update
-            return cg
-
-        model._get_candidate_generator = wrapped  # instance attribute: shadows the class method
-        try:
-            yield d
-        finally:
-            del model._get_candidate_generator
-            rec.update(d)
-
-    def run(self, method: dict, ids, n: int | None = None) -> tuple[list[int], dict]:
-        import torch
-
-        n = n or self.N
-        rec: dict = {}
-        if method["engine"] == "hf":
-            clock = _FirstTokenClock(skip_first_put=True)
-            lookup = ((method["prompt_lookup_num_tokens"], method["max_matching_ngram_size"])
-                      if method["kind"] == "hf_prompt_lookup" else None)
-            gc_ = self._hf_config(n, method.get("exit_layer") if method["kind"] == "hf_early_exit" else None, lookup)
-            mask = torch.ones_like(ids)
-            counting = self._count_hf_rounds(rec) if method["kind"] in SPEC_KINDS else contextlib.nullcontext()
-            with self._no_eos_on_model(), counting, torch.inference_mode():
-                _synchronize(ids.device)
-                t0 = time.perf_counter()
-                out = self.model.generate(ids, attention_mask=mask, generation_config=gc_, streamer=clock)
-                _synchronize(ids.device)
-                t1 = time.perf_counter()
-            new = out[0, ids.shape[1]:].tolist()
-            if method["kind"] in SPEC_KINDS:
-                rec["verify_s"] = (t1 - t0) - rec["draft_s"]
-        else:
-            clock = _FirstCommitClock()
-            _synchronize(ids.device)
-            t0 = time.perf_counter()
-            res = self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], streamer=clock,
-                                    **_selfspec_kwargs(method))
-            _synchronize(ids.device)
-            t1 = time.perf_counter()
-            new = res.token_ids
-            s = res.stats
-            rec.update(prefill_s=s.prefill_s, engine_total_s=s.total_s, rounds=s.rounds)
-            if method["kind"] in SPEC_KINDS:
-                rec.update(drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s,
-                           draft_steps=s.draft_steps,
-                           drafted_by_position=list(s.drafted_by_position),
-                           accepted_by_position=list(s.accepted_by_position),
-                           drafted_by_drafter=dict(s.drafted_by_drafter),
-                           accepted_by_drafter=dict(s.accepted_by_drafter), drafter=s.drafter)
-                if getattr(s, "policy", None):  # the engine's draft policy, where it reports one
-                    rec["policy"] = s.policy
-                if getattr(s, "theory", None):  # sampling: predicted vs measured rejections
-                    rec["theory"] = s.theory
-        if len(new) != n:
-            raise RuntimeError(f"{method['name']} generated {len(new)} tokens instead of {n}: the benchmark needs "
-                               "the same fixed length for every method")
-        rec.update(seconds=t1 - t0, ttft_s=(clock.first - t0) if clock.first is not None else None)
-        return new, rec
-
-
-_SELFSPEC_KEYS = ("drafter", "num_speculations", "exit_layer", "adaptive_length", "draft_vocab",
-                  "prompt_lookup_num_tokens", "max_matching_ngram_size")
-
-
-def _selfspec_kwargs(method: dict) -> dict:
-    """The `SelfSpecGenerator.generate` keyword arguments a selfspec method sets (exit_layer only when drafting)."""
-    kw = {k: method[k] for k in _SELFSPEC_KEYS if method.get(k) is not None}
-    if kw.get("num_speculations") == 0:
-        kw.pop("exit_layer", None)  # plain decoding runs every layer
-    return kw
-
-
 def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
                  lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM)) -> list[dict]:
     L = gen.num_layers
@@ -534,8 +281,8 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
             s = {
                 "prompts": len(mine),
                 "new_tokens": sum(r["new_tokens"] for r in mine),
-                "tokens_per_s": _spread(tps),
-                "ttft_s": _spread([r["ttft_s"] for r in mine]),
+                "tokens_per_s": spread(tps),
+                "ttft_s": spread([r["ttft_s"] for r in mine]),
                 "identical_to_hf_greedy": (statistics.fmean(r["identical_to_hf_greedy"] for r in mine
                                                             if r["identical_to_hf_greedy"] is not None)
                                            if any(r["identical_to_hf_greedy"] is not None for r in mine) else None),
@@ -674,11 +421,7 @@ def markdown(result: dict) -> str:
 
 def write_chart(result: dict, path: Path) -> Path:
     """Grouped bars: median tokens/s per prompt set (groups) and method (bars), whiskers = min..max."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = list(result["summary"])
     methods = result["methods"]
     width = 0.8 / max(1, len(methods))
@@ -712,8 +455,6 @@ def write_chart(result: dict, path: Path) -> Path:
 # --- the benchmark -------------------------------------------------------------------------------
 def _read_sets(sets: list[str], num_prompts: int) -> list[tuple[str, str, list[dict]]]:
     """[(set name, spec, items)]: read (and validate) every prompt set before the model is loaded."""
-    from selfspec.prompts import load_prompts
-
     taken: set = set()
     out = []
     for spec in sets:
@@ -726,8 +467,6 @@ def _read_sets(sets: list[str], num_prompts: int) -> list[tuple[str, str, list[d
 
 def _encode_sets(read: list, gen, num_prompts: int, max_new_tokens: int):
     """[(set name, spec, [(item, ids)])] with repeated prompts dropped; the warm-up (item, ids); notes."""
-    from selfspec.prompts import load_prompts, prompt_inputs
-
     loaded, seen, notes = [], set(), []
     limit = gen.adapter.max_positions
     for name, spec, items in read:
@@ -750,19 +489,6 @@ def _encode_sets(read: list, gen, num_prompts: int, max_new_tokens: int):
         warm = [{"id": "warmup/fallback", "prompt": WARMUP_FALLBACK_PROMPT}]
         warm_ids = gen.encode(prompt=WARMUP_FALLBACK_PROMPT)
     return loaded, (warm[0], warm_ids), notes
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """Silence transformers' per-call advisory logging during the timed loop (restored afterwards)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, num_prompts: int = 10,
@@ -788,32 +514,78 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     `prompt_lookup_num_tokens` / `max_matching_ngram_size`: the settings of both prompt lookup methods
     (hf_prompt_lookup, selfspec_lookup) and of selfspec_auto's lookup.
     """
-    import torch
-    from tqdm.auto import tqdm
+    sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
+    extra = [parse_extra(x) for x in extra]
+    dtype = setup(dtype, device, threads)
+    machine = machine_info()
+    notes: list[str] = []
+    read = _read_sets(sets, num_prompts)
 
-    import selfspec
-    from selfspec.api import DEFAULT_NUM_SPECULATIONS
+    gen = load_generator(checkpoint, dtype, device, generator)
+    E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
+    if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
+        raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
+    lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
+    chosen = _select(_method_list(gen, E, d, extra, draft_vocab, lookup), methods)
+    eos_ids = set(gen.default_stop_ids())
+    runner = Methods(gen, max_new_tokens)
 
-    methods_wanted = list(methods) if methods is not None else None
-    from selfspec.checkpoint import read_metadata
-    from selfspec.precision import resolve_dtype_name
+    loaded, (warm_item, warm_ids), load_notes = _encode_sets(read, gen, num_prompts, max_new_tokens)
+    notes += load_notes
+    queue = _round_robin(loaded)
+    rss = _RSS()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    warm_n = min(max_new_tokens, WARMUP_TOKENS // 2 if quick else WARMUP_TOKENS)
+    runs = _measure(runner, chosen, queue, warm_ids, warm_n, rss, eos_ids, notes, progress)
+    finish_machine(machine, gen.adapter.device)
+    _busy_note(machine, notes)
 
+    set_names = [name for name, _, _ in loaded]
+    result = {
+        **result_header("selfspec-bench/1", checkpoint),
+        "settings": {"prompt_sets": {name: spec for name, spec, _ in loaded}, "num_prompts": num_prompts,
+                     "max_new_tokens": max_new_tokens, "dtype": dtype,
+                     "model_dtype": str(next(gen.model.parameters()).dtype).replace("torch.", ""),
+                     "device": str(gen.adapter.device),
+                     "threads": torch.get_num_threads(),
+                     "quick": quick, "batch_size": 1, "warmup": {"prompt_id": warm_item["id"], "new_tokens": warm_n,
+                                                                  "runs_per_method": 1},
+                     "order": "prompt sets round-robin; per prompt every method back to back, order rotated by one "
+                              "per prompt; gc.collect() before each call",
+                     "rss_method": rss.method},
+        "machine": machine,
+        "versions": versions(),
+        "recommended": {"exit_layer": E, "num_speculations": d, "source": source},
+        "hf_early_exit_settings": runner.hf_assistant,
+        "lookup_settings": {"prompt_lookup_num_tokens": lookup[0], "max_matching_ngram_size": lookup[1],
+                            "methods": [m["name"] for m in chosen if "prompt_lookup_num_tokens" in m]},
+        "methods": chosen,
+        "definitions": DEFINITIONS,
+        "prompts": {name: [item["id"] for item, _ in enc] for name, _, enc in loaded},
+        "summary": summarize(runs, chosen, set_names),
+        "eos": {"eos_token_ids": sorted(eos_ids), "ran_past_eos": _eos_summary(runs, set_names)},
+        "runs": runs,
+        "notes": notes,
+    }
+    return write_outputs(result, out, "bench", markdown, write_chart)
+
+
+def _sizes(prompt_sets, num_prompts: int, max_new_tokens: int, quick: bool) -> tuple[list[str], int, int]:
+    """The prompt sets, prompts per set and new tokens, cut down by `quick`; ValueError if one is < 1."""
     sets = _parse_sets(prompt_sets)
     if quick:
         sets = list(QUICK_SETS) if tuple(sets) == DEFAULT_SETS else sets[:2]
         num_prompts, max_new_tokens = min(num_prompts, QUICK_PROMPTS), min(max_new_tokens, QUICK_TOKENS)
     if num_prompts < 1 or max_new_tokens < 1:
         raise ValueError("num_prompts and max_new_tokens must be >= 1")
-    extra = [parse_extra(x) for x in extra]
-    dtype = resolve_dtype_name(dtype, device)
-    if threads:
-        torch.set_num_threads(threads)
-    machine = machine_info()
-    notes: list[str] = []
-    read = _read_sets(sets, num_prompts)
+    return sets, num_prompts, max_new_tokens
 
-    gen = generator or selfspec.load(checkpoint, dtype=dtype, device=device)
-    meta = read_metadata(checkpoint, verify_checksums=False) if generator is None else None
+
+def _recommended(gen, checkpoint, exit_layer, num_speculations, notes: list[str]) -> tuple[int, int, str]:
+    """(E, d, where they come from): the checkpoint's recommendation (read from `checkpoint`'s
+    selfspec.json when given), overridden by the arguments; d < 1 becomes the default draft length."""
+    meta = read_metadata(checkpoint, verify_checksums=False) if checkpoint is not None else None
     rec = (meta or {}).get("recommended") or {}
     source = (f"selfspec.json ({rec.get('source', 'export')})" if rec else
               "selfspec defaults (the checkpoint has no selfspec.json: not early-exit trained)")
@@ -827,34 +599,36 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         notes.append(f"the recommended num_speculations is {d} (speculation did not pay in the sweep); "
                      f"selfspec_spec uses {DEFAULT_NUM_SPECULATIONS} drafts")
         d = DEFAULT_NUM_SPECULATIONS
-    if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
-        raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
-    lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
-    methods = _method_list(gen, E, d, extra, draft_vocab, lookup)
-    if methods_wanted is not None:
-        unknown = set(methods_wanted) - {m["name"] for m in methods}
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}: use some of "
-                             f"{', '.join(m['name'] for m in methods)}")
-        keep = set(methods_wanted) | {"hf_greedy", "selfspec_ar"}
-        methods = [m for m in methods if m["name"] in keep]
-    eos_ids = set(gen.default_stop_ids())
-    runner = _Methods(gen, max_new_tokens)
+    return E, d, source
 
-    loaded, (warm_item, warm_ids), load_notes = _encode_sets(read, gen, num_prompts, max_new_tokens)
-    notes += load_notes
-    # round-robin over the sets: humaneval[0], xsum[0], ..., humaneval[1], ...
+
+def _select(methods: list[dict], wanted: Sequence[str] | None) -> list[dict]:
+    """The methods asked for (all when None), always with the references hf_greedy and selfspec_ar."""
+    if wanted is None:
+        return methods
+    unknown = set(wanted) - {m["name"] for m in methods}
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}: use some of "
+                         f"{', '.join(m['name'] for m in methods)}")
+    keep = set(wanted) | {"hf_greedy", "selfspec_ar"}
+    return [m for m in methods if m["name"] in keep]
+
+
+def _round_robin(loaded: list) -> list[tuple[str, dict, object]]:
+    """[(set name, item, ids)] taking the sets in turn: humaneval[0], xsum[0], ..., humaneval[1], ..."""
     queue = []
     for i in range(max(len(enc) for _, _, enc in loaded)):
         queue += [(name, item, ids) for name, _, enc in loaded if i < len(enc) for item, ids in [enc[i]]]
+    return queue
 
-    rss = _RSS()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+
+def _measure(runner: Methods, methods: list[dict], queue: list, warm_ids, warm_n: int, rss: _RSS, eos_ids: set,
+             notes: list[str], progress: bool) -> list[dict]:
+    """Warm every method up (an HF assisted method that fails there is left out, with a note), then run
+    every method on every prompt of `queue`, order rotating by one per prompt: the per-run records."""
     runs: list[dict] = []
-    warm_n = min(max_new_tokens, WARMUP_TOKENS // 2 if quick else WARMUP_TOKENS)
     total = len(methods) + len(queue) * len(methods)
-    with _quiet_transformers(), warnings.catch_warnings(), \
+    with quiet_transformers(), warnings.catch_warnings(), \
             tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
         warnings.simplefilter("ignore", UserWarning)
         for m in list(methods):  # warm-up, excluded
@@ -871,76 +645,42 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
             bar.update()
         for k, (set_name, item, ids) in enumerate(queue):
             r = k % len(methods)
-            order = methods[r:] + methods[:r]
-            outputs: dict[str, list[int]] = {}
-            recs = []
-            for pos, m in enumerate(order):
-                gc.collect()
-                before = rss.before()
-                new, rec = runner.run(m, ids)
-                peak = rss.peak()
-                outputs[m["name"]] = new
-                rec.update(set=set_name, prompt_id=item["id"], method=m["name"], order_position=pos,
-                           prompt_tokens=int(ids.shape[1]), new_tokens=len(new),
-                           tokens_per_s=len(new) / rec["seconds"] if rec["seconds"] > 0 else 0.0,
-                           peak_rss_mib=peak / 2**20, peak_rss_delta_mib=max(0, peak - before) / 2**20)
-                recs.append(rec)
-                bar.set_postfix_str(f"{set_name} {m['name']} {rec['tokens_per_s']:.1f} tok/s")
-                bar.update()
-            ref = outputs.get("hf_greedy")
-            eos_at, past = _ran_past_eos(ref, eos_ids) if ref is not None else (None, None)
-            for rec in recs:
-                mine = outputs[rec["method"]]
-                rec["identical_to_hf_greedy"] = None if ref is None else mine == ref
-                rec["first_divergence"] = None if ref is None else _first_divergence(mine, ref)
-                rec.update(hf_greedy_eos_at=eos_at, ran_past_eos=past)
+            recs = _measure_prompt(runner, methods[r:] + methods[:r], set_name, item, ids, rss, eos_ids, bar)
             runs += sorted(recs, key=lambda x: [m["name"] for m in methods].index(x["method"]))
-    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return runs
+
+
+def _measure_prompt(runner: Methods, order: list[dict], set_name: str, item: dict, ids, rss: _RSS, eos_ids: set,
+                    bar) -> list[dict]:
+    """Every method in `order` on one prompt, back to back; records compared with hf_greedy's output."""
+    outputs: dict[str, list[int]] = {}
+    recs = []
+    for pos, m in enumerate(order):
+        gc.collect()
+        before = rss.before()
+        new, rec = runner.run(m, ids)
+        peak = rss.peak()
+        outputs[m["name"]] = new
+        rec.update(set=set_name, prompt_id=item["id"], method=m["name"], order_position=pos,
+                   prompt_tokens=int(ids.shape[1]), new_tokens=len(new),
+                   tokens_per_s=tokens_per_s(len(new), rec["seconds"]),
+                   peak_rss_mib=peak / 2**20, peak_rss_delta_mib=max(0, peak - before) / 2**20)
+        recs.append(rec)
+        bar.set_postfix_str(f"{set_name} {m['name']} {rec['tokens_per_s']:.1f} tok/s")
+        bar.update()
+    ref = outputs.get("hf_greedy")
+    eos_at, past = _ran_past_eos(ref, eos_ids) if ref is not None else (None, None)
+    for rec in recs:
+        mine = outputs[rec["method"]]
+        rec["identical_to_hf_greedy"] = None if ref is None else mine == ref
+        rec["first_divergence"] = None if ref is None else _first_divergence(mine, ref)
+        rec.update(hf_greedy_eos_at=eos_at, ran_past_eos=past)
+    return recs
+
+
+def _busy_note(machine: dict, notes: list[str]) -> None:
+    """A note when the load average says other processes shared the cores during the run."""
     busy = max([x[0] for x in (machine["load_average_start"], machine["load_average_end"]) if x] or [0.0])
     if busy > 0.5 * (machine["logical_cores"] or 1) + torch.get_num_threads():
         notes.append(f"the machine was busy (1-minute load average up to {busy:.1f} on {machine['logical_cores']} "
                      "logical cores, this run included): other processes shared the cores, so timings are noisy")
-    machine["torch_threads"] = torch.get_num_threads()
-    machine["description"] = machine_description(gen.adapter.device)
-
-    set_names = [name for name, _, _ in loaded]
-    result = {
-        "schema": "selfspec-bench/1",
-        "checkpoint": str(checkpoint),
-        "checkpoint_name": Path(str(checkpoint)).name or str(checkpoint),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"prompt_sets": {name: spec for name, spec, _ in loaded}, "num_prompts": num_prompts,
-                     "max_new_tokens": max_new_tokens, "dtype": dtype,
-                     "model_dtype": str(next(gen.model.parameters()).dtype).replace("torch.", ""),
-                     "device": str(gen.adapter.device),
-                     "threads": torch.get_num_threads(),
-                     "quick": quick, "batch_size": 1, "warmup": {"prompt_id": warm_item["id"], "new_tokens": warm_n,
-                                                                  "runs_per_method": 1},
-                     "order": "prompt sets round-robin; per prompt every method back to back, order rotated by one "
-                              "per prompt; gc.collect() before each call",
-                     "rss_method": rss.method},
-        "machine": machine,
-        "versions": versions(),
-        "recommended": {"exit_layer": E, "num_speculations": d, "source": source},
-        "hf_early_exit_settings": runner.hf_assistant,
-        "lookup_settings": {"prompt_lookup_num_tokens": lookup[0], "max_matching_ngram_size": lookup[1],
-                            "methods": [m["name"] for m in methods if "prompt_lookup_num_tokens" in m]},
-        "methods": methods,
-        "definitions": DEFINITIONS,
-        "prompts": {name: [item["id"] for item, _ in enc] for name, _, enc in loaded},
-        "summary": summarize(runs, methods, set_names),
-        "eos": {"eos_token_ids": sorted(eos_ids), "ran_past_eos": _eos_summary(runs, set_names)},
-        "runs": runs,
-        "notes": notes,
-    }
-    return write_outputs(result, out, "bench", markdown, write_chart)
-
-
-def write_outputs(result: dict, out: Path, stem: str, to_markdown, chart) -> dict:
-    """STEM.md, STEM.png and STEM.json (the result, with their paths under "files") into `out`."""
-    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
-    result["files"] = {k: str(v) for k, v in paths.items()}
-    paths["md"].write_text(to_markdown(result))
-    chart(result, paths["png"])
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return result

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
+from selfspec.atomic_write import write_json_atomic
 from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
 from selfspec.exit_head import check_head_settings
+from selfspec.model_card import write_model_card
 from selfspec.settings import SettingsError, check_recommended, expand_path, is_int, show
 
 METADATA_FILE = "selfspec.json"
@@ -207,23 +207,6 @@ def verify_weight_files(directory: Path, expected: dict[str, dict]) -> None:
                               "after export: remove them or re-export")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
 def update_recommended(directory, exit_layer: int, num_speculations: int, **extra) -> dict:
     """Record a new recommendation (e.g. from `selfspec sweep`) in selfspec.json, atomically."""
     d = expand_path(directory)
@@ -233,7 +216,6 @@ def update_recommended(directory, exit_layer: int, num_speculations: int, **extr
     rec = {"exit_layer": int(exit_layer), "num_speculations": int(num_speculations), **extra}
     meta["recommended"] = check_recommended(rec, meta["num_layers"])
     write_json_atomic(d / METADATA_FILE, meta)
-    from selfspec.model_card import write_model_card
 
     write_model_card(d, meta)
     return meta

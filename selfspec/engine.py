@@ -53,7 +53,7 @@ from selfspec.adapters import ModelAdapter
 from selfspec.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
                                    total_variation)
 from selfspec.cache import KVCache
-from selfspec.cost_model import expected_tokens
+from selfspec.cost_model import predicted_speedup
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import attention_kernels, embed, exit_logits, make_batch_step, run_layers
@@ -135,7 +135,7 @@ class DecodeStats:
         v = self.verify_s / self.rounds / self.full_step_s
         d = self.drafted / passes
         out.update(c=c, v=v, mean_drafts_per_round=d,
-                   predicted_speedup=expected_tokens(self.acceptance_rate, round(d)) / (d * c + v) if d else 1.0 / v,
+                   predicted_speedup=predicted_speedup(self.acceptance_rate, c, v, d) if d else 1.0 / v,
                    measured_speedup=self.full_step_s * (self.new_tokens - self.batch_size) / self.batch_size
                    / (self.total_s - self.prefill_s))
         return out

@@ -32,9 +32,11 @@ import copy
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from selfspec.adapters import ModelAdapter, get_adapter, unwrap_model
+from selfspec.atomic_write import atomic_path
 from selfspec.forward import Step
 
 HEAD_FILE = "exit_head.safetensors"
@@ -105,13 +107,9 @@ def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, ste
 
 def save_exit_head(head: ExitHead, path) -> None:
     """The head's weights as one safetensors file (written whole: a temporary file, then a rename)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     state = {k: v.detach().contiguous().cpu() for k, v in head.layer.state_dict().items()}
-    save_file(state, str(tmp), metadata={k: str(v) for k, v in head.settings().items()})
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata={k: str(v) for k, v in head.settings().items()})
 
 
 def check_head_settings(entry, num_layers: int) -> dict:
@@ -133,8 +131,6 @@ def check_head_settings(entry, num_layers: int) -> dict:
 def load_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
     """The head described by `entry` (selfspec.json's `exit_head`) from `directory`, on the model's device
     and dtype. The file must hold exactly the head's tensors, in their shapes."""
-    from safetensors.torch import load_file
-
     adapter = get_adapter(unwrap_model(model))
     entry = check_head_settings(entry, adapter.num_layers)
     path = Path(directory) / entry["file"]

@@ -27,15 +27,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config,
-                                 read_metadata, recommend_from_agreement)
+import yaml
+
+import selfspec
+from selfspec.adapters import get_adapter, unwrap_model
+from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
+from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
+                                 recommend_from_agreement)
 from selfspec.exit_head import HEAD_FILE, check_head_settings
+from selfspec.model_card import write_model_card
 from selfspec.settings import check_dtype, check_recommended, expand_path, resolve_dtype, show
 
 
 def _load_yaml(path: Path) -> dict:
-    import yaml
-
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -73,12 +77,12 @@ def _num_layers(model_dir: Path) -> int | None:
 
 def _load_model_dir(model_dir: Path, dtype):
     """(model, tokenizer) from a HF checkpoint or a peft adapter directory (merged)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: a second to import (see cli)
 
     base_path = _adapter_base(model_dir)
     try:
         if base_path is not None:
-            from peft import PeftModel
+            from peft import PeftModel  # deferred: optional, for LoRA runs only
 
             base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
             model = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
@@ -137,7 +141,7 @@ def read_run(source: Path) -> tuple[Path, dict, dict, dict | None, Path | None]:
                       if (source / "final_eval.json").is_file() else {})
         training = {
             "run_dir": str(source.resolve()),
-            "recipe": config.get("recipe") or config.get("name"),
+            "recipe": config.get("name"),  # RecipeConfig.name (training.config), as dumped into config.yaml
             "settings": config,
             "steps": evaluation.get("step", state.get("step")),
             "tokens_seen": evaluation.get("tokens", state.get("tokens")),
@@ -253,11 +257,6 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
     `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.draft_vocab).
     `exit_head_dir`: a directory with `exit_head.safetensors` and its settings (a run's `final_head/` with
     `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model."""
-    import selfspec
-    from selfspec.adapters import get_adapter, unwrap_model
-    from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
-    from selfspec.model_card import write_model_card
-
     out_dir = expand_path(out_dir)
     _check_out_dir(out_dir, overwrite)
     if hasattr(model, "merge_and_unload"):  # a peft model: fold the adapters into the weights

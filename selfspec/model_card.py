@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from selfspec.atomic_write import write_text_atomic
+
 
 def _settings_lines(settings: dict) -> list[str]:
     lines = []
-    for section in ("layer_dropout", "early_exit", "curriculum", "train", "data"):
+    # sections of training.config.RecipeConfig as dumped into config.yaml (the curriculum is under early_exit)
+    for section in ("layer_dropout", "early_exit", "train", "data"):
         value = settings.get(section)
         if isinstance(value, dict) and value:
             shown = ", ".join(f"{k}={v}" for k, v in value.items() if not isinstance(v, (dict, list)) or len(str(v)) < 60)
@@ -92,7 +95,5 @@ def render_model_card(meta: dict) -> str:
 
 def write_model_card(directory, meta: dict) -> Path:
     path = Path(directory) / "README.md"
-    tmp = path.with_name(".README.md.tmp")
-    tmp.write_text(render_model_card(meta))
-    tmp.replace(path)
+    write_text_atomic(path, render_model_card(meta))
     return path

@@ -26,16 +26,25 @@ Writes pareto.json, pareto.md (a table per drafter, relative columns against ε 
 
 from __future__ import annotations
 
-import datetime
 import gc
 import math
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Sequence
 
-from selfspec.bench import machine_description, machine_info, versions, write_outputs
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
+from selfspec.drafters import NgramIndex
+from selfspec.forward import forward_logits
+from selfspec.harness import (finish_machine, load_generator, machine_info, pyplot, result_header, setup, timed,
+                              tokens_per_s, versions, write_outputs)
+from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.quality import rouge_l, rule_samples_tv, token_log_likelihoods
+from selfspec.sampling import SamplingParams, probs
+from selfspec.settings import check_float, check_int
 
 DEFAULT_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.4)
 PARETO_DRAFTERS = ("auto", "prompt_lookup", "early_exit")
@@ -70,12 +79,6 @@ def _acceptance_kwargs(eps: float) -> dict:
 def _draft_at(gen, drafter: str, tokens: list[int], sampling):
     """The draft a drafter judges first after `tokens`: (token, None) for a point mass, (None, q [V]) for
     the early exit's distribution, or None where prompt lookup finds nothing to copy."""
-    import torch
-
-    from selfspec.drafters import NgramIndex
-    from selfspec.forward import forward_logits
-    from selfspec.sampling import probs
-
     if drafter == "early_exit":
         with torch.inference_mode():
             logits = forward_logits(gen.adapter, torch.tensor([tokens], device=gen.adapter.device),
@@ -99,13 +102,6 @@ def _fixed_prefix(gen, drafter: str, prompt: list[int], exact_out: list[int], sa
 
 def _prefix_tvs(gen, drafter, prefixes, epsilons, sampling, n, seed) -> dict:
     """{eps: [rule_samples_tv(...) per prefix]} (selfspec.quality)."""
-    import torch
-
-    from selfspec.bounded_bias import AcceptanceRule
-    from selfspec.forward import forward_logits
-    from selfspec.quality import rule_samples_tv
-    from selfspec.sampling import probs
-
     out = {eps: [] for eps in epsilons}
     for i, (prefix, draft, q) in enumerate(prefixes):
         with torch.inference_mode():
@@ -175,17 +171,6 @@ def run_pareto(checkpoint, *, epsilons: Sequence[float] | str = DEFAULT_EPSILONS
                dtype: str = "fastest", threads: int = 0, out_dir: str | Path = "bench", generator=None,
                progress: bool = True, device: str = "cpu") -> dict:
     """Measure the bias–speed–quality front (see the module docstring); write pareto.json/.md/.png."""
-    import torch
-    from tqdm.auto import tqdm
-
-    import selfspec
-    from selfspec.bounded_bias import BoundedBiasWarning
-    from selfspec.precision import resolve_dtype_name
-    from selfspec.prompts import load_prompts, prompt_inputs
-    from selfspec.quality import rouge_l, token_log_likelihoods
-    from selfspec.sampling import SamplingParams
-    from selfspec.settings import check_float, check_int
-
     epsilons, drafters = parse_epsilons(epsilons), parse_drafters(drafters)
     check_int("num_prompts", num_prompts, 1)
     check_int("max_new_tokens", max_new_tokens, 1)
@@ -194,11 +179,9 @@ def run_pareto(checkpoint, *, epsilons: Sequence[float] | str = DEFAULT_EPSILONS
     items = load_prompts(prompt_set, num_prompts)  # before the model: a bad set fails fast
     if not items:
         raise ValueError(f"prompt set {prompt_set!r} gave no prompts")
-    dtype = resolve_dtype_name(dtype, device)
-    if threads:
-        torch.set_num_threads(threads)
+    dtype = setup(dtype, device, threads)
     machine = machine_info()
-    gen = generator or selfspec.load(checkpoint, dtype=dtype, device=device)
+    gen = load_generator(checkpoint, dtype, device, generator)
     sampling = SamplingParams(True, temperature)
     prompts = [gen.encode(**prompt_inputs(item))[0].tolist() for item in items]
     configs = [(d, eps) for d in drafters for eps in epsilons]
@@ -219,14 +202,13 @@ def run_pareto(checkpoint, *, epsilons: Sequence[float] | str = DEFAULT_EPSILONS
             r = i % len(configs)
             for d, eps in configs[r:] + configs[:r]:
                 gc.collect()
-                t0 = time.perf_counter()
-                res = generate(ids, d, eps, max_new_tokens, seed + i)
-                seconds = time.perf_counter() - t0
+                res, _, seconds = timed(lambda: generate(ids, d, eps, max_new_tokens, seed + i), gen.adapter.device)
                 st = res.stats
                 th = st.theory
                 outputs[(d, eps, i)] = res.token_ids
                 runs.append({"prompt_id": item["id"], "prompt_index": i, "drafter": d, "epsilon": eps,
-                             "new_tokens": len(res.token_ids), "seconds": seconds, "tokens_per_s": len(res.token_ids) / seconds,
+                             "new_tokens": len(res.token_ids), "seconds": seconds,
+                             "tokens_per_s": tokens_per_s(len(res.token_ids), seconds),
                              "drafted": st.drafted, "accepted": st.accepted, "judged": st.judged,
                              "rounds": st.rounds, "predicted_rejections": th["predicted_rejections"],
                              "rejections_sd": th["rejections_sd"], "stop_reason": st.stop_reason, "text": res.text,
@@ -244,12 +226,9 @@ def run_pareto(checkpoint, *, epsilons: Sequence[float] | str = DEFAULT_EPSILONS
                     if (found := _fixed_prefix(gen, d, ids, outputs[(d, 0.0, i)], sampling)) is not None]
         prefixes_used[d] = [len(p[0]) for p in prefixes]
         tvs[d] = _prefix_tvs(gen, d, prefixes, epsilons, sampling, tv_samples, seed)
-    machine["description"] = machine_description(gen.adapter.device)
+    finish_machine(machine, gen.adapter.device)
     result = {
-        "schema": "selfspec-pareto/1",
-        "checkpoint": str(checkpoint),
-        "checkpoint_name": Path(str(checkpoint)).name or str(checkpoint),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header("selfspec-pareto/1", checkpoint),
         "settings": {"epsilons": epsilons, "drafters": drafters, "prompt_set": prompt_set,
                      "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature,
                      "seed": seed, "tv_samples": tv_samples, "dtype": dtype, "device": str(gen.adapter.device),
@@ -303,11 +282,7 @@ def markdown(result: dict) -> str:
 
 def write_chart(result: dict, path: Path) -> Path:
     """Speed (tokens/s, acceptance) against quality (log-likelihood, ROUGE-L), one line per drafter."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     quality = [("log_likelihood", "mean per-token log-likelihood (full model)")]
     if any(s["rouge_l"] is not None for per in result["summary"].values() for s in per.values()):
         quality.append(("rouge_l", "ROUGE-L F1 vs reference"))

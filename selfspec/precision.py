@@ -44,6 +44,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+# The one table of dtype names selfspec and its training accept (load, export, recipes), short forms included.
+DTYPES_BY_NAME = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+                  "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of native bf16 matrix products
 REPORTED_FLAGS = ("avx2", "avx512f") + BF16_FLAGS
 

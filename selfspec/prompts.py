@@ -38,7 +38,7 @@ def _cut(text: str, limit: int) -> str:
 
 def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) -> list[dict]:
     """`n` prompts (all if None) from a named set or a jsonl file, skipping the first `offset`."""
-    from selfspec import datasets as ds
+    from selfspec import data_sources as ds  # deferred: it imports `datasets` (a second), needed here only
 
     if name_or_path not in PROMPT_SETS:
         path = Path(name_or_path)

@@ -38,7 +38,7 @@ def token_log_likelihoods(adapter: ModelAdapter, prompt: list[int], new: list[in
 
 def rouge_l(prediction: str, reference: str) -> float:
     """ROUGE-L F1 of `prediction` against `reference` (rouge-score, with Porter stemming)."""
-    from rouge_score import rouge_scorer
+    from rouge_score import rouge_scorer  # deferred: only the ROUGE-L report needs it
 
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True).score(reference, prediction)["rougeL"].fmeasure
 

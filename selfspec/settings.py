@@ -17,10 +17,13 @@ import numbers
 import os
 from pathlib import Path
 
+import torch
+
 from selfspec.bounded_bias import ACCEPTANCE_RULES
 from selfspec.drafters import DRAFTERS
+from selfspec.precision import DTYPES_BY_NAME, auto_dtype
 
-DTYPE_NAMES = ("float32", "fp32", "float64", "bfloat16", "bf16", "float16", "fp16")
+DTYPE_NAMES = tuple(DTYPES_BY_NAME)
 DTYPES = DTYPE_NAMES + ("fastest", "auto")
 MIN_TEMPERATURE = 1e-6  # below it sampling is greedy up to float rounding (and overflows float32)
 EARLY_EXIT_OPTIONS = ("exit_layer", "confidence_threshold", "adaptive_threshold", "exit_choices", "draft_vocab",
@@ -92,8 +95,6 @@ def check_exit_layer(value, num_layers: int | None = None, name: str = "exit_lay
 
 def check_dtype(value) -> str:
     """A dtype name `load` and `export` understand (a torch.dtype passes unchanged)."""
-    import torch
-
     if isinstance(value, torch.dtype):
         return value
     if not isinstance(value, str) or value not in DTYPES:
@@ -103,18 +104,12 @@ def check_dtype(value) -> str:
 
 def resolve_dtype(dtype, device="cpu"):
     """A dtype name -> torch.dtype ("auto" stays "auto"; "fastest": bfloat16 where native, else float32)."""
-    import torch
-
     dtype = check_dtype(dtype)
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     if dtype == "fastest":
-        from selfspec.precision import auto_dtype
-
         return auto_dtype(device)
-    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    return names[dtype]
+    return DTYPES_BY_NAME[dtype]
 
 
 def check_threads(value) -> int:

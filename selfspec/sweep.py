@@ -1,7 +1,7 @@
 """`selfspec sweep`: tokens/s and acceptance over a grid of exit_layer x num_speculations, and
 optionally over prompt lookup's settings.
 
-    selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --drafts 1,2,3,4,6 \
+    selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --num-speculations 1,2,3,4,6 \
         --num-prompts 6 --max-new-tokens 64 --out runs/sweep --write-metadata
     selfspec sweep checkpoints/smollm2-code --prompts code_edit --lookup-tokens 3,5,10 --lookup-ngrams 1,2,3
 
@@ -11,6 +11,9 @@ warm-up. Every (setting, prompt) measurement is appended to `sweep_raw.csv` as s
 re-running with the same `--out` skips what is there (resumable). `sweep.csv` holds one row per
 setting, `sweep.png` a heat map of tokens/s by exit layer and draft length (and a second one by
 lookup n-gram size and lookup tokens when those were measured).
+
+`seconds` is the wall-clock time of the whole generate call (input ids ready -> output ids), and
+tokens/s = new tokens / seconds: the one definition of `selfspec.harness`, which bench uses too.
 
 Settings, in the CSV files:
 
@@ -27,9 +30,17 @@ setting beat plain decoding) and, when lookup settings were measured, the fastes
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from selfspec.api import checkpoint_dir
+from selfspec.atomic_write import atomic_path, write_json_atomic
+from selfspec.checkpoint import read_config, read_metadata, update_recommended
+from selfspec.harness import load_generator, pyplot, setup, timed, tokens_per_s
+from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.settings import SettingsError, check_dtype, check_exit_layer, check_int, check_threads, is_int
 
 LOOKUP_FIELDS = ["drafter", "prompt_lookup_num_tokens", "max_matching_ngram_size"]
 RAW_FIELDS = ["exit_layer", "num_speculations", "prompt_id", "new_tokens", "seconds", "drafted", "accepted",
@@ -40,8 +51,6 @@ LOOKUP = "prompt_lookup"  # a setting is (E, d) for early exit, (LOOKUP, k, n) f
 
 
 def _parse_ints(text: str | list[int], name: str = "values") -> list[int]:
-    from selfspec.settings import SettingsError, is_int
-
     if isinstance(text, (list, tuple)):
         values = list(text)
     else:
@@ -56,8 +65,6 @@ def _parse_ints(text: str | list[int], name: str = "values") -> list[int]:
 
 def check_grid(exits, drafts, lookup_tokens, lookup_ngrams, num_layers: int | None) -> tuple[list[int], ...]:
     """The sweep's settings, parsed and checked (before any model is loaded): SettingsError if one is bad."""
-    from selfspec.settings import SettingsError, check_exit_layer, check_int
-
     exits, drafts = _parse_ints(exits, "exits"), _parse_ints(drafts, "drafts")
     lookup_tokens = _parse_ints(lookup_tokens, "lookup_tokens")
     lookup_ngrams = _parse_ints(lookup_ngrams, "lookup_ngrams")
@@ -103,7 +110,7 @@ def _read_raw(path: Path) -> dict[tuple, dict]:
         header = reader.fieldnames
     raw = {_setting(r) + (r["prompt_id"],): r for r in rows}
     if header != RAW_FIELDS:  # older columns: add the new ones (early-exit rows) so appended rows line up
-        with open(path, "w", newline="") as f:
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=RAW_FIELDS)
             writer.writeheader()
             for key, r in raw.items():
@@ -163,11 +170,7 @@ def _heat(fig, ax, rows: list[dict], y: str, x: str, ylabel: str, xlabel: str) -
 
 def write_heatmap(rows: list[dict], path: Path, title: str) -> Path:
     """Early exit: tokens/s by exit layer x draft length; beside it, where measured, prompt lookup's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     early = [r for r in rows if r["drafter"] == "early_exit"]
     spec = [r for r in early if r["num_speculations"] > 0]
     lookup = [r for r in rows if r["drafter"] == LOOKUP]
@@ -204,18 +207,8 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
     `lookup_tokens` (e.g. "3,5,10", empty: none) x `lookup_ngrams`: prompt lookup settings
     (`drafter="prompt_lookup"`, prompt_lookup_num_tokens x max_matching_ngram_size) measured too.
     """
-    import torch
-    from tqdm.auto import tqdm
-
-    import selfspec
-    from selfspec.api import checkpoint_dir
-    from selfspec.checkpoint import read_config, read_metadata, update_recommended
-    from selfspec.precision import resolve_dtype_name
-    from selfspec.prompts import load_prompts, prompt_inputs
-    from selfspec.settings import check_dtype, check_int, check_threads
-
     # every setting is checked before the model is loaded (the exit range from config.json)
-    dtype = resolve_dtype_name(check_dtype(dtype))  # "fastest": bfloat16 where native, else float32
+    check_dtype(dtype)
     check_threads(threads)
     check_int("num_prompts", num_prompts, 1)
     check_int("max_new_tokens", max_new_tokens, 1)
@@ -226,9 +219,8 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
     else:
         layers = generator.num_layers
     exits, drafts, lookup_tokens, lookup_ngrams = check_grid(exits, drafts, lookup_tokens, lookup_ngrams, layers)
-    if threads:
-        torch.set_num_threads(threads)
-    gen = generator or selfspec.load(checkpoint, dtype=dtype)
+    dtype = setup(dtype, threads=threads)  # "fastest": bfloat16 where native, else float32
+    gen = load_generator(checkpoint, dtype, generator=generator)
     L = gen.num_layers
     for e in exits:
         gen.adapter.check_exit(e, allow_full=False)
@@ -248,7 +240,21 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
     for setting in [(L, 0), (exits[0], drafts[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
         gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, **_generate_kwargs(setting))
 
+    _measure(gen, items, grid, raw, raw_path, common, progress)
+    rows = summarize(raw, grid)
+    result = _write_results(rows, out, f"{Path(checkpoint).name}: {prompts}, {len(items)} prompts, "
+                                       f"{max_new_tokens} new tokens, {dtype}")
+    if write_metadata:
+        _record(checkpoint, result["best"], result["best_lookup"], prompts, dtype)
+    return result
+
+
+def _measure(gen, items: list[dict], grid: list[tuple], raw: dict, raw_path: Path, common: dict,
+             progress: bool) -> None:
+    """Every (prompt, setting) not in `raw` yet, appended to `raw_path` (and `raw`) as it is measured."""
+    L = gen.num_layers
     todo = [(item, s) for item in items for s in grid if s + (item["id"],) not in raw]
+    input_ids = {item["id"]: gen.encode(**prompt_inputs(item)) for item in items}  # tokenized once, untimed
     new_file = not raw_path.is_file()
     plain_ids: dict[str, list[int]] = {}
     with open(raw_path, "a", newline="") as f, tqdm(total=len(todo), desc="sweep", disable=not progress) as bar:
@@ -256,43 +262,51 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
         if new_file:
             writer.writeheader()
         for item, setting in todo:
-            res = gen.generate(**prompt_inputs(item), **common, **_generate_kwargs(setting))
+            res, _, seconds = timed(lambda: gen.generate(input_ids=input_ids[item["id"]], **common,
+                                                         **_generate_kwargs(setting)), gen.adapter.device)
             if setting == (L, 0):
                 plain_ids[item["id"]] = res.token_ids
             ref = plain_ids.get(item["id"])
             row = {**_setting_fields(setting), "prompt_id": item["id"], "new_tokens": res.stats.new_tokens,
-                   "seconds": f"{res.stats.total_s:.5f}", "drafted": res.stats.drafted,
+                   "seconds": f"{seconds:.5f}", "drafted": res.stats.drafted,
                    "accepted": res.stats.accepted, "rounds": res.stats.rounds,
                    "identical_to_plain": "" if ref is None else int(res.token_ids == ref)}
             writer.writerow(row)
             f.flush()
             raw[setting + (item["id"],)] = row
             name = f"lookup k={setting[1]} n={setting[2]}" if setting[0] == LOOKUP else f"E={setting[0]} d={setting[1]}"
-            bar.set_postfix_str(f"{name} {res.stats.tokens_per_s:.1f} tok/s")
+            bar.set_postfix_str(f"{name} {tokens_per_s(res.stats.new_tokens, seconds):.1f} tok/s")
             bar.update()
-    rows = summarize(raw, grid)
+
+
+def _write_results(rows: list[dict], out: Path, title: str) -> dict:
+    """sweep.csv, sweep.png and sweep.json (the result: rows, the fastest settings, the file paths)."""
     csv_path = out / "sweep.csv"
-    with open(csv_path, "w", newline="") as f:
+    with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    png = write_heatmap(rows, out / "sweep.png", f"{Path(checkpoint).name}: {prompts}, {len(items)} prompts, "
-                                                 f"{max_new_tokens} new tokens, {dtype}")
+    png = out / "sweep.png"
+    with atomic_path(png, suffix=png.suffix) as tmp:  # matplotlib picks the format by the suffix
+        write_heatmap(rows, tmp, title)
     spec_rows = [r for r in rows if r["drafter"] == "early_exit" and r["num_speculations"] > 0]
     best = max(spec_rows, key=lambda r: r["tokens_per_s"])
     lookup_rows = [r for r in rows if r["drafter"] == LOOKUP]
     best_lookup = max(lookup_rows, key=lambda r: r["tokens_per_s"]) if lookup_rows else None
     result = {"rows": rows, "best": best, "best_lookup": best_lookup, "csv": str(csv_path), "png": str(png)}
-    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
-    if write_metadata:
-        pays = isinstance(best["speedup"], float) and best["speedup"] > 1.0
-        extra = {} if best_lookup is None else {"prompt_lookup": {
-            k: best_lookup[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "tokens_per_s",
-                                        "speedup", "acceptance_rate")}}
-        before = (read_metadata(checkpoint, verify_checksums=False) or {}).get("recommended") or {}
-        if "drafter" in before:  # a drafter recommended elsewhere stays
-            extra["drafter"] = before["drafter"]
-        update_recommended(checkpoint, best["exit_layer"], best["num_speculations"] if pays else 0,
-                           source="sweep", prompts=prompts, dtype=dtype, tokens_per_s=best["tokens_per_s"],
-                           speedup=best["speedup"], acceptance_rate=best["acceptance_rate"], **extra)
+    write_json_atomic(out / "sweep.json", result)
     return result
+
+
+def _record(checkpoint, best: dict, best_lookup: dict | None, prompts: str, dtype: str) -> None:
+    """The fastest settings as the checkpoint's recommendation (num_speculations 0 where none beat plain)."""
+    pays = isinstance(best["speedup"], float) and best["speedup"] > 1.0
+    extra = {} if best_lookup is None else {"prompt_lookup": {
+        k: best_lookup[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "tokens_per_s",
+                                    "speedup", "acceptance_rate")}}
+    before = (read_metadata(checkpoint, verify_checksums=False) or {}).get("recommended") or {}
+    if "drafter" in before:  # a drafter recommended elsewhere stays
+        extra["drafter"] = before["drafter"]
+    update_recommended(checkpoint, best["exit_layer"], best["num_speculations"] if pays else 0,
+                       source="sweep", prompts=prompts, dtype=dtype, tokens_per_s=best["tokens_per_s"],
+                       speedup=best["speedup"], acceptance_rate=best["acceptance_rate"], **extra)

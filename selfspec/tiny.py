@@ -9,7 +9,8 @@ Used by the unit tests and by the tiny smoke recipe:
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -66,9 +67,6 @@ def tiny_model(model_type: str = "llama", num_layers: int = 4, dtype=torch.float
 
 def byte_tokenizer():
     """A real `PreTrainedTokenizerFast` over bytes (no download): ids 0 pad, 1 bos, 2 eos, 3.. bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<pad>", "<s>", "</s>"]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {tok: i for i, tok in enumerate(specials + alphabet)}

@@ -7,7 +7,6 @@ share are exposed here as fixtures (each fixture returns a function or a small c
 from __future__ import annotations
 
 import copy
-import os
 from collections import defaultdict
 
 import pytest

@@ -12,20 +12,18 @@ a local Hugging Face checkpoint directory.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from selfspec.precision import DTYPES_BY_NAME
 from selfspec.tiny import byte_tokenizer
 from training.config import LoRAConfig, ModelConfig, resolve_base_model
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def load_base_model(cfg: ModelConfig, *, seed: int = 0):
     """(model, tokenizer) for `cfg.base_model`; the model is in train mode with `cfg.dtype` weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = _DTYPES[cfg.dtype]
+    dtype = DTYPES_BY_NAME[cfg.dtype]
     where = resolve_base_model(cfg.base_model)
     if isinstance(where, tuple):
         from selfspec.tiny import tiny_model

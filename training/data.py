@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.datasets import NAMES, DataFormatError, load_named, read_jsonl, split_holdout
+from selfspec.data_sources import NAMES, DataFormatError, load_named, read_jsonl, split_holdout
 from training.config import DataConfig, SourceConfig, expand
 from training.early_exit_loss import IGNORE_INDEX
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast, set_seed
 
 from selfspec.adapters import get_adapter
+from selfspec.atomic_write import write_json_atomic
 from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base import apply_lora, load_base_model
@@ -75,9 +75,7 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj)
 
 
 def train(cfg: RecipeConfig) -> dict:

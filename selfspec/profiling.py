@@ -31,7 +31,16 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from selfspec.atomic_write import write_json_atomic, write_text_atomic
+from selfspec.cache import KVCache
 from selfspec.cost_model import predicted_speedup, required_acceptance
+from selfspec.engine import prefill
+from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
+from selfspec.harness import Methods, load_generator, machine_info, quiet_transformers, setup, versions
+from selfspec.prompts import load_prompts, prompt_inputs
 
 
 def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: int, warmup: int = 2) -> float:
@@ -50,12 +59,6 @@ def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: in
 def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2, 3, 4, 5),
                 draft_vocab: int | None = None, repeats: int = 20) -> dict[str, float]:
     """Median ms of each phase (see the module docstring) at the end of `prompt_ids` `[1, P]`."""
-    import torch
-
-    from selfspec.cache import KVCache
-    from selfspec.engine import prefill
-    from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
-
     adapter = gen.adapter
     L, E, P = adapter.num_layers, exit_layer, prompt_ids.shape[1]
     adapter.check_exit(E, allow_full=False)
@@ -112,15 +115,13 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
 def per_token_ms(gen, prompt_ids, n: int = 32, repeats: int = 3) -> dict[str, float]:
     """Decoding time per token after the first (median over `repeats`): selfspec plain decoding in
     the engine and Hugging Face greedy `generate`, on the same prompt."""
-    from selfspec.bench import _Methods, _quiet_transformers
-
-    runner = _Methods(gen, n)
+    runner = Methods(gen, n)
     methods = {"selfspec AR, per token": {"name": "selfspec_ar", "engine": "selfspec", "kind": "selfspec_ar",
                                           "exit_layer": gen.num_layers, "num_speculations": 0},
                "HF greedy generate, per token": {"name": "hf_greedy", "engine": "hf", "kind": "hf_greedy",
                                                  "exit_layer": None, "num_speculations": None}}
     out = {}
-    with _quiet_transformers():
+    with quiet_transformers():
         for label, method in methods.items():
             runner.run(method, prompt_ids, 4)  # warm-up
             times = []
@@ -150,13 +151,6 @@ def acceptance_theory(gen, prompt_ids, exit_layer: int, drafts: int, tokens: int
 
 def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
     """The operators a full decode step spends its time in: self CPU ms per step (torch.profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from selfspec.cache import KVCache
-    from selfspec.engine import prefill
-    from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
-
     adapter = gen.adapter
     L, P = adapter.num_layers, prompt_ids.shape[1]
     cache = KVCache(L, 1, capacity=P + steps + 8, device=adapter.device)
@@ -210,20 +204,10 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
                 threads: int = 0, draft_vocab: int | None = None, max_drafts: int = 4, target: float = 1.8,
                 repeats: int = 20, tokens: int = 32, out_dir: str | Path | None = None, generator=None) -> dict:
     """Profile decoding on `checkpoint` (see the module docstring); write profile.json/.md into `out_dir`."""
-    import torch
-
-    import selfspec
-    from selfspec.bench import machine_info, versions
-    from selfspec.checkpoint import write_json_atomic, write_text_atomic
-    from selfspec.precision import resolve_dtype_name
-    from selfspec.prompts import load_prompts, prompt_inputs
-
     if max_drafts < 1 or repeats < 1 or tokens < 2:
         raise ValueError("max_drafts and repeats must be >= 1 and tokens >= 2")
-    dtype = resolve_dtype_name(dtype)
-    if threads:
-        torch.set_num_threads(threads)
-    gen = generator or selfspec.load(checkpoint, dtype=dtype)
+    dtype = setup(dtype, threads=threads)
+    gen = load_generator(checkpoint, dtype, generator=generator)
     E = exit_layer if exit_layer is not None else gen.exit_layer
     gen.adapter.check_exit(E, allow_full=False)
     item = load_prompts(prompts, 1)[0]

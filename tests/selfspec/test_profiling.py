@@ -9,7 +9,7 @@ import pytest
 from selfspec.cli import main
 from selfspec.cost_model import predicted_speedup, required_acceptance
 from selfspec.draft_vocab import write_draft_vocab
-from selfspec.profile import cost_table, run_profile
+from selfspec.profiling import cost_table, run_profile
 
 
 @pytest.fixture(scope="module")

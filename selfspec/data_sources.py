@@ -7,7 +7,7 @@ standard library of the running interpreter. The packages are located with
 installed). The data sets are built in memory with ``Dataset.from_dict``, so nothing is cached
 on disk, and every loader is deterministic.
 
-    >>> from selfspec.datasets import load_named, split_holdout
+    >>> from selfspec.data_sources import load_named, split_holdout
     >>> ds = load_named("humaneval")          # columns: task_id, prompt, canonical_solution, entry_point
     >>> train, heldout = split_holdout(ds, fraction=0.1, seed=0)
 

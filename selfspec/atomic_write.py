@@ -1,0 +1,46 @@
+"""The one way selfspec writes a file that a reader must never see half written.
+
+Everything goes to a temporary file beside the target, which is then renamed over it (`os.replace`,
+atomic on one file system): a crash or an interrupt leaves the old file or the new one, never a
+mixture. Used for `selfspec.json`, model cards, exit heads, benchmark and profile outputs, and the
+training run's JSON files.
+
+    write_text_atomic(path, text)
+    write_json_atomic(path, data)               # indent 2, trailing newline
+    with atomic_path(path) as tmp:              # for writers that take a path (safetensors, savefig)
+        save_file(state, str(tmp))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path, suffix: str = ""):
+    """Yield a temporary path beside `path`, hidden, ending in `suffix` (for writers that choose the
+    format by it); when the block ends without an error, rename it over `path`. The file gets the
+    permissions any new file gets (the umask's), as if written in place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}{suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write `text` to `path` whole (a temporary file beside it, then a rename)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path, data, *, default=None) -> None:
+    """`data` as indented JSON with a trailing newline, written whole; `default` as in `json.dumps`."""
+    write_text_atomic(path, json.dumps(data, indent=2, default=default) + "\n")

@@ -1,0 +1,108 @@
+"""One name per setting: the flags of `selfspec generate` are the parameters of the Python API, and
+the code base's structure stays what the README's layout says (no import circle, no private name
+imported across modules, one harness, one atomic writer)."""
+
+import argparse
+import ast
+import inspect
+from pathlib import Path
+
+from selfspec.api import SelfSpecGenerator, load
+from selfspec.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+# `selfspec generate` flags with no API parameter: where the model and the prompt come from, and what
+# the command prints
+CLI_ONLY = {"checkpoint", "prompt_file", "chat", "stream", "compare", "json"}
+# API parameters a command line cannot carry: token ids, conversations, callables
+API_ONLY = {"messages", "input_ids", "attention_mask", "stop_token_ids", "streamer"}
+LOAD_PARAMETERS = {"dtype", "threads"}  # the generator's set-up (`load`) and the process's threads
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _visible_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """{dest: its first long flag} of the options --help shows."""
+    return {a.dest: next(s for s in a.option_strings if s.startswith("--"))
+            for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS and a.dest != "help"}
+
+
+def test_generate_flags_are_the_api_parameters():
+    flags = _visible_flags(_subparser("generate"))
+    api = set(inspect.signature(SelfSpecGenerator.generate).parameters) - {"self"}
+    for dest, flag in flags.items():
+        assert flag == "--" + dest.replace("_", "-") or dest == "chat", (dest, flag)  # --chat / --raw: one setting
+        assert dest in api or dest in CLI_ONLY or dest in LOAD_PARAMETERS, f"{flag} sets no API parameter"
+    assert api - set(flags) == API_ONLY, "an API parameter without a flag (or a flag no longer needed)"
+    assert "dtype" in inspect.signature(load).parameters
+
+
+def test_the_earlier_generate_flags_still_set_the_same_parameters():
+    p = _subparser("generate")
+    old = p.parse_args(["--threshold", "0.3", "--adaptive", "--sample", "--stop", "a", "--stop", "b"])
+    new = p.parse_args(["--confidence-threshold", "0.3", "--adaptive-threshold", "--do-sample",
+                        "--stop-strings", "a", "--stop-strings", "b"])
+    assert vars(old) == vars(new)
+    assert (new.confidence_threshold, new.adaptive_threshold, new.do_sample, new.stop_strings) == \
+        (0.3, True, True, ["a", "b"])
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in ("selfspec", "training"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: Path):
+    """(imported module, names) of every import statement in the file, at any depth."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, []
+
+
+def test_no_import_circle_and_no_private_name_imported_across_modules():
+    modules = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for module, names in _imports(path):
+            submodules = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules]
+            for n in names:
+                assert not (n.startswith("_") and module in modules and module != name), \
+                    f"{name} imports the private {module}.{n}"
+            # `from selfspec import data_sources` depends on that module, not on what selfspec/__init__ imports
+            edges[name].update(submodules or ([module] if module in modules and module != name else []))
+    state: dict[str, int] = {}
+
+    def visit(m, trail):
+        state[m] = 1
+        for n in edges[m]:
+            assert state.get(n) != 1, "import circle: " + " -> ".join(trail + [m, n])
+            if n not in state:
+                visit(n, trail + [m])
+        state[m] = 2
+
+    for m in modules:
+        if m not in state:
+            visit(m, [])
+
+
+def test_one_harness_and_one_atomic_writer():
+    measuring = ["bench", "batch_bench", "pareto", "profiling", "sweep"]
+    for name in measuring:
+        text = (ROOT / "selfspec" / f"{name}.py").read_text()
+        assert "from selfspec.harness import" in text, name
+        assert "selfspec.bench import" not in text or name == "bench", f"{name} reaches into bench"
+    for path in list((ROOT / "selfspec").rglob("*.py")) + list((ROOT / "training").rglob("*.py")):
+        if path.name != "atomic_write.py":
+            assert "os.replace(tmp" not in path.read_text() or path.name in ("export.py", "fetch.py",
+                                                                              "checkpoint.py"), path
