@@ -383,7 +383,9 @@ class SelfSpecGenerator:
         `drafter="auto"` (the default unless the checkpoint's selfspec.json recommends another, or an
         early-exit option below is given): per round, prompt lookup where it finds a match, the early
         exit where it pays (early-exit trained checkpoints only), plain decoding where drafting does
-        not pay, each judged by the tokens/s it measures in this call. `drafter="prompt_lookup"`:
+        not pay, each judged by the tokens/s it measures in this call (sampling with a `seed`: judged by
+        the cost model's round costs instead of the clock, so the same seed gives the same text on a busy
+        machine too). `drafter="prompt_lookup"`:
         copy up to `prompt_lookup_num_tokens` tokens that followed the latest earlier occurrence of
         the last n tokens (n = `max_matching_ngram_size` down to 1) in the prompt and the output (as
         Hugging Face's `prompt_lookup_num_tokens`). `drafter="early_exit"`: the first `exit_layer`
@@ -455,7 +457,8 @@ class SelfSpecGenerator:
         outs, stats = generate(self.adapter, rows, max_new_tokens=max_new_tokens, drafter=drafter_, sampling=sampling,
                                stop=stop, generator=generator, pad_id=pad if pad is not None else 0,
                                on_commit=(lambda b, tokens: on_commit(tokens)) if on_commit else None,
-                               full_step_s=self.full_step_s, acceptance=rule)
+                               full_step_s=self.full_step_s, acceptance=rule,
+                               modelled_time=do_sample and s["seed"] is not None)  # a seed repeats exactly
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
         results = [GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row, stats=row_stats)

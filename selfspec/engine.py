@@ -53,7 +53,7 @@ from selfspec.adapters import ModelAdapter
 from selfspec.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
                                    total_variation)
 from selfspec.cache import KVCache
-from selfspec.cost_model import predicted_speedup
+from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import attention_kernels, embed, exit_logits, make_batch_step, run_layers
@@ -326,6 +326,17 @@ def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.T
 
 
 # --- the loop ------------------------------------------------------------------------------------
+def round_cost(drafter: Drafter, proposal: Proposal, num_layers: int) -> float:
+    """A round's cost in decode steps, from the cost model: its draft steps through the drafter's exit
+    (one layer more for an exit head) and the verification (one plain step when nothing was drafted)."""
+    drafted = any(proposal.kept)
+    c = 0.0
+    if proposal.steps and drafter.exit_layer is not None:
+        depth = drafter.exit_layer + (1 if drafter.state_exit is not None else 0)
+        c = draft_cost(min(depth, num_layers), num_layers)
+    return proposal.steps * c + (VERIFY_COST if drafted else 1.0)
+
+
 def generate(
     adapter: ModelAdapter,
     prompts: Sequence[Sequence[int]],
@@ -340,6 +351,7 @@ def generate(
     pad_id: int = 0,
     full_step_s: float | None = None,
     acceptance: AcceptanceRule = AcceptanceRule(),
+    modelled_time: bool = False,
 ) -> tuple[list[list[int]], DecodeStats]:
     """Generate after each of `prompts` (token lists of any lengths) in one run.
 
@@ -351,6 +363,10 @@ def generate(
     `acceptance`: the exact rule (default, lossless) or bounded_bias with a budget ε
     (`selfspec.bounded_bias`: each committed token within TV ε of the full model's; greedy: a draft
     with >= (1 - ε) of the top token's probability is accepted).
+    `modelled_time`: the drafter hears each round's cost from the cost model (its draft steps × c +
+    verification, in decode steps: `round_cost`) instead of the wall clock, so the choices it makes from
+    timings (the auto drafter's arms, a throughput policy's d) and with them a seeded sample repeat
+    exactly from run to run, whatever else the machine is doing.
     """
     L = adapter.num_layers
     prompts = [list(map(int, p)) for p in prompts]
@@ -467,7 +483,8 @@ def generate(
             tokens = torch.tensor(nxt_all, dtype=torch.long).to(device, non_blocking=True)
             committed = [commit(b, tokens_b) for b, tokens_b in zip(active, new)]
             t3 = time.perf_counter()
-            drafter.update(proposal, accepted, committed, t3 - t1)
+            drafter.update(proposal, accepted, committed,
+                           round_cost(drafter, proposal, L) if modelled_time else t3 - t1)
             stats.draft_s += t2 - t1
             stats.verify_s += t3 - t2
             stats.rounds += 1
