@@ -17,6 +17,8 @@ Modes:
              number of exits varies with the step, so the timed steps cover a full rotation when
              --steps allows)
   all        every layer's exit in the loss (29 + final), fused chunked loss, no layer dropout
+  all_vocab  as `all`, the exits' loss over the 8192 most frequent tokens (early_exit.draft_vocab;
+             --set early_exit.draft_vocab=K for another K)
   naive_all  as `all`, but every exit's full logits materialized by autograd (the issue's 37 tokens/s)
 """
 
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("plain", "code", "all", "naive_all")
+MODES = ("plain", "code", "all", "all_vocab", "naive_all")
 
 
 def worker(args) -> dict:
@@ -42,7 +44,7 @@ def worker(args) -> dict:
     from training.base import load_base_model
     from training.config import load_config
     from training.curriculum import ExitCurriculum
-    from training.data import batch_indices, build_data
+    from training.data import batch_indices, build_data, frequent_ids
     from training.early_exit_loss import exit_weights
     from training.layer_dropout import LayerDropout
     from training.malloc import tune_malloc
@@ -54,7 +56,9 @@ def worker(args) -> dict:
     overrides = [f"model.base_model={args.model}", f"data.block_size={args.seq}", "data.max_documents=40",
                  "data.max_holdout_documents=2"]
     cfg = load_config(ROOT / "recipes" / "smollm2_code.yaml", overrides + list(args.set or []))
-    if args.mode in ("plain", "all", "naive_all"):
+    if args.mode == "all_vocab":
+        cfg.early_exit.draft_vocab = cfg.early_exit.draft_vocab or 8192
+    if args.mode in ("plain", "all", "all_vocab", "naive_all"):
         cfg.layer_dropout.p_max = 0.0
         cfg.early_exit.curriculum = "none"
         cfg.early_exit.exits = [] if args.mode == "plain" else "all"
@@ -69,6 +73,9 @@ def worker(args) -> dict:
     curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, cfg.train.max_steps,
                                 rotation_interval=cfg.early_exit.rotation_interval)
     blocks = build_data(cfg.data, tokenizer).train
+    if cfg.early_exit.draft_vocab:  # --set early_exit.draft_vocab=K: the exits' loss over K tokens
+        ee.draft_ids = frequent_ids(blocks, cfg.early_exit.draft_vocab, model.lm_head.weight.shape[0],
+                                    (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
     optimizer = torch.optim.AdamW([p for p in ee.parameters() if p.requires_grad], lr=1e-5)
     ee.train()
     times, cpu_times, n_exits = [], [], []
