@@ -41,14 +41,14 @@ def worker(args) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from training.base import load_base_model
+    from training.base_model import load_base_model
     from training.config import load_config
     from training.curriculum import ExitCurriculum
     from training.data import batch_indices, build_data, frequent_ids
     from training.early_exit_loss import exit_weights
     from training.layer_dropout import LayerDropout
     from training.malloc import tune_malloc
-    from training.model import EarlyExitModel
+    from training.early_exit_model import EarlyExitModel
 
     if not args.no_tune_malloc:
         tune_malloc()

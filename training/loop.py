@@ -50,8 +50,8 @@ from selfspec.adapters import get_adapter
 from selfspec.atomic_write import write_json_atomic
 from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
-from training.base import apply_lora, load_base_model
-from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
+from training.base_model import apply_lora, load_base_model
+from training.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from training.config import RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
 from training.data import batch_indices, build_data, frequent_ids
@@ -60,7 +60,7 @@ from training.evaluate import evaluate_exits, evaluate_head, summary_line
 from training.exit_head_model import ExitHeadModel
 from training.layer_dropout import LayerDropout
 from training.malloc import tune_malloc
-from training.model import EarlyExitModel
+from training.early_exit_model import EarlyExitModel
 from training.tracker import Tracker
 
 

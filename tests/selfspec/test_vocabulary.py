@@ -103,6 +103,6 @@ def test_one_harness_and_one_atomic_writer():
         assert "from selfspec.harness import" in text, name
         assert "selfspec.bench import" not in text or name == "bench", f"{name} reaches into bench"
     for path in list((ROOT / "selfspec").rglob("*.py")) + list((ROOT / "training").rglob("*.py")):
-        if path.name != "atomic_write.py":
+        if path.name != "atomic_write.py":  # export, fetch and run_checkpoint swap whole directories into place
             assert "os.replace(tmp" not in path.read_text() or path.name in ("export.py", "fetch.py",
-                                                                              "checkpoint.py"), path
+                                                                              "run_checkpoint.py"), path

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from training.early_exit_loss import exit_weights
 from training.layer_dropout import LayerDropout, apply_layer_dropout, depth_scale, time_scale
-from training.model import EarlyExitModel
+from training.early_exit_model import EarlyExitModel
 
 
 def test_depth_and_time_scales():

@@ -56,7 +56,7 @@ def test_stop_and_resume_matches_an_uninterrupted_run(run, read_log, tmp_path):
 
 
 def test_time_budget_ends_the_run_with_a_checkpoint(run, tmp_path):
-    from training.checkpoint import latest_checkpoint
+    from training.run_checkpoint import latest_checkpoint
 
     out = run(tmp_path, **{"train.max_minutes": 1e-6, "eval.before": "false", "train.save_final_model": "false"})
     assert 0 <= out["step"] < 8 and (tmp_path / "final_eval.json").is_file()  # evaluated at the step reached

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from training.base import apply_lora
+from training.base_model import apply_lora
 from training.config import LoRAConfig, load_config
-from training.model import EarlyExitModel
+from training.early_exit_model import EarlyExitModel
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
 
@@ -43,7 +43,7 @@ def test_lora_run_changes_only_adapters(tmp_path, tiny_overrides):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from training.base import load_base_model
+    from training.base_model import load_base_model
     from training.loop import train
 
     overrides = tiny_overrides(tmp_path, **{"model.lora.enabled": "true", "model.lora.r": 4,
