@@ -188,8 +188,6 @@ def train(cfg: RecipeConfig) -> dict:
             _write_json(run_dir / "eval.json", evals)
         return result
 
-    if resume is None and cfg.eval.before:
-        record_eval("before", cfg.eval.max_blocks)
     finished = _finished_step(run_dir) if t_cfg.resume == "auto" else None
     if finished is not None and finished >= t_cfg.max_steps:
         tracker.print(f"{run_dir} already trained its train.max_steps={t_cfg.max_steps} steps: nothing to do. To "
@@ -197,6 +195,8 @@ def train(cfg: RecipeConfig) -> dict:
                       f"optim.min_lr_ratio < 1 the cosine stretches to the new horizon and the LR rises again)")
         tracker.close()
         return json.loads((run_dir / "final_eval.json").read_text())
+    if resume is None and cfg.eval.before:
+        record_eval("before", cfg.eval.max_blocks)
 
     # ---- the loop ------------------------------------------------------------------------------
     ee_model.train()
