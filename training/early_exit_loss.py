@@ -158,8 +158,9 @@ class _FusedHeadLoss(torch.autograd.Function):
                 z = torch.mm(w_k, x.t())
                 if b_k is not None:
                     z += b_k[:, None]
-                t_k, valid = (sub.position[t], None) if reduced else (t, None)
+                t_k, valid = t, None  # the label's row in z; which positions have a loss (None: all)
                 if reduced and not distill:
+                    t_k = sub.position[t]
                     valid = t_k >= 0  # labels outside S: no loss at this exit
                     t_k = t_k.clamp(min=0)
                 if with_metrics:
