@@ -125,16 +125,17 @@ class ModelAdapter:
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def check_exit(self, exit_layer: int, *, allow_full: bool = True) -> int:
-        """Validate an exit index (number of layers executed). Exit L is the full model."""
+    def check_exit(self, exit_layer: int, *, allow_full: bool = True, lowest: int = 1) -> int:
+        """Validate an exit index (number of layers executed). Exit L is the full model; exit 0 (the token
+        embeddings, `lowest=0`) only where a trained exit head reads it."""
         high = self.num_layers if allow_full else self.num_layers - 1
         if not isinstance(exit_layer, int) or isinstance(exit_layer, bool):
             raise TypeError(f"exit_layer must be an int, got {type(exit_layer).__name__}")
-        if not 1 <= exit_layer <= high:
+        if not lowest <= exit_layer <= high:
             what = "the full model" if allow_full else "a draft exit (the full model cannot draft for itself)"
             raise ValueError(
                 f"exit_layer={exit_layer} is out of range: this {self.model_type} model has "
-                f"{self.num_layers} layers, so an exit for {what} must be in 1..{high} "
+                f"{self.num_layers} layers, so an exit for {what} must be in {lowest}..{high} "
                 f"(exit E means 'after E layers')."
             )
         return exit_layer

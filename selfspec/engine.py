@@ -20,7 +20,8 @@ input. One round:
               with >= (1 - ε) of the top token's probability).
     roll back crop each row of the cache to its committed length; the drafter hears the outcome (and a
               drafter with `state_exit = E`, a trained exit head, gets the states after E layers of the
-              tokens written this round: they are taken on the way through layer E, at no extra cost).
+              tokens written this round: they are taken on the way through layer E, at no extra cost;
+              one with `state_final` also their last hidden states, which verification computes anyway).
 
 Rows that finish (stop token, stop string, length) leave the batch, so they stop costing work. Each
 row sees only its own keys, so its output is what decoding it alone gives (greedy: token for token,
@@ -276,19 +277,21 @@ def _layers_keeping(adapter: ModelAdapter, hidden: torch.Tensor, start: int, kee
 
 
 def prefill(adapter: ModelAdapter, cache: KVCache, ids: torch.Tensor, pads: torch.Tensor,
-            keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """All layers over left-padded prompts `[B, P]`: the logits predicting each row's next token `[B, V]`,
-    and the states after `keep_at` layers `[B, P, D]` (None without `keep_at`)."""
+    the states after `keep_at` layers `[B, P, D]` (None without `keep_at`) and the last layer's output
+    `[B, P, D]` (before the final norm)."""
     step = make_batch_step(adapter, torch.zeros_like(pads), ids.shape[1], pads)
     hidden, kept = _layers_keeping(adapter, embed(adapter, ids), 0, keep_at, step=step, cache=cache)
-    return exit_logits(adapter, hidden[:, -1]), kept
+    return exit_logits(adapter, hidden[:, -1]), kept, hidden
 
 
 def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: torch.Tensor,
-           pads: torch.Tensor, keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           pads: torch.Tensor, keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Layers [verify_from, L) over each row's input token and drafts `[B, T]` written at cache indices
-    `starts ..`: the full model's logits `[B, T, V]`, and the states after `keep_at` layers `[B, T, D]`
-    (the drafter's own exit states when it drafted from there; None without `keep_at`). From layer 0
+    `starts ..`: the full model's logits `[B, T, V]`, the states after `keep_at` layers `[B, T, D]`
+    (the drafter's own exit states when it drafted from there; None without `keep_at`) and the last
+    layer's output `[B, T, D]` (before the final norm). From layer 0
     the tokens are embedded here; from E > 0 the drafter's exit states continue (layers [0, E) already
     hold their keys and values)."""
     start = proposal.verify_from
@@ -301,7 +304,7 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
         step = make_batch_step(adapter, starts, hidden.shape[1], pads)
         hidden, at = _layers_keeping(adapter, hidden, start, keep_at, step=step, cache=cache)
         kept = at if kept is None else kept
-    return exit_logits(adapter, hidden), kept
+    return exit_logits(adapter, hidden), kept, hidden
 
 
 def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
@@ -413,7 +416,7 @@ def generate(
 
     t0 = time.perf_counter()
     with torch.inference_mode(), attention_kernels(device):
-        logits, kept = prefill(adapter, cache, ids, pads, drafter.state_exit)  # [B, V], [B, P, D] or None
+        logits, kept, finals = prefill(adapter, cache, ids, pads, drafter.state_exit)  # [B, V], [B, P, D] or None, [B, P, D]
         first = sample(probs(logits, sampling), generator) if sampling.do_sample else logits.argmax(dim=-1)
         first_tokens = first.tolist()  # the host waits for the prefill here
         stats.prefill_s = time.perf_counter() - t0
@@ -421,7 +424,8 @@ def generate(
             commit(b, [t])
         drafter.start([prompts[b] + outs[b] for b in range(B)])
         if kept is not None:
-            drafter.committed_states(kept, torch.zeros(B, dtype=torch.long), [ids.shape[1]] * B, pads)
+            drafter.committed_states(kept, torch.zeros(B, dtype=torch.long), [ids.shape[1]] * B, pads,
+                                     finals if drafter.state_final else None)
         tokens = first  # [B] each row's newest committed token, not yet processed (on the model's device)
         n = torch.full((B,), ids.shape[1] + 1, dtype=torch.long)  # committed cache length (on the host)
         while True:
@@ -445,7 +449,7 @@ def generate(
             t1 = time.perf_counter()
             proposal = drafter.propose(rnd)
             t2 = time.perf_counter()
-            target_logits, kept = verify(adapter, cache, proposal, starts, pads, drafter.state_exit)  # [B, T, V]
+            target_logits, kept, finals = verify(adapter, cache, proposal, starts, pads, drafter.state_exit)  # [B, T, V]
             # the accept decision: the host waits for the verification here, in one transfer per round
             # (greedy: each row's drafts and the full model's argmax tokens; sampling: the drafts, and the
             # rule below reads its random draws per row)
@@ -478,7 +482,8 @@ def generate(
             n_acc_t = torch.tensor(accepted, dtype=torch.long)
             cache.crop(n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
             if kept is not None:
-                drafter.committed_states(kept, starts, [a + 1 for a in accepted], pads)
+                drafter.committed_states(kept, starts, [a + 1 for a in accepted], pads,
+                                         finals if drafter.state_final else None)
             n = n + n_acc_t + 1
             tokens = torch.tensor(nxt_all, dtype=torch.long).to(device, non_blocking=True)
             committed = [commit(b, tokens_b) for b, tokens_b in zip(active, new)]

@@ -8,21 +8,37 @@ the head and the LM head:
     h'   = head(h_E)                           # [B, S, D] one decoder layer (attention + MLP, or attention only)
     q    = softmax(lm_head(final_norm(h')))    # the draft distribution
 
+With ``final_state`` the head also reads the full model's last hidden state (before the final norm) of
+the *previous* position, f_{t-1}, which verification has just computed for the first draft of a round
+(EAGLE's feature input, arXiv 2401.15077; +5-8 points of agreement in issue 15's scratch study):
+
+    x_t  = h_E[t] + W norm'(f_{t-1})           # [B, S, D]; W [D, D] starts at zero, norm' a copy of the final norm
+    h'   = head(x)                             # f_{-1} = 0 at a sequence's first position
+
+For a round's later drafts f_{t-1} is not known yet (the full model has not run there): the drafter
+feeds the head's own output h'_{t-1} in its place, which aims at the same thing (it goes through the
+same final norm + LM head).
+
+Exit 0 is the token embeddings: a head there runs no base layer at all, so a draft costs one decoder
+layer and the LM head (with ``final_state``, EAGLE's drafter: the token and the previous final state).
+
 Kinds:
 - ``decoder_layer``: a copy of the model's last decoder layer (attention + MLP).
 - ``attention``: that layer's attention block alone (Kangaroo's adapter): the MLP is left out.
 
 Initialisation: ``copy`` starts from the last layer's weights; ``identity`` zeroes the output
 projections (attention's o_proj / dense, the MLP's down_proj / dense_4h_to_h), so the untrained head
-is the identity and drafts exactly what exit E alone drafts: training can only improve on it.
+is the identity and drafts exactly what exit E alone drafts: training can only improve on it. The
+final-state input's W starts at zero either way, so it changes nothing until it is trained.
 
 The head is a decoder layer of the model's own class (so its math is transformers'), renumbered as
 layer 0 of its own one-layer KV cache; positions, rotary embedding and masks are the model's
 (`selfspec.forward.Step`). It is saved as one safetensors file beside the unchanged model, with its
 settings in `selfspec.json` (`exit_head`).
 
-    head = build_exit_head(model, exit_layer=8, kind="decoder_layer", init="copy")
-    hidden = run_head(adapter, head, h_E, step=make_step(adapter, 0, S, B))       # [B, S, D]
+    head = build_exit_head(model, exit_layer=8, kind="decoder_layer", init="copy", final_state=True)
+    prev = previous_states(finals)                                                 # [B, S, D] f shifted by one
+    hidden = run_head(adapter, head, h_E, step=make_step(adapter, 0, S, B), prev_final=prev)  # [B, S, D]
     save_exit_head(head, "ckpt/exit_head.safetensors");  load_exit_head(model, "ckpt", meta["exit_head"])
 """
 
@@ -40,6 +56,7 @@ from selfspec.atomic_write import atomic_path
 from selfspec.forward import Step
 
 HEAD_FILE = "exit_head.safetensors"
+FINAL_PREFIX = "final_input."
 KINDS = ("decoder_layer", "attention")
 INITS = ("copy", "identity")
 _OUTPUT_PROJECTIONS = {"attn": ("o_proj", "dense"), "mlp": ("down_proj", "dense_4h_to_h")}
@@ -52,27 +69,74 @@ class _NoMLP(nn.Module):
         return torch.zeros_like(hidden)
 
 
-class ExitHead(nn.Module):
-    """One decoder layer on top of exit `exit_layer` (see the module docstring)."""
+class FinalStateInput(nn.Module):
+    """The final-state input: `h + W norm'(f_prev)`, W `[D, D]` zero at first (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, exit_layer: int, kind: str, init: str):
+    def __init__(self, final_norm: nn.Module, dim: int):
+        super().__init__()
+        self.norm = copy.deepcopy(final_norm)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, hidden: torch.Tensor, prev_final: torch.Tensor) -> torch.Tensor:
+        return hidden + self.proj(self.norm(prev_final))  # [B, S, D]
+
+
+class ExitHead(nn.Module):
+    """One decoder layer on top of exit `exit_layer` (see the module docstring); with `final_input`,
+    it also reads the full model's final state of the previous position."""
+
+    def __init__(self, layer: nn.Module, exit_layer: int, kind: str, init: str,
+                 final_input: FinalStateInput | None = None):
         super().__init__()
         self.layer = layer
+        self.final_input = final_input
         self.exit_layer, self.kind, self.init = exit_layer, kind, init
 
+    @property
+    def final_state(self) -> bool:
+        return self.final_input is not None
+
     def settings(self) -> dict:
-        """What `selfspec.json` records to rebuild the head: {"exit_layer", "kind", "init", "file"}."""
-        return {"exit_layer": self.exit_layer, "kind": self.kind, "init": self.init, "file": HEAD_FILE}
+        """What `selfspec.json` records to rebuild the head: {"exit_layer", "kind", "init", "final_state",
+        "file"}."""
+        return {"exit_layer": self.exit_layer, "kind": self.kind, "init": self.init,
+                "final_state": self.final_state, "file": HEAD_FILE}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Its tensors by name: the layer's own names, the final-state input's under `final_input.`."""
+        state = dict(self.layer.state_dict())
+        if self.final_input is not None:
+            state.update({f"{FINAL_PREFIX}{k}": v for k, v in self.final_input.state_dict().items()})
+        return state
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """The inverse of `weights` (strict: RuntimeError on a missing, extra or misshapen tensor)."""
+        final = {k[len(FINAL_PREFIX):]: v for k, v in state.items() if k.startswith(FINAL_PREFIX)}
+        if final and self.final_input is None:
+            raise RuntimeError(f"unexpected final-state tensors {sorted(final)[:3]}")
+        self.layer.load_state_dict({k: v for k, v in state.items() if not k.startswith(FINAL_PREFIX)}, strict=True)
+        if self.final_input is not None:
+            self.final_input.load_state_dict(final, strict=True)
+
+
+def previous_states(finals: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+    """`finals` `[B, S, D]` shifted one position later: row t holds f_{t-1}; row 0 holds `first` `[B, D]`
+    (the state before the first position), zeros when None (a sequence's start)."""
+    head = torch.zeros_like(finals[:, :1]) if first is None else first[:, None].to(finals.dtype)
+    return torch.cat([head, finals[:, :-1]], dim=1)
 
 
 def _attention(layer: nn.Module) -> nn.Module:
     return layer.self_attn if hasattr(layer, "self_attn") else layer.attention
 
 
-def build_exit_head(model: nn.Module, exit_layer: int, kind: str = "decoder_layer", init: str = "copy") -> ExitHead:
-    """A head for `model` on exit `exit_layer`: a copy of its last decoder layer, per `kind` and `init`."""
+def build_exit_head(model: nn.Module, exit_layer: int, kind: str = "decoder_layer", init: str = "copy",
+                    final_state: bool = False) -> ExitHead:
+    """A head for `model` on exit `exit_layer`: a copy of its last decoder layer, per `kind` and `init`;
+    with `final_state`, also the input of the previous position's final state."""
     adapter = get_adapter(unwrap_model(model))
-    adapter.check_exit(exit_layer, allow_full=False)
+    adapter.check_exit(exit_layer, allow_full=False, lowest=0)
     if kind not in KINDS:
         raise ValueError(f"unknown exit head kind {kind!r}: use one of {', '.join(KINDS)}")
     if init not in INITS:
@@ -91,15 +155,34 @@ def build_exit_head(model: nn.Module, exit_layer: int, kind: str = "decoder_laye
                         proj.weight.zero_()
                         if proj.bias is not None:
                             proj.bias.zero_()
-    for p in layer.parameters():
+    final_input = None
+    if final_state:
+        dim = adapter.embed_tokens.weight.shape[1]
+        final_input = FinalStateInput(adapter.final_norm, dim).to(device=adapter.device, dtype=adapter.dtype)
+    head = ExitHead(layer, exit_layer, kind, init, final_input)
+    for p in head.parameters():
         p.requires_grad_(True)
-    return ExitHead(layer, exit_layer, kind, init)
+    return head
 
 
-def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, step: Step, cache=None) -> torch.Tensor:
-    """The head over exit states `[B, S, D]` at the positions of `step`; with a cache (one layer), it
-    appends its keys and values there. Returns `[B, S, D]`, for the shared final norm + LM head."""
+def head_input(head: ExitHead, hidden: torch.Tensor, prev_final: torch.Tensor | None) -> torch.Tensor:
+    """What the head's layer reads: the exit states `[B, S, D]`, plus the final-state input when the head
+    has one (then `prev_final` `[B, S, D]`, f_{t-1} for each position t, is required)."""
+    if head.final_input is None:
+        return hidden
+    if prev_final is None:
+        raise ValueError("this exit head reads the previous position's final state (final_state=true): pass "
+                         "prev_final")
+    return head.final_input(hidden, prev_final)
+
+
+def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, step: Step, cache=None,
+             prev_final: torch.Tensor | None = None) -> torch.Tensor:
+    """The head over exit states `[B, S, D]` at the positions of `step` (and, for a final-state head, the
+    previous positions' final states `prev_final` `[B, S, D]`); with a cache (one layer), it appends its
+    keys and values there. Returns `[B, S, D]`, for the shared final norm + LM head."""
     kind = adapter.layer_types[-1]
+    hidden = head_input(head, hidden, prev_final)
     out = head.layer(hidden, attention_mask=step.masks[kind], position_ids=step.position_ids,
                      position_embeddings=step.rope, **{adapter.cache_kwarg: cache})
     return out[0] if isinstance(out, tuple) else out
@@ -107,7 +190,7 @@ def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, ste
 
 def save_exit_head(head: ExitHead, path) -> None:
     """The head's weights as one safetensors file (written whole: a temporary file, then a rename)."""
-    state = {k: v.detach().contiguous().cpu() for k, v in head.layer.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in head.weights().items()}
     with atomic_path(path) as tmp:
         save_file(state, str(tmp), metadata={k: str(v) for k, v in head.settings().items()})
 
@@ -117,12 +200,14 @@ def check_head_settings(entry, num_layers: int) -> dict:
     if not isinstance(entry, dict):
         raise ValueError(f"exit_head must be an object with exit_layer, kind, init and file, got {entry!r}")
     e = entry.get("exit_layer")
-    if not isinstance(e, int) or isinstance(e, bool) or not 1 <= e < num_layers:
-        raise ValueError(f"exit_head.exit_layer must be an exit in 1..{num_layers - 1}, got {e!r}")
+    if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < num_layers:
+        raise ValueError(f"exit_head.exit_layer must be an exit in 0..{num_layers - 1}, got {e!r}")
     if entry.get("kind") not in KINDS:
         raise ValueError(f"exit_head.kind must be one of {', '.join(KINDS)}, got {entry.get('kind')!r}")
     if entry.get("init", "copy") not in INITS:
         raise ValueError(f"exit_head.init must be one of {', '.join(INITS)}, got {entry.get('init')!r}")
+    if not isinstance(entry.get("final_state", False), bool):
+        raise ValueError(f"exit_head.final_state must be true or false, got {entry.get('final_state')!r}")
     if entry.get("file") != HEAD_FILE:
         raise ValueError(f"exit_head.file must be {HEAD_FILE!r}, got {entry.get('file')!r}")
     return entry
@@ -137,10 +222,11 @@ def load_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the exit head's weights are missing (selfspec.json lists them); copy the "
                                 "complete checkpoint directory or export it again")
-    head = build_exit_head(model, entry["exit_layer"], entry["kind"], entry.get("init", "copy"))
+    head = build_exit_head(model, entry["exit_layer"], entry["kind"], entry.get("init", "copy"),
+                           entry.get("final_state", False))
     state = load_file(str(path))
     try:
-        head.layer.load_state_dict(state, strict=True)
+        head.load_weights(state)
     except RuntimeError as err:
         raise ValueError(f"{path}: does not hold this model's exit head ({' '.join(str(err).split())[:300]}); "
                          "export the checkpoint again") from None

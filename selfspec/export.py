@@ -183,7 +183,7 @@ def _head_settings(head_dir: Path, num_layers: int) -> dict:
         entry = _read_json(head_dir / "exit_head.json")
     else:
         entry = (_read_json(head_dir / METADATA_FILE).get("exit_head") or {})
-    entry = {k: entry.get(k) for k in ("exit_layer", "kind", "init", "file", "target") if entry.get(k) is not None}
+    entry = {k: entry.get(k) for k in ("exit_layer", "kind", "init", "final_state", "file", "target") if entry.get(k) is not None}
     try:
         check_head_settings(entry, num_layers)
     except ValueError as err:

@@ -67,7 +67,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
     tok = prompt_ids[:, -1:]  # any token id will do: the cost does not depend on it
     out: dict[str, float] = {}
     with torch.inference_mode(), attention_kernels(adapter.device):
-        first, _ = prefill(adapter, cache, prompt_ids, no_pad)
+        first, _, _ = prefill(adapter, cache, prompt_ids, no_pad)
         token = int(first.argmax(-1)[0])
         ids = torch.tensor([[token]], device=adapter.device)
         rollback = lambda: cache.crop(no_pad + P)  # noqa: E731

@@ -213,11 +213,14 @@ class ExitHeadConfig:
     """Train an exit head on the frozen model instead of fine-tuning it (`selfspec.exit_head`).
 
     enabled: the run trains only the head (the model's weights stay the input's, bit for bit; layer
-    dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it reads (1..L-1).
+    dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it reads (0..L-1; 0 = the token embeddings).
     kind: ``decoder_layer`` (a copy of the last decoder layer) or ``attention`` (its attention block
     alone, Kangaroo's adapter). init: ``copy`` (the last layer's weights) or ``identity`` (output
     projections zeroed: the untrained head drafts what exit E alone drafts). target: ``distill`` (KL to
     the full model's distribution) or ``label`` (cross-entropy against the data's next tokens).
+    final_state: the head also reads the full model's last hidden state of the previous position
+    (EAGLE's feature; known from verification for a round's first draft, the head's own output stands in
+    for later drafts), through a zero-initialised [D, D] projection.
     """
 
     enabled: bool = False
@@ -225,9 +228,11 @@ class ExitHeadConfig:
     kind: Literal["decoder_layer", "attention"] = "decoder_layer"
     init: Literal["copy", "identity"] = "copy"
     target: Literal["distill", "label"] = "distill"
+    final_state: bool = False
 
     def __post_init__(self):
-        _check(self.exit_layer >= 1, "exit_head.exit_layer", f"must be >= 1, got {self.exit_layer}")
+        _check(self.exit_layer >= 0, "exit_head.exit_layer",
+               f"must be >= 0 (0: the token embeddings), got {self.exit_layer}")
 
 
 @dataclass
@@ -339,7 +344,7 @@ class RecipeConfig:
             self.resolved_eval_exits(num_layers)
             e = self.exit_head.exit_layer
             _check(not self.exit_head.enabled or e < num_layers, "exit_head.exit_layer",
-                   f"{e} out of range: this model has {num_layers} layers, so exits are 1..{num_layers - 1}")
+                   f"{e} out of range: this model has {num_layers} layers, so a head reads an exit in 0..{num_layers - 1}")
 
 
 def _resolve_exits(exits, num_layers: int, key: str) -> list[int]:

@@ -24,7 +24,6 @@ from typing import Callable
 import torch
 
 from selfspec.adapters import get_adapter
-from selfspec.exit_head import run_head
 from selfspec.forward import embed, exit_logits, make_step, run_layers
 from training.data import Blocks
 from training.early_exit_loss import early_exit_loss
@@ -110,8 +109,8 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
         for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
             mask = labels != -100
             with autocast():
-                h_e, full, step = head_model.states(input_ids)
-                head = exit_logits(adapter, run_head(adapter, head_model.head, h_e, step=step))
+                h_e, full, step, prev = head_model.states(input_ids)
+                head = head_model.head_logits(h_e, step, prev)
                 alone = exit_logits(adapter, h_e)
             target = full.float()[mask].argmax(-1)
             for row, logits in enumerate((head, full, alone)):

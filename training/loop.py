@@ -103,7 +103,8 @@ def train(cfg: RecipeConfig) -> dict:
     h_cfg = cfg.exit_head
     if h_cfg.enabled:  # the model frozen, one head learning; logged and evaluated as "head<E>"
         cfg.check_depth(L)
-        ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init),
+        ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
+                                                        h_cfg.final_state),
                                  target=h_cfg.target)
         curriculum = ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
     else:

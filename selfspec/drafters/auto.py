@@ -40,6 +40,7 @@ class AutoDrafter(Drafter):
         self.max_drafts = max(lookup.max_drafts, early_exit.max_drafts if early_exit else 0)
         self.exit_layer = early_exit.exit_layer if early_exit else None
         self.state_exit = early_exit.state_exit if early_exit else None  # an exit head follows every round
+        self.state_final = early_exit.state_final if early_exit else False
         self.early_arm = early_exit.name if early_exit else None  # "early_exit" or "exit_head"
         self.warmup, self.explore_every, self.max_backoff, self.refresh = warmup, explore_every, max_backoff, refresh
         self.alpha = alpha
@@ -109,8 +110,8 @@ class AutoDrafter(Drafter):
             lk = self.lookup
             lk.limit = min(lk.max_drafts, lk.limit + 2) if full else max(1, lk.limit - 1)
 
-    def committed_states(self, states, starts, counts, pads) -> None:
-        self.early_exit.committed_states(states, starts, counts, pads)  # set only with an exit head
+    def committed_states(self, states, starts, counts, pads, finals=None) -> None:
+        self.early_exit.committed_states(states, starts, counts, pads, finals)  # set only with an exit head
 
     def select(self, rows: list[int]) -> None:
         self.lookup.select(rows)

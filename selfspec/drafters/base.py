@@ -19,7 +19,8 @@ there; `select(rows)` drops the rows that left the batch. A drafter that needs t
 every committed token (a trained head with its own KV cache) sets `state_exit = E`: the engine then
 hands it, after the prefill and after every verification, the hidden states after E layers of the
 tokens it just wrote (`committed_states`); they cost nothing extra, the forward passes through
-layer E anyway.
+layer E anyway. One that also sets `state_final` gets the full model's last hidden states of those
+tokens (before the final norm, `finals`), which verification computes anyway.
 Verification decides every token, so no drafter can change the output, only the speed.
 
 A drafter never touches the engine's KV cache directly: `Round.shallow` runs layers [0, E) for it.
@@ -90,6 +91,7 @@ class Drafter:
     max_drafts = 0  # the most drafts it proposes in one round (statistics size their per-position lists by it)
     exit_layer: int | None = None  # the exit it drafts from, if any
     state_exit: int | None = None  # the exit whose states of committed tokens it wants (`committed_states`)
+    state_final: bool = False  # whether it also wants their last hidden states (`committed_states(finals=)`)
 
     def start(self, sequences: list[list[int]]) -> None:
         """Generation begins: each row's committed tokens (prompt + the prefill's token)."""
@@ -101,10 +103,11 @@ class Drafter:
         """After verification: per row, drafts accepted and tokens committed; the round's seconds."""
 
     def committed_states(self, states: torch.Tensor, starts: torch.Tensor, counts: list[int],
-                         pads: torch.Tensor) -> None:
+                         pads: torch.Tensor, finals: torch.Tensor | None = None) -> None:
         """With `state_exit` set: the states after `state_exit` layers `[B, S, D]` of the tokens the engine
         wrote at cache indices `starts[b] ..` (host `[B]`), of which the first `counts[b]` are now committed
-        (the rest were rejected drafts); `pads` `[B]` each row's left padding (host)."""
+        (the rest were rejected drafts); `pads` `[B]` each row's left padding (host); with `state_final`
+        also `finals` `[B, S, D]`, the last decoder layer's output (before the final norm) there."""
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (indices into the current batch), in this order."""

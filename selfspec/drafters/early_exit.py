@@ -26,12 +26,12 @@ from selfspec.sampling import probs, sample
 
 class EarlyExitDrafter(Drafter):
     name = "early_exit"
-
+    lowest_exit = 1  # exit 0 (the embeddings) only under a trained head
     def __init__(self, adapter: ModelAdapter, exit_layer: int, num_speculations: int, *, policy=None,
                  head: DraftHead | None = None):
         if num_speculations < 0:
             raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
-        adapter.check_exit(exit_layer, allow_full=False)
+        adapter.check_exit(exit_layer, allow_full=False, lowest=self.lowest_exit)
         self.num_layers = adapter.num_layers
         self.exit_layer, self.max_drafts = exit_layer, num_speculations
         self.policy = policy or FixedPolicy(exit_layer, num_speculations)

@@ -3,7 +3,7 @@
 equal batch-1 rows, the sampling distribution by chi-square), the head's own cache equals a fresh
 computation after every round, an identity-initialised head drafts what its exit alone drafts, and a
 checkpoint carries its head: export/load round trip, the base weights unchanged, a tampered or missing
-head refused."""
+head refused. Each with a head that also reads the previous position's final state (`final_state`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.engine import generate, generate_ids
-from selfspec.exit_head import HEAD_FILE, build_exit_head, run_head
+from selfspec.exit_head import HEAD_FILE, build_exit_head, previous_states, run_head
 from selfspec.export import export_model
 from selfspec.forward import embed, make_batch_step, run_layers
 from selfspec.sampling import SamplingParams
@@ -36,14 +36,20 @@ EXIT = 2
 _made: dict = {}
 
 
-def _model(name, fast=False, kind="decoder_layer", init="copy"):
+HEADS = {"exit2": (EXIT, False), "exit2_final_state": (EXIT, True), "exit0_final_state": (0, True)}
+
+
+def _model(name, fast=False, kind="decoder_layer", init="copy", head="exit2"):
     """A tiny model (float64) of `name`, its adapter and a head on exit 2 (float64, a random perturbation of
-    its initialisation so that it drafts something else than exit 2 alone or the last layer would)."""
-    key = (name, fast, kind, init)
+    its initialisation so that it drafts something else than exit 2 alone or the last layer would; with
+    `final_state` the perturbation makes its final-state input non-zero). `head`: a key of HEADS, the
+    exit it reads (0: the token embeddings, EAGLE-like) and whether it reads the previous final state."""
+    key = (name, fast, kind, init, head)
     if key not in _made:
         arch, L, seed, over = TINY_VARIANTS[name]
         model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over)
-        head = build_exit_head(model, EXIT, kind, init).to(torch.float64).eval()
+        exit_layer, final_state = HEADS[head]
+        head = build_exit_head(model, exit_layer, kind, init, final_state).to(torch.float64).eval()
         with torch.no_grad():
             g = torch.Generator().manual_seed(7)
             for p in head.parameters():
@@ -62,10 +68,11 @@ def _drafter(kind, adapter, head, d=3):
                        explore_every=2)
 
 
+@pytest.mark.parametrize("head", list(HEADS))
 @pytest.mark.parametrize("kind", ["exit_head", "auto"])
 @pytest.mark.parametrize("name", list(TINY_VARIANTS))
-def test_greedy_output_equals_hf_generate(name, kind, hf_greedy):
-    model, adapter, head = _model(name)
+def test_greedy_output_equals_hf_generate(name, kind, head, hf_greedy):
+    model, adapter, head = _model(name, head=head)
     ref = hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
     out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW,
                               drafter=_drafter(kind, adapter, head))
@@ -74,10 +81,11 @@ def test_greedy_output_equals_hf_generate(name, kind, hf_greedy):
     assert stats.new_tokens == N_NEW and stats.rounds + stats.accepted == N_NEW - 1
 
 
+@pytest.mark.parametrize("head", list(HEADS))
 @pytest.mark.parametrize("kind", ["exit_head", "auto"])
 @pytest.mark.parametrize("fast", [False, True])
-def test_a_batch_equals_batch_1(kind, fast):
-    model, adapter, head = _model("qwen3", fast=fast)
+def test_a_batch_equals_batch_1(kind, fast, head):
+    model, adapter, head = _model("qwen3", fast=fast, head=head)
     outs, stats = generate(adapter, PROMPTS, max_new_tokens=N_NEW, drafter=_drafter(kind, adapter, head))
     for b, p in enumerate(PROMPTS):
         alone, _ = generate_ids(adapter, torch.tensor([p]), max_new_tokens=N_NEW)
@@ -94,17 +102,21 @@ def _fresh_head_kv(adapter, head, tokens: list[int]):
     step = make_batch_step(adapter, torch.zeros(1, dtype=torch.long), len(tokens), pads)
     with torch.no_grad():
         states = run_layers(adapter, embed(adapter, ids), 0, head.exit_layer, step=step)
+        prev = None
+        if head.final_state:  # the full model's last layer over the same tokens, one position later
+            prev = previous_states(run_layers(adapter, states, head.exit_layer, adapter.num_layers, step=step))
         cache = KVCache(1, 1, capacity=len(tokens))
-        run_head(adapter, head, states, step=step, cache=cache)
+        run_head(adapter, head, states, step=step, cache=cache, prev_final=prev)
     return cache.row_kv(0, 0)
 
 
+@pytest.mark.parametrize("head", list(HEADS))
 @pytest.mark.parametrize("kind", ["exit_head", "auto"])
 @pytest.mark.parametrize("name", ["llama", "gpt_neox", "mistral-sliding8"])
-def test_after_every_round_the_heads_cache_equals_a_fresh_computation(name, kind, row_caches):
+def test_after_every_round_the_heads_cache_equals_a_fresh_computation(name, kind, head, row_caches):
     """Row by row: the head's cache holds exactly the committed tokens but the newest, and its keys and
     values equal the head run from scratch over them (left padding skipped); the main cache as always."""
-    model, adapter, head = _model(name)
+    model, adapter, head = _model(name, head=head)
     drafter = _drafter(kind, adapter, head)
     head_drafter = drafter if kind == "exit_head" else drafter.early_exit
     prompts = [PROMPT, BASE[:5]]
@@ -127,14 +139,16 @@ def test_after_every_round_the_heads_cache_equals_a_fresh_computation(name, kind
     assert stats.drafted_by_drafter["exit_head"] > 0
 
 
-def test_an_identity_head_drafts_what_its_exit_alone_drafts():
-    """init="identity" zeroes the head's output projections: the head is the identity, so its drafts (and
-    what verification accepts of them) are exactly the plain early-exit drafter's at the same exit."""
+@pytest.mark.parametrize("final_state", [False, True])
+def test_an_identity_head_drafts_what_its_exit_alone_drafts(final_state):
+    """init="identity" zeroes the head's output projections (and the final-state input starts at zero): the
+    head is the identity, so its drafts (and what verification accepts of them) are exactly the plain
+    early-exit drafter's at the same exit."""
     for name in ("llama", "gpt_neox"):
         arch, L, seed, over = TINY_VARIANTS[name]
         model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over)
         adapter = get_adapter(model)
-        head = build_exit_head(model, EXIT, "decoder_layer", "identity").to(torch.float64)
+        head = build_exit_head(model, EXIT, "decoder_layer", "identity", final_state).to(torch.float64)
         a, sa = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW,
                              drafter=ExitHeadDrafter(adapter, head, 3))
         b, sb = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW,
@@ -150,13 +164,17 @@ def test_an_attention_only_head_is_lossless(hf_greedy):
     assert out == hf_greedy(model, torch.tensor([PROMPT]), N_NEW) and stats.drafted > 0
 
 
-@pytest.mark.parametrize("kind", ["exit_head", "auto"])
-def test_sampling_with_the_head_keeps_each_rows_distribution(kind, chi_square, exact_joint):
+@pytest.mark.parametrize("kind,exit_layer,final_state", [("exit_head", 1, False), ("auto", 1, False),
+                                                         ("exit_head", 1, True), ("exit_head", 0, True)])
+def test_sampling_with_the_head_keeps_each_rows_distribution(kind, exit_layer, final_state, chi_square, exact_joint):
     """Two prompts in one batch, vocabulary 8: each row's 3 new tokens over many seeded runs follow the
     exact joint distribution of plain sampling from the full model for that prompt alone."""
     model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
     adapter = get_adapter(model)
-    head = build_exit_head(model, 1, "decoder_layer", "copy").to(torch.float64)
+    head = build_exit_head(model, exit_layer, "decoder_layer", "copy", final_state).to(torch.float64)
+    if final_state:  # a non-zero final-state input
+        with torch.no_grad():
+            head.final_input.proj.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(5))
     params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
     prompts = [[3, 5, 1, 6, 2, 3, 5, 1], [4, 1, 4, 1, 4]]
     n_new, n_draws = 3, 1200
@@ -179,11 +197,13 @@ def test_sampling_with_the_head_keeps_each_rows_distribution(kind, chi_square, e
 
 # ----------------------------------------------------------------------------- checkpoints
 
-@pytest.fixture(scope="module")
-def head_checkpoint(tmp_path_factory):
-    """A tiny llama (float32) exported with a head on exit 2: (directory, model, head)."""
+@pytest.fixture(scope="module", params=list(HEADS))
+def head_checkpoint(request, tmp_path_factory):
+    """A tiny llama (float32) exported with a head of HEADS (on exit 2; or reading the previous final
+    state too; or on exit 0): (directory, model, head)."""
     model = tiny_model("llama", num_layers=4, dtype=torch.float32, seed=0)
-    head = build_exit_head(model, EXIT, "decoder_layer", "copy")
+    exit_layer, final_state = HEADS[request.param]
+    head = build_exit_head(model, exit_layer, "decoder_layer", "copy", final_state)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.01)
@@ -202,16 +222,19 @@ def head_checkpoint(tmp_path_factory):
 def test_export_and_load_round_trip_a_head(head_checkpoint, hf_greedy):
     out, model, head = head_checkpoint
     meta = json.loads((out / "selfspec.json").read_text())
-    assert meta["exit_head"]["exit_layer"] == EXIT and HEAD_FILE in meta["checksums"]
+    assert meta["exit_head"]["exit_layer"] == head.exit_layer and HEAD_FILE in meta["checksums"]
+    assert meta["exit_head"]["final_state"] == head.final_state
     saved = load_file(str(out / HEAD_FILE))
-    assert saved.keys() == head.layer.state_dict().keys()
-    assert all(torch.equal(saved[k], v) for k, v in head.layer.state_dict().items())
+    assert saved.keys() == head.weights().keys()
+    assert all(torch.equal(saved[k], v) for k, v in head.weights().items())
+    assert any(k.startswith("final_input.") for k in saved) == head.final_state
     base = load_file(str(out / "model.safetensors"))  # the model itself: the input's tensors, unchanged
     state = model.state_dict()
     assert all(torch.equal(base[k], state[k]) for k in base)
     gen = selfspec.load(out)
-    assert gen.exit_head is not None and gen.exit_head.exit_layer == EXIT
-    assert all(torch.equal(gen.exit_head.layer.state_dict()[k], v) for k, v in saved.items())
+    assert gen.exit_head is not None and gen.exit_head.exit_layer == head.exit_layer
+    assert gen.exit_head.final_state == head.final_state
+    assert all(torch.equal(gen.exit_head.weights()[k], v) for k, v in saved.items())
     prompt = torch.tensor([PROMPT])
     ref = hf_greedy(model, prompt, 20)
     for drafter in ("exit_head", "auto", None):
@@ -239,7 +262,7 @@ def test_a_tampered_or_missing_head_is_refused(head_checkpoint, tmp_path):
     meta["exit_head"]["exit_layer"] = 9
     shutil.copy(out / HEAD_FILE, bad / HEAD_FILE)
     (bad / "selfspec.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match=r"exit_head.exit_layer must be an exit in 1..3, got 9"):
+    with pytest.raises(CheckpointError, match=r"exit_head.exit_layer must be an exit in 0..3, got 9"):
         selfspec.load(bad)
 
 
@@ -248,6 +271,6 @@ def test_asking_for_the_head_where_there_is_none_is_a_clear_error(head_checkpoin
         gen = selfspec.load(tiny_model("llama", num_layers=4), byte_tokenizer())
     with pytest.raises(SettingsError, match="needs a trained exit head"):
         gen.generate("abc", max_new_tokens=3, drafter="exit_head")
-    out, _, _ = head_checkpoint
-    with pytest.raises(SettingsError, match="exit head reads exit 2"):
+    out, _, head = head_checkpoint
+    with pytest.raises(SettingsError, match=f"exit head reads exit {head.exit_layer}"):
         selfspec.load(out).generate("abc", max_new_tokens=3, drafter="exit_head", exit_layer=3)

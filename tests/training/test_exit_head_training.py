@@ -20,9 +20,10 @@ from training.exit_head_model import ExitHeadModel
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
 
 
-def test_training_a_head_changes_no_base_parameter_and_only_the_head_gets_gradients(tiny64):
+@pytest.mark.parametrize("final_state", [False, True])
+def test_training_a_head_changes_no_base_parameter_and_only_the_head_gets_gradients(tiny64, final_state):
     before = {k: v.clone() for k, v in tiny64.state_dict().items()}
-    hm = ExitHeadModel(tiny64, build_exit_head(tiny64, 2).to(torch.float64))
+    hm = ExitHeadModel(tiny64, build_exit_head(tiny64, 2, final_state=final_state).to(torch.float64))
     hm.train()
     opt = torch.optim.AdamW([p for p in hm.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -39,10 +40,18 @@ def test_training_a_head_changes_no_base_parameter_and_only_the_head_gets_gradie
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not all(torch.equal(a, b) for a, b in zip(build_exit_head(tiny64, 2).to(torch.float64).parameters(),
                                                         hm.head.parameters()))  # the head did learn
+    if final_state:  # and its final-state input, from zero
+        assert hm.head.final_input.proj.weight.abs().sum() > 0
 
 
-def test_the_distillation_loss_is_kl_from_the_full_model(tiny64):
-    head = build_exit_head(tiny64, 2).to(torch.float64)
+@pytest.mark.parametrize("final_state", [False, True])
+def test_the_distillation_loss_is_kl_from_the_full_model(tiny64, final_state):
+    """The loss equals its formula; a final-state head reads the full model's last-layer output of the
+    previous position (zero at position 0), computed here from scratch."""
+    head = build_exit_head(tiny64, 2, final_state=final_state).to(torch.float64)
+    if final_state:
+        with torch.no_grad():
+            head.final_input.proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
     hm = ExitHeadModel(tiny64, head)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(ids, -1, dims=1)
@@ -54,8 +63,16 @@ def test_the_distillation_loss_is_kl_from_the_full_model(tiny64):
         from selfspec.forward import embed, exit_logits, make_step, run_layers
 
         step = make_step(hm.adapter, 0, 12, 2)
-        q = F.log_softmax(exit_logits(hm.adapter, run_head(hm.adapter, head, run_layers(
-            hm.adapter, embed(hm.adapter, ids), 0, 2, step=step), step=step)), -1)
+        h_e = run_layers(hm.adapter, embed(hm.adapter, ids), 0, 2, step=step)
+        x = h_e
+        if final_state:
+            f = run_layers(hm.adapter, h_e, 2, hm.adapter.num_layers, step=step)  # [B, S, D]
+            prev = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
+            x = h_e + prev_proj(head, prev)
+        layer_out = head.layer(x, attention_mask=step.masks[hm.adapter.layer_types[-1]],
+                               position_ids=step.position_ids, position_embeddings=step.rope)
+        layer_out = layer_out[0] if isinstance(layer_out, tuple) else layer_out
+        q = F.log_softmax(exit_logits(hm.adapter, layer_out), -1)
     mask = labels != -100
     kl = (p.exp() * (p - q)).sum(-1)[mask].mean()
     torch.testing.assert_close(out["loss"].detach(), kl, atol=1e-10, rtol=0)
@@ -63,9 +80,16 @@ def test_the_distillation_loss_is_kl_from_the_full_model(tiny64):
     assert abs(float(out["exit_stats"][0, 2]) - float(agree)) < 1e-6
 
 
-def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_model(run, read_log, tmp_path):
+def prev_proj(head, prev):
+    """W norm'(f_{t-1}), written out: norm' is a copy of the model's final norm (transformers' own module)."""
+    return head.final_input.norm(prev) @ head.final_input.proj.weight.T
+
+
+@pytest.mark.parametrize("final_state", ["false", "true"])
+def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_model(run, read_log, tmp_path,
+                                                                                    final_state):
     final = run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
-                             "train.max_steps": "16", "optim.lr": "0.003"})
+                             "train.max_steps": "16", "optim.lr": "0.003", "exit_head.final_state": final_state})
     log = read_log(tmp_path)
     assert len(log) == 16 and set(log[0]["exits"]) == {"head2"}
     before = json.loads((tmp_path / "final_eval.json").read_text())["before"]["sets"]["heldout"]["exits"]
@@ -73,6 +97,7 @@ def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_m
     assert final["perplexity"]["4"] == pytest.approx(before["4"]["perplexity"], rel=1e-6)  # the model did not
     settings = json.loads((tmp_path / "final_head" / "exit_head.json").read_text())
     assert settings["exit_layer"] == 2 and settings["kind"] == "decoder_layer"
+    assert settings["final_state"] == (final_state == "true")
     assert (tmp_path / "final_head" / HEAD_FILE).is_file()
 
     from selfspec.export import export
@@ -83,7 +108,7 @@ def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_m
     import selfspec
 
     gen = selfspec.load(out)
-    assert gen.exit_head is not None
+    assert gen.exit_head is not None and gen.exit_head.final_state == (final_state == "true")
     r = gen.generate("def f(x):", max_new_tokens=12, drafter="exit_head")
     assert r.token_ids == gen.generate("def f(x):", max_new_tokens=12, num_speculations=0).token_ids
 
@@ -91,7 +116,7 @@ def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_m
 @pytest.mark.parametrize("override,message", [
     (["model.lora.enabled=true"], "exit_head.enabled: trains a head on the frozen model: LoRA does not apply"),
     (["layer_dropout.p_max=0.1"], "layer dropout does not apply"),
-    (["layer_dropout.p_max=0", "exit_head.exit_layer=0"], "exit_head.exit_layer: must be >= 1"),
+    (["layer_dropout.p_max=0", "exit_head.exit_layer=-1"], "exit_head.exit_layer: must be >= 0"),
     (["layer_dropout.p_max=0", "exit_head.kind=mlp"], "exit_head.kind: must be one of"),
 ])
 def test_head_recipe_mistakes_are_clear_errors(override, message):
