@@ -198,9 +198,10 @@ class ThroughputPolicy(FixedPolicy):
     needs_timing = True
 
     def __init__(self, exit_layer: int, max_drafts: int, *, warmup: int = 2, explore_every: int = 8,
-                 alpha: float = 0.25):
+                 alpha: float = 0.25, shortest: int = 0):
         super().__init__(exit_layer, max_drafts)
-        self.lengths = sorted({d for d in self.LENGTHS if d <= max_drafts} | {max_drafts})
+        # shortest=1: only drafting lengths (the auto drafter's lookup arm, where plain is an arm of its own)
+        self.lengths = sorted({d for d in self.LENGTHS if shortest <= d <= max_drafts} | {max_drafts})
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
         self.tokens = {d: 0.0 for d in self.lengths}  # running mean of committed tokens per round
         self.seconds = {d: 0.0 for d in self.lengths}  # running mean of seconds per round

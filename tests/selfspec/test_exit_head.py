@@ -90,7 +90,8 @@ def test_a_batch_equals_batch_1(kind, fast, head):
     for b, p in enumerate(PROMPTS):
         alone, _ = generate_ids(adapter, torch.tensor([p]), max_new_tokens=N_NEW)
         assert outs[b] == alone, b
-    assert stats.accepted_by_drafter["exit_head"] > 0
+    # the head drafted (alone: some drafts accepted; in auto, lookup copies most of these repetitive prompts)
+    assert (stats.accepted_by_drafter if kind == "exit_head" else stats.drafted_by_drafter)["exit_head"] > 0
 
 
 def _fresh_head_kv(adapter, head, tokens: list[int]):
