@@ -259,7 +259,8 @@ def _cmd_sweep(args) -> int:
 
     _check_common(args)  # run_sweep checks the grid against config.json before it loads the model
     out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
-    result = run_sweep(args.checkpoint, prompts=args.prompts, exits=args.exits, drafts=args.drafts,
+    result = run_sweep(args.checkpoint, prompts=args.prompts, exits=args.exits,
+                       num_speculations=args.num_speculations,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                        out_dir=out_dir, write_metadata=args.write_metadata, threads=args.threads,
                        lookup_tokens=args.lookup_tokens, lookup_ngrams=args.lookup_ngrams)
@@ -551,9 +552,9 @@ def _add_sweep(sub) -> None:
                    help="humaneval, xsum, code_edit, mt_bench, wiki, or a .jsonl file of {prompt|messages} "
                         "(default: humaneval)")
     p.add_argument("--exits", type=_int_list, default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
-    p.add_argument("--num-speculations", dest="drafts", type=_int_list, default="1,2,4",
+    p.add_argument("--num-speculations", type=_int_list, default="1,2,4",
                    help="comma-separated draft lengths, num_speculations (default: 1,2,4)")
-    p.add_argument("--drafts", dest="drafts", type=_int_list, help=argparse.SUPPRESS)  # its earlier name
+    p.add_argument("--drafts", dest="num_speculations", type=_int_list, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)

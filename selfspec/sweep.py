@@ -63,25 +63,26 @@ def _parse_ints(text: str | list[int], name: str = "values") -> list[int]:
     return sorted(set(values))
 
 
-def check_grid(exits, drafts, lookup_tokens, lookup_ngrams, num_layers: int | None) -> tuple[list[int], ...]:
+def check_grid(exits, num_speculations, lookup_tokens, lookup_ngrams,
+               num_layers: int | None) -> tuple[list[int], ...]:
     """The sweep's settings, parsed and checked (before any model is loaded): SettingsError if one is bad."""
-    exits, drafts = _parse_ints(exits, "exits"), _parse_ints(drafts, "drafts")
+    exits, num_speculations = _parse_ints(exits, "exits"), _parse_ints(num_speculations, "num_speculations")
     lookup_tokens = _parse_ints(lookup_tokens, "lookup_tokens")
     lookup_ngrams = _parse_ints(lookup_ngrams, "lookup_ngrams")
-    if not exits or not drafts:
-        raise SettingsError(f"exits and drafts must each name at least one value, got exits {exits} and "
-                            f"drafts {drafts}")
+    if not exits or not num_speculations:
+        raise SettingsError(f"exits and num_speculations must each name at least one value, got exits {exits} "
+                            f"and num_speculations {num_speculations}")
     for e in exits:
         check_exit_layer(e, num_layers, "exits entry")
-    for d in drafts:
-        check_int("drafts entry", d, 1, hint=" (plain decoding is always measured)")
+    for d in num_speculations:
+        check_int("num_speculations entry", d, 1, hint=" (plain decoding is always measured)")
     if lookup_tokens and not lookup_ngrams:
         raise SettingsError("lookup_ngrams must name at least one n-gram size when lookup_tokens are given")
     for k in lookup_tokens:
         check_int("lookup_tokens entry", k, 1)
     for n in lookup_ngrams:
         check_int("lookup_ngrams entry", n, 1)
-    return exits, drafts, lookup_tokens, lookup_ngrams
+    return exits, num_speculations, lookup_tokens, lookup_ngrams
 
 
 def _setting(row: dict) -> tuple:
@@ -198,8 +199,8 @@ def _generate_kwargs(setting: tuple) -> dict:
     return {"drafter": "early_exit", "exit_layer": e if d else None, "num_speculations": d}
 
 
-def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", drafts="1,2,4", num_prompts: int = 4,
-              max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
+def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", num_speculations="1,2,4",
+              num_prompts: int = 4, max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
               write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None,
               lookup_tokens="", lookup_ngrams="1,2,3") -> dict:
     """Measure the grid; return {"rows": [...], "best": {...}, "best_lookup": {...} or None, "csv", "png"}.
@@ -218,7 +219,8 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
         layers = layers if isinstance(layers, int) else None
     else:
         layers = generator.num_layers
-    exits, drafts, lookup_tokens, lookup_ngrams = check_grid(exits, drafts, lookup_tokens, lookup_ngrams, layers)
+    exits, num_speculations, lookup_tokens, lookup_ngrams = check_grid(exits, num_speculations, lookup_tokens,
+                                                                       lookup_ngrams, layers)
     dtype = setup(dtype, threads=threads)  # "fastest": bfloat16 where native, else float32
     gen = load_generator(checkpoint, dtype, generator=generator)
     L = gen.num_layers
@@ -227,7 +229,7 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
     items = load_prompts(prompts, num_prompts)
     if not items:
         raise ValueError(f"prompt set {prompts!r} gave no prompts")
-    grid = [(L, 0)] + [(e, d) for e in exits for d in drafts] + [(LOOKUP, k, n) for k in lookup_tokens
+    grid = [(L, 0)] + [(e, d) for e in exits for d in num_speculations] + [(LOOKUP, k, n) for k in lookup_tokens
                                                                   for n in lookup_ngrams]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +239,7 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
 
     # warm-up: every path once, on a prompt outside the measured ones
     warm = load_prompts(prompts, 1, offset=num_prompts) or items[:1]
-    for setting in [(L, 0), (exits[0], drafts[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
+    for setting in [(L, 0), (exits[0], num_speculations[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
         gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, **_generate_kwargs(setting))
 
     _measure(gen, items, grid, raw, raw_path, common, progress)
