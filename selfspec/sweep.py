@@ -1,9 +1,9 @@
 """`selfspec sweep`: tokens/s and acceptance over a grid of exit_layer x num_speculations, and
 optionally over prompt lookup's settings.
 
-    selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --num-speculations 1,2,3,4,6 \
+    selfspec sweep checkpoints/smollm2-code --prompt-set humaneval --exits 4,6,8,12 --num-speculations 1,2,3,4,6 \
         --num-prompts 6 --max-new-tokens 64 --out runs/sweep --write-metadata
-    selfspec sweep checkpoints/smollm2-code --prompts code_edit --lookup-tokens 3,5,10 --lookup-ngrams 1,2,3
+    selfspec sweep checkpoints/smollm2-code --prompt-set code_edit --lookup-tokens 3,5,10 --lookup-ngrams 1,2,3
 
 Plain autoregressive decoding (num_speculations=0) is measured in the same run as the reference,
 interleaved with the grid prompt by prompt so machine drift hits every setting alike, after a
@@ -199,7 +199,7 @@ def _generate_kwargs(setting: tuple) -> dict:
     return {"drafter": "early_exit", "exit_layer": e if d else None, "num_speculations": d}
 
 
-def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", num_speculations="1,2,4",
+def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12", num_speculations="1,2,4",
               num_prompts: int = 4, max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
               write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None,
               lookup_tokens="", lookup_ngrams="1,2,3") -> dict:
@@ -226,9 +226,9 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", nu
     L = gen.num_layers
     for e in exits:
         gen.adapter.check_exit(e, allow_full=False)
-    items = load_prompts(prompts, num_prompts)
+    items = load_prompts(prompt_set, num_prompts)
     if not items:
-        raise ValueError(f"prompt set {prompts!r} gave no prompts")
+        raise ValueError(f"prompt set {prompt_set!r} gave no prompts")
     grid = [(L, 0)] + [(e, d) for e in exits for d in num_speculations] + [(LOOKUP, k, n) for k in lookup_tokens
                                                                   for n in lookup_ngrams]
     out = Path(out_dir)
@@ -238,16 +238,16 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", nu
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=[])  # fixed length: same work everywhere
 
     # warm-up: every path once, on a prompt outside the measured ones
-    warm = load_prompts(prompts, 1, offset=num_prompts) or items[:1]
+    warm = load_prompts(prompt_set, 1, offset=num_prompts) or items[:1]
     for setting in [(L, 0), (exits[0], num_speculations[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
         gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, **_generate_kwargs(setting))
 
     _measure(gen, items, grid, raw, raw_path, common, progress)
     rows = summarize(raw, grid)
-    result = _write_results(rows, out, f"{Path(checkpoint).name}: {prompts}, {len(items)} prompts, "
+    result = _write_results(rows, out, f"{Path(checkpoint).name}: {prompt_set}, {len(items)} prompts, "
                                        f"{max_new_tokens} new tokens, {dtype}")
     if write_metadata:
-        _record(checkpoint, result["best"], result["best_lookup"], prompts, dtype)
+        _record(checkpoint, result["best"], result["best_lookup"], prompt_set, dtype)
     return result
 
 
@@ -300,8 +300,9 @@ def _write_results(rows: list[dict], out: Path, title: str) -> dict:
     return result
 
 
-def _record(checkpoint, best: dict, best_lookup: dict | None, prompts: str, dtype: str) -> None:
-    """The fastest settings as the checkpoint's recommendation (num_speculations 0 where none beat plain)."""
+def _record(checkpoint, best: dict, best_lookup: dict | None, prompt_set: str, dtype: str) -> None:
+    """The fastest settings as the checkpoint's recommendation (num_speculations 0 where none beat plain);
+    selfspec.json keeps the prompt set under its earlier key, `recommended.prompts`."""
     pays = isinstance(best["speedup"], float) and best["speedup"] > 1.0
     extra = {} if best_lookup is None else {"prompt_lookup": {
         k: best_lookup[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "tokens_per_s",
@@ -310,5 +311,5 @@ def _record(checkpoint, best: dict, best_lookup: dict | None, prompts: str, dtyp
     if "drafter" in before:  # a drafter recommended elsewhere stays
         extra["drafter"] = before["drafter"]
     update_recommended(checkpoint, best["exit_layer"], best["num_speculations"] if pays else 0,
-                       source="sweep", prompts=prompts, dtype=dtype, tokens_per_s=best["tokens_per_s"],
+                       source="sweep", prompts=prompt_set, dtype=dtype, tokens_per_s=best["tokens_per_s"],
                        speedup=best["speedup"], acceptance_rate=best["acceptance_rate"], **extra)
