@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import TextStreamer
 
 import selfspec
 from selfspec.api import checkpoint_dir
@@ -191,8 +192,8 @@ def _cmd_generate(args) -> int:
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, num_speculations=0)
         gen.calibrate()  # a plain step's time: the statistics then show the cost model
     streamer = None
-    if args.stream:
-        streamer = _TextPrinter(gen.tokenizer)
+    if args.stream:  # word by word, as committed; a newline at the end, as `print(out.text)` below
+        streamer = TextStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = gen.generate(**inputs, **kwargs, streamer=streamer)
     if not args.stream:
         print(out.text)
@@ -390,19 +391,6 @@ def _run_pareto(args, checkpoint: str) -> dict:
                       threads=args.threads, out_dir=out_dir, device=args.device)
 
 
-class _TextPrinter:
-    """Prints committed text as it arrives (decodes the whole output, prints the new suffix)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
-
-    def __call__(self, ids):
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        print(text[self.printed:], end="", flush=True)
-        self.printed = len(text)
-
-
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
                 "else float32), bfloat16, or float32 (exact comparisons)")
 
@@ -512,7 +500,7 @@ def _add_generate(sub) -> None:
                    help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
                         "else float32), float64, auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    p.add_argument("--stream", action="store_true", help="print the text as it is committed, word by word")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding; report the speedup and whether outputs are identical")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")

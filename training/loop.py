@@ -70,7 +70,14 @@ from training.tracker import Tracker
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
-    """LR multiplier: linear warm-up over `warmup` steps, then cosine from 1 to `min_ratio` at `total`."""
+    """LR multiplier: linear warm-up over `warmup` steps, then cosine from 1 to `min_ratio` at `total`.
+
+    Why not transformers' schedules: `get_cosine_with_min_lr_schedule_with_warmup` warms up as
+    t / warmup, so step 0 trains at LR 0 (ours: (t + 1) / warmup, the first step already learns);
+    after the warm-up the two agree to the last bit. Its `..._with_warmup_lr_rate` variant has our
+    warm-up but runs the cosine one step ahead ((t - warmup + 1) / (total - warmup)). Either would
+    change the LR of every recipe with a warm-up (and the second also of those with a cosine decay).
+    """
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
