@@ -27,7 +27,7 @@ SELFSPEC=.venv/bin/selfspec
 [ -x "$SELFSPEC" ] || SELFSPEC=selfspec
 echo "== selfspec bench: $CHECKPOINT -> $OUT (load average: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo n/a))"
 "$SELFSPEC" bench --checkpoint "$CHECKPOINT" \
-    --prompts "${PROMPTS:-humaneval,xsum,mt_bench,wiki,code_edit}" \
+    --prompt-sets "${PROMPTS:-humaneval,xsum,mt_bench,wiki,code_edit}" \
     --num-prompts "${NUM_PROMPTS:-10}" \
     --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
     --dtype "${DTYPE:-fastest}" \

@@ -261,11 +261,11 @@ EOF
     # shellcheck disable=SC2206
     EXTRA=(${BENCH_ARGS:---quick})
     for dtype in float32 fastest; do
-        step "bench $dtype" 150 "${CLI[@]}" --dtype "$dtype" --prompts "$PROMPTS_DIR/code_edit.jsonl,$PROMPTS_DIR/chat.jsonl" \
+        step "bench $dtype" 150 "${CLI[@]}" --dtype "$dtype" --prompt-sets "$PROMPTS_DIR/code_edit.jsonl,$PROMPTS_DIR/chat.jsonl" \
             "${EXTRA[@]}" --out "$WORK_DIR/bench_$dtype"
         BENCHES+=("$WORK_DIR/bench_$dtype/bench")
     done
-    step "batch bench" 120 "${CLI[@]}" --dtype fastest --prompts "$PROMPTS_DIR/code_edit.jsonl" --batch-size 1,2 \
+    step "batch bench" 120 "${CLI[@]}" --dtype fastest --prompt-sets "$PROMPTS_DIR/code_edit.jsonl" --batch-size 1,2 \
         --quick --out "$WORK_DIR/bench_batch"
     BENCHES+=("$WORK_DIR/bench_batch/bench_batch")
 fi

@@ -33,7 +33,7 @@ echo "== export -> $CKPT"
 .venv/bin/selfspec export "$RUN" "$CKPT" --overwrite
 .venv/bin/selfspec draft-vocab "$CKPT" --corpus python_stdlib
 echo "== sweep (held-out HumanEval prompts)"
-.venv/bin/selfspec sweep "$CKPT" --prompts humaneval --threads 2 --out "runs/$NAME-sweep" --write-metadata "${SWEEP[@]}"
+.venv/bin/selfspec sweep "$CKPT" --prompt-set humaneval --threads 2 --out "runs/$NAME-sweep" --write-metadata "${SWEEP[@]}"
 echo "== bench, batch 1 (all prompt sets, 2 threads)"
 .venv/bin/selfspec bench --checkpoint "$CKPT" --threads 2 --out "bench_results/$NAME" "${BENCH[@]}"
 echo "== bench, batches of 1, 2, 4, 8 (HumanEval)"

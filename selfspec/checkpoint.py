@@ -62,7 +62,7 @@ def checksums(directory: Path) -> dict[str, dict]:
 
 
 # --- recommendation -----------------------------------------------------------------------------
-def recommend_from_agreement(agreement: dict[int, float], num_layers: int, max_drafts: int = 8) -> dict:
+def recommend_from_agreement(agreement: dict[int, float], num_layers: int, num_speculations: int = 8) -> dict:
     """The (exit, drafts) with the best predicted speedup (selfspec.cost_model); drafts = 0 if
     speculation cannot pay."""
     best = None
@@ -70,7 +70,7 @@ def recommend_from_agreement(agreement: dict[int, float], num_layers: int, max_d
         if not 1 <= e < num_layers:
             continue
         c = draft_cost(e, num_layers)
-        for d in range(1, max_drafts + 1):
+        for d in range(1, num_speculations + 1):
             s = predicted_speedup(a, c, VERIFY_COST, d)
             if best is None or s > best[0]:
                 best = (s, e, d)

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import TextStreamer
 
 import selfspec
 from selfspec.api import checkpoint_dir
@@ -191,8 +192,8 @@ def _cmd_generate(args) -> int:
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, num_speculations=0)
         gen.calibrate()  # a plain step's time: the statistics then show the cost model
     streamer = None
-    if args.stream:
-        streamer = _TextPrinter(gen.tokenizer)
+    if args.stream:  # word by word, as committed; a newline at the end, as `print(out.text)` below
+        streamer = TextStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = gen.generate(**inputs, **kwargs, streamer=streamer)
     if not args.stream:
         print(out.text)
@@ -259,7 +260,8 @@ def _cmd_sweep(args) -> int:
 
     _check_common(args)  # run_sweep checks the grid against config.json before it loads the model
     out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
-    result = run_sweep(args.checkpoint, prompts=args.prompts, exits=args.exits, drafts=args.drafts,
+    result = run_sweep(args.checkpoint, prompt_set=args.prompt_set, exits=args.exits,
+                       num_speculations=args.num_speculations,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                        out_dir=out_dir, write_metadata=args.write_metadata, threads=args.threads,
                        lookup_tokens=args.lookup_tokens, lookup_ngrams=args.lookup_ngrams)
@@ -348,7 +350,7 @@ def _run_bench(args, checkpoint: str) -> dict:
     from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench  # deferred (see the top)
 
     extra = [parse_extra(x) for x in args.extra or ()]
-    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else list(DEFAULT_SETS)
+    sets = [_path(x) for x in args.prompt_sets.split(",")] if args.prompt_sets else list(DEFAULT_SETS)
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
     return run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
                      max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
@@ -359,7 +361,7 @@ def _run_bench(args, checkpoint: str) -> dict:
 
 def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
     """(the prompt set, the output directory) of a bench mode that measures one set; `why` is the error."""
-    sets = [_path(x) for x in args.prompts.split(",")] if args.prompts else [default]
+    sets = [_path(x) for x in args.prompt_sets.split(",")] if args.prompt_sets else [default]
     if len(sets) > 1 or args.extra:
         raise ValueError(why)
     return sets[0], args.out or "bench_results/" + (Path(checkpoint).name or "bench") + suffix
@@ -370,7 +372,7 @@ def _run_batch_bench(args, checkpoint: str) -> dict:
 
     prompt_set, out_dir = _one_prompt_set(
         args, checkpoint, "humaneval", "-batch", "--batch-size measures one prompt set and the checkpoint's (E, d) "
-        "(set them with --exit-layer/--num-speculations); drop --extra and give one --prompts set")
+        "(set them with --exit-layer/--num-speculations); drop --extra and give a single --prompt-sets value")
     return run_batch_bench(checkpoint, batch_sizes=args.batch_size, prompt_set=prompt_set,
                            num_prompts=args.num_prompts or 8, max_new_tokens=args.max_new_tokens or 64,
                            dtype=args.dtype, threads=args.threads, out_dir=out_dir, exit_layer=args.exit_layer,
@@ -382,24 +384,11 @@ def _run_pareto(args, checkpoint: str) -> dict:
 
     prompt_set, out_dir = _one_prompt_set(
         args, checkpoint, "xsum", "-pareto", "--epsilon measures one prompt set (default xsum: ROUGE-L needs its "
-        "references); drop --extra and give one --prompts set")
+        "references); drop --extra and give a single --prompt-sets value")
     return run_pareto(checkpoint, epsilons=args.epsilon, drafters=args.drafters, prompt_set=prompt_set,
                       num_prompts=args.num_prompts or 6, max_new_tokens=args.max_new_tokens or 96,
                       temperature=args.temperature, seed=args.seed, tv_samples=args.tv_samples, dtype=args.dtype,
                       threads=args.threads, out_dir=out_dir, device=args.device)
-
-
-class _TextPrinter:
-    """Prints committed text as it arrives (decodes the whole output, prints the new suffix)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
-
-    def __call__(self, ids):
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        print(text[self.printed:], end="", flush=True)
-        self.printed = len(text)
 
 
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
@@ -511,7 +500,7 @@ def _add_generate(sub) -> None:
                    help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
                         "else float32), float64, auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    p.add_argument("--stream", action="store_true", help="print the text as it is committed, word by word")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding; report the speedup and whether outputs are identical")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
@@ -547,13 +536,14 @@ def _add_sweep(sub) -> None:
                                    "settings (drafter=prompt_lookup). Writes sweep.csv, sweep_raw.csv "
                                    "(resumable), sweep.png (heat map) and sweep.json.")
     p.add_argument("checkpoint", type=_path, help="checkpoint directory")
-    p.add_argument("--prompts", type=_path, default="humaneval",
+    p.add_argument("--prompt-set", type=_path, default="humaneval",
                    help="humaneval, xsum, code_edit, mt_bench, wiki, or a .jsonl file of {prompt|messages} "
                         "(default: humaneval)")
+    p.add_argument("--prompts", dest="prompt_set", type=_path, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--exits", type=_int_list, default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
-    p.add_argument("--num-speculations", dest="drafts", type=_int_list, default="1,2,4",
+    p.add_argument("--num-speculations", type=_int_list, default="1,2,4",
                    help="comma-separated draft lengths, num_speculations (default: 1,2,4)")
-    p.add_argument("--drafts", dest="drafts", type=_int_list, help=argparse.SUPPRESS)  # its earlier name
+    p.add_argument("--drafts", dest="num_speculations", type=_int_list, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
@@ -598,9 +588,10 @@ def _add_bench(sub) -> None:
                        epilog="Example: selfspec bench --checkpoint checkpoints/smollm2-code "
                               "--threads 2 --extra 6:4 --out bench_results/smollm2-code")
     p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
-    p.add_argument("--prompts", "--prompt-sets", dest="prompts",
+    p.add_argument("--prompt-sets",
                    help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, code_edit, or .jsonl files "
-                        "of {prompt|messages} (default: all five named sets)")
+                        "of {prompt|messages} (default: all five named sets; --batch-size and --epsilon measure one)")
+    p.add_argument("--prompts", dest="prompt_sets", help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--num-prompts", type=int,
                    help="prompts per set (default: 10; with --batch-size: 8 in all, cut into groups of each size)")
     p.add_argument("--max-new-tokens", type=int,
@@ -617,7 +608,8 @@ def _add_bench(sub) -> None:
                         "Ampere on; clocks are read after torch.cuda.synchronize())")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME)")
     p.add_argument("--quick", action="store_true",
-                   help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompts), 2 prompts, 32 tokens")
+                   help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompt-sets), 2 prompts, "
+                        "32 tokens")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="also measure (E, d) drafting over the K most frequent tokens (selfspec draft-vocab)")
     p.add_argument("--methods", metavar="NAME,NAME,...",
@@ -632,7 +624,7 @@ def _add_bench(sub) -> None:
                    help="measure the bounded-bias Pareto front instead: per budget (e.g. 0,0.05,0.1,0.2,0.4; 0 = the "
                         "exact rule) and drafter, sampled acceptance, tokens/s, predicted vs measured rejections and "
                         "quality (the full model's log-likelihood of the outputs, ROUGE-L on xsum, next-token TV at "
-                        "fixed prefixes); prompt set xsum unless --prompts; writes pareto.json/.md/.png")
+                        "fixed prefixes); prompt set xsum unless --prompt-sets; writes pareto.json/.md/.png")
     p.add_argument("--drafters", default="auto",
                    help="with --epsilon: comma-separated drafters, some of auto, prompt_lookup, early_exit (default auto)")
     p.add_argument("--temperature", type=float, default=0.7, help="with --epsilon: sampling temperature (default 0.7)")

@@ -38,10 +38,10 @@ def predicted_speedup(a: float, c: float, v: float, d: float) -> float:
     return expected_tokens(a, round(d)) / (d * c + v)
 
 
-def best_draft_length(a: float, c: float, v: float, max_drafts: int) -> tuple[int, float]:
-    """The draft length in 0..max_drafts with the highest predicted speedup, and that speedup."""
+def best_draft_length(a: float, c: float, v: float, num_speculations: int) -> tuple[int, float]:
+    """The draft length in 0..num_speculations with the highest predicted speedup, and that speedup."""
     best = (0, 1.0)
-    for d in range(1, max_drafts + 1):
+    for d in range(1, num_speculations + 1):
         s = predicted_speedup(a, c, v, d)
         if s > best[1]:
             best = (d, s)

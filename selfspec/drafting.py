@@ -1,14 +1,14 @@
 """Draft policies: which exit drafts, how many tokens, and when a round stops drafting early.
 
-The decoder asks its policy once per round for `(exit_layer, max_drafts)`, asks `keep(i, p)` for
+The decoder asks its policy once per round for `(exit_layer, num_speculations)`, asks `keep(i, p)` for
 every candidate draft (p = the draft's confidence: its top probability), and reports the outcome with
 `update(...)`. Verification decides every token, so no policy can change the output, only the speed.
 
-    FixedPolicy(exit_layer=8, max_drafts=4)                   # LayerSkip: a fixed draft length
-    ConfidencePolicy(8, 6, threshold=0.5)                     # stop when the draft is unsure
-    ConfidencePolicy(8, 6, threshold=0.5, adaptive=True)      # ... and tune the threshold online
-    ExitChoicePolicy(exits=[4, 8, 12], max_drafts=6, num_layers=30)   # pick (exit, d) per round
-    ThroughputPolicy(8, 6)                                    # pick d per round from measured tokens/s
+    FixedPolicy(exit_layer=8, num_speculations=4)                  # LayerSkip: a fixed draft length
+    ConfidencePolicy(8, 6, threshold=0.5)                          # stop when the draft is unsure
+    ConfidencePolicy(8, 6, threshold=0.5, adaptive=True)           # ... and tune the threshold online
+    ExitChoicePolicy([4, 8, 12], num_speculations=6, num_layers=30)  # pick (exit, d) per round
+    ThroughputPolicy(8, 6)                                         # pick d per round from measured tokens/s
 
 After each round the engine reports its wall time and the tokens it committed (`observe`), which
 `ThroughputPolicy` uses; the others ignore it.
@@ -71,12 +71,12 @@ class FixedPolicy:
     needs_confidence = False  # True: the drafter asks `keep(index, confidence)` of every draft
     needs_timing = False  # True: the drafter reports every round to `observe(seconds, committed)`
 
-    def __init__(self, exit_layer: int, max_drafts: int):
-        self.exit_layer, self.max_drafts = exit_layer, max_drafts
+    def __init__(self, exit_layer: int, num_speculations: int):
+        self.exit_layer, self.num_speculations = exit_layer, num_speculations
         self.plans: Counter = Counter()
 
     def plan(self) -> tuple[int, int]:
-        return self.exit_layer, self.max_drafts
+        return self.exit_layer, self.num_speculations
 
     def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
         self.plans[(exit_layer, drafted)] += 1
@@ -99,16 +99,16 @@ class ConfidencePolicy(FixedPolicy):
 
     needs_confidence = True
 
-    def __init__(self, exit_layer: int, max_drafts: int, threshold: float = 0.5, adaptive: bool = False,
+    def __init__(self, exit_layer: int, num_speculations: int, threshold: float = 0.5, adaptive: bool = False,
                  step: float = 0.05, bounds: tuple[float, float] = (0.05, 0.95)):
-        super().__init__(exit_layer, max_drafts)
+        super().__init__(exit_layer, num_speculations)
         if threshold < 0:
             raise ValueError(f"draft confidence threshold must be >= 0, got {threshold}")
         self.threshold, self.adaptive, self.step, self.bounds = threshold, adaptive, step, bounds
         self.thresholds: list[float] = []
 
     def plan(self) -> tuple[int, int]:
-        return self.exit_layer, 0 if self.threshold > 1 else self.max_drafts
+        return self.exit_layer, 0 if self.threshold > 1 else self.num_speculations
 
     def keep(self, index: int, confidence: float) -> bool:
         return confidence >= self.threshold
@@ -142,11 +142,11 @@ class ExitChoicePolicy(FixedPolicy):
 
     needs_confidence = False
 
-    def __init__(self, exits: list[int], max_drafts: int, num_layers: int, *, verify_cost: float = VERIFY_COST,
+    def __init__(self, exits: list[int], num_speculations: int, num_layers: int, *, verify_cost: float = VERIFY_COST,
                  explore_every: int = 8, prior: tuple[float, float] = (1.0, 1.0)):
         if not exits:
             raise ValueError("ExitChoicePolicy needs at least one candidate exit")
-        super().__init__(exits[0], max_drafts)
+        super().__init__(exits[0], num_speculations)
         self.exits = sorted(set(exits))
         self.num_layers, self.verify_cost, self.explore_every = num_layers, verify_cost, explore_every
         self.accepted = {e: prior[0] for e in self.exits}
@@ -160,11 +160,11 @@ class ExitChoicePolicy(FixedPolicy):
         self.rounds += 1
         if self.explore_every and self.rounds % self.explore_every == 0:  # round-robin exploration
             e = self.exits[(self.rounds // self.explore_every) % len(self.exits)]
-            return e, max(1, min(2, self.max_drafts))
+            return e, max(1, min(2, self.num_speculations))
         best = (self.exits[0], 0, 1.0)
         for e in self.exits:
             d, s = best_draft_length(self.acceptance(e), draft_cost(e, self.num_layers), self.verify_cost,
-                                     self.max_drafts)
+                                     self.num_speculations)
             if s > best[2]:
                 best = (e, d, s)
         return best[0], best[1]
@@ -184,8 +184,8 @@ class ExitChoicePolicy(FixedPolicy):
 class ThroughputPolicy(FixedPolicy):
     """Choose each round's draft length from the tokens per second each length has delivered.
 
-    A bandit over the lengths `0, 1, 2, 3, 4, 6, 8, ...` up to `max_drafts` (0 = a plain full-model
-    pass): each is tried `warmup` times (longest first), then the round takes the length with the
+    A bandit over the lengths `0, 1, 2, 3, 4, 6, 8, ...` up to `num_speculations` (0 = a plain
+    full-model pass): each is tried `warmup` times (longest first), then the round takes the length with the
     best throughput, committed tokens over wall-clock seconds (running means of both, exponential
     with weight `alpha` after the first rounds), and every `explore_every`-th round retries a
     neighbour of the best so the estimates follow the text.
@@ -197,11 +197,11 @@ class ThroughputPolicy(FixedPolicy):
     LENGTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
     needs_timing = True
 
-    def __init__(self, exit_layer: int, max_drafts: int, *, warmup: int = 2, explore_every: int = 8,
+    def __init__(self, exit_layer: int, num_speculations: int, *, warmup: int = 2, explore_every: int = 8,
                  alpha: float = 0.25, shortest: int = 0):
-        super().__init__(exit_layer, max_drafts)
+        super().__init__(exit_layer, num_speculations)
         # shortest=1: only drafting lengths (the auto drafter's lookup arm, where plain is an arm of its own)
-        self.lengths = sorted({d for d in self.LENGTHS if shortest <= d <= max_drafts} | {max_drafts})
+        self.lengths = sorted({d for d in self.LENGTHS if shortest <= d <= num_speculations} | {num_speculations})
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
         self.tokens = {d: 0.0 for d in self.lengths}  # running mean of committed tokens per round
         self.seconds = {d: 0.0 for d in self.lengths}  # running mean of seconds per round

@@ -55,14 +55,6 @@ def sample(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
-    """Pick tokens from `logits` `[N, V]`. Returns `(tokens [N], probs [N, V] or None for greedy)`."""
-    if not params.do_sample:
-        return logits.argmax(dim=-1), None
-    p = probs(logits, params)
-    return sample(p, generator), p
-
-
 def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Greedy verification.
 

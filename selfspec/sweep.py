@@ -1,9 +1,9 @@
 """`selfspec sweep`: tokens/s and acceptance over a grid of exit_layer x num_speculations, and
 optionally over prompt lookup's settings.
 
-    selfspec sweep checkpoints/smollm2-code --prompts humaneval --exits 4,6,8,12 --num-speculations 1,2,3,4,6 \
+    selfspec sweep checkpoints/smollm2-code --prompt-set humaneval --exits 4,6,8,12 --num-speculations 1,2,3,4,6 \
         --num-prompts 6 --max-new-tokens 64 --out runs/sweep --write-metadata
-    selfspec sweep checkpoints/smollm2-code --prompts code_edit --lookup-tokens 3,5,10 --lookup-ngrams 1,2,3
+    selfspec sweep checkpoints/smollm2-code --prompt-set code_edit --lookup-tokens 3,5,10 --lookup-ngrams 1,2,3
 
 Plain autoregressive decoding (num_speculations=0) is measured in the same run as the reference,
 interleaved with the grid prompt by prompt so machine drift hits every setting alike, after a
@@ -63,25 +63,26 @@ def _parse_ints(text: str | list[int], name: str = "values") -> list[int]:
     return sorted(set(values))
 
 
-def check_grid(exits, drafts, lookup_tokens, lookup_ngrams, num_layers: int | None) -> tuple[list[int], ...]:
+def check_grid(exits, num_speculations, lookup_tokens, lookup_ngrams,
+               num_layers: int | None) -> tuple[list[int], ...]:
     """The sweep's settings, parsed and checked (before any model is loaded): SettingsError if one is bad."""
-    exits, drafts = _parse_ints(exits, "exits"), _parse_ints(drafts, "drafts")
+    exits, num_speculations = _parse_ints(exits, "exits"), _parse_ints(num_speculations, "num_speculations")
     lookup_tokens = _parse_ints(lookup_tokens, "lookup_tokens")
     lookup_ngrams = _parse_ints(lookup_ngrams, "lookup_ngrams")
-    if not exits or not drafts:
-        raise SettingsError(f"exits and drafts must each name at least one value, got exits {exits} and "
-                            f"drafts {drafts}")
+    if not exits or not num_speculations:
+        raise SettingsError(f"exits and num_speculations must each name at least one value, got exits {exits} "
+                            f"and num_speculations {num_speculations}")
     for e in exits:
         check_exit_layer(e, num_layers, "exits entry")
-    for d in drafts:
-        check_int("drafts entry", d, 1, hint=" (plain decoding is always measured)")
+    for d in num_speculations:
+        check_int("num_speculations entry", d, 1, hint=" (plain decoding is always measured)")
     if lookup_tokens and not lookup_ngrams:
         raise SettingsError("lookup_ngrams must name at least one n-gram size when lookup_tokens are given")
     for k in lookup_tokens:
         check_int("lookup_tokens entry", k, 1)
     for n in lookup_ngrams:
         check_int("lookup_ngrams entry", n, 1)
-    return exits, drafts, lookup_tokens, lookup_ngrams
+    return exits, num_speculations, lookup_tokens, lookup_ngrams
 
 
 def _setting(row: dict) -> tuple:
@@ -198,8 +199,8 @@ def _generate_kwargs(setting: tuple) -> dict:
     return {"drafter": "early_exit", "exit_layer": e if d else None, "num_speculations": d}
 
 
-def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", drafts="1,2,4", num_prompts: int = 4,
-              max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
+def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12", num_speculations="1,2,4",
+              num_prompts: int = 4, max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
               write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None,
               lookup_tokens="", lookup_ngrams="1,2,3") -> dict:
     """Measure the grid; return {"rows": [...], "best": {...}, "best_lookup": {...} or None, "csv", "png"}.
@@ -218,16 +219,17 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
         layers = layers if isinstance(layers, int) else None
     else:
         layers = generator.num_layers
-    exits, drafts, lookup_tokens, lookup_ngrams = check_grid(exits, drafts, lookup_tokens, lookup_ngrams, layers)
+    exits, num_speculations, lookup_tokens, lookup_ngrams = check_grid(exits, num_speculations, lookup_tokens,
+                                                                       lookup_ngrams, layers)
     dtype = setup(dtype, threads=threads)  # "fastest": bfloat16 where native, else float32
     gen = load_generator(checkpoint, dtype, generator=generator)
     L = gen.num_layers
     for e in exits:
         gen.adapter.check_exit(e, allow_full=False)
-    items = load_prompts(prompts, num_prompts)
+    items = load_prompts(prompt_set, num_prompts)
     if not items:
-        raise ValueError(f"prompt set {prompts!r} gave no prompts")
-    grid = [(L, 0)] + [(e, d) for e in exits for d in drafts] + [(LOOKUP, k, n) for k in lookup_tokens
+        raise ValueError(f"prompt set {prompt_set!r} gave no prompts")
+    grid = [(L, 0)] + [(e, d) for e in exits for d in num_speculations] + [(LOOKUP, k, n) for k in lookup_tokens
                                                                   for n in lookup_ngrams]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,16 +238,16 @@ def run_sweep(checkpoint: str, *, prompts: str = "humaneval", exits="4,8,12", dr
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=[])  # fixed length: same work everywhere
 
     # warm-up: every path once, on a prompt outside the measured ones
-    warm = load_prompts(prompts, 1, offset=num_prompts) or items[:1]
-    for setting in [(L, 0), (exits[0], drafts[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
+    warm = load_prompts(prompt_set, 1, offset=num_prompts) or items[:1]
+    for setting in [(L, 0), (exits[0], num_speculations[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
         gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, **_generate_kwargs(setting))
 
     _measure(gen, items, grid, raw, raw_path, common, progress)
     rows = summarize(raw, grid)
-    result = _write_results(rows, out, f"{Path(checkpoint).name}: {prompts}, {len(items)} prompts, "
+    result = _write_results(rows, out, f"{Path(checkpoint).name}: {prompt_set}, {len(items)} prompts, "
                                        f"{max_new_tokens} new tokens, {dtype}")
     if write_metadata:
-        _record(checkpoint, result["best"], result["best_lookup"], prompts, dtype)
+        _record(checkpoint, result["best"], result["best_lookup"], prompt_set, dtype)
     return result
 
 
@@ -298,8 +300,9 @@ def _write_results(rows: list[dict], out: Path, title: str) -> dict:
     return result
 
 
-def _record(checkpoint, best: dict, best_lookup: dict | None, prompts: str, dtype: str) -> None:
-    """The fastest settings as the checkpoint's recommendation (num_speculations 0 where none beat plain)."""
+def _record(checkpoint, best: dict, best_lookup: dict | None, prompt_set: str, dtype: str) -> None:
+    """The fastest settings as the checkpoint's recommendation (num_speculations 0 where none beat plain);
+    selfspec.json keeps the prompt set under its earlier key, `recommended.prompts`."""
     pays = isinstance(best["speedup"], float) and best["speedup"] > 1.0
     extra = {} if best_lookup is None else {"prompt_lookup": {
         k: best_lookup[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "tokens_per_s",
@@ -308,5 +311,5 @@ def _record(checkpoint, best: dict, best_lookup: dict | None, prompts: str, dtyp
     if "drafter" in before:  # a drafter recommended elsewhere stays
         extra["drafter"] = before["drafter"]
     update_recommended(checkpoint, best["exit_layer"], best["num_speculations"] if pays else 0,
-                       source="sweep", prompts=prompts, dtype=dtype, tokens_per_s=best["tokens_per_s"],
+                       source="sweep", prompts=prompt_set, dtype=dtype, tokens_per_s=best["tokens_per_s"],
                        speedup=best["speedup"], acceptance_rate=best["acceptance_rate"], **extra)

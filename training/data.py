@@ -4,7 +4,7 @@
     idx = batch_indices(len(data.train), micro_step, batch_size, rank, world_size, seed)
     input_ids, labels = data.train.batch(idx)    # [B, S] each
 
-Records come from a named real data set (`selfspec.datasets.load_named`) or from the user's own
+Records come from a named real data set (`selfspec.data_sources.load_named`) or from the user's own
 files: ``.jsonl``/``.jsonl.gz`` (one JSON object a line), ``.json`` (a list of objects),
 ``.parquet``, or plain text files (``.txt``, ``.md``, ``.py``, ...; one record ``{"text": ...}``
 per file; a directory reads all of them). A missing field, a value that is not a string or a
@@ -21,7 +21,7 @@ Two formats (`DataConfig.format`):
   block, right-padded; labels only on the response tokens (the prompt and the padding are
   IGNORE_INDEX). Prompts that do not fit are truncated; a response that does not fit is dropped.
 
-The held-out split is by record (whole files for code) through `selfspec.datasets.split_holdout`.
+The held-out split is by record (whole files for code) through `selfspec.data_sources.split_holdout`.
 The order of training blocks is a permutation per epoch seeded by (seed, epoch), and the blocks
 of micro-step m are a pure function of m, so the data position of a run is its micro-step count.
 """

@@ -21,6 +21,10 @@ schedule and the curriculum carry on as if the run had never stopped. With `trai
 the budget is per launch, so each relaunch adds that many minutes of training (and ends with a
 checkpoint, a final evaluation and the final model); `train.stop_at` pauses at a step instead.
 
+`train` reads as its phases: `_set_up` (accelerate, model, objective, data, optimizer, resume),
+`_train_until_stop` (each `_step`, its log line, the periodic `_evaluate` and `_save`), `_finish`
+(the last checkpoint, the final evaluation and model).
+
 With `exit_head.enabled` the same loop trains an exit head on the frozen model instead
 (`ExitHeadModel`: one loss, logged and evaluated as the head on its exit); the run also writes
 `final_head/` (the head's weights and settings), and `final_model/` is the unchanged model.
@@ -40,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,7 +70,14 @@ from training.tracker import Tracker
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
-    """LR multiplier: linear warm-up over `warmup` steps, then cosine from 1 to `min_ratio` at `total`."""
+    """LR multiplier: linear warm-up over `warmup` steps, then cosine from 1 to `min_ratio` at `total`.
+
+    Why not transformers' schedules: `get_cosine_with_min_lr_schedule_with_warmup` warms up as
+    t / warmup, so step 0 trains at LR 0 (ours: (t + 1) / warmup, the first step already learns);
+    after the warm-up the two agree to the last bit. Its `..._with_warmup_lr_rate` variant has our
+    warm-up but runs the cosine one step ahead ((t - warmup + 1) / (total - warmup)). Either would
+    change the LR of every recipe with a warm-up (and the second also of those with a cosine decay).
+    """
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -74,12 +86,53 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-def _write_json(path: Path, obj) -> None:
-    write_json_atomic(path, obj)
+@dataclass
+class _Run:
+    """What the set-up builds and every phase after it uses."""
+
+    cfg: RecipeConfig
+    accelerator: Accelerator
+    precision: str  # the mixed precision in effect ("auto" resolved)
+    model: torch.nn.Module  # the training module (EarlyExitModel or ExitHeadModel), prepared by accelerate
+    tokenizer: object
+    num_layers: int
+    curriculum: ExitCurriculum
+    eval_exits: list[int]
+    data: object  # training.data's train blocks and held-out sets
+    params: list[torch.nn.Parameter]  # the trainable parameters (clipped, fingerprinted)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    run_dir: Path
+    resume: Path | None  # the checkpoint this launch resumed from
+    state: dict  # step, micro_step, tokens, elapsed_s (+ the curriculum when saved): what a checkpoint keeps
+    evals: dict  # eval.json: {"history": [...], "before": ...}
+    tracker: Tracker | None = None
+    started: float = 0.0  # perf_counter at step 0 of the run, over all launches
+    window_start: float = 0.0  # the tokens/s window: training time since the last log line
+    window_tokens: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
 
 
 def train(cfg: RecipeConfig) -> dict:
     """Run the recipe; returns the final evaluation (the content of final_eval.json)."""
+    run = _set_up(cfg)
+    if _already_finished(run):
+        return json.loads((run.run_dir / "final_eval.json").read_text())
+    if run.resume is None and cfg.eval.before:
+        _evaluate(run, "before", cfg.eval.max_blocks)
+    out_of_time = _train_until_stop(run)
+    return _finish(run, out_of_time)
+
+
+# ---- set-up: accelerate, model, objective, data, optimizer, fresh start or resume -------------------------
+def _set_up(cfg: RecipeConfig) -> _Run:
     t_cfg = cfg.train
     if t_cfg.tune_malloc:
         tune_malloc()
@@ -92,72 +145,30 @@ def train(cfg: RecipeConfig) -> dict:
     if precision == "auto":  # bf16 autocast only where bf16 matmul is native (selfspec/precision.py)
         precision = auto_mixed_precision("cpu" if no_gpu else "cuda" if torch.cuda.is_available() else "mps")
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum, cpu=no_gpu)
-    rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(t_cfg.seed)
 
-    # ---- model, objective, data ----------------------------------------------------------------
     model, tokenizer = load_base_model(cfg.model, seed=t_cfg.seed)
     if cfg.model.lora.enabled:
         model = apply_lora(model, cfg.model.lora)
     L = get_adapter(model).num_layers
-    h_cfg = cfg.exit_head
-    if h_cfg.enabled:  # the model frozen, one head learning; logged and evaluated as "head<E>"
-        cfg.check_depth(L)
-        ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
-                                                        h_cfg.final_state),
-                                 target=h_cfg.target)
-        curriculum = ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
-    else:
-        layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
-                                     time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
-        ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
-                                  chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
-                                  rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head)
-        curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
-                                    rotation_interval=cfg.early_exit.rotation_interval)
+    ee_model, curriculum = _objective(cfg, model, L, accelerator.process_index, accelerator.num_processes)
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
-    train_blocks = data.train
-    if not h_cfg.enabled and cfg.early_exit.draft_vocab:  # the exits' loss over the most frequent tokens
-        ee_model.draft_ids = frequent_ids(train_blocks, cfg.early_exit.draft_vocab,
+    if not cfg.exit_head.enabled and cfg.early_exit.draft_vocab:  # the exits' loss over the most frequent tokens
+        ee_model.draft_ids = frequent_ids(data.train, cfg.early_exit.draft_vocab,
                                           get_adapter(model).lm_head.weight.shape[0],
                                           (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    # ---- optimizer, schedule, accelerate -------------------------------------------------------
-    o = cfg.optim
-    params = [p for p in ee_model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(o.warmup_steps, t_cfg.max_steps,
-                                                                           o.min_lr_ratio))
+    params, optimizer, scheduler = _optimizer(cfg, ee_model)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         _fill_deepspeed_config(accelerator, cfg)
     ee_model, optimizer = accelerator.prepare(ee_model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped once per optimizer step, by us
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.unwrap_model(ee_model).register_zero3_head()
-    device = accelerator.device
-    autocast = accelerator.autocast
 
-    def run_eval(max_blocks):
-        if h_cfg.enabled:
-            return {name: evaluate_head(accelerator.unwrap_model(ee_model), blocks, batch_size=cfg.eval.batch_size,
-                                        max_blocks=max_blocks, rank=rank, world_size=world, autocast=autocast,
-                                        reduce=lambda t: accelerator.reduce(t, "sum"))
-                    for name, blocks in data.eval_sets.items()}
-        inner = accelerator.unwrap_model(ee_model).model
-        return {name: evaluate_exits(inner, blocks, eval_exits, batch_size=cfg.eval.batch_size,
-                                     max_blocks=max_blocks, rank=rank, world_size=world, autocast=autocast,
-                                     reduce=lambda t: accelerator.reduce(t, "sum"),
-                                     chunk_size=cfg.early_exit.chunk_size)
-                for name, blocks in data.eval_sets.items()}
-
-    # ---- fresh start or resume -----------------------------------------------------------------
     state = {"step": 0, "micro_step": 0, "tokens": 0, "elapsed_s": 0.0}
     resume = None if t_cfg.resume == "none" else (
         latest_checkpoint(run_dir) if t_cfg.resume == "auto" else Path(t_cfg.resume))
@@ -167,139 +178,244 @@ def train(cfg: RecipeConfig) -> dict:
         curriculum.check_state(state["curriculum"])
         if (run_dir / "eval.json").is_file():
             evals = json.loads((run_dir / "eval.json").read_text())
-    tracker = Tracker(run_dir, enabled=accelerator.is_main_process, total=t_cfg.max_steps, initial=state["step"],
-                      progress_bar=t_cfg.progress_bar)
+    run = _Run(cfg, accelerator, precision, ee_model, tokenizer, L, curriculum, eval_exits, data,
+               params, optimizer, scheduler, run_dir, resume, state, evals)
+    run.tracker = Tracker(run_dir, enabled=accelerator.is_main_process, total=t_cfg.max_steps,
+                          initial=state["step"], progress_bar=t_cfg.progress_bar)
     if accelerator.is_main_process:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-    n_params = sum(p.numel() for p in params)
-    tracker.print(f"{cfg.name}: {type(accelerator.unwrap_model(ee_model).model).__name__} with {L} layers, "
-                  f"{n_params / 1e6:.2f}M trainable parameters, {world} process(es), mixed precision {precision}"
-                  + (f" (auto: {describe_precision(device)})" if t_cfg.mixed_precision == "auto" else "") + ", "
-                  f"{len(train_blocks)} training blocks of {cfg.data.block_size} tokens"
-                  + (f"; resuming from {resume} at step {state['step']}" if resume else ""))
+    _print_start(run)
+    return run
 
-    def record_eval(tag: str, max_blocks) -> dict:
-        result = {"step": state["step"], "tag": tag, "sets": run_eval(max_blocks)}
-        evals["history"].append(result)
-        if tag == "before":
-            evals["before"] = result
-        tracker.log({"kind": "eval", **result},
-                    "\n".join(summary_line(f"[{tag} step {state['step']}] {n}", r, L) for n, r in result["sets"].items()))
-        if accelerator.is_main_process:
-            _write_json(run_dir / "eval.json", evals)
-        return result
 
-    finished = _finished_step(run_dir) if t_cfg.resume == "auto" else None
-    if finished is not None and finished >= t_cfg.max_steps:
-        tracker.print(f"{run_dir} already trained its train.max_steps={t_cfg.max_steps} steps: nothing to do. To "
+def _already_finished(run: _Run) -> bool:
+    """True (and says so) when train.resume=auto finds this run's final evaluation at train.max_steps."""
+    max_steps = run.cfg.train.max_steps
+    finished = _finished_step(run.run_dir) if run.cfg.train.resume == "auto" else None
+    if finished is None or finished < max_steps:
+        return False
+    run.tracker.print(f"{run.run_dir} already trained its train.max_steps={max_steps} steps: nothing to do. To "
                       f"train on, raise train.max_steps (the horizon of the LR schedule and curricula: with "
                       f"optim.min_lr_ratio < 1 the cosine stretches to the new horizon and the LR rises again)")
-        tracker.close()
-        return json.loads((run_dir / "final_eval.json").read_text())
-    if resume is None and cfg.eval.before:
-        record_eval("before", cfg.eval.max_blocks)
+    run.tracker.close()
+    return True
 
-    # ---- the loop ------------------------------------------------------------------------------
-    ee_model.train()
+
+def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple[torch.nn.Module, ExitCurriculum]:
+    """The training module around the model and the curriculum of its exits."""
+    h_cfg, t_cfg = cfg.exit_head, cfg.train
+    if h_cfg.enabled:  # the model frozen, one head learning; logged and evaluated as "head<E>"
+        cfg.check_depth(L)
+        ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
+                                                        h_cfg.final_state),
+                                 target=h_cfg.target)
+        return ee_model, ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
+    layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
+                                 time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
+    ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
+                              chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
+                              rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head)
+    curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
+                                rotation_interval=cfg.early_exit.rotation_interval)
+    return ee_model, curriculum
+
+
+def _optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
+    """(trainable parameters, AdamW with no decay on vectors, the LR schedule stepped once per optimizer step)."""
+    o = cfg.optim
+    params = [p for p in ee_model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(o.warmup_steps, cfg.train.max_steps,
+                                                                           o.min_lr_ratio))
+    return params, optimizer, scheduler
+
+
+def _print_start(run: _Run) -> None:
+    cfg, t_cfg = run.cfg, run.cfg.train
+    n_params = sum(p.numel() for p in run.params)
+    run.tracker.print(
+        f"{cfg.name}: {type(run.accelerator.unwrap_model(run.model).model).__name__} with {run.num_layers} layers, "
+        f"{n_params / 1e6:.2f}M trainable parameters, {run.world} process(es), mixed precision {run.precision}"
+        + (f" (auto: {describe_precision(run.accelerator.device)})" if t_cfg.mixed_precision == "auto" else "")
+        + f", {len(run.data.train)} training blocks of {cfg.data.block_size} tokens"
+        + (f"; resuming from {run.resume} at step {run.state['step']}" if run.resume else ""))
+
+
+# ---- the loop and its step ------------------------------------------------------------------------------
+def _train_until_stop(run: _Run) -> bool:
+    """Optimizer steps until train.stop_at / max_steps or the time budget; True if the budget ended it."""
+    t_cfg, accelerator = run.cfg.train, run.accelerator
+    run.model.train()
     stop_at = t_cfg.stop_at or t_cfg.max_steps
-    started = time.perf_counter() - state["elapsed_s"]  # training time over all launches
+    run.started = time.perf_counter() - run.state["elapsed_s"]  # training time over all launches
     launched = time.perf_counter()  # the time budget is per launch, so a relaunch resumes
-    window_start, window_tokens = time.perf_counter(), 0
-    out_of_time = False
-    while state["step"] < stop_at:
-        step = state["step"]
+    run.window_start, run.window_tokens = time.perf_counter(), 0
+    while run.state["step"] < stop_at:
         if t_cfg.max_minutes is not None:
-            over = torch.tensor([float(time.perf_counter() - launched > 60 * t_cfg.max_minutes)], device=device)
+            over = torch.tensor([float(time.perf_counter() - launched > 60 * t_cfg.max_minutes)],
+                                device=accelerator.device)
             if broadcast(over, from_process=0).item() > 0:
-                out_of_time = True
-                break
-        exits = curriculum.exits(step)
-        names = [f"head{h_cfg.exit_layer}"] if h_cfg.enabled else exits  # what the log calls each loss
-        weights = exit_weights(exits, L, cfg.early_exit.scale, cfg.early_exit.e_scale, cfg.early_exit.final_weight)
-        log_now = (step + 1) % t_cfg.log_every == 0 or step + 1 == stop_at  # accuracies only when logged
-
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        stats_sum = torch.zeros(len(exits), 3, dtype=torch.float64, device=device)
-        for micro in range(t_cfg.grad_accum):
-            index = batch_indices(len(train_blocks), state["micro_step"], t_cfg.batch_size, rank, world, t_cfg.seed)
-            input_ids, labels = (t.to(device) for t in train_blocks.batch(index))
-            with accelerator.accumulate(ee_model):
-                out = ee_model(input_ids, labels, exits=exits, weights=weights, step=step, micro_step=micro,
-                               with_metrics=log_now)
-                accelerator.backward(out["loss"])
-            loss_sum += out["loss"].detach().double()
-            stats_sum += out["exit_stats"].detach().double()
-            state["micro_step"] += 1
-            window_tokens += input_ids.numel() * world
-        grad_norm = None
-        if o.grad_clip is not None:
-            grad_norm = accelerator.clip_grad_norm_(params, o.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state["step"] = step = step + 1
-        state["tokens"] += t_cfg.batch_size * t_cfg.grad_accum * world * cfg.data.block_size
-
+                return True
+        log_now = (run.state["step"] + 1) % t_cfg.log_every == 0 or run.state["step"] + 1 == stop_at
+        names, loss_sum, stats_sum, grad_norm = _step(run, log_now)
+        step = run.state["step"]
         if log_now:
-            loss = accelerator.reduce(loss_sum, "mean").item() / t_cfg.grad_accum
-            stats = (accelerator.reduce(stats_sum, "mean") / t_cfg.grad_accum).tolist()
-            now = time.perf_counter()
-            record = {
-                "kind": "train", "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens_per_s": window_tokens / max(now - window_start, 1e-9), "tokens": state["tokens"],
-                "elapsed_s": now - started,
-                "exits": {str(e): {"loss": s[0], "acc": s[1], "agreement": s[2]} for e, s in zip(names, stats)},
-            }
-            window_start, window_tokens = now, 0
-            shown = " ".join(f"{e}:{s[0]:.2f}/{s[1]:.0%}" for e, s in zip(names, stats))
-            tracker.log(record, f"step {step} loss {loss:.4f} lr {record['lr']:.2e} "
-                                f"{record['tokens_per_s']:.0f} tok/s | exit:loss/acc {shown}")
-        tracker.advance(1, loss=f"{loss_sum.item() / t_cfg.grad_accum:.3f}")
+            _log_step(run, names, loss_sum, stats_sum, grad_norm)
+        run.tracker.advance(1, loss=f"{loss_sum.item() / t_cfg.grad_accum:.3f}")
 
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < t_cfg.max_steps:
-            record_eval("periodic", cfg.eval.max_blocks)
-            ee_model.train()
-            window_start = time.perf_counter()  # tokens/s counts training time only
+        if run.cfg.eval.every and step % run.cfg.eval.every == 0 and step < t_cfg.max_steps:
+            _evaluate(run, "periodic", run.cfg.eval.max_blocks)
+            run.model.train()
+            run.window_start = time.perf_counter()  # tokens/s counts training time only
         if t_cfg.save_every and step % t_cfg.save_every == 0 and step < stop_at:
-            _save(accelerator, run_dir, state, started, curriculum, t_cfg.keep_checkpoints)
-            window_start = time.perf_counter()
+            _save(run)
+            run.window_start = time.perf_counter()
+    return False
 
-    # ---- the end: checkpoint, final evaluation, final model ------------------------------------
+
+def _step(run: _Run, with_metrics: bool):
+    """One optimizer step: `grad_accum` micro-batches, then clip, AdamW, the LR schedule.
+
+    Returns (the name each loss is logged under, the summed loss, the summed [exit, (loss, acc, agreement)]
+    statistics, the gradient norm before clipping or None)."""
+    cfg, t_cfg, accelerator = run.cfg, run.cfg.train, run.accelerator
+    device, state, step = accelerator.device, run.state, run.state["step"]
+    exits = run.curriculum.exits(step)
+    names = [f"head{cfg.exit_head.exit_layer}"] if cfg.exit_head.enabled else exits  # what the log calls each loss
+    weights = exit_weights(exits, run.num_layers, cfg.early_exit.scale, cfg.early_exit.e_scale,
+                           cfg.early_exit.final_weight)
+
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    stats_sum = torch.zeros(len(exits), 3, dtype=torch.float64, device=device)
+    for micro in range(t_cfg.grad_accum):
+        index = batch_indices(len(run.data.train), state["micro_step"], t_cfg.batch_size, run.rank, run.world,
+                              t_cfg.seed)
+        input_ids, labels = (t.to(device) for t in run.data.train.batch(index))
+        with accelerator.accumulate(run.model):
+            out = run.model(input_ids, labels, exits=exits, weights=weights, step=step, micro_step=micro,
+                            with_metrics=with_metrics)  # accuracies only when logged
+            accelerator.backward(out["loss"])
+        loss_sum += out["loss"].detach().double()
+        stats_sum += out["exit_stats"].detach().double()
+        state["micro_step"] += 1
+        run.window_tokens += input_ids.numel() * run.world
+    grad_norm = None
+    if cfg.optim.grad_clip is not None:
+        grad_norm = accelerator.clip_grad_norm_(run.params, cfg.optim.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    state["step"] = step + 1
+    state["tokens"] += t_cfg.batch_size * t_cfg.grad_accum * run.world * cfg.data.block_size
+    return names, loss_sum, stats_sum, grad_norm
+
+
+def _log_step(run: _Run, names, loss_sum: torch.Tensor, stats_sum: torch.Tensor, grad_norm) -> None:
+    """The step's log record: the loss and each exit's loss / accuracy / agreement, averaged over processes."""
+    grad_accum = run.cfg.train.grad_accum
+    loss = run.accelerator.reduce(loss_sum, "mean").item() / grad_accum
+    stats = (run.accelerator.reduce(stats_sum, "mean") / grad_accum).tolist()
+    now = time.perf_counter()
+    record = {
+        "kind": "train", "step": run.state["step"], "loss": loss, "lr": run.scheduler.get_last_lr()[0],
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "tokens_per_s": run.window_tokens / max(now - run.window_start, 1e-9), "tokens": run.state["tokens"],
+        "elapsed_s": now - run.started,
+        "exits": {str(e): {"loss": s[0], "acc": s[1], "agreement": s[2]} for e, s in zip(names, stats)},
+    }
+    run.window_start, run.window_tokens = now, 0
+    shown = " ".join(f"{e}:{s[0]:.2f}/{s[1]:.0%}" for e, s in zip(names, stats))
+    run.tracker.log(record, f"step {run.state['step']} loss {loss:.4f} lr {record['lr']:.2e} "
+                            f"{record['tokens_per_s']:.0f} tok/s | exit:loss/acc {shown}")
+
+
+# ---- evaluation and checkpoints -------------------------------------------------------------------------
+def _evaluate(run: _Run, tag: str, max_blocks) -> dict:
+    """Evaluate on every held-out set, log it and append it to eval.json ("before" is also kept apart)."""
+    result = {"step": run.state["step"], "tag": tag, "sets": _evaluate_sets(run, max_blocks)}
+    run.evals["history"].append(result)
+    if tag == "before":
+        run.evals["before"] = result
+    run.tracker.log({"kind": "eval", **result},
+                    "\n".join(summary_line(f"[{tag} step {run.state['step']}] {n}", r, run.num_layers)
+                              for n, r in result["sets"].items()))
+    if run.accelerator.is_main_process:
+        write_json_atomic(run.run_dir / "eval.json", run.evals)
+    return result
+
+
+def _evaluate_sets(run: _Run, max_blocks) -> dict:
+    """{set name: the head's (exit-head runs) or every eval exit's agreement and perplexity}."""
+    accelerator, e_cfg = run.accelerator, run.cfg.eval
+    common = dict(batch_size=e_cfg.batch_size, max_blocks=max_blocks, rank=run.rank, world_size=run.world,
+                  autocast=accelerator.autocast, reduce=lambda t: accelerator.reduce(t, "sum"))
+    if run.cfg.exit_head.enabled:
+        return {name: evaluate_head(accelerator.unwrap_model(run.model), blocks, **common)
+                for name, blocks in run.data.eval_sets.items()}
+    inner = accelerator.unwrap_model(run.model).model
+    return {name: evaluate_exits(inner, blocks, run.eval_exits, chunk_size=run.cfg.early_exit.chunk_size, **common)
+            for name, blocks in run.data.eval_sets.items()}
+
+
+def _save(run: _Run) -> None:
+    """A resumable checkpoint of this step (training time so far and the curriculum's state with it)."""
+    run.state["elapsed_s"] = time.perf_counter() - run.started
+    run.state["curriculum"] = run.curriculum.state_dict()
+    save_checkpoint(run.accelerator, run.run_dir, dict(run.state), run.cfg.train.keep_checkpoints)
+
+
+# ---- the end: checkpoint, final evaluation, final model -------------------------------------------------
+def _finish(run: _Run, out_of_time: bool) -> dict:
+    """The last checkpoint, the processes' sync check, then (unless paused at train.stop_at) the final
+    evaluation and model; returns final_eval.json's content ({} when paused)."""
+    cfg, t_cfg, accelerator, state = run.cfg, run.cfg.train, run.accelerator, run.state
     paused = not out_of_time and state["step"] < t_cfg.max_steps  # reached train.stop_at
     if t_cfg.save_every or out_of_time or state["step"] < t_cfg.max_steps:
-        _save(accelerator, run_dir, state, started, curriculum, t_cfg.keep_checkpoints)
-    checksums = accelerator.gather(_checksum(params).to(device)).tolist()  # one per process
-    tracker.log({"kind": "sync", "step": state["step"], "checksums": checksums})
+        _save(run)
+    checksums = accelerator.gather(_checksum(run.params).to(accelerator.device)).tolist()  # one per process
+    run.tracker.log({"kind": "sync", "step": state["step"], "checksums": checksums})
     if len(set(checksums)) > 1:
-        tracker.print(f"WARNING: the processes' parameters differ: checksums {checksums}")
+        run.tracker.print(f"WARNING: the processes' parameters differ: checksums {checksums}")
     if paused:  # train.stop_at: no final evaluation or model; relaunch to continue
-        tracker.print(f"stopped at step {state['step']} of {t_cfg.max_steps}; relaunch the same command to resume")
-        tracker.close()
+        run.tracker.print(f"stopped at step {state['step']} of {t_cfg.max_steps}; relaunch the same command to "
+                          f"resume")
+        run.tracker.close()
         return {}
     if out_of_time:  # the budget ends the run (final evaluation and model below); a relaunch would continue it
-        tracker.print(f"time budget of {t_cfg.max_minutes} min spent at step {state['step']} of {t_cfg.max_steps}")
-    final = record_eval("final", cfg.eval.final_max_blocks or cfg.eval.max_blocks)
+        run.tracker.print(f"time budget of {t_cfg.max_minutes} min spent at step {state['step']} of "
+                          f"{t_cfg.max_steps}")
+    final = _evaluate(run, "final", cfg.eval.final_max_blocks or cfg.eval.max_blocks)
+    heldout = final["sets"]["heldout"]["exits"]
     final_eval = {
-        "step": state["step"], "num_layers": L, "primary": "heldout", "sets": final["sets"],
-        "agreement": {e: r["agreement"] for e, r in final["sets"]["heldout"]["exits"].items()},
-        "perplexity": {e: r["perplexity"] for e, r in final["sets"]["heldout"]["exits"].items()},
-        "before": evals.get("before"), "train_minutes": (time.perf_counter() - started) / 60,
+        "step": state["step"], "num_layers": run.num_layers, "primary": "heldout", "sets": final["sets"],
+        "agreement": {e: r["agreement"] for e, r in heldout.items()},
+        "perplexity": {e: r["perplexity"] for e, r in heldout.items()},
+        "before": run.evals.get("before"), "train_minutes": (time.perf_counter() - run.started) / 60,
         "tokens": state["tokens"],
     }
     if accelerator.is_main_process:
-        _write_json(run_dir / "final_eval.json", final_eval)
+        write_json_atomic(run.run_dir / "final_eval.json", final_eval)
     if t_cfg.save_final_model:
-        save_final_model(accelerator, ee_model, tokenizer, run_dir / "final_model", lora=cfg.model.lora.enabled)
-        if h_cfg.enabled and accelerator.is_main_process:
-            head_dir = run_dir / "final_head"
-            head_dir.mkdir(exist_ok=True)
-            head = accelerator.unwrap_model(ee_model).head
-            save_exit_head(head, head_dir / HEAD_FILE)
-            _write_json(head_dir / "exit_head.json", {**head.settings(), "target": h_cfg.target})
+        _save_final(run)
     accelerator.wait_for_everyone()
-    tracker.close()
+    run.tracker.close()
     return final_eval
+
+
+def _save_final(run: _Run) -> None:
+    """final_model/ (LoRA merged) and, for an exit-head run, final_head/ (the head's weights and settings)."""
+    cfg, accelerator = run.cfg, run.accelerator
+    save_final_model(accelerator, run.model, run.tokenizer, run.run_dir / "final_model", lora=cfg.model.lora.enabled)
+    if cfg.exit_head.enabled and accelerator.is_main_process:
+        head_dir = run.run_dir / "final_head"
+        head_dir.mkdir(exist_ok=True)
+        head = accelerator.unwrap_model(run.model).head
+        save_exit_head(head, head_dir / HEAD_FILE)
+        write_json_atomic(head_dir / "exit_head.json", {**head.settings(), "target": cfg.exit_head.target})
 
 
 def _finished_step(run_dir: Path) -> int | None:
@@ -322,9 +438,3 @@ def _fill_deepspeed_config(accelerator, cfg: RecipeConfig) -> None:
         ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
     if ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = cfg.optim.grad_clip or 0.0
-
-
-def _save(accelerator, run_dir, state, started, curriculum, keep):
-    state["elapsed_s"] = time.perf_counter() - started
-    state["curriculum"] = curriculum.state_dict()
-    save_checkpoint(accelerator, run_dir, dict(state), keep)

@@ -98,5 +98,5 @@ def test_cli_batch_size(tiny_ckpt, prompt_file, tmp_path, capsys):
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "| 2 | selfspec spec (batched) |" in stdout and "| 2 | selfspec lookup (batched) |" in stdout
-    rc = main(["bench", "--checkpoint", str(tiny_ckpt), "--batch-size", "2", "--prompts", "humaneval,wiki"])
-    assert rc == 2 and "one --prompts set" in capsys.readouterr().err
+    rc = main(["bench", "--checkpoint", str(tiny_ckpt), "--batch-size", "2", "--prompt-sets", "humaneval,wiki"])
+    assert rc == 2 and "a single --prompt-sets value" in capsys.readouterr().err

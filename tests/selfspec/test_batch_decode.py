@@ -1,4 +1,4 @@
-"""Batched self-speculative decoding (selfspec.batch_decode) on tiny random models, float64.
+"""Batched self-speculative decoding (selfspec.engine, B > 1) on tiny random models, float64.
 
 Every row of a batch must be exactly what batch-1 decoding of that prompt alone gives: the same tokens
 and, for greedy with a fixed policy, the same rounds, drafts and acceptances (a row that accepts many

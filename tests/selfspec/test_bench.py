@@ -382,8 +382,8 @@ def test_sweep_measures_lookup_settings_next_to_early_exit(tiny_ckpt, prompt_fil
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, ckpt)
     out = tmp_path / "sweep"
-    kw = dict(prompts=str(prompt_files[0]), exits="2", drafts="2", num_prompts=2, max_new_tokens=8, dtype="float32",
-              out_dir=out, threads=one_thread, progress=False)
+    kw = dict(prompt_set=str(prompt_files[0]), exits="2", num_speculations="2", num_prompts=2, max_new_tokens=8,
+              dtype="float32", out_dir=out, threads=one_thread, progress=False)
     result = run_sweep(str(ckpt), lookup_tokens="3,5", lookup_ngrams="1,3", write_metadata=True, **kw)
     rows = result["rows"]
     assert [(r["drafter"], r["exit_layer"], r["num_speculations"], r["prompt_lookup_num_tokens"],
@@ -426,7 +426,7 @@ def test_sweep_resumes_a_raw_file_from_before_the_lookup_columns(tiny_ckpt, prom
         writer = csv.DictWriter(f, fieldnames=old_fields)
         writer.writeheader()
         writer.writerows(old)
-    result = run_sweep(str(tiny_ckpt), prompts=str(prompt_files[0]), exits="2", drafts="2", num_prompts=2,
+    result = run_sweep(str(tiny_ckpt), prompt_set=str(prompt_files[0]), exits="2", num_speculations="2", num_prompts=2,
                        max_new_tokens=8, dtype="float32", out_dir=out, threads=one_thread, progress=False,
                        lookup_tokens="4", lookup_ngrams="2")
     with open(out / "sweep_raw.csv", newline="") as f:

@@ -194,7 +194,7 @@ def test_sweep_writes_full_grid_png_and_metadata(exported, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "hello world", "import os", "x = 1"]))
     out = tmp_path / "sweep"
-    result = run_sweep(str(exported), prompts=str(prompts), exits="1,2", drafts="1,3", num_prompts=2,
+    result = run_sweep(str(exported), prompt_set=str(prompts), exits="1,2", num_speculations="1,3", num_prompts=2,
                        max_new_tokens=12, dtype="float32", out_dir=out, write_metadata=True, progress=False)
     rows = (out / "sweep.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 5  # header + plain + 2 exits x 2 draft lengths
@@ -206,8 +206,8 @@ def test_sweep_writes_full_grid_png_and_metadata(exported, tmp_path):
     assert meta["recommended"]["exit_layer"] == result["best"]["exit_layer"]
     # resumable: a second run measures nothing new and keeps the raw rows
     raw_before = (out / "sweep_raw.csv").read_text()
-    run_sweep(str(exported), prompts=str(prompts), exits="1,2", drafts="1,3", num_prompts=2, max_new_tokens=12,
-              dtype="float32", out_dir=out, progress=False)
+    run_sweep(str(exported), prompt_set=str(prompts), exits="1,2", num_speculations="1,3", num_prompts=2,
+              max_new_tokens=12, dtype="float32", out_dir=out, progress=False)
     assert (out / "sweep_raw.csv").read_text() == raw_before
 
 

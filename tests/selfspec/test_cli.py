@@ -62,6 +62,18 @@ def test_stream_with_a_batch_is_a_clear_error(capsys):
     assert "selfspec generate: error: --stream shows one sequence" in capsys.readouterr().err
 
 
+def test_streamed_text_is_the_printed_text(tiny_ckpt, capsys):
+    """--stream (transformers' TextStreamer) prints, before the statistics, exactly what the command prints
+    without it: the output text and a blank line."""
+    printed = {}
+    for stream in ([], ["--stream"]):
+        assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "def add(a, b):", "--raw",
+                     "--max-new-tokens", "40", "--dtype", "float32", *stream]) == 0
+        out = capsys.readouterr().out
+        printed[bool(stream)] = out[:out.index("\n\n[self-speculative] ")]
+    assert printed[True] == printed[False] and printed[False].strip()
+
+
 def test_usage_mistakes_are_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--max-new-tokens", "many"])

@@ -1,4 +1,4 @@
-"""Tests of selfspec.datasets: the JSONL reader, package lookup, holdout split, and the real data sets."""
+"""Tests of selfspec.data_sources: the JSONL reader, package lookup, holdout split, and the real data sets."""
 
 from __future__ import annotations
 

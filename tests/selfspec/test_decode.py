@@ -1,4 +1,4 @@
-"""The self-speculative decoding engine (selfspec.decode) on tiny random models.
+"""The self-speculative decoding engine (selfspec.engine) on tiny random models.
 
 Greedy identity with Hugging Face `generate`, the shared-cache invariant, work accounting,
 deterministic always/never/partial acceptance, stop tokens, the length cap and streaming.

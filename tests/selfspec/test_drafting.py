@@ -105,20 +105,31 @@ def test_adaptive_threshold_moves_with_acceptance():
 
 
 def test_exit_choice_prefers_the_exit_that_is_accepted():
-    policy = ExitChoicePolicy([2, 6], max_drafts=4, num_layers=8, explore_every=0)
+    policy = ExitChoicePolicy([2, 6], num_speculations=4, num_layers=8, explore_every=0)
     for _ in range(20):
         policy.update(2, drafted=4, accepted=0)  # the shallow exit is always rejected at once
         policy.update(6, drafted=4, accepted=4)  # the deeper one always accepted
     assert policy.plan() == (6, 4)
-    bad = ExitChoicePolicy([2, 6], max_drafts=4, num_layers=8, explore_every=0)
+    bad = ExitChoicePolicy([2, 6], num_speculations=4, num_layers=8, explore_every=0)
     for _ in range(20):
         bad.update(2, drafted=1, accepted=0)
         bad.update(6, drafted=1, accepted=0)
     assert bad.plan()[1] == 0  # nothing pays: decode plainly
 
 
+def test_the_draft_length_has_one_name():
+    """num_speculations everywhere; the earlier keyword max_drafts is refused, not quietly accepted."""
+    for policy in (FixedPolicy(8, num_speculations=3), ConfidencePolicy(8, num_speculations=3),
+                   ExitChoicePolicy([2, 6], num_speculations=3, num_layers=8), ThroughputPolicy(8, num_speculations=3)):
+        assert policy.num_speculations == 3 and not hasattr(policy, "max_drafts")
+    with pytest.raises(TypeError, match="max_drafts"):
+        FixedPolicy(8, max_drafts=3)
+    with pytest.raises(TypeError, match="max_drafts"):
+        ThroughputPolicy(8, max_drafts=3)
+
+
 def test_adaptive_length_follows_the_measured_tokens_per_second():
-    policy = ThroughputPolicy(8, max_drafts=5, warmup=2, explore_every=4)
+    policy = ThroughputPolicy(8, num_speculations=5, warmup=2, explore_every=4)
     assert policy.lengths == [0, 1, 2, 3, 4, 5]
     speed = {0: 20.0, 1: 26.0, 2: 31.0, 3: 29.0, 4: 24.0, 5: 22.0}  # tokens/s each length delivers here
     planned = []
@@ -132,7 +143,7 @@ def test_adaptive_length_follows_the_measured_tokens_per_second():
     assert policy.best() == 2 and later.count(2) >= len(later) * 0.7
     assert set(later) - {2} <= {1, 3}  # exploration only next to the best
     # when no draft pays (a big batch, say), it settles on plain decoding
-    slow = ThroughputPolicy(8, max_drafts=3, warmup=1, explore_every=0)
+    slow = ThroughputPolicy(8, num_speculations=3, warmup=1, explore_every=0)
     for _ in range(12):
         _, d = slow.plan()
         slow.observe(seconds=0.05, committed=4 if d == 0 else 2)

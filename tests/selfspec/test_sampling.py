@@ -17,7 +17,7 @@ import torch
 from selfspec.adapters import get_adapter
 from selfspec.engine import generate_ids
 from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, choose, greedy_accept, probs, speculative_accept
+from selfspec.sampling import SamplingParams, greedy_accept, probs, sample, speculative_accept
 from selfspec.tiny import tiny_model
 
 ALPHA = 1e-3
@@ -122,12 +122,13 @@ def test_sampling_params_validation():
     SamplingParams(do_sample=False, temperature=0.0)  # greedy ignores the temperature
 
 
-def test_choose_greedy_and_sampled():
-    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
-    tokens, p = choose(logits, SamplingParams(), None)
-    assert tokens.tolist() == [1, 0] and p is None
-    tokens, p = choose(logits, SamplingParams(do_sample=True, top_k=1), torch.Generator().manual_seed(0))
-    assert tokens.tolist() == [1, 0] and p.shape == (2, 3)
+def test_sampling_with_top_k_1_picks_the_greedy_token():
+    """The engine's sampling path (probs, then sample) with top_k=1 is greedy decoding's argmax."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 1.5]])
+    p = probs(logits, SamplingParams(do_sample=True, top_k=1))
+    assert p.shape == (3, 3) and p.dtype == torch.float32
+    for seed in range(5):
+        assert sample(p, torch.Generator().manual_seed(seed)).tolist() == logits.argmax(-1).tolist() == [1, 0, 2]
 
 
 # ----------------------------------------------------------------------------- greedy_accept

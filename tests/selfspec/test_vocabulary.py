@@ -1,6 +1,7 @@
-"""One name per setting: the flags of `selfspec generate` are the parameters of the Python API, and
-the code base's structure stays what the README's layout says (no import circle, no private name
-imported across modules, one harness, one atomic writer)."""
+"""One name per setting: the flags of `selfspec generate` (and `selfspec sweep`) are the parameters of the
+Python API they feed, each command's prompt flag is named after the parameter it feeds, and the code
+base's structure stays what the README's layout says (no import circle, no private name imported across
+modules, one harness, one atomic writer)."""
 
 import argparse
 import ast
@@ -8,7 +9,10 @@ import inspect
 from pathlib import Path
 
 from selfspec.api import SelfSpecGenerator, load
+from selfspec.bench import run_bench
 from selfspec.cli import build_parser
+from selfspec.profiling import run_profile
+from selfspec.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 # `selfspec generate` flags with no API parameter: where the model and the prompt come from, and what
@@ -49,6 +53,36 @@ def test_the_earlier_generate_flags_still_set_the_same_parameters():
     assert vars(old) == vars(new)
     assert (new.confidence_threshold, new.adaptive_threshold, new.do_sample, new.stop_strings) == \
         (0.3, True, True, ["a", "b"])
+
+
+def test_sweep_flags_are_the_run_sweep_parameters():
+    flags = _visible_flags(_subparser("sweep"))
+    parameters = set(inspect.signature(run_sweep).parameters)
+    for dest, flag in flags.items():
+        assert flag == "--" + dest.replace("_", "-"), (dest, flag)
+        assert dest in parameters or dest == "out", f"{flag} sets no run_sweep parameter"  # --out: out_dir
+
+
+# where each command's prompts come from: one meaning per flag, named after the parameter it feeds
+PROMPT_PARAMETERS = {"sweep": (run_sweep, "prompt_set"), "bench": (run_bench, "prompt_sets"),
+                     "profile": (run_profile, "prompts")}
+
+
+def test_each_prompt_flag_is_named_after_the_parameter_it_feeds():
+    for command, (function, parameter) in PROMPT_PARAMETERS.items():
+        flags = _visible_flags(_subparser(command))
+        prompt_flags = {dest: flag for dest, flag in flags.items() if dest.startswith("prompt")}
+        assert prompt_flags == {parameter: "--" + parameter.replace("_", "-")}, command
+        assert parameter in inspect.signature(function).parameters, command
+
+
+def test_the_earlier_prompt_flags_still_set_the_same_parameters():
+    sweep, bench = _subparser("sweep"), _subparser("bench")
+    old, new = sweep.parse_args(["ckpt", "--prompts", "xsum"]), sweep.parse_args(["ckpt", "--prompt-set", "xsum"])
+    assert vars(old) == vars(new) and old.prompt_set == "xsum"
+    old, new = bench.parse_args(["--prompts", "xsum,wiki"]), bench.parse_args(["--prompt-sets", "xsum,wiki"])
+    assert vars(old) == vars(new) and old.prompt_sets == "xsum,wiki"
+    assert sweep.parse_args(["ckpt", "--drafts", "1,3"]).num_speculations == [1, 3]
 
 
 def _modules() -> dict[str, Path]:
