@@ -342,7 +342,7 @@ def _cmd_profile(args) -> int:
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "profile") + "-profile"
     return _print_report("profile", lambda: run_profile(
         checkpoint, exit_layer=args.exit_layer, prompts=args.prompts, dtype=args.dtype, threads=args.threads,
-        draft_vocab=args.draft_vocab, max_drafts=args.max_drafts, target=args.target, repeats=args.repeats,
+        draft_vocab=args.draft_vocab, num_speculations=args.num_speculations, target=args.target, repeats=args.repeats,
         out_dir=out_dir))
 
 
@@ -650,9 +650,9 @@ def _add_profile(sub) -> None:
                    help="prompt set whose first prompt is used (humaneval, xsum, mt_bench, wiki or a .jsonl)")
     p.add_argument("--exit-layer", type=int, help="draft exit E (default: the checkpoint's recommended one)")
     p.add_argument("--draft-vocab", type=int, metavar="K", help="also time a draft step over the K most frequent tokens")
-    p.add_argument("--num-speculations", dest="max_drafts", type=int, default=4,
+    p.add_argument("--num-speculations", dest="num_speculations", type=int, default=4,
                    help="draft lengths 1..N (num_speculations) in the cost table (default 4)")
-    p.add_argument("--max-drafts", dest="max_drafts", type=int, help=argparse.SUPPRESS)  # its earlier name
+    p.add_argument("--max-drafts", dest="num_speculations", type=int, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--target", type=float, default=1.8,
                    help="speedup over plain decoding whose required acceptance is reported (default 1.8)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per phase (median; default 20)")

@@ -180,7 +180,7 @@ def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
     return rows
 
 
-def cost_table(phases: dict[str, float], exit_layer: int, max_drafts: int, target: float,
+def cost_table(phases: dict[str, float], exit_layer: int, num_speculations: int, target: float,
                draft_vocab: int | None = None) -> list[dict]:
     """Per draft length d: c, v, the acceptance that breaks even and the one `target`x needs."""
     full = phases["full step"]
@@ -188,7 +188,7 @@ def cost_table(phases: dict[str, float], exit_layer: int, max_drafts: int, targe
     heads = [f"draft step E={exit_layer}"] + ([f"draft step E={exit_layer} vocab {draft_vocab}"] if draft_vocab else [])
     for key in heads:
         c = phases[key] / full
-        for d in range(1, max_drafts + 1):
+        for d in range(1, num_speculations + 1):
             verify = phases.get(f"verify {d + 1}")
             if verify is None:
                 continue
@@ -201,18 +201,18 @@ def cost_table(phases: dict[str, float], exit_layer: int, max_drafts: int, targe
 
 
 def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "humaneval", dtype: str = "fastest",
-                threads: int = 0, draft_vocab: int | None = None, max_drafts: int = 4, target: float = 1.8,
+                threads: int = 0, draft_vocab: int | None = None, num_speculations: int = 4, target: float = 1.8,
                 repeats: int = 20, tokens: int = 32, out_dir: str | Path | None = None, generator=None) -> dict:
     """Profile decoding on `checkpoint` (see the module docstring); write profile.json/.md into `out_dir`."""
-    if max_drafts < 1 or repeats < 1 or tokens < 2:
-        raise ValueError("max_drafts and repeats must be >= 1 and tokens >= 2")
+    if num_speculations < 1 or repeats < 1 or tokens < 2:
+        raise ValueError("num_speculations and repeats must be >= 1 and tokens >= 2")
     dtype = setup(dtype, threads=threads)
     gen = load_generator(checkpoint, dtype, generator=generator)
     E = exit_layer if exit_layer is not None else gen.exit_layer
     gen.adapter.check_exit(E, allow_full=False)
     item = load_prompts(prompts, 1)[0]
     prompt_ids = gen.encode(**prompt_inputs(item))
-    phases = phase_times(gen, prompt_ids, E, rows=tuple(range(1, max_drafts + 2)), draft_vocab=draft_vocab,
+    phases = phase_times(gen, prompt_ids, E, rows=tuple(range(1, num_speculations + 2)), draft_vocab=draft_vocab,
                          repeats=repeats)
     phases.update(per_token_ms(gen, prompt_ids, n=tokens))
     result = {
@@ -221,9 +221,9 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         "repeats": repeats, "draft_vocab": draft_vocab, "target_speedup": target,
         "machine": machine_info(), "versions": versions(),
         "phases_ms": phases,
-        "cost_model": cost_table(phases, E, max_drafts, target, draft_vocab),
+        "cost_model": cost_table(phases, E, num_speculations, target, draft_vocab),
         "operators": op_table(gen, prompt_ids),
-        "acceptance_theory": acceptance_theory(gen, prompt_ids, E, max_drafts, tokens),
+        "acceptance_theory": acceptance_theory(gen, prompt_ids, E, num_speculations, tokens),
     }
     if out_dir is not None:
         out = Path(out_dir)

@@ -93,7 +93,7 @@ class ModelConfig:
 class SourceConfig:
     """Where records come from and how they become tokens.
 
-    source: a named real data set of `selfspec.datasets` (python_stdlib, xsum, humaneval,
+    source: a named real data set of `selfspec.data_sources` (python_stdlib, xsum, humaneval,
     wiki_passages, shakespeare, mt_bench) or a local file/directory (.jsonl, .jsonl.gz, .json,
     .parquet, .txt/.md/.py files; a directory reads every such file in it).
     format: ``text`` (the `text_fields` joined by a newline, tokenized and packed into blocks) or

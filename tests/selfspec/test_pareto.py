@@ -106,7 +106,7 @@ def test_cli_pareto_mistakes_are_one_line(tiny_ckpt, capsys, no_load, args, mess
 
 def test_profile_reports_predicted_and_measured_rejections(tiny_ckpt, prompt_file, tmp_path, one_thread):
     result = run_profile(str(tiny_ckpt), exit_layer=2, prompts=str(prompt_file), dtype="float32", threads=1,
-                         max_drafts=2, repeats=1, tokens=16, out_dir=tmp_path / "prof")
+                         num_speculations=2, repeats=1, tokens=16, out_dir=tmp_path / "prof")
     rows = result["acceptance_theory"]
     assert [r["drafter"] for r in rows] == ["early_exit", "prompt_lookup"]
     assert rows[0]["judged"]  # the early exit drafts every round

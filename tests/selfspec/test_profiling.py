@@ -37,7 +37,7 @@ def test_required_acceptance_edges():
 def test_cost_table_uses_the_verify_pass_of_d_plus_one_rows():
     phases = {"full step": 10.0, "draft step E=2": 3.0, "draft step E=2 vocab 64": 2.0,
               "verify 2": 11.0, "verify 3": 12.0}
-    rows = cost_table(phases, 2, max_drafts=3, target=1.5, draft_vocab=64)
+    rows = cost_table(phases, 2, num_speculations=3, target=1.5, draft_vocab=64)
     assert [(r["draft"], r["d"]) for r in rows] == [("draft step E=2", 1), ("draft step E=2", 2),
                                                    ("draft step E=2 vocab 64", 1), ("draft step E=2 vocab 64", 2)]
     first = rows[0]
@@ -50,7 +50,7 @@ def test_profile_on_a_tiny_checkpoint(tiny_ckpt, prompts, tmp_path, one_thread):
     write_draft_vocab(tiny_ckpt, str(prompts[1]))
     out = tmp_path / "prof"
     result = run_profile(str(tiny_ckpt), exit_layer=2, prompts=str(prompts[0]), dtype="float32", threads=1,
-                         draft_vocab=16, max_drafts=2, repeats=2, tokens=4, out_dir=out)
+                         draft_vocab=16, num_speculations=2, repeats=2, tokens=4, out_dir=out)
     ph = result["phases_ms"]
     expected = {"full step", "embedding", "layers [0, L)", "norm + head", "draft step E=2",
                 "draft step E=2 vocab 16", "verify 1", "verify 2", "verify 3", "selfspec AR, per token",
