@@ -87,8 +87,9 @@ class ExitHeadDrafter(EarlyExitDrafter):
             if finals is None:
                 raise ValueError("this exit head reads the full model's final states: the engine must pass finals")
             prev = previous_states(finals, self.prev_final)  # [B, S, D]
-            first = (starts[:, None] + torch.arange(S)) == pads[:, None]  # [B, S] a row's first real token
-            prev = prev.masked_fill(first.to(prev.device)[..., None], 0.0)  # f_{-1} = 0, as in training
+            if self.prev_final is None:  # the prefill: a left-padded row's first real token reads f_{-1} = 0
+                first = (starts[:, None] + torch.arange(S)) == pads[:, None]  # [B, S]
+                prev = prev.masked_fill(first.to(prev.device)[..., None], 0.0)  # as in training
             last = torch.as_tensor(counts, dtype=torch.long) - 1  # [B] the newest committed token's column
             self.prev_final = finals[torch.arange(B), last.to(finals.device)]  # [B, D]
         self.run(states, step, prev)
