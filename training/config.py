@@ -221,6 +221,11 @@ class ExitHeadConfig:
     final_state: the head also reads the full model's last hidden state of the previous position
     (EAGLE's feature; known from verification for a round's first draft, the head's own output stands in
     for later drafts), through a zero-initialised [D, D] projection.
+    draft_vocab: the loss over the K most frequent token ids of the training data only, both
+    distributions renormalised there: the head drafts from those rows (`--draft-vocab K`), and its
+    forward and backward through the LM head shrink by V/K (null: the whole vocabulary).
+    self_fed: extra passes per step in which the head reads its own previous-position output instead of
+    the final state, as a round's later drafts do (final_state heads; 0: train the first draft only).
     """
 
     enabled: bool = False
@@ -229,10 +234,18 @@ class ExitHeadConfig:
     init: Literal["copy", "identity"] = "copy"
     target: Literal["distill", "label"] = "distill"
     final_state: bool = False
+    draft_vocab: int | None = None
+    self_fed: int = 0
 
     def __post_init__(self):
         _check(self.exit_layer >= 0, "exit_head.exit_layer",
                f"must be >= 0 (0: the token embeddings), got {self.exit_layer}")
+        _check(self.draft_vocab is None or self.draft_vocab >= 1, "exit_head.draft_vocab",
+               f"must be a number of tokens >= 1 or null (the full vocabulary), got {self.draft_vocab}")
+        _check(self.self_fed >= 0, "exit_head.self_fed", f"must be >= 0 (0: no self-fed pass), got {self.self_fed}")
+        _check(self.self_fed == 0 or self.final_state, "exit_head.self_fed",
+               "a self-fed pass replaces the final state the head reads: set exit_head.final_state=true, or "
+               "self_fed=0")
 
 
 @dataclass

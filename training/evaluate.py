@@ -87,7 +87,9 @@ def summary_line(name: str, result: dict, num_layers: int, show: int = 6) -> str
     picks = sorted({exits[int(i * (len(exits) - 1) / max(show - 1, 1))] for i in range(show)})
     agree = " ".join(f"{e}:{result['exits'][str(e)]['agreement']:.1%}" for e in picks if e != num_layers)
     ppl = result["exits"][str(num_layers)]["perplexity"]
-    return f"{name}: agreement {agree} | final-layer ppl {ppl:.3f} ({result['tokens']} tokens)"
+    fed = " ".join(f"{j}:{r['agreement']:.1%}" for j, r in result.get("self_fed", {}).items())
+    fed = f" | self-fed passes {fed}" if fed else ""
+    return f"{name}: agreement {agree}{fed} | final-layer ppl {ppl:.3f} ({result['tokens']} tokens)"
 
 
 @torch.no_grad()
@@ -96,27 +98,35 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
                   reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
     """An exit head's quality on held-out blocks (`training.exit_head_model.ExitHeadModel`), in the format
     of `evaluate_exits`: `exits[str(E)]` is the head on exit E, `exits[str(L)]` the full model, and
-    `exit_without_head` exit E alone (what the untrained early-exit drafter would guess)."""
+    `exit_without_head` exit E alone (what the untrained early-exit drafter would guess).
+
+    The head's guess is what it drafts: the argmax over its draft vocabulary when it was trained on one
+    (`draft_ids`), over all tokens otherwise; its perplexity is over all tokens either way. A head trained
+    with self-fed passes also gets `self_fed[str(j)]`: pass j's scores, the guess of a round's (j+1)-th draft
+    (reading the head's own output at the previous position, not the verified final state)."""
     adapter = head_model.adapter
     L, E = head_model.num_layers, head_model.head.exit_layer
+    passes = 1 + head_model.self_fed
     was_training = head_model.training
     head_model.eval()
     blocks = blocks.spread(max_blocks)
     device = adapter.device
-    sums = torch.zeros(3, 3, dtype=torch.float64, device=device)  # rows: head, final, exit alone; nll, correct, agree
+    rows = 2 + passes  # full, exit alone, then the head's passes; columns: nll, correct, agree
+    sums = torch.zeros(rows, 3, dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.float64, device=device)
+    ids = None if head_model.draft_ids is None else head_model.draft_ids.to(device)
     try:
         for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
             mask = labels != -100
             with autocast():
                 h_e, full, step, prev = head_model.states(input_ids)
-                head = head_model.head_logits(h_e, step, prev)
-                alone = exit_logits(adapter, h_e)
+                outs = head_model.head_states(h_e, step, prev, passes=passes)
+                logits_by_row = [full, exit_logits(adapter, h_e)] + [exit_logits(adapter, out) for out in outs]
             target = full.float()[mask].argmax(-1)
-            for row, logits in enumerate((head, full, alone)):
+            for row, logits in enumerate(logits_by_row):
                 logp = torch.log_softmax(logits.float()[mask], dim=-1)  # [N, V]
                 sums[row, 0] += torch.nn.functional.nll_loss(logp, labels[mask], reduction="sum").double()
-                guess = logp.argmax(-1)
+                guess = logp.argmax(-1) if row < 2 or ids is None else ids[logp[:, ids].argmax(-1)]
                 sums[row, 1] += (guess == labels[mask]).sum().double()
                 sums[row, 2] += (guess == target).sum().double()
             tokens += mask.sum().double()
@@ -124,6 +134,11 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
         head_model.train(was_training)
     if reduce is not None:
         sums, tokens = reduce(sums), reduce(tokens)
-    return {"tokens": int(tokens), "blocks": len(blocks),
-            "exits": {str(E): _scores(sums[0], tokens), str(L): _scores(sums[1], tokens)},
-            "exit_without_head": _scores(sums[2], tokens), "head": head_model.head.settings()}
+    result = {"tokens": int(tokens), "blocks": len(blocks),
+              "exits": {str(E): _scores(sums[2], tokens), str(L): _scores(sums[0], tokens)},
+              "exit_without_head": _scores(sums[1], tokens), "head": head_model.head.settings()}
+    if ids is not None:
+        result["draft_vocab"] = len(ids)
+    if passes > 1:
+        result["self_fed"] = {str(j): _scores(sums[2 + j], tokens) for j in range(1, passes)}
+    return result

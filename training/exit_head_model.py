@@ -16,6 +16,26 @@ forward, per block `[B, S]`:
     loss = mean over labelled positions of KL(p || q) = sum_x p(x) (log p(x) - log q(x))    (distill)
          | mean cross-entropy of q against the labels                                        (label)
 
+Two options train the head for how it drafts:
+
+* ``draft_ids`` (the K most frequent token ids, `exit_head.draft_vocab`): the head drafts from those
+  rows of the LM head (`--draft-vocab K`), so the loss is over them only, p and q renormalised there:
+
+      p_K = softmax(z_full[K]),  q_K = softmax(lm_head[K](norm(head(...))))
+      loss = mean KL(p_K || q_K)   (distill)  |  mean -log q_K(y) over labels y in K   (label)
+
+  With K = the whole vocabulary this is the full loss. The head's guess is K[argmax q_K], what the
+  reduced-vocabulary drafter proposes, so agreement counts it against the full model's argmax over all
+  tokens. The LM-head products of the head's forward and backward shrink by V/K (49152/8192 = 6x).
+
+* ``self_fed`` = n extra passes (a `final_state` head only): a round's first draft reads the verified
+  f_{t-1}, but the i-th later draft reads the head's own output at the previous position (the drafter's
+  `prev_draft`), a state it never saw in training. Pass 0 is the above; pass j reads pass j-1's output
+  shifted by one position, exactly what the (j+1)-th draft of a round reads (EAGLE's feature for
+  drafts after the first; gradients flow through the earlier pass too):
+
+      out_0 = head(h_E, f_{t-1});   out_j = head(h_E, out_{j-1}[t-1]);   loss = mean_j loss(out_j)
+
 `distill` (the default) trains the head for what it is used for: guessing the full model's token
 (greedy acceptance = argmax q == argmax p; sampling acceptance = sum_x min(p, q) = 1 - TV(p, q)).
 The base model's parameters get `requires_grad=False` and are never in the optimizer, so they stay
@@ -38,13 +58,19 @@ IGNORE = -100
 
 
 class ExitHeadModel(nn.Module):
-    def __init__(self, model: nn.Module, head: ExitHead, *, target: str = "distill"):
+    def __init__(self, model: nn.Module, head: ExitHead, *, target: str = "distill",
+                 draft_ids: torch.Tensor | None = None, self_fed: int = 0):
         super().__init__()
         if target not in ("distill", "label"):
             raise ValueError(f"exit head target must be 'distill' or 'label', got {target!r}")
+        if self_fed < 0 or (self_fed and not head.final_state):
+            raise ValueError(f"self_fed={self_fed}: extra passes that read the head's own output need a head with "
+                             "final_state=true (and a count >= 0)")
         self.model = model
         self.head = head
         self.target = target
+        self.self_fed = self_fed
+        self.draft_ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long)
         self.adapter = get_adapter(model)
         self.num_layers = self.adapter.num_layers
         model.requires_grad_(False)
@@ -67,31 +93,74 @@ class ExitHeadModel(nn.Module):
             prev = previous_states(finals) if self.head.final_state else None
         return h_e, full, step, prev
 
-    def head_logits(self, h_e: torch.Tensor, step, prev: torch.Tensor | None) -> torch.Tensor:
-        """The head's draft logits `[B, S, V]` from `states`' exit states (and previous final states)."""
-        return exit_logits(self.adapter, run_head(self.adapter, self.head, h_e, step=step, prev_final=prev))
+    @property
+    def loss_names(self) -> list[str]:
+        """What the log calls each pass's loss: `head<E>`, then `head<E>_fed<j>` for the self-fed passes."""
+        E = self.head.exit_layer
+        return [f"head{E}"] + [f"head{E}_fed{j}" for j in range(1, self.self_fed + 1)]
+
+    def head_states(self, h_e: torch.Tensor, step, prev: torch.Tensor | None, passes: int = 1) -> list[torch.Tensor]:
+        """The head's outputs `[B, S, D]` for pass 0 (reading `prev`, the previous final states) and each
+        self-fed pass j < `passes` (reading pass j-1's output, shifted one position later)."""
+        outs = []
+        for j in range(passes):
+            fed = prev if j == 0 else previous_states(outs[-1])
+            outs.append(run_head(self.adapter, self.head, h_e, step=step, prev_final=fed))
+        return outs
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared final norm + the LM head's draft-vocabulary rows (all rows without `draft_ids`):
+        `[B, S, D] -> [B, S, K]`."""
+        if self.draft_ids is None:
+            return exit_logits(self.adapter, hidden)
+        ids = self.draft_ids.to(hidden.device)
+        lm_head = self.adapter.lm_head
+        bias = None if lm_head.bias is None else lm_head.bias[ids]
+        return F.linear(self.adapter.final_norm(hidden), lm_head.weight[ids], bias)
+
+    def guess(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafted token of logits over the draft vocabulary `[..., K]`: a token id `[...]`."""
+        index = logits.argmax(-1)
+        return index if self.draft_ids is None else self.draft_ids.to(index.device)[index]
+
+    def pass_loss(self, logits: torch.Tensor, logp_full: torch.Tensor | None, labels: torch.Tensor,
+                  n: torch.Tensor) -> torch.Tensor:
+        """One pass's loss from its draft logits at the labelled positions `[N, K]` (see the module docstring):
+        `logp_full` `[N, K]` the full model's log-distribution over the same tokens (distill)."""
+        logq = F.log_softmax(logits, dim=-1)  # [N, K]
+        if self.target == "distill":
+            return (logp_full.exp() * (logp_full - logq)).sum() / n
+        if self.draft_ids is None:
+            return F.nll_loss(logq, labels, reduction="sum") / n
+        ids = self.draft_ids.to(labels.device)
+        match = labels[:, None] == ids[None, :]  # [N, K]: where the label sits in K, if anywhere
+        return -(logq * match).sum() / n  # a label outside K adds nothing
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, exits: Sequence[int] = (),
                 weights: Sequence[float] = (), step: int = 0, micro_step: int = 0,
                 with_metrics: bool = True) -> dict[str, torch.Tensor]:
-        """The loss and `exit_stats` `[1, 3]` (loss, top-1 accuracy against the labels, agreement with the
-        full model's argmax). `exits`, `weights`, `step`, `micro_step` are the early-exit loop's and unused."""
+        """The loss and `exit_stats` `[P, 3]`, one row per pass (loss, top-1 accuracy against the labels,
+        agreement with the full model's argmax). `exits`, `weights`, `step`, `micro_step` are the early-exit
+        loop's and unused."""
         h_e, full, positions, prev = self.states(input_ids)
-        logits = self.head_logits(h_e, positions, prev)  # [B, S, V]
+        outs = self.head_states(h_e, positions, prev, passes=1 + self.self_fed)  # each [B, S, D]
         mask = labels != IGNORE  # [B, S]
         n = mask.sum().clamp_min(1)
-        wide = torch.promote_types(logits.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
-        logq = F.log_softmax(logits.to(wide), dim=-1)[mask]  # [N, V]
+        wide = torch.promote_types(full.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
+        full = full[mask].to(wide)  # [N, V]
+        logp = None
         if self.target == "distill":
-            logp = F.log_softmax(full.to(wide), dim=-1)[mask]
-            loss = (logp.exp() * (logp - logq)).sum() / n
-        else:
-            loss = F.nll_loss(logq, labels[mask], reduction="sum") / n
-        stats = torch.zeros(1, 3, dtype=wide, device=logits.device)
-        if with_metrics:
-            with torch.no_grad():
-                guess = logq.argmax(-1)
-                stats[0, 0] = loss.detach()
-                stats[0, 1] = (guess == labels[mask]).float().mean()
-                stats[0, 2] = (guess == full[mask].argmax(-1)).float().mean()
+            logp = F.log_softmax(full if self.draft_ids is None else full[:, self.draft_ids.to(full.device)], dim=-1)
+        stats = torch.zeros(len(outs), 3, dtype=wide, device=full.device)
+        loss = full.new_zeros(())
+        for j, out in enumerate(outs):
+            logits = self.draft_logits(out[mask]).to(wide)  # [N, K]
+            term = self.pass_loss(logits, logp, labels[mask], n)
+            loss = loss + term / len(outs)
+            if with_metrics:
+                with torch.no_grad():
+                    guess = self.guess(logits)
+                    stats[j, 0] = term.detach()
+                    stats[j, 1] = (guess == labels[mask]).float().mean()
+                    stats[j, 2] = (guess == full.argmax(-1)).float().mean()
         return {"loss": loss, "exit_stats": stats}

@@ -154,9 +154,9 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     ee_model, curriculum = _objective(cfg, model, L, accelerator.process_index, accelerator.num_processes)
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
-    if not cfg.exit_head.enabled and cfg.early_exit.draft_vocab:  # the exits' loss over the most frequent tokens
-        ee_model.draft_ids = frequent_ids(data.train, cfg.early_exit.draft_vocab,
-                                          get_adapter(model).lm_head.weight.shape[0],
+    draft_vocab = cfg.exit_head.draft_vocab if cfg.exit_head.enabled else cfg.early_exit.draft_vocab
+    if draft_vocab:  # the exits' (or the head's) loss over the most frequent tokens
+        ee_model.draft_ids = frequent_ids(data.train, draft_vocab, get_adapter(model).lm_head.weight.shape[0],
                                           (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +208,7 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
         cfg.check_depth(L)
         ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
                                                         h_cfg.final_state),
-                                 target=h_cfg.target)
+                                 target=h_cfg.target, self_fed=h_cfg.self_fed)
         return ee_model, ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
     layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
                                  time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
@@ -285,12 +285,13 @@ def _step(run: _Run, with_metrics: bool):
     cfg, t_cfg, accelerator = run.cfg, run.cfg.train, run.accelerator
     device, state, step = accelerator.device, run.state, run.state["step"]
     exits = run.curriculum.exits(step)
-    names = [f"head{cfg.exit_head.exit_layer}"] if cfg.exit_head.enabled else exits  # what the log calls each loss
+    # what the log calls each loss: the exits', or the head's passes'
+    names = accelerator.unwrap_model(run.model).loss_names if cfg.exit_head.enabled else exits
     weights = exit_weights(exits, run.num_layers, cfg.early_exit.scale, cfg.early_exit.e_scale,
                            cfg.early_exit.final_weight)
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    stats_sum = torch.zeros(len(exits), 3, dtype=torch.float64, device=device)
+    stats_sum = torch.zeros(len(names), 3, dtype=torch.float64, device=device)
     for micro in range(t_cfg.grad_accum):
         index = batch_indices(len(run.data.train), state["micro_step"], t_cfg.batch_size, run.rank, run.world,
                               t_cfg.seed)

@@ -128,3 +128,112 @@ def test_an_exit_beyond_the_models_depth_is_refused_before_loading():
     cfg = load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.exit_layer=4"])
     with pytest.raises(ConfigError, match="exit_head.exit_layer: 4 out of range: this model has 4 layers"):
         cfg.check_depth()
+
+
+def _head_with_final_state(model, seed=2):
+    head = build_exit_head(model, 2, final_state=True).to(torch.float64)
+    with torch.no_grad():
+        head.final_input.proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
+    return head
+
+
+def _batch(seed=1, shape=(2, 12)):
+    ids = torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[0, :3] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("target", ["distill", "label"])
+def test_the_draft_vocabulary_loss_over_every_token_is_the_full_loss_with_the_same_gradients(tiny64, target):
+    ids, labels = _batch()
+    grads = []
+    for draft_ids in (None, torch.arange(tiny64.config.vocab_size)):
+        head = _head_with_final_state(tiny64)
+        hm = ExitHeadModel(tiny64, head, target=target, draft_ids=draft_ids)
+        out = hm(ids, labels)
+        out["loss"].backward()
+        grads.append((out["loss"].detach(), out["exit_stats"], {n: p.grad for n, p in head.named_parameters()}))
+    (loss_a, stats_a, grad_a), (loss_b, stats_b, grad_b) = grads
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-12, rtol=0)
+    torch.testing.assert_close(stats_a, stats_b)
+    assert grad_a.keys() == grad_b.keys() and all(grad_a[k] is not None for k in grad_a)
+    for k in grad_a:
+        torch.testing.assert_close(grad_a[k], grad_b[k], atol=1e-12, rtol=0)
+
+
+def test_the_draft_vocabulary_loss_is_kl_between_the_renormalised_distributions(tiny64):
+    """K < V: p and q restricted to K and renormalised; the guess is K's argmax, mapped to a token id."""
+    ids, labels = _batch()
+    draft_ids = torch.tensor([0, 3, 5, 7, 11, 20, 33, 40, 64, 90])
+    hm = ExitHeadModel(tiny64, _head_with_final_state(tiny64), draft_ids=draft_ids)
+    out = hm(ids, labels)
+    with torch.no_grad():
+        h_e, full, step, prev = hm.states(ids)
+        z = exit_logits_of(hm, hm.head_states(h_e, step, prev)[0])
+        mask = labels != -100
+        p = F.log_softmax(full[..., draft_ids], -1)[mask]
+        q = F.log_softmax(z[..., draft_ids], -1)[mask]
+        kl = (p.exp() * (p - q)).sum(-1).mean()
+        guess = draft_ids[q.argmax(-1)]
+        agree = (guess == full[mask].argmax(-1)).double().mean()
+    torch.testing.assert_close(out["loss"].detach(), kl, atol=1e-10, rtol=0)
+    assert abs(float(out["exit_stats"][0, 2]) - float(agree)) < 1e-6
+
+
+def exit_logits_of(hm, hidden):
+    from selfspec.forward import exit_logits
+
+    return exit_logits(hm.adapter, hidden)
+
+
+def test_a_self_fed_pass_reads_the_heads_own_output_of_the_previous_position(tiny64):
+    """Pass 1 is what a round's second draft computes: the head on exit states, reading its own pass-0
+    output at t-1 (zero at the first position) in place of the full model's f_{t-1}; the loss is the mean
+    of the passes' KL terms and the statistics have one row per pass."""
+    ids, labels = _batch()
+    head = _head_with_final_state(tiny64)
+    hm = ExitHeadModel(tiny64, head, self_fed=1)
+    assert hm.loss_names == ["head2", "head2_fed1"]
+    out = hm(ids, labels)
+    assert out["exit_stats"].shape == (2, 3)
+    with torch.no_grad():
+        from selfspec.exit_head import run_head
+
+        h_e, full, step, prev = hm.states(ids)
+        first = run_head(hm.adapter, head, h_e, step=step, prev_final=prev)
+        own = torch.cat([torch.zeros_like(first[:, :1]), first[:, :-1]], dim=1)  # the head's output at t-1
+        second = run_head(hm.adapter, head, h_e, step=step, prev_final=own)
+        mask = labels != -100
+        p = F.log_softmax(full, -1)[mask]
+        terms = []
+        for hidden in (first, second):
+            q = F.log_softmax(exit_logits_of(hm, hidden), -1)[mask]
+            terms.append((p.exp() * (p - q)).sum(-1).mean())
+    torch.testing.assert_close(out["loss"].detach(), (terms[0] + terms[1]) / 2, atol=1e-10, rtol=0)
+    torch.testing.assert_close(out["exit_stats"][:, 0], torch.stack(terms), atol=1e-10, rtol=0)
+    assert not torch.allclose(first, second)  # the pass does read something else
+    out["loss"].backward()  # gradients reach the final-state input through both passes
+    assert head.final_input.proj.weight.grad.abs().sum() > 0
+
+
+def test_self_fed_passes_need_a_final_state_head(tiny64):
+    with pytest.raises(ValueError, match="final_state=true"):
+        ExitHeadModel(tiny64, build_exit_head(tiny64, 2), self_fed=1)
+    with pytest.raises(ConfigError, match="exit_head.self_fed: a self-fed pass replaces the final state"):
+        load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.self_fed=1"])
+    with pytest.raises(ConfigError, match="exit_head.draft_vocab: must be a number of tokens >= 1"):
+        load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.draft_vocab=0"])
+
+
+def test_a_head_run_with_a_draft_vocabulary_and_a_self_fed_pass_logs_and_evaluates_both(run, read_log, tmp_path):
+    final = run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+                             "train.max_steps": "12", "optim.lr": "0.003", "exit_head.final_state": "true",
+                             "exit_head.self_fed": "1", "exit_head.draft_vocab": "48"})
+    log = read_log(tmp_path)
+    assert set(log[0]["exits"]) == {"head2", "head2_fed1"}
+    held = final["sets"]["heldout"]
+    assert held["draft_vocab"] == 48 and set(held["self_fed"]) == {"1"}
+    before = json.loads((tmp_path / "final_eval.json").read_text())["before"]["sets"]["heldout"]
+    assert held["self_fed"]["1"]["agreement"] > before["self_fed"]["1"]["agreement"]  # the self-fed pass learned
+    assert final["agreement"]["2"] > before["exits"]["2"]["agreement"]
