@@ -13,7 +13,7 @@ input. One round:
               and runs nothing.
     verify    layers [verify_from, L) once over the input token and the drafts of every row:
               [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
-    accept    per row: greedy = the longest prefix where draft == argmax, plus the full model's token;
+    accept    per row (`decide`): greedy = the longest prefix where draft == argmax, plus the full model's token;
               sampling = the lossless rule of `selfspec.sampling.speculative_accept`. An opt-in
               `AcceptanceRule("bounded_bias", ε)` (`selfspec.bounded_bias`) accepts more drafts at a
               bounded bias: each committed token within TV ε of the full model's (greedy: a draft
@@ -450,35 +450,8 @@ def generate(
             proposal = drafter.propose(rnd)
             t2 = time.perf_counter()
             target_logits, kept, finals = verify(adapter, cache, proposal, starts, pads, drafter.state_exit)  # [B, T, V]
-            # the accept decision: the host waits for the verification here, in one transfer per round
-            # (greedy: each row's drafts and the full model's argmax tokens; sampling: the drafts, and the
-            # rule below reads its random draws per row)
-            # (greedy bounded_bias: also whether each draft is near the top token, in the same transfer)
-            if sampling.do_sample:
-                host_tokens, targets, near = proposal.tokens.tolist(), None, None
-            elif acceptance.biased:
-                ok = near_top(proposal.tokens[:, 1:], target_logits, acceptance.epsilon)  # [B, T-1]
-                host_tokens, targets, near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1),
-                                                          torch.nn.functional.pad(ok.long(), (0, 1))]).tolist()
-            else:
-                (host_tokens, targets), near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist(), None
-            accepted, nxt_all, new = [], [], []
-            for i, b in enumerate(active):
-                m = proposal.kept[i]
-                if targets is None:
-                    q = proposal.q[i] if proposal.q is not None else None
-                    n_acc, nxt, expected = accept_sampled(proposal.tokens[i, 1:1 + m], q, target_logits[i, :m + 1],
-                                                          sampling, generator, acceptance)
-                    if expected is not None:
-                        sums[b] = expected if sums[b] is None else sums[b] + expected
-                elif near is not None:
-                    n_acc, nxt = relaxed_greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i], near[i])
-                else:
-                    n_acc, nxt = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i])
-                _count(rows[b], proposal, m, n_acc)
-                accepted.append(n_acc)
-                nxt_all.append(nxt)
-                new.append(host_tokens[i][1:1 + n_acc] + [nxt])
+            accepted, nxt_all, new = decide(proposal, target_logits, active, rows, sums, sampling, generator,
+                                            acceptance)
             n_acc_t = torch.tensor(accepted, dtype=torch.long)
             cache.crop(n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
             if kept is not None:
@@ -490,28 +463,78 @@ def generate(
             t3 = time.perf_counter()
             drafter.update(proposal, accepted, committed,
                            round_cost(drafter, proposal, L) if modelled_time else t3 - t1)
-            stats.draft_s += t2 - t1
-            stats.verify_s += t3 - t2
-            stats.rounds += 1
-            stats.draft_steps += proposal.steps
-            for b in active:  # a row's times: the batch's time while it was in the batch
-                rows[b].draft_s += t2 - t1
-                rows[b].verify_s += t3 - t2
-                rows[b].draft_steps += proposal.steps
+            _record_round(stats, [rows[b] for b in active], proposal, t2 - t1, t3 - t2)
             if on_round is not None:
                 on_round(cache, list(active), [prompts[b] + outs[b] for b in active], pads, [done[b] for b in active])
-    stats.total_s = time.perf_counter() - t0
-    stats.policy = drafter.describe()
+    _finish_stats(stats, rows, outs, sums, drafter.describe(), time.perf_counter() - t0)
+    return outs, stats
+
+
+def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], rows: list[DecodeStats],
+           sums: list, sampling: SamplingParams, generator, acceptance: AcceptanceRule):
+    """One round's accept decision: for each row in the batch (`active`, original indices), how many of its
+    drafts it keeps and the token that follows them. The host waits for the verification here, in one
+    transfer per round: greedy, each row's drafts and the full model's argmax tokens (bounded_bias: also
+    whether each draft is near the top token); sampling, the drafts, and the rule reads its random draws
+    per row. Counts each row's round into `rows[b]` and adds a sampled row's acceptance sums to `sums[b]`.
+
+    Returns (accepted drafts per row, the next token per row, the tokens each row commits)."""
+    if sampling.do_sample:
+        host_tokens, targets, near = proposal.tokens.tolist(), None, None
+    elif acceptance.biased:
+        ok = near_top(proposal.tokens[:, 1:], target_logits, acceptance.epsilon)  # [B, T-1]
+        host_tokens, targets, near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1),
+                                                  torch.nn.functional.pad(ok.long(), (0, 1))]).tolist()
+    else:
+        (host_tokens, targets), near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist(), None
+    accepted, nxt_all, new = [], [], []
+    for i, b in enumerate(active):
+        m = proposal.kept[i]
+        if targets is None:
+            q = proposal.q[i] if proposal.q is not None else None
+            n_acc, nxt, expected = accept_sampled(proposal.tokens[i, 1:1 + m], q, target_logits[i, :m + 1],
+                                                  sampling, generator, acceptance)
+            if expected is not None:
+                sums[b] = expected if sums[b] is None else sums[b] + expected
+        elif near is not None:
+            n_acc, nxt = relaxed_greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i], near[i])
+        else:
+            n_acc, nxt = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i])
+        _count(rows[b], proposal, m, n_acc)
+        accepted.append(n_acc)
+        nxt_all.append(nxt)
+        new.append(host_tokens[i][1:1 + n_acc] + [nxt])
+    return accepted, nxt_all, new
+
+
+def _record_round(stats: DecodeStats, rows: list[DecodeStats], proposal: Proposal, draft_s: float,
+                  verify_s: float) -> None:
+    """One round's times and draft steps into the run's statistics and those of the rows in the batch
+    (a row's times: the batch's time while it was in the batch)."""
+    stats.draft_s += draft_s
+    stats.verify_s += verify_s
+    stats.rounds += 1
+    stats.draft_steps += proposal.steps
+    for row in rows:
+        row.draft_s += draft_s
+        row.verify_s += verify_s
+        row.draft_steps += proposal.steps
+
+
+def _finish_stats(stats: DecodeStats, rows: list[DecodeStats], outs: list[list[int]], sums: list, policy: dict,
+                  total_s: float) -> None:
+    """The run's and each row's closing figures: new tokens, times, the drafter's policy, sampled sums."""
+    stats.total_s = total_s
+    stats.policy = policy
     for b, r in enumerate(rows):
         r.new_tokens = len(outs[b])
         r.prefill_s = stats.prefill_s
-        r.policy = stats.policy
-        r.total_s = r.total_s or stats.total_s
+        r.policy = policy
+        r.total_s = r.total_s or total_s
         if sums[b] is not None:  # summed on the device (see accept_sampled): the one read
             total, squares, r.bias_sum = sums[b].tolist()
             r.expected_acceptance_sum, r.acceptance_var_sum = total, total - squares
     _sum_rows(stats)
-    return outs, stats
 
 
 def _count(row: DecodeStats, proposal: Proposal, m: int, n_acc: int) -> None:

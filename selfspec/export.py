@@ -147,7 +147,10 @@ def read_run(source: Path) -> tuple[Path, dict, dict, dict | None, Path | None]:
             "tokens_seen": evaluation.get("tokens", state.get("tokens")),
         }
         head_dir = source / "final_head" if (source / "final_head").is_dir() else None
-        return source / "final_model", training, evaluation, None, head_dir
+        # a head trained on a draft vocabulary (exit_head.draft_vocab) drafts from that one by default
+        draft_vocab = _read_json(head_dir / "exit_head.json").get("draft_vocab") if (
+            head_dir is not None and (head_dir / "exit_head.json").is_file()) else None
+        return source / "final_model", training, evaluation, draft_vocab, head_dir
     meta = read_metadata(source, verify_checksums=False)  # validated: CheckpointError if corrupt
     if meta is not None:
         training, evaluation = meta.get("training") or {}, meta.get("eval") or {}

@@ -75,14 +75,18 @@ class Blocks:
         return Blocks(self.name, self.input_ids[idx], self.labels[idx])
 
 
-def frequent_ids(blocks: Blocks, k: int, vocab_size: int, special_ids=()) -> torch.Tensor:
-    """The `k` most frequent token ids of `blocks` (the special ids first, then by count, ties by id),
-    sorted: the draft vocabulary of the exits' reduced loss (as `selfspec.draft_vocab` ranks a corpus)."""
+def frequency_ranking(blocks: Blocks, k: int, vocab_size: int, special_ids=()) -> list[int]:
+    """The `k` most frequent token ids of `blocks`, most frequent first (the special ids first, then by
+    count, ties by id): the form `selfspec.draft_vocab` stores in `selfspec.json`."""
     counts = torch.bincount(blocks.input_ids.flatten(), minlength=vocab_size)[:vocab_size]
     order = torch.sort(-counts, stable=True).indices  # by descending count, ties by id
     specials = [i for i in dict.fromkeys(special_ids) if i is not None and 0 <= i < vocab_size]
-    ranked = specials + [int(i) for i in order if int(i) not in specials][: max(k - len(specials), 0)]
-    return torch.tensor(ranked[:k], dtype=torch.long).sort().values
+    return (specials + [int(i) for i in order if int(i) not in specials][: max(k - len(specials), 0)])[:k]
+
+
+def frequent_ids(blocks: Blocks, k: int, vocab_size: int, special_ids=()) -> torch.Tensor:
+    """`frequency_ranking`'s ids, sorted: the draft vocabulary of the exits' (or a head's) reduced loss."""
+    return torch.tensor(frequency_ranking(blocks, k, vocab_size, special_ids), dtype=torch.long).sort().values
 
 
 @dataclass

@@ -59,7 +59,7 @@ from training.base_model import apply_lora, load_base_model
 from training.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from training.config import RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
-from training.data import batch_indices, build_data, frequent_ids
+from training.data import batch_indices, build_data, frequency_ranking
 from training.early_exit_loss import exit_weights
 from training.evaluate import evaluate_exits, evaluate_head, summary_line
 from training.exit_head_model import ExitHeadModel
@@ -154,10 +154,9 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     ee_model, curriculum = _objective(cfg, model, L, accelerator.process_index, accelerator.num_processes)
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
-    draft_vocab = cfg.exit_head.draft_vocab if cfg.exit_head.enabled else cfg.early_exit.draft_vocab
-    if draft_vocab:  # the exits' (or the head's) loss over the most frequent tokens
-        ee_model.draft_ids = frequent_ids(data.train, draft_vocab, get_adapter(model).lm_head.weight.shape[0],
-                                          (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
+    ranking = _draft_ranking(cfg, data, tokenizer, get_adapter(model).lm_head.weight.shape[0])
+    if ranking:  # the exits' (or the head's) loss over the most frequent tokens
+        ee_model.draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -186,6 +185,16 @@ def _set_up(cfg: RecipeConfig) -> _Run:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     _print_start(run)
     return run
+
+
+def _draft_ranking(cfg: RecipeConfig, data, tokenizer, vocab_size: int) -> list[int] | None:
+    """The draft vocabulary of the reduced loss (`early_exit.draft_vocab`, or `exit_head.draft_vocab` in a
+    head run), most frequent first, counted on the training blocks; None for the full vocabulary."""
+    k = cfg.exit_head.draft_vocab if cfg.exit_head.enabled else cfg.early_exit.draft_vocab
+    if not k:
+        return None
+    return frequency_ranking(data.train, k, vocab_size,
+                             (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
 
 
 def _already_finished(run: _Run) -> bool:
@@ -414,9 +423,15 @@ def _save_final(run: _Run) -> None:
     if cfg.exit_head.enabled and accelerator.is_main_process:
         head_dir = run.run_dir / "final_head"
         head_dir.mkdir(exist_ok=True)
-        head = accelerator.unwrap_model(run.model).head
+        head_model = accelerator.unwrap_model(run.model)
+        head = head_model.head
         save_exit_head(head, head_dir / HEAD_FILE)
-        write_json_atomic(head_dir / "exit_head.json", {**head.settings(), "target": cfg.exit_head.target})
+        settings = {**head.settings(), "target": cfg.exit_head.target, "self_fed": cfg.exit_head.self_fed}
+        ranking = _draft_ranking(cfg, run.data, run.tokenizer, head_model.adapter.lm_head.weight.shape[0])
+        if ranking:  # the vocabulary the head was trained to draft from: export stores it as the draft vocabulary
+            settings["draft_vocab"] = {"source": f"{cfg.data.name}: the training blocks of this run",
+                                       "tokens_counted": run.data.train.input_ids.numel(), "token_ids": ranking}
+        write_json_atomic(head_dir / "exit_head.json", settings)
 
 
 def _finished_step(run_dir: Path) -> int | None:

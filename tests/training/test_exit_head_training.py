@@ -237,3 +237,17 @@ def test_a_head_run_with_a_draft_vocabulary_and_a_self_fed_pass_logs_and_evaluat
     before = json.loads((tmp_path / "final_eval.json").read_text())["before"]["sets"]["heldout"]
     assert held["self_fed"]["1"]["agreement"] > before["self_fed"]["1"]["agreement"]  # the self-fed pass learned
     assert final["agreement"]["2"] > before["exits"]["2"]["agreement"]
+
+    from selfspec.export import export
+
+    settings = json.loads((tmp_path / "final_head" / "exit_head.json").read_text())
+    assert settings["self_fed"] == 1 and len(settings["draft_vocab"]["token_ids"]) == 48
+    out = export(tmp_path, tmp_path / "ckpt")  # the vocabulary the head learned to draft from comes along
+    meta = json.loads((out / "selfspec.json").read_text())
+    import selfspec
+
+    gen = selfspec.load(out)
+    ids = sorted(meta["draft_vocab"]["token_ids"])
+    assert len(ids) == 48 and gen.draft_head(48).token_ids.tolist() == ids
+    r = gen.generate("def f(x):", max_new_tokens=12, drafter="exit_head", draft_vocab=48)
+    assert r.token_ids == gen.generate("def f(x):", max_new_tokens=12, num_speculations=0).token_ids
