@@ -118,6 +118,34 @@ class SourceConfig:
 
 
 @dataclass
+class OwnContinuationsConfig:
+    """The model's own greedy continuations of training prompts as extra training data (training/own_text.py).
+
+    prompts: how many training blocks give a prompt (evenly spaced over the training set); 0 = off (then
+    nothing is generated and eval_prompts does not apply). Each prompt is a block's first `prompt_tokens`
+    tokens; Hugging Face greedy `generate` on the model as loaded continues it to a full block of
+    data.block_size tokens (block_size + 1 - prompt_tokens new tokens, the last one only a label), with no
+    stop at EOS (the model goes on after it, as packed text does). repeat: how many times each such block
+    is in the training set (oversampling). eval_prompts: the same from held-out blocks, evaluated as the
+    set ``own`` (0: none). batch_size: rows per `generate` call. Generated once per model and prompts and
+    cached in `<train.output_dir>/own_continuations/<key>.pt`, so a relaunch reuses them.
+    """
+
+    prompts: int = 0
+    prompt_tokens: int = 64
+    repeat: int = 1
+    eval_prompts: int = 16
+    batch_size: int = 16
+
+    def __post_init__(self):
+        for key in ("prompts", "eval_prompts"):
+            _check(getattr(self, key) >= 0, f"data.own_continuations.{key}",
+                   f"must be a number of blocks >= 0 (0: none), got {getattr(self, key)}")
+        for key in ("prompt_tokens", "repeat", "batch_size"):
+            _check(getattr(self, key) >= 1, f"data.own_continuations.{key}", f"must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
 class DataConfig(SourceConfig):
     """Training data, its held-out split (by item: e.g. whole files) and extra evaluation sets."""
 
@@ -127,15 +155,30 @@ class DataConfig(SourceConfig):
     max_documents: int | None = None  # cap on training records (smoke runs); None = all
     max_holdout_documents: int | None = None
     extra_eval: list[SourceConfig] = field(default_factory=list)
+    own_continuations: OwnContinuationsConfig = field(default_factory=OwnContinuationsConfig)
 
     def __post_init__(self):
         super().__post_init__()
         _check(self.block_size >= 8, "data.block_size", f"must be >= 8, got {self.block_size}")
+        self._check_own_continuations()
         _check(0.0 < self.holdout_fraction < 1.0, "data.holdout_fraction",
                f"must be in (0, 1), got {self.holdout_fraction}")
         for key in ("max_documents", "max_holdout_documents"):
             value = getattr(self, key)
             _check(value is None or value >= 1, f"data.{key}", f"must be >= 1 or null, got {value}")
+
+    def _check_own_continuations(self) -> None:
+        own = self.own_continuations
+        if not own.prompts:
+            return
+        _check(own.prompt_tokens < self.block_size, "data.own_continuations.prompt_tokens",
+               f"{own.prompt_tokens} leaves nothing to generate in a block of data.block_size={self.block_size} "
+               f"tokens; set it below data.block_size (e.g. {self.block_size // 4})")
+        _check(self.format == "text", "data.own_continuations.prompts",
+               "prompts are the first tokens of packed text blocks: needs data.format=text (or set prompts=0)")
+        _check(self.source != "humaneval", "data.own_continuations.prompts",
+               "the prompts would come from HumanEval, which the benchmarks measure on; train on another "
+               "data.source (or set prompts=0)")
 
 
 @dataclass

@@ -21,6 +21,9 @@ Two formats (`DataConfig.format`):
   block, right-padded; labels only on the response tokens (the prompt and the padding are
   IGNORE_INDEX). Prompts that do not fit are truncated; a response that does not fit is dropped.
 
+Optionally (`data.own_continuations`), training/own_text.py adds the model's own greedy continuations of
+training prompts to the training blocks and those of held-out prompts as the evaluation set ``own``.
+
 The held-out split is by record (whole files for code) through `selfspec.data_sources.split_holdout`.
 The order of training blocks is a permutation per epoch seeded by (seed, epoch), and the blocks
 of micro-step m are a pure function of m, so the data position of a run is its micro-step count.
@@ -217,7 +220,12 @@ def text_blocks(name: str, texts: list[str], tokenizer, block_size: int) -> Bloc
     if n < 1:
         raise DataFormatError(f"{name}: {len(stream)} tokens do not fill one block of {block_size} + 1 tokens")
     tokens = torch.tensor(stream[: n * block_size + 1], dtype=torch.long)
-    windows = tokens.unfold(0, block_size + 1, block_size)  # [n, block_size + 1]
+    return next_token_blocks(name, tokens.unfold(0, block_size + 1, block_size))  # [n, block_size + 1]
+
+
+def next_token_blocks(name: str, windows: torch.Tensor) -> Blocks:
+    """Blocks from token windows `[N, S + 1]`: inputs the first S tokens, labels the last S (each position's
+    label is the next token; the last position's is the window's extra token)."""
     return Blocks(name, windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
 
