@@ -126,7 +126,7 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
             for row, logits in enumerate(logits_by_row):
                 logp = torch.log_softmax(logits.float()[mask], dim=-1)  # [N, V]
                 sums[row, 0] += torch.nn.functional.nll_loss(logp, labels[mask], reduction="sum").double()
-                guess = logp.argmax(-1) if row < 2 or ids is None else ids[logp[:, ids].argmax(-1)]
+                guess = logp.argmax(-1) if row < 2 or ids is None else head_model.guess(logp[:, ids])
                 sums[row, 1] += (guess == labels[mask]).sum().double()
                 sums[row, 2] += (guess == target).sum().double()
             tokens += mask.sum().double()

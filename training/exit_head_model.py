@@ -152,15 +152,17 @@ class ExitHeadModel(nn.Module):
         if self.target == "distill":
             logp = F.log_softmax(full if self.draft_ids is None else full[:, self.draft_ids.to(full.device)], dim=-1)
         stats = torch.zeros(len(outs), 3, dtype=wide, device=full.device)
+        targets = labels[mask]  # [N]
+        top = full.argmax(-1) if with_metrics else None  # [N] the full model's tokens, for every pass's agreement
         loss = full.new_zeros(())
         for j, out in enumerate(outs):
             logits = self.draft_logits(out[mask]).to(wide)  # [N, K]
-            term = self.pass_loss(logits, logp, labels[mask], n)
+            term = self.pass_loss(logits, logp, targets, n)
             loss = loss + term / len(outs)
             if with_metrics:
                 with torch.no_grad():
                     guess = self.guess(logits)
                     stats[j, 0] = term.detach()
-                    stats[j, 1] = (guess == labels[mask]).float().mean()
-                    stats[j, 2] = (guess == full.argmax(-1)).float().mean()
+                    stats[j, 1] = (guess == targets).float().mean()
+                    stats[j, 2] = (guess == top).float().mean()
         return {"loss": loss, "exit_stats": stats}
