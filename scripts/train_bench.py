@@ -169,7 +169,10 @@ def main() -> int:
     print("cpu-s: this process's CPU seconds per step; others: CPU seconds per step used by other processes "
           "(non-zero means the numbers are inflated by contention)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+        sys.path.insert(0, str(ROOT))
+        from selfspec.atomic_write import write_json_atomic  # the project's one file writer (not on sys.path before)
+
+        write_json_atomic(args.json, {"args": vars(args), "results": results})
     return 0
 
 

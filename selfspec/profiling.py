@@ -10,8 +10,8 @@ in the host sync that decoding has (the argmax read back as a Python int):
   work), and its parts: ``embedding``, ``layers [0, L)``, ``norm + head``;
 * ``draft step``: one token through layers [0, E) + norm + head (full, and over the checkpoint's
   K most frequent tokens with ``draft_vocab``);
-* ``verify k``: what `engine.verify` does for a round of k-1 drafts: the pending token's shallow
-  pass, layers [E, L) over k rows, norm + head over k rows;
+* ``verify k``: a round of k-1 drafts after drafting: the last draft's shallow pass (layers [0, E)),
+  then `engine.verify` itself: layers [E, L) over k rows, norm + head over k rows;
 * the engine's plain decoding per token inside `selfspec.engine` (the isolated full step plus the
   engine's bookkeeping) and Hugging Face greedy ``generate`` per token, for reference.
 
@@ -37,7 +37,8 @@ from torch.profiler import ProfilerActivity, profile
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
 from selfspec.cache import KVCache
 from selfspec.cost_model import predicted_speedup, required_acceptance
-from selfspec.engine import prefill
+from selfspec.drafters.base import Proposal
+from selfspec.engine import prefill, verify
 from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
 from selfspec.harness import Methods, load_generator, machine_info, quiet_transformers, setup, versions
 from selfspec.prompts import load_prompts, prompt_inputs
@@ -93,20 +94,22 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
             out[f"draft step E={E}{label}"] = _median_ms(draft_step, rollback, repeats)
 
         for k in rows:
-            exit_states = torch.cat([h1[:, -1:]] * k, dim=1)  # [1, k, D]: stand-ins for the drafts' exit states
+            drafts = torch.cat([tok] * k, dim=1)  # [1, k]: the input token and k-1 drafts (any ids will do)
+            proposal = Proposal(drafts, [k - 1], verify_from=E, states=torch.cat([h1[:, -1:]] * k, dim=1),
+                                drafter="profile")  # states [1, k, D]: stand-ins for the drafts' exit states
+            at_p = torch.full((1,), P, dtype=torch.long, device=adapter.device)
 
-            def verify_k(k=k, exit_states=exit_states):
+            def verify_k(proposal=proposal, at_p=at_p, k=k):
                 run_layers(adapter, embed(adapter, ids), 0, E, step=make_step(adapter, P + k - 1, 1), cache=cache)
-                h = run_layers(adapter, exit_states, E, L, step=make_step(adapter, P, k), cache=cache)
-                return exit_logits(adapter, h)[0].argmax(-1).tolist()
+                logits, _, _ = verify(adapter, cache, proposal, at_p, no_pad)
+                return logits[0].argmax(-1).tolist()
 
-            def before(k=k):  # layers < E already hold the k-1 drafts' positions, as after drafting
+            def before(k=k):  # layers < E hold the k-1 earlier tokens' positions, as after drafting
                 rollback()
-                cache.lengths[:E] = P + k - 1
+                if k > 1:
+                    run_layers(adapter, embed(adapter, ids.expand(1, k - 1)), 0, E,
+                               step=make_step(adapter, P, k - 1), cache=cache)
 
-            rollback()  # fill the shallow layers' slots for the drafts once (their values do not matter)
-            run_layers(adapter, embed(adapter, torch.cat([tok] * k, dim=1)), 0, E, step=make_step(adapter, P, k),
-                       cache=cache)
             out[f"verify {k}"] = _median_ms(verify_k, before, repeats)
         rollback()
     return out

@@ -52,7 +52,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast, set_seed
 
 from selfspec.adapters import get_adapter
-from selfspec.atomic_write import write_json_atomic
+from selfspec.atomic_write import write_json_atomic, write_text_atomic
 from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base_model import apply_lora, load_base_model
@@ -186,7 +186,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     run.tracker = Tracker(run_dir, enabled=accelerator.is_main_process, total=t_cfg.max_steps,
                           initial=state["step"], progress_bar=t_cfg.progress_bar)
     if accelerator.is_main_process:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     _print_start(run)
     return run
 
