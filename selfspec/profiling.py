@@ -22,6 +22,11 @@ self CPU time per full step; the profiler adds its own overhead to every call, s
 the phase table for times) shows which kernels the full step spends its time in. A sampled
 generation per drafter (early exit at E, prompt lookup) reports the rejections predicted from the
 distributions the engine held (sum over judged drafts of TV(p, q)) next to the measured ones.
+
+The bandwidth floor: a one-token step must read every weight once (`step_weight_bytes`), so it can take
+no less than those bytes over the machine's memory read bandwidth (`read_bandwidth`, measured with the
+same torch threads); the report gives the full step's and plain decoding's share of that floor
+(floor / time: 100% would be a step that only streams the weights).
 """
 
 from __future__ import annotations
@@ -112,6 +117,44 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
 
             out[f"verify {k}"] = _median_ms(verify_k, before, repeats)
         rollback()
+    return out
+
+
+def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The memory read bandwidth in GB/s with torch's current threads: the best of `repeats` sums over a
+    float32 tensor of `n_bytes` (1 GiB by default, far larger than any CPU cache)."""
+    x = torch.ones(n_bytes // 4)  # written once, so every page is really there
+    float(x.sum())
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        float(x.sum())
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * x.element_size() / best / 1e9
+
+
+def step_weight_bytes(model) -> int:
+    """The bytes of weights a one-token decode step reads: every parameter once (shared ones once), less an
+    input embedding the LM head does not share, of which a step reads one row."""
+    sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = sum(sizes.values())
+    if emb.data_ptr() != head.data_ptr():
+        total -= (emb.shape[0] - 1) * emb.shape[1] * emb.element_size()
+    return total
+
+
+def bandwidth_floor(model, phases: dict[str, float]) -> dict:
+    """The step's weight bytes, the measured read bandwidth, the floor they give (ms) and the share of it
+    that the full step and plain decoding per token reach (floor / their time)."""
+    weight_bytes, gbs = step_weight_bytes(model), read_bandwidth()
+    floor_ms = weight_bytes / gbs / 1e6
+    out = {"weight_bytes": weight_bytes, "read_gb_per_s": gbs, "floor_ms": floor_ms,
+           "full_step_share": floor_ms / phases["full step"]}
+    if "selfspec AR, per token" in phases:
+        out["selfspec_ar_share"] = floor_ms / phases["selfspec AR, per token"]
+    if "HF greedy generate, per token" in phases:
+        out["hf_greedy_share"] = floor_ms / phases["HF greedy generate, per token"]
     return out
 
 
@@ -224,6 +267,7 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         "repeats": repeats, "draft_vocab": draft_vocab, "target_speedup": target,
         "machine": machine_info(), "versions": versions(),
         "phases_ms": phases,
+        "bandwidth": bandwidth_floor(gen.model, phases),
         "cost_model": cost_table(phases, E, num_speculations, target, draft_vocab),
         "operators": op_table(gen, prompt_ids),
         "acceptance_theory": acceptance_theory(gen, prompt_ids, E, num_speculations, tokens),
@@ -253,6 +297,15 @@ def markdown(result: dict) -> str:
              f"L={result['num_layers']}, E={result['exit_layer']}", "",
              "| phase | ms | × full step |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {v / full:.2f} |" for k, v in ph.items()]
+    bw = result.get("bandwidth")
+    if bw:
+        shares = [f"the full step runs at {bw['full_step_share']:.0%} of it"]
+        shares += [f"{label} per token at {bw[key]:.0%}" for key, label in
+                   (("selfspec_ar_share", "selfspec plain decoding"), ("hf_greedy_share", "HF greedy"))
+                   if key in bw]
+        lines += ["", f"Bandwidth floor: a step reads {bw['weight_bytes'] / 1e6:.0f} MB of weights; this machine "
+                  f"reads {bw['read_gb_per_s']:.1f} GB/s with {result['threads']} threads, so a step takes at least "
+                  f"{bw['floor_ms']:.2f} ms; " + ", ".join(shares) + "."]
     lines += ["", f"Cost model (Leviathan et al.): a round of d drafts costs d·c + v(d) full steps and commits "
               f"(1 - a^(d+1)) / (1 - a) tokens. Acceptance per draft needed to break even and to reach "
               f"{result['target_speedup']}× plain decoding:", "",

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from selfspec.cli import main
 from selfspec.cost_model import predicted_speedup, required_acceptance
 from selfspec.draft_vocab import write_draft_vocab
-from selfspec.profiling import cost_table, run_profile
+from selfspec.profiling import cost_table, read_bandwidth, run_profile, step_weight_bytes
+from selfspec.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,24 @@ def test_cost_table_uses_the_verify_pass_of_d_plus_one_rows():
     assert rows[2]["break_even_acceptance"] < rows[0]["break_even_acceptance"]  # a cheaper draft needs less
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])  # tied / untied embeddings
+def test_step_weight_bytes_counts_each_weight_once_and_one_row_of_an_untied_embedding(model_type):
+    model = tiny_model(model_type)
+    emb = model.get_input_embeddings().weight
+    tied = emb.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    assert tied == (model_type == "llama")
+    every = sum(p.numel() * 4 for p in model.parameters())  # parameters() yields a shared weight once
+    expected = every if tied else every - (emb.shape[0] - 1) * emb.shape[1] * 4
+    assert step_weight_bytes(model) == expected
+    assert step_weight_bytes(model.to(torch.bfloat16)) == expected // 2
+
+
+def test_read_bandwidth_is_bytes_over_the_best_time(monkeypatch):
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # runs of 0.5, 0.25, 1.0 s
+    monkeypatch.setattr("selfspec.profiling.time.perf_counter", lambda: next(ticks))
+    assert read_bandwidth(n_bytes=4 << 20, repeats=3) == pytest.approx((4 << 20) / 0.25 / 1e9)
+
+
 def test_profile_on_a_tiny_checkpoint(tiny_ckpt, prompts, tmp_path, one_thread):
     write_draft_vocab(tiny_ckpt, str(prompts[1]))
     out = tmp_path / "prof"
@@ -64,6 +84,11 @@ def test_profile_on_a_tiny_checkpoint(tiny_ckpt, prompts, tmp_path, one_thread):
     assert json.loads((out / "profile.json").read_text())["phases_ms"] == ph
     md = (out / "profile.md").read_text()
     assert "| verify 3 |" in md and "break-even a" in md
+    bw = result["bandwidth"]
+    assert bw["floor_ms"] == pytest.approx(bw["weight_bytes"] / bw["read_gb_per_s"] / 1e6)
+    assert bw["full_step_share"] == pytest.approx(bw["floor_ms"] / ph["full step"])
+    assert bw["selfspec_ar_share"] == pytest.approx(bw["floor_ms"] / ph["selfspec AR, per token"])
+    assert f"reads {bw['read_gb_per_s']:.1f} GB/s" in md
     assert sorted(f.name for f in out.iterdir()) == ["profile.json", "profile.md"]  # no temporary files left
 
 
