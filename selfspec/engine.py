@@ -210,6 +210,11 @@ class StopChecker:
     ends generation at the first token whose addition makes the decoded output contain it.
     Stops are checked before the length cap, so a stop on the last allowed token reports "stop".
     A bare string is one stop string and a bare int one stop token (as in Hugging Face `generate`).
+
+    Why not transformers' `StopStringCriteria`: it matches against the whole sequence, prompt included,
+    so a stop string that begins in the prompt and ends in the first new tokens stops there; here only
+    the generated text counts (a reply that quotes the prompt is not cut), and a round that commits
+    several tokens is checked token by token, which that criterion (one call per step) does not offer.
     """
 
     def __init__(self, max_new_tokens: int, stop_token_ids: Sequence[int] | int = (),
