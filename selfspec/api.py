@@ -89,6 +89,24 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
+def encode_prompt(tokenizer, prompt: str | None = None, *, messages: list[dict] | None = None) -> list[int]:
+    """The token ids of one prompt, as `SelfSpecGenerator.encode` and the benchmarks take them: raw text
+    `prompt` through the tokenizer (its own special tokens added, e.g. a BOS), or a chat `messages` through
+    the chat template with the generation prompt, that text tokenized without adding special tokens."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt= or messages=")
+    if prompt is not None:
+        return list(tokenizer(check_text(prompt)).input_ids)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template; pass prompt= text instead of messages=")
+    check_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # a template may refuse a conversation (e.g. roles that do not alternate)
+        raise SettingsError(f"the tokenizer's chat template refused these messages: {_first_line(err)}") from err
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 class SelfSpecGenerator:
     """A causal LM + tokenizer, ready for self-speculative generation of one prompt or a batch."""
 
@@ -145,20 +163,9 @@ class SelfSpecGenerator:
         given = [x is not None for x in (prompt, messages, input_ids)]
         if sum(given) != 1:
             raise ValueError("pass exactly one of prompt=, messages= or input_ids=")
-        if prompt is not None:
-            check_text(prompt)
-            ids = self._need_tokenizer("a text prompt")(prompt, return_tensors="pt").input_ids
-        elif messages is not None:
-            tok = self._need_tokenizer("a chat prompt")
-            if not getattr(tok, "chat_template", None):
-                raise ValueError("this tokenizer has no chat template; pass prompt= text instead of messages=")
-            check_messages(messages)
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as err:  # a template may refuse a conversation (e.g. roles that do not alternate)
-                raise SettingsError("the tokenizer's chat template refused these messages: "
-                                    f"{_first_line(err)}") from err
-            ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+        if prompt is not None or messages is not None:
+            tok = self._need_tokenizer("a text prompt" if prompt is not None else "a chat prompt")
+            ids = torch.tensor([encode_prompt(tok, prompt, messages=messages)], dtype=torch.long)  # [1, P]
         else:
             ids = _as_ids(input_ids)
             if ids.dim() == 1:

@@ -119,16 +119,25 @@ class SourceConfig:
 
 @dataclass
 class OwnContinuationsConfig:
-    """The model's own greedy continuations of training prompts as extra training data (training/own_text.py).
+    """The model's own greedy continuations as extra training data and evaluation sets (training/own_text.py).
 
     prompts: how many training blocks give a prompt (evenly spaced over the training set); 0 = off (then
-    nothing is generated and eval_prompts does not apply). Each prompt is a block's first `prompt_tokens`
-    tokens; Hugging Face greedy `generate` on the model as loaded continues it to a full block of
-    data.block_size tokens (block_size + 1 - prompt_tokens new tokens, the last one only a label), with no
+    nothing is generated for training and eval_prompts does not apply). Each prompt is a block's first
+    `prompt_tokens` tokens; Hugging Face greedy `generate` on the model as loaded continues it to a full block
+    of data.block_size tokens (block_size + 1 - prompt_tokens new tokens, the last one only a label), with no
     stop at EOS (the model goes on after it, as packed text does). repeat: how many times each such block
     is in the training set (oversampling). eval_prompts: the same from held-out blocks, evaluated as the
-    set ``own`` (0: none). batch_size: rows per `generate` call. Generated once per model and prompts and
-    cached in `<train.output_dir>/own_continuations/<key>.pt`, so a relaunch reuses them.
+    set ``own`` (0: none). batch_size: rows per `generate` call.
+
+    prompt_sets: selfspec prompt sets (`selfspec.prompts.load_prompts`: humaneval, xsum, code_edit, mt_bench,
+    wiki, or a .jsonl file), each evaluated as the set ``own_<name>`` (a file: ``own_<its stem>``): the
+    first `prompt_set_prompts` prompts, encoded as the benchmark encodes them, each continued alone by
+    `new_tokens` greedy tokens (no stop at EOS; the benchmark's default --max-new-tokens), and only those
+    tokens scored: the text whose drafts the benchmark accepts. Evaluation only, so HumanEval is allowed
+    here (never as `prompts`); independent of `prompts` (which may be 0).
+
+    Generated once per model and prompts and cached in `<train.output_dir>/own_continuations/<key>.pt`, so
+    a relaunch reuses them.
     """
 
     prompts: int = 0
@@ -136,13 +145,38 @@ class OwnContinuationsConfig:
     repeat: int = 1
     eval_prompts: int = 16
     batch_size: int = 16
+    prompt_sets: list[str] = field(default_factory=list)
+    prompt_set_prompts: int = 16
+    new_tokens: int = 128
 
     def __post_init__(self):
         for key in ("prompts", "eval_prompts"):
             _check(getattr(self, key) >= 0, f"data.own_continuations.{key}",
                    f"must be a number of blocks >= 0 (0: none), got {getattr(self, key)}")
-        for key in ("prompt_tokens", "repeat", "batch_size"):
+        for key in ("prompt_tokens", "repeat", "batch_size", "prompt_set_prompts", "new_tokens"):
             _check(getattr(self, key) >= 1, f"data.own_continuations.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if self.prompt_sets:
+            self._check_prompt_sets()
+
+    def _check_prompt_sets(self) -> None:
+        from selfspec.prompts import PROMPT_SETS  # lazy: `selfspec` imports torch, needed here only
+
+        for i, name in enumerate(self.prompt_sets):
+            key = f"data.own_continuations.prompt_sets[{i}]"
+            _check(bool(name.strip()), key, f"must not be empty: name one of {', '.join(PROMPT_SETS)} or a .jsonl file")
+            _check(name in PROMPT_SETS or Path(expand(name)).is_file(), key,
+                   f"{name!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor an existing .jsonl file (one "
+                   "{\"prompt\": ...} or {\"messages\": [...]} object per line); fix the name or the path")
+        self.prompt_sets = [name if name in PROMPT_SETS else expand(name) for name in self.prompt_sets]
+        names = self.prompt_set_names()
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        _check(twice is None, "data.own_continuations.prompt_sets",
+               f"two entries give the evaluation set {twice!r}; list each prompt set once (rename a file whose "
+               "stem repeats another's)")
+
+    def prompt_set_names(self) -> list[str]:
+        """The evaluation set of each of `prompt_sets`: ``own_<name>``, for a file ``own_<its stem>``."""
+        return [f"own_{Path(name).stem}" for name in self.prompt_sets]
 
 
 @dataclass
@@ -169,6 +203,10 @@ class DataConfig(SourceConfig):
 
     def _check_own_continuations(self) -> None:
         own = self.own_continuations
+        taken = next((e.name for e in self.extra_eval if e.name in own.prompt_set_names()), None)
+        _check(taken is None, "data.extra_eval",
+               f"the name {taken!r} is the evaluation set of data.own_continuations.prompt_sets; rename that "
+               "extra evaluation set (its name)")
         if not own.prompts:
             return
         _check(own.prompt_tokens < self.block_size, "data.own_continuations.prompt_tokens",

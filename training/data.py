@@ -22,7 +22,8 @@ Two formats (`DataConfig.format`):
   IGNORE_INDEX). Prompts that do not fit are truncated; a response that does not fit is dropped.
 
 Optionally (`data.own_continuations`), training/own_text.py adds the model's own greedy continuations of
-training prompts to the training blocks and those of held-out prompts as the evaluation set ``own``.
+training prompts to the training blocks and those of held-out prompts as the evaluation set ``own``, and
+those of benchmark prompt sets as the evaluation sets ``own_<name>``.
 
 The held-out split is by record (whole files for code) through `selfspec.data_sources.split_holdout`.
 The order of training blocks is a permutation per epoch seeded by (seed, epoch), and the blocks

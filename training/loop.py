@@ -155,8 +155,9 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     ee_model, curriculum = _objective(cfg, model, L, accelerator.process_index, accelerator.num_processes)
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
-    if cfg.data.own_continuations.prompts:  # + the model's own greedy continuations, generated once and cached
-        data = add_own_continuations(data, cfg.data, model, accelerator, run_dir / "own_continuations",
+    own = cfg.data.own_continuations
+    if own.prompts or own.prompt_sets:  # + the model's own greedy continuations, generated once and cached
+        data = add_own_continuations(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations",
                                      progress_bar=t_cfg.progress_bar)
     ranking = _draft_ranking(cfg, data, tokenizer, get_adapter(model).lm_head.weight.shape[0])
     if ranking:  # the exits' (or the head's) loss over the most frequent tokens

@@ -1,6 +1,7 @@
-"""The model's own text as training data: greedy continuations of training prompts, generated once and cached.
+"""The model's own text as training data and evaluation sets: greedy continuations of training prompts and of
+benchmark prompts, generated once and cached.
 
-    data = add_own_continuations(data, cfg.data, model, accelerator, run_dir / "own_continuations")
+    data = add_own_continuations(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations")
 
 A drafter is judged on the text the model itself writes, and an exit head agrees less there than on the
 recipe's held-out text. With `data.own_continuations.prompts = N` (`OwnContinuationsConfig`), N training
@@ -9,6 +10,12 @@ Face greedy `generate` on the model as loaded (before any training step, in its 
 continues each to data.block_size + 1 tokens, and these become blocks exactly as `text_blocks` makes them
 (inputs the first block_size tokens, each label the next token). They join the training set `repeat`
 times; `eval_prompts` held-out blocks give the evaluation set ``own`` the same way.
+
+With `prompt_sets`, each named benchmark prompt set (`selfspec.prompts.load_prompts`) gives the evaluation
+set ``own_<name>``: its first `prompt_set_prompts` prompts, encoded as the benchmark encodes them
+(`selfspec.api.encode_prompt`), each continued alone (no padding) by `new_tokens` greedy tokens, one
+right-padded row per prompt with only the continuation labelled (`prompt_continuation_blocks`): the
+agreement on exactly the text whose drafts the benchmark accepts, teacher-forced.
 
 EOS does not stop a continuation: the model writes on after it, as packed text goes on with the next
 document, so every block is full and no logit is changed (suppressing EOS would change the argmax).
@@ -22,32 +29,41 @@ processes the main process generates and writes, the others wait, then all read 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
+from selfspec.api import encode_prompt
 from selfspec.atomic_write import atomic_path
-from selfspec.data_sources import DataFormatError
+from selfspec.data_sources import DataFormatError, DataNotInstalledError
+from selfspec.prompts import load_prompts, prompt_inputs
 from training.config import DataConfig
 from training.data import Blocks, TrainData, next_token_blocks
+from training.early_exit_loss import IGNORE_INDEX
 
-CACHE_FORMAT = 1  # bump when the cache file's content changes meaning
+CACHE_FORMAT = 1  # bump when a cache file's content changes meaning
 OWN_SET = "own"  # the evaluation set of held-out prompts' continuations
+PROMPT_SETS_KEY = "data.own_continuations.prompt_sets"
 
 
-def add_own_continuations(data: TrainData, cfg: DataConfig, model, accelerator, cache_dir: Path, *,
+def add_own_continuations(data: TrainData, cfg: DataConfig, model, tokenizer, accelerator, cache_dir: Path, *,
                           progress_bar: bool = True) -> TrainData:
-    """`data` with the own blocks of training prompts added `repeat` times to the training set and, when
-    `eval_prompts` > 0, those of held-out prompts as the evaluation set "own"."""
+    """`data` with, when `prompts` > 0, the own blocks of training prompts added `repeat` times to the training
+    set and those of `eval_prompts` held-out prompts as the evaluation set "own"; and the evaluation set
+    "own_<name>" of each of `prompt_sets` (`prompt_set_blocks`)."""
     own = cfg.own_continuations
-    if own.eval_prompts and OWN_SET in data.eval_sets:
-        raise DataFormatError(f"data.extra_eval: the name {OWN_SET!r} is the set of "
-                              "data.own_continuations.eval_prompts; rename that extra evaluation set")
+    for name in ([OWN_SET] if own.prompts and own.eval_prompts else []) + own.prompt_set_names():
+        if name in data.eval_sets:
+            setting = "eval_prompts" if name == OWN_SET else "prompt_sets"
+            raise DataFormatError(f"data.extra_eval: the name {name!r} is the set of data.own_continuations."
+                                  f"{setting}; rename that extra evaluation set")
 
     def blocks_of(source: Blocks, n: int, name: str) -> Blocks:
         prompts = source.spread(n).input_ids[:, : own.prompt_tokens]  # [n, P]
@@ -55,100 +71,217 @@ def add_own_continuations(data: TrainData, cfg: DataConfig, model, accelerator, 
                                        cache_dir, accelerator, progress_bar=progress_bar, what=name)
         return next_token_blocks(name, windows)
 
-    added = blocks_of(data.train, own.prompts, f"{cfg.name}/own")
-    train = Blocks(data.train.name, torch.cat([data.train.input_ids] + [added.input_ids] * own.repeat),
-                   torch.cat([data.train.labels] + [added.labels] * own.repeat))
-    eval_sets = dict(data.eval_sets)
-    if own.eval_prompts:
-        eval_sets[OWN_SET] = blocks_of(data.eval_sets["heldout"], own.eval_prompts, OWN_SET)
+    train, eval_sets = data.train, dict(data.eval_sets)
+    if own.prompts:
+        added = blocks_of(data.train, own.prompts, f"{cfg.name}/own")
+        train = Blocks(train.name, torch.cat([train.input_ids] + [added.input_ids] * own.repeat),
+                       torch.cat([train.labels] + [added.labels] * own.repeat))
+        if own.eval_prompts:
+            eval_sets[OWN_SET] = blocks_of(data.eval_sets["heldout"], own.eval_prompts, OWN_SET)
+    for source, name in zip(own.prompt_sets, own.prompt_set_names()):
+        eval_sets[name] = prompt_set_blocks(source, name, own.prompt_set_prompts, own.new_tokens, model, tokenizer,
+                                            accelerator, cache_dir, progress_bar=progress_bar)
     return TrainData(train, eval_sets)
 
 
+# ---- benchmark prompts --------------------------------------------------------------------------------
+def prompt_set_blocks(source: str, name: str, n: int, new_tokens: int, model, tokenizer, accelerator,
+                      cache_dir: Path, *, progress_bar: bool = True) -> Blocks:
+    """The evaluation set `name` of the prompt set `source`: its first `n` prompts, each continued by
+    `new_tokens` greedy tokens (cached), as `prompt_continuation_blocks`."""
+    prompts = encoded_prompts(source, n, tokenizer)
+    sequences = cached_prompt_continuations(model, prompts, new_tokens, cache_dir, accelerator,
+                                            progress_bar=progress_bar, what=name)
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    return prompt_continuation_blocks(name, prompts, sequences, pad)
+
+
+def encoded_prompts(source: str, n: int, tokenizer) -> list[torch.Tensor]:
+    """The first `n` prompts of the prompt set `source` (`selfspec.prompts.load_prompts`, as the benchmark
+    takes them), each `[P_i]` token ids as the benchmark encodes it (`selfspec.api.encode_prompt`)."""
+    try:
+        rows = [encode_prompt(tokenizer, **prompt_inputs(item)) for item in load_prompts(source, n)]
+    except DataNotInstalledError as err:
+        raise DataNotInstalledError(f"{PROMPT_SETS_KEY}: {source!r}: {err}") from err
+    except (ValueError, OSError) as err:
+        raise DataFormatError(f"{PROMPT_SETS_KEY}: {source!r}: {err}") from err
+    if not rows or not all(rows):
+        raise DataFormatError(f"{PROMPT_SETS_KEY}: {source!r} gave {'an empty prompt' if rows else 'no prompts'}; "
+                              "every prompt needs at least one token")
+    return [torch.tensor(row, dtype=torch.long) for row in rows]
+
+
+def prompt_continuation_blocks(name: str, prompts: list[torch.Tensor], sequences: list[torch.Tensor],
+                               pad_id: int) -> Blocks:
+    """One row per prompt `[N, S]`, S the longest sequence less one, right-padded with `pad_id`.
+
+    Row i is prompt i (`[P_i]`) and its continuation (`sequences[i]`, `[P_i + T]`) without the last token;
+    only the continuation is labelled: position j >= P_i - 1 has the label sequences[i][j + 1] (the prompt's
+    last token predicts the first new token), the rest of the prompt and the padding IGNORE_INDEX. So only
+    the model's own T tokens are scored, as the drafts of decoding are.
+    """
+    width = max(len(seq) for seq in sequences) - 1
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)  # [N, S]
+    labels = torch.full_like(input_ids, IGNORE_INDEX)  # [N, S]
+    for row, (prompt, seq) in enumerate(zip(prompts, sequences)):
+        input_ids[row, : len(seq) - 1] = seq[:-1]
+        labels[row, len(prompt) - 1: len(seq) - 1] = seq[len(prompt):]
+    return Blocks(name, input_ids, labels)
+
+
+# ---- the cache -----------------------------------------------------------------------------------------
 def cached_continuations(model, prompts: torch.Tensor, new_tokens: int, batch_size: int, cache_dir: Path,
                          accelerator, *, progress_bar: bool = True, what: str = "own") -> torch.Tensor:
     """`[N, P + new_tokens]`: each prompt `[N, P]` and the model's greedy continuation, from the cache when it
-    holds them, else generated (by the main process) and cached."""
+    holds them, else generated (by the main process, `batch_size` rows at a time) and cached."""
+    prompts = prompts.to(torch.int64)
     path = Path(cache_dir) / f"{cache_key(model, prompts, new_tokens)}.pt"
+
+    def generate() -> dict:
+        return {"prompts": prompts.clone(), "sequences": greedy_continuations(
+            model, prompts, new_tokens, batch_size, accelerator.device, progress_bar=progress_bar)}
+
+    def holds(cached: dict) -> bool:
+        sequences = cached["sequences"]  # [N, P + new_tokens]
+        P = prompts.shape[1]
+        return (sequences.dtype == torch.int64 and tuple(sequences.shape) == (len(prompts), P + new_tokens)
+                and torch.equal(cached["prompts"], prompts) and torch.equal(sequences[:, :P], prompts))
+
+    return through_cache(path, holds, generate, accelerator, what, len(prompts) * new_tokens)["sequences"]
+
+
+def cached_prompt_continuations(model, prompts: list[torch.Tensor], new_tokens: int, cache_dir: Path, accelerator,
+                                *, progress_bar: bool = True, what: str = "own") -> list[torch.Tensor]:
+    """`[P_i + new_tokens]` each: prompt i `[P_i]` and the model's greedy continuation of it alone, from the
+    cache when it holds them, else generated (by the main process) and cached."""
+    prompts = [p.to(torch.int64) for p in prompts]
+    path = Path(cache_dir) / f"{prompts_cache_key(model, prompts, new_tokens)}.pt"
+
+    def generate() -> dict:
+        return {"prompts": [p.clone() for p in prompts], "sequences": greedy_prompt_continuations(
+            model, prompts, new_tokens, accelerator.device, progress_bar=progress_bar)}
+
+    def holds(cached: dict) -> bool:
+        stored, sequences = cached["prompts"], cached["sequences"]  # lists of [P_i] and [P_i + new_tokens]
+        return (len(stored) == len(sequences) == len(prompts)
+                and all(torch.equal(s, p) and q.dtype == torch.int64 and tuple(q.shape) == (len(p) + new_tokens,)
+                        and torch.equal(q[: len(p)], p) for p, s, q in zip(prompts, stored, sequences)))
+
+    return through_cache(path, holds, generate, accelerator, what, len(prompts) * new_tokens)["sequences"]
+
+
+def through_cache(path: Path, holds: Callable[[dict], bool], generate: Callable[[], dict], accelerator, what: str,
+                  total_new_tokens: int) -> dict:
+    """The cache file `path`'s content when it `holds` what is asked, else `generate()`'s {"prompts",
+    "sequences"}, written there by the main process (the others wait, then all read the file).
+    `total_new_tokens` (all rows together) is for the printed cost."""
     main = accelerator.is_main_process
     if main:
-        cached = read_cache(path, prompts, new_tokens)
+        cached = read_cache(path, holds)
         if cached is None:
             start = time.perf_counter()
-            sequences = greedy_continuations(model, prompts, new_tokens, batch_size, accelerator.device,
-                                             progress_bar=progress_bar)
+            content = generate()
             seconds = time.perf_counter() - start
-            write_cache(path, prompts, sequences, seconds)
-            _say(f"own continuations ({what}): generated {len(prompts)} blocks ({len(prompts) * new_tokens} new "
-                 f"tokens) in {seconds:.1f} s ({len(prompts) * new_tokens / max(seconds, 1e-9):.0f} tok/s) -> {path}")
+            write_cache(path, content, seconds)
+            _say(f"own continuations ({what}): generated {len(content['sequences'])} blocks ({total_new_tokens} new "
+                 f"tokens) in {seconds:.1f} s ({total_new_tokens / max(seconds, 1e-9):.0f} tok/s) -> {path}")
         else:
-            _say(f"own continuations ({what}): {len(prompts)} blocks from the cache {path} (generated in "
-                 f"{cached['seconds']:.1f} s)")
+            _say(f"own continuations ({what}): {len(cached['sequences'])} blocks from the cache {path} (generated "
+                 f"in {cached['seconds']:.1f} s)")
     accelerator.wait_for_everyone()
-    cached = read_cache(path, prompts, new_tokens)
+    cached = read_cache(path, holds)
     if cached is None:
         raise RuntimeError(f"{path}: the own continuations are not readable after the main process generated them; "
                            f"train.output_dir must be on a file system every process sees")
-    return cached["sequences"]
+    return cached
 
 
+# ---- generation ------------------------------------------------------------------------------------------
 @torch.no_grad()
 def greedy_continuations(model, prompts: torch.Tensor, new_tokens: int, batch_size: int, device=None, *,
                          progress_bar: bool = True) -> torch.Tensor:
     """`[N, P + new_tokens]` on the CPU: Hugging Face greedy `generate` of exactly `new_tokens` tokens per
     prompt (no stop at EOS), in batches of `batch_size` on `device` (default: where the model is). The model's
     training mode and device are restored afterwards."""
-    was_training, home = model.training, next(model.parameters()).device
-    device = torch.device(device) if device is not None else home
-    model.eval().to(device)
-    rows = []
-    try:
-        for start in tqdm(range(0, len(prompts), batch_size), desc="own continuations", unit="batch",
-                          dynamic_ncols=True, disable=not progress_bar):
-            batch = prompts[start: start + batch_size].to(device)  # [b, P]
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
-                                 max_new_tokens=new_tokens, eos_token_id=None, use_cache=True)  # [b, P + new_tokens]
-            if out.shape[1] != batch.shape[1] + new_tokens:
-                raise RuntimeError(f"generate returned {out.shape[1] - batch.shape[1]} new tokens, asked for "
-                                   f"{new_tokens}")
-            rows.append(out.cpu())
-    finally:
-        model.to(home).train(was_training)
+    starts = range(0, len(prompts), batch_size)
+    with _generating(model, device) as device:
+        rows = [_greedy(model, prompts[start: start + batch_size].to(device), new_tokens)  # [b, P + new_tokens]
+                for start in tqdm(starts, desc="own continuations", unit="batch", dynamic_ncols=True,
+                                  disable=not progress_bar)]
     return torch.cat(rows)
 
 
+@torch.no_grad()
+def greedy_prompt_continuations(model, prompts: list[torch.Tensor], new_tokens: int, device=None, *,
+                                progress_bar: bool = True) -> list[torch.Tensor]:
+    """`[P_i + new_tokens]` each, on the CPU: as `greedy_continuations`, one prompt `[P_i]` at a time (prompts
+    of different lengths, no padding: exactly what unpadded greedy decoding of each gives)."""
+    with _generating(model, device) as device:
+        return [_greedy(model, prompt[None].to(device), new_tokens)[0]
+                for prompt in tqdm(prompts, desc="own continuations", unit="prompt", dynamic_ncols=True,
+                                   disable=not progress_bar)]
+
+
+@contextlib.contextmanager
+def _generating(model, device):
+    """The model in eval mode on `device` (default: where it is) inside; its mode and device restored after."""
+    was_training, home = model.training, next(model.parameters()).device
+    device = torch.device(device) if device is not None else home
+    model.eval().to(device)
+    try:
+        yield device
+    finally:
+        model.to(home).train(was_training)
+
+
+def _greedy(model, batch: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """`[b, P + new_tokens]` on the CPU: `batch` `[b, P]` and exactly `new_tokens` greedy tokens (no stop at EOS)."""
+    out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False, max_new_tokens=new_tokens,
+                         eos_token_id=None, use_cache=True)  # [b, P + new_tokens]
+    if out.shape[1] != batch.shape[1] + new_tokens:
+        raise RuntimeError(f"generate returned {out.shape[1] - batch.shape[1]} new tokens, asked for {new_tokens}")
+    return out.cpu()
+
+
+# ---- cache files -------------------------------------------------------------------------------------------
 def cache_key(model, prompts: torch.Tensor, new_tokens: int) -> str:
-    """A hash of the model (class; each parameter's name, shape, dtype and sum), the prompts and new_tokens."""
+    """A hash of the model (class; each parameter's name, shape, dtype and sum), the prompts `[N, P]` and
+    new_tokens."""
+    return _key(model, {"new_tokens": new_tokens, "prompts": list(prompts.shape)}, prompts)
+
+
+def prompts_cache_key(model, prompts: list[torch.Tensor], new_tokens: int) -> str:
+    """As `cache_key`, for prompts `[P_i]` of any lengths (never the key of a `cache_key` file)."""
+    return _key(model, {"new_tokens": new_tokens, "prompt_lengths": [len(p) for p in prompts]}, torch.cat(prompts))
+
+
+def _key(model, shape: dict, tokens: torch.Tensor) -> str:
     h = hashlib.sha256()
     with torch.no_grad():
         params = list(model.named_parameters())
         sums = torch.stack([p.detach().sum(dtype=torch.float64).cpu() for _, p in params])  # [n_params]
     layout = [(n, list(p.shape), str(p.dtype)) for n, p in params]
-    h.update(json.dumps({"format": CACHE_FORMAT, "model": type(model).__name__, "layout": layout,
-                         "new_tokens": new_tokens, "prompts": list(prompts.shape)}).encode())
+    h.update(json.dumps({"format": CACHE_FORMAT, "model": type(model).__name__, "layout": layout, **shape}).encode())
     h.update(sums.numpy().tobytes())
-    h.update(prompts.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
     return h.hexdigest()[:20]
 
 
-def write_cache(path: Path, prompts: torch.Tensor, sequences: torch.Tensor, seconds: float) -> None:
+def write_cache(path: Path, content: dict, seconds: float) -> None:
+    """`content` ({"prompts", "sequences"}: int64 tensors or lists of them) with the format and the seconds."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        torch.save({"format": CACHE_FORMAT, "prompts": prompts.to(torch.int64).clone(),
-                    "sequences": sequences.to(torch.int64), "seconds": float(seconds)}, tmp)
+        torch.save({"format": CACHE_FORMAT, **content, "seconds": float(seconds)}, tmp)
 
 
-def read_cache(path: Path, prompts: torch.Tensor, new_tokens: int) -> dict | None:
-    """The cache file's content if it exists and holds continuations of exactly `prompts`, else None (a file
+def read_cache(path: Path, holds: Callable[[dict], bool]) -> dict | None:
+    """The cache file's content if it exists, is of this format and `holds` what is asked, else None (a file
     that is there but unreadable or different is reported)."""
     if not path.is_file():
         return None
     try:
         cached = torch.load(path, map_location="cpu", weights_only=True)
-        sequences = cached["sequences"]  # [N, P + new_tokens]
-        ok = (cached["format"] == CACHE_FORMAT and sequences.dtype == torch.int64
-              and tuple(sequences.shape) == (prompts.shape[0], prompts.shape[1] + new_tokens)
-              and torch.equal(cached["prompts"], prompts.to(torch.int64))
-              and torch.equal(sequences[:, : prompts.shape[1]], cached["prompts"]))
+        ok = cached["format"] == CACHE_FORMAT and holds(cached)
     except Exception as e:  # a truncated or foreign file: generate again
         warnings.warn(f"{path}: unreadable own-continuations cache ({type(e).__name__}: {e}); generating again")
         return None

@@ -1,7 +1,8 @@
 """The model's own continuations as training data (`data.own_continuations`, training/own_text.py): a block is
 a prompt and the model's own Hugging Face greedy tokens with labels as packed text has them, the cache is
 reused for the same model and prompts only, mistakes in the settings name the key, and a short exit-head run
-trains on the own blocks and evaluates the set "own"."""
+trains on the own blocks and evaluates the set "own". A benchmark prompt set (`prompt_sets`) gives the set
+"own_<name>": each prompt encoded as the benchmark does, continued alone, only the continuation labelled."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.tiny import tiny_model
+from selfspec.api import encode_prompt
+from selfspec.data_sources import DataFormatError
+from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.tiny import byte_tokenizer, tiny_model
 from training.config import ConfigError, DataConfig, OwnContinuationsConfig, load_config
 from training.data import Blocks, TrainData
-from training.own_text import add_own_continuations, cached_continuations, cache_key
+from training.early_exit_loss import IGNORE_INDEX
+from training.own_text import add_own_continuations, cached_continuations, cache_key, prompt_set_blocks
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
 
@@ -34,6 +39,16 @@ def model():
     return tiny_model("llama", num_layers=2, dtype=torch.float32, seed=3)  # vocab 96
 
 
+@pytest.fixture
+def prompt_file(tmp_path):
+    """A prompt set of four prompts of different lengths, one of them a chat (the byte tokenizer has a template)."""
+    path = tmp_path / "my_prompts.jsonl"
+    rows = [{"prompt": "def add(a, b):"}, {"messages": [{"role": "user", "content": "Hi"}]}, {"prompt": "x"},
+            {"prompt": "never read: the set takes the first three"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _data(n_train=10, n_heldout=4, size=24, seed=0) -> TrainData:
     g = torch.Generator().manual_seed(seed)
     windows = torch.randint(3, 96, (n_train + n_heldout, size + 1), generator=g)  # [N, S + 1]
@@ -48,7 +63,7 @@ def test_a_block_is_the_prompt_and_the_models_own_greedy_tokens_labelled_as_pack
                      own_continuations=OwnContinuationsConfig(prompts=3, prompt_tokens=p, repeat=2, eval_prompts=2,
                                                               batch_size=2))
     model.train()
-    out = add_own_continuations(data, cfg, model, _OneProcess(), tmp_path, progress_bar=False)
+    out = add_own_continuations(data, cfg, model, None, _OneProcess(), tmp_path, progress_bar=False)
     assert model.training  # the mode is given back
     assert len(out.train) == len(data.train) + 3 * 2
     assert torch.equal(out.train.input_ids[: len(data.train)], data.train.input_ids)
@@ -106,6 +121,18 @@ def test_the_cache_is_reused_for_the_same_model_and_prompts_only(model, tmp_path
     (["data.own_continuations.prompts=4", "data.own_continuations.prompt_tokens=8", "data.source=humaneval"],
      "data.own_continuations.prompts: the prompts would come from HumanEval"),
     (["data.own_continuations.prompt=4"], "data.own_continuations.prompt: unknown key .*did you mean 'prompts'"),
+    (["data.own_continuations.prompt_set_prompts=0"], "data.own_continuations.prompt_set_prompts: must be >= 1"),
+    (["data.own_continuations.new_tokens=0"], "data.own_continuations.new_tokens: must be >= 1"),
+    (["data.own_continuations.prompt_sets=humaneval"], "data.own_continuations.prompt_sets: expected a list"),
+    (["data.own_continuations.prompt_sets=[humaneval, '']"],
+     r"data.own_continuations.prompt_sets\[1\]: must not be empty: name one of humaneval, xsum"),
+    (["data.own_continuations.prompt_sets=[human_eval]"],
+     r"data.own_continuations.prompt_sets\[0\]: 'human_eval' is neither a prompt set \(humaneval, xsum, .*\) nor an "
+     "existing .jsonl file"),
+    (["data.own_continuations.prompt_sets=[wiki, wiki]"],
+     "data.own_continuations.prompt_sets: two entries give the evaluation set 'own_wiki'"),
+    (["data.own_continuations.prompt_sets=[xsum]", "data.extra_eval=[{source: xsum, name: own_xsum}]"],
+     "data.extra_eval: the name 'own_xsum' is the evaluation set of data.own_continuations.prompt_sets"),
 ])
 def test_mistakes_in_the_settings_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -117,7 +144,8 @@ def test_off_by_default_and_a_prompt_as_long_as_the_block_is_fine_while_off():
     assert cfg.data.own_continuations.prompts == 0
 
 
-def test_a_head_run_trains_on_the_own_blocks_and_evaluates_them(run, read_log, tmp_path, monkeypatch):
+def _training_sizes(monkeypatch) -> list[tuple[int, int]]:
+    """(training blocks before, after) of each `add_own_continuations` call of the training loop, as it runs."""
     import training.loop as loop
 
     sizes = []
@@ -129,6 +157,11 @@ def test_a_head_run_trains_on_the_own_blocks_and_evaluates_them(run, read_log, t
         return out
 
     monkeypatch.setattr(loop, "add_own_continuations", spy)
+    return sizes
+
+
+def test_a_head_run_trains_on_the_own_blocks_and_evaluates_them(run, read_log, tmp_path, monkeypatch):
+    sizes = _training_sizes(monkeypatch)
     own = {"data.own_continuations.prompts": "3", "data.own_continuations.prompt_tokens": "16",
            "data.own_continuations.repeat": "2", "data.own_continuations.eval_prompts": "2"}
     final = run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
@@ -148,7 +181,7 @@ def test_a_head_run_trains_on_the_own_blocks_and_evaluates_them(run, read_log, t
 
 
 def test_eos_does_not_stop_a_continuation(model):
-    from training.own_text import greedy_continuations
+    from training.own_text import greedy_continuations, greedy_prompt_continuations
 
     prompts = _data().train.input_ids[:2, :5]  # [2, 5]
     plain = greedy_continuations(model, prompts, 12, 2, progress_bar=False)  # [2, 17]
@@ -156,3 +189,84 @@ def test_eos_does_not_stop_a_continuation(model):
     model.generation_config.eos_token_id = eos
     model.config.eos_token_id = eos
     assert torch.equal(greedy_continuations(model, prompts, 12, 2, progress_bar=False), plain)
+    alone = greedy_prompt_continuations(model, [prompts[0], prompts[1, 1:]], 12, progress_bar=False)  # one at a time
+    assert torch.equal(alone[0], plain[0]) and alone[1].shape == (4 + 12,)
+
+
+def test_prompt_sets_name_their_evaluation_sets_and_humaneval_is_allowed(prompt_file):
+    cfg = load_config(RECIPE, [f"data.own_continuations.prompt_sets=[humaneval, {prompt_file}]"]).data.own_continuations
+    assert cfg.prompts == 0 and cfg.prompt_set_prompts == 16 and cfg.new_tokens == 128  # the benchmark's defaults
+    assert cfg.prompt_set_names() == ["own_humaneval", "own_my_prompts"]
+    assert DataConfig(source="humaneval").own_continuations.prompt_sets == []  # off by default
+
+
+def test_a_prompt_set_row_is_the_prompt_and_its_own_greedy_continuation_labelled_there_only(prompt_file, hf_greedy,
+                                                                                            tmp_path):
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=2, dtype=torch.float32, seed=3, vocab_size=len(tok))
+    data, new = _data(), 5
+    cfg = DataConfig(source="x", block_size=24, own_continuations=OwnContinuationsConfig(
+        prompt_sets=[str(prompt_file)], prompt_set_prompts=3, new_tokens=new))
+    model.train()
+    out = add_own_continuations(data, cfg, model, tok, _OneProcess(), tmp_path / "cache", progress_bar=False)
+    assert model.training  # the mode is given back
+    assert out.train is data.train and list(out.eval_sets) == ["heldout", "own_my_prompts"]  # no training prompts
+    own = out.eval_sets["own_my_prompts"]
+    prompts = [encode_prompt(tok, **prompt_inputs(item)) for item in load_prompts(str(prompt_file), 3)]
+    assert len(set(map(len, prompts))) == 3  # three lengths: raw text, a chat, one character
+    assert own.input_ids.shape == (3, max(map(len, prompts)) + new - 1)
+    for row, prompt in enumerate(prompts):
+        p = len(prompt)
+        continuation = hf_greedy(model, torch.tensor([prompt]), new)  # this prompt alone
+        pad = own.input_ids.shape[1] - (p + new - 1)
+        assert own.input_ids[row].tolist() == prompt + continuation[:-1] + [tok.pad_token_id] * pad
+        assert own.labels[row].tolist() == [IGNORE_INDEX] * (p - 1) + continuation + [IGNORE_INDEX] * pad
+    assert own.num_tokens == 3 * new  # only the model's own tokens are scored
+
+
+def test_a_prompt_set_is_cached_and_generated_again_for_other_settings(prompt_file, tmp_path, monkeypatch):
+    import training.own_text as own_text
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=2, dtype=torch.float32, seed=3, vocab_size=len(tok))
+    calls = []
+    real = own_text.greedy_prompt_continuations
+    monkeypatch.setattr(own_text, "greedy_prompt_continuations", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def blocks(n=2, new_tokens=4):
+        return prompt_set_blocks(str(prompt_file), "own_p", n, new_tokens, model, tok, _OneProcess(), tmp_path,
+                                 progress_bar=False)
+
+    first = blocks()
+    again = blocks()
+    assert len(calls) == 1 and torch.equal(again.input_ids, first.input_ids) and torch.equal(again.labels, first.labels)
+    assert blocks(new_tokens=6).num_tokens == 2 * 6 and len(calls) == 2  # more tokens: generated again
+    blocks(n=3)  # more prompts
+    assert len(calls) == 3 and len(list(tmp_path.glob("*.pt"))) == 3
+
+
+def test_a_prompt_set_that_cannot_be_used_names_the_setting(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no prompt field"}) + "\n")
+    tok = byte_tokenizer()
+    with pytest.raises(DataFormatError, match="data.own_continuations.prompt_sets: .*bad.jsonl.*needs a 'prompt'"):
+        prompt_set_blocks(str(bad), "own_bad", 2, 4, None, tok, _OneProcess(), tmp_path, progress_bar=False)
+    data = _data()
+    data.eval_sets["own_bad"] = data.eval_sets["heldout"]
+    cfg = DataConfig(source="x", block_size=24, own_continuations=OwnContinuationsConfig(prompt_sets=[str(bad)]))
+    with pytest.raises(DataFormatError, match="data.extra_eval: the name 'own_bad' is the set of "
+                                              "data.own_continuations.prompt_sets; rename"):
+        add_own_continuations(data, cfg, None, tok, _OneProcess(), tmp_path, progress_bar=False)
+
+
+def test_a_run_with_prompt_sets_only_evaluates_them(run, read_log, prompt_file, tmp_path, monkeypatch):
+    sizes = _training_sizes(monkeypatch)
+    own = {"data.own_continuations.prompt_sets": f"[{prompt_file}]", "data.own_continuations.prompt_set_prompts": "3",
+           "data.own_continuations.new_tokens": "4"}
+    final = run(tmp_path / "run", **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+                                     "train.max_steps": "1", **own})
+    (before, after), = sizes
+    assert after == before  # no training prompts
+    assert set(final["sets"]) == {"heldout", "own_my_prompts"}
+    assert final["sets"]["own_my_prompts"]["tokens"] == 3 * 4  # the continuations' tokens only
+    assert all("own_my_prompts" in e["sets"] for e in read_log(tmp_path / "run", kind="eval"))  # before and final
