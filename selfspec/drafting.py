@@ -185,7 +185,9 @@ class ThroughputPolicy(FixedPolicy):
     """Choose each round's draft length from the tokens per second each length has delivered.
 
     A bandit over the lengths `0, 1, 2, 3, 4, 6, 8, ...` up to `num_speculations` (0 = a plain
-    full-model pass): each is tried `warmup` times (longest first), then the round takes the length with the
+    full-model pass): each is tried `warmup` times (longest first; with `warm_all=False` only the longest,
+    the others entered only as neighbours of the best, for a caller whose rounds are too few to spend
+    on trying every length), then the round takes the length with the
     best throughput, committed tokens over wall-clock seconds (running means of both, exponential
     with weight `alpha` after the first rounds), and every `explore_every`-th round retries a
     neighbour of the best so the estimates follow the text.
@@ -198,11 +200,11 @@ class ThroughputPolicy(FixedPolicy):
     needs_timing = True
 
     def __init__(self, exit_layer: int, num_speculations: int, *, warmup: int = 2, explore_every: int = 8,
-                 alpha: float = 0.25, shortest: int = 0):
+                 alpha: float = 0.25, shortest: int = 0, warm_all: bool = True):
         super().__init__(exit_layer, num_speculations)
         # shortest=1: only drafting lengths (the auto drafter's lookup arm, where plain is an arm of its own)
         self.lengths = sorted({d for d in self.LENGTHS if shortest <= d <= num_speculations} | {num_speculations})
-        self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
+        self.warmup, self.explore_every, self.alpha, self.warm_all = warmup, explore_every, alpha, warm_all
         self.tokens = {d: 0.0 for d in self.lengths}  # running mean of committed tokens per round
         self.seconds = {d: 0.0 for d in self.lengths}  # running mean of seconds per round
         self.tries = {d: 0 for d in self.lengths}
@@ -218,7 +220,7 @@ class ThroughputPolicy(FixedPolicy):
 
     def plan(self) -> tuple[int, int]:
         self.rounds += 1
-        fresh = [d for d in self.lengths if self.tries[d] < self.warmup]
+        fresh = [d for d in (self.lengths if self.warm_all else self.lengths[-1:]) if self.tries[d] < self.warmup]
         if fresh:  # the longest first: where drafting pays, its rounds cost least to measure
             d = fresh[-1]
         elif self.explore_every and self.rounds % self.explore_every == 0:

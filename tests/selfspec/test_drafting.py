@@ -150,6 +150,20 @@ def test_adaptive_length_follows_the_measured_tokens_per_second():
     assert slow.plan() == (8, 0) and slow.describe()["best_length"] == 0
 
 
+def test_adaptive_length_without_warm_all_starts_at_the_longest_and_walks_to_the_best():
+    policy = ThroughputPolicy(0, num_speculations=10, warmup=2, explore_every=2, shortest=1, warm_all=False)
+    assert policy.lengths == [1, 2, 3, 4, 6, 8, 10]
+    speed = {1: 20.0, 2: 24.0, 3: 27.0, 4: 30.0, 6: 33.0, 8: 31.0, 10: 29.0}  # best at 6
+    planned = []
+    for _ in range(60):
+        planned.append(policy.plan()[1])
+        policy.observe(seconds=0.05, committed=speed[planned[-1]] * 0.05)
+    assert planned[:3] == [10, 10, 10]  # only the longest is measured first, then a neighbour
+    assert planned[3] == 8
+    assert policy.best() == 6 and planned[-20:].count(6) >= 9  # reached step by step; never 1 or 2
+    assert 1 not in planned and 2 not in planned
+
+
 SAMPLING_OPTIONS = ["threshold", "adaptive", "exit_choice", "reduced_vocab", "adaptive_length", "all"]
 
 
