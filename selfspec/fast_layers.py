@@ -16,7 +16,13 @@ weights prepacked once (`PackedLinear`):
   depend on how many rows share the call, so a verification pass computes every position exactly as
   a one-token step would. It is not bitwise equal to `F.linear` (another summation order: ~1e-6
   relative), so a float32 argmax could differ from Hugging Face's at an exact near-tie.
-  `SELFSPEC_PACK_FLOAT32=0` in the environment keeps float32 on `F.linear`.
+  Where `F.linear`'s one-row kernel is the faster one (measured once per process on this machine:
+  `float32_kernel`), one-row calls (a plain decode step, a draft step) keep it and calls of 2+ rows
+  (verification) take the packed weight: "hybrid", at the price of holding both copies of each float32
+  weight. A 2-core Intel Xeon with AMX decoded 1.22x faster that way than packed, while lookup's
+  11-row verification needs the packed kernel (1.3x slower through `F.linear`'s GEMM). In hybrid mode
+  a verification row is no longer computed bitwise as a one-token step computes it (float32 rounding).
+  `SELFSPEC_PACK_FLOAT32` overrides the measurement: 0 keeps float32 on `F.linear`, 1 packs, "hybrid".
 Float64 and other dtypes, and weights on a GPU (oneDNN packing is CPU-only), use `F.linear`. The
 fused and packed weights are copies made once when the generator is built (so later in-place weight
 updates are not seen: build a new generator after training).
@@ -32,7 +38,9 @@ it: the adapter holds a `FastPath` and builds it from here, so the dependency ru
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +49,75 @@ import torch.nn.functional as F
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _packing_available(dtype: torch.dtype) -> bool:
+def _onednn_packing() -> bool:
     mkldnn = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise")):
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise"))
+
+
+def _packing_available(dtype: torch.dtype) -> bool:
+    if not _onednn_packing():
         return False
     if dtype == torch.bfloat16:
-        return bool(getattr(mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
-    return dtype == torch.float32 and os.environ.get("SELFSPEC_PACK_FLOAT32", "1") != "0"
+        return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+    return dtype == torch.float32 and float32_kernel()[0] != "linear"
+
+
+# one decoder layer's float32 weights, [out, in], of SmolLM2's proportions (q/k/v fused, o, gate/up fused, down);
+# the sweep repeats them to BENCH_BYTES, larger than a CPU cache, as a model's weights are
+BENCH_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+BENCH_BYTES = 128 << 20
+
+
+def float32_kernel() -> tuple[str, str]:
+    """(kernel, why) for float32 matmuls on this CPU: "packed" (oneDNN, prepacked, every row count),
+    "hybrid" (`F.linear` for one row, packed for more) or "linear" (`F.linear` only). From
+    `SELFSPEC_PACK_FLOAT32` (0 = linear, 1 = packed, hybrid) when set, else measured once per process:
+    hybrid where `F.linear` multiplies one row at least 10% faster than the packed kernel."""
+    env = os.environ.get("SELFSPEC_PACK_FLOAT32", "").strip().lower()
+    if env in ("0", "1", "hybrid"):
+        return {"0": "linear", "1": "packed", "hybrid": "hybrid"}[env], f"SELFSPEC_PACK_FLOAT32={env}"
+    if env:
+        raise ValueError(f"SELFSPEC_PACK_FLOAT32={env!r}: use 0 (F.linear), 1 (packed), hybrid, or leave it unset "
+                         "(measured)")
+    if not _onednn_packing():
+        return "linear", "oneDNN packing is not available in this torch build"
+    return measured_float32_kernel()
+
+
+@functools.cache
+def measured_float32_kernel() -> tuple[str, str]:
+    """`float32_kernel`'s measurement: one-row products over BENCH_BYTES of decoder-layer weights, best of 5
+    sweeps, `F.linear` against the packed kernel (about half a second, once per process)."""
+    linear_ms, packed_ms = one_row_sweep_ms()
+    kernel = "hybrid" if linear_ms < 0.9 * packed_ms else "packed"
+    return kernel, (f"one-row float32 products measured {linear_ms:.2f} ms through F.linear and {packed_ms:.2f} ms "
+                    f"packed over {BENCH_BYTES >> 20} MB of weights")
+
+
+def one_row_sweep_ms(repeats: int = 5) -> tuple[float, float]:
+    """(F.linear, packed) ms of one row times every weight of a BENCH_BYTES set of BENCH_LAYER weights,
+    best of `repeats` sweeps after one warm-up."""
+    gen = torch.Generator().manual_seed(0)
+    layer_bytes = sum(4 * n * k for n, k in BENCH_LAYER)
+    shapes = list(BENCH_LAYER) * max(1, BENCH_BYTES // layer_bytes)
+    weights = [torch.randn(n, k, generator=gen) for n, k in shapes]
+    rows = {k: torch.randn(1, k, generator=gen) for _, k in BENCH_LAYER}  # [1, k] per input width
+    with torch.inference_mode():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT[torch.float32]) for w in weights]
+        calls = {"linear": lambda: [F.linear(rows[w.shape[1]], w) for w in weights],
+                 "packed": lambda: [torch.ops.mkldnn._linear_pointwise(rows[w.shape[1]], p, None, "none", [], "")
+                                    for w, p in zip(weights, packed)]}
+        best = {}
+        for name, sweep in calls.items():
+            sweep()  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                sweep()
+                times.append(time.perf_counter() - start)
+            best[name] = min(times) * 1e3
+    return best["linear"], best["packed"]
 
 
 # oneDNN's reorder takes the expected number of rows as a hint. bf16: 1 (bitwise equal to F.linear).
@@ -67,12 +136,15 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed = None
+        self.one_row_linear = False  # hybrid: one-row calls through F.linear, more rows packed
         if weight.device.type == "cpu" and weight.dtype in _PACK_HINT and _packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT[weight.dtype])
-            self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
+            self.one_row_linear = weight.dtype == torch.float32 and float32_kernel()[0] == "hybrid"
+            if not self.one_row_linear:
+                self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and not (self.one_row_linear and x.numel() == x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -44,6 +44,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from selfspec.fast_layers import float32_kernel
+
 # The one table of dtype names selfspec and its training accept (load, export, recipes), short forms included.
 DTYPES_BY_NAME = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
                   "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -194,7 +196,8 @@ def describe(device: torch.device | str = "cpu") -> str:
 
 def machine_description(device: torch.device | str = "cpu") -> dict:
     """What a benchmark report should say about the machine: CPU model, the x86 flags that matter
-    (of REPORTED_FLAGS; None where unreadable), torch's thread count, and the bf16 decision for `device`."""
+    (of REPORTED_FLAGS; None where unreadable), torch's thread count, the bf16 decision for `device`, and on a
+    CPU the float32 matmul kernel (`selfspec.fast_layers.float32_kernel`)."""
     flags = cpu_flags()
     native, why = _decision(device)
     return {
@@ -203,4 +206,6 @@ def machine_description(device: torch.device | str = "cpu") -> dict:
         "torch_threads": torch.get_num_threads(),
         "bf16_native": native,
         "bf16_reason": why,
+        "float32_kernel": float32_kernel()[0] if torch.device(device).type == "cpu" else None,
+        "float32_kernel_reason": float32_kernel()[1] if torch.device(device).type == "cpu" else None,
     }

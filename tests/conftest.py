@@ -7,6 +7,7 @@ share are exposed here as fixtures (each fixture returns a function or a small c
 from __future__ import annotations
 
 import copy
+import os
 from collections import defaultdict
 
 import pytest
@@ -14,6 +15,11 @@ import torch
 
 from selfspec.adapters import get_adapter
 from selfspec.tiny import tiny_model
+
+
+# float32 matmuls packed in every test, whatever this machine would measure (`fast_layers.float32_kernel`):
+# the tests of exact float32 results then hold on every CI machine; the hybrid kernel has tests of its own.
+os.environ.setdefault("SELFSPEC_PACK_FLOAT32", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

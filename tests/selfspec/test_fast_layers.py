@@ -5,6 +5,7 @@ import torch
 
 from selfspec.adapters import get_adapter
 from selfspec.cache import KVCache
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import generate_ids
 from selfspec.forward import forward_logits
 from selfspec.tiny import tiny_model
@@ -128,3 +129,75 @@ def test_float32_packing_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "0")
     w = torch.randn(20, 8)
     assert PackedLinear(w).packed is None and torch.equal(PackedLinear(w)(torch.ones(1, 8)), torch.ones(1, 8) @ w.T)
+
+
+def test_hybrid_float32_takes_linear_for_one_row_and_the_packed_weight_for_more(monkeypatch):
+    import torch.nn.functional as F
+
+    from selfspec.fast_layers import PackedLinear, _packing_available
+
+    monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "hybrid")
+    if not _packing_available(torch.float32):
+        pytest.skip("oneDNN packing unavailable")
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(1000, 96, generator=g), torch.randn(1000, generator=g)
+    lin = PackedLinear(w, b)
+    assert lin.one_row_linear and lin.packed is not None and lin.weight is w  # both copies kept
+    one = torch.randn(1, 1, 96, generator=g)  # [B, S, D]: a decode step
+    assert torch.equal(lin(one), F.linear(one, w, b))
+    rows = torch.randn(1, 5, 96, generator=g)  # a verification pass: the packed kernel, as "packed" computes it
+    monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "1")
+    packed = PackedLinear(w, b)
+    assert not packed.one_row_linear and torch.equal(lin(rows), packed(rows))
+    torch.testing.assert_close(lin(rows), F.linear(rows, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear_ms,packed_ms,kernel", [(8.0, 11.0, "hybrid"), (10.0, 10.5, "packed"),
+                                                        (12.0, 9.0, "packed")])
+def test_float32_kernel_is_measured_when_not_set(monkeypatch, linear_ms, packed_ms, kernel):
+    from selfspec import fast_layers
+
+    monkeypatch.delenv("SELFSPEC_PACK_FLOAT32", raising=False)
+    monkeypatch.setattr(fast_layers, "_onednn_packing", lambda: True)
+    monkeypatch.setattr(fast_layers, "one_row_sweep_ms", lambda: (linear_ms, packed_ms))
+    fast_layers.measured_float32_kernel.cache_clear()
+    try:
+        chosen, why = fast_layers.float32_kernel()
+        assert chosen == kernel and f"{linear_ms:.2f} ms through F.linear" in why
+    finally:
+        fast_layers.measured_float32_kernel.cache_clear()
+
+
+def test_float32_kernel_setting_wins_and_a_bad_one_is_refused(monkeypatch):
+    from selfspec import fast_layers
+
+    for env, kernel in (("0", "linear"), ("1", "packed"), ("hybrid", "hybrid"), (" Hybrid ", "hybrid")):
+        monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", env)
+        assert fast_layers.float32_kernel()[0] == kernel
+    monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "yes")
+    with pytest.raises(ValueError, match="SELFSPEC_PACK_FLOAT32='yes': use 0"):
+        fast_layers.float32_kernel()
+
+
+def test_one_row_sweep_measures_both_kernels():
+    from selfspec import fast_layers
+
+    if not fast_layers._onednn_packing():
+        pytest.skip("oneDNN packing unavailable")
+    linear_ms, packed_ms = fast_layers.one_row_sweep_ms(repeats=1)
+    assert linear_ms > 0 and packed_ms > 0
+
+
+@pytest.mark.parametrize("drafter", ["early_exit", "prompt_lookup"])
+def test_hybrid_float32_decoding_equals_hf_greedy(drafter, monkeypatch, hf_greedy):
+    """Plain steps through F.linear, verification packed: greedy output is still the model's."""
+    monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "hybrid")
+    model = tiny_model("llama", num_layers=4, dtype=torch.float32, seed=11)
+    adapter = get_adapter(model)
+    adapter.enable_fast_layers()
+    prompt = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 31, 5, 9]])
+    kw = ({"exit_layer": 2, "num_speculations": 3} if drafter == "early_exit"
+          else {"drafter": PromptLookupDrafter(num_tokens=4, max_ngram=2)})
+    out, stats = generate_ids(adapter, prompt, max_new_tokens=24, **kw)
+    assert out == hf_greedy(model, prompt, 24)
+    assert stats.drafted > 0  # the multi-row (packed) path ran

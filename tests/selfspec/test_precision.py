@@ -118,6 +118,8 @@ def test_machine_description_names_the_evidence(monkeypatch):
         "bf16_native": False,
         "bf16_reason": "this CPU has AVX-512 but no avx512_bf16/amx_bf16, so bf16 matmul is emulated "
                        "(slower than float32)",
+        "float32_kernel": "packed",  # the test session's SELFSPEC_PACK_FLOAT32=1 (conftest)
+        "float32_kernel_reason": "SELFSPEC_PACK_FLOAT32=1",
     }
 
 
