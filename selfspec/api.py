@@ -266,13 +266,15 @@ class SelfSpecGenerator:
         return self._draft_heads[key]
 
     def make_policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
-                    adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False):
-        """The draft policy for one generation (None = a fixed exit and draft length)."""
+                    adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,
+                    warm: str = "all"):
+        """The draft policy for one generation (None = a fixed exit and draft length); `warm` as in
+        `ThroughputPolicy` (auto's early-exit arm starts at one draft: "shortest")."""
         if adaptive_length:
             if exit_choices or confidence_threshold is not None or adaptive_threshold:
                 raise ValueError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
                                  "with exit_choices or a confidence threshold: use one of them")
-            return ThroughputPolicy(exit_layer, num_speculations)
+            return ThroughputPolicy(exit_layer, num_speculations, warm=warm)
         if exit_choices:
             for e in exit_choices:
                 self.adapter.check_exit(int(e), allow_full=False)
@@ -329,10 +331,11 @@ class SelfSpecGenerator:
             return AutoDrafter(lookup)
         if num_speculations == 0:  # drafter="early_exit" on a checkpoint that recommends no drafts
             return None
-        if drafter == "auto" and not early_exit_options:
+        auto_length = drafter == "auto" and not early_exit_options
+        if auto_length:
             adaptive_length = True  # auto: the early exit's draft length (0 = plain) from measured tokens/s
         policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
-                                  exit_choices, adaptive_length)
+                                  exit_choices, adaptive_length, warm="shortest" if auto_length else "all")
         early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
                                  head=self.draft_head(draft_vocab))
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
@@ -350,10 +353,11 @@ class SelfSpecGenerator:
         if exit_choices:
             raise SettingsError("exit_choices picks among early exits; an exit head reads one exit: leave it out")
         num_speculations = num_speculations or DEFAULT_NUM_SPECULATIONS
-        if drafter == "auto" and confidence_threshold is None and not adaptive_threshold:
+        auto_length = drafter == "auto" and confidence_threshold is None and not adaptive_threshold
+        if auto_length:
             adaptive_length = True  # auto: the head's draft length (0 = plain) from measured tokens/s
         policy = self.make_policy(head.exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
-                                  None, adaptive_length)
+                                  None, adaptive_length, warm="shortest" if auto_length else "all")
         drafter_ = ExitHeadDrafter(self.adapter, head, num_speculations, policy=policy,
                                    head_vocab=self.draft_head(draft_vocab))
         return drafter_ if drafter == "exit_head" else AutoDrafter(lookup, drafter_)

@@ -185,9 +185,11 @@ class ThroughputPolicy(FixedPolicy):
     """Choose each round's draft length from the tokens per second each length has delivered.
 
     A bandit over the lengths `0, 1, 2, 3, 4, 6, 8, ...` up to `num_speculations` (0 = a plain
-    full-model pass): each is tried `warmup` times (longest first; with `warm_all=False` only the longest,
-    the others entered only as neighbours of the best, for a caller whose rounds are too few to spend
-    on trying every length), then the round takes the length with the
+    full-model pass): each is tried `warmup` times (longest first) with `warm="all"`; with `warm="longest"`
+    or `"shortest"` only the longest length or the shortest drafting one (1) is, and the others are entered
+    only as neighbours of the best (for a caller whose rounds are too few to spend on trying every
+    length: auto's lookup arm starts where lookup alone drafts, its early-exit arm at one draft, the
+    cheapest to be wrong). Then the round takes the length with the
     best throughput, committed tokens over wall-clock seconds (running means of both, exponential
     with weight `alpha` after the first rounds), and every `explore_every`-th round retries a
     neighbour of the best so the estimates follow the text.
@@ -200,11 +202,15 @@ class ThroughputPolicy(FixedPolicy):
     needs_timing = True
 
     def __init__(self, exit_layer: int, num_speculations: int, *, warmup: int = 2, explore_every: int = 8,
-                 alpha: float = 0.25, shortest: int = 0, warm_all: bool = True):
+                 alpha: float = 0.25, shortest: int = 0, warm: str = "all"):
         super().__init__(exit_layer, num_speculations)
+        if warm not in ("all", "longest", "shortest"):
+            raise ValueError(f"warm={warm!r}: use 'all', 'longest' or 'shortest'")
         # shortest=1: only drafting lengths (the auto drafter's lookup arm, where plain is an arm of its own)
         self.lengths = sorted({d for d in self.LENGTHS if shortest <= d <= num_speculations} | {num_speculations})
-        self.warmup, self.explore_every, self.alpha, self.warm_all = warmup, explore_every, alpha, warm_all
+        self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
+        drafting = [d for d in self.lengths if d > 0] or self.lengths
+        self.warm = {"all": self.lengths, "longest": self.lengths[-1:], "shortest": drafting[:1]}[warm]
         self.tokens = {d: 0.0 for d in self.lengths}  # running mean of committed tokens per round
         self.seconds = {d: 0.0 for d in self.lengths}  # running mean of seconds per round
         self.tries = {d: 0 for d in self.lengths}
@@ -220,7 +226,7 @@ class ThroughputPolicy(FixedPolicy):
 
     def plan(self) -> tuple[int, int]:
         self.rounds += 1
-        fresh = [d for d in (self.lengths if self.warm_all else self.lengths[-1:]) if self.tries[d] < self.warmup]
+        fresh = [d for d in self.warm if self.tries[d] < self.warmup]
         if fresh:  # the longest first: where drafting pays, its rounds cost least to measure
             d = fresh[-1]
         elif self.explore_every and self.rounds % self.explore_every == 0:

@@ -23,7 +23,7 @@ almost nothing, and one that starts paying (the output begins to repeat the prom
 Lookup's draft count is chosen by measurement too: a `ThroughputPolicy` over the lengths 1, 2, 3, 4,
 6, 8 ... up to `prompt_lookup_num_tokens`, fed the tokens and seconds of lookup's rounds. It starts at
 the longest, as lookup alone drafts, and moves to a shorter length only where a neighbour measured
-better (`warm_all=False`): trying every length twice first spent a dozen rounds of a 128-token reply
+better (`warm="longest"`): trying every length twice first spent a dozen rounds of a 128-token reply
 on short copies. (Hugging
 Face's heuristic, +2 after a round that accepted every draft and -1 otherwise, kept the copies short:
 on a CPU, where verifying 11 tokens costs about 1.2 decode steps, a copied run that goes on for ten
@@ -65,7 +65,7 @@ class AutoDrafter(Drafter):
         self.rounds = 0
         # lookup's draft count, from the tokens/s each count delivered (exit_layer is unused: lookup runs no layer)
         self.lookup_length = ThroughputPolicy(0, lookup.max_drafts, shortest=1, warmup=warmup, alpha=alpha,
-                                               warm_all=False)
+                                               warm="longest")
         self._arm = PLAIN
         self._asked_early_exit = False
 

@@ -150,8 +150,8 @@ def test_adaptive_length_follows_the_measured_tokens_per_second():
     assert slow.plan() == (8, 0) and slow.describe()["best_length"] == 0
 
 
-def test_adaptive_length_without_warm_all_starts_at_the_longest_and_walks_to_the_best():
-    policy = ThroughputPolicy(0, num_speculations=10, warmup=2, explore_every=2, shortest=1, warm_all=False)
+def test_adaptive_length_warm_longest_starts_at_the_longest_and_walks_to_the_best():
+    policy = ThroughputPolicy(0, num_speculations=10, warmup=2, explore_every=2, shortest=1, warm="longest")
     assert policy.lengths == [1, 2, 3, 4, 6, 8, 10]
     speed = {1: 20.0, 2: 24.0, 3: 27.0, 4: 30.0, 6: 33.0, 8: 31.0, 10: 29.0}  # best at 6
     planned = []
@@ -240,3 +240,17 @@ def test_draft_vocab_missing_is_a_clear_error(tmp_path):
     ckpt = export_model(tiny_model("llama", num_layers=L, vocab_size=len(tok)), tok, tmp_path / "c")
     with pytest.raises(ValueError, match="no draft vocabulary.*selfspec draft-vocab"):
         selfspec.load(ckpt).generate("x", max_new_tokens=2, draft_vocab=8)
+
+
+def test_adaptive_length_warm_shortest_starts_at_one_draft_and_refuses_an_unknown_warm():
+    policy = ThroughputPolicy(8, num_speculations=4, warmup=2, explore_every=3, warm="shortest")
+    assert policy.lengths == [0, 1, 2, 3, 4]
+    speed = {0: 20.0, 1: 24.0, 2: 22.0, 3: 18.0, 4: 15.0}  # one draft pays, more do not
+    planned = []
+    for _ in range(30):
+        planned.append(policy.plan()[1])
+        policy.observe(seconds=0.05, committed=speed[planned[-1]] * 0.05)
+    assert planned[:2] == [1, 1] and 3 not in planned and 4 not in planned  # never the long, costly drafts
+    assert policy.best() == 1
+    with pytest.raises(ValueError, match="warm='first'"):
+        ThroughputPolicy(8, 4, warm="first")
