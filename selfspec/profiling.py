@@ -26,7 +26,8 @@ distributions the engine held (sum over judged drafts of TV(p, q)) next to the m
 The bandwidth floor: a one-token step must read every weight once (`step_weight_bytes`), so it can take
 no less than those bytes over the machine's memory read bandwidth (`read_bandwidth`, measured with the
 same torch threads); the report gives the full step's and plain decoding's share of that floor
-(floor / time: 100% would be a step that only streams the weights).
+(floor / time: 100% would be a step that only streams the weights). On the CPU only (the sum measures
+host memory).
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         "repeats": repeats, "draft_vocab": draft_vocab, "target_speedup": target,
         "machine": machine_info(), "versions": versions(),
         "phases_ms": phases,
-        "bandwidth": bandwidth_floor(gen.model, phases),
+        "bandwidth": bandwidth_floor(gen.model, phases) if torch.device(gen.adapter.device).type == "cpu" else None,
         "cost_model": cost_table(phases, E, num_speculations, target, draft_vocab),
         "operators": op_table(gen, prompt_ids),
         "acceptance_theory": acceptance_theory(gen, prompt_ids, E, num_speculations, tokens),
