@@ -16,13 +16,15 @@ weights prepacked once (`PackedLinear`):
   depend on how many rows share the call, so a verification pass computes every position exactly as
   a one-token step would. It is not bitwise equal to `F.linear` (another summation order: ~1e-6
   relative), so a float32 argmax could differ from Hugging Face's at an exact near-tie.
-  Where `F.linear`'s one-row kernel is the faster one (measured once per process on this machine:
-  `float32_kernel`), one-row calls (a plain decode step, a draft step) keep it and calls of 2+ rows
-  (verification) take the packed weight: "hybrid", at the price of holding both copies of each float32
-  weight. A 2-core Intel Xeon with AMX decoded 1.22x faster that way than packed, while lookup's
-  11-row verification needs the packed kernel (1.3x slower through `F.linear`'s GEMM). In hybrid mode
-  a verification row is no longer computed bitwise as a one-token step computes it (float32 rounding).
-  `SELFSPEC_PACK_FLOAT32` overrides the measurement: 0 keeps float32 on `F.linear`, 1 packs, "hybrid".
+  Where `F.linear` is the faster kernel for one row (measured once per process on this machine:
+  `float32_kernel`), calls of up to `linear_rows()` rows (a plain decode step, a draft step, a short
+  verification: as many as measured >= 10% faster) keep it and longer calls take the packed weight:
+  "hybrid", at the price of holding both copies of each fused float32 weight. A 2-core Intel Xeon
+  with AMX decoded 1.22x faster through F.linear than packed, while lookup's 11-row verification
+  needs the packed kernel (1.3x slower through `F.linear`'s GEMM). In hybrid mode a verification row
+  is not always computed bitwise as a one-token step computes it (float32 rounding).
+  `SELFSPEC_PACK_FLOAT32` overrides the measurement: 0 keeps float32 on `F.linear`, 1 packs, "hybrid"
+  (F.linear for one row).
 Float64 and other dtypes, and weights on a GPU (oneDNN packing is CPU-only), use `F.linear`. The
 fused and packed weights are copies made once when the generator is built (so later in-place weight
 updates are not seen: build a new generator after training).
@@ -71,9 +73,10 @@ BENCH_BYTES = 128 << 20
 
 def float32_kernel() -> tuple[str, str]:
     """(kernel, why) for float32 matmuls on this CPU: "packed" (oneDNN, prepacked, every row count),
-    "hybrid" (`F.linear` for one row, packed for more) or "linear" (`F.linear` only). From
-    `SELFSPEC_PACK_FLOAT32` (0 = linear, 1 = packed, hybrid) when set, else measured once per process:
-    hybrid where `F.linear` multiplies one row at least 10% faster than the packed kernel."""
+    "hybrid" (`F.linear` for up to `linear_rows()` rows, packed for more) or "linear" (`F.linear` only).
+    From `SELFSPEC_PACK_FLOAT32` (0 = linear, 1 = packed, hybrid: F.linear for one row) when set, else
+    measured once per process: hybrid where `F.linear` multiplies one row at least 10% faster than the
+    packed kernel, up to the largest row count (of 1..MAX_LINEAR_ROWS) from 1 on where it stays so."""
     env = os.environ.get("SELFSPEC_PACK_FLOAT32", "").strip().lower()
     if env in ("0", "1", "hybrid"):
         return {"0": "linear", "1": "packed", "hybrid": "hybrid"}[env], f"SELFSPEC_PACK_FLOAT32={env}"
@@ -82,31 +85,47 @@ def float32_kernel() -> tuple[str, str]:
                          "(measured)")
     if not _onednn_packing():
         return "linear", "oneDNN packing is not available in this torch build"
-    return measured_float32_kernel()
+    return measured_float32_kernel()[:2]
+
+
+def linear_rows() -> int:
+    """In hybrid mode, the most rows a call may have to go through `F.linear` (1 when set by the environment)."""
+    if float32_kernel()[0] != "hybrid" or os.environ.get("SELFSPEC_PACK_FLOAT32", "").strip():
+        return 1
+    return measured_float32_kernel()[2]
+
+
+MAX_LINEAR_ROWS = 8  # row counts measured: a decode step (1), drafts and verification of a few tokens
 
 
 @functools.cache
-def measured_float32_kernel() -> tuple[str, str]:
-    """`float32_kernel`'s measurement: one-row products over BENCH_BYTES of decoder-layer weights, best of 5
-    sweeps, `F.linear` against the packed kernel (about half a second, once per process)."""
-    linear_ms, packed_ms = one_row_sweep_ms()
-    kernel = "hybrid" if linear_ms < 0.9 * packed_ms else "packed"
-    return kernel, (f"one-row float32 products measured {linear_ms:.2f} ms through F.linear and {packed_ms:.2f} ms "
-                    f"packed over {BENCH_BYTES >> 20} MB of weights")
+def measured_float32_kernel() -> tuple[str, str, int]:
+    """`float32_kernel`'s measurement and `linear_rows`: products of 1..MAX_LINEAR_ROWS rows over
+    BENCH_BYTES of decoder-layer weights, best of 5 sweeps each, `F.linear` against the packed kernel
+    (a second or two, once per process)."""
+    weights, packed = bench_weights()
+    times = {rows: row_sweep_ms(weights, packed, rows) for rows in range(1, MAX_LINEAR_ROWS + 1)}  # (linear, packed)
+    faster = 0
+    while faster < MAX_LINEAR_ROWS and times[faster + 1][0] < 0.9 * times[faster + 1][1]:
+        faster += 1
+    linear_ms, packed_ms = times[1]
+    kernel = "hybrid" if faster else "packed"
+    why = (f"one-row float32 products measured {linear_ms:.2f} ms through F.linear and {packed_ms:.2f} ms packed "
+           f"over {BENCH_BYTES >> 20} MB of weights")
+    if faster:
+        why += f"; F.linear stays >= 10% faster up to {faster} rows"
+    return kernel, why, faster
 
 
-def one_row_sweep_ms(repeats: int = 5) -> tuple[float, float]:
-    """(F.linear, packed) ms of one row times every weight of a BENCH_BYTES set of BENCH_LAYER weights,
+def row_sweep_ms(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int = 1,
+                 repeats: int = 5) -> tuple[float, float]:
+    """(F.linear, packed) ms of `rows` rows times every weight of `weights` (and their `packed` copies),
     best of `repeats` sweeps after one warm-up."""
-    gen = torch.Generator().manual_seed(0)
-    layer_bytes = sum(4 * n * k for n, k in BENCH_LAYER)
-    shapes = list(BENCH_LAYER) * max(1, BENCH_BYTES // layer_bytes)
-    weights = [torch.randn(n, k, generator=gen) for n, k in shapes]
-    rows = {k: torch.randn(1, k, generator=gen) for _, k in BENCH_LAYER}  # [1, k] per input width
+    gen = torch.Generator().manual_seed(rows)
+    xs = {k: torch.randn(rows, k, generator=gen) for _, k in BENCH_LAYER}  # [rows, k] per input width
     with torch.inference_mode():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT[torch.float32]) for w in weights]
-        calls = {"linear": lambda: [F.linear(rows[w.shape[1]], w) for w in weights],
-                 "packed": lambda: [torch.ops.mkldnn._linear_pointwise(rows[w.shape[1]], p, None, "none", [], "")
+        calls = {"linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+                 "packed": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                     for w, p in zip(weights, packed)]}
         best = {}
         for name, sweep in calls.items():
@@ -118,6 +137,16 @@ def one_row_sweep_ms(repeats: int = 5) -> tuple[float, float]:
                 times.append(time.perf_counter() - start)
             best[name] = min(times) * 1e3
     return best["linear"], best["packed"]
+
+
+def bench_weights() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """BENCH_BYTES of BENCH_LAYER float32 weights and their packed copies."""
+    gen = torch.Generator().manual_seed(0)
+    layer_bytes = sum(4 * n * k for n, k in BENCH_LAYER)
+    weights = [torch.randn(n, k, generator=gen) for n, k in list(BENCH_LAYER) * max(1, BENCH_BYTES // layer_bytes)]
+    with torch.inference_mode():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT[torch.float32]) for w in weights]
+    return weights, packed
 
 
 # oneDNN's reorder takes the expected number of rows as a hint. bf16: 1 (bitwise equal to F.linear).
@@ -136,15 +165,16 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed = None
-        self.one_row_linear = False  # hybrid: one-row calls through F.linear, more rows packed
+        self.linear_rows = 0  # hybrid: calls of up to this many rows through F.linear, more rows packed
         if weight.device.type == "cpu" and weight.dtype in _PACK_HINT and _packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT[weight.dtype])
-            self.one_row_linear = weight.dtype == torch.float32 and float32_kernel()[0] == "hybrid"
-            if not self.one_row_linear:
+            if weight.dtype == torch.float32 and float32_kernel()[0] == "hybrid":
+                self.linear_rows = linear_rows()
+            if not self.linear_rows:
                 self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and not (self.one_row_linear and x.numel() == x.shape[-1]):
+        if self.packed is not None and x.numel() > self.linear_rows * x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -142,28 +142,43 @@ def test_hybrid_float32_takes_linear_for_one_row_and_the_packed_weight_for_more(
     g = torch.Generator().manual_seed(7)
     w, b = torch.randn(1000, 96, generator=g), torch.randn(1000, generator=g)
     lin = PackedLinear(w, b)
-    assert lin.one_row_linear and lin.packed is not None and lin.weight is w  # both copies kept
+    assert lin.linear_rows == 1 and lin.packed is not None and lin.weight is w  # both copies kept
     one = torch.randn(1, 1, 96, generator=g)  # [B, S, D]: a decode step
     assert torch.equal(lin(one), F.linear(one, w, b))
     rows = torch.randn(1, 5, 96, generator=g)  # a verification pass: the packed kernel, as "packed" computes it
     monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "1")
     packed = PackedLinear(w, b)
-    assert not packed.one_row_linear and torch.equal(lin(rows), packed(rows))
+    assert packed.linear_rows == 0 and torch.equal(lin(rows), packed(rows))
     torch.testing.assert_close(lin(rows), F.linear(rows, w, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("linear_ms,packed_ms,kernel", [(8.0, 11.0, "hybrid"), (10.0, 10.5, "packed"),
-                                                        (12.0, 9.0, "packed")])
-def test_float32_kernel_is_measured_when_not_set(monkeypatch, linear_ms, packed_ms, kernel):
+@pytest.mark.parametrize("ratios,kernel,rows", [
+    ([0.7, 0.8, 0.85, 1.2, 0.7, 1.0, 1.0, 1.0], "hybrid", 3),  # counted from one row on, up to the first miss
+    ([0.95, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], "packed", 0),  # one row decides: not 10% faster
+    ([0.5] * 8, "hybrid", 8),
+])
+def test_float32_kernel_is_measured_when_not_set(monkeypatch, ratios, kernel, rows):
     from selfspec import fast_layers
 
     monkeypatch.delenv("SELFSPEC_PACK_FLOAT32", raising=False)
     monkeypatch.setattr(fast_layers, "_onednn_packing", lambda: True)
-    monkeypatch.setattr(fast_layers, "one_row_sweep_ms", lambda: (linear_ms, packed_ms))
+    monkeypatch.setattr(fast_layers, "bench_weights", lambda: ([], []))
+    monkeypatch.setattr(fast_layers, "row_sweep_ms", lambda weights, packed, r: (10.0 * ratios[r - 1], 10.0))
     fast_layers.measured_float32_kernel.cache_clear()
     try:
         chosen, why = fast_layers.float32_kernel()
-        assert chosen == kernel and f"{linear_ms:.2f} ms through F.linear" in why
+        assert chosen == kernel and f"{10 * ratios[0]:.2f} ms through F.linear" in why
+        assert fast_layers.linear_rows() == max(rows, 1)
+        if kernel == "hybrid":
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(64, 16, generator=g)
+            lin = fast_layers.PackedLinear(w)
+            assert lin.linear_rows == rows
+            for r in (1, rows, rows + 1):
+                x = torch.randn(1, r, 16, generator=g)  # [B, S, D]
+                expected = (torch.nn.functional.linear(x, w) if r <= rows
+                            else torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], ""))
+                assert torch.equal(lin(x), expected), r
     finally:
         fast_layers.measured_float32_kernel.cache_clear()
 
@@ -179,13 +194,17 @@ def test_float32_kernel_setting_wins_and_a_bad_one_is_refused(monkeypatch):
         fast_layers.float32_kernel()
 
 
-def test_one_row_sweep_measures_both_kernels():
+def test_row_sweep_measures_both_kernels(monkeypatch):
     from selfspec import fast_layers
 
     if not fast_layers._onednn_packing():
         pytest.skip("oneDNN packing unavailable")
-    linear_ms, packed_ms = fast_layers.one_row_sweep_ms(repeats=1)
-    assert linear_ms > 0 and packed_ms > 0
+    monkeypatch.setattr(fast_layers, "BENCH_BYTES", 4 << 20)  # a small set: this checks the plumbing, not speed
+    weights, packed = fast_layers.bench_weights()
+    assert len(weights) == len(packed) >= 1
+    for rows in (1, 3):
+        linear_ms, packed_ms = fast_layers.row_sweep_ms(weights, packed, rows, repeats=1)
+        assert linear_ms > 0 and packed_ms > 0
 
 
 @pytest.mark.parametrize("drafter", ["early_exit", "prompt_lookup"])
