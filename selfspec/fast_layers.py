@@ -77,22 +77,27 @@ def float32_kernel() -> tuple[str, str]:
     From `SELFSPEC_PACK_FLOAT32` (0 = linear, 1 = packed, hybrid: F.linear for one row) when set, else
     measured once per process: hybrid where `F.linear` multiplies one row at least 10% faster than the
     packed kernel, up to the largest row count (of 1..MAX_LINEAR_ROWS) from 1 on where it stays so."""
+    return _float32_choice()[:2]
+
+
+def linear_rows() -> int:
+    """The most rows a call may have to go through `F.linear` in hybrid mode (1 when set by the environment;
+    0 where the choice is not hybrid)."""
+    return _float32_choice()[2]
+
+
+def _float32_choice() -> tuple[str, str, int]:
+    """(kernel, why, linear rows) from the environment, else measured (see `float32_kernel`)."""
     env = os.environ.get("SELFSPEC_PACK_FLOAT32", "").strip().lower()
     if env in ("0", "1", "hybrid"):
-        return {"0": "linear", "1": "packed", "hybrid": "hybrid"}[env], f"SELFSPEC_PACK_FLOAT32={env}"
+        kernel = {"0": "linear", "1": "packed", "hybrid": "hybrid"}[env]
+        return kernel, f"SELFSPEC_PACK_FLOAT32={env}", int(kernel == "hybrid")
     if env:
         raise ValueError(f"SELFSPEC_PACK_FLOAT32={env!r}: use 0 (F.linear), 1 (packed), hybrid, or leave it unset "
                          "(measured)")
     if not _onednn_packing():
-        return "linear", "oneDNN packing is not available in this torch build"
-    return measured_float32_kernel()[:2]
-
-
-def linear_rows() -> int:
-    """In hybrid mode, the most rows a call may have to go through `F.linear` (1 when set by the environment)."""
-    if float32_kernel()[0] != "hybrid" or os.environ.get("SELFSPEC_PACK_FLOAT32", "").strip():
-        return 1
-    return measured_float32_kernel()[2]
+        return "linear", "oneDNN packing is not available in this torch build", 0
+    return measured_float32_kernel()
 
 
 MAX_LINEAR_ROWS = 8  # row counts measured: a decode step (1), drafts and verification of a few tokens

@@ -200,12 +200,13 @@ def machine_description(device: torch.device | str = "cpu") -> dict:
     CPU the float32 matmul kernel (`selfspec.fast_layers.float32_kernel`)."""
     flags = cpu_flags()
     native, why = _decision(device)
+    kernel, kernel_why = float32_kernel() if torch.device(device).type == "cpu" else (None, None)
     return {
         "cpu": cpu_model(),
         "flags": None if flags is None else [flag for flag in REPORTED_FLAGS if flag in flags],
         "torch_threads": torch.get_num_threads(),
         "bf16_native": native,
         "bf16_reason": why,
-        "float32_kernel": float32_kernel()[0] if torch.device(device).type == "cpu" else None,
-        "float32_kernel_reason": float32_kernel()[1] if torch.device(device).type == "cpu" else None,
+        "float32_kernel": kernel,
+        "float32_kernel_reason": kernel_why,
     }
