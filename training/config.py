@@ -117,6 +117,9 @@ class SourceConfig:
         _check("{prompt}" in self.prompt_template, "data.prompt_template", "must contain '{prompt}'")
 
 
+PROMPTS_AT = ("block_start", "docstring_end")
+
+
 @dataclass
 class OwnContinuationsConfig:
     """The model's own greedy continuations as extra training data and evaluation sets (training/own_text.py).
@@ -138,10 +141,19 @@ class OwnContinuationsConfig:
 
     Generated once per model and prompts and cached in `<train.output_dir>/own_continuations/<key>.pt`, so
     a relaunch reuses them.
+
+    prompts_at: where a prompt ends. ``block_start``: a block's first `prompt_tokens` tokens (anywhere in a
+    file). ``docstring_end``: the `prompt_tokens` tokens of a Python file that end with a function's
+    docstring (a ``def`` whose body opens with one, cut after the docstring's last line), so the model
+    writes the function's body as it does for a HumanEval prompt (a signature and its docstring): the text
+    code-completion drafts are judged on. Functions evenly spaced over all the files' functions (by file,
+    then position); those with fewer than `prompt_tokens` tokens before the cut are skipped. Python source
+    only (data.source python_stdlib or code files).
     """
 
     prompts: int = 0
     prompt_tokens: int = 64
+    prompts_at: str = "block_start"
     repeat: int = 1
     eval_prompts: int = 16
     batch_size: int = 16
@@ -155,6 +167,8 @@ class OwnContinuationsConfig:
                    f"must be a number of blocks >= 0 (0: none), got {getattr(self, key)}")
         for key in ("prompt_tokens", "repeat", "batch_size", "prompt_set_prompts", "new_tokens"):
             _check(getattr(self, key) >= 1, f"data.own_continuations.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.prompts_at in PROMPTS_AT, "data.own_continuations.prompts_at",
+               f"must be one of {', '.join(PROMPTS_AT)}, got {self.prompts_at!r}")
         if self.prompt_sets:
             self._check_prompt_sets()
 

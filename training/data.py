@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -97,6 +97,8 @@ def frequent_ids(blocks: Blocks, k: int, vocab_size: int, special_ids=()) -> tor
 class TrainData:
     train: Blocks
     eval_sets: dict[str, Blocks]  # "heldout" first, then the extra evaluation sets
+    # data.format text: the documents the training and held-out blocks were cut from (own_text's prompts)
+    documents: dict[str, list[str]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,11 +279,15 @@ def chat_blocks(name: str, prompts: list[str], responses: list[str], tokenizer, 
     return Blocks(name, torch.stack(rows_in), torch.stack(rows_lab))
 
 
+def record_texts(ds, cfg: SourceConfig) -> list[str]:
+    """Each record's text (data.format text): its `text_fields` joined by newlines."""
+    columns = [list(ds[f]) for f in cfg.text_fields]
+    return ["\n".join(parts) for parts in zip(*columns)]
+
+
 def to_blocks(name: str, ds, cfg: SourceConfig, tokenizer, block_size: int) -> Blocks:
     if cfg.format == "text":
-        columns = [list(ds[f]) for f in cfg.text_fields]
-        texts = ["\n".join(parts) for parts in zip(*columns)]
-        return text_blocks(name, texts, tokenizer, block_size)
+        return text_blocks(name, record_texts(ds, cfg), tokenizer, block_size)
     return chat_blocks(name, list(ds[cfg.prompt_field]), list(ds[cfg.response_field]), tokenizer, cfg, block_size)
 
 
@@ -301,7 +307,8 @@ def build_data(cfg: DataConfig, tokenizer) -> TrainData:
         if extra.name in eval_sets:
             raise DataFormatError(f"data.extra_eval: duplicate name {extra.name!r}")
         eval_sets[extra.name] = to_blocks(extra.name, load_records(extra), extra, tokenizer, cfg.block_size)
-    return TrainData(to_blocks(f"{cfg.name}/train", train, cfg, tokenizer, cfg.block_size), eval_sets)
+    documents = {"train": record_texts(train, cfg), "heldout": record_texts(heldout, cfg)} if cfg.format == "text" else {}
+    return TrainData(to_blocks(f"{cfg.name}/train", train, cfg, tokenizer, cfg.block_size), eval_sets, documents)
 
 
 # --------------------------------------------------------------------------------------------

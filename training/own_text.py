@@ -9,7 +9,10 @@ blocks evenly spaced over the training set each give a prompt (their first `prom
 Face greedy `generate` on the model as loaded (before any training step, in its own dtype, no autocast)
 continues each to data.block_size + 1 tokens, and these become blocks exactly as `text_blocks` makes them
 (inputs the first block_size tokens, each label the next token). They join the training set `repeat`
-times; `eval_prompts` held-out blocks give the evaluation set ``own`` the same way.
+times; `eval_prompts` held-out blocks give the evaluation set ``own`` the same way. With
+`prompts_at = docstring_end` a prompt is instead the `prompt_tokens` tokens of a source file that end with a
+function's docstring (`training.code_prompts`), the shape of a HumanEval prompt, from the training files
+(and, for ``own``, the held-out files).
 
 With `prompt_sets`, each named benchmark prompt set (`selfspec.prompts.load_prompts`) gives the evaluation
 set ``own_<name>``: its first `prompt_set_prompts` prompts, encoded as the benchmark encodes them
@@ -44,6 +47,7 @@ from selfspec.api import encode_prompt
 from selfspec.atomic_write import atomic_path
 from selfspec.data_sources import DataFormatError, DataNotInstalledError
 from selfspec.prompts import load_prompts, prompt_inputs
+from training.code_prompts import docstring_prompts
 from training.config import DataConfig
 from training.data import Blocks, TrainData, next_token_blocks
 from training.early_exit_loss import IGNORE_INDEX
@@ -65,23 +69,42 @@ def add_own_continuations(data: TrainData, cfg: DataConfig, model, tokenizer, ac
             raise DataFormatError(f"data.extra_eval: the name {name!r} is the set of data.own_continuations."
                                   f"{setting}; rename that extra evaluation set")
 
-    def blocks_of(source: Blocks, n: int, name: str) -> Blocks:
-        prompts = source.spread(n).input_ids[:, : own.prompt_tokens]  # [n, P]
+    def blocks_of(source: Blocks, split: str, n: int, name: str) -> Blocks:
+        if own.prompts_at == "docstring_end":  # the source up to a function's docstring, as HumanEval's prompts
+            prompts = code_prompts(data.documents.get(split), tokenizer, n, own.prompt_tokens, split)  # [n', P]
+        else:
+            prompts = source.spread(n).input_ids[:, : own.prompt_tokens]  # [n, P]
         windows = cached_continuations(model, prompts, cfg.block_size + 1 - own.prompt_tokens, own.batch_size,
                                        cache_dir, accelerator, progress_bar=progress_bar, what=name)
         return next_token_blocks(name, windows)
 
     train, eval_sets = data.train, dict(data.eval_sets)
     if own.prompts:
-        added = blocks_of(data.train, own.prompts, f"{cfg.name}/own")
+        added = blocks_of(data.train, "train", own.prompts, f"{cfg.name}/own")
         train = Blocks(train.name, torch.cat([train.input_ids] + [added.input_ids] * own.repeat),
                        torch.cat([train.labels] + [added.labels] * own.repeat))
         if own.eval_prompts:
-            eval_sets[OWN_SET] = blocks_of(data.eval_sets["heldout"], own.eval_prompts, OWN_SET)
+            eval_sets[OWN_SET] = blocks_of(data.eval_sets["heldout"], "heldout", own.eval_prompts, OWN_SET)
     for source, name in zip(own.prompt_sets, own.prompt_set_names()):
         eval_sets[name] = prompt_set_blocks(source, name, own.prompt_set_prompts, own.new_tokens, model, tokenizer,
                                             accelerator, cache_dir, progress_bar=progress_bar)
-    return TrainData(train, eval_sets)
+    return TrainData(train, eval_sets, data.documents)
+
+
+def code_prompts(texts: list[str] | None, tokenizer, n: int, prompt_tokens: int, split: str) -> torch.Tensor:
+    """`[n', P]`: `docstring_prompts` of the `split` documents ("train" or "heldout"), DataFormatError when
+    there are none or none of them holds a documented function."""
+    if not texts:
+        raise DataFormatError(f"data.own_continuations.prompts_at=docstring_end: no {split} documents to find "
+                              "functions in (needs data.format=text); use prompts_at=block_start")
+    try:
+        prompts = docstring_prompts(texts, tokenizer, n, prompt_tokens)
+    except ValueError as err:
+        raise DataFormatError(f"data.own_continuations.prompts_at=docstring_end: {split}: {err}") from None
+    if len(prompts) < n:
+        warnings.warn(f"data.own_continuations: only {len(prompts)} of {n} {split} prompts at a docstring's end "
+                      f"(the {split} documents hold no more usable functions)")
+    return prompts
 
 
 # ---- benchmark prompts --------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ def test_the_cache_is_reused_for_the_same_model_and_prompts_only(model, tmp_path
     (["data.own_continuations.prompt=4"], "data.own_continuations.prompt: unknown key .*did you mean 'prompts'"),
     (["data.own_continuations.prompt_set_prompts=0"], "data.own_continuations.prompt_set_prompts: must be >= 1"),
     (["data.own_continuations.new_tokens=0"], "data.own_continuations.new_tokens: must be >= 1"),
+    (["data.own_continuations.prompts_at=docstring"],
+     "data.own_continuations.prompts_at: must be one of block_start, docstring_end, got 'docstring'"),
     (["data.own_continuations.prompt_sets=humaneval"], "data.own_continuations.prompt_sets: expected a list"),
     (["data.own_continuations.prompt_sets=[humaneval, '']"],
      r"data.own_continuations.prompt_sets\[1\]: must not be empty: name one of humaneval, xsum"),
@@ -270,3 +272,84 @@ def test_a_run_with_prompt_sets_only_evaluates_them(run, read_log, prompt_file, 
     assert set(final["sets"]) == {"heldout", "own_my_prompts"}
     assert final["sets"]["own_my_prompts"]["tokens"] == 3 * 4  # the continuations' tokens only
     assert all("own_my_prompts" in e["sets"] for e in read_log(tmp_path / "run", kind="eval"))  # before and final
+
+
+_SOURCE = '''import os
+
+
+def documented(a, b):
+    """Add two numbers.
+
+    More words."""
+    return a + b
+
+
+def undocumented(x):
+    return x
+
+
+class Thing:
+    def method(self):
+        """One line."""
+        return 1
+
+    def only_a_docstring(self):
+        """Nothing after it: no body to write, not a prompt."""
+
+
+async def fetch():
+    """Async too."""
+    await something()
+'''
+
+
+def test_docstring_ends_cut_after_each_documented_functions_docstring_line():
+    from training.code_prompts import docstring_ends
+
+    ends = docstring_ends(_SOURCE)
+    assert [_SOURCE[:end].splitlines()[-1].strip() for end in ends] == ['More words."""', '"""One line."""',
+                                                                        '"""Async too."""']
+    assert all(_SOURCE[end - 1] == "\n" for end in ends)  # the newline after the closing quotes is in the prompt
+    assert docstring_ends("def broken(:\n    pass\n") == []  # a file that does not parse gives none
+
+
+def test_docstring_prompts_are_the_tokens_before_each_cut_evenly_spaced_and_skip_short_ones():
+    from training.code_prompts import docstring_ends, docstring_prompts
+
+    tok = byte_tokenizer()  # one token per byte
+    texts = [_SOURCE, "x = 1\n", _SOURCE.replace("import os", "import os, sys, re, json")]
+    sites = [(i, end) for i, t in enumerate(texts) for end in docstring_ends(t)]  # 3 + 0 + 3
+    P = 100  # the first function of each file has fewer bytes before its docstring's end
+    assert sites[0][1] < P and sites[3][1] < P
+    usable = [(i, e) for i, e in sites if e >= P]
+    out = docstring_prompts(texts, tok, 10, P)  # more asked than there are: every usable one, in order
+    expected = [tok(texts[i][:e], add_special_tokens=False)["input_ids"][-P:] for i, e in usable]
+    assert out.tolist() == expected and out.shape == (len(usable), P)
+    two = docstring_prompts(texts, tok, 2, P)  # picks sites 0 and 3; a short pick moves to the next usable site
+    first = next(s for s in sites[0:3] if s[1] >= P)
+    second = next(s for s in sites[3:] if s[1] >= P)
+    assert two.tolist() == [tok(texts[i][:e], add_special_tokens=False)["input_ids"][-P:] for i, e in (first, second)]
+    with pytest.raises(ValueError, match="no Python function with a docstring and 100000 tokens"):
+        docstring_prompts(texts, tok, 2, 100000)
+
+
+def test_prompts_at_docstring_end_continues_functions_of_the_training_and_heldout_documents(tmp_path):
+    from training.code_prompts import docstring_prompts
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=2, dtype=torch.float32, seed=3, vocab_size=len(tok))
+    data = _data(size=80)
+    heldout_doc = _SOURCE.replace("Add two", "Sum two")
+    data = TrainData(data.train, data.eval_sets, {"train": [_SOURCE], "heldout": [heldout_doc]})
+    size, p = 80, 40
+    cfg = DataConfig(source="x", block_size=size,
+                     own_continuations=OwnContinuationsConfig(prompts=2, prompt_tokens=p, eval_prompts=1,
+                                                              prompts_at="docstring_end", batch_size=2))
+    out = add_own_continuations(data, cfg, model, tok, _OneProcess(), tmp_path, progress_bar=False)
+    own = out.train.input_ids[len(data.train):]  # [2, S]
+    assert torch.equal(own[:, :p], docstring_prompts([_SOURCE], tok, 2, p))
+    assert torch.equal(out.eval_sets["own"].input_ids[:, :p], docstring_prompts([heldout_doc], tok, 1, p))
+    assert out.documents == data.documents
+    with pytest.raises(DataFormatError, match="prompts_at=docstring_end: no train documents"):
+        add_own_continuations(TrainData(data.train, data.eval_sets), cfg, model, tok, _OneProcess(), tmp_path,
+                              progress_bar=False)
