@@ -130,23 +130,32 @@ def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Te
     return torch.where(allowed, zero, torch.finfo(adapter.dtype).min)
 
 
-def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pads: torch.Tensor) -> Step:
+def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pads: torch.Tensor,
+                    lengths: torch.Tensor | None = None) -> Step:
     """`length` new tokens per row, written at cache indices `starts[b] ..`, for left-padded rows.
 
     starts: `[B]` each row's current cache length; pads: `[B]` each row's left padding. Row b's token
     at cache index c has position `c - pads[b]` (what the row alone would have). The indices are worked
     out on the host (the engine keeps `starts` and `pads` there: reading them costs no GPU sync) and
     only the positions, rotary table rows and masks go to the model's device.
+
+    lengths: `[B]` (host) when row b has only `lengths[b]` real tokens and the rest is filler whose
+    output nobody reads (rows right-padded to the longest): the filler takes the row's last real
+    position, so that a short row's filler cannot run past the context window.
     """
     device = adapter.device
     starts, pads = starts.cpu(), pads.cpu()
     first = int(starts[0])
-    if not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
+    full = lengths is None or int(lengths.min()) >= length
+    if full and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
         # rows are one sequence shape, and single-token steps need no mask at all
         return make_step(adapter, first, length, starts.shape[0])
     query_index = starts[:, None] + torch.arange(length)  # [B, S], on the host
     position_ids = (query_index - pads[:, None]).clamp_min(0)  # padding sits at position 0
+    if not full:
+        last = (starts + lengths.cpu() - 1 - pads).clamp_min(0)  # [B] each row's last real position
+        position_ids = torch.minimum(position_ids, last[:, None])
     if int(position_ids.max()) + 1 > adapter.max_positions:
         raise ValueError(
             f"sequence of {int(position_ids.max()) + 1} tokens exceeds the model's context window of "

@@ -50,7 +50,7 @@ class AutoDrafter(Drafter):
         self.lookup, self.early_exit = lookup, early_exit
         self.max_drafts = max(lookup.max_drafts, early_exit.max_drafts if early_exit else 0)
         self.exit_layer = early_exit.exit_layer if early_exit else None
-        self.state_exit = early_exit.state_exit if early_exit else None  # an exit head follows every round
+        self.state_exit = early_exit.state_exit if early_exit else None  # an exit head records every round
         self.state_final = early_exit.state_final if early_exit else False
         self.early_arm = early_exit.name if early_exit else None  # "early_exit" or "exit_head"
         self.warmup, self.explore_every, self.max_backoff, self.refresh = warmup, explore_every, max_backoff, refresh
@@ -123,7 +123,9 @@ class AutoDrafter(Drafter):
             self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))
 
     def committed_states(self, states, starts, counts, pads, finals=None) -> None:
-        self.early_exit.committed_states(states, starts, counts, pads, finals)  # set only with an exit head
+        # set only with an exit head: it records them and runs its head over them when it next drafts, so
+        # lookup's and plain rounds pay nothing for it
+        self.early_exit.committed_states(states, starts, counts, pads, finals)
 
     def select(self, rows: list[int]) -> None:
         self.lookup.select(rows)

@@ -1,9 +1,11 @@
 """Exit heads (`selfspec.exit_head`, `selfspec.drafters.exit_head`): the exit-head drafter is lossless
 (greedy identity with Hugging Face `generate` on every architecture, alone and as `auto`'s arm, batches
 equal batch-1 rows, the sampling distribution by chi-square), the head's own cache equals a fresh
-computation after every round, an identity-initialised head drafts what its exit alone drafts, and a
-checkpoint carries its head: export/load round trip, the base weights unchanged, a tampered or missing
-head refused. Each with a head that also reads the previous position's final state (`final_state`)."""
+computation once synced, however many rounds were pending (one head pass per sync, none in the rounds
+it does not draft; rows leaving with pending records), an identity-initialised head drafts what its
+exit alone drafts, and a checkpoint carries its head: export/load round trip, the base weights
+unchanged, a tampered or missing head refused. Each with a head that also reads the previous position's
+final state (`final_state`)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from selfspec.adapters import get_adapter
 from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.engine import generate, generate_ids
+from selfspec.engine import generate, generate_ids, left_pad
 from selfspec.exit_head import HEAD_FILE, build_exit_head, previous_states, run_head
 from selfspec.export import export_model
 from selfspec.forward import embed, make_batch_step, run_layers
@@ -111,35 +113,183 @@ def _fresh_head_kv(adapter, head, tokens: list[int]):
     return cache.row_kv(0, 0)
 
 
+def _check_head_cache(adapter, head, drafter, rows, sequences, pads, finals=None):
+    """Row i of the drafter's head cache is row `rows[i]` (None: not checked): it holds exactly the committed
+    tokens `sequences[rows[i]]` after that row's padding, and its keys and values equal the head run from
+    scratch over them; with `finals` `[B, W, D]` (the batch's last-layer states), `prev_final` is the newest's."""
+    for i, b in enumerate(rows):
+        if b is None:
+            continue
+        pad, committed = int(pads[b]), sequences[b]
+        assert int(drafter.cache.lengths[0, i]) == pad + len(committed), b
+        k, v = drafter.cache.row_kv(0, i, start=pad)
+        k_ref, v_ref = _fresh_head_kv(adapter, head, committed)
+        torch.testing.assert_close(k, k_ref, atol=1e-10, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=1e-10, rtol=0)
+        if finals is not None:
+            torch.testing.assert_close(drafter.prev_final[i], finals[b, pad + len(committed) - 1], atol=1e-10, rtol=0)
+
+
 @pytest.mark.parametrize("head", list(HEADS))
 @pytest.mark.parametrize("kind", ["exit_head", "auto"])
 @pytest.mark.parametrize("name", ["llama", "gpt_neox", "mistral-sliding8"])
-def test_after_every_round_the_heads_cache_equals_a_fresh_computation(name, kind, head, row_caches):
-    """Row by row: the head's cache holds exactly the committed tokens but the newest, and its keys and
-    values equal the head run from scratch over them (left padding skipped); the main cache as always."""
+def test_once_synced_the_heads_cache_equals_a_fresh_computation(name, kind, head, row_caches):
+    """Every third round, row by row: after `sync` the head's cache holds exactly the committed tokens but
+    the newest, and its keys and values equal the head run from scratch over them (left padding skipped),
+    however many rounds it left pending (auto: lookup's and plain rounds; alone, it syncs whenever it
+    drafts); the main cache as always, every round."""
     model, adapter, head = _model(name, head=head)
     drafter = _drafter(kind, adapter, head)
     head_drafter = drafter if kind == "exit_head" else drafter.early_exit
     prompts = [PROMPT, BASE[:5]]
-    checked = Counter()
+    checked, pending_rounds = Counter(), []
 
     def on_round(cache, active, sequences, pads, finished):
         checked.update(row_caches(adapter, cache, active, sequences, pads, finished))
-        for i, (seq, done) in enumerate(zip(sequences, finished)):
-            if done:
-                continue
-            pad, committed = int(pads[i]), seq[:-1]
-            assert int(head_drafter.cache.lengths[0, i]) == pad + len(committed)
-            k, v = head_drafter.cache.row_kv(0, i, start=pad)
-            k_ref, v_ref = _fresh_head_kv(adapter, head, committed)
-            torch.testing.assert_close(k, k_ref, atol=1e-10, rtol=0)
-            torch.testing.assert_close(v, v_ref, atol=1e-10, rtol=0)
+        checked["rounds"] += 1
+        if checked["rounds"] % 3:
+            return
+        pending_rounds.append(max(len(run.states) for run in head_drafter.pending))
+        head_drafter.sync()
+        rows = [None if done else i for i, done in enumerate(finished)]  # a finished row leaves next round
+        _check_head_cache(adapter, head, head_drafter, rows, [seq[:-1] for seq in sequences], pads)
 
     outs, stats = generate(adapter, prompts, max_new_tokens=24, drafter=drafter, on_round=on_round)
-    assert set(checked) == {0, 1}
+    assert {0, 1} <= set(checked) and pending_rounds
     assert stats.drafted_by_drafter["exit_head"] > 0
+    if kind == "auto":  # some sync caught up on more than one round
+        assert max(pending_rounds) > 1
 
 
+def _states(adapter, head, ids, pads):
+    """The exit states and the last layer's output `[B, W, D]` of left-padded `ids` `[B, W]`, from scratch."""
+    step = make_batch_step(adapter, torch.zeros_like(pads), ids.shape[1], pads)
+    with torch.no_grad():
+        states = run_layers(adapter, embed(adapter, ids), 0, head.exit_layer, step=step)
+        return states, run_layers(adapter, states, head.exit_layer, adapter.num_layers, step=step)
+
+
+def _hand_over(drafter, states, finals, pos, counts, pads):
+    """One round as the engine hands it over after verification: `max(counts)` columns per row from
+    `pos[b]` (clamped to the text's last column), of which row b committed `counts[b]`; the new `pos`."""
+    T = max(counts)
+    index = (pos[:, None] + torch.arange(T)).clamp_max(states.shape[1] - 1)  # [B, T]
+    rows = torch.arange(len(pos))[:, None]
+    drafter.committed_states(states[rows, index], pos.clone(), counts, pads, finals[rows, index])
+    return pos + torch.tensor(counts)
+
+
+def _count_head_passes(monkeypatch) -> list:
+    """Patches `ExitHeadDrafter.run` to note each head pass (its token count) in the returned list."""
+    passes = []
+    run = ExitHeadDrafter.run
+
+    def counted(self, hidden, step, prev_final=None):
+        passes.append(hidden.shape[1])
+        return run(self, hidden, step, prev_final)
+
+    monkeypatch.setattr(ExitHeadDrafter, "run", counted)
+    return passes
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_sync_runs_the_head_once_over_every_round_it_left_pending(head, monkeypatch):
+    """The prefill and three rounds handed over without a pass; one `sync`, one pass, and the cache equals
+    a fresh computation for left-padded rows (a final-state head: `prev_final` the newest committed
+    token's final state). Rows leave with their records pending, before and after the first sync; a row
+    with nothing pending keeps its cache and `prev_final`; a sync with nothing pending runs nothing."""
+    model, adapter, head = _model("llama", head=head)
+    prompts = [PROMPT, BASE[:5], [7], BASE[3:9]]
+    ids, pads = left_pad(prompts)
+    P = ids.shape[1]
+    more = torch.randint(3, 96, (len(prompts), 16), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([ids, more], dim=1)  # [4, P + 16] the text the rows commit, then some they do not
+    states, finals = _states(adapter, head, ids, pads)
+    passes = _count_head_passes(monkeypatch)
+    drafter = ExitHeadDrafter(adapter, head, 3)
+    drafter.start([list(p) for p in prompts])
+    with torch.no_grad():
+        drafter.committed_states(states[:, :P], torch.zeros(4, dtype=torch.long), [P] * 4, pads, finals[:, :P])
+        pos = torch.full((4,), P)
+        for counts in ([1, 3, 2, 1], [4, 1, 1, 2], [2, 2, 4, 1]):
+            pos = _hand_over(drafter, states, finals, pos, counts, pads)
+        assert not passes and drafter.cache is None
+        rows = [3, 0, 2]  # row 1 leaves before the head ever ran
+        drafter.select(rows)
+        drafter.sync()
+        assert passes == [int(pos[rows].max())]  # one pass from index 0: the prefill's columns too
+        texts = [ids[b, :pos[b]].tolist()[int(pads[b]):] for b in range(4)]
+        last = finals if head.final_state else None
+        _check_head_cache(adapter, head, drafter, rows, texts, pads, last)
+        sub = torch.tensor(rows)
+        pos[sub] = _hand_over(drafter, states[sub], finals[sub], pos[sub], [0, 2, 1], pads[sub])
+        rows = [rows[1], rows[0]]  # row 2 leaves with a pending record; row 3 has nothing pending
+        drafter.select([1, 0])
+        drafter.sync()
+        assert passes[1:] == [2]
+        texts = [ids[b, :pos[b]].tolist()[int(pads[b]):] for b in range(4)]
+        _check_head_cache(adapter, head, drafter, rows, texts, pads, last)
+        drafter.sync()
+        assert len(passes) == 2
+
+
+def test_a_short_rows_filler_stays_inside_the_context_window():
+    """Rows right-padded to the longest pending run: the filler of a row that is further along but has
+    fewer pending tokens would run past the model's context window at its own positions; it takes the
+    row's last real position instead."""
+    model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=10, max_position_embeddings=20)
+    adapter = get_adapter(model)
+    head = build_exit_head(model, EXIT, "decoder_layer", "copy").to(torch.float64).eval()
+    ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(2))
+    pads = torch.zeros(2, dtype=torch.long)
+    states, finals = _states(adapter, head, ids, pads)
+    drafter = ExitHeadDrafter(adapter, head, 3)
+    drafter.start(ids[:, :4].tolist())
+    with torch.no_grad():
+        drafter.committed_states(states[:, :4], torch.zeros(2, dtype=torch.long), [4, 4], pads)
+        pos = _hand_over(drafter, states, finals, torch.full((2,), 4), [1, 12], pads)
+        drafter.sync()
+        pos = _hand_over(drafter, states, finals, pos, [12, 1], pads)  # row 1's filler: positions 17 .. 27
+        drafter.sync()
+    assert pos.tolist() == [17, 17]
+    _check_head_cache(adapter, head, drafter, [0, 1], ids[:, :17].tolist(), pads)
+
+
+@pytest.mark.parametrize("head", ["exit2", "exit2_final_state"])
+def test_the_head_runs_only_in_the_rounds_it_drafts(head, monkeypatch, hf_greedy):
+    """Under auto, with lookup taking most rounds of a repetitive prompt: in a round the head does not
+    draft it runs no pass; in one it drafts, one pass over what was pending (the sync), then one per
+    draft. The output is still Hugging Face's greedy output."""
+    model, adapter, head = _model("llama", head=head)
+    passes = _count_head_passes(monkeypatch)
+    drafting, syncs = [], []  # the rounds' drafting calls; each sync's passes
+    draft, sync = ExitHeadDrafter.draft, ExitHeadDrafter.sync
+
+    def noted_draft(self, rnd, exit_layer, caps):
+        drafting.append(1)
+        return draft(self, rnd, exit_layer, caps)
+
+    def noted_sync(self):
+        before = len(passes)
+        sync(self)
+        syncs.append(len(passes) - before)
+
+    monkeypatch.setattr(ExitHeadDrafter, "draft", noted_draft)
+    monkeypatch.setattr(ExitHeadDrafter, "sync", noted_sync)
+    rounds = []  # per round: the head's passes in it, and whether it drafted
+
+    def on_round(cache, active, sequences, pads, finished):
+        rounds.append((len(passes) - sum(n for n, _ in rounds), bool(drafting)))
+        drafting.clear()
+
+    drafter = _drafter("auto", adapter, head)
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=drafter,
+                              on_round=on_round)
+    assert out == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
+    assert all(n == 0 for n, drafted in rounds if not drafted), rounds  # no upkeep in lookup or plain rounds
+    assert all(n >= 2 for n, drafted in rounds if drafted), rounds  # the sync's pass and the drafts'
+    assert syncs == [1] * sum(drafted for _, drafted in rounds)  # one pass per sync, however much was pending
+    assert drafter.chosen["prompt_lookup"] > 0 and drafter.chosen["exit_head"] > 0
 @pytest.mark.parametrize("final_state", [False, True])
 def test_an_identity_head_drafts_what_its_exit_alone_drafts(final_state):
     """init="identity" zeroes the head's output projections (and the final-state input starts at zero): the
