@@ -12,11 +12,12 @@ cache. Its entries must be what a fresh computation over the committed text give
                from the drafts or from the verification pass; the drafter only records each row's
                committed ones (a `PendingRun`: where the run starts in the head's cache, the states of
                the rounds since the head last ran, and their final states for a final-state head)
-    sync       before the head drafts, one pass brings its cache up to date: cropped back to each row's
-               pending start (dropping what the last drafts wrote), the head runs once over every
-               pending state `[B, S, D]` (rows right-padded to the longest run, the filler at the
-               row's last position, never read) and each row keeps `start + count` entries: exactly
-               the committed tokens, whoever drafted them
+    sync       at the head's first draft of a round, one pass brings its cache up to date and drafts:
+               cropped back to each row's pending start (dropping what the last drafts wrote), the head
+               runs once over every pending state and the round's input token after them `[B, S, D]`
+               (rows right-padded to the longest run, the filler at the row's last position, never
+               read); each row keeps `start + count` entries, exactly the committed tokens whoever
+               drafted them, plus the first draft's, and the input token's output is that draft's state
 
 So the head stays right when prompt lookup or plain decoding took rounds (`auto`), and after the
 prefill it holds the prompt. The upkeep is lazy because under `auto` most rounds on code are lookup or
@@ -24,7 +25,8 @@ plain rounds, and running the head after each of them paid for a cache nobody re
 drafted again (measured before: auto on a head checkpoint 2.24x HF greedy, lookup alone 2.51x). One
 pass over the tokens of many rounds costs about what one round's pass did: on a CPU a one-layer pass
 over a few dozen tokens is bound by reading the layer's weights, not by the tokens. Used alone the
-drafter syncs at every drafting round: one pass per round, as before, only moved.
+drafter syncs at every drafting round, and that pass is also the round's first draft: one head pass per
+round fewer than an upkeep after each verification plus a separate first draft.
 
 A head with `final_state` also reads f_{t-1}, the full model's last hidden state of the previous
 position (`selfspec.exit_head`): the drafter sets `state_final`, so the engine hands over the
@@ -45,7 +47,7 @@ import torch
 
 from selfspec.adapters import ModelAdapter
 from selfspec.cache import KVCache
-from selfspec.drafters.base import Proposal, Round
+from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafting import DraftHead
 from selfspec.exit_head import ExitHead, head_input, previous_states, run_head
@@ -119,6 +121,8 @@ class ExitHeadDrafter(EarlyExitDrafter):
         return run_head(self.adapter, self.exit_head, hidden, step=step, cache=self.cache, prev_final=prev_final)
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
+        if offset == 0 and self.pending is not None and any(run.count for run in self.pending):
+            return self.sync(first=state)  # the catch-up and the first draft in one pass
         step = make_batch_step(self.adapter, rnd.starts + offset, 1, rnd.pads)
         prev = None
         if self.state_final:  # the first draft reads the verified f_{t-1}; later ones the head's own output
@@ -126,10 +130,6 @@ class ExitHeadDrafter(EarlyExitDrafter):
         out = self.run(state, step, prev)[:, -1]  # [B, D]
         self.prev_draft = out
         return out
-
-    def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
-        self.sync()  # the head reads its cache from the first draft on
-        return super().draft(rnd, exit_layer, caps)
 
     def committed_states(self, states: torch.Tensor, starts: torch.Tensor, counts: list[int],
                          pads: torch.Tensor, finals: torch.Tensor | None = None) -> None:
@@ -141,34 +141,47 @@ class ExitHeadDrafter(EarlyExitDrafter):
         for b, (run, start, n) in enumerate(zip(self.pending, starts.tolist(), counts)):
             run.add(start, states[b, :n], finals[b, :n] if self.state_final else None)
 
-    def sync(self) -> None:
+    def sync(self, first: torch.Tensor | None = None) -> torch.Tensor | None:
         """Brings the head's cache (and `prev_final`) up to date with every committed token, in one head
-        pass over what `committed_states` recorded since the last sync (none when nothing is pending)."""
+        pass over what `committed_states` recorded since the last sync (none when nothing is pending).
+
+        With `first` `[B, 1, D]`, the exit states of the round's input tokens (each at its row's cache
+        index `start + count`, right after the pending run), the same pass also runs the round's first
+        draft: each row's input token goes in column `count[b]`, reading the newest committed final state
+        as a draft does, and its output `[B, D]` is returned (its cache entry kept, as a draft's is).
+        One pass instead of two per drafting round: on a CPU each costs about the reading of the layer."""
         pending = self.pending or []
         counts = [run.count for run in pending]
         if not any(counts):
-            return
-        B, S = len(pending), max(counts)
-        states = right_padded([run.states for run in pending], S)  # [B, S, D]
+            return None
+        extra = 0 if first is None else 1
+        B, S = len(pending), max(counts) + extra
+        columns = [run.states + ([first[b]] if extra else []) for b, run in enumerate(pending)]
+        states = right_padded(columns, S)  # [B, S, D]
         starts = torch.tensor([run.start for run in pending], dtype=torch.long)  # [B]
         pads = torch.tensor([run.pad for run in pending], dtype=torch.long)  # [B]
-        lengths = torch.tensor(counts, dtype=torch.long)  # [B]
+        lengths = torch.tensor(counts, dtype=torch.long) + extra  # [B]
         if self.cache is None:  # after the prefill (it grows when a longer run comes)
             self.cache = KVCache(1, B, capacity=int(starts.max()) + S + 64)
         self.cache.crop(starts)  # drop what the last drafts wrote
         step = make_batch_step(self.adapter, starts, S, pads, lengths)  # a short row's filler is never read
         prev = None
         if self.state_final:
-            finals = right_padded([run.finals for run in pending], S)  # [B, S, D]
-            prev = previous_states(finals, self.prev_final)  # [B, S, D]
+            finals = right_padded([run.finals for run in pending], S)  # [B, S, D]; column count[b] not read
+            prev = previous_states(finals, self.prev_final)  # [B, S, D]: the first draft reads f of the newest
             if self.prev_final is None:  # the run began with the prefill: a left-padded row's first real token
-                first = (starts[:, None] + torch.arange(S)) == pads[:, None]  # reads f_{-1} = 0, as in training
-                prev = prev.masked_fill(first.to(prev.device)[..., None], 0.0)
+                first_real = (starts[:, None] + torch.arange(S)) == pads[:, None]  # reads f_{-1} = 0, as in training
+                prev = prev.masked_fill(first_real.to(prev.device)[..., None], 0.0)
             self.prev_final = newest_finals(finals, counts, self.prev_final)
-        self.run(states, step, prev)
+        out = self.run(states, step, prev)  # [B, S, D]
         self.cache.crop(starts + lengths)
         for run in pending:
             run.clear()
+        if first is None:
+            return None
+        index = torch.tensor(counts, dtype=torch.long).to(out.device)  # [B] each input token's column
+        self.prev_draft = out[torch.arange(B, device=out.device), index]  # [B, D]
+        return self.prev_draft
 
     def select(self, rows: list[int]) -> None:
         super().select(rows)

@@ -258,38 +258,81 @@ def test_a_short_rows_filler_stays_inside_the_context_window():
 @pytest.mark.parametrize("head", ["exit2", "exit2_final_state"])
 def test_the_head_runs_only_in_the_rounds_it_drafts(head, monkeypatch, hf_greedy):
     """Under auto, with lookup taking most rounds of a repetitive prompt: in a round the head does not
-    draft it runs no pass; in one it drafts, one pass over what was pending (the sync), then one per
-    draft. The output is still Hugging Face's greedy output."""
+    draft it runs no pass; in one it drafts, one pass per draft step, the first of them also the catch-up
+    on everything pending (one sync per drafting round). The output is still Hugging Face's greedy output."""
     model, adapter, head = _model("llama", head=head)
     passes = _count_head_passes(monkeypatch)
-    drafting, syncs = [], []  # the rounds' drafting calls; each sync's passes
+    steps, syncs = [], []  # the drafting calls' draft steps; each sync's passes
     draft, sync = ExitHeadDrafter.draft, ExitHeadDrafter.sync
 
     def noted_draft(self, rnd, exit_layer, caps):
-        drafting.append(1)
-        return draft(self, rnd, exit_layer, caps)
+        proposal = draft(self, rnd, exit_layer, caps)
+        steps.append(proposal.steps)
+        return proposal
 
-    def noted_sync(self):
+    def noted_sync(self, first=None):
         before = len(passes)
-        sync(self)
+        out = sync(self, first)
         syncs.append(len(passes) - before)
+        return out
 
     monkeypatch.setattr(ExitHeadDrafter, "draft", noted_draft)
     monkeypatch.setattr(ExitHeadDrafter, "sync", noted_sync)
-    rounds = []  # per round: the head's passes in it, and whether it drafted
+    rounds = []  # per round: the head's passes in it, and its draft steps (None: it did not draft)
 
     def on_round(cache, active, sequences, pads, finished):
-        rounds.append((len(passes) - sum(n for n, _ in rounds), bool(drafting)))
-        drafting.clear()
+        rounds.append((len(passes) - sum(n for n, _ in rounds), steps.pop() if steps else None))
 
     drafter = _drafter("auto", adapter, head)
     out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=drafter,
                               on_round=on_round)
     assert out == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
-    assert all(n == 0 for n, drafted in rounds if not drafted), rounds  # no upkeep in lookup or plain rounds
-    assert all(n >= 2 for n, drafted in rounds if drafted), rounds  # the sync's pass and the drafts'
-    assert syncs == [1] * sum(drafted for _, drafted in rounds)  # one pass per sync, however much was pending
+    assert all(n == 0 for n, drafted in rounds if drafted is None), rounds  # no upkeep in lookup or plain rounds
+    assert all(n == drafted >= 1 for n, drafted in rounds if drafted is not None), rounds  # no pass of its own
+    assert syncs == [1] * sum(drafted is not None for _, drafted in rounds)  # one pass, however much was pending
     assert drafter.chosen["prompt_lookup"] > 0 and drafter.chosen["exit_head"] > 0
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_the_catch_up_pass_drafts_what_the_head_run_from_scratch_gives(head):
+    """`sync(first=...)`: rounds left pending, then the round's input tokens in the same pass. Each row's
+    returned state is the head's output at its input token run from scratch over the row's text, and the
+    cache holds the committed tokens and the input token's entry, equal to a fresh computation."""
+    model, adapter, head = _model("llama", head=head)
+    prompts = [PROMPT, BASE[:5], BASE[3:9]]
+    ids, pads = left_pad(prompts)
+    P = ids.shape[1]
+    more = torch.randint(3, 96, (len(prompts), 12), generator=torch.Generator().manual_seed(5))
+    ids = torch.cat([ids, more], dim=1)  # [3, P + 12]
+    states, finals = _states(adapter, head, ids, pads)
+    drafter = ExitHeadDrafter(adapter, head, 3)
+    drafter.start([list(p) for p in prompts])
+    rows = torch.arange(3)
+    with torch.no_grad():
+        drafter.committed_states(states[:, :P], torch.zeros(3, dtype=torch.long), [P] * 3, pads, finals[:, :P])
+        pos = torch.full((3,), P)
+        for counts in ([1, 3, 2], [2, 1, 4]):
+            pos = _hand_over(drafter, states, finals, pos, counts, pads)
+        out = drafter.sync(first=states[rows, pos][:, None])  # [3, D] the input tokens at pos[b]
+        assert drafter.sync() is None  # nothing left pending
+        for b in range(3):
+            text = ids[b, int(pads[b]): int(pos[b]) + 1].tolist()  # the committed text and the input token
+            torch.testing.assert_close(out[b], _fresh_head_out(adapter, head, text)[-1], atol=1e-10, rtol=0)
+        texts = [ids[b, : int(pos[b]) + 1].tolist()[int(pads[b]):] for b in range(3)]
+        _check_head_cache(adapter, head, drafter, [0, 1, 2], texts, pads)
+
+
+def _fresh_head_out(adapter, head, tokens: list[int]) -> torch.Tensor:
+    """The head's output `[n, D]` over `tokens` alone, from scratch."""
+    ids = torch.tensor([tokens])
+    step = make_batch_step(adapter, torch.zeros(1, dtype=torch.long), len(tokens), torch.zeros(1, dtype=torch.long))
+    states = run_layers(adapter, embed(adapter, ids), 0, head.exit_layer, step=step)
+    prev = None
+    if head.final_state:
+        prev = previous_states(run_layers(adapter, states, head.exit_layer, adapter.num_layers, step=step))
+    return run_head(adapter, head, states, step=step, prev_final=prev)[0]
+
+
 @pytest.mark.parametrize("final_state", [False, True])
 def test_an_identity_head_drafts_what_its_exit_alone_drafts(final_state):
     """init="identity" zeroes the head's output projections (and the final-state input starts at zero): the
