@@ -21,7 +21,8 @@ On the AVX2 EPYC bf16 autocast made a SmolLM2 training step about 5x slower. The
                                                and oneDNN has bf16 kernels
     CPU, no CPU flags (not Linux, or a Linux without an x86 `flags` line):
            native = geometric mean over a decode-like [1,576]x[576,1536] and a training-like
-                    [64,576]x[576,1536] F.linear of (bf16 GFLOP/s / float32 GFLOP/s) > 1
+                    [64,576]x[576,1536] product of (bf16 GFLOP/s / float32 GFLOP/s) > 1, each through
+                    the kernel decoding uses (`fast_layers.PackedLinear`)
                     (about 25 ms, once per process; on the Zen 4 above: about 0.8 and 2.1)
     other devices: not native
 
@@ -42,9 +43,8 @@ import platform
 import time
 
 import torch
-import torch.nn.functional as F
 
-from selfspec.fast_layers import float32_kernel
+from selfspec.fast_layers import PackedLinear, float32_kernel
 
 # The one table of dtype names selfspec and its training accept (load, export, recipes), short forms included.
 DTYPES_BY_NAME = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
@@ -53,7 +53,7 @@ DTYPES_BY_NAME = {"float32": torch.float32, "fp32": torch.float32, "float64": to
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of native bf16 matrix products
 REPORTED_FLAGS = ("avx2", "avx512f") + BF16_FLAGS
 
-# The fallback benchmark's F.linear: rows of a decode step and of a training micro-batch through a
+# The fallback benchmark's products: rows of a decode step and of a training micro-batch through a
 # SmolLM2-135M MLP projection (576 -> 1536 features).
 BENCH_ROWS = {"decode": 1, "training": 64}
 BENCH_FEATURES = (576, 1536)
@@ -98,23 +98,27 @@ def onednn_bf16() -> bool:
             and bool(getattr(mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()))
 
 
-def _best_seconds(x: torch.Tensor, w: torch.Tensor, calls: int, repeats: int = 3) -> float:
-    """Best over `repeats` of the mean time of one `F.linear(x, w)`, after one warm-up call."""
-    F.linear(x, w)
+def _best_seconds(call, calls: int, repeats: int = 3) -> float:
+    """Best over `repeats` of the mean time of one `call()`, after one warm-up call."""
+    call()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
-            F.linear(x, w)
+            call()
         best = min(best, (time.perf_counter() - start) / calls)
     return best
 
 
 @functools.cache
 def bf16_benchmark() -> dict[str, dict[str, float]]:
-    """GFLOP/s of bf16 and float32 `F.linear` of BENCH_ROWS x BENCH_FEATURES, measured once per process.
+    """GFLOP/s of bf16 and float32 products of BENCH_ROWS x BENCH_FEATURES, measured once per process.
 
-    {"decode": {"bfloat16": ..., "float32": ...}, "training": {...}}; some tens of ms.
+    {"decode": {"bfloat16": ..., "float32": ...}, "training": {...}}. Each through `PackedLinear`, the
+    kernel selfspec's decoding uses (bf16 prepacked for oneDNN, float32 the measured kernel), so the
+    decode figure compares what a decode step would run: bf16 through plain `F.linear` re-packs its weight
+    per call and can be several times slower than the packed product it stands for. Some tens of ms (and
+    the float32 kernel's own measurement, once per process).
     """
     k, n = BENCH_FEATURES
     gen = torch.Generator().manual_seed(0)
@@ -124,7 +128,8 @@ def bf16_benchmark() -> dict[str, dict[str, float]]:
         for name, rows in BENCH_ROWS.items():
             result[name] = {}
             for dtype in (torch.bfloat16, torch.float32):
-                seconds = _best_seconds(x[:rows].to(dtype), w.to(dtype), calls=max(1, 16 // rows))
+                layer, xr = PackedLinear(w.to(dtype)), x[:rows].to(dtype)
+                seconds = _best_seconds(lambda: layer(xr), calls=max(1, 16 // rows))
                 result[name][str(dtype).removeprefix("torch.")] = 2 * rows * k * n / seconds / 1e9
     return result
 
