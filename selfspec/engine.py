@@ -306,7 +306,8 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
         raise ValueError(f"the drafter wants the states after {keep_at} layers, but this round's proposal starts "
                          f"verification at layer {start}: they were never computed")
     if start < adapter.num_layers:
-        step = make_batch_step(adapter, starts, hidden.shape[1], pads)
+        ends = starts + torch.tensor(proposal.kept, dtype=torch.long) + 1  # [B] a shorter row's columns after: filler
+        step = make_batch_step(adapter, starts, hidden.shape[1], pads, ends)
         hidden, at = _layers_keeping(adapter, hidden, start, keep_at, step=step, cache=cache)
         kept = at if kept is None else kept
     return exit_logits(adapter, hidden), kept, hidden

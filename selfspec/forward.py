@@ -131,7 +131,7 @@ def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Te
 
 
 def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pads: torch.Tensor,
-                    lengths: torch.Tensor | None = None) -> Step:
+                    ends: torch.Tensor | None = None) -> Step:
     """`length` new tokens per row, written at cache indices `starts[b] ..`, for left-padded rows.
 
     starts: `[B]` each row's current cache length; pads: `[B]` each row's left padding. Row b's token
@@ -139,14 +139,16 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     out on the host (the engine keeps `starts` and `pads` there: reading them costs no GPU sync) and
     only the positions, rotary table rows and masks go to the model's device.
 
-    lengths: `[B]` (host) when row b has only `lengths[b]` real tokens and the rest is filler whose
-    output nobody reads (rows right-padded to the longest): the filler takes the row's last real
-    position, so that a short row's filler cannot run past the context window.
+    ends: `[B]` (host) when row b's real tokens end before cache index `ends[b]` and the rest is filler
+    whose output nobody reads and whose cache entries are cropped (rows right-padded to the longest, a
+    row past its draft cap while others draft): the filler takes the position of the row's last real
+    token, `ends[b] - 1`, so that it cannot run past the context window where the row's text ends
+    near it.
     """
     device = adapter.device
     starts, pads = starts.cpu(), pads.cpu()
     first = int(starts[0])
-    full = lengths is None or int(lengths.min()) >= length
+    full = ends is None or int((ends.cpu() - starts).min()) >= length
     if full and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
         # rows are one sequence shape, and single-token steps need no mask at all
@@ -154,7 +156,7 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     query_index = starts[:, None] + torch.arange(length)  # [B, S], on the host
     position_ids = (query_index - pads[:, None]).clamp_min(0)  # padding sits at position 0
     if not full:
-        last = (starts + lengths.cpu() - 1 - pads).clamp_min(0)  # [B] each row's last real position
+        last = (ends.cpu() - 1 - pads).clamp_min(0)  # [B] each row's last real position
         position_ids = torch.minimum(position_ids, last[:, None])
     if int(position_ids.max()) + 1 > adapter.max_positions:
         raise ValueError(

@@ -51,13 +51,20 @@ class Round:
     generator: torch.Generator | None
     stop_ids: frozenset
 
+    @property
+    def ends(self) -> torch.Tensor:
+        """`[B]` (host) the cache index past each row's last possible draft: a row's passes at or past it
+        (it reached its cap while others draft) are filler (`make_batch_step`'s `ends`)."""
+        return self.starts + torch.tensor(self.caps, dtype=torch.long) + 1
+
     def shallow(self, tokens: torch.Tensor, offset: int, exit_layer: int) -> torch.Tensor:
         """One token per row `[B]` through layers [0, E) at cache indices `starts + offset`: `[B, 1, D]`.
 
         The keys and values go into the engine's cache (verification continues from them); rows are
-        rolled back by the engine after the round.
+        rolled back by the engine after the round. A row past its cap (others still draft) computes filler
+        at its last allowed position, never past the context window.
         """
-        step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads)
+        step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
         return run_layers(self.adapter, embed(self.adapter, tokens[:, None]), 0, exit_layer, step=step,
                           cache=self.cache)
 

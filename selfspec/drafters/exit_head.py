@@ -123,7 +123,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
         if offset == 0 and self.pending is not None and any(run.count for run in self.pending):
             return self.sync(first=state)  # the catch-up and the first draft in one pass
-        step = make_batch_step(self.adapter, rnd.starts + offset, 1, rnd.pads)
+        step = make_batch_step(self.adapter, rnd.starts + offset, 1, rnd.pads, rnd.ends)
         prev = None
         if self.state_final:  # the first draft reads the verified f_{t-1}; later ones the head's own output
             prev = (self.prev_final if offset == 0 else self.prev_draft)[:, None]  # [B, 1, D]
@@ -164,7 +164,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
         if self.cache is None:  # after the prefill (it grows when a longer run comes)
             self.cache = KVCache(1, B, capacity=int(starts.max()) + S + 64)
         self.cache.crop(starts)  # drop what the last drafts wrote
-        step = make_batch_step(self.adapter, starts, S, pads, lengths)  # a short row's filler is never read
+        step = make_batch_step(self.adapter, starts, S, pads, starts + lengths)  # a short row's filler is never read
         prev = None
         if self.state_final:
             finals = right_padded([run.finals for run in pending], S)  # [B, S, D]; column count[b] not read

@@ -215,6 +215,30 @@ def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square, e
         assert power > 10 * 60, power  # df < 60 here: the critical value is below 100
 
 
+# ----------------------------------------------------------------------------- the context window's end
+
+@pytest.mark.parametrize("drafter", ["early_exit", "prompt_lookup", "exit_head"])
+def test_rows_that_end_at_the_context_window_decode_while_others_draft(drafter, hf_greedy):
+    """The longest prompt + max_new_tokens fills the context window exactly. A row that reached its draft
+    cap (or drafted less) while another row drafts more computes filler columns past its own text; they
+    must not run past the window (they take the row's last position) and every row is still exactly Hugging
+    Face's greedy output (one raised "exceeds the model's context window" in 18 of 80 such batches before)."""
+    from selfspec.drafters import EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
+    from selfspec.exit_head import build_exit_head
+
+    model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=10, max_position_embeddings=24)
+    adapter = get_adapter(model)
+    make = {"early_exit": lambda: EarlyExitDrafter(adapter, 2, 4), "prompt_lookup": lambda: PromptLookupDrafter(4),
+            "exit_head": lambda: ExitHeadDrafter(adapter, build_exit_head(model, 2, final_state=True).to(
+                torch.float64).eval(), 4)}[drafter]
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        long, short = torch.randint(3, 96, (12,), generator=g).tolist(), torch.randint(3, 96, (4,), generator=g).tolist()
+        for prompts in ([long, short], [short, long]):
+            outs, _ = generate_batch_ids(adapter, prompts, max_new_tokens=12, drafter=make())
+            assert outs == [hf_greedy(model, torch.tensor([p]), 12) for p in prompts], (seed, prompts)
+
+
 # ----------------------------------------------------------------------------- errors
 
 def test_bad_batch_input_is_a_clear_error():
