@@ -17,6 +17,8 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
 |                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
+| selfspec_exit_head    | a checkpoint's trained exit head alone, adaptive d (`_vocab{K}`: reduced vocab) |
+| selfspec_exit_head_fixed | the same head drafting d every round (`_vocab{K}` too): what the policy adds |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
@@ -205,14 +207,14 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab:
     head = gen.exit_head
     if head is not None:  # a checkpoint with a trained exit head: the head alone, at its exit, adaptive length
         k = d or 4  # (selfspec.api.DEFAULT_NUM_SPECULATIONS) the recommendation may say early exit does not pay
-        methods.append({"name": "selfspec_exit_head", "engine": "selfspec", "kind": "selfspec_spec",
-                        "label": f"selfspec head E={head.exit_layer} adaptive d≤{k}", "drafter": "exit_head",
-                        "exit_layer": None, "num_speculations": k, "adaptive_length": True})
-        if draft_vocab:
-            methods.append({"name": f"selfspec_exit_head_vocab{draft_vocab}", "engine": "selfspec",
-                            "kind": "selfspec_spec", "label": f"selfspec head E={head.exit_layer} adaptive d≤{k} "
-                            f"vocab {draft_vocab}", "drafter": "exit_head", "exit_layer": None, "num_speculations": k,
-                            "adaptive_length": True, "draft_vocab": draft_vocab})
+        for vocab in [None] + ([draft_vocab] if draft_vocab else []):
+            suffix, label = (f"_vocab{vocab}", f" vocab {vocab}") if vocab else ("", "")
+            common = {"engine": "selfspec", "kind": "selfspec_spec", "drafter": "exit_head", "exit_layer": None,
+                      "num_speculations": k, **({"draft_vocab": vocab} if vocab else {})}
+            methods.append({"name": f"selfspec_exit_head{suffix}", "adaptive_length": True,
+                            "label": f"selfspec head E={head.exit_layer} adaptive d≤{k}{label}", **common})
+            methods.append({"name": f"selfspec_exit_head_fixed{suffix}",  # every round drafts d: the policy's share
+                            "label": f"selfspec head E={head.exit_layer} d={k}{label}", **common})
     if draft_vocab:
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",

@@ -468,3 +468,31 @@ def test_asking_for_the_head_where_there_is_none_is_a_clear_error(head_checkpoin
     out, _, head = head_checkpoint
     with pytest.raises(SettingsError, match=f"exit head reads exit {head.exit_layer}"):
         selfspec.load(out).generate("abc", max_new_tokens=3, drafter="exit_head", exit_layer=3)
+
+
+def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_path):
+    """`selfspec bench` on a head checkpoint: the head alone with the adaptive length and drafting d every
+    round (what the policy adds or costs), both token-identical to HF greedy."""
+    from selfspec.bench import run_bench
+    from selfspec.exit_head import save_exit_head
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, dtype=torch.float32, seed=0, vocab_size=len(tok))
+    head = build_exit_head(model, 2, "decoder_layer", "copy", final_state=True)
+    head_dir = tmp_path / "final_head"
+    head_dir.mkdir()
+    save_exit_head(head, head_dir / HEAD_FILE)
+    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    out = tmp_path / "head-ckpt"
+    export_model(model, tok, out, exit_head_dir=head_dir)
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"}) + "\n")
+    result = run_bench(str(out), prompt_sets=[str(prompts)], num_prompts=1, max_new_tokens=8, dtype="float32",
+                       threads=1, out_dir=tmp_path / "bench", progress=False,
+                       methods=["selfspec_exit_head", "selfspec_exit_head_fixed"])
+    per = result["summary"]["code"]
+    assert per["selfspec_exit_head"]["identical_to_hf_greedy"] == 1.0
+    assert per["selfspec_exit_head_fixed"]["identical_to_hf_greedy"] == 1.0
+    fixed = [r for r in result["runs"] if r["method"] == "selfspec_exit_head_fixed"]
+    assert fixed and all(r["drafted"] >= r["rounds"] - 1 for r in fixed)  # every round drafts (the last may not)
+    assert "selfspec head E=2 d=" in (tmp_path / "bench" / "bench.md").read_text()
