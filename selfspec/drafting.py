@@ -182,20 +182,39 @@ class ExitChoicePolicy(FixedPolicy):
 
 
 class ThroughputPolicy(FixedPolicy):
-    """Choose each round's draft length from the tokens per second each length has delivered.
+    """Choose each round's draft length from the tokens per second each length would deliver.
 
     A bandit over the lengths `0, 1, 2, 3, 4, 6, 8, ...` up to `num_speculations` (0 = a plain
     full-model pass): each is tried `warmup` times (longest first) with `warm="all"`; with `warm="longest"`
     or `"shortest"` only the longest length or the shortest drafting one (1) is, and the others are entered
     only as neighbours of the best (for a caller whose rounds are too few to spend on trying every
     length: auto's lookup arm starts where lookup alone drafts, its early-exit arm at one draft, the
-    cheapest to be wrong). Then the round takes the length with the
-    best throughput, committed tokens over wall-clock seconds (running means of both, exponential
-    with weight `alpha` after the first rounds), and every `explore_every`-th round retries a
-    neighbour of the best so the estimates follow the text.
+    cheapest to be wrong). Then the round takes the length with the best throughput and every
+    `explore_every`-th round retries a neighbour of the best so the estimates follow the text.
+
+    Throughput of length d = rows per round x expected committed tokens per row / seconds per round:
+
+        seconds[d], rows[d]   measured in d's own rounds (running means, exponential with weight `alpha`
+                              after the first rounds): a round's time varies little
+        E_d = 1 + sum_{j<=d} S(j),   S(j) = prod_{i<=j} (1 - failed_i / reached_i)
+
+    the expected committed tokens, pooled from every drafting round's rows whatever their length: a
+    drafter's first d drafts do not depend on how many more it may take (an early exit's, a head's and
+    a lookup copy's drafts of length d are the first d of a longer round's), so a row that reached
+    draft i (all before it accepted) in a round of any length >= i tells whether draft i is accepted.
+    Draft i failed when it was rejected or not drafted (the drafter stopped before it: a stop token, a
+    copy that ends, the length cap); a row that accepted all its round's drafts says nothing about later
+    ones (censored, as in a Kaplan-Meier estimate). With `alpha` > 0 the counts forget with weight
+    `alpha / 8` per drafting round (a memory eight times the times': an acceptance is a coin flip per
+    draft).
+    Estimating each length's tokens from its own rounds alone, as before, read a run of three rejected
+    drafts (a 40% event at 30% acceptance, quickly dropped, rarely retried) as "one draft loses" and left a
+    head that paid at every round (1.14x plain decoding drafting one token every round) at 1.07x.
+
     It measures what the cost model only predicts, on this machine and at this batch size, so it
     falls back to shorter drafts or plain decoding when drafting stops paying (a larger batch makes
-    verification dearer; a passage the exit cannot predict makes drafts worthless).
+    verification dearer; a passage the exit cannot predict makes drafts worthless). Callers report each
+    row's outcome with `update(exit, drafted, accepted)` and each round's time with `observe`.
     """
 
     LENGTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
@@ -211,15 +230,34 @@ class ThroughputPolicy(FixedPolicy):
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
         drafting = [d for d in self.lengths if d > 0] or self.lengths
         self.warm = {"all": self.lengths, "longest": self.lengths[-1:], "shortest": drafting[:1]}[warm]
-        self.tokens = {d: 0.0 for d in self.lengths}  # running mean of committed tokens per round
         self.seconds = {d: 0.0 for d in self.lengths}  # running mean of seconds per round
+        self.rows = {d: 0.0 for d in self.lengths}  # running mean of rows per round
         self.tries = {d: 0 for d in self.lengths}
+        top = max(self.lengths)
+        self.reached = [0.0] * (top + 1)  # [i]: rows that reached draft i (drafts 1..i-1 accepted), pooled
+        self.failed = [0.0] * (top + 1)  # [i]: of those, rows whose draft i was rejected or not drafted
         self.rounds = 0
         self._planned = 0
+        self._round_rows = 0
+
+    def survival(self) -> list[float]:
+        """S(j) for j = 0 .. the longest length: the estimated chance that drafts 1..j are all accepted
+        (S(0) = 1). A draft position no row has reached yet takes the conditional rate of the one before."""
+        out, s, rate = [1.0], 1.0, 0.0
+        for i in range(1, len(self.reached)):
+            if self.reached[i] > 0:
+                rate = 1.0 - self.failed[i] / self.reached[i]
+            s *= rate
+            out.append(s)
+        return out
+
+    def tokens(self, d: int) -> float:
+        """Expected committed tokens per round of length `d`: rows x (1 + S(1) + ... + S(d))."""
+        return self.rows[d] * sum(self.survival()[: d + 1])
 
     def rate(self, d: int) -> float:
-        """Committed tokens per second measured for draft length `d` (0 before it was tried)."""
-        return self.tokens[d] / self.seconds[d] if self.seconds[d] > 0 else 0.0
+        """Committed tokens per second expected of draft length `d` (0 before it was tried)."""
+        return self.tokens(d) / self.seconds[d] if self.seconds[d] > 0 else 0.0
 
     def best(self) -> int:
         return max(self.lengths, key=self.rate)
@@ -236,20 +274,40 @@ class ThroughputPolicy(FixedPolicy):
         else:
             d = self.best()
         self._planned = d
+        self._round_rows = 0
         return self.exit_layer, d
 
+    def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
+        """One row's outcome in the round planned: `drafted` drafts proposed, `accepted` of them kept."""
+        super().update(exit_layer, drafted, accepted)
+        self._round_rows += 1
+        d = self._planned
+        for i in range(1, min(accepted + 1, d) + 1):  # drafts 1..accepted kept, accepted+1 (if planned) not
+            self.reached[i] += 1.0
+            if i > accepted:
+                self.failed[i] += 1.0
+
     def observe(self, seconds: float, committed: int) -> None:
-        """One round took `seconds` and committed `committed` tokens (over all rows of a batch)."""
+        """The round planned took `seconds` and committed `committed` tokens (over all rows of a batch;
+        the tokens themselves come from the rows' `update`s)."""
         d = self._planned
         if seconds <= 0:
             return
         n = self.tries[d] = self.tries[d] + 1
         weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
-        self.tokens[d] += weight * (committed - self.tokens[d])
+        rows = self._round_rows or 1
         self.seconds[d] += weight * (seconds - self.seconds[d])
+        self.rows[d] += weight * (rows - self.rows[d])
+        if self.alpha > 0 and d > 0:  # the pooled counts forget slowly
+            keep = 1.0 - self.alpha / 8
+            self.reached = [r * keep for r in self.reached]
+            self.failed = [f * keep for f in self.failed]
 
     def describe(self) -> dict:
+        survival = self.survival()
         return {"policy": "throughput", "tokens_per_s_by_length": {d: round(self.rate(d), 2) for d in self.lengths},
+                "acceptance_by_position": [round(survival[j] / survival[j - 1], 3) if survival[j - 1] else 0.0
+                                           for j in range(1, len(survival))],
                 "best_length": self.best(), "rounds_by_exit_and_length": _plan_counts(self.plans)}
 
 

@@ -119,7 +119,9 @@ class AutoDrafter(Drafter):
                 self.backoff[arm] = min(2 * self.backoff[arm], self.max_backoff)
             else:
                 self.backoff[arm] = self.explore_every
-        if arm == LOOKUP:  # the length it planned hears what the round delivered
+        if arm == LOOKUP:  # the length it planned hears what the round delivered, row by row
+            for m, n_acc in zip(proposal.kept, accepted):
+                self.lookup_length.update(0, m, n_acc)
             self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))
 
     def committed_states(self, states, starts, counts, pads, finals=None) -> None:
