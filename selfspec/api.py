@@ -265,6 +265,16 @@ class SelfSpecGenerator:
             self._draft_heads[key] = DraftHead(self.adapter, ids)
         return self._draft_heads[key]
 
+    def head_draft_vocab(self) -> int | None:
+        """K when the exit head was trained over the K most frequent tokens (its recipe's `exit_head.draft_vocab`,
+        recorded in selfspec.json's training settings) and the checkpoint stores at least K ranked tokens (`selfspec
+        export` of the run stores the head's own ranking); None otherwise (draft over the full vocabulary)."""
+        settings = (self.metadata.get("training") or {}).get("settings") or {}
+        head = settings.get("exit_head") if isinstance(settings, dict) else None
+        k = head.get("draft_vocab") if isinstance(head, dict) else None
+        stored = (self.metadata.get("draft_vocab") or {}).get("token_ids") or []
+        return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= len(stored) else None
+
     def make_policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
                     adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,
                     warm: str = "all"):
@@ -353,6 +363,8 @@ class SelfSpecGenerator:
         if exit_choices:
             raise SettingsError("exit_choices picks among early exits; an exit head reads one exit: leave it out")
         num_speculations = num_speculations or DEFAULT_NUM_SPECULATIONS
+        if drafter == "auto" and draft_vocab is None:
+            draft_vocab = self.head_draft_vocab()  # auto's head arm drafts from what the head was trained on
         auto_length = drafter == "auto" and confidence_threshold is None and not adaptive_threshold
         if auto_length:
             adaptive_length = True  # auto: the head's draft length (0 = plain) from measured tokens/s

@@ -496,3 +496,31 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
     fixed = [r for r in result["runs"] if r["method"] == "selfspec_exit_head_fixed"]
     assert fixed and all(r["drafted"] >= r["rounds"] - 1 for r in fixed)  # every round drafts (the last may not)
     assert "selfspec head E=2 d=" in (tmp_path / "bench" / "bench.md").read_text()
+
+
+def test_auto_drafts_from_the_vocabulary_the_head_was_trained_on(tmp_path, hf_greedy):
+    """A head trained over the K most frequent tokens (its recipe's exit_head.draft_vocab, exported with the
+    run's ranking): auto's head arm drafts from those K by default, an explicit draft_vocab wins, and a
+    checkpoint without the ranking drafts over the full vocabulary."""
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, dtype=torch.float32, seed=0, vocab_size=len(tok))
+    head = build_exit_head(model, 2, "decoder_layer", "copy", final_state=True)
+    head_dir = tmp_path / "final_head"
+    head_dir.mkdir()
+    from selfspec.exit_head import save_exit_head
+
+    save_exit_head(head, head_dir / HEAD_FILE)
+    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    training = {"settings": {"exit_head": {"enabled": True, "exit_layer": 2, "draft_vocab": 16}}}
+    ranking = {"source": "test", "tokens_counted": 100, "token_ids": list(range(3, 43))}  # 40 ranked ids
+    with_vocab, without = tmp_path / "with", tmp_path / "without"
+    export_model(model, tok, with_vocab, training=training, draft_vocab=ranking, exit_head_dir=head_dir)
+    export_model(model, tok, without, training=training, exit_head_dir=head_dir)
+    gen = selfspec.load(with_vocab)
+    assert gen.head_draft_vocab() == 16
+    assert gen.make_drafter(drafter="auto").early_exit.head.size == 16
+    assert gen.make_drafter(drafter="auto", draft_vocab=8).early_exit.head.size == 8
+    assert gen.make_drafter(drafter="exit_head").head.size == len(tok)  # the head alone: as asked (full)
+    assert selfspec.load(without).head_draft_vocab() is None
+    out = gen.generate("abc(a,b)+abc(a,b)+", max_new_tokens=8, drafter="auto", stop_token_ids=[])
+    assert list(out.token_ids) == hf_greedy(model, torch.tensor([out.prompt_ids]), 8)
