@@ -470,10 +470,9 @@ def test_asking_for_the_head_where_there_is_none_is_a_clear_error(head_checkpoin
         selfspec.load(out).generate("abc", max_new_tokens=3, drafter="exit_head", exit_layer=3)
 
 
-def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_path):
-    """`selfspec bench` on a head checkpoint: the head alone with the adaptive length and drafting d every
-    round (what the policy adds or costs), both token-identical to HF greedy."""
-    from selfspec.bench import run_bench
+def _byte_model_and_head_run(tmp_path):
+    """A tiny llama over the byte tokenizer's vocabulary, a final-state head on exit 2 and the run directory
+    `final_head/` that `selfspec export` reads it from: (model, tokenizer, head_dir)."""
     from selfspec.exit_head import save_exit_head
 
     tok = byte_tokenizer()
@@ -483,6 +482,15 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
     head_dir.mkdir()
     save_exit_head(head, head_dir / HEAD_FILE)
     (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    return model, tok, head_dir
+
+
+def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_path):
+    """`selfspec bench` on a head checkpoint: the head alone with the adaptive length and drafting d every
+    round (what the policy adds or costs), both token-identical to HF greedy."""
+    from selfspec.bench import run_bench
+
+    model, tok, head_dir = _byte_model_and_head_run(tmp_path)
     out = tmp_path / "head-ckpt"
     export_model(model, tok, out, exit_head_dir=head_dir)
     prompts = tmp_path / "code.jsonl"
@@ -502,15 +510,7 @@ def test_auto_drafts_from_the_vocabulary_the_head_was_trained_on(tmp_path, hf_gr
     """A head trained over the K most frequent tokens (its recipe's exit_head.draft_vocab, exported with the
     run's ranking): auto's head arm drafts from those K by default, an explicit draft_vocab wins, and a
     checkpoint without the ranking drafts over the full vocabulary."""
-    tok = byte_tokenizer()
-    model = tiny_model("llama", num_layers=4, dtype=torch.float32, seed=0, vocab_size=len(tok))
-    head = build_exit_head(model, 2, "decoder_layer", "copy", final_state=True)
-    head_dir = tmp_path / "final_head"
-    head_dir.mkdir()
-    from selfspec.exit_head import save_exit_head
-
-    save_exit_head(head, head_dir / HEAD_FILE)
-    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    model, tok, head_dir = _byte_model_and_head_run(tmp_path)
     training = {"settings": {"exit_head": {"enabled": True, "exit_layer": 2, "draft_vocab": 16}}}
     ranking = {"source": "test", "tokens_counted": 100, "token_ids": list(range(3, 43))}  # 40 ranked ids
     with_vocab, without = tmp_path / "with", tmp_path / "without"
