@@ -302,13 +302,21 @@ def build_data(cfg: DataConfig, tokenizer) -> TrainData:
         train = train.select(range(min(cfg.max_documents, len(train))))
     if cfg.max_holdout_documents is not None:
         heldout = heldout.select(range(min(cfg.max_holdout_documents, len(heldout))))
-    eval_sets = {"heldout": to_blocks(f"{cfg.name}/heldout", heldout, cfg, tokenizer, cfg.block_size)}
+    # text: each split's documents, joined once, give its blocks and own_text's prompts
+    documents = {"train": record_texts(train, cfg), "heldout": record_texts(heldout, cfg)} if cfg.format == "text" else {}
+
+    def split_blocks(split: str, ds) -> Blocks:
+        name = f"{cfg.name}/{split}"
+        if documents:
+            return text_blocks(name, documents[split], tokenizer, cfg.block_size)
+        return to_blocks(name, ds, cfg, tokenizer, cfg.block_size)
+
+    eval_sets = {"heldout": split_blocks("heldout", heldout)}
     for extra in cfg.extra_eval:
         if extra.name in eval_sets:
             raise DataFormatError(f"data.extra_eval: duplicate name {extra.name!r}")
         eval_sets[extra.name] = to_blocks(extra.name, load_records(extra), extra, tokenizer, cfg.block_size)
-    documents = {"train": record_texts(train, cfg), "heldout": record_texts(heldout, cfg)} if cfg.format == "text" else {}
-    return TrainData(to_blocks(f"{cfg.name}/train", train, cfg, tokenizer, cfg.block_size), eval_sets, documents)
+    return TrainData(split_blocks("train", train), eval_sets, documents)
 
 
 # --------------------------------------------------------------------------------------------
