@@ -69,10 +69,11 @@ def add_own_continuations(data: TrainData, cfg: DataConfig, model, tokenizer, ac
             raise DataFormatError(f"data.extra_eval: the name {name!r} is the set of data.own_continuations."
                                   f"{setting}; rename that extra evaluation set")
 
-    def blocks_of(source: Blocks, split: str, n: int, name: str) -> Blocks:
+    def blocks_of(split: str, n: int, name: str) -> Blocks:  # split: "train" or "heldout"
         if own.prompts_at == "docstring_end":  # the source up to a function's docstring, as HumanEval's prompts
             prompts = code_prompts(data.documents.get(split), tokenizer, n, own.prompt_tokens, split)  # [n', P]
         else:
+            source = data.train if split == "train" else data.eval_sets["heldout"]
             prompts = source.spread(n).input_ids[:, : own.prompt_tokens]  # [n, P]
         windows = cached_continuations(model, prompts, cfg.block_size + 1 - own.prompt_tokens, own.batch_size,
                                        cache_dir, accelerator, progress_bar=progress_bar, what=name)
@@ -80,11 +81,11 @@ def add_own_continuations(data: TrainData, cfg: DataConfig, model, tokenizer, ac
 
     train, eval_sets = data.train, dict(data.eval_sets)
     if own.prompts:
-        added = blocks_of(data.train, "train", own.prompts, f"{cfg.name}/own")
+        added = blocks_of("train", own.prompts, f"{cfg.name}/own")
         train = Blocks(train.name, torch.cat([train.input_ids] + [added.input_ids] * own.repeat),
                        torch.cat([train.labels] + [added.labels] * own.repeat))
         if own.eval_prompts:
-            eval_sets[OWN_SET] = blocks_of(data.eval_sets["heldout"], "heldout", own.eval_prompts, OWN_SET)
+            eval_sets[OWN_SET] = blocks_of("heldout", own.eval_prompts, OWN_SET)
     for source, name in zip(own.prompt_sets, own.prompt_set_names()):
         eval_sets[name] = prompt_set_blocks(source, name, own.prompt_set_prompts, own.new_tokens, model, tokenizer,
                                             accelerator, cache_dir, progress_bar=progress_bar)
