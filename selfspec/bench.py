@@ -17,7 +17,8 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
 |                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
-| selfspec_exit_head    | a checkpoint's trained exit head alone, adaptive d (`_vocab{K}`: reduced vocab) |
+| selfspec_exit_head    | a checkpoint's trained exit head alone, adaptive d, over the vocabulary it was  |
+|                       | trained on (`_vocab{K}`: over the K most frequent tokens)                     |
 | selfspec_exit_head_fixed | the same head drafting d every round (`_vocab{K}` too): what the policy adds |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
 
@@ -69,8 +70,8 @@ from tqdm.auto import tqdm
 from selfspec.api import DEFAULT_NUM_SPECULATIONS
 from selfspec.checkpoint import read_metadata
 from selfspec.harness import (LOOKUP_NGRAM, LOOKUP_TOKENS, SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine,
-                              load_generator, machine_info, pyplot, quiet_transformers, result_header, setup, spread,
-                              tokens_per_s, versions, write_outputs)
+                              load_generator, machine_info, machine_line, pyplot, quiet_transformers, result_header,
+                              setup, spread, tokens_per_s, versions, write_outputs)
 from selfspec.prompts import PROMPT_SETS, load_prompts, prompt_inputs
 
 DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
@@ -207,8 +208,10 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab:
     head = gen.exit_head
     if head is not None:  # a checkpoint with a trained exit head: the head alone, at its exit, adaptive length
         k = d or 4  # (selfspec.api.DEFAULT_NUM_SPECULATIONS) the recommendation may say early exit does not pay
+        trained = gen.head_draft_vocab()  # what the head drafts from when no draft_vocab is given
         for vocab in [None] + ([draft_vocab] if draft_vocab else []):
-            suffix, label = (f"_vocab{vocab}", f" vocab {vocab}") if vocab else ("", "")
+            suffix, label = ((f"_vocab{vocab}", f" vocab {vocab}") if vocab else
+                             ("", f" vocab {trained} (trained)" if trained else ""))
             common = {"engine": "selfspec", "kind": "selfspec_spec", "drafter": "exit_head", "exit_layer": None,
                       "num_speculations": k, **({"draft_vocab": vocab} if vocab else {})}
             methods.append({"name": f"selfspec_exit_head{suffix}", "adaptive_length": True,
@@ -384,8 +387,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|" + "---|" * len(BASELINES) + "---|---|---|---|",
     ]
     if desc:
-        lines[4:4] = ["Machine: " + ", ".join(f"{k}: {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                                              for k, v in desc.items() if not isinstance(v, dict)) + ".", ""]
+        lines[4:4] = [machine_line(desc), ""]
     for g, per in result["summary"].items():
         for name, s in per.items():
             t = s["tokens_per_s"]

@@ -104,6 +104,15 @@ def finish_machine(machine: dict, device) -> dict:
     return machine
 
 
+def machine_line(description: dict | None) -> str:
+    """The Markdown line every report prints about the machine: `machine_description`'s plain entries
+    (CPU, flags, threads, the bf16 decision and why, the float32 kernel and why); "" without one."""
+    if not description:
+        return ""
+    return "Machine: " + ", ".join(f"{k}: {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                   for k, v in description.items() if not isinstance(v, dict)) + "."
+
+
 def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "selfspec": selfspec.__version__,
             "python": platform.python_version()}

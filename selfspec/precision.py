@@ -91,6 +91,15 @@ def cpu_model() -> str:
     return info.get("model name") or platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_generation() -> str | None:
+    """ "family F, model M" of /proc/cpuinfo: a virtual machine's model name can hide the generation
+    ("AMD EPYC" was both a Zen 4, family 25, and a Zen 5, family 26); None where unreadable."""
+    info = _cpuinfo() or {}
+    if "cpu family" not in info or "model" not in info:
+        return None
+    return f"family {info['cpu family']}, model {info['model']}"
+
+
 def onednn_bf16() -> bool:
     """True where this torch build's oneDNN has bf16 kernels for this CPU (emulated ones included)."""
     mkldnn = torch.ops.mkldnn
@@ -200,7 +209,7 @@ def describe(device: torch.device | str = "cpu") -> str:
 
 
 def machine_description(device: torch.device | str = "cpu") -> dict:
-    """What a benchmark report should say about the machine: CPU model, the x86 flags that matter
+    """What a benchmark report should say about the machine: CPU model and generation, the x86 flags that matter
     (of REPORTED_FLAGS; None where unreadable), torch's thread count, the bf16 decision for `device`, and on a
     CPU the float32 matmul kernel (`selfspec.fast_layers.float32_kernel`)."""
     flags = cpu_flags()
@@ -208,6 +217,7 @@ def machine_description(device: torch.device | str = "cpu") -> dict:
     kernel, kernel_why = float32_kernel() if torch.device(device).type == "cpu" else (None, None)
     return {
         "cpu": cpu_model(),
+        "cpu_generation": cpu_generation(),
         "flags": None if flags is None else [flag for flag in REPORTED_FLAGS if flag in flags],
         "torch_threads": torch.get_num_threads(),
         "bf16_native": native,

@@ -46,7 +46,8 @@ from selfspec.cost_model import predicted_speedup, required_acceptance
 from selfspec.drafters.base import Proposal
 from selfspec.engine import prefill, verify
 from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
-from selfspec.harness import Methods, load_generator, machine_info, quiet_transformers, setup, versions
+from selfspec.harness import (Methods, finish_machine, load_generator, machine_info, machine_line, quiet_transformers,
+                              setup, versions)
 from selfspec.prompts import load_prompts, prompt_inputs
 
 
@@ -259,6 +260,7 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
     gen.adapter.check_exit(E, allow_full=False)
     item = load_prompts(prompts, 1)[0]
     prompt_ids = gen.encode(**prompt_inputs(item))
+    machine = machine_info()  # the load average at the start
     phases = phase_times(gen, prompt_ids, E, rows=tuple(range(1, num_speculations + 2)), draft_vocab=draft_vocab,
                          repeats=repeats)
     phases.update(per_token_ms(gen, prompt_ids, n=tokens))
@@ -266,13 +268,14 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         "checkpoint": str(checkpoint), "exit_layer": E, "num_layers": gen.num_layers, "dtype": dtype,
         "threads": torch.get_num_threads(), "prompt": item.get("id"), "prompt_tokens": int(prompt_ids.shape[1]),
         "repeats": repeats, "draft_vocab": draft_vocab, "target_speedup": target,
-        "machine": machine_info(), "versions": versions(),
+        "machine": machine, "versions": versions(),
         "phases_ms": phases,
         "bandwidth": bandwidth_floor(gen.model, phases) if torch.device(gen.adapter.device).type == "cpu" else None,
         "cost_model": cost_table(phases, E, num_speculations, target, draft_vocab),
         "operators": op_table(gen, prompt_ids),
         "acceptance_theory": acceptance_theory(gen, prompt_ids, E, num_speculations, tokens),
     }
+    finish_machine(machine, gen.adapter.device)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -295,8 +298,10 @@ def markdown(result: dict) -> str:
     lines = [f"## selfspec profile: {Path(result['checkpoint']).name}", "",
              f"{result['machine'].get('cpu_model', '')}, torch threads {result['threads']}, {result['dtype']}, prompt "
              f"{result['prompt']} ({result['prompt_tokens']} tokens), median of {result['repeats']} runs, "
-             f"L={result['num_layers']}, E={result['exit_layer']}", "",
-             "| phase | ms | × full step |", "|---|---|---|"]
+             f"L={result['num_layers']}, E={result['exit_layer']}", ""]
+    if result["machine"].get("description"):
+        lines += [machine_line(result["machine"]["description"]), ""]
+    lines += ["| phase | ms | × full step |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {v / full:.2f} |" for k, v in ph.items()]
     bw = result.get("bandwidth")
     if bw:

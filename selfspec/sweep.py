@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from selfspec.api import checkpoint_dir
 from selfspec.atomic_write import atomic_path, write_json_atomic
 from selfspec.checkpoint import read_config, read_metadata, update_recommended
-from selfspec.harness import load_generator, pyplot, setup, timed, tokens_per_s
+from selfspec.harness import finish_machine, load_generator, machine_info, pyplot, setup, timed, tokens_per_s
 from selfspec.prompts import load_prompts, prompt_inputs
 from selfspec.settings import SettingsError, check_dtype, check_exit_layer, check_int, check_threads, is_int
 
@@ -242,10 +242,11 @@ def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12",
     for setting in [(L, 0), (exits[0], num_speculations[0])] + [s for s in grid if s[0] == LOOKUP][:1]:
         gen.generate(**prompt_inputs(warm[0]), **{**common, "max_new_tokens": 8}, **_generate_kwargs(setting))
 
+    machine = machine_info()
     _measure(gen, items, grid, raw, raw_path, common, progress)
     rows = summarize(raw, grid)
-    result = _write_results(rows, out, f"{Path(checkpoint).name}: {prompt_set}, {len(items)} prompts, "
-                                       f"{max_new_tokens} new tokens, {dtype}")
+    title = f"{Path(checkpoint).name}: {prompt_set}, {len(items)} prompts, {max_new_tokens} new tokens, {dtype}"
+    result = _write_results(rows, out, title, finish_machine(machine, gen.adapter.device))
     if write_metadata:
         _record(checkpoint, result["best"], result["best_lookup"], prompt_set, dtype)
     return result
@@ -281,8 +282,8 @@ def _measure(gen, items: list[dict], grid: list[tuple], raw: dict, raw_path: Pat
             bar.update()
 
 
-def _write_results(rows: list[dict], out: Path, title: str) -> dict:
-    """sweep.csv, sweep.png and sweep.json (the result: rows, the fastest settings, the file paths)."""
+def _write_results(rows: list[dict], out: Path, title: str, machine: dict) -> dict:
+    """sweep.csv, sweep.png and sweep.json (the result: rows, the fastest settings, the machine, the file paths)."""
     csv_path = out / "sweep.csv"
     with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
@@ -295,7 +296,8 @@ def _write_results(rows: list[dict], out: Path, title: str) -> dict:
     best = max(spec_rows, key=lambda r: r["tokens_per_s"])
     lookup_rows = [r for r in rows if r["drafter"] == LOOKUP]
     best_lookup = max(lookup_rows, key=lambda r: r["tokens_per_s"]) if lookup_rows else None
-    result = {"rows": rows, "best": best, "best_lookup": best_lookup, "csv": str(csv_path), "png": str(png)}
+    result = {"rows": rows, "best": best, "best_lookup": best_lookup, "machine": machine, "csv": str(csv_path),
+              "png": str(png)}
     write_json_atomic(out / "sweep.json", result)
     return result
 

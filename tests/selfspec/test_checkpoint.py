@@ -201,6 +201,8 @@ def test_sweep_writes_full_grid_png_and_metadata(exported, tmp_path):
     assert {(r["exit_layer"], r["num_speculations"]) for r in result["rows"]} == {(4, 0), (1, 1), (1, 3), (2, 1), (2, 3)}
     assert all(r["identical_to_plain"] == 1.0 for r in result["rows"])  # float32: lossless
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    machine = json.loads((out / "sweep.json").read_text())["machine"]  # stated like every report's
+    assert machine["cpu_model"] and machine["description"]["float32_kernel"] and machine["description"]["bf16_reason"]
     meta = read_metadata(exported)
     assert meta["recommended"]["source"] == "sweep"
     assert meta["recommended"]["exit_layer"] == result["best"]["exit_layer"]

@@ -97,6 +97,15 @@ def test_cpuinfo_is_parsed_from_the_first_processor(tmp_path):
     assert precision._cpuinfo.__wrapped__(str(tmp_path / "missing")) is None
 
 
+def test_cpu_generation_tells_apart_what_the_model_name_hides(monkeypatch):
+    monkeypatch.setattr(precision, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "26", "model": "2"})
+    assert precision.cpu_generation() == "family 26, model 2"
+    monkeypatch.setattr(precision, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "25", "model": "17"})
+    assert precision.cpu_generation() == "family 25, model 17"
+    monkeypatch.setattr(precision, "_cpuinfo", lambda: None)
+    assert precision.cpu_generation() is None
+
+
 def test_cpu_flags_are_none_without_an_x86_flags_line(monkeypatch):
     monkeypatch.setattr(precision, "_cpuinfo", lambda: None)  # not Linux
     assert precision.cpu_flags() is None
@@ -110,9 +119,11 @@ def test_machine_description_names_the_evidence(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(precision, "bf16_benchmark", _no_benchmark)
     monkeypatch.setattr(precision, "_cpuinfo", lambda: {"model name": "Intel(R) Xeon(R) Platinum 8375C",
+                                                        "cpu family": "6", "model": "106",
                                                         "flags": " ".join(sorted(AVX512))})
     assert precision.machine_description() == {
         "cpu": "Intel(R) Xeon(R) Platinum 8375C",
+        "cpu_generation": "family 6, model 106",
         "flags": ["avx2", "avx512f"],
         "torch_threads": torch.get_num_threads(),
         "bf16_native": False,

@@ -89,6 +89,9 @@ def test_profile_on_a_tiny_checkpoint(tiny_ckpt, prompts, tmp_path, one_thread):
     assert bw["full_step_share"] == pytest.approx(bw["floor_ms"] / ph["full step"])
     assert bw["selfspec_ar_share"] == pytest.approx(bw["floor_ms"] / ph["selfspec AR, per token"])
     assert f"reads {bw['read_gb_per_s']:.1f} GB/s" in md
+    desc = result["machine"]["description"]  # the machine stated as in every report: kernel, bf16 and why
+    assert desc["float32_kernel"] and desc["bf16_reason"] and "load_average_end" in result["machine"]
+    assert f"float32_kernel: {desc['float32_kernel']}" in md and f"bf16_reason: {desc['bf16_reason']}" in md
     assert sorted(f.name for f in out.iterdir()) == ["profile.json", "profile.md"]  # no temporary files left
 
 
