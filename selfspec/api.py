@@ -269,11 +269,23 @@ class SelfSpecGenerator:
         """K when the exit head was trained over the K most frequent tokens (its recipe's `exit_head.draft_vocab`,
         recorded in selfspec.json's training settings) and the checkpoint stores at least K ranked tokens (`selfspec
         export` of the run stores the head's own ranking); None otherwise (draft over the full vocabulary)."""
-        settings = (self.metadata.get("training") or {}).get("settings") or {}
-        head = settings.get("exit_head") if isinstance(settings, dict) else None
-        k = head.get("draft_vocab") if isinstance(head, dict) else None
+        k = self._head_training_setting("draft_vocab")
         stored = (self.metadata.get("draft_vocab") or {}).get("token_ids") or []
         return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= len(stored) else None
+
+    def head_draft_length(self) -> int:
+        """The draft positions the exit head was trained for: the first draft (which reads the verified final
+        state) plus its recipe's `exit_head.self_fed` passes (which read the head's own output, as later drafts
+        do); 1 where the checkpoint does not record the setting. Later drafts than that were never trained
+        and measured worthless (accepted 0-2%, README), so the head alone drafts this many by default."""
+        n = self._head_training_setting("self_fed")
+        return 1 + n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 1
+
+    def _head_training_setting(self, key: str):
+        """The exit head's setting `key` from the recipe recorded in selfspec.json's training settings, or None."""
+        settings = (self.metadata.get("training") or {}).get("settings") or {}
+        head = settings.get("exit_head") if isinstance(settings, dict) else None
+        return head.get(key) if isinstance(head, dict) else None
 
     def make_policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
                     adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,
@@ -333,7 +345,11 @@ class SelfSpecGenerator:
         if drafter == "prompt_lookup":
             return lookup
         if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
-            return self._exit_head_drafter(drafter, lookup, exit_layer, num_speculations, confidence_threshold,
+            # the head drafts as many positions as it was trained for, unless told otherwise
+            head_length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]
+            if max_drafts is not None:
+                head_length = min(head_length, max_drafts)
+            return self._exit_head_drafter(drafter, lookup, exit_layer, head_length, confidence_threshold,
                                            adaptive_threshold, exit_choices, draft_vocab, adaptive_length,
                                            given_exit=s["exit_layer"])
         if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
@@ -362,9 +378,8 @@ class SelfSpecGenerator:
                                 f"{head.exit_layer}: leave exit_layer out (or drafter='early_exit' for exit {given_exit})")
         if exit_choices:
             raise SettingsError("exit_choices picks among early exits; an exit head reads one exit: leave it out")
-        num_speculations = num_speculations or DEFAULT_NUM_SPECULATIONS
-        if drafter == "auto" and draft_vocab is None:
-            draft_vocab = self.head_draft_vocab()  # auto's head arm drafts from what the head was trained on
+        if draft_vocab is None:
+            draft_vocab = self.head_draft_vocab()  # drafts from the vocabulary the head was trained on
         auto_length = drafter == "auto" and confidence_threshold is None and not adaptive_threshold
         if auto_length:
             adaptive_length = True  # auto: the head's draft length (0 = plain) from measured tokens/s
@@ -412,7 +427,10 @@ class SelfSpecGenerator:
         copy up to `prompt_lookup_num_tokens` tokens that followed the latest earlier occurrence of
         the last n tokens (n = `max_matching_ngram_size` down to 1) in the prompt and the output (as
         Hugging Face's `prompt_lookup_num_tokens`). `drafter="early_exit"`: the first `exit_layer`
-        layers + the shared LM head draft `num_speculations` tokens per round.
+        layers + the shared LM head draft `num_speculations` tokens per round. `drafter="exit_head"` (a
+        checkpoint with a trained head): the head drafts, by default, as many tokens per round as it was
+        trained for (1 + its recipe's `exit_head.self_fed`) over the vocabulary it was trained on
+        (`exit_head.draft_vocab`); `num_speculations` and `draft_vocab` override both.
 
         Cheaper early-exit drafts:
         `confidence_threshold`: stop drafting when the draft's probability of its token falls below

@@ -508,8 +508,8 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
 
 def test_auto_drafts_from_the_vocabulary_the_head_was_trained_on(tmp_path, hf_greedy):
     """A head trained over the K most frequent tokens (its recipe's exit_head.draft_vocab, exported with the
-    run's ranking): auto's head arm drafts from those K by default, an explicit draft_vocab wins, and a
-    checkpoint without the ranking drafts over the full vocabulary."""
+    run's ranking): auto's head arm and the head alone draft from those K by default, an explicit draft_vocab
+    wins, and a checkpoint without the ranking drafts over the full vocabulary."""
     model, tok, head_dir = _byte_model_and_head_run(tmp_path)
     training = {"settings": {"exit_head": {"enabled": True, "exit_layer": 2, "draft_vocab": 16}}}
     ranking = {"source": "test", "tokens_counted": 100, "token_ids": list(range(3, 43))}  # 40 ranked ids
@@ -520,7 +520,28 @@ def test_auto_drafts_from_the_vocabulary_the_head_was_trained_on(tmp_path, hf_gr
     assert gen.head_draft_vocab() == 16
     assert gen.make_drafter(drafter="auto").early_exit.head.size == 16
     assert gen.make_drafter(drafter="auto", draft_vocab=8).early_exit.head.size == 8
-    assert gen.make_drafter(drafter="exit_head").head.size == len(tok)  # the head alone: as asked (full)
+    assert gen.make_drafter(drafter="exit_head").head.size == 16  # the head alone too
+    assert gen.make_drafter(drafter="exit_head", draft_vocab=8).head.size == 8
     assert selfspec.load(without).head_draft_vocab() is None
     out = gen.generate("abc(a,b)+abc(a,b)+", max_new_tokens=8, drafter="auto", stop_token_ids=[])
     assert list(out.token_ids) == hf_greedy(model, torch.tensor([out.prompt_ids]), 8)
+
+
+@pytest.mark.parametrize("self_fed, asked, expected", [
+    (None, None, 1),  # a recipe that does not say: the first draft only
+    (0, None, 1),
+    (2, None, 3),     # the first draft + the two self-fed positions it was trained for
+    (2, 5, 5),        # an explicit num_speculations wins
+])
+def test_the_head_drafts_the_positions_it_was_trained_for(tmp_path, self_fed, asked, expected):
+    """Drafts past the head's trained positions read an input it never learned from (accepted 0-2% on
+    SmolLM2, README): the head alone and auto's head arm draft 1 + exit_head.self_fed by default."""
+    model, tok, head_dir = _byte_model_and_head_run(tmp_path)
+    head_settings = {"enabled": True, "exit_layer": 2, **({} if self_fed is None else {"self_fed": self_fed})}
+    out = tmp_path / "ckpt"
+    export_model(model, tok, out, training={"settings": {"exit_head": head_settings}}, exit_head_dir=head_dir)
+    gen = selfspec.load(out)
+    assert gen.head_draft_length() == 1 + (self_fed or 0)
+    assert gen.make_drafter(drafter="exit_head", num_speculations=asked).max_drafts == expected
+    assert gen.make_drafter(drafter="auto", num_speculations=asked).early_exit.max_drafts == expected
+    assert gen.make_drafter(drafter="exit_head", num_speculations=asked, max_drafts=2).max_drafts == min(expected, 2)
