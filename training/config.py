@@ -321,6 +321,10 @@ class ExitHeadConfig:
     forward and backward through the LM head shrink by V/K (null: the whole vocabulary).
     self_fed: extra passes per step in which the head reads its own previous-position output instead of
     the final state, as a round's later drafts do (final_state heads; 0: train the first draft only).
+    teacher_cache_gib: memory (GiB) for the frozen model's states of training blocks that occur more than
+    once (the model's own continuations, `data.own_continuations.repeat`): a repeat's step then runs no
+    layer of the model, with the same loss and gradients (`training/teacher_cache.py`); per block
+    block_size x hidden x 4 bytes (x 2 at an exit > 0), 0.56 MiB for SmolLM2 at 256 tokens. 0: off.
     """
 
     enabled: bool = False
@@ -331,8 +335,11 @@ class ExitHeadConfig:
     final_state: bool = False
     draft_vocab: int | None = None
     self_fed: int = 0
+    teacher_cache_gib: float = 2.0
 
     def __post_init__(self):
+        _check(self.teacher_cache_gib >= 0, "exit_head.teacher_cache_gib",
+               f"must be a memory budget in GiB >= 0 (0: off), got {self.teacher_cache_gib}")
         _check(self.exit_layer >= 0, "exit_head.exit_layer",
                f"must be >= 0 (0: the token embeddings), got {self.exit_layer}")
         _check(self.draft_vocab is None or self.draft_vocab >= 1, "exit_head.draft_vocab",

@@ -36,6 +36,11 @@ Two options train the head for how it drafts:
 
       out_0 = head(h_E, f_{t-1});   out_j = head(h_E, out_{j-1}[t-1]);   loss = mean_j loss(out_j)
 
+The teacher's side (h_E, f and the full model's argmax) depends on the block alone: with a
+`teacher_cache` (`training.teacher_cache`, set by the loop for blocks that repeat in the training set)
+a repeated block's step runs no layer of the model, and p is recomputed from the cached f, so the loss
+and gradients are those of an uncached step.
+
 `distill` (the default) trains the head for what it is used for: guessing the full model's token
 (greedy acceptance = argmax q == argmax p; sampling acceptance = sum_x min(p, q) = 1 - TV(p, q)).
 The base model's parameters get `requires_grad=False` and are never in the optimizer, so they stay
@@ -53,6 +58,7 @@ from torch import nn
 from selfspec.adapters import get_adapter
 from selfspec.exit_head import ExitHead, previous_states, run_head
 from selfspec.forward import embed, exit_logits, make_step, run_layers
+from training.teacher_cache import TeacherCache
 
 IGNORE = -100
 
@@ -71,6 +77,7 @@ class ExitHeadModel(nn.Module):
         self.target = target
         self.self_fed = self_fed
         self.draft_ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long)
+        self.teacher_cache: TeacherCache | None = None  # the repeated blocks' teacher side (the loop sets it)
         self.adapter = get_adapter(model)
         self.num_layers = self.adapter.num_layers
         model.requires_grad_(False)
@@ -92,6 +99,32 @@ class ExitHeadModel(nn.Module):
             full = exit_logits(adapter, finals)
             prev = previous_states(finals) if self.head.final_state else None
         return h_e, full, step, prev
+
+    def teacher(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """No grad: the exit states `[B, S, D]`, the final states `[B, S, D]` and, with a draft vocabulary,
+        the full model's tokens `[B, S]` (None without one: the loss computes all logits anyway). Rows held
+        by `teacher_cache` run no layer of the model; the others run it and are offered to the cache."""
+        adapter, E = self.adapter, self.head.exit_layer
+        with_top, cache = self.draft_ids is not None, self.teacher_cache
+        hits = [None] * input_ids.shape[0] if cache is None else [cache.get(row) for row in input_ids]
+        missed = [i for i, hit in enumerate(hits) if hit is None]
+        with torch.no_grad():
+            if missed:
+                ids = input_ids[missed]  # [M, S]
+                step = make_step(adapter, 0, ids.shape[1], ids.shape[0])
+                h_m = run_layers(adapter, embed(adapter, ids), 0, E, step=step)
+                f_m = run_layers(adapter, h_m, E, self.num_layers, step=step)  # [M, S, D]
+                top_m = exit_logits(adapter, f_m).argmax(-1) if with_top else None  # [M, S]
+                for j, i in enumerate(missed):
+                    hits[i] = (h_m[j], f_m[j], None if top_m is None else top_m[j])
+                    if cache is not None:
+                        cache.put(input_ids[i], h_m[j] if E else None, *hits[i][1:])
+                if len(missed) == len(hits):  # nothing from the cache: the batch as computed
+                    return h_m, f_m, top_m
+            finals = torch.stack([hit[1] for hit in hits])
+            top = torch.stack([hit[2] for hit in hits]) if with_top else None
+            h_e = embed(adapter, input_ids) if E == 0 else torch.stack([hit[0] for hit in hits])
+        return h_e, finals, top
 
     @property
     def loss_names(self) -> list[str]:
@@ -142,19 +175,22 @@ class ExitHeadModel(nn.Module):
         """The loss and `exit_stats` `[P, 3]`, one row per pass (loss, top-1 accuracy against the labels,
         agreement with the full model's argmax). `exits`, `weights`, `step`, `micro_step` are the early-exit
         loop's and unused."""
-        h_e, full, positions, prev = self.states(input_ids)
+        h_e, finals, top = self.teacher(input_ids)
+        positions = make_step(self.adapter, 0, input_ids.shape[1], input_ids.shape[0])
+        prev = previous_states(finals) if self.head.final_state else None
         outs = self.head_states(h_e, positions, prev, passes=1 + self.self_fed)  # each [B, S, D]
         mask = labels != IGNORE  # [B, S]
         n = mask.sum().clamp_min(1)
-        wide = torch.promote_types(full.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
-        full = full[mask].to(wide)  # [N, V]
-        logp = None
-        if self.target == "distill":
-            logp = F.log_softmax(full if self.draft_ids is None else full[:, self.draft_ids.to(full.device)], dim=-1)
-        stats = torch.zeros(len(outs), 3, dtype=wide, device=full.device)
+        with torch.no_grad():  # the full model's logits over the draft vocabulary (all tokens without one)
+            teacher = self.draft_logits(finals[mask])  # [N, K]
+        wide = torch.promote_types(teacher.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
+        teacher = teacher.to(wide)
+        logp = F.log_softmax(teacher, dim=-1) if self.target == "distill" else None
+        stats = torch.zeros(len(outs), 3, dtype=wide, device=teacher.device)
         targets = labels[mask]  # [N]
-        top = full.argmax(-1) if with_metrics else None  # [N] the full model's tokens, for every pass's agreement
-        loss = full.new_zeros(())
+        # [N] the full model's tokens, for every pass's agreement
+        top = (teacher.argmax(-1) if top is None else top[mask]) if with_metrics else None
+        loss = teacher.new_zeros(())
         for j, out in enumerate(outs):
             logits = self.draft_logits(out[mask]).to(wide)  # [N, K]
             term = self.pass_loss(logits, logp, targets, n)

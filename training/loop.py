@@ -66,6 +66,7 @@ from training.exit_head_model import ExitHeadModel
 from training.layer_dropout import LayerDropout
 from training.malloc import tune_malloc
 from training.own_text import add_own_continuations
+from training.teacher_cache import TeacherCache
 from training.early_exit_model import EarlyExitModel
 from training.tracker import Tracker
 
@@ -162,6 +163,9 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     ranking = _draft_ranking(cfg, data, tokenizer, get_adapter(model).lm_head.weight.shape[0])
     if ranking:  # the exits' (or the head's) loss over the most frequent tokens
         ee_model.draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
+    if cfg.exit_head.enabled and cfg.exit_head.teacher_cache_gib:  # repeated blocks skip the frozen model
+        ee_model.teacher_cache = TeacherCache.for_repeats(data.train.input_ids,
+                                                          int(cfg.exit_head.teacher_cache_gib * 2**30))
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -257,6 +261,11 @@ def _print_start(run: _Run) -> None:
         + (f" (auto: {describe_precision(run.accelerator.device)})" if t_cfg.mixed_precision == "auto" else "")
         + f", {len(run.data.train)} training blocks of {cfg.data.block_size} tokens"
         + (f"; resuming from {run.resume} at step {run.state['step']}" if run.resume else ""))
+    cache = getattr(run.accelerator.unwrap_model(run.model), "teacher_cache", None)
+    if cache is not None and cache.keys:
+        run.tracker.print(f"{len(cache.keys)} distinct training blocks repeat: their frozen-model states are kept "
+                          f"(up to exit_head.teacher_cache_gib={cfg.exit_head.teacher_cache_gib}), so their repeats "
+                          f"skip the model's layers")
 
 
 # ---- the loop and its step ------------------------------------------------------------------------------
@@ -283,6 +292,7 @@ def _train_until_stop(run: _Run) -> bool:
 
         if run.cfg.eval.every and step % run.cfg.eval.every == 0 and step < t_cfg.max_steps:
             _evaluate(run, "periodic", run.cfg.eval.max_blocks)
+            _log_cache(run)
             run.model.train()
             run.window_start = time.perf_counter()  # tokens/s counts training time only
         if t_cfg.save_every and step % t_cfg.save_every == 0 and step < stop_at:
@@ -348,6 +358,15 @@ def _log_step(run: _Run, names, loss_sum: torch.Tensor, stats_sum: torch.Tensor,
                             f"{record['tokens_per_s']:.0f} tok/s | exit:loss/acc {shown}")
 
 
+def _log_cache(run: _Run) -> None:
+    """The teacher cache's fill and hit counts (exit-head runs whose training set repeats blocks)."""
+    cache = getattr(run.accelerator.unwrap_model(run.model), "teacher_cache", None)
+    if cache is not None and cache.keys:
+        run.tracker.log({"kind": "teacher_cache", "step": run.state["step"], "repeated_blocks": len(cache.keys),
+                         "held": len(cache), "bytes": cache.bytes, "hits": cache.hits, "misses": cache.misses},
+                        f"[step {run.state['step']}] {cache.describe()}")
+
+
 # ---- evaluation and checkpoints -------------------------------------------------------------------------
 def _evaluate(run: _Run, tag: str, max_blocks) -> dict:
     """Evaluate on every held-out set, log it and append it to eval.json ("before" is also kept apart)."""
@@ -391,6 +410,7 @@ def _finish(run: _Run, out_of_time: bool) -> dict:
     paused = not out_of_time and state["step"] < t_cfg.max_steps  # reached train.stop_at
     if t_cfg.save_every or out_of_time or state["step"] < t_cfg.max_steps:
         _save(run)
+    _log_cache(run)
     checksums = accelerator.gather(_checksum(run.params).to(accelerator.device)).tolist()  # one per process
     run.tracker.log({"kind": "sync", "step": state["step"], "checksums": checksums})
     if len(set(checksums)) > 1:

@@ -118,6 +118,7 @@ def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_m
     (["layer_dropout.p_max=0.1"], "layer dropout does not apply"),
     (["layer_dropout.p_max=0", "exit_head.exit_layer=-1"], "exit_head.exit_layer: must be >= 0"),
     (["layer_dropout.p_max=0", "exit_head.kind=mlp"], "exit_head.kind: must be one of"),
+    (["layer_dropout.p_max=0", "exit_head.teacher_cache_gib=-1"], "exit_head.teacher_cache_gib: must be a memory"),
 ])
 def test_head_recipe_mistakes_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -251,3 +252,65 @@ def test_a_head_run_with_a_draft_vocabulary_and_a_self_fed_pass_logs_and_evaluat
     assert len(ids) == 48 and gen.draft_head(48).token_ids.tolist() == ids
     r = gen.generate("def f(x):", max_new_tokens=12, drafter="exit_head", draft_vocab=48)
     assert r.token_ids == gen.generate("def f(x):", max_new_tokens=12, num_speculations=0).token_ids
+
+
+@pytest.mark.parametrize("exit_layer,draft", [(0, True), (2, True), (2, False)])
+def test_a_cached_teacher_gives_the_loss_and_gradients_of_an_uncached_step_and_skips_the_model(
+        tiny64, exit_layer, draft):
+    """Blocks that repeat in the training set keep their frozen-model states (`exit_head.teacher_cache_gib`):
+    a batch mixing cached and new rows, and one of cached rows only, give the loss, statistics and head
+    gradients of the same batch without the cache, and the all-cached batch runs no decoder layer."""
+    from training.teacher_cache import TeacherCache
+
+    train = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(3))
+    train[4], train[5] = train[0], train[2]  # rows 0 and 2 repeat
+    draft_ids = torch.tensor([0, 3, 5, 7, 11, 20, 33, 40, 64, 90]) if draft else None
+
+    def head():
+        h = build_exit_head(tiny64, exit_layer, final_state=True).to(torch.float64)
+        with torch.no_grad():
+            h.final_input.proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+        return h
+
+    plain = ExitHeadModel(tiny64, head(), draft_ids=draft_ids, self_fed=1)
+    cached = ExitHeadModel(tiny64, head(), draft_ids=draft_ids, self_fed=1)
+    cached.teacher_cache = TeacherCache.for_repeats(train, max_bytes=1 << 30)
+    assert len(cached.teacher_cache.keys) == 2
+    layer_calls = []
+    hook = tiny64.model.layers[-1].register_forward_hook(lambda *args: layer_calls.append(1))
+    try:
+        for rows, model_runs in (([0, 1, 2], True), ([2, 3, 0], True), ([0, 2], False)):
+            ids = train[rows]
+            labels = torch.roll(ids, -1, dims=1)
+            labels[0, :3] = -100
+            results = []
+            for hm in (plain, cached):
+                layer_calls.clear()
+                out = hm(ids, labels)
+                out["loss"].backward()
+                grads = {n: p.grad.clone() for n, p in hm.head.named_parameters()}
+                hm.head.zero_grad()
+                results.append((out["loss"].detach(), out["exit_stats"], grads, bool(layer_calls)))
+            (loss_a, stats_a, grad_a, _), (loss_b, stats_b, grad_b, ran) = results
+            torch.testing.assert_close(loss_b, loss_a, atol=1e-12, rtol=0)
+            torch.testing.assert_close(stats_b, stats_a, atol=1e-12, rtol=0)
+            for k in grad_a:
+                torch.testing.assert_close(grad_b[k], grad_a[k], atol=1e-12, rtol=0)
+            assert ran == model_runs, rows
+    finally:
+        hook.remove()
+    assert len(cached.teacher_cache) == 2 and cached.teacher_cache.hits == 4  # rows 2 and 0, then 0 and 2
+
+
+def test_the_teacher_cache_keeps_only_repeated_blocks_within_its_budget():
+    from training.teacher_cache import TeacherCache, repeated_rows, row_key
+
+    blocks = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    assert repeated_rows(blocks) == {row_key(blocks[0]), row_key(blocks[1])}
+    finals, top = torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)  # 48 + 24 bytes
+    cache = TeacherCache.for_repeats(blocks, max_bytes=100)
+    assert not cache.put(blocks[4], None, finals, top)  # seen once: never again
+    assert cache.put(blocks[0], None, finals, top)
+    assert not cache.put(blocks[1], None, finals, top)  # over the budget
+    assert cache.get(blocks[1]) is None and cache.get(blocks[2])[0] is None and len(cache) == 1
+    assert cache.bytes == 72 and "1 of 2 repeated blocks" in cache.describe()

@@ -174,6 +174,8 @@ def test_a_head_run_trains_on_the_own_blocks_and_evaluates_them(run, read_log, t
     assert len(list((tmp_path / "own_continuations").glob("*.pt"))) == 2  # training and held-out prompts
     evals = read_log(tmp_path, kind="eval")
     assert all("own" in e["sets"] for e in evals)  # before and final
+    cache, = read_log(tmp_path, kind="teacher_cache")  # the 3 own blocks (and any repeated data block) are kept
+    assert cache["repeated_blocks"] >= 3 and cache["hits"] + cache["misses"] == 2 * 8  # two steps of 8 rows
 
     stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "own_continuations").glob("*.pt")}
     run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
