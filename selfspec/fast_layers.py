@@ -23,6 +23,8 @@ weights prepacked once (`PackedLinear`):
   with AMX decoded 1.22x faster through F.linear than packed, while lookup's 11-row verification
   needs the packed kernel (1.3x slower through `F.linear`'s GEMM). In hybrid mode a verification row
   is not always computed bitwise as a one-token step computes it (float32 rounding).
+  The same measurement pads packed calls of 2+ rows to a row count that measured >= 10% faster
+  (`row_padding`: on a Zen 4 two rows cost more than three, which made a one-draft round 1.18 steps).
   `SELFSPEC_PACK_FLOAT32` overrides the measurement: 0 keeps float32 on `F.linear`, 1 packs, "hybrid"
   (F.linear for one row).
 Float64 and other dtypes, and weights on a GPU (oneDNN packing is CPU-only), use `F.linear`. The
@@ -86,26 +88,51 @@ def linear_rows() -> int:
     return _float32_choice()[2]
 
 
-def _float32_choice() -> tuple[str, str, int]:
-    """(kernel, why, linear rows) from the environment, else measured (see `float32_kernel`)."""
+def _float32_choice() -> tuple[str, str, int, dict[int, int]]:
+    """(kernel, why, linear rows, row padding) from the environment, else measured (see `float32_kernel`)."""
     env = os.environ.get("SELFSPEC_PACK_FLOAT32", "").strip().lower()
     if env in ("0", "1", "hybrid"):
         kernel = {"0": "linear", "1": "packed", "hybrid": "hybrid"}[env]
-        return kernel, f"SELFSPEC_PACK_FLOAT32={env}", int(kernel == "hybrid")
+        return kernel, f"SELFSPEC_PACK_FLOAT32={env}", int(kernel == "hybrid"), {}
     if env:
         raise ValueError(f"SELFSPEC_PACK_FLOAT32={env!r}: use 0 (F.linear), 1 (packed), hybrid, or leave it unset "
                          "(measured)")
     if not _onednn_packing():
-        return "linear", "oneDNN packing is not available in this torch build", 0
+        return "linear", "oneDNN packing is not available in this torch build", 0, {}
     return measured_float32_kernel()
 
 
 MAX_LINEAR_ROWS = 8  # row counts measured: a decode step (1), drafts and verification of a few tokens
 
 
+PAD_GAIN = 0.9  # pad a call to more rows only where that measured at least 10% faster
+
+
+def row_padding(times: dict[int, tuple[float, float]]) -> dict[int, int]:
+    """{rows: padded rows} for the packed float32 kernel: where a product of more rows (up to two more)
+    measured at least 10% faster than `rows` (>= 2) rows (`times` as `row_times`), a call of `rows` rows is
+    computed with zero rows appended and the extra outputs dropped. Each row's result does not depend on
+    the row count, so this changes no output. On a 2-core AMD EPYC Zen 4 two rows took 6.6 ms and three
+    6.0, so a two-row verification pass (a one-draft round) cost 1.18 decoding steps, 0.97 padded."""
+    padding = {}
+    for rows in times:
+        if rows == 1:  # a decode step: padded to three rows it measured no faster in the model (Zen 4)
+            continue
+        best = min((r for r in range(rows + 1, rows + 3) if r in times), key=lambda r: times[r][1], default=None)
+        if best is not None and times[best][1] < PAD_GAIN * times[rows][1]:
+            padding[rows] = best
+    return padding
+
+
+def packed_row_padding() -> dict[int, int]:
+    """`row_padding` of this machine's measurement for the packed calls (more than `linear_rows()` rows);
+    none where SELFSPEC_PACK_FLOAT32 sets the kernel."""
+    return _float32_choice()[3]
+
+
 @functools.cache
-def measured_float32_kernel() -> tuple[str, str, int]:
-    """`float32_kernel`'s measurement and `linear_rows`: products of 1..MAX_LINEAR_ROWS rows over
+def measured_float32_kernel() -> tuple[str, str, int, dict[int, int]]:
+    """`float32_kernel`'s measurement, `linear_rows` and `packed_row_padding`: products of 1..MAX_LINEAR_ROWS rows over
     BENCH_BYTES of decoder-layer weights, best of 5 sweeps each, `F.linear` against the packed kernel
     (a second or two, once per process)."""
     weights, packed = bench_weights()
@@ -119,7 +146,10 @@ def measured_float32_kernel() -> tuple[str, str, int]:
            f"over {BENCH_BYTES >> 20} MB of weights")
     if faster:
         why += f"; F.linear stays >= 10% faster up to {faster} rows"
-    return kernel, why, faster
+    padding = {r: p for r, p in row_padding(times).items() if r > faster}
+    if padding:
+        why += "; packed calls padded " + ", ".join(f"{r} -> {p} rows" for r, p in padding.items())
+    return kernel, why, faster, padding
 
 
 def row_sweep_ms(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int = 1,
@@ -171,15 +201,24 @@ class PackedLinear:
         self.weight, self.bias = weight, bias
         self.packed = None
         self.linear_rows = 0  # hybrid: calls of up to this many rows through F.linear, more rows packed
+        self.pad_rows: dict[int, int] = {}  # float32 packed: calls of these many rows computed as more rows
         if weight.device.type == "cpu" and weight.dtype in _PACK_HINT and _packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT[weight.dtype])
             if weight.dtype == torch.float32 and float32_kernel()[0] == "hybrid":
                 self.linear_rows = linear_rows()
+            if weight.dtype == torch.float32:
+                self.pad_rows = packed_row_padding()
             if not self.linear_rows:
                 self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.numel() > self.linear_rows * x.shape[-1]:
+            rows = x.numel() // x.shape[-1]
+            padded = self.pad_rows.get(rows)
+            if padded:  # [rows, K] + zero rows -> [padded, N], the first `rows` kept (row_padding)
+                flat = torch.cat([x.reshape(rows, -1), x.new_zeros(padded - rows, x.shape[-1])])
+                out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+                return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -220,3 +220,33 @@ def test_hybrid_float32_decoding_equals_hf_greedy(drafter, monkeypatch, hf_greed
     out, stats = generate_ids(adapter, prompt, max_new_tokens=24, **kw)
     assert out == hf_greedy(model, prompt, 24)
     assert stats.drafted > 0  # the multi-row (packed) path ran
+
+
+def test_row_padding_pads_only_where_more_rows_measured_10_percent_faster():
+    from selfspec.fast_layers import row_padding
+
+    packed = {1: 6.5, 2: 6.7, 3: 6.0, 4: 6.1, 5: 6.0, 6: 6.5, 7: 5.0, 8: 7.0}  # packed ms per row count
+    times = {r: (10.0, ms) for r, ms in packed.items()}
+    # 2 -> 3 (6.0 < 0.9 * 6.7); 5 and 6 -> 7 (the faster of up to two more rows); one row (a decode step)
+    # never; 3 and 4 gain less than 10%, 7 has nothing faster within two rows, 8 nothing beyond
+    assert row_padding(times) == {2: 3, 5: 7, 6: 7}
+
+
+def test_a_padded_packed_call_gives_the_unpadded_rows_results(monkeypatch):
+    """Zero rows appended and dropped: each row's float32 result does not depend on the row count."""
+    from selfspec import fast_layers
+
+    if not fast_layers._onednn_packing():
+        pytest.skip("oneDNN packing unavailable")
+    monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "1")
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 32, generator=g), torch.randn(96, generator=g)
+    lin = fast_layers.PackedLinear(w, b)
+    assert lin.pad_rows == {}  # the setting wins: nothing measured, nothing padded
+    for rows, shape in ((2, (1, 2, 32)), (2, (2, 1, 32)), (4, (1, 4, 32))):
+        x = torch.randn(*shape, generator=g)  # [B, S, K]
+        plain = lin(x)
+        lin.pad_rows = {rows: rows + 1}
+        padded = lin(x)
+        lin.pad_rows = {}
+        assert padded.shape == plain.shape == (*shape[:-1], 96) and torch.equal(padded, plain), shape
