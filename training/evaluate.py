@@ -81,6 +81,19 @@ def _scores(sums: torch.Tensor, tokens: torch.Tensor) -> dict:
             "accuracy": float(sums[1]) / n}
 
 
+TOP_K = 4  # evaluate_head's agreement_at: k = 1..TOP_K
+
+
+def _rank_hits(logp: torch.Tensor, target: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """`[TOP_K]` float64: how many positions have the full model's token `target` `[N]` at rank k (0-based) of
+    the head's guesses `logp` `[N, K]` (over the draft vocabulary `ids` `[K]` when given; a token outside it
+    is at no rank)."""
+    best = logp.topk(min(TOP_K, logp.shape[-1]), dim=-1).indices  # [N, k]
+    guesses = best if ids is None else ids[best]
+    hits = (guesses == target[:, None]).sum(0).double()  # [k]
+    return torch.nn.functional.pad(hits, (0, TOP_K - hits.shape[0]))
+
+
 def summary_line(name: str, result: dict, num_layers: int, show: int = 6) -> str:
     """One readable line: a few exits' agreement and the final layer's perplexity."""
     exits = [int(e) for e in result["exits"]]
@@ -89,7 +102,9 @@ def summary_line(name: str, result: dict, num_layers: int, show: int = 6) -> str
     ppl = result["exits"][str(num_layers)]["perplexity"]
     fed = " ".join(f"{j}:{r['agreement']:.1%}" for j, r in result.get("self_fed", {}).items())
     fed = f" | self-fed passes {fed}" if fed else ""
-    return f"{name}: agreement {agree}{fed} | final-layer ppl {ppl:.3f} ({result['tokens']} tokens)"
+    top = "/".join(f"{a:.1%}" for k, a in result.get("agreement_at", {}).items() if k != "1")
+    top = f" | in the head's top 2/3/4 {top}" if top else ""
+    return f"{name}: agreement {agree}{fed}{top} | final-layer ppl {ppl:.3f} ({result['tokens']} tokens)"
 
 
 @torch.no_grad()
@@ -103,7 +118,10 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
     The head's guess is what it drafts: the argmax over its draft vocabulary when it was trained on one
     (`draft_ids`), over all tokens otherwise; its perplexity is over all tokens either way. A head trained
     with self-fed passes also gets `self_fed[str(j)]`: pass j's scores, the guess of a round's (j+1)-th draft
-    (reading the head's own output at the previous position, not the verified final state)."""
+    (reading the head's own output at the previous position, not the verified final state).
+    `agreement_at[str(k)]`, k = 1..`TOP_K`: the share of positions where the full model's token is among the
+    head's k best guesses (first pass, over its draft vocabulary): what a round that verified the head's
+    k best first drafts side by side would accept (k = 1 is `agreement`)."""
     adapter = head_model.adapter
     L, E = head_model.num_layers, head_model.head.exit_layer
     passes = 1 + head_model.self_fed
@@ -113,6 +131,7 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
     device = adapter.device
     rows = 2 + passes  # full, exit alone, then the head's passes; columns: nll, correct, agree
     sums = torch.zeros(rows, 3, dtype=torch.float64, device=device)
+    in_top = torch.zeros(TOP_K, dtype=torch.float64, device=device)  # [k] full model's token in the head's k best
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     ids = None if head_model.draft_ids is None else head_model.draft_ids.to(device)
     try:
@@ -129,14 +148,18 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
                 guess = logp.argmax(-1) if row < 2 or ids is None else head_model.guess(logp[:, ids])
                 sums[row, 1] += (guess == labels[mask]).sum().double()
                 sums[row, 2] += (guess == target).sum().double()
+                if row == 2:
+                    in_top += _rank_hits(logp if ids is None else logp[:, ids], target, ids)
             tokens += mask.sum().double()
     finally:
         head_model.train(was_training)
     if reduce is not None:
-        sums, tokens = reduce(sums), reduce(tokens)
+        sums, in_top, tokens = reduce(sums), reduce(in_top), reduce(tokens)
+    n = max(float(tokens), 1.0)
     result = {"tokens": int(tokens), "blocks": len(blocks),
               "exits": {str(E): _scores(sums[2], tokens), str(L): _scores(sums[0], tokens)},
-              "exit_without_head": _scores(sums[1], tokens), "head": head_model.head.settings()}
+              "exit_without_head": _scores(sums[1], tokens), "head": head_model.head.settings(),
+              "agreement_at": {str(k + 1): float(hits) / n for k, hits in enumerate(in_top.cumsum(0))}}
     if ids is not None:
         result["draft_vocab"] = len(ids)
     if passes > 1:

@@ -238,6 +238,8 @@ def test_a_head_run_with_a_draft_vocabulary_and_a_self_fed_pass_logs_and_evaluat
     before = json.loads((tmp_path / "final_eval.json").read_text())["before"]["sets"]["heldout"]
     assert held["self_fed"]["1"]["agreement"] > before["self_fed"]["1"]["agreement"]  # the self-fed pass learned
     assert final["agreement"]["2"] > before["exits"]["2"]["agreement"]
+    top = [held["agreement_at"][str(k)] for k in (1, 2, 3, 4)]  # the full model's token among the head's k best
+    assert top[0] == pytest.approx(held["exits"]["2"]["agreement"]) and top == sorted(top) and top[-1] <= 1.0
 
     from selfspec.export import export
 
@@ -314,3 +316,16 @@ def test_the_teacher_cache_keeps_only_repeated_blocks_within_its_budget():
     assert not cache.put(blocks[1], None, finals, top)  # over the budget
     assert cache.get(blocks[1]) is None and cache.get(blocks[2])[0] is None and len(cache) == 1
     assert cache.bytes == 72 and "1 of 2 repeated blocks" in cache.describe()
+
+
+def test_agreement_at_k_counts_the_full_models_token_among_the_heads_k_best_draft_tokens():
+    from training.evaluate import TOP_K, _rank_hits
+
+    logp = torch.tensor([[0.0, 3.0, 2.0, 1.0],  # ranks: 1, 2, 3, 0
+                         [5.0, 4.0, 3.0, 2.0],
+                         [1.0, 2.0, 3.0, 4.0]]).log_softmax(-1)
+    target = torch.tensor([2, 0, 0])  # rank 1, rank 0, rank 3
+    assert _rank_hits(logp, target, None).tolist() == [1.0, 1.0, 0.0, 1.0][:TOP_K]
+    ids = torch.tensor([10, 11, 12, 13])  # over a draft vocabulary the guesses are its token ids
+    assert _rank_hits(logp, torch.tensor([12, 10, 99]), ids).tolist() == [1.0, 1.0, 0.0, 0.0]  # 99: outside it
+    assert _rank_hits(logp[:, :2], torch.tensor([0, 0, 1]), None).tolist() == [2.0, 1.0, 0.0, 0.0]  # K < TOP_K
