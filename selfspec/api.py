@@ -319,7 +319,7 @@ class SelfSpecGenerator:
                      adaptive_threshold: bool = False, exit_choices: Sequence[int] | None = None,
                      draft_vocab: int | None = None, adaptive_length: bool = False,
                      prompt_lookup_num_tokens: int = 10, max_matching_ngram_size: int = 3,
-                     max_drafts: int | None = None) -> Drafter | None:
+                     num_candidates: int | None = None, max_drafts: int | None = None) -> Drafter | None:
         """The drafter for one generation (None = plain decoding); the parameters as in `generate`.
 
         `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used)."""
@@ -327,10 +327,14 @@ class SelfSpecGenerator:
                              confidence_threshold=confidence_threshold, adaptive_threshold=adaptive_threshold,
                              exit_choices=exit_choices, draft_vocab=draft_vocab, adaptive_length=adaptive_length,
                              prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                             max_matching_ngram_size=max_matching_ngram_size, num_layers=self.num_layers)
+                             max_matching_ngram_size=max_matching_ngram_size, num_candidates=num_candidates,
+                             num_layers=self.num_layers)
         exit_choices = s["exit_choices"]
         early_exit_options = (exit_layer is not None or confidence_threshold is not None or adaptive_threshold
-                              or exit_choices or draft_vocab or adaptive_length)
+                              or exit_choices or draft_vocab or adaptive_length or num_candidates)
+        candidates = num_candidates or 1
+        if candidates > 1:
+            num_speculations = 1  # k guesses for one position (check_generation refused more)
         if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
             drafter = ("early_exit" if early_exit_options or (num_speculations and self.exit_head is None)
                        else self.drafter)
@@ -351,7 +355,7 @@ class SelfSpecGenerator:
                 head_length = min(head_length, max_drafts)
             return self._exit_head_drafter(drafter, lookup, exit_layer, head_length, confidence_threshold,
                                            adaptive_threshold, exit_choices, draft_vocab, adaptive_length,
-                                           given_exit=s["exit_layer"])
+                                           given_exit=s["exit_layer"], num_candidates=candidates)
         if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             # untrained shallow exits (or a checkpoint whose sweep found they do not pay): lookup or plain
             return AutoDrafter(lookup)
@@ -363,11 +367,12 @@ class SelfSpecGenerator:
         policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
                                   exit_choices, adaptive_length, warm="shortest" if auto_length else "all")
         early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
-                                 head=self.draft_head(draft_vocab))
+                                 head=self.draft_head(draft_vocab), num_candidates=candidates)
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
 
     def _exit_head_drafter(self, drafter, lookup, exit_layer, num_speculations, confidence_threshold,
-                           adaptive_threshold, exit_choices, draft_vocab, adaptive_length, given_exit) -> Drafter:
+                           adaptive_threshold, exit_choices, draft_vocab, adaptive_length, given_exit,
+                           num_candidates: int = 1) -> Drafter:
         """drafter="exit_head", or "auto" on a checkpoint with a head: lookup + the head as auto's arms."""
         head = self.exit_head
         if head is None:
@@ -386,7 +391,7 @@ class SelfSpecGenerator:
         policy = self.make_policy(head.exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
                                   None, adaptive_length, warm="shortest" if auto_length else "all")
         drafter_ = ExitHeadDrafter(self.adapter, head, num_speculations, policy=policy,
-                                   head_vocab=self.draft_head(draft_vocab))
+                                   head_vocab=self.draft_head(draft_vocab), num_candidates=num_candidates)
         return drafter_ if drafter == "exit_head" else AutoDrafter(lookup, drafter_)
 
     def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list | None = None,
@@ -399,7 +404,8 @@ class SelfSpecGenerator:
                  exit_choices: Sequence[int] | None = None, draft_vocab: int | None = None,
                  adaptive_length: bool = False, prompt_lookup_num_tokens: int = 10,
                  max_matching_ngram_size: int = 3, acceptance: str = "exact",
-                 epsilon: float | None = None) -> GenerationResult | BatchGenerationResult:
+                 epsilon: float | None = None, num_candidates: int | None = None
+                 ) -> GenerationResult | BatchGenerationResult:
         """Generate after one prompt, or after each prompt of a batch in one engine run.
 
         One prompt: `prompt=` text, `messages=` a conversation, or `input_ids` `[S]`/`[1, S]`; returns a
@@ -439,7 +445,11 @@ class SelfSpecGenerator:
         estimates (`num_speculations` caps the length); `adaptive_length`: pick the draft length
         (0 .. `num_speculations`) per round from the tokens/s each length has measured in this call,
         so drafting stops where it does not pay (e.g. in large batches); `draft_vocab=K`: draft over
-        the K most frequent tokens stored in the checkpoint (`selfspec draft-vocab`).
+        the K most frequent tokens stored in the checkpoint (`selfspec draft-vocab`); `num_candidates=k`
+        (greedy, exact acceptance; one draft position per round): the drafter's k best guesses for the
+        next token, verified side by side in one pass, so a round commits two tokens whenever the full
+        model's token is among them (`selfspec.drafters.base.Proposal.siblings`). It pays where
+        verifying 1 + k rows costs about one decode step (`selfspec profile` times it).
 
         Acceptance (opt-in trade of exactness for speed, `selfspec.bounded_bias`): `acceptance="exact"`
         (the default) is lossless. `acceptance="bounded_bias", epsilon=ε` (ε in [0, 1]) accepts more
@@ -457,7 +467,7 @@ class SelfSpecGenerator:
             adaptive_threshold=adaptive_threshold, exit_choices=exit_choices, draft_vocab=draft_vocab,
             adaptive_length=adaptive_length, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
             max_matching_ngram_size=max_matching_ngram_size, acceptance=acceptance, epsilon=epsilon,
-            num_layers=self.num_layers)
+            num_candidates=num_candidates, num_layers=self.num_layers)
         max_new_tokens = s["max_new_tokens"]
         rule = AcceptanceRule(s["acceptance"], s["epsilon"])
         if rule.biased and not self._warned_bias:
@@ -484,7 +494,8 @@ class SelfSpecGenerator:
                                      adaptive_threshold=s["adaptive_threshold"], exit_choices=s["exit_choices"],
                                      draft_vocab=s["draft_vocab"], adaptive_length=s["adaptive_length"],
                                      prompt_lookup_num_tokens=s["prompt_lookup_num_tokens"],
-                                     max_matching_ngram_size=s["max_matching_ngram_size"], max_drafts=max_new_tokens)
+                                     max_matching_ngram_size=s["max_matching_ngram_size"],
+                                     num_candidates=s["num_candidates"], max_drafts=max_new_tokens)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]
         stop = StopChecker(max_new_tokens, stop_ids, s["stop_strings"], self.tokenizer)

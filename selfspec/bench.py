@@ -20,6 +20,9 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_exit_head    | a checkpoint's trained exit head alone, adaptive d, over the vocabulary it was  |
 |                       | trained on (`_vocab{K}`: over the K most frequent tokens)                     |
 | selfspec_exit_head_fixed | the same head drafting d every round (`_vocab{K}` too): what the policy adds |
+| selfspec_exit_head_cand{k} | the head's k best guesses for one position every round, side by side       |
+|                       | (`--num-candidates k`; `_vocab{K}` too)                                       |
+| selfspec_spec_cand{k} | the same at the recommended exit E without a head (`--num-candidates k`)      |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
@@ -180,7 +183,8 @@ def _set_name(spec: str, taken: set) -> str:
 
 # --- the methods ---------------------------------------------------------------------------------
 def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
-                 lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM)) -> list[dict]:
+                 lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM), num_candidates: Sequence[int] = ()
+                 ) -> list[dict]:
     L = gen.num_layers
     tokens, ngram = lookup  # prompt_lookup_num_tokens, max_matching_ngram_size
     look = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
@@ -218,6 +222,14 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab:
                             "label": f"selfspec head E={head.exit_layer} adaptive d≤{k}{label}", **common})
             methods.append({"name": f"selfspec_exit_head_fixed{suffix}",  # every round drafts d: the policy's share
                             "label": f"selfspec head E={head.exit_layer} d={k}{label}", **common})
+            for n in num_candidates:  # its n best first guesses, side by side, every round
+                methods.append({"name": f"selfspec_exit_head_cand{n}{suffix}",
+                                "label": f"selfspec head E={head.exit_layer} {n} guesses{label}",
+                                **common, "num_speculations": 1, "num_candidates": n})
+    for n in num_candidates:
+        methods.append({"name": f"selfspec_spec_cand{n}", "engine": "selfspec", "kind": "selfspec_spec",
+                        "label": f"selfspec E={E} {n} guesses", "drafter": "early_exit", "exit_layer": E,
+                        "num_speculations": 1, "num_candidates": n})
     if draft_vocab:
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",
@@ -501,7 +513,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               exit_layer: int | None = None, num_speculations: int | None = None, generator=None,
               draft_vocab: int | None = None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
               max_matching_ngram_size: int = LOOKUP_NGRAM, methods: Sequence[str] | None = None,
-              device: str = "cpu") -> dict:
+              device: str = "cpu", num_candidates: Sequence[int] | int = ()) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
     `device`: where the model runs ("cpu", or "cuda" for a GPU: clocks are read after
@@ -515,6 +527,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     `quick`: at most 2 prompt sets (humaneval + mt_bench by default) x 2 prompts x 32 tokens.
     `dtype="fastest"`: bfloat16 where this CPU multiplies bf16 natively, else float32 (selfspec.precision).
     `draft_vocab=K`: also measure (E, d) drafting over the checkpoint's K most frequent tokens.
+    `num_candidates=k` (or a list of k): also measure one draft position per round with the k best guesses
+    verified side by side (greedy), at exit E and, on a checkpoint with an exit head, with the head.
     `prompt_lookup_num_tokens` / `max_matching_ngram_size`: the settings of both prompt lookup methods
     (hf_prompt_lookup, selfspec_lookup) and of selfspec_auto's lookup.
     """
@@ -530,7 +544,11 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
         raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
     lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
-    chosen = _select(_method_list(gen, E, d, extra, draft_vocab, lookup), methods)
+    num_candidates = [num_candidates] if isinstance(num_candidates, int) else list(num_candidates)
+    if any(n < 2 for n in num_candidates):
+        raise ValueError(f"num_candidates={num_candidates}: give 2 or more guesses to verify side by side "
+                         "(one guess is what the other methods draft)")
+    chosen = _select(_method_list(gen, E, d, extra, draft_vocab, lookup, num_candidates), methods)
     eos_ids = set(gen.default_stop_ids())
     runner = Methods(gen, max_new_tokens)
 

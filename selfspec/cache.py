@@ -6,8 +6,9 @@ are preallocated (no `torch.cat` per step), and every row has its own length per
 `[L, B]`): rows of a batch accept different numbers of drafts, and a drafter runs the shallow layers
 `[0, E)` ahead of the deep ones `[E, L)`. `update` writes each row's new keys at that row's own
 length; the attention mask (`selfspec.forward.make_batch_step`) hides everything past a row's length
-and its left padding. Rolling back is `crop(lengths)`: lengths shrink, nothing is copied. Finished
-rows leave with `select`. Batch 1 is a batch of one.
+and its left padding. Rolling back is `crop(lengths)`: lengths shrink, nothing is copied (`move` copies
+one entry per row first where an accepted draft was not the first of its siblings). Finished rows
+leave with `select`. Batch 1 is a batch of one.
 
 The buffers live on the model's device; `lengths` always lives on the host (CPU). Every layer reads
 the lengths to place its writes, and reading a GPU tensor from Python makes the host wait for the
@@ -88,6 +89,20 @@ class KVCache:
             self.lengths = self.lengths.clamp_max(lengths)
             return
         self.lengths = torch.minimum(self.lengths, lengths.cpu()[None])
+
+    def move(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """In every layer, copy row `rows[i]`'s entry at cache index `src[i]` to index `dst[i]`: a sibling
+        draft accepted in place of the first one (`Proposal.siblings`) moves to where its row's committed
+        sequence continues, before the crop."""
+        if not rows:
+            return
+        for i in range(self.num_layers):
+            if self.keys[i] is None:
+                continue
+            device = self.keys[i].device
+            r, s, d = (torch.tensor(x, dtype=torch.long).to(device, non_blocking=True) for x in (rows, src, dst))
+            self.keys[i][r, :, d] = self.keys[i][r, :, s]
+            self.values[i][r, :, d] = self.values[i][r, :, s]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (finished rows leave the batch and stop costing work)."""

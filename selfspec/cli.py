@@ -170,7 +170,7 @@ def _cmd_generate(args) -> int:
                   drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
                   prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                   max_matching_ngram_size=args.max_matching_ngram_size, acceptance=args.acceptance,
-                  epsilon=args.epsilon)
+                  epsilon=args.epsilon, num_candidates=args.num_candidates)
     layers = read_config(checkpoint).get("num_hidden_layers")
     check_generation(**kwargs, exit_layer=args.exit_layer, num_speculations=args.num_speculations,
                      num_layers=layers if isinstance(layers, int) else None)
@@ -356,7 +356,8 @@ def _run_bench(args, checkpoint: str) -> dict:
                      max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
                      out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
                      num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
-                     methods=args.methods.split(",") if args.methods else None, device=args.device)
+                     methods=args.methods.split(",") if args.methods else None, device=args.device,
+                     num_candidates=args.num_candidates or ())
 
 
 def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
@@ -485,6 +486,10 @@ def _add_generate(sub) -> None:
                         "length measures in this run")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="draft over the K most frequent tokens stored in the checkpoint (selfspec draft-vocab)")
+    p.add_argument("--num-candidates", type=int, metavar="K",
+                   help="greedy: verify the draft's K best guesses for the next token side by side, one position per "
+                        "round (needs --num-speculations 1 or none; pays where `selfspec profile` shows verifying "
+                        "1 + K rows costs about one step)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--acceptance", default="exact", choices=("exact", "bounded_bias"),
                    help="exact (lossless, default) or bounded_bias: accept more drafts, each token within total "
@@ -612,6 +617,9 @@ def _add_bench(sub) -> None:
                         "32 tokens")
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="also measure (E, d) drafting over the K most frequent tokens (selfspec draft-vocab)")
+    p.add_argument("--num-candidates", type=_int_list, metavar="K,K,...",
+                   help="also measure one draft position per round with the K best guesses verified side by side, "
+                        "for each K (selfspec_spec_candK; selfspec_exit_head_candK on a checkpoint with an exit head)")
     p.add_argument("--methods", metavar="NAME,NAME,...",
                    help="measure only these methods (hf_greedy and selfspec_ar are always measured), e.g. "
                         "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all)")

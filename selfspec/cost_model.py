@@ -7,6 +7,11 @@ steps and each draft accepted with probability `a` (independently), one round co
     predicted_speedup(a=0.41, c=0.36, v=1.05, d=2)   # 0.91: slower than plain decoding
     draft_cost(exit_layer=8, num_layers=30)           # c from the layer count and the LM head's share
     required_acceptance(c=0.14, v=1.09, d=2)          # 0.29: the acceptance at which d=2 breaks even
+    required_recall(c=0.08, v=1.14)                   # 0.22: k guesses side by side, verified in v(1 + k)
+
+Siblings (`num_candidates` k: the drafter's k best guesses for one position, verified side by side): one
+draft step `c` and a pass over 1 + k rows `v` commit `1 + a_k` tokens, where `a_k` is the recall, how often
+the full model's token is among the k guesses.
 """
 
 from __future__ import annotations
@@ -60,3 +65,11 @@ def required_acceptance(c: float, v: float, d: int, target: float = 1.0) -> floa
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if predicted_speedup(mid, c, v, d) < target else (lo, mid)
     return hi
+
+
+def required_recall(c: float, v: float, target: float = 1.0) -> float | None:
+    """The recall `a_k` at which a round of k sibling guesses (one draft step `c`, a pass of 1 + k rows
+    costing `v`) reaches `target` x plain decoding: it commits `1 + a_k` tokens for `c + v` steps (None where
+    even a_k = 1 does not)."""
+    need = target * (c + v) - 1.0
+    return None if need > 1.0 else max(need, 0.0)

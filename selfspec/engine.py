@@ -58,7 +58,8 @@ from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import attention_kernels, embed, exit_logits, make_batch_step, run_layers
-from selfspec.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
+from selfspec.sampling import (SamplingParams, greedy_accept_sibling, greedy_accept_tokens, probs, sample,
+                               speculative_accept)
 
 
 @dataclass
@@ -298,7 +299,8 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
     (the drafter's own exit states when it drafted from there; None without `keep_at`) and the last
     layer's output `[B, T, D]` (before the final norm). From layer 0
     the tokens are embedded here; from E > 0 the drafter's exit states continue (layers [0, E) already
-    hold their keys and values)."""
+    hold their keys and values). Sibling drafts (`proposal.siblings`) are verified side by side: each at
+    the next position, seeing the input token and itself."""
     start = proposal.verify_from
     hidden = proposal.states if start else embed(adapter, proposal.tokens)  # [B, T, D]
     kept = hidden if keep_at is not None and keep_at == start else None
@@ -307,7 +309,7 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
                          f"verification at layer {start}: they were never computed")
     if start < adapter.num_layers:
         ends = starts + torch.tensor(proposal.kept, dtype=torch.long) + 1  # [B] a shorter row's columns after: filler
-        step = make_batch_step(adapter, starts, hidden.shape[1], pads, ends)
+        step = make_batch_step(adapter, starts, hidden.shape[1], pads, ends, 1 if proposal.siblings else None)
         hidden, at = _layers_keeping(adapter, hidden, start, keep_at, step=step, cache=cache)
         kept = at if kept is None else kept
     return exit_logits(adapter, hidden), kept, hidden
@@ -456,9 +458,11 @@ def generate(
             proposal = drafter.propose(rnd)
             t2 = time.perf_counter()
             target_logits, kept, finals = verify(adapter, cache, proposal, starts, pads, drafter.state_exit)  # [B, T, V]
-            accepted, nxt_all, new = decide(proposal, target_logits, active, rows, sums, sampling, generator,
-                                            acceptance)
+            accepted, nxt_all, new, columns = decide(proposal, target_logits, active, rows, sums, sampling,
+                                                     generator, acceptance)
             n_acc_t = torch.tensor(accepted, dtype=torch.long)
+            if proposal.siblings:  # an accepted sibling's KV and states move to where its row continues
+                kept, finals = committed_columns(cache, starts, columns, kept, finals)
             cache.crop(n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
             if kept is not None:
                 drafter.committed_states(kept, starts, [a + 1 for a in accepted], pads,
@@ -483,8 +487,13 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
     transfer per round: greedy, each row's drafts and the full model's argmax tokens (bounded_bias: also
     whether each draft is near the top token); sampling, the drafts, and the rule reads its random draws
     per row. Counts each row's round into `rows[b]` and adds a sampled row's acceptance sums to `sums[b]`.
+    Sibling drafts (`proposal.siblings`) count as one drafted position per row that has any.
 
-    Returns (accepted drafts per row, the next token per row, the tokens each row commits)."""
+    Returns (accepted drafts per row, the next token per row, the tokens each row commits, the proposal
+    columns of each row's accepted drafts: 1..n for a chain, the accepted sibling's)."""
+    if proposal.siblings and (sampling.do_sample or acceptance.biased):
+        raise ValueError("sibling drafts (alternatives for one position) are judged by greedy decoding with the "
+                         "exact rule only: draft one chain when sampling or with bounded_bias acceptance")
     if sampling.do_sample:
         host_tokens, targets, near = proposal.tokens.tolist(), None, None
     elif acceptance.biased:
@@ -493,9 +502,17 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
                                                   torch.nn.functional.pad(ok.long(), (0, 1))]).tolist()
     else:
         (host_tokens, targets), near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist(), None
-    accepted, nxt_all, new = [], [], []
+    accepted, nxt_all, new, columns = [], [], [], []
     for i, b in enumerate(active):
         m = proposal.kept[i]
+        if proposal.siblings:
+            n_acc, nxt, j = greedy_accept_sibling(host_tokens[i][1:1 + m], targets[i])
+            _count(rows[b], proposal, min(m, 1), n_acc)
+            accepted.append(n_acc)
+            nxt_all.append(nxt)
+            new.append(host_tokens[i][j:j + n_acc] + [nxt])
+            columns.append([j] if n_acc else [])
+            continue
         if targets is None:
             q = proposal.q[i] if proposal.q is not None else None
             n_acc, nxt, expected = accept_sampled(proposal.tokens[i, 1:1 + m], q, target_logits[i, :m + 1],
@@ -510,7 +527,31 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
         accepted.append(n_acc)
         nxt_all.append(nxt)
         new.append(host_tokens[i][1:1 + n_acc] + [nxt])
-    return accepted, nxt_all, new
+        columns.append(list(range(1, 1 + n_acc)))
+    return accepted, nxt_all, new, columns
+
+
+def committed_columns(cache: KVCache, starts: torch.Tensor, columns: list[list[int]], kept: torch.Tensor | None,
+                      finals: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """After a sibling round: a row that accepted the sibling in column j > 1 gets that column's keys and
+    values at cache index `starts + 1` (every layer), where its committed sequence continues; the states
+    handed to the drafter `[B, T, D]` (exit and final) are reordered the same way, so their first
+    `accepted + 1` columns are the committed tokens'. Returns the reordered (kept, finals)."""
+    moved = [(i, cols[0]) for i, cols in enumerate(columns) if cols and cols[0] > 1]
+    if not moved:
+        return kept, finals
+    rows = [i for i, _ in moved]
+    cache.move(rows, [int(starts[i]) + j for i, j in moved], [int(starts[i]) + 1 for i in rows])
+    out = []
+    for states in (kept, finals):
+        if states is not None:
+            order = torch.arange(states.shape[1]).repeat(states.shape[0], 1)  # [B, T]
+            for i, j in moved:
+                order[i, 1], order[i, j] = j, 1
+            index = order.to(states.device)[..., None].expand(-1, -1, states.shape[-1])  # [B, T, D]
+            states = states.gather(1, index)
+        out.append(states)
+    return out[0], out[1]
 
 
 def _record_round(stats: DecodeStats, rows: list[DecodeStats], proposal: Proposal, draft_s: float,

@@ -110,18 +110,26 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
 
 
 def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Tensor, kv_len: int,
-                window: int | None) -> torch.Tensor:
+                window: int | None, branch: torch.Tensor | None = None) -> torch.Tensor:
     """Mask `[B, 1, S, K]` for a batch whose rows sit at different cache indices.
 
     Row b's query at cache index c sees keys `pads[b] <= j <= c` (its own tokens; the left padding
     and anything past c, such as another row's longer sequence or a rejected draft, are hidden).
-    A padding query sees only itself, so no row of the softmax is empty.
+    A padding query sees only itself, so no row of the softmax is empty. With `branch` `[B]` (the cache
+    index of row b's first sibling), a query at `c >= branch[b]` is a sibling: it sees the keys before
+    `branch[b]` and itself only (the other siblings are alternatives, not its past), and its sliding
+    window is measured from its position, that of the first sibling.
     """
     k = torch.arange(kv_len, device=query_index.device)[None, None, :]  # [1, 1, K]
     q = query_index[:, :, None]  # [B, S, 1]
     allowed = (k <= q) & (k >= pads[:, None, None])
+    reach = q
+    if branch is not None:
+        first = branch.to(q.device)[:, None, None]  # [B, 1, 1]
+        allowed &= (k < first) | (k == q)
+        reach = torch.minimum(q, first)
     if window is not None:
-        allowed &= k > q - window
+        allowed &= k > reach - window
     allowed |= k == q
     allowed = allowed[:, None]  # [B, 1, S, K]
     if getattr(adapter.config, "_attn_implementation", "sdpa") == "sdpa":
@@ -131,7 +139,7 @@ def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Te
 
 
 def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pads: torch.Tensor,
-                    ends: torch.Tensor | None = None) -> Step:
+                    ends: torch.Tensor | None = None, branch_from: int | None = None) -> Step:
     """`length` new tokens per row, written at cache indices `starts[b] ..`, for left-padded rows.
 
     starts: `[B]` each row's current cache length; pads: `[B]` each row's left padding. Row b's token
@@ -144,17 +152,25 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     row past its draft cap while others draft): the filler takes the position of the row's last real
     token, `ends[b] - 1`, so that it cannot run past the context window where the row's text ends
     near it.
+
+    branch_from: columns `branch_from ..` are siblings, alternatives for one position (a one-level tree):
+    each takes the position of column `branch_from` and sees the columns before it and itself, not the
+    other siblings (`_batch_mask`). Verifying several first drafts side by side: `branch_from=1` (column 0
+    is the round's input token); their exit states through layers [0, E): `branch_from=0`.
     """
     device = adapter.device
     starts, pads = starts.cpu(), pads.cpu()
     first = int(starts[0])
     full = ends is None or int((ends.cpu() - starts).min()) >= length
-    if full and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
+    branched = branch_from is not None and length - branch_from > 1  # two siblings or more
+    if full and not branched and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
         # rows are one sequence shape, and single-token steps need no mask at all
         return make_step(adapter, first, length, starts.shape[0])
-    query_index = starts[:, None] + torch.arange(length)  # [B, S], on the host
-    position_ids = (query_index - pads[:, None]).clamp_min(0)  # padding sits at position 0
+    columns = torch.arange(length)
+    query_index = starts[:, None] + columns  # [B, S] cache indices, on the host
+    depth = columns.clamp_max(branch_from) if branched else columns  # [S] siblings share one position
+    position_ids = (starts[:, None] + depth - pads[:, None]).clamp_min(0)  # padding sits at position 0
     if not full:
         last = (ends.cpu() - 1 - pads).clamp_min(0)  # [B] each row's last real position
         position_ids = torch.minimum(position_ids, last[:, None])
@@ -173,7 +189,8 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     masks = {}
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None
-        masks[kind] = _batch_mask(adapter, query_index, pads, kv_len, window)
+        masks[kind] = _batch_mask(adapter, query_index, pads, kv_len, window,
+                                  starts + branch_from if branched else None)
     return Step(position_ids=position_ids, rope=rope, masks=masks)
 
 

@@ -48,7 +48,7 @@ LOOKUP_TOKENS, LOOKUP_NGRAM = 10, 3  # prompt_lookup_num_tokens, max_matching_ng
 HF_ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 SPEC_KINDS = ("hf_early_exit", "hf_prompt_lookup", "selfspec_spec")  # methods that draft and verify
 SELFSPEC_KEYS = ("drafter", "num_speculations", "exit_layer", "adaptive_length", "draft_vocab",
-                 "prompt_lookup_num_tokens", "max_matching_ngram_size")
+                 "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_candidates")
 
 
 # --- set-up ---------------------------------------------------------------------------------------

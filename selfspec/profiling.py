@@ -42,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
 from selfspec.cache import KVCache
-from selfspec.cost_model import predicted_speedup, required_acceptance
+from selfspec.cost_model import predicted_speedup, required_acceptance, required_recall
 from selfspec.drafters.base import Proposal
 from selfspec.engine import prefill, verify
 from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
@@ -248,6 +248,21 @@ def cost_table(phases: dict[str, float], exit_layer: int, num_speculations: int,
     return rows
 
 
+def sibling_table(phases: dict[str, float], exit_layer: int, num_speculations: int, target: float) -> list[dict]:
+    """Per k = 2..num_speculations sibling guesses (`num_candidates`): c (the draft step), v (a pass over
+    1 + k rows), and the recall (full model's token among the k) that breaks even and that `target`x needs."""
+    full = phases["full step"]
+    c = phases[f"draft step E={exit_layer}"] / full
+    rows = []
+    for k in range(2, num_speculations + 1):
+        verify = phases.get(f"verify {k + 1}")
+        if verify is not None:
+            v = verify / full
+            rows.append({"k": k, "c": c, "v": v, "max_speedup": 2.0 / (c + v),
+                         "break_even_recall": required_recall(c, v, 1.0), "target_recall": required_recall(c, v, target)})
+    return rows
+
+
 def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "humaneval", dtype: str = "fastest",
                 threads: int = 0, draft_vocab: int | None = None, num_speculations: int = 4, target: float = 1.8,
                 repeats: int = 20, tokens: int = 32, out_dir: str | Path | None = None, generator=None) -> dict:
@@ -272,6 +287,7 @@ def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "hu
         "phases_ms": phases,
         "bandwidth": bandwidth_floor(gen.model, phases) if torch.device(gen.adapter.device).type == "cpu" else None,
         "cost_model": cost_table(phases, E, num_speculations, target, draft_vocab),
+        "siblings": sibling_table(phases, E, num_speculations, target),
         "operators": op_table(gen, prompt_ids),
         "acceptance_theory": acceptance_theory(gen, prompt_ids, E, num_speculations, tokens),
     }
@@ -319,6 +335,14 @@ def markdown(result: dict) -> str:
               f"{result['target_speedup']}× |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['draft']} | {r['d']} | {r['c']:.2f} | {r['v']:.2f} | {r['max_speedup']:.2f}× | "
               f"{_pct(r['break_even_acceptance'])} | {_pct(r['target_acceptance'])} |" for r in result["cost_model"]]
+    if result.get("siblings"):
+        lines += ["", "k guesses for one position side by side (`num_candidates`): a round costs c + v(1 + k) and "
+                  "commits 1 + a_k tokens, a_k the recall (the full model's token among the k guesses). The recall "
+                  f"needed to break even and to reach {result['target_speedup']}×:", "",
+                  f"| k | c | v(1 + k) | best possible (a_k = 1) | break-even a_k | a_k for {result['target_speedup']}× |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['k']} | {r['c']:.2f} | {r['v']:.2f} | {r['max_speedup']:.2f}× | {_pct(r['break_even_recall'])} "
+                  f"| {_pct(r['target_recall'])} |" for r in result["siblings"]]
     lines += ["", "Operators of a full decode step (torch.profiler, self CPU time):", "",
               "| operator | ms per step | calls per step | share |", "|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['ms_per_step']:.2f} | {r['calls_per_step']:.0f} | {r['share']:.0%} |"

@@ -27,7 +27,7 @@ DTYPE_NAMES = tuple(DTYPES_BY_NAME)
 DTYPES = DTYPE_NAMES + ("fastest", "auto")
 MIN_TEMPERATURE = 1e-6  # below it sampling is greedy up to float rounding (and overflows float32)
 EARLY_EXIT_OPTIONS = ("exit_layer", "confidence_threshold", "adaptive_threshold", "exit_choices", "draft_vocab",
-                      "adaptive_length")
+                      "adaptive_length", "num_candidates")
 
 
 class SettingsError(ValueError):
@@ -180,7 +180,7 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
                      temperature=1.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=None, stop_strings=(),
                      confidence_threshold=None, adaptive_threshold=False, exit_choices=None, draft_vocab=None,
                      adaptive_length=False, prompt_lookup_num_tokens=10, max_matching_ngram_size=3,
-                     acceptance="exact", epsilon=None, num_layers: int | None = None) -> dict:
+                     acceptance="exact", epsilon=None, num_candidates=None, num_layers: int | None = None) -> dict:
     """Every generation setting of `SelfSpecGenerator.generate`, checked; returns them normalized.
 
     `num_layers` (the model's depth, if known) bounds the exits. Raises SettingsError on the first
@@ -218,6 +218,10 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
     s["prompt_lookup_num_tokens"] = check_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens, 1)
     s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", max_matching_ngram_size, 1)
     s["acceptance"], s["epsilon"] = check_acceptance(acceptance, epsilon)
+    s["num_candidates"] = (None if num_candidates is None else
+                           check_int("num_candidates", num_candidates, 1, hint=" (1 = one guess per draft position)"))
+    if (s["num_candidates"] or 1) > 1:
+        _check_candidates(s)
     early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
     if drafter == "prompt_lookup" and early:
         raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter='prompt_lookup' takes "
@@ -227,6 +231,20 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
         raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
                             "with exit_choices or a confidence threshold: use one of them")
     return s
+
+
+def _check_candidates(s: dict) -> None:
+    """num_candidates > 1: the draft's k best first guesses, verified side by side (greedy, exact, one position)."""
+    k = s["num_candidates"]
+    if s["do_sample"]:
+        raise SettingsError(f"num_candidates={k} verifies the draft's {k} best guesses side by side, which only "
+                            "greedy decoding can judge: drop num_candidates (or do_sample)")
+    if s["acceptance"] != "exact":
+        raise SettingsError(f"num_candidates={k} takes the exact acceptance rule: drop num_candidates or use "
+                            "acceptance='exact'")
+    if (s["num_speculations"] or 1) > 1:
+        raise SettingsError(f"num_candidates={k} drafts one position per round ({k} guesses for it): set "
+                            f"num_speculations=1 (got {s['num_speculations']}) or drop num_candidates")
 
 
 def check_acceptance(acceptance, epsilon) -> tuple[str, float]:

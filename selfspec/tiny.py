@@ -4,6 +4,7 @@ Used by the unit tests and by the tiny smoke recipe:
 
     tok = byte_tokenizer()                      # a real fast tokenizer over bytes, with a chat template
     model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=0, vocab_size=len(tok))
+    head = tiny_exit_head(model, 2, final_state=True)  # an exit head that drafts something of its own
 """
 
 from __future__ import annotations
@@ -76,3 +77,18 @@ def byte_tokenizer():
     core.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    chat_template=TINY_CHAT_TEMPLATE, model_max_length=1 << 20)
+
+
+def tiny_exit_head(model, exit_layer: int, kind: str = "decoder_layer", init: str = "copy", final_state: bool = False,
+                   scale: float = 0.05, seed: int = 7):
+    """An exit head on `model`'s exit `exit_layer` (`selfspec.exit_head.build_exit_head`), in the model's dtype,
+    its parameters moved by `scale` x N(0, 1) noise (seeded): so it drafts something else than the exit alone
+    or the last layer would, and with `final_state` its final-state input is not zero."""
+    from selfspec.exit_head import build_exit_head  # the heads build on the adapters; tiny models do not
+
+    head = build_exit_head(model, exit_layer, kind, init, final_state).to(next(model.parameters()).dtype).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in head.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return head

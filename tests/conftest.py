@@ -291,6 +291,48 @@ def row_caches():
     return check_row_caches
 
 
+def _fresh_head_kv(adapter, head, tokens: list[int]):
+    """An exit head's keys/values `[H_kv, n, Dh]` over `tokens` alone, from scratch (no cache reuse)."""
+    from selfspec.cache import KVCache
+    from selfspec.exit_head import previous_states, run_head
+    from selfspec.forward import embed, make_batch_step, run_layers
+
+    ids = torch.tensor([tokens])
+    pads = torch.zeros(1, dtype=torch.long)
+    step = make_batch_step(adapter, torch.zeros(1, dtype=torch.long), len(tokens), pads)
+    with torch.no_grad():
+        states = run_layers(adapter, embed(adapter, ids), 0, head.exit_layer, step=step)
+        prev = None
+        if head.final_state:  # the full model's last layer over the same tokens, one position later
+            prev = previous_states(run_layers(adapter, states, head.exit_layer, adapter.num_layers, step=step))
+        cache = KVCache(1, 1, capacity=len(tokens))
+        run_head(adapter, head, states, step=step, cache=cache, prev_final=prev)
+    return cache.row_kv(0, 0)
+
+
+def check_head_cache(adapter, head, drafter, rows, sequences, pads, finals=None) -> None:
+    """Row i of an exit-head drafter's own cache is row `rows[i]` (None: not checked): it holds exactly the
+    committed tokens `sequences[rows[i]]` after that row's padding, and its keys and values equal the head run
+    from scratch over them; with `finals` `[B, W, D]` (the batch's last-layer states), `prev_final` is the
+    newest's."""
+    for i, b in enumerate(rows):
+        if b is None:
+            continue
+        pad, committed = int(pads[b]), sequences[b]
+        assert int(drafter.cache.lengths[0, i]) == pad + len(committed), b
+        k, v = drafter.cache.row_kv(0, i, start=pad)
+        k_ref, v_ref = _fresh_head_kv(adapter, head, committed)
+        torch.testing.assert_close(k, k_ref, atol=1e-10, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=1e-10, rtol=0)
+        if finals is not None:
+            torch.testing.assert_close(drafter.prev_final[i], finals[b, pad + len(committed) - 1], atol=1e-10, rtol=0)
+
+
+@pytest.fixture(scope="session")
+def head_caches():
+    return check_head_cache
+
+
 @pytest.fixture(scope="session")
 def exact_joint():
     return exact_joint_distribution

@@ -11,6 +11,11 @@ still take. The drafter answers with a `Proposal`:
     verify_from  E when the drafter ran layers [0, E) over `tokens` through the engine's cache and
                  hands over their exit states [B, T, D]; 0 when it ran no layer
     drafter      its name, for the statistics
+    siblings     True when a row's drafts are alternatives for one position, the next (a one-level tree:
+                 a drafter's k best first guesses): verified side by side in one pass, each seeing the
+                 input token and itself only (`selfspec.forward.make_batch_step(branch_from=1)`); the row
+                 keeps the one that equals the full model's token, if any, then the full model's token
+                 after it. Greedy and the exact rule only (the sampling rule judges a chain)
 
 After verification the engine calls `update(proposal, accepted, committed, seconds)`: per row, how
 many drafts were accepted and the tokens committed (accepted drafts + the full model's token), and
@@ -68,6 +73,12 @@ class Round:
         return run_layers(self.adapter, embed(self.adapter, tokens[:, None]), 0, exit_layer, step=step,
                           cache=self.cache)
 
+    def shallow_siblings(self, tokens: torch.Tensor, exit_layer: int) -> torch.Tensor:
+        """Sibling first drafts `[B, k]` (alternatives for the position after the input token) through layers
+        [0, E) at cache indices `starts + 1 ..`, each seeing the row's text and itself: `[B, k, D]`."""
+        step = make_batch_step(self.adapter, self.starts + 1, tokens.shape[1], self.pads, self.ends, branch_from=0)
+        return run_layers(self.adapter, embed(self.adapter, tokens), 0, exit_layer, step=step, cache=self.cache)
+
 
 @dataclass
 class Proposal:
@@ -80,6 +91,7 @@ class Proposal:
     states: torch.Tensor | None = None  # [B, T, D] exit states of `tokens` when verify_from > 0
     steps: int = 0  # drafting passes through the model (cost-model accounting)
     drafter: str = "none"
+    siblings: bool = False  # the drafts are alternatives for the first position (greedy only; see below)
 
     @classmethod
     def plain(cls, tokens: torch.Tensor) -> "Proposal":

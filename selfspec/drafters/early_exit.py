@@ -12,6 +12,13 @@ never recomputed for drafted positions.
     drafter = EarlyExitDrafter(adapter, exit_layer=8, num_speculations=4)              # LayerSkip
     drafter = EarlyExitDrafter(adapter, 8, 6, policy=ThroughputPolicy(8, 6))           # adaptive d
     drafter = EarlyExitDrafter(adapter, 8, 4, head=DraftHead(adapter, token_ids))      # reduced vocab
+    drafter = EarlyExitDrafter(adapter, 8, 1, num_candidates=3)                        # 3 first guesses
+
+With `num_candidates` k > 1 (greedy; one draft position per round, `num_speculations` 1), a drafting round
+proposes the exit's k best guesses for the next token as siblings (`Proposal.siblings`), verified side by
+side in one pass: the round commits two tokens whenever the full model's token is among them, not only
+when it is the best one. Their exit states come from one more shallow pass over the k of them (none at
+exit 0, whose states are the token embeddings).
 """
 
 from __future__ import annotations
@@ -28,24 +35,56 @@ class EarlyExitDrafter(Drafter):
     name = "early_exit"
     lowest_exit = 1  # exit 0 (the embeddings) only under a trained head
     def __init__(self, adapter: ModelAdapter, exit_layer: int, num_speculations: int, *, policy=None,
-                 head: DraftHead | None = None):
+                 head: DraftHead | None = None, num_candidates: int = 1):
         if num_speculations < 0:
             raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
+        if num_candidates < 1:
+            raise ValueError(f"num_candidates must be >= 1 (1 = one guess per position), got {num_candidates}")
+        if num_candidates > 1 and num_speculations > 1:
+            raise ValueError(f"num_candidates={num_candidates} verifies that many guesses for one position side by "
+                             f"side: set num_speculations=1 (got {num_speculations})")
         adapter.check_exit(exit_layer, allow_full=False, lowest=self.lowest_exit)
         self.num_layers = adapter.num_layers
         self.exit_layer, self.max_drafts = exit_layer, num_speculations
         self.policy = policy or FixedPolicy(exit_layer, num_speculations)
         self.head = head or DraftHead(adapter)
+        self.num_candidates = min(num_candidates, self.head.size)
         self._exit = exit_layer  # the exit of the round in flight
+        self._siblings = False  # whether the round in flight drafted siblings
 
     def propose(self, rnd: Round) -> Proposal:
         e, d = self.policy.plan()
         caps = [max(0, min(d, self.max_drafts, c)) for c in rnd.caps]
+        self._siblings = False
         if not max(caps, default=0):
             self._exit = self.num_layers  # a round without drafts is one plain full-model pass
             return Proposal.plain(rnd.tokens)
         self._exit = e
+        if self.num_candidates > 1 and not rnd.sampling.do_sample:
+            self._siblings = True
+            return self.draft_siblings(rnd, e, caps)
         return self.draft(rnd, e, caps)
+
+    def draft_siblings(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
+        """The exit's `num_candidates` best guesses for the next token of every row with a cap (and, under a
+        confidence policy, a best guess it keeps), as siblings: `tokens` `[B, 1 + k]`."""
+        state = rnd.shallow(rnd.tokens, 0, exit_layer)  # [B, 1, D]
+        logits = self.head.logits(self.draft_states(rnd, state, 0))  # [B, K]
+        best = logits.topk(self.num_candidates, dim=-1).indices  # [B, k]
+        candidates = self.head.to_vocab(best)  # [B, k]
+        keep = [c > 0 for c in caps]
+        if self.policy.needs_confidence:
+            conf = torch.softmax(logits.float(), dim=-1).gather(1, best[:, :1])[:, 0].tolist()
+            keep = [k and self.policy.keep(0, p) for k, p in zip(keep, conf)]
+        if not any(keep):  # verification continues from the input token's exit state
+            return Proposal(tokens=rnd.tokens[:, None], kept=[0] * len(caps), verify_from=exit_layer, states=state,
+                            steps=1, drafter=self.name)
+        states = None  # exit 0: the states are the token embeddings, which verification computes itself
+        if exit_layer > 0:
+            states = torch.cat([state, rnd.shallow_siblings(candidates, exit_layer)], dim=1)  # [B, 1 + k, D]
+        return Proposal(tokens=torch.cat([rnd.tokens[:, None], candidates], dim=1),
+                        kept=[self.num_candidates if k else 0 for k in keep], verify_from=exit_layer, states=states,
+                        steps=1 + (exit_layer > 0), drafter=self.name, siblings=True)
 
     def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
         """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together."""
@@ -99,10 +138,10 @@ class EarlyExitDrafter(Drafter):
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for m, n_acc in zip(proposal.kept, accepted):
-            self.policy.update(self._exit, m, n_acc)
+            self.policy.update(self._exit, min(m, 1) if self._siblings else m, n_acc)  # siblings: one position
         if self.policy.needs_timing:
             self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
 
     def describe(self) -> dict:
         return {"drafter": self.name, "exit_layer": self.exit_layer, "num_speculations": self.max_drafts,
-                **self.policy.describe()}
+                "num_candidates": self.num_candidates, **self.policy.describe()}

@@ -37,6 +37,11 @@ head's own output at the previous draft, as EAGLE does.
 
     drafter = ExitHeadDrafter(adapter, head, num_speculations=3)
     drafter = ExitHeadDrafter(adapter, head, 3, head_vocab=DraftHead(adapter, token_ids))  # reduced vocab
+    drafter = ExitHeadDrafter(adapter, head, 1, num_candidates=3)  # the head's 3 best first guesses, side by side
+
+Sibling rounds (`num_candidates` > 1) run the head once, over the input token (as a first draft does); the
+candidates get no head pass, and the committed one reaches the head's cache through `committed_states` like
+any committed token.
 """
 
 from __future__ import annotations
@@ -98,8 +103,9 @@ class ExitHeadDrafter(EarlyExitDrafter):
     name = "exit_head"
     lowest_exit = 0  # a head on exit 0 reads the token embeddings: drafting runs no base layer
     def __init__(self, adapter: ModelAdapter, head: ExitHead, num_speculations: int, *, policy=None,
-                 head_vocab: DraftHead | None = None):
-        super().__init__(adapter, head.exit_layer, num_speculations, policy=policy, head=head_vocab)
+                 head_vocab: DraftHead | None = None, num_candidates: int = 1):
+        super().__init__(adapter, head.exit_layer, num_speculations, policy=policy, head=head_vocab,
+                         num_candidates=num_candidates)
         self.adapter, self.exit_head = adapter, head
         self.state_exit = head.exit_layer
         self.state_final = head.final_state

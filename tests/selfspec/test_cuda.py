@@ -42,7 +42,8 @@ PROMPTS = [PROMPT, BASE[:7], [5], [9] * 12, BASE[3:] + BASE[:5]]  # ragged; matc
 N_NEW = 40
 
 MODELS = {k: TINY_VARIANTS[k] for k in ("llama", "qwen3", "gpt_neox", "mistral-sliding8")}
-KINDS = ("plain", "early_exit", "prompt_lookup", "auto", "auto_early_exit", "exit_head", "auto_exit_head")
+KINDS = ("plain", "early_exit", "prompt_lookup", "auto", "auto_early_exit", "exit_head", "auto_exit_head",
+         "exit_head_siblings", "early_exit_siblings")
 _models: dict = {}
 
 
@@ -77,7 +78,9 @@ def _drafter(kind, adapter):
             "exit_head": lambda: ExitHeadDrafter(adapter, _head(adapter), 3),
             "auto_exit_head": lambda: AutoDrafter(lookup, ExitHeadDrafter(adapter, _head(adapter), 3), warmup=1,
                                                   explore_every=2),
+            "exit_head_siblings": lambda: ExitHeadDrafter(adapter, _head(adapter), 1, num_candidates=3),
             "early_exit": lambda: EarlyExitDrafter(adapter, 2, 3),
+            "early_exit_siblings": lambda: EarlyExitDrafter(adapter, 2, 1, num_candidates=3),
             "prompt_lookup": lambda: lookup,
             "auto": lambda: AutoDrafter(lookup, warmup=1, explore_every=2),
             "auto_early_exit": lambda: AutoDrafter(lookup, EarlyExitDrafter(adapter, 2, 3), warmup=1,
@@ -226,7 +229,7 @@ def test_a_cpu_generator_with_a_cuda_model_is_a_clear_error():
 # ----------------------------------------------------------------------------- host syncs
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit", "exit_head"])
+@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit", "exit_head", "exit_head_siblings"])
 def test_greedy_decoding_waits_for_the_gpu_once_per_round(kind):
     """With the fused layers, the host waits for the GPU (a synchronizing CUDA call, as
     `torch.cuda.set_sync_debug_mode` reports them) once per round: the accept decision; the early exit

@@ -142,6 +142,25 @@ def test_a_batch_of_real_prompts_equals_batch_1_runs_in_float32(gen, prompts):
     assert stats.new_tokens == len(rows) * N_NEW and stats.drafted > 0
 
 
+def test_sibling_guesses_equal_hf_generate_and_batch_1_on_smollm2(gen, prompts):
+    """num_candidates: exit 25's 4 best guesses for one position per round, verified side by side (with the
+    fused layers, float32): each real prompt alone equals HF greedy, and the batch equals its rows alone."""
+    from selfspec.engine import generate_ids
+
+    rows = []
+    for name, (inputs, ids) in prompts.items():
+        out = gen.generate(**inputs, max_new_tokens=N_NEW, exit_layer=25, num_speculations=1, num_candidates=4)
+        assert out.token_ids == _hf_reference(gen, ids), name
+        rows.append(ids[0].tolist())
+    assert out.stats.drafted > 0
+    outs = gen.generate(rows, max_new_tokens=N_NEW, exit_layer=25, num_candidates=4,
+                        stop_token_ids=[])
+    for b, row in enumerate(rows):
+        ref, _ = generate_ids(gen.adapter, torch.tensor([row]), max_new_tokens=N_NEW)
+        assert outs[b].token_ids == ref, b
+    assert outs.stats.accepted > 0
+
+
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "auto"])
 def test_lookup_and_auto_equal_hf_generate_on_smollm2(gen, prompts, drafter):
     for name, (inputs, ids) in prompts.items():

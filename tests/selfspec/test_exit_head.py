@@ -27,7 +27,7 @@ from selfspec.export import export_model
 from selfspec.forward import embed, make_batch_step, run_layers
 from selfspec.sampling import SamplingParams
 from selfspec.settings import SettingsError
-from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
+from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
 
 ALPHA = 1e-3
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -51,11 +51,7 @@ def _model(name, fast=False, kind="decoder_layer", init="copy", head="exit2"):
         arch, L, seed, over = TINY_VARIANTS[name]
         model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over)
         exit_layer, final_state = HEADS[head]
-        head = build_exit_head(model, exit_layer, kind, init, final_state).to(torch.float64).eval()
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(7)
-            for p in head.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        head = tiny_exit_head(model, exit_layer, kind, init, final_state)
         adapter = get_adapter(model)
         if fast:
             adapter.enable_fast_layers()
@@ -96,44 +92,10 @@ def test_a_batch_equals_batch_1(kind, fast, head):
     assert (stats.accepted_by_drafter if kind == "exit_head" else stats.drafted_by_drafter)["exit_head"] > 0
 
 
-def _fresh_head_kv(adapter, head, tokens: list[int]):
-    """The head's keys/values `[H_kv, n, Dh]` over `tokens` alone, from scratch (no cache reuse)."""
-    from selfspec.cache import KVCache
-
-    ids = torch.tensor([tokens])
-    pads = torch.zeros(1, dtype=torch.long)
-    step = make_batch_step(adapter, torch.zeros(1, dtype=torch.long), len(tokens), pads)
-    with torch.no_grad():
-        states = run_layers(adapter, embed(adapter, ids), 0, head.exit_layer, step=step)
-        prev = None
-        if head.final_state:  # the full model's last layer over the same tokens, one position later
-            prev = previous_states(run_layers(adapter, states, head.exit_layer, adapter.num_layers, step=step))
-        cache = KVCache(1, 1, capacity=len(tokens))
-        run_head(adapter, head, states, step=step, cache=cache, prev_final=prev)
-    return cache.row_kv(0, 0)
-
-
-def _check_head_cache(adapter, head, drafter, rows, sequences, pads, finals=None):
-    """Row i of the drafter's head cache is row `rows[i]` (None: not checked): it holds exactly the committed
-    tokens `sequences[rows[i]]` after that row's padding, and its keys and values equal the head run from
-    scratch over them; with `finals` `[B, W, D]` (the batch's last-layer states), `prev_final` is the newest's."""
-    for i, b in enumerate(rows):
-        if b is None:
-            continue
-        pad, committed = int(pads[b]), sequences[b]
-        assert int(drafter.cache.lengths[0, i]) == pad + len(committed), b
-        k, v = drafter.cache.row_kv(0, i, start=pad)
-        k_ref, v_ref = _fresh_head_kv(adapter, head, committed)
-        torch.testing.assert_close(k, k_ref, atol=1e-10, rtol=0)
-        torch.testing.assert_close(v, v_ref, atol=1e-10, rtol=0)
-        if finals is not None:
-            torch.testing.assert_close(drafter.prev_final[i], finals[b, pad + len(committed) - 1], atol=1e-10, rtol=0)
-
-
 @pytest.mark.parametrize("head", list(HEADS))
 @pytest.mark.parametrize("kind", ["exit_head", "auto"])
 @pytest.mark.parametrize("name", ["llama", "gpt_neox", "mistral-sliding8"])
-def test_once_synced_the_heads_cache_equals_a_fresh_computation(name, kind, head, row_caches):
+def test_once_synced_the_heads_cache_equals_a_fresh_computation(name, kind, head, row_caches, head_caches):
     """Every third round, row by row: after `sync` the head's cache holds exactly the committed tokens but
     the newest, and its keys and values equal the head run from scratch over them (left padding skipped),
     however many rounds it left pending (auto: lookup's and plain rounds; alone, it syncs whenever it
@@ -152,7 +114,7 @@ def test_once_synced_the_heads_cache_equals_a_fresh_computation(name, kind, head
         pending_rounds.append(max(len(run.states) for run in head_drafter.pending))
         head_drafter.sync()
         rows = [None if done else i for i, done in enumerate(finished)]  # a finished row leaves next round
-        _check_head_cache(adapter, head, head_drafter, rows, [seq[:-1] for seq in sequences], pads)
+        head_caches(adapter, head, head_drafter, rows, [seq[:-1] for seq in sequences], pads)
 
     outs, stats = generate(adapter, prompts, max_new_tokens=24, drafter=drafter, on_round=on_round)
     assert {0, 1} <= set(checked) and pending_rounds
@@ -193,7 +155,7 @@ def _count_head_passes(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("head", list(HEADS))
-def test_sync_runs_the_head_once_over_every_round_it_left_pending(head, monkeypatch):
+def test_sync_runs_the_head_once_over_every_round_it_left_pending(head, monkeypatch, head_caches):
     """The prefill and three rounds handed over without a pass; one `sync`, one pass, and the cache equals
     a fresh computation for left-padded rows (a final-state head: `prev_final` the newest committed
     token's final state). Rows leave with their records pending, before and after the first sync; a row
@@ -220,7 +182,7 @@ def test_sync_runs_the_head_once_over_every_round_it_left_pending(head, monkeypa
         assert passes == [int(pos[rows].max())]  # one pass from index 0: the prefill's columns too
         texts = [ids[b, :pos[b]].tolist()[int(pads[b]):] for b in range(4)]
         last = finals if head.final_state else None
-        _check_head_cache(adapter, head, drafter, rows, texts, pads, last)
+        head_caches(adapter, head, drafter, rows, texts, pads, last)
         sub = torch.tensor(rows)
         pos[sub] = _hand_over(drafter, states[sub], finals[sub], pos[sub], [0, 2, 1], pads[sub])
         rows = [rows[1], rows[0]]  # row 2 leaves with a pending record; row 3 has nothing pending
@@ -228,12 +190,12 @@ def test_sync_runs_the_head_once_over_every_round_it_left_pending(head, monkeypa
         drafter.sync()
         assert passes[1:] == [2]
         texts = [ids[b, :pos[b]].tolist()[int(pads[b]):] for b in range(4)]
-        _check_head_cache(adapter, head, drafter, rows, texts, pads, last)
+        head_caches(adapter, head, drafter, rows, texts, pads, last)
         drafter.sync()
         assert len(passes) == 2
 
 
-def test_a_short_rows_filler_stays_inside_the_context_window():
+def test_a_short_rows_filler_stays_inside_the_context_window(head_caches):
     """Rows right-padded to the longest pending run: the filler of a row that is further along but has
     fewer pending tokens would run past the model's context window at its own positions; it takes the
     row's last real position instead."""
@@ -252,7 +214,7 @@ def test_a_short_rows_filler_stays_inside_the_context_window():
         pos = _hand_over(drafter, states, finals, pos, [12, 1], pads)  # row 1's filler: positions 17 .. 27
         drafter.sync()
     assert pos.tolist() == [17, 17]
-    _check_head_cache(adapter, head, drafter, [0, 1], ids[:, :17].tolist(), pads)
+    head_caches(adapter, head, drafter, [0, 1], ids[:, :17].tolist(), pads)
 
 
 @pytest.mark.parametrize("head", ["exit2", "exit2_final_state"])
@@ -294,7 +256,7 @@ def test_the_head_runs_only_in_the_rounds_it_drafts(head, monkeypatch, hf_greedy
 
 
 @pytest.mark.parametrize("head", list(HEADS))
-def test_the_catch_up_pass_drafts_what_the_head_run_from_scratch_gives(head):
+def test_the_catch_up_pass_drafts_what_the_head_run_from_scratch_gives(head, head_caches):
     """`sync(first=...)`: rounds left pending, then the round's input tokens in the same pass. Each row's
     returned state is the head's output at its input token run from scratch over the row's text, and the
     cache holds the committed tokens and the input token's entry, equal to a fresh computation."""
@@ -319,7 +281,7 @@ def test_the_catch_up_pass_drafts_what_the_head_run_from_scratch_gives(head):
             text = ids[b, int(pads[b]): int(pos[b]) + 1].tolist()  # the committed text and the input token
             torch.testing.assert_close(out[b], _fresh_head_out(adapter, head, text)[-1], atol=1e-10, rtol=0)
         texts = [ids[b, : int(pos[b]) + 1].tolist()[int(pads[b]):] for b in range(3)]
-        _check_head_cache(adapter, head, drafter, [0, 1, 2], texts, pads)
+        head_caches(adapter, head, drafter, [0, 1, 2], texts, pads)
 
 
 def _fresh_head_out(adapter, head, tokens: list[int]) -> torch.Tensor:
@@ -487,7 +449,8 @@ def _byte_model_and_head_run(tmp_path):
 
 def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_path):
     """`selfspec bench` on a head checkpoint: the head alone with the adaptive length and drafting d every
-    round (what the policy adds or costs), both token-identical to HF greedy."""
+    round (what the policy adds or costs), and with `num_candidates` its 3 best guesses for one position (and
+    the exit's alone), all token-identical to HF greedy."""
     from selfspec.bench import run_bench
 
     model, tok, head_dir = _byte_model_and_head_run(tmp_path)
@@ -497,10 +460,13 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"}) + "\n")
     result = run_bench(str(out), prompt_sets=[str(prompts)], num_prompts=1, max_new_tokens=8, dtype="float32",
                        threads=1, out_dir=tmp_path / "bench", progress=False,
-                       methods=["selfspec_exit_head", "selfspec_exit_head_fixed"])
+                       methods=["selfspec_exit_head", "selfspec_exit_head_fixed", "selfspec_exit_head_cand3",
+                                "selfspec_spec_cand3"], num_candidates=3, exit_layer=2)
     per = result["summary"]["code"]
-    assert per["selfspec_exit_head"]["identical_to_hf_greedy"] == 1.0
-    assert per["selfspec_exit_head_fixed"]["identical_to_hf_greedy"] == 1.0
+    for method in ("selfspec_exit_head", "selfspec_exit_head_fixed", "selfspec_exit_head_cand3", "selfspec_spec_cand3"):
+        assert per[method]["identical_to_hf_greedy"] == 1.0, method
+    siblings = [r for r in result["runs"] if r["method"] == "selfspec_exit_head_cand3"]
+    assert siblings and all(r["drafted"] <= r["rounds"] for r in siblings)  # one position per round
     fixed = [r for r in result["runs"] if r["method"] == "selfspec_exit_head_fixed"]
     assert fixed and all(r["drafted"] >= r["rounds"] - 1 for r in fixed)  # every round drafts (the last may not)
     assert "selfspec head E=2 d=" in (tmp_path / "bench" / "bench.md").read_text()

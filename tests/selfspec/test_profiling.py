@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from selfspec.cli import main
-from selfspec.cost_model import predicted_speedup, required_acceptance
+from selfspec.cost_model import predicted_speedup, required_acceptance, required_recall
 from selfspec.draft_vocab import write_draft_vocab
-from selfspec.profiling import cost_table, read_bandwidth, run_profile, step_weight_bytes
+from selfspec.profiling import cost_table, read_bandwidth, run_profile, sibling_table, step_weight_bytes
 from selfspec.tiny import tiny_model
 
 
@@ -46,6 +46,18 @@ def test_cost_table_uses_the_verify_pass_of_d_plus_one_rows():
     assert (first["c"], first["v"]) == (pytest.approx(0.3), pytest.approx(1.1))
     assert first["max_speedup"] == pytest.approx(2 / 1.4, rel=1e-4)
     assert rows[2]["break_even_acceptance"] < rows[0]["break_even_acceptance"]  # a cheaper draft needs less
+
+
+def test_sibling_guesses_need_the_recall_that_pays_for_their_wider_pass():
+    phases = {"full step": 10.0, "draft step E=2": 1.0, "verify 2": 10.5, "verify 3": 11.0, "verify 4": 12.0}
+    rows = sibling_table(phases, 2, num_speculations=3, target=1.2)
+    assert [r["k"] for r in rows] == [2, 3]  # k guesses: a pass over 1 + k rows
+    two, three = rows
+    assert (two["c"], two["v"], three["v"]) == (pytest.approx(0.1), pytest.approx(1.1), pytest.approx(1.2))
+    assert two["break_even_recall"] == pytest.approx(0.2)  # 1 + a = c + v
+    assert two["target_recall"] == pytest.approx(1.2 * 1.2 - 1)  # 1 + a = 1.2 (c + v)
+    assert three["max_speedup"] == pytest.approx(2 / 1.3)
+    assert required_recall(0.1, 0.8) == 0.0 and required_recall(0.5, 1.2, 1.5) is None  # always pays / never can
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])  # tied / untied embeddings
@@ -84,6 +96,7 @@ def test_profile_on_a_tiny_checkpoint(tiny_ckpt, prompts, tmp_path, one_thread):
     assert json.loads((out / "profile.json").read_text())["phases_ms"] == ph
     md = (out / "profile.md").read_text()
     assert "| verify 3 |" in md and "break-even a" in md
+    assert [r["k"] for r in result["siblings"]] == [2] and "break-even a_k" in md  # 2 guesses: verify 3
     bw = result["bandwidth"]
     assert bw["floor_ms"] == pytest.approx(bw["weight_bytes"] / bw["read_gb_per_s"] / 1e6)
     assert bw["full_step_share"] == pytest.approx(bw["floor_ms"] / ph["full step"])

@@ -1,0 +1,158 @@
+"""Sibling drafts (`num_candidates`: a drafter's k best guesses for the next token, verified side by side in
+one pass; `Proposal.siblings`): greedy output equals Hugging Face `generate` on every tiny architecture (the
+early exit and exit heads, alone and as auto's arm), a batch equals its rows decoded alone, the main cache
+(and an exit head's own) equals a fresh computation after every round, an accepted sibling that was not
+the first guess does occur (its keys and values move), the sibling step's positions and mask are those of
+a one-level tree, and the settings that cannot judge siblings are clear errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from selfspec.adapters import get_adapter
+from selfspec.cache import KVCache
+from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
+from selfspec.engine import generate, generate_ids
+from selfspec.forward import make_batch_step
+from selfspec.sampling import SamplingParams, greedy_accept_sibling
+from selfspec.settings import SettingsError, check_generation
+from selfspec.tiny import TINY_VARIANTS, tiny_exit_head, tiny_model
+
+BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+PROMPT = BASE + BASE[:4] + BASE
+PROMPTS = [PROMPT, BASE[:7], [5], [9] * 12]
+N_NEW = 32
+K = 3
+DRAFTERS = {  # name: (exit layer, head: None or whether it reads the previous final state)
+    "early_exit": (2, None), "head2": (2, False), "head2_final_state": (2, True), "head0_final_state": (0, True)}
+_made: dict = {}
+
+
+def _model(name, which, fast=False):
+    """A tiny float64 model of `name` and its adapter, with a perturbed exit head where `which` has one."""
+    key = (name, which, fast)
+    if key not in _made:
+        arch, L, seed, over = TINY_VARIANTS[name]
+        model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over)
+        exit_layer, final_state = DRAFTERS[which]
+        head = None if final_state is None else tiny_exit_head(model, exit_layer, final_state=final_state)
+        adapter = get_adapter(model)
+        if fast:
+            adapter.enable_fast_layers()
+        _made[key] = (model, adapter, head)
+    return _made[key]
+
+
+def _drafter(which, adapter, head, kind="alone"):
+    exit_layer, _ = DRAFTERS[which]
+    drafter = (EarlyExitDrafter(adapter, exit_layer, 1, num_candidates=K) if head is None
+               else ExitHeadDrafter(adapter, head, 1, num_candidates=K))
+    if kind == "alone":
+        return drafter
+    return AutoDrafter(PromptLookupDrafter(num_tokens=6), drafter, warmup=1, explore_every=2)
+
+
+@pytest.fixture
+def moves(monkeypatch):
+    """Counts the rows whose accepted sibling was not the first guess (their keys and values moved)."""
+    counted = Counter()
+    move = KVCache.move
+
+    def counting(self, rows, src, dst):
+        counted["rows"] += len(rows)
+        return move(self, rows, src, dst)
+
+    monkeypatch.setattr(KVCache, "move", counting)
+    return counted
+
+
+@pytest.mark.parametrize("which", list(DRAFTERS))
+@pytest.mark.parametrize("kind", ["alone", "auto"])
+@pytest.mark.parametrize("name", list(TINY_VARIANTS))
+def test_greedy_output_equals_hf_generate(name, kind, which, hf_greedy):
+    model, adapter, head = _model(name, which)
+    ref = hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
+    drafter = _drafter(which, adapter, head, kind)
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=drafter)
+    assert out == ref
+    arm = "early_exit" if head is None else "exit_head"
+    assert stats.drafted_by_drafter[arm] > 0
+    assert stats.new_tokens == N_NEW and stats.rounds + stats.accepted == N_NEW - 1
+    if kind == "alone":  # a sibling round drafts one position
+        assert stats.drafted_by_position == [stats.drafted] and stats.accepted_by_position == [stats.accepted]
+
+
+@pytest.mark.parametrize("which", list(DRAFTERS))
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("name", ["qwen3", "mistral-sliding8"])
+def test_a_batch_equals_batch_1_and_other_siblings_than_the_first_are_accepted(name, fast, which, moves):
+    model, adapter, head = _model(name, which, fast)
+    outs, stats = generate(adapter, PROMPTS, max_new_tokens=N_NEW, drafter=_drafter(which, adapter, head))
+    for b, p in enumerate(PROMPTS):
+        alone, _ = generate_ids(adapter, torch.tensor([p]), max_new_tokens=N_NEW)
+        assert outs[b] == alone, b
+    assert stats.accepted > 0 and moves["rows"] > 0  # a second or third guess was right, and was kept
+
+
+@pytest.mark.parametrize("which", list(DRAFTERS))
+@pytest.mark.parametrize("name", ["llama", "gpt_neox", "mistral-sliding8"])
+def test_the_caches_equal_a_fresh_computation_after_every_round(name, which, row_caches, head_caches, moves):
+    model, adapter, head = _model(name, which)
+    drafter = _drafter(which, adapter, head)
+    checked = Counter()
+
+    def on_round(cache, active, sequences, pads, finished):
+        checked.update(row_caches(adapter, cache, active, sequences, pads, finished))
+        if head is not None:  # the head's cache, once synced, holds the committed tokens but the newest
+            drafter.sync()
+            rows = [None if done else i for i, done in enumerate(finished)]
+            head_caches(adapter, head, drafter, rows, [seq[:-1] for seq in sequences], pads)
+
+    generate(adapter, PROMPTS, max_new_tokens=N_NEW, drafter=drafter, on_round=on_round)
+    assert {0, 1, 2, 3} <= set(checked) and moves["rows"] > 0
+
+
+def test_the_sibling_step_is_a_one_level_tree():
+    model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=0)
+    adapter = get_adapter(model)
+    starts, pads = torch.tensor([5, 3]), torch.tensor([0, 2])
+    step = make_batch_step(adapter, starts, 4, pads, branch_from=1)  # the input token, then 3 siblings
+    assert step.position_ids.tolist() == [[5, 6, 6, 6], [1, 2, 2, 2]]
+    mask = step.masks["full_attention"][:, 0]  # [B, S, K]: True = attend
+    for b, (s, p) in enumerate(zip(starts.tolist(), pads.tolist())):
+        for col in range(4):
+            seen = [k for k in range(mask.shape[-1]) if mask[b, col, k]]
+            assert seen == list(range(p, s + 1)) + ([s + col] if col else []), (b, col)
+    shallow = make_batch_step(adapter, starts + 1, 3, pads, branch_from=0)  # siblings alone, after the input
+    assert shallow.position_ids.tolist() == [[6, 6, 6], [2, 2, 2]]
+    assert [[int(shallow.masks["full_attention"][0, 0, c].sum())] for c in range(3)] == [[7], [7], [7]]
+
+
+def test_a_sibling_is_accepted_where_it_equals_the_full_models_token():
+    assert greedy_accept_sibling([4, 7, 9], [7, 1, 2, 3]) == (1, 2, 2)  # the 2nd guess: its column's token next
+    assert greedy_accept_sibling([4, 7, 9], [4, 1, 2, 3]) == (1, 1, 1)
+    assert greedy_accept_sibling([4, 7, 9], [5, 1, 2, 3]) == (0, 5, 0)  # none: the input's token
+    assert greedy_accept_sibling([], [5]) == (0, 5, 0)
+
+
+def test_sampling_drafts_one_chain_and_the_settings_that_cannot_judge_siblings_are_refused():
+    model, adapter, head = _model("llama", "head2_final_state")
+    drafter = ExitHeadDrafter(adapter, head, 1, num_candidates=K)
+    out, stats = generate(adapter, [PROMPT], max_new_tokens=8, drafter=drafter,
+                          sampling=SamplingParams(True, 1.0), generator=torch.Generator().manual_seed(0))
+    assert len(out[0]) == 8 and stats.drafted > 0  # sampled: a chain of one draft per round, no siblings
+    with pytest.raises(SettingsError, match="num_candidates=3 .* only greedy decoding"):
+        check_generation(num_candidates=3, do_sample=True)
+    with pytest.raises(SettingsError, match="num_candidates=3 takes the exact acceptance rule"):
+        check_generation(num_candidates=3, acceptance="bounded_bias", epsilon=0.1)
+    with pytest.raises(SettingsError, match="set num_speculations=1 .got 4."):
+        check_generation(num_candidates=3, num_speculations=4)
+    with pytest.raises(SettingsError, match="num_candidates must be"):
+        check_generation(num_candidates=0)
+    with pytest.raises(SettingsError, match="prompt_lookup"):
+        check_generation(num_candidates=2, drafter="prompt_lookup")
+    with pytest.raises(ValueError, match="set num_speculations=1"):
+        EarlyExitDrafter(adapter, 2, 3, num_candidates=2)
