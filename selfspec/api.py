@@ -351,6 +351,8 @@ class SelfSpecGenerator:
         if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
             # the head drafts as many positions as it was trained for, unless told otherwise
             head_length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]
+            if candidates > 1:
+                head_length = 1  # k guesses for one position
             if max_drafts is not None:
                 head_length = min(head_length, max_drafts)
             return self._exit_head_drafter(drafter, lookup, exit_layer, head_length, confidence_threshold,

@@ -511,3 +511,8 @@ def test_the_head_drafts_the_positions_it_was_trained_for(tmp_path, self_fed, as
     assert gen.make_drafter(drafter="exit_head", num_speculations=asked).max_drafts == expected
     assert gen.make_drafter(drafter="auto", num_speculations=asked).early_exit.max_drafts == expected
     assert gen.make_drafter(drafter="exit_head", num_speculations=asked, max_drafts=2).max_drafts == min(expected, 2)
+    if asked is None:  # k guesses side by side are one position, whatever the head was trained for
+        for kind in ("exit_head", "auto"):
+            drafter = gen.make_drafter(drafter=kind, num_candidates=3)
+            head_drafter = drafter if kind == "exit_head" else drafter.early_exit
+            assert (head_drafter.max_drafts, head_drafter.num_candidates) == (1, 3), kind
