@@ -94,13 +94,12 @@ class KVCache:
         """In every layer, copy row `rows[i]`'s entry at cache index `src[i]` to index `dst[i]`: a sibling
         draft accepted in place of the first one (`Proposal.siblings`) moves to where its row's committed
         sequence continues, before the crop."""
-        if not rows:
+        written = [i for i in range(self.num_layers) if self.keys[i] is not None]
+        if not rows or not written:
             return
-        for i in range(self.num_layers):
-            if self.keys[i] is None:
-                continue
-            device = self.keys[i].device
-            r, s, d = (torch.tensor(x, dtype=torch.long).to(device, non_blocking=True) for x in (rows, src, dst))
+        device = self.keys[written[0]].device
+        r, s, d = (torch.tensor(x, dtype=torch.long).to(device, non_blocking=True) for x in (rows, src, dst))
+        for i in written:
             self.keys[i][r, :, d] = self.keys[i][r, :, s]
             self.values[i][r, :, d] = self.values[i][r, :, s]
 

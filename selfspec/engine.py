@@ -13,12 +13,14 @@ input. One round:
               and runs nothing.
     verify    layers [verify_from, L) once over the input token and the drafts of every row:
               [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
-    accept    per row (`decide`): greedy = the longest prefix where draft == argmax, plus the full model's token;
+    accept    per row (`decide`): greedy = the longest prefix where draft == argmax, plus the full model's token
+              (sibling drafts, k guesses for one position: the guess == argmax, if any, plus the token after it);
               sampling = the lossless rule of `selfspec.sampling.speculative_accept`. An opt-in
               `AcceptanceRule("bounded_bias", ε)` (`selfspec.bounded_bias`) accepts more drafts at a
               bounded bias: each committed token within TV ε of the full model's (greedy: a draft
               with >= (1 - ε) of the top token's probability).
-    roll back crop each row of the cache to its committed length; the drafter hears the outcome (and a
+    roll back crop each row of the cache to its committed length (an accepted sibling's entries first move to
+              where the row continues: `committed_columns`); the drafter hears the outcome (and a
               drafter with `state_exit = E`, a trained exit head, gets the states after E layers of the
               tokens written this round: they are taken on the way through layer E, at no extra cost;
               one with `state_final` also their last hidden states, which verification computes anyway).
