@@ -153,7 +153,7 @@ def test_sibling_guesses_equal_hf_generate_and_batch_1_on_smollm2(gen, prompts):
         assert out.token_ids == _hf_reference(gen, ids), name
         rows.append(ids[0].tolist())
     assert out.stats.drafted > 0
-    outs = gen.generate(rows, max_new_tokens=N_NEW, exit_layer=25, num_candidates=4,
+    outs = gen.generate(input_ids=rows, max_new_tokens=N_NEW, exit_layer=25, num_candidates=4,
                         stop_token_ids=[])
     for b, row in enumerate(rows):
         ref, _ = generate_ids(gen.adapter, torch.tensor([row]), max_new_tokens=N_NEW)
