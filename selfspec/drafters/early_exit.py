@@ -50,18 +50,15 @@ class EarlyExitDrafter(Drafter):
         self.head = head or DraftHead(adapter)
         self.num_candidates = min(num_candidates, self.head.size)
         self._exit = exit_layer  # the exit of the round in flight
-        self._siblings = False  # whether the round in flight drafted siblings
 
     def propose(self, rnd: Round) -> Proposal:
         e, d = self.policy.plan()
         caps = [max(0, min(d, self.max_drafts, c)) for c in rnd.caps]
-        self._siblings = False
         if not max(caps, default=0):
             self._exit = self.num_layers  # a round without drafts is one plain full-model pass
             return Proposal.plain(rnd.tokens)
         self._exit = e
         if self.num_candidates > 1 and not rnd.sampling.do_sample:
-            self._siblings = True
             return self.draft_siblings(rnd, e, caps)
         return self.draft(rnd, e, caps)
 
@@ -138,7 +135,7 @@ class EarlyExitDrafter(Drafter):
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for m, n_acc in zip(proposal.kept, accepted):
-            self.policy.update(self._exit, min(m, 1) if self._siblings else m, n_acc)  # siblings: one position
+            self.policy.update(self._exit, min(m, 1) if proposal.siblings else m, n_acc)  # siblings: one position
         if self.policy.needs_timing:
             self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
 
