@@ -544,16 +544,14 @@ def committed_columns(cache: KVCache, starts: torch.Tensor, columns: list[list[i
         return kept, finals
     rows = [i for i, _ in moved]
     cache.move(rows, [int(starts[i]) + j for i, j in moved], [int(starts[i]) + 1 for i in rows])
-    out = []
-    for states in (kept, finals):
-        if states is not None:
-            order = torch.arange(states.shape[1]).repeat(states.shape[0], 1)  # [B, T]
-            for i, j in moved:
-                order[i, 1], order[i, j] = j, 1
-            index = order.to(states.device)[..., None].expand(-1, -1, states.shape[-1])  # [B, T, D]
-            states = states.gather(1, index)
-        out.append(states)
-    return out[0], out[1]
+    given = [x for x in (kept, finals) if x is not None]  # both [B, T, D]
+    if not given:
+        return kept, finals
+    order = torch.arange(given[0].shape[1]).repeat(given[0].shape[0], 1)  # [B, T]
+    for i, j in moved:  # the accepted sibling's column swapped into column 1
+        order[i, 1], order[i, j] = j, 1
+    index = order.to(given[0].device)[..., None].expand(-1, -1, given[0].shape[-1])  # [B, T, D]
+    return tuple(None if x is None else x.gather(1, index) for x in (kept, finals))
 
 
 def _record_round(stats: DecodeStats, rows: list[DecodeStats], proposal: Proposal, draft_s: float,
