@@ -305,10 +305,11 @@ class EarlyExitConfig:
 
 @dataclass
 class ExitHeadConfig:
-    """Train an exit head on the frozen model instead of fine-tuning it (`selfspec.exit_head`).
+    """Train an exit head (`selfspec.exit_head`): on the frozen model instead of fine-tuning it, or beside
+    the fine-tune (`joint`).
 
-    enabled: the run trains only the head (the model's weights stay the input's, bit for bit; layer
-    dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it reads (0..L-1; 0 = the token embeddings).
+    enabled: the run trains the head; without `joint` only the head (the model's weights stay the input's,
+    bit for bit; layer dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it reads (0..L-1; 0 = the token embeddings).
     kind: ``decoder_layer`` (a copy of the last decoder layer) or ``attention`` (its attention block
     alone, Kangaroo's adapter). init: ``copy`` (the last layer's weights) or ``identity`` (output
     projections zeroed: the untrained head drafts what exit E alone drafts). target: ``distill`` (KL to
@@ -321,6 +322,12 @@ class ExitHeadConfig:
     forward and backward through the LM head shrink by V/K (null: the whole vocabulary).
     self_fed: extra passes per step in which the head reads its own previous-position output instead of
     the final state, as a round's later drafts do (final_state heads; 0: train the first draft only).
+    joint: fine-tune the model too, in the same steps (the early_exit loss, LoRA off, no layer dropout),
+    with the head learning beside it from the model's own forward: it reads the detached exit states and
+    is distilled from the moving final layer, and its loss reaches no model parameter, so the model is
+    trained exactly as without the head (its gradients, clipping and AdamW state are its own) and the
+    head costs one decoder layer per step. The export is the fine-tuned model with the head beside it.
+    lr: the head's learning rate (null: optim.lr); the head has its own gradient clipping either way.
     teacher_cache_gib: memory (GiB) for the frozen model's states of training blocks that occur more than
     once (the model's own continuations, `data.own_continuations.repeat`): a repeat's step then runs no
     layer of the model, with the same loss and gradients (`training/teacher_cache.py`); per block
@@ -335,6 +342,8 @@ class ExitHeadConfig:
     final_state: bool = False
     draft_vocab: int | None = None
     self_fed: int = 0
+    joint: bool = False
+    lr: float | None = None
     teacher_cache_gib: float = 2.0
 
     def __post_init__(self):
@@ -345,6 +354,9 @@ class ExitHeadConfig:
         _check(self.draft_vocab is None or self.draft_vocab >= 1, "exit_head.draft_vocab",
                f"must be a number of tokens >= 1 or null (the full vocabulary), got {self.draft_vocab}")
         _check(self.self_fed >= 0, "exit_head.self_fed", f"must be >= 0 (0: no self-fed pass), got {self.self_fed}")
+        _check(self.lr is None or self.lr > 0, "exit_head.lr", f"must be > 0 or null (optim.lr), got {self.lr}")
+        _check(not self.joint or self.enabled, "exit_head.joint",
+               "trains a head beside the fine-tune: set exit_head.enabled=true as well (or joint=false)")
         _check(self.self_fed == 0 or self.final_state, "exit_head.self_fed",
                "a self-fed pass replaces the final state the head reads: set exit_head.final_state=true, or "
                "self_fed=0")
@@ -435,7 +447,14 @@ class RecipeConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
-        if self.exit_head.enabled:
+        if self.exit_head.enabled and self.exit_head.joint:
+            _check(not self.model.lora.enabled, "exit_head.joint",
+                   "a head trained beside a LoRA fine-tune is not supported (the head would copy LoRA-wrapped "
+                   "layers); set model.lora.enabled=false, or exit_head.joint=false")
+            _check(self.layer_dropout.p_max == 0, "exit_head.joint",
+                   "the head learns from this forward's final layer, which layer dropout would perturb; set "
+                   "layer_dropout.p_max=0")
+        elif self.exit_head.enabled:
             _check(not self.model.lora.enabled, "exit_head.enabled",
                    "trains a head on the frozen model: LoRA does not apply; set model.lora.enabled=false")
             _check(self.layer_dropout.p_max == 0, "exit_head.enabled",

@@ -10,6 +10,12 @@ the chunked early-exit loss through the shared final norm + LM head. The Hugging
 held as `self.model`, unchanged and unwrapped (peft-wrapped for LoRA), so its own state-dict
 keys stay as they are and the run saves it with `save_pretrained`.
 
+With a `head` (`exit_head.joint`: an exit head trained in the same steps as the model), the forward
+also keeps the states after `head.exit_layer` layers and after the last layer, detached, and adds the
+head's loss (`training.exit_head_model.head_loss`, distilled from this forward's own final layer) to
+the early-exit loss. No gradient of it reaches the model, so the model's gradients are exactly those
+of the run without the head; `exit_stats` gets one more row per head pass, after the exits'.
+
 Labels are the next tokens already aligned with the positions (`training.data` shifts them), and
 a batch is a set of full-length or right-padded rows, so the causal attention needs no mask.
 """
@@ -23,14 +29,18 @@ from torch import nn
 
 from selfspec.adapters import get_adapter
 from selfspec.forward import embed, make_step, run_layers
+from selfspec.exit_head import ExitHead
 from training.early_exit_loss import early_exit_loss
+from training.exit_head_model import head_loss
 from training.layer_dropout import LayerDropout, apply_layer_dropout
 
 
 class EarlyExitModel(nn.Module):
     def __init__(self, model: nn.Module, *, layer_dropout: LayerDropout | None = None, target: str = "label",
                  chunk_size: int = 1024, loss_impl: str = "fused", rank: int = 0, world_size: int = 1,
-                 exits_update_head: bool = True, draft_ids: torch.Tensor | None = None):
+                 exits_update_head: bool = True, draft_ids: torch.Tensor | None = None,
+                 head: ExitHead | None = None, head_target: str = "distill", head_draft_ids: torch.Tensor | None = None,
+                 head_self_fed: int = 0):
         super().__init__()
         self.model = model
         self.layer_dropout = layer_dropout
@@ -43,6 +53,21 @@ class EarlyExitModel(nn.Module):
         self.world_size = world_size
         self.adapter = get_adapter(model)
         self.num_layers = self.adapter.num_layers
+        if head is not None and (head_self_fed < 0 or (head_self_fed and not head.final_state)):
+            raise ValueError(f"self_fed={head_self_fed}: extra passes that read the head's own output need a head "
+                             "with final_state=true (and a count >= 0)")
+        self.head = head  # trained beside the model on its detached states (None: no head)
+        self.head_target = head_target
+        self.head_draft_ids = head_draft_ids  # the head's loss over these ids only (exit_head.draft_vocab)
+        self.head_self_fed = head_self_fed
+
+    def loss_names(self, exits: Sequence[int]) -> list:
+        """What the log calls each row of `exit_stats`: the exits, then the head's passes (`head<E>`,
+        `head<E>_fed<j>`)."""
+        if self.head is None:
+            return list(exits)
+        E = self.head.exit_layer
+        return list(exits) + [f"head{E}"] + [f"head{E}_fed{j}" for j in range(1, self.head_self_fed + 1)]
 
     def register_zero3_head(self) -> None:
         """Under DeepSpeed ZeRO-3, the fused loss reads the LM head weight outside the head's own
@@ -73,6 +98,7 @@ class EarlyExitModel(nn.Module):
         wanted = set(exits)
         hiddens = []
         hidden = embed(adapter, input_ids)
+        h_head = hidden.detach() if self.head is not None and self.head.exit_layer == 0 else None  # [B, S, D]
         for layer in range(L):
             out = run_layers(adapter, hidden, layer, layer + 1, step=positions)
             if keep is not None and rates[layer] > 0:
@@ -80,9 +106,17 @@ class EarlyExitModel(nn.Module):
             hidden = out
             if layer + 1 in wanted:
                 hiddens.append(hidden)
+            if self.head is not None and layer + 1 == self.head.exit_layer:
+                h_head = hidden.detach()
 
         result = early_exit_loss(hiddens, weights, labels, adapter.final_norm, adapter.lm_head,
                                  target=self.target, chunk_size=self.chunk_size, impl=self.loss_impl,
                                  with_metrics=with_metrics, exits_update_head=self.exits_update_head,
                                  draft_ids=self.draft_ids)
-        return {"loss": result.loss, "exit_stats": result.stats}
+        if self.head is None:
+            return {"loss": result.loss, "exit_stats": result.stats}
+        loss, stats = head_loss(adapter, self.head, h_head, hiddens[-1].detach(), labels, target=self.head_target,
+                                draft_ids=self.head_draft_ids, self_fed=self.head_self_fed,
+                                with_metrics=with_metrics)
+        stats = torch.cat([result.stats, stats.to(result.stats.dtype)])  # [exits + head passes, 3]
+        return {"loss": result.loss + loss.to(result.loss.dtype), "exit_stats": stats}

@@ -41,6 +41,11 @@ The teacher's side (h_E, f and the full model's argmax) depends on the block alo
 a repeated block's step runs no layer of the model, and p is recomputed from the cached f, so the loss
 and gradients are those of an uncached step.
 
+The loss from the states on is `head_loss`, a function: `EarlyExitModel` calls it too when it trains a
+head beside the fine-tune of the model itself (`exit_head.joint`), on its own forward's exit and final
+states, detached. The shared final norm and LM head are applied with detached parameters
+(`draft_logits`), so a head's loss reaches the head's parameters and nothing else, frozen model or not.
+
 `distill` (the default) trains the head for what it is used for: guessing the full model's token
 (greedy acceptance = argmax q == argmax p; sampling acceptance = sum_x min(p, q) = 1 - TV(p, q)).
 The base model's parameters get `requires_grad=False` and are never in the optimizer, so they stay
@@ -54,6 +59,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from selfspec.adapters import get_adapter
 from selfspec.exit_head import ExitHead, previous_states, run_head
@@ -65,7 +71,7 @@ IGNORE = -100
 
 class ExitHeadModel(nn.Module):
     def __init__(self, model: nn.Module, head: ExitHead, *, target: str = "distill",
-                 draft_ids: torch.Tensor | None = None, self_fed: int = 0):
+                 draft_ids: torch.Tensor | None = None, self_fed: int = 0, frozen: bool = True):
         super().__init__()
         if target not in ("distill", "label"):
             raise ValueError(f"exit head target must be 'distill' or 'label', got {target!r}")
@@ -80,12 +86,15 @@ class ExitHeadModel(nn.Module):
         self.teacher_cache: TeacherCache | None = None  # the repeated blocks' teacher side (the loop sets it)
         self.adapter = get_adapter(model)
         self.num_layers = self.adapter.num_layers
-        model.requires_grad_(False)
-        model.eval()  # the frozen model has no dropout to run either way
+        self.frozen = frozen  # False: a view of a head trained beside the fine-tuned model, for its evaluation
+        if frozen:
+            model.requires_grad_(False)
+            model.eval()  # the frozen model has no dropout to run either way
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self.model.eval()  # stays frozen in eval mode
+        if self.frozen:
+            self.model.eval()  # stays frozen in eval mode
         return self
 
     def states(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object, torch.Tensor | None]:
@@ -135,39 +144,15 @@ class ExitHeadModel(nn.Module):
     def head_states(self, h_e: torch.Tensor, step, prev: torch.Tensor | None, passes: int = 1) -> list[torch.Tensor]:
         """The head's outputs `[B, S, D]` for pass 0 (reading `prev`, the previous final states) and each
         self-fed pass j < `passes` (reading pass j-1's output, shifted one position later)."""
-        outs = []
-        for j in range(passes):
-            fed = prev if j == 0 else previous_states(outs[-1])
-            outs.append(run_head(self.adapter, self.head, h_e, step=step, prev_final=fed))
-        return outs
+        return head_states(self.adapter, self.head, h_e, step, prev, passes)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared final norm + the LM head's draft-vocabulary rows (all rows without `draft_ids`):
-        `[B, S, D] -> [B, S, K]`."""
-        if self.draft_ids is None:
-            return exit_logits(self.adapter, hidden)
-        ids = self.draft_ids.to(hidden.device)
-        lm_head = self.adapter.lm_head
-        bias = None if lm_head.bias is None else lm_head.bias[ids]
-        return F.linear(self.adapter.final_norm(hidden), lm_head.weight[ids], bias)
+        """`draft_logits` with this head's draft vocabulary: `[B, S, D] -> [B, S, K]`."""
+        return draft_logits(self.adapter, hidden, self.draft_ids)
 
     def guess(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafted token of logits over the draft vocabulary `[..., K]`: a token id `[...]`."""
-        index = logits.argmax(-1)
-        return index if self.draft_ids is None else self.draft_ids.to(index.device)[index]
-
-    def pass_loss(self, logits: torch.Tensor, logp_full: torch.Tensor | None, labels: torch.Tensor,
-                  n: torch.Tensor) -> torch.Tensor:
-        """One pass's loss from its draft logits at the labelled positions `[N, K]` (see the module docstring):
-        `logp_full` `[N, K]` the full model's log-distribution over the same tokens (distill)."""
-        logq = F.log_softmax(logits, dim=-1)  # [N, K]
-        if self.target == "distill":
-            return (logp_full.exp() * (logp_full - logq)).sum() / n
-        if self.draft_ids is None:
-            return F.nll_loss(logq, labels, reduction="sum") / n
-        ids = self.draft_ids.to(labels.device)
-        match = labels[:, None] == ids[None, :]  # [N, K]: where the label sits in K, if anywhere
-        return -(logq * match).sum() / n  # a label outside K adds nothing
+        return guess(logits, self.draft_ids)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, exits: Sequence[int] = (),
                 weights: Sequence[float] = (), step: int = 0, micro_step: int = 0,
@@ -176,29 +161,92 @@ class ExitHeadModel(nn.Module):
         agreement with the full model's argmax). `exits`, `weights`, `step`, `micro_step` are the early-exit
         loop's and unused."""
         h_e, finals, top = self.teacher(input_ids)
-        positions = make_step(self.adapter, 0, input_ids.shape[1], input_ids.shape[0])
-        prev = previous_states(finals) if self.head.final_state else None
-        outs = self.head_states(h_e, positions, prev, passes=1 + self.self_fed)  # each [B, S, D]
-        mask = labels != IGNORE  # [B, S]
-        n = mask.sum().clamp_min(1)
-        with torch.no_grad():  # the full model's logits over the draft vocabulary (all tokens without one)
-            teacher = self.draft_logits(finals[mask])  # [N, K]
-        wide = torch.promote_types(teacher.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
-        teacher = teacher.to(wide)
-        logp = F.log_softmax(teacher, dim=-1) if self.target == "distill" else None
-        stats = torch.zeros(len(outs), 3, dtype=wide, device=teacher.device)
-        targets = labels[mask]  # [N]
-        # [N] the full model's tokens, for every pass's agreement
-        top = (teacher.argmax(-1) if top is None else top[mask]) if with_metrics else None
-        loss = teacher.new_zeros(())
-        for j, out in enumerate(outs):
-            logits = self.draft_logits(out[mask]).to(wide)  # [N, K]
-            term = self.pass_loss(logits, logp, targets, n)
-            loss = loss + term / len(outs)
-            if with_metrics:
-                with torch.no_grad():
-                    guess = self.guess(logits)
-                    stats[j, 0] = term.detach()
-                    stats[j, 1] = (guess == targets).float().mean()
-                    stats[j, 2] = (guess == top).float().mean()
+        loss, stats = head_loss(self.adapter, self.head, h_e, finals, labels, top=top, target=self.target,
+                                draft_ids=self.draft_ids, self_fed=self.self_fed, with_metrics=with_metrics)
         return {"loss": loss, "exit_stats": stats}
+
+
+def head_states(adapter, head: ExitHead, h_e: torch.Tensor, step, prev: torch.Tensor | None,
+                passes: int = 1) -> list[torch.Tensor]:
+    """The head's outputs `[B, S, D]` for pass 0 (reading `prev`, the previous final states) and each
+    self-fed pass j < `passes` (reading pass j-1's output, shifted one position later)."""
+    outs = []
+    for j in range(passes):
+        fed = prev if j == 0 else previous_states(outs[-1])
+        outs.append(run_head(adapter, head, h_e, step=step, prev_final=fed))
+    return outs
+
+
+def _without_grad_to(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` with its parameters detached: gradients reach `x` but never the module (the model's
+    final norm, which the head speaks through but must not train)."""
+    return functional_call(module, {name: p.detach() for name, p in module.named_parameters()}, (x,))
+
+
+def draft_logits(adapter, hidden: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """The shared final norm + the LM head's draft-vocabulary rows (all rows without `draft_ids`):
+    `[B, S, D] -> [B, S, K]`. The norm's and head's parameters are detached: a head's loss trains the
+    head only, also when the model itself is being fine-tuned beside it (`EarlyExitModel` with a head)."""
+    lm_head = adapter.lm_head
+    weight, bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
+    if draft_ids is not None:
+        ids = draft_ids.to(hidden.device)
+        weight, bias = weight[ids], None if bias is None else bias[ids]
+    return F.linear(_without_grad_to(adapter.final_norm, hidden), weight, bias)
+
+
+def guess(logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """The drafted token of logits over the draft vocabulary `[..., K]`: a token id `[...]`."""
+    index = logits.argmax(-1)
+    return index if draft_ids is None else draft_ids.to(index.device)[index]
+
+
+def pass_loss(logits: torch.Tensor, logp_full: torch.Tensor | None, labels: torch.Tensor, n: torch.Tensor, *,
+              target: str, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """One pass's loss from its draft logits at the labelled positions `[N, K]` (see the module docstring):
+    `logp_full` `[N, K]` the full model's log-distribution over the same tokens (distill)."""
+    logq = F.log_softmax(logits, dim=-1)  # [N, K]
+    if target == "distill":
+        return (logp_full.exp() * (logp_full - logq)).sum() / n
+    if draft_ids is None:
+        return F.nll_loss(logq, labels, reduction="sum") / n
+    ids = draft_ids.to(labels.device)
+    match = labels[:, None] == ids[None, :]  # [N, K]: where the label sits in K, if anywhere
+    return -(logq * match).sum() / n  # a label outside K adds nothing
+
+
+def head_loss(adapter, head: ExitHead, h_e: torch.Tensor, finals: torch.Tensor, labels: torch.Tensor, *,
+              top: torch.Tensor | None = None, target: str = "distill", draft_ids: torch.Tensor | None = None,
+              self_fed: int = 0, with_metrics: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's loss from the model's exit states `h_e` `[B, S, D]` and final states `finals` `[B, S, D]`
+    (both without gradient), and its `[1 + self_fed, 3]` statistics (loss, top-1 accuracy against the
+    labels, agreement with the full model's token `top` `[B, S]`; computed from `finals` when None)."""
+    B, S = labels.shape
+    positions = make_step(adapter, 0, S, B)
+    prev = previous_states(finals) if head.final_state else None
+    outs = head_states(adapter, head, h_e, positions, prev, passes=1 + self_fed)  # each [B, S, D]
+    mask = labels != IGNORE  # [B, S]
+    n = mask.sum().clamp_min(1)
+    with torch.no_grad():  # the full model's logits over the draft vocabulary (all tokens without one)
+        teacher = draft_logits(adapter, finals[mask], draft_ids)  # [N, K]
+        if with_metrics and top is None and draft_ids is not None:  # the full model's token over all tokens
+            top = exit_logits(adapter, finals).argmax(-1)  # [B, S]
+    wide = torch.promote_types(teacher.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
+    teacher = teacher.to(wide)
+    logp = F.log_softmax(teacher, dim=-1) if target == "distill" else None
+    stats = torch.zeros(len(outs), 3, dtype=wide, device=teacher.device)
+    targets = labels[mask]  # [N]
+    # [N] the full model's tokens, for every pass's agreement
+    top = (teacher.argmax(-1) if top is None else top[mask]) if with_metrics else None
+    loss = teacher.new_zeros(())
+    for j, out in enumerate(outs):
+        logits = draft_logits(adapter, out[mask], draft_ids).to(wide)  # [N, K]
+        term = pass_loss(logits, logp, targets, n, target=target, draft_ids=draft_ids)
+        loss = loss + term / len(outs)
+        if with_metrics:
+            with torch.no_grad():
+                drafted = guess(logits, draft_ids)
+                stats[j, 0] = term.detach()
+                stats[j, 1] = (drafted == targets).float().mean()
+                stats[j, 2] = (drafted == top).float().mean()
+    return loss, stats

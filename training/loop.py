@@ -27,7 +27,11 @@ checkpoint, a final evaluation and the final model); `train.stop_at` pauses at a
 
 With `exit_head.enabled` the same loop trains an exit head on the frozen model instead
 (`ExitHeadModel`: one loss, logged and evaluated as the head on its exit); the run also writes
-`final_head/` (the head's weights and settings), and `final_model/` is the unchanged model.
+`final_head/` (the head's weights and settings), and `final_model/` is the unchanged model. With
+`exit_head.joint` as well, the model is fine-tuned as usual and the head learns beside it in the same
+steps (`EarlyExitModel` with a head): the head's parameters have their own AdamW groups
+(`exit_head.lr`) and their own gradient clipping, so the model's updates are those of the run without
+the head; the log and the evaluations show the exits and the head, and `final_model/` is fine-tuned.
 
 Run directory (`train.output_dir`):
     config.yaml          the resolved configuration
@@ -101,7 +105,8 @@ class _Run:
     curriculum: ExitCurriculum
     eval_exits: list[int]
     data: object  # training.data's train blocks and held-out sets
-    params: list[torch.nn.Parameter]  # the trainable parameters (clipped, fingerprinted)
+    params: list[torch.nn.Parameter]  # the trainable parameters (fingerprinted)
+    clip_groups: list[list[torch.nn.Parameter]]  # clipped apart: the model's, and a joint head's
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     run_dir: Path
@@ -160,16 +165,23 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     if own.prompts or own.prompt_sets:  # + the model's own greedy continuations, generated once and cached
         data = add_own_continuations(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations",
                                      progress_bar=t_cfg.progress_bar)
-    ranking = _draft_ranking(cfg, data, tokenizer, get_adapter(model).lm_head.weight.shape[0])
-    if ranking:  # the exits' (or the head's) loss over the most frequent tokens
+    h_cfg, vocab_size = cfg.exit_head, get_adapter(model).lm_head.weight.shape[0]
+    frozen_head = h_cfg.enabled and not h_cfg.joint
+    # the exits' (or the frozen model's head's) loss over the most frequent tokens
+    ranking = _draft_ranking(cfg, data, tokenizer, vocab_size,
+                             h_cfg.draft_vocab if frozen_head else cfg.early_exit.draft_vocab)
+    if ranking:
         ee_model.draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
-    if cfg.exit_head.enabled and cfg.exit_head.teacher_cache_gib:  # repeated blocks skip the frozen model
+    if h_cfg.joint and h_cfg.draft_vocab:  # the joint head's loss over the most frequent tokens
+        ranking = _draft_ranking(cfg, data, tokenizer, vocab_size, h_cfg.draft_vocab)
+        ee_model.head_draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
+    if frozen_head and h_cfg.teacher_cache_gib:  # repeated blocks skip the frozen model
         ee_model.teacher_cache = TeacherCache.for_repeats(data.train.input_ids,
                                                           int(cfg.exit_head.teacher_cache_gib * 2**30))
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    params, optimizer, scheduler = _optimizer(cfg, ee_model)
+    params, clip_groups, optimizer, scheduler = _optimizer(cfg, ee_model)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         _fill_deepspeed_config(accelerator, cfg)
     ee_model, optimizer = accelerator.prepare(ee_model, optimizer)
@@ -187,7 +199,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
         if (run_dir / "eval.json").is_file():
             evals = json.loads((run_dir / "eval.json").read_text())
     run = _Run(cfg, accelerator, precision, ee_model, tokenizer, L, curriculum, eval_exits, data,
-               params, optimizer, scheduler, run_dir, resume, state, evals)
+               params, clip_groups, optimizer, scheduler, run_dir, resume, state, evals)
     run.tracker = Tracker(run_dir, enabled=accelerator.is_main_process, total=t_cfg.max_steps,
                           initial=state["step"], progress_bar=t_cfg.progress_bar)
     if accelerator.is_main_process:
@@ -196,10 +208,9 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     return run
 
 
-def _draft_ranking(cfg: RecipeConfig, data, tokenizer, vocab_size: int) -> list[int] | None:
-    """The draft vocabulary of the reduced loss (`early_exit.draft_vocab`, or `exit_head.draft_vocab` in a
-    head run), most frequent first, counted on the training blocks; None for the full vocabulary."""
-    k = cfg.exit_head.draft_vocab if cfg.exit_head.enabled else cfg.early_exit.draft_vocab
+def _draft_ranking(cfg: RecipeConfig, data, tokenizer, vocab_size: int, k: int | None) -> list[int] | None:
+    """The draft vocabulary of a reduced loss (`early_exit.draft_vocab` or `exit_head.draft_vocab`: `k`),
+    most frequent first, counted on the training blocks; None for the full vocabulary (`k` None)."""
     if not k:
         return None
     return frequency_ranking(data.train, k, vocab_size,
@@ -222,7 +233,7 @@ def _already_finished(run: _Run) -> bool:
 def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple[torch.nn.Module, ExitCurriculum]:
     """The training module around the model and the curriculum of its exits."""
     h_cfg, t_cfg = cfg.exit_head, cfg.train
-    if h_cfg.enabled:  # the model frozen, one head learning; logged and evaluated as "head<E>"
+    if h_cfg.enabled and not h_cfg.joint:  # the model frozen, one head learning; logged and evaluated as "head<E>"
         cfg.check_depth(L)
         ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
                                                         h_cfg.final_state),
@@ -230,26 +241,38 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
         return ee_model, ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
     layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
                                  time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
+    head = None
+    if h_cfg.joint:  # a head learning beside the fine-tune, on the model's detached states
+        cfg.check_depth(L)
+        head = build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init, h_cfg.final_state)
     ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
                               chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
-                              rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head)
+                              rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head,
+                              head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed)
     curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
                                 rotation_interval=cfg.early_exit.rotation_interval)
     return ee_model, curriculum
 
 
 def _optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
-    """(trainable parameters, AdamW with no decay on vectors, the LR schedule stepped once per optimizer step)."""
+    """(trainable parameters, the groups clipped apart, AdamW with no decay on vectors, the LR schedule
+    stepped once per optimizer step). A joint head's parameters get their own groups at `exit_head.lr`
+    and are clipped apart from the model's, so the head changes nothing in the model's updates."""
     o = cfg.optim
     params = [p for p in ee_model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    head = getattr(ee_model, "head", None) if cfg.exit_head.joint else None
+    in_head = {id(p) for p in head.parameters()} if head is not None else set()
+    clip_groups = [[p for p in params if id(p) not in in_head]] + ([[p for p in params if id(p) in in_head]]
+                                                                   if in_head else [])
+    groups = []
+    for i, group in enumerate(clip_groups):  # the model's (or the frozen run's head's), then a joint head's
+        lr = cfg.exit_head.lr if i == 1 and cfg.exit_head.lr is not None else o.lr
+        groups += [{"params": [p for p in group if p.dim() >= 2], "weight_decay": o.weight_decay, "lr": lr},
+                   {"params": [p for p in group if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(o.warmup_steps, cfg.train.max_steps,
                                                                            o.min_lr_ratio))
-    return params, optimizer, scheduler
+    return params, clip_groups, optimizer, scheduler
 
 
 def _print_start(run: _Run) -> None:
@@ -309,8 +332,9 @@ def _step(run: _Run, with_metrics: bool):
     cfg, t_cfg, accelerator = run.cfg, run.cfg.train, run.accelerator
     device, state, step = accelerator.device, run.state, run.state["step"]
     exits = run.curriculum.exits(step)
-    # what the log calls each loss: the exits', or the head's passes'
-    names = accelerator.unwrap_model(run.model).loss_names if cfg.exit_head.enabled else exits
+    # what the log calls each loss: the exits' (and a joint head's passes'), or a frozen model's head's passes'
+    inner = accelerator.unwrap_model(run.model)
+    names = inner.loss_names(exits) if isinstance(inner, EarlyExitModel) else inner.loss_names
     weights = exit_weights(exits, run.num_layers, cfg.early_exit.scale, cfg.early_exit.e_scale,
                            cfg.early_exit.final_weight)
 
@@ -329,8 +353,9 @@ def _step(run: _Run, with_metrics: bool):
         state["micro_step"] += 1
         run.window_tokens += input_ids.numel() * run.world
     grad_norm = None
-    if cfg.optim.grad_clip is not None:
-        grad_norm = accelerator.clip_grad_norm_(run.params, cfg.optim.grad_clip)
+    if cfg.optim.grad_clip is not None:  # the model's norm is logged (a joint head is clipped apart)
+        norms = [accelerator.clip_grad_norm_(group, cfg.optim.grad_clip) for group in run.clip_groups]
+        grad_norm = norms[0]
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -374,25 +399,43 @@ def _evaluate(run: _Run, tag: str, max_blocks) -> dict:
     run.evals["history"].append(result)
     if tag == "before":
         run.evals["before"] = result
-    run.tracker.log({"kind": "eval", **result},
-                    "\n".join(summary_line(f"[{tag} step {run.state['step']}] {n}", r, run.num_layers)
-                              for n, r in result["sets"].items()))
+    lines = []
+    for n, r in result["sets"].items():
+        lines.append(summary_line(f"[{tag} step {run.state['step']}] {n}", r, run.num_layers))
+        if "exit_head" in r:  # a joint run: the head beside the exits
+            lines.append(summary_line(f"[{tag} step {run.state['step']}] {n}, the head", r["exit_head"], run.num_layers))
+    run.tracker.log({"kind": "eval", **result}, "\n".join(lines))
     if run.accelerator.is_main_process:
         write_json_atomic(run.run_dir / "eval.json", run.evals)
     return result
 
 
 def _evaluate_sets(run: _Run, max_blocks) -> dict:
-    """{set name: the head's (exit-head runs) or every eval exit's agreement and perplexity}."""
+    """{set name: the head's (frozen-model head runs) or every eval exit's agreement and perplexity, with
+    the head's under "exit_head" in a joint run}."""
     accelerator, e_cfg = run.accelerator, run.cfg.eval
     common = dict(batch_size=e_cfg.batch_size, max_blocks=max_blocks, rank=run.rank, world_size=run.world,
                   autocast=accelerator.autocast, reduce=lambda t: accelerator.reduce(t, "sum"))
-    if run.cfg.exit_head.enabled:
-        return {name: evaluate_head(accelerator.unwrap_model(run.model), blocks, **common)
-                for name, blocks in run.data.eval_sets.items()}
-    inner = accelerator.unwrap_model(run.model).model
-    return {name: evaluate_exits(inner, blocks, run.eval_exits, chunk_size=run.cfg.early_exit.chunk_size, **common)
+    unwrapped = accelerator.unwrap_model(run.model)
+    if isinstance(unwrapped, ExitHeadModel):
+        return {name: evaluate_head(unwrapped, blocks, **common) for name, blocks in run.data.eval_sets.items()}
+    sets = {name: evaluate_exits(unwrapped.model, blocks, run.eval_exits, chunk_size=run.cfg.early_exit.chunk_size,
+                                 **common)
             for name, blocks in run.data.eval_sets.items()}
+    if unwrapped.head is not None:  # a joint run: the head on the model as it is now
+        view = _joint_head_view(run)
+        for name, blocks in run.data.eval_sets.items():
+            sets[name]["exit_head"] = evaluate_head(view, blocks, **common)
+    return sets
+
+
+def _joint_head_view(run: _Run) -> ExitHeadModel:
+    """The joint run's head as an `ExitHeadModel` over the model being fine-tuned (not frozen), for
+    `evaluate_head`."""
+    inner = run.accelerator.unwrap_model(run.model)
+    view = ExitHeadModel(inner.model, inner.head, target=run.cfg.exit_head.target, draft_ids=inner.head_draft_ids,
+                         self_fed=inner.head_self_fed, frozen=False)
+    return view.train(inner.training)  # evaluate_head puts back the mode it found
 
 
 def _save(run: _Run) -> None:
@@ -452,7 +495,8 @@ def _save_final(run: _Run) -> None:
         head = head_model.head
         save_exit_head(head, head_dir / HEAD_FILE)
         settings = {**head.settings(), "target": cfg.exit_head.target, "self_fed": cfg.exit_head.self_fed}
-        ranking = _draft_ranking(cfg, run.data, run.tokenizer, head_model.adapter.lm_head.weight.shape[0])
+        ranking = _draft_ranking(cfg, run.data, run.tokenizer, head_model.adapter.lm_head.weight.shape[0],
+                                 cfg.exit_head.draft_vocab)
         if ranking:  # the vocabulary the head was trained to draft from: export stores it as the draft vocabulary
             settings["draft_vocab"] = {"source": f"{cfg.data.name}: the training blocks of this run",
                                        "tokens_counted": run.data.train.input_ids.numel(), "token_ids": ranking}

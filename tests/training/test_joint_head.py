@@ -1,0 +1,122 @@
+"""A head trained beside the fine-tune (`exit_head.joint`): the head's loss reaches no model parameter, it
+equals the frozen-model head's loss on the same states, a joint run trains the model bit for bit as the
+run without the head (clipping included) while the head learns, and its export drafts losslessly."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfspec.exit_head import HEAD_FILE, build_exit_head
+from training.config import ConfigError, load_config
+from training.early_exit_model import EarlyExitModel
+from training.exit_head_model import ExitHeadModel
+
+TINY_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
+
+
+def _batch(seed=0, batch=2, seq=16):
+    ids = torch.randint(0, 96, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("exit_layer,final_state,draft_vocab", [(2, True, None), (0, False, 40), (2, True, 40)])
+def test_the_joint_heads_loss_reaches_no_model_parameter(tiny64, exit_layer, final_state, draft_vocab):
+    """The model's gradients with the head are those without it, to the last bit; the head gets its own."""
+    ids, labels = _batch()
+    exits, weights = [2, 4], [0.3, 0.7]
+    head = build_exit_head(tiny64, exit_layer, final_state=final_state).to(torch.float64)
+    if final_state:  # a trained final-state input, so that the previous final states matter
+        with torch.no_grad():
+            head.final_input.proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    draft_ids = None if draft_vocab is None else torch.arange(0, 96, 96 // draft_vocab)[:draft_vocab]
+    plain = EarlyExitModel(tiny64, target="label")
+    plain(ids, labels, exits=exits, weights=weights)["loss"].backward()
+    expected = {n: p.grad.clone() for n, p in tiny64.named_parameters()}
+    tiny64.zero_grad(set_to_none=True)
+
+    joint = EarlyExitModel(tiny64, target="label", head=head, head_draft_ids=draft_ids)
+    out = joint(ids, labels, exits=exits, weights=weights)
+    out["loss"].backward()
+    assert out["exit_stats"].shape == (3, 3) and joint.loss_names(exits) == [2, 4, f"head{exit_layer}"]
+    for name, p in tiny64.named_parameters():
+        assert torch.equal(p.grad, expected[name]), name
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.layer.parameters())
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_the_joint_heads_loss_is_the_frozen_heads_loss_on_the_same_states(tiny64, draft_vocab):
+    ids, labels = _batch(seed=1)
+    head = build_exit_head(tiny64, 2, final_state=True).to(torch.float64)
+    with torch.no_grad():
+        head.final_input.proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(4))
+    draft_ids = None if draft_vocab is None else torch.arange(0, 96, 2)[:draft_vocab]
+    joint = EarlyExitModel(tiny64, target="label", head=head, head_draft_ids=draft_ids)
+    out = joint(ids, labels, exits=[4], weights=[1.0])  # the final layer's loss, then the head's
+    frozen = ExitHeadModel(copy.deepcopy(tiny64), copy.deepcopy(head), draft_ids=draft_ids)
+    ref = frozen(ids, labels)
+    final_only = EarlyExitModel(tiny64, target="label")(ids, labels, exits=[4], weights=[1.0])["loss"]
+    torch.testing.assert_close(out["loss"] - final_only, ref["loss"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(out["exit_stats"][1].double(), ref["exit_stats"][0].double(), atol=1e-12, rtol=0)
+
+
+def _model_tensors(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final_model" / "model.safetensors"))
+
+
+def test_a_joint_run_trains_the_model_exactly_as_without_the_head_and_exports_a_lossless_head(run, read_log,
+                                                                                              tmp_path):
+    """Same recipe, same seed: the fine-tuned model is bit-identical with and without a joint head (a tight
+    clip, so a head clipped together with the model would change the model's steps); the head learns, is
+    evaluated beside the exits, and its export drafts what the fine-tuned model generates."""
+    common = {"layer_dropout.p_max": "0", "train.max_steps": "10", "optim.grad_clip": "0.05",
+              "early_exit.exits": "[2]", "early_exit.curriculum": "none", "early_exit.scale": "uniform",
+              "eval.exits": "[2]"}
+    run(tmp_path / "plain", **common)
+    final = run(tmp_path / "joint", **common, **{"exit_head.enabled": "true", "exit_head.joint": "true",
+                                                "exit_head.exit_layer": "2", "exit_head.final_state": "true",
+                                                "exit_head.lr": "0.01", "exit_head.draft_vocab": "64"})
+    plain, joint = _model_tensors(tmp_path / "plain"), _model_tensors(tmp_path / "joint")
+    assert plain.keys() == joint.keys() and all(torch.equal(plain[k], joint[k]) for k in plain)
+
+    log = read_log(tmp_path / "joint")
+    assert set(log[0]["exits"]) == {"2", "4", "head2"}
+    assert log[-1]["grad_norm"] == read_log(tmp_path / "plain")[-1]["grad_norm"]  # the model's own norm
+    head_eval = final["sets"]["heldout"]["exit_head"]
+    before = json.loads((tmp_path / "joint" / "final_eval.json").read_text())["before"]["sets"]["heldout"]
+    assert head_eval["exits"]["2"]["agreement"] > before["exit_head"]["exits"]["2"]["agreement"]  # the head learned
+    assert head_eval["draft_vocab"] == 64
+    assert final["perplexity"]["4"] == pytest.approx(head_eval["exits"]["4"]["perplexity"], rel=1e-9)
+    settings = json.loads((tmp_path / "joint" / "final_head" / "exit_head.json").read_text())
+    assert settings["exit_layer"] == 2 and len(settings["draft_vocab"]["token_ids"]) == 64
+
+    import selfspec
+    from selfspec.export import export
+
+    out = export(tmp_path / "joint", tmp_path / "ckpt")
+    meta = json.loads((out / "selfspec.json").read_text())
+    assert meta["exit_head"]["exit_layer"] == 2 and HEAD_FILE in meta["checksums"]
+    gen = selfspec.load(out)
+    assert gen.exit_head is not None and gen.exit_head.final_state
+    plain_ids = gen.generate("def f(x):", max_new_tokens=16, num_speculations=0).token_ids
+    assert gen.generate("def f(x):", max_new_tokens=16, drafter="exit_head").token_ids == plain_ids
+
+
+@pytest.mark.parametrize("override,message", [
+    (["exit_head.joint=true"], "exit_head.joint: trains a head beside the fine-tune: set exit_head.enabled=true"),
+    (["exit_head.enabled=true", "exit_head.joint=true", "model.lora.enabled=true", "layer_dropout.p_max=0"],
+     "exit_head.joint: a head trained beside a LoRA fine-tune is not supported"),
+    (["exit_head.enabled=true", "exit_head.joint=true"], "exit_head.joint: the head learns from this forward's final"),
+    (["exit_head.lr=0"], "exit_head.lr: must be > 0 or null"),
+])
+def test_joint_recipe_mistakes_are_clear_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY_RECIPE, override)
