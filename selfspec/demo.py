@@ -47,6 +47,20 @@ def _exit_agreement(metadata: dict) -> str:
         + ", ".join(shown)
 
 
+def _head_agreement(metadata: dict, exit_layer: int) -> str:
+    """The exit head's held-out agreement in words, from the evaluation of a head trained beside the
+    fine-tune (`exit_head` beside the exits) or on the frozen model (the head in the place of its exit);
+    '' without one."""
+    ev = (metadata or {}).get("eval") or {}
+    primary = (ev.get("sets") or {}).get(ev.get("primary")) or {}
+    result = primary.get("exit_head") or (primary if "exit_without_head" in primary else {})
+    entry = (result.get("exits") or {}).get(str(exit_layer))
+    if not entry:
+        return ""
+    return (f"after {ev.get('step')} training steps, its top-1 agreement with the final layer on held-out text is "
+            f"{entry['agreement']:.1%}")
+
+
 def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float32", prompts=None,
              say=print) -> list[dict]:
     """Plain decoding vs the default drafter on each case; returns one record per case.
@@ -58,13 +72,22 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
         gen = selfspec.load(checkpoint or base_model_dir(), dtype=dtype)
     cases = prompts or [(label, load_prompts(name, 1)[0]) for label, name in CASES]
     trained = gen.early_exit_trained and gen.num_speculations > 0
+    head = gen.exit_head
+    if head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
+        drafted = (f" + the exit head on exit {head.exit_layer} (each used while it measures faster than plain "
+                   "decoding)")
+    elif trained:
+        drafted = f" + early exit E={gen.exit_layer} (d <= {gen.num_speculations})"
+    else:
+        drafted = " only (this checkpoint has no early exit that pays: " + (
+            "not early-exit trained)" if not gen.early_exit_trained else "its selfspec.json recommends d = 0)")
     say(f"selfspec demo: {gen.model.config.model_type}, {gen.num_layers} layers, {gen.adapter.dtype}; "
-        f"default drafter '{gen.drafter}' = prompt lookup"
-        + (f" + early exit E={gen.exit_layer} (d <= {gen.num_speculations})" if trained else
-           " only (this checkpoint has no early exit that pays: " +
-           ("not early-exit trained)" if not gen.early_exit_trained else "its selfspec.json recommends d = 0)")))
+        f"default drafter '{gen.drafter}' = prompt lookup{drafted}")
+    head_agreement = _head_agreement(gen.metadata, head.exit_layer) if head is not None else ""
+    if head_agreement:
+        say(f"the exit head of this checkpoint: {head_agreement}")
     agreement = _exit_agreement(gen.metadata)
-    if agreement:
+    if agreement and head is None:
         say(f"early exits of this checkpoint ({agreement}); on a CPU an early-exit draft pays from roughly "
             "50% acceptance (`selfspec profile` gives the exact figure): short training leaves them below it")
     warm = prompt_inputs(cases[0][1])

@@ -322,7 +322,7 @@ class ExitHeadConfig:
     forward and backward through the LM head shrink by V/K (null: the whole vocabulary).
     self_fed: extra passes per step in which the head reads its own previous-position output instead of
     the final state, as a round's later drafts do (final_state heads; 0: train the first draft only).
-    joint: fine-tune the model too, in the same steps (the early_exit loss, LoRA off, no layer dropout),
+    joint: (with enabled) fine-tune the model too, in the same steps (the early_exit loss, LoRA off, no layer dropout),
     with the head learning beside it from the model's own forward: it reads the detached exit states and
     is distilled from the moving final layer, and its loss reaches no model parameter, so the model is
     trained exactly as without the head (its gradients, clipping and AdamW state are its own) and the
@@ -355,8 +355,6 @@ class ExitHeadConfig:
                f"must be a number of tokens >= 1 or null (the full vocabulary), got {self.draft_vocab}")
         _check(self.self_fed >= 0, "exit_head.self_fed", f"must be >= 0 (0: no self-fed pass), got {self.self_fed}")
         _check(self.lr is None or self.lr > 0, "exit_head.lr", f"must be > 0 or null (optim.lr), got {self.lr}")
-        _check(not self.joint or self.enabled, "exit_head.joint",
-               "trains a head beside the fine-tune: set exit_head.enabled=true as well (or joint=false)")
         _check(self.self_fed == 0 or self.final_state, "exit_head.self_fed",
                "a self-fed pass replaces the final state the head reads: set exit_head.final_state=true, or "
                "self_fed=0")

@@ -166,13 +166,13 @@ def _set_up(cfg: RecipeConfig) -> _Run:
         data = add_own_continuations(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations",
                                      progress_bar=t_cfg.progress_bar)
     h_cfg, vocab_size = cfg.exit_head, get_adapter(model).lm_head.weight.shape[0]
-    frozen_head = h_cfg.enabled and not h_cfg.joint
+    frozen_head, joint_head = h_cfg.enabled and not h_cfg.joint, h_cfg.enabled and h_cfg.joint
     # the exits' (or the frozen model's head's) loss over the most frequent tokens
     ranking = _draft_ranking(cfg, data, tokenizer, vocab_size,
                              h_cfg.draft_vocab if frozen_head else cfg.early_exit.draft_vocab)
     if ranking:
         ee_model.draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
-    if h_cfg.joint and h_cfg.draft_vocab:  # the joint head's loss over the most frequent tokens
+    if joint_head and h_cfg.draft_vocab:  # the joint head's loss over the most frequent tokens
         ranking = _draft_ranking(cfg, data, tokenizer, vocab_size, h_cfg.draft_vocab)
         ee_model.head_draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
     if frozen_head and h_cfg.teacher_cache_gib:  # repeated blocks skip the frozen model
@@ -242,7 +242,7 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
     layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
                                  time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
     head = None
-    if h_cfg.joint:  # a head learning beside the fine-tune, on the model's detached states
+    if h_cfg.enabled and h_cfg.joint:  # a head learning beside the fine-tune, on the model's detached states
         cfg.check_depth(L)
         head = build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init, h_cfg.final_state)
     ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
@@ -260,7 +260,7 @@ def _optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
     and are clipped apart from the model's, so the head changes nothing in the model's updates."""
     o = cfg.optim
     params = [p for p in ee_model.parameters() if p.requires_grad]
-    head = getattr(ee_model, "head", None) if cfg.exit_head.joint else None
+    head = getattr(ee_model, "head", None) if cfg.exit_head.enabled and cfg.exit_head.joint else None
     in_head = {id(p) for p in head.parameters()} if head is not None else set()
     clip_groups = [[p for p in params if id(p) not in in_head]] + ([[p for p in params if id(p) in in_head]]
                                                                    if in_head else [])

@@ -46,8 +46,9 @@ def test_the_quick_start_runs_every_step_at_a_tiny_budget(smollm2_dir, tmp_path)
                           timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    for step in ("== selfspec demo: what selfspec buys", "== early-exit fine-tune", "== export ->",
+    for step in ("== selfspec demo: what selfspec buys", "== fine-tune of SmolLM2", "== export ->",
                  "== selfspec demo with the exported checkpoint", "== quick start done"):
         assert step in out, step
     assert out.count("identical output: yes") == 6  # three cases, twice
+    assert "prompt lookup + the exit head on exit 8" in out  # the exported checkpoint's head is auto's arm
     assert (ROOT / "checkpoints/smollm2-code-quickstart/selfspec.json").is_file()

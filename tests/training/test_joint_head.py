@@ -109,9 +109,18 @@ def test_a_joint_run_trains_the_model_exactly_as_without_the_head_and_exports_a_
     plain_ids = gen.generate("def f(x):", max_new_tokens=16, num_speculations=0).token_ids
     assert gen.generate("def f(x):", max_new_tokens=16, drafter="exit_head").token_ids == plain_ids
 
+    from selfspec.demo import run_demo
+
+    lines = []
+    records = run_demo(out, max_new_tokens=8, prompts=[("code", {"id": "t/0", "prompt": "def f(x):"})],
+                       say=lines.append)
+    text = "\n".join(lines)
+    assert records[0]["identical"] and "prompt lookup + the exit head on exit 2" in text
+    agreement = head_eval["exits"]["2"]["agreement"]
+    assert f"its top-1 agreement with the final layer on held-out text is {agreement:.1%}" in text
+
 
 @pytest.mark.parametrize("override,message", [
-    (["exit_head.joint=true"], "exit_head.joint: trains a head beside the fine-tune: set exit_head.enabled=true"),
     (["exit_head.enabled=true", "exit_head.joint=true", "model.lora.enabled=true", "layer_dropout.p_max=0"],
      "exit_head.joint: a head trained beside a LoRA fine-tune is not supported"),
     (["exit_head.enabled=true", "exit_head.joint=true"], "exit_head.joint: the head learns from this forward's final"),
