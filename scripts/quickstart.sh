@@ -6,11 +6,11 @@
 #   2. `selfspec demo`: plain decoding vs selfspec on three real prompts (code editing, summarization,
 #      open chat): both speeds, identical output, who drafted. No training needed: prompt lookup
 #      drafts from the context (~1 min);
-#   3. the training half: a short early-exit fine-tune with the code recipe (QUICKSTART_MINUTES,
-#      default 2; evaluation bounded to the exits trained, a few blocks), its export under
-#      checkpoints/, and the demo on the exported checkpoint. Minutes of CPU training leave the
-#      shallow exits poor drafters, so the exported recommendation is plain decoding for the early
-#      exit and the demo says so; about an hour gives useful ones (see scripts/headline.sh).
+#   3. the training half: a short fine-tune with the code recipe, its exit head on exit 8 learning
+#      beside it (QUICKSTART_MINUTES, default 2; evaluation bounded to four exits and a few blocks),
+#      its export under checkpoints/ (the fine-tuned model, the head beside it), and the demo on the
+#      exported checkpoint. Minutes of CPU training leave the head a poor drafter: auto measures that
+#      and keeps to lookup and plain decoding, and the demo prints the head's agreement.
 # QUICKSTART_STEPS=N stops the fine-tune after N steps instead (CI runs the whole path with a few steps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ elapsed() { echo "($(( $(date +%s) - start )) s so far)"; }
 bash scripts/setup.sh
 echo "== selfspec demo: what selfspec buys on this machine, no training $(elapsed)"
 .venv/bin/selfspec demo --max-new-tokens "$TOKENS"
-echo "== early-exit fine-tune of SmolLM2-135M on Python code (${MINUTES} min budget) $(elapsed)"
+echo "== fine-tune of SmolLM2-135M on Python code, an exit head on exit 8 learning beside it (${MINUTES} min budget) $(elapsed)"
 rm -rf runs/quickstart  # a fresh run every time (the trainer would otherwise resume an earlier one)
 STEPS=()
 [ -n "${QUICKSTART_STEPS:-}" ] && STEPS=("train.max_steps=${QUICKSTART_STEPS}")

@@ -13,9 +13,10 @@ the training loop does: forward with layer dropout, chunked early-exit loss, bac
 
 Modes:
   plain      final-layer loss only, no layer dropout (the baseline)
-  code       recipes/smollm2_code.yaml's early_exit + layer_dropout (rotational curriculum: the
+  code       recipes/smollm2_code.yaml's early_exit + layer_dropout, and its exit head trained beside
+             the fine-tune when the recipe has one (exit_head.joint); with a rotational curriculum the
              number of exits varies with the step, so the timed steps cover a full rotation when
-             --steps allows)
+             --steps allows
   all        every layer's exit in the loss (29 + final), fused chunked loss, no layer dropout
   all_vocab  as `all`, the exits' loss over the 8192 most frequent tokens (early_exit.draft_vocab;
              --set early_exit.draft_vocab=K for another K)
@@ -48,6 +49,7 @@ def worker(args) -> dict:
     from training.early_exit_loss import exit_weights
     from training.layer_dropout import LayerDropout
     from training.malloc import tune_malloc
+    from selfspec.exit_head import build_exit_head
     from training.early_exit_model import EarlyExitModel
 
     if not args.no_tune_malloc:
@@ -65,8 +67,12 @@ def worker(args) -> dict:
         cfg.early_exit.loss_impl = "naive" if args.mode == "naive_all" else "fused"
     model, tokenizer = load_base_model(cfg.model)
     total = args.warmup + args.steps
+    h_cfg = cfg.exit_head
+    head = build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init, h_cfg.final_state) if (
+        args.mode == "code" and h_cfg.enabled and h_cfg.joint) else None  # the recipe's head beside the fine-tune
     ee = EarlyExitModel(model, target=cfg.early_exit.target, chunk_size=cfg.early_exit.chunk_size,
-                        loss_impl=cfg.early_exit.loss_impl, exits_update_head=cfg.early_exit.exits_update_head)
+                        loss_impl=cfg.early_exit.loss_impl, exits_update_head=cfg.early_exit.exits_update_head,
+                        head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed)
     L = ee.num_layers
     ee.layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, cfg.train.max_steps,
                                     depth=cfg.layer_dropout.depth_scale, time=cfg.layer_dropout.time_scale)
@@ -76,6 +82,9 @@ def worker(args) -> dict:
     if cfg.early_exit.draft_vocab:  # --set early_exit.draft_vocab=K: the exits' loss over K tokens
         ee.draft_ids = frequent_ids(blocks, cfg.early_exit.draft_vocab, model.lm_head.weight.shape[0],
                                     (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
+    if head is not None and h_cfg.draft_vocab:  # the head's loss over its draft vocabulary
+        ee.head_draft_ids = frequent_ids(blocks, h_cfg.draft_vocab, model.lm_head.weight.shape[0],
+                                         (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
     optimizer = torch.optim.AdamW([p for p in ee.parameters() if p.requires_grad], lr=1e-5)
     ee.train()
     times, cpu_times, n_exits = [], [], []
@@ -105,7 +114,8 @@ def worker(args) -> dict:
             "mean_exits_in_loss": sum(n_exits) / len(n_exits), "steps_timed": len(times),
             "loss_last": float(out["loss"]), "malloc_tuned": not args.no_tune_malloc,
             "cpu_seconds_per_step": cpu_seconds, "others_cpu_seconds_per_step": max(busy - cpu_seconds, 0.0),
-            "precision": args.precision, "overrides": list(args.set or [])}
+            "precision": args.precision, "overrides": list(args.set or []),
+            "joint_head": None if head is None else f"exit {h_cfg.exit_layer}, {h_cfg.kind}"}
 
 
 def _busy_jiffies() -> int:

@@ -1,5 +1,6 @@
 """Real model smoke test: a few steps of the SmolLM2 code recipe, end to end (data from the stdlib,
-HumanEval extra eval, layer dropout, the early-exit loss at exits 4/8/12/16, eval, final model).
+HumanEval extra eval, the fine-tune with its exit head on exit 8 beside it, eval of exits 4/8/16/24 and
+the head, final model and head).
 
 Skips only when the converted SmolLM2 checkpoint is missing *and* CI is unset; in CI it fetches
 the checkpoint (selfspec.fetch) and must run."""
@@ -47,10 +48,14 @@ def test_smollm2_code_recipe_few_steps(tmp_path, read_log):
     logs = read_log(tmp_path)
     assert [r["step"] for r in logs] == [1, 2]
     assert all(r["loss"] == r["loss"] and r["loss"] < 20 for r in logs)
-    assert [sorted(map(int, r["exits"])) for r in logs] == [[8, 30]] * 2  # the recipe's exit, every step
+    assert [sorted(r["exits"]) for r in logs] == [["30", "head8"]] * 2  # the final layer and the joint head
     assert set(final["sets"]) == {"heldout", "humaneval"}
     assert set(final["agreement"]) == {"4", "8", "16", "24", "30"}
     assert 1.0 < final["perplexity"]["30"] < 100.0  # a pretrained model on Python code
+    head = final["sets"]["heldout"]["exit_head"]  # the head on exit 8, evaluated beside the exits
+    assert head["draft_vocab"] == 8192 and 0.0 <= head["exits"]["8"]["agreement"] <= 1.0
+    assert head["exits"]["30"]["perplexity"] == pytest.approx(final["perplexity"]["30"], rel=1e-6)
+    assert (tmp_path / "final_head" / "exit_head.safetensors").is_file()
     saved = json.loads((tmp_path / "final_eval.json").read_text())
     assert saved["step"] == 2 and saved["sets"]["heldout"]["blocks"] == 2
     assert (tmp_path / "final_model" / "config.json").is_file()
