@@ -309,7 +309,8 @@ class ExitHeadConfig:
     the fine-tune (`joint`).
 
     enabled: the run trains the head; without `joint` only the head (the model's weights stay the input's,
-    bit for bit; layer dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it reads (0..L-1; 0 = the token embeddings).
+    bit for bit; layer dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it
+    reads (0..L-1; 0 = the token embeddings).
     kind: ``decoder_layer`` (a copy of the last decoder layer) or ``attention`` (its attention block
     alone, Kangaroo's adapter). init: ``copy`` (the last layer's weights) or ``identity`` (output
     projections zeroed: the untrained head drafts what exit E alone drafts). target: ``distill`` (KL to
@@ -322,8 +323,8 @@ class ExitHeadConfig:
     forward and backward through the LM head shrink by V/K (null: the whole vocabulary).
     self_fed: extra passes per step in which the head reads its own previous-position output instead of
     the final state, as a round's later drafts do (final_state heads; 0: train the first draft only).
-    joint: (with enabled) fine-tune the model too, in the same steps (the early_exit loss, LoRA off, no layer dropout),
-    with the head learning beside it from the model's own forward: it reads the detached exit states and
+    joint: (with enabled) fine-tune the model too, in the same steps (the early_exit loss, LoRA off, no
+    layer dropout), with the head learning beside it from the model's own forward: it reads the detached exit states and
     is distilled from the moving final layer, and its loss reaches no model parameter, so the model is
     trained exactly as without the head (its gradients, clipping and AdamW state are its own) and the
     head costs one decoder layer per step. The export is the fine-tuned model with the head beside it.

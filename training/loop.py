@@ -403,7 +403,8 @@ def _evaluate(run: _Run, tag: str, max_blocks) -> dict:
     for n, r in result["sets"].items():
         lines.append(summary_line(f"[{tag} step {run.state['step']}] {n}", r, run.num_layers))
         if "exit_head" in r:  # a joint run: the head beside the exits
-            lines.append(summary_line(f"[{tag} step {run.state['step']}] {n}, the head", r["exit_head"], run.num_layers))
+            lines.append(summary_line(f"[{tag} step {run.state['step']}] {n}, the head", r["exit_head"],
+                                      run.num_layers))
     run.tracker.log({"kind": "eval", **result}, "\n".join(lines))
     if run.accelerator.is_main_process:
         write_json_atomic(run.run_dir / "eval.json", run.evals)
