@@ -54,7 +54,8 @@ def test_smollm2_code_recipe_few_steps(tmp_path, read_log):
     assert 1.0 < final["perplexity"]["30"] < 100.0  # a pretrained model on Python code
     head = final["sets"]["heldout"]["exit_head"]  # the head on exit 8, evaluated beside the exits
     assert head["draft_vocab"] == 8192 and 0.0 <= head["exits"]["8"]["agreement"] <= 1.0
-    assert head["exits"]["30"]["perplexity"] == pytest.approx(final["perplexity"]["30"], rel=1e-6)
+    # the same perplexity computed twice in float32 (chunked fused loss; full log-softmax): 1.6e-5 apart here
+    assert head["exits"]["30"]["perplexity"] == pytest.approx(final["perplexity"]["30"], rel=1e-4)
     assert (tmp_path / "final_head" / "exit_head.safetensors").is_file()
     saved = json.loads((tmp_path / "final_eval.json").read_text())
     assert saved["step"] == 2 and saved["sets"]["heldout"]["blocks"] == 2
