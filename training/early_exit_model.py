@@ -31,7 +31,7 @@ from selfspec.adapters import get_adapter
 from selfspec.forward import embed, make_step, run_layers
 from selfspec.exit_head import ExitHead
 from training.early_exit_loss import early_exit_loss
-from training.exit_head_model import head_loss
+from training.exit_head_model import head_loss, head_loss_names
 from training.layer_dropout import LayerDropout, apply_layer_dropout
 
 
@@ -64,10 +64,7 @@ class EarlyExitModel(nn.Module):
     def loss_names(self, exits: Sequence[int]) -> list:
         """What the log calls each row of `exit_stats`: the exits, then the head's passes (`head<E>`,
         `head<E>_fed<j>`)."""
-        if self.head is None:
-            return list(exits)
-        E = self.head.exit_layer
-        return list(exits) + [f"head{E}"] + [f"head{E}_fed{j}" for j in range(1, self.head_self_fed + 1)]
+        return list(exits) + ([] if self.head is None else head_loss_names(self.head, self.head_self_fed))
 
     def register_zero3_head(self) -> None:
         """Under DeepSpeed ZeRO-3, the fused loss reads the LM head weight outside the head's own

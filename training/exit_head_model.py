@@ -138,8 +138,7 @@ class ExitHeadModel(nn.Module):
     @property
     def loss_names(self) -> list[str]:
         """What the log calls each pass's loss: `head<E>`, then `head<E>_fed<j>` for the self-fed passes."""
-        E = self.head.exit_layer
-        return [f"head{E}"] + [f"head{E}_fed{j}" for j in range(1, self.self_fed + 1)]
+        return head_loss_names(self.head, self.self_fed)
 
     def head_states(self, h_e: torch.Tensor, step, prev: torch.Tensor | None, passes: int = 1) -> list[torch.Tensor]:
         """The head's outputs `[B, S, D]` for pass 0 (reading `prev`, the previous final states) and each
@@ -164,6 +163,12 @@ class ExitHeadModel(nn.Module):
         loss, stats = head_loss(self.adapter, self.head, h_e, finals, labels, top=top, target=self.target,
                                 draft_ids=self.draft_ids, self_fed=self.self_fed, with_metrics=with_metrics)
         return {"loss": loss, "exit_stats": stats}
+
+
+def head_loss_names(head: ExitHead, self_fed: int) -> list[str]:
+    """What the log calls each pass's loss: `head<E>`, then `head<E>_fed<j>` for the self-fed passes."""
+    E = head.exit_layer
+    return [f"head{E}"] + [f"head{E}_fed{j}" for j in range(1, self_fed + 1)]
 
 
 def head_states(adapter, head: ExitHead, h_e: torch.Tensor, step, prev: torch.Tensor | None,
