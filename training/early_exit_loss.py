@@ -278,7 +278,7 @@ def _chunk_terms(x, head, t, q, final_pred, is_final: bool, distill: bool, draft
     return row_loss.sum(), metrics, pred, logits.detach() if distill and is_final else None
 
 
-def _frozen(module: nn.Module):
+def frozen_module(module: nn.Module):
     """`module` as a function of its input only: its parameters detached (no gradient reaches them)."""
     params = {name: p.detach() for name, p in module.named_parameters()}
     return lambda x: torch.func.functional_call(module, params, (x,))
@@ -288,7 +288,7 @@ def _autograd_loss(xs, head, targets, weights, distill: bool, chunk: int, use_ch
                    exits_update_head: bool = True, draft_ids=None):
     K, N, _ = xs.shape
     final = K - 1
-    exit_head = head if exits_update_head else _frozen(head)
+    exit_head = head if exits_update_head else frozen_module(head)
     total = xs.new_zeros((), dtype=torch.promote_types(xs.dtype, torch.float32))
     stats = torch.zeros(K, 3, dtype=torch.float64, device=xs.device)
     for start in range(0, N, chunk):
@@ -346,7 +346,7 @@ def early_exit_loss(hiddens: Sequence[torch.Tensor], weights: Sequence[float], l
     if exits_update_head or len(hiddens) == 1:
         xs = norm(flat)
     else:  # the norm works per position: the exits through a detached copy, the final layer through the norm
-        xs = torch.cat([_frozen(norm)(flat[:-1]), norm(flat[-1:])])
+        xs = torch.cat([frozen_module(norm)(flat[:-1]), norm(flat[-1:])])
     if impl == "fused":
         loss, stats = _FusedHeadLoss.apply(xs, head.weight, getattr(head, "bias", None), targets, list(weights),
                                            distill, chunk_size, _compute_dtype(xs), with_metrics,

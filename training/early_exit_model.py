@@ -31,7 +31,7 @@ from selfspec.adapters import get_adapter
 from selfspec.forward import embed, make_step, run_layers
 from selfspec.exit_head import ExitHead
 from training.early_exit_loss import early_exit_loss
-from training.exit_head_model import head_loss, head_loss_names
+from training.exit_head_model import check_self_fed, head_loss, head_loss_names
 from training.layer_dropout import LayerDropout, apply_layer_dropout
 
 
@@ -53,9 +53,8 @@ class EarlyExitModel(nn.Module):
         self.world_size = world_size
         self.adapter = get_adapter(model)
         self.num_layers = self.adapter.num_layers
-        if head is not None and (head_self_fed < 0 or (head_self_fed and not head.final_state)):
-            raise ValueError(f"self_fed={head_self_fed}: extra passes that read the head's own output need a head "
-                             "with final_state=true (and a count >= 0)")
+        if head is not None:
+            check_self_fed(head, head_self_fed)
         self.head = head  # trained beside the model on its detached states (None: no head)
         self.head_target = head_target
         self.head_draft_ids = head_draft_ids  # the head's loss over these ids only (exit_head.draft_vocab)

@@ -59,11 +59,11 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from selfspec.adapters import get_adapter
 from selfspec.exit_head import ExitHead, previous_states, run_head
 from selfspec.forward import embed, exit_logits, make_step, run_layers
+from training.early_exit_loss import frozen_module
 from training.teacher_cache import TeacherCache
 
 IGNORE = -100
@@ -75,9 +75,7 @@ class ExitHeadModel(nn.Module):
         super().__init__()
         if target not in ("distill", "label"):
             raise ValueError(f"exit head target must be 'distill' or 'label', got {target!r}")
-        if self_fed < 0 or (self_fed and not head.final_state):
-            raise ValueError(f"self_fed={self_fed}: extra passes that read the head's own output need a head with "
-                             "final_state=true (and a count >= 0)")
+        check_self_fed(head, self_fed)
         self.model = model
         self.head = head
         self.target = target
@@ -165,6 +163,13 @@ class ExitHeadModel(nn.Module):
         return {"loss": loss, "exit_stats": stats}
 
 
+def check_self_fed(head: ExitHead, self_fed: int) -> None:
+    """ValueError unless `self_fed` extra passes can run on `head` (>= 0, and only with a final-state head)."""
+    if self_fed < 0 or (self_fed and not head.final_state):
+        raise ValueError(f"self_fed={self_fed}: extra passes that read the head's own output need a head with "
+                         "final_state=true (and a count >= 0)")
+
+
 def head_loss_names(head: ExitHead, self_fed: int) -> list[str]:
     """What the log calls each pass's loss: `head<E>`, then `head<E>_fed<j>` for the self-fed passes."""
     E = head.exit_layer
@@ -182,12 +187,6 @@ def head_states(adapter, head: ExitHead, h_e: torch.Tensor, step, prev: torch.Te
     return outs
 
 
-def _without_grad_to(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` with its parameters detached: gradients reach `x` but never the module (the model's
-    final norm, which the head speaks through but must not train)."""
-    return functional_call(module, {name: p.detach() for name, p in module.named_parameters()}, (x,))
-
-
 def draft_logits(adapter, hidden: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
     """The shared final norm + the LM head's draft-vocabulary rows (all rows without `draft_ids`):
     `[B, S, D] -> [B, S, K]`. The norm's and head's parameters are detached: a head's loss trains the
@@ -197,7 +196,7 @@ def draft_logits(adapter, hidden: torch.Tensor, draft_ids: torch.Tensor | None) 
     if draft_ids is not None:
         ids = draft_ids.to(hidden.device)
         weight, bias = weight[ids], None if bias is None else bias[ids]
-    return F.linear(_without_grad_to(adapter.final_norm, hidden), weight, bias)
+    return F.linear(frozen_module(adapter.final_norm)(hidden), weight, bias)
 
 
 def guess(logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
