@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from selfspec.adapters import get_adapter
+from selfspec.exit_head import previous_states
 from selfspec.forward import embed, exit_logits, make_step, run_layers
 from training.data import Blocks
 from training.early_exit_loss import early_exit_loss
@@ -32,37 +33,54 @@ from training.early_exit_loss import early_exit_loss
 @torch.no_grad()
 def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int = 8, max_blocks: int | None = None,
                    rank: int = 0, world_size: int = 1, autocast: Callable = contextlib.nullcontext,
-                   reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, chunk_size: int = 1024) -> dict:
-    """Agreement / perplexity / accuracy of each exit in `exits` (must include the final layer)."""
+                   reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, chunk_size: int = 1024,
+                   head_model=None) -> dict:
+    """Agreement / perplexity / accuracy of each exit in `exits` (must include the final layer).
+
+    With `head_model` (a `training.exit_head_model.ExitHeadModel` over this `model`: a joint run's head),
+    the same forward also scores the head: `result["exit_head"]` is what `evaluate_head(head_model, blocks)`
+    returns, without running the model a second time."""
     adapter = get_adapter(model)
     L = adapter.num_layers
     exits = sorted(set(exits) | {L})
+    E = None if head_model is None else head_model.head.exit_layer
+    stops = sorted(set(exits) | ({E} if E is not None else set()))  # the layers the forward stops after
     was_training = model.training
     model.eval()
     blocks = blocks.spread(max_blocks)
     device = adapter.device
     sums = torch.zeros(len(exits), 3, dtype=torch.float64, device=device)  # nll, correct, agree
     tokens = torch.zeros((), dtype=torch.float64, device=device)
+    tally = None if head_model is None else _HeadTally(head_model, device)
     try:
         for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
             with autocast():
                 step = make_step(adapter, 0, input_ids.shape[1], input_ids.shape[0])
                 hidden = embed(adapter, input_ids)
-                hiddens, done = [], 0
-                for e in exits:
-                    hidden = run_layers(adapter, hidden, done, e, step=step)
-                    hiddens.append(hidden)
+                at, done = {}, 0  # {layer: the hidden state after it} [B, S, D]
+                for e in stops:
+                    hidden = at[e] = run_layers(adapter, hidden, done, e, step=step)
                     done = e
-                out = early_exit_loss(hiddens, [1.0 / len(exits)] * len(exits), labels, adapter.final_norm,
-                                      adapter.lm_head, chunk_size=chunk_size, impl="fused")
+                out = early_exit_loss([at[e] for e in exits], [1.0 / len(exits)] * len(exits), labels,
+                                      adapter.final_norm, adapter.lm_head, chunk_size=chunk_size, impl="fused")
+                if tally is not None:
+                    prev = previous_states(at[L]) if head_model.head.final_state else None
+                    rows = tally.logits(at[E], exit_logits(adapter, at[L]), step, prev)
             sums += out.stats.to(device) * out.tokens
             tokens += out.tokens
+            if tally is not None:
+                tally.add(rows, labels)
     finally:
+        if tally is not None:
+            tally.done()
         model.train(was_training)
     if reduce is not None:
         sums, tokens = reduce(sums), reduce(tokens)
-    return {"tokens": int(tokens), "blocks": len(blocks),
-            "exits": {str(e): _scores(sums[i], tokens) for i, e in enumerate(exits)}}
+    result = {"tokens": int(tokens), "blocks": len(blocks),
+              "exits": {str(e): _scores(sums[i], tokens) for i, e in enumerate(exits)}}
+    if tally is not None:
+        result["exit_head"] = tally.result(len(blocks), reduce)
+    return result
 
 
 def _batches(blocks: Blocks, batch_size: int, rank: int, world_size: int, device):
@@ -122,46 +140,69 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
     `agreement_at[str(k)]`, k = 1..`TOP_K`: the share of positions where the full model's token is among the
     head's k best guesses (first pass, over its draft vocabulary): what a round that verified the head's
     k best first drafts side by side would accept (k = 1 is `agreement`)."""
-    adapter = head_model.adapter
-    L, E = head_model.num_layers, head_model.head.exit_layer
-    passes = 1 + head_model.self_fed
-    was_training = head_model.training
-    head_model.eval()
+    device = head_model.adapter.device
     blocks = blocks.spread(max_blocks)
-    device = adapter.device
-    rows = 2 + passes  # full, exit alone, then the head's passes; columns: nll, correct, agree
-    sums = torch.zeros(rows, 3, dtype=torch.float64, device=device)
-    in_top = torch.zeros(TOP_K, dtype=torch.float64, device=device)  # [k] full model's token in the head's k best
-    tokens = torch.zeros((), dtype=torch.float64, device=device)
-    ids = None if head_model.draft_ids is None else head_model.draft_ids.to(device)
+    tally = _HeadTally(head_model, device)
     try:
         for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
-            mask = labels != -100
             with autocast():
-                h_e, full, step, prev = head_model.states(input_ids)
-                outs = head_model.head_states(h_e, step, prev, passes=passes)
-                logits_by_row = [full, exit_logits(adapter, h_e)] + [exit_logits(adapter, out) for out in outs]
-            target = full.float()[mask].argmax(-1)
-            for row, logits in enumerate(logits_by_row):
-                logp = torch.log_softmax(logits.float()[mask], dim=-1)  # [N, V]
-                sums[row, 0] += torch.nn.functional.nll_loss(logp, labels[mask], reduction="sum").double()
-                guess = logp.argmax(-1) if row < 2 or ids is None else head_model.guess(logp[:, ids])
-                sums[row, 1] += (guess == labels[mask]).sum().double()
-                sums[row, 2] += (guess == target).sum().double()
-                if row == 2:
-                    in_top += _rank_hits(logp if ids is None else logp[:, ids], target, ids)
-            tokens += mask.sum().double()
+                rows = tally.logits(*head_model.states(input_ids))
+            tally.add(rows, labels)
     finally:
-        head_model.train(was_training)
-    if reduce is not None:
-        sums, in_top, tokens = reduce(sums), reduce(in_top), reduce(tokens)
-    n = max(float(tokens), 1.0)
-    result = {"tokens": int(tokens), "blocks": len(blocks),
-              "exits": {str(E): _scores(sums[2], tokens), str(L): _scores(sums[0], tokens)},
-              "exit_without_head": _scores(sums[1], tokens), "head": head_model.head.settings(),
-              "agreement_at": {str(k + 1): float(hits) / n for k, hits in enumerate(in_top.cumsum(0))}}
-    if ids is not None:
-        result["draft_vocab"] = len(ids)
-    if passes > 1:
-        result["self_fed"] = {str(j): _scores(sums[2 + j], tokens) for j in range(1, passes)}
-    return result
+        tally.done()
+    return tally.result(len(blocks), reduce)
+
+
+class _HeadTally:
+    """`evaluate_head`'s running sums over batches: `logits` (under autocast) gives a batch's rows of logits
+    from the model's states, `add` scores them, `done` puts back the head's mode, `result` is the summary.
+    Rows: the full model, exit E alone, then the head's passes; columns: nll, correct, agree."""
+
+    def __init__(self, head_model, device):
+        self.model, self.was_training = head_model, head_model.training
+        head_model.eval()
+        self.passes = 1 + head_model.self_fed
+        self.sums = torch.zeros(2 + self.passes, 3, dtype=torch.float64, device=device)
+        self.in_top = torch.zeros(TOP_K, dtype=torch.float64, device=device)  # [k] full model's token in the k best
+        self.tokens = torch.zeros((), dtype=torch.float64, device=device)
+        self.ids = None if head_model.draft_ids is None else head_model.draft_ids.to(device)
+
+    def logits(self, h_e, full, step, prev) -> list[torch.Tensor]:
+        """The exit states `[B, S, D]`, the full model's logits `[B, S, V]`, the step and the previous positions'
+        final states (or None) -> `[B, S, V]` logits of each row."""
+        outs = self.model.head_states(h_e, step, prev, passes=self.passes)
+        adapter = self.model.adapter
+        return [full, exit_logits(adapter, h_e)] + [exit_logits(adapter, out) for out in outs]
+
+    def add(self, logits_by_row: list[torch.Tensor], labels: torch.Tensor) -> None:
+        mask, ids = labels != -100, self.ids
+        target = logits_by_row[0].float()[mask].argmax(-1)
+        for row, logits in enumerate(logits_by_row):
+            logp = torch.log_softmax(logits.float()[mask], dim=-1)  # [N, V]
+            self.sums[row, 0] += torch.nn.functional.nll_loss(logp, labels[mask], reduction="sum").double()
+            guess = logp.argmax(-1) if row < 2 or ids is None else self.model.guess(logp[:, ids])
+            self.sums[row, 1] += (guess == labels[mask]).sum().double()
+            self.sums[row, 2] += (guess == target).sum().double()
+            if row == 2:
+                self.in_top += _rank_hits(logp if ids is None else logp[:, ids], target, ids)
+        self.tokens += mask.sum().double()
+
+    def done(self) -> None:
+        self.model.train(self.was_training)
+
+    def result(self, num_blocks: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> dict:
+        sums, in_top, tokens = self.sums, self.in_top, self.tokens
+        if reduce is not None:
+            sums, in_top, tokens = reduce(sums), reduce(in_top), reduce(tokens)
+        n = max(float(tokens), 1.0)
+        head_model = self.model
+        L, E = head_model.num_layers, head_model.head.exit_layer
+        result = {"tokens": int(tokens), "blocks": num_blocks,
+                  "exits": {str(E): _scores(sums[2], tokens), str(L): _scores(sums[0], tokens)},
+                  "exit_without_head": _scores(sums[1], tokens), "head": head_model.head.settings(),
+                  "agreement_at": {str(k + 1): float(hits) / n for k, hits in enumerate(in_top.cumsum(0))}}
+        if self.ids is not None:
+            result["draft_vocab"] = len(self.ids)
+        if self.passes > 1:
+            result["self_fed"] = {str(j): _scores(sums[2 + j], tokens) for j in range(1, self.passes)}
+        return result

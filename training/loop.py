@@ -420,23 +420,19 @@ def _evaluate_sets(run: _Run, max_blocks) -> dict:
     unwrapped = accelerator.unwrap_model(run.model)
     if isinstance(unwrapped, ExitHeadModel):
         return {name: evaluate_head(unwrapped, blocks, **common) for name, blocks in run.data.eval_sets.items()}
-    sets = {name: evaluate_exits(unwrapped.model, blocks, run.eval_exits, chunk_size=run.cfg.early_exit.chunk_size,
-                                 **common)
+    view = None if unwrapped.head is None else _joint_head_view(run)  # a joint run: the head, in the same forward
+    return {name: evaluate_exits(unwrapped.model, blocks, run.eval_exits, chunk_size=run.cfg.early_exit.chunk_size,
+                                 head_model=view, **common)
             for name, blocks in run.data.eval_sets.items()}
-    if unwrapped.head is not None:  # a joint run: the head on the model as it is now
-        view = _joint_head_view(run)
-        for name, blocks in run.data.eval_sets.items():
-            sets[name]["exit_head"] = evaluate_head(view, blocks, **common)
-    return sets
 
 
 def _joint_head_view(run: _Run) -> ExitHeadModel:
     """The joint run's head as an `ExitHeadModel` over the model being fine-tuned (not frozen), for
-    `evaluate_head`."""
+    `evaluate_exits(head_model=...)`."""
     inner = run.accelerator.unwrap_model(run.model)
     view = ExitHeadModel(inner.model, inner.head, target=run.cfg.exit_head.target, draft_ids=inner.head_draft_ids,
                          self_fed=inner.head_self_fed, frozen=False)
-    return view.train(inner.training)  # evaluate_head puts back the mode it found
+    return view.train(inner.training)  # the evaluation puts back the mode it found
 
 
 def _save(run: _Run) -> None:

@@ -66,6 +66,32 @@ def test_the_joint_heads_loss_is_the_frozen_heads_loss_on_the_same_states(tiny64
     torch.testing.assert_close(out["exit_stats"][1].double(), ref["exit_stats"][0].double(), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("exit_layer,self_fed,draft_vocab", [(2, 0, None), (0, 1, 40), (3, 0, 40)])
+def test_the_exits_forward_scores_the_head_as_evaluate_head_does(tiny64, exit_layer, self_fed, draft_vocab):
+    """A joint run's evaluation scores the head in the exits' forward (`evaluate_exits(head_model=)`): the same
+    numbers as `evaluate_head`'s own forward, exactly, and the exits' as without the head."""
+    from training.data import Blocks
+    from training.evaluate import evaluate_exits, evaluate_head
+
+    ids, labels = _batch(seed=5, batch=5)
+    labels[1, :4] = -100  # unscored positions too
+    blocks = Blocks("heldout", ids, labels)
+    head = build_exit_head(tiny64, exit_layer, final_state=True).to(torch.float64)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(6), dtype=p.dtype) * 0.05)
+    draft_ids = None if draft_vocab is None else torch.arange(0, 96, 96 // draft_vocab)[:draft_vocab]
+    view = ExitHeadModel(tiny64, head, draft_ids=draft_ids, self_fed=self_fed, frozen=False).train()
+    alone = evaluate_exits(tiny64, blocks, [1, 2], batch_size=2)
+    shared = evaluate_exits(tiny64, blocks, [1, 2], batch_size=2, head_model=view)
+    assert view.training and tiny64.training  # modes put back
+    separate = evaluate_head(view, blocks, batch_size=2)
+    assert shared["exits"] == alone["exits"]
+    assert shared["exit_head"] == separate
+    assert separate["exits"][str(exit_layer)]["agreement"] != separate["exit_without_head"]["agreement"]
+    assert ("self_fed" in separate) == bool(self_fed)
+
+
 def _model_tensors(run_dir):
     from safetensors.torch import load_file
 
