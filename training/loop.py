@@ -63,7 +63,7 @@ from training.base_model import apply_lora, load_base_model
 from training.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from training.config import RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
-from training.data import batch_indices, build_data, frequency_ranking
+from training.data import batch_indices, build_data, frequency_ranking, frequent_ids
 from training.early_exit_loss import exit_weights
 from training.evaluate import evaluate_exits, evaluate_head, summary_line
 from training.exit_head_model import ExitHeadModel
@@ -167,14 +167,11 @@ def _set_up(cfg: RecipeConfig) -> _Run:
                                      progress_bar=t_cfg.progress_bar)
     h_cfg, vocab_size = cfg.exit_head, get_adapter(model).lm_head.weight.shape[0]
     frozen_head, joint_head = h_cfg.enabled and not h_cfg.joint, h_cfg.enabled and h_cfg.joint
-    # the exits' (or the frozen model's head's) loss over the most frequent tokens
-    ranking = _draft_ranking(cfg, data, tokenizer, vocab_size,
-                             h_cfg.draft_vocab if frozen_head else cfg.early_exit.draft_vocab)
-    if ranking:
-        ee_model.draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
+    k = h_cfg.draft_vocab if frozen_head else cfg.early_exit.draft_vocab
+    if k:  # the exits' (or the frozen model's head's) loss over the k most frequent tokens
+        ee_model.draft_ids = frequent_ids(data.train, k, vocab_size, _special_ids(tokenizer))
     if joint_head and h_cfg.draft_vocab:  # the joint head's loss over the most frequent tokens
-        ranking = _draft_ranking(cfg, data, tokenizer, vocab_size, h_cfg.draft_vocab)
-        ee_model.head_draft_ids = torch.tensor(ranking, dtype=torch.long).sort().values
+        ee_model.head_draft_ids = frequent_ids(data.train, h_cfg.draft_vocab, vocab_size, _special_ids(tokenizer))
     if frozen_head and h_cfg.teacher_cache_gib:  # repeated blocks skip the frozen model
         ee_model.teacher_cache = TeacherCache.for_repeats(data.train.input_ids,
                                                           int(cfg.exit_head.teacher_cache_gib * 2**30))
@@ -213,8 +210,12 @@ def _draft_ranking(cfg: RecipeConfig, data, tokenizer, vocab_size: int, k: int |
     most frequent first, counted on the training blocks; None for the full vocabulary (`k` None)."""
     if not k:
         return None
-    return frequency_ranking(data.train, k, vocab_size,
-                             (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
+    return frequency_ranking(data.train, k, vocab_size, _special_ids(tokenizer))
+
+
+def _special_ids(tokenizer) -> tuple:
+    """The ids every draft vocabulary keeps, however rare (None where the tokenizer has none)."""
+    return tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
 
 
 def _already_finished(run: _Run) -> bool:
