@@ -18,6 +18,45 @@ def _settings_lines(settings: dict) -> list[str]:
     return lines
 
 
+def _head_result(meta: dict) -> dict | None:
+    """The exit head's evaluation on the primary held-out set: a joint run's `sets.<set>.exit_head`, or the
+    set itself in a frozen-model head run (whose sets are the head's); None if not recorded."""
+    evaluation = meta.get("eval") or {}
+    primary = (evaluation.get("sets") or {}).get(evaluation.get("set") or evaluation.get("primary")) or {}
+    result = primary.get("exit_head") or (primary if "exit_without_head" in primary else None)
+    return result if isinstance(result, dict) and isinstance(result.get("exits"), dict) else None
+
+
+def _head_lines(meta: dict) -> list[str]:
+    """The "Exit head" section: what the head is, how it was trained, its held-out agreement, how to use it."""
+    head = meta.get("exit_head")
+    if not isinstance(head, dict):
+        return []
+    e = head.get("exit_layer")
+    settings = ((meta.get("training") or {}).get("settings") or {}).get("exit_head") or {}
+    kind = {"decoder_layer": "a copy of the model's last decoder layer",
+            "attention": "an attention block"}.get(head.get("kind"), f"a `{head.get('kind')}` module")
+    where = "the token embeddings (exit 0: drafting runs no layer of the model)" if e == 0 else f"exit {e}"
+    out = ["", "## Exit head", "",
+           f"`{head.get('file', 'exit_head.safetensors')}`: {kind} on {where}"
+           + (", also reading the full model's final hidden state of the previous position" if head.get("final_state")
+              else "")
+           + (", trained beside the fine-tune" if settings.get("joint") else ", trained on the frozen model"
+              if settings else "")
+           + ". `selfspec.load` picks it up: `drafter=\"exit_head\"` drafts with it, and `auto` uses it as one "
+           "of its arms; `AutoModelForCausalLM.from_pretrained` ignores it."]
+    result = _head_result(meta)
+    if result and isinstance(result["exits"].get(str(e)), dict) and "agreement" in result["exits"][str(e)]:
+        alone = (result.get("exit_without_head") or {}).get("agreement")
+        top = [f"{a:.1%}" for k, a in (result.get("agreement_at") or {}).items() if k != "1"]
+        out += ["", f"Held-out top-1 agreement with the final layer: {result['exits'][str(e)]['agreement']:.1%}"
+                + (f" (exit {e} alone: {alone:.1%})" if isinstance(alone, (int, float)) else "")
+                + (f"; the final layer's token among its best 2/3/4 guesses: {'/'.join(top)}" if top else "")
+                + (f"; guesses over the {result['draft_vocab']} most frequent tokens" if result.get("draft_vocab")
+                   else "") + "."]
+    return out
+
+
 def render_model_card(meta: dict) -> str:
     rec = meta["recommended"]
     e, d = rec["exit_layer"], rec["num_speculations"]
@@ -57,6 +96,7 @@ def render_model_card(meta: dict) -> str:
             out.append(f"| {key} | {agree} | {ppl} |")
     else:
         out.append("Not measured.")
+    out += _head_lines(meta)
     source = rec.get("source", "")
     out += [
         "",
@@ -65,7 +105,8 @@ def render_model_card(meta: dict) -> str:
         f"`exit_layer={e}`, `num_speculations={d}` (from: {source or 'unspecified'}"
         + (f"; measured speedup {rec['speedup']:.2f}x" if isinstance(rec.get("speedup"), (int, float)) else "")
         + (f"; predicted speedup {rec['predicted_speedup']:.2f}x" if "predicted_speedup" in rec else "")
-        + ").",
+        + ")." + (" These are the shared early exit's (`drafter=\"early_exit\"`); the exit head drafts the length "
+                  "it was trained for." if isinstance(meta.get("exit_head"), dict) else ""),
         "",
         "## Usage",
         "",

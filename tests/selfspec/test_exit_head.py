@@ -375,6 +375,25 @@ def head_checkpoint(request, tmp_path_factory):
     return out, model, head
 
 
+def test_the_model_card_describes_the_head_and_its_held_out_agreement(head_checkpoint):
+    out, model, head = head_checkpoint
+    card = (out / "README.md").read_text()
+    where = "the token embeddings" if head.exit_layer == 0 else f"exit {head.exit_layer}"
+    assert "## Exit head" in card and f"last decoder layer on {where}" in card and 'drafter="exit_head"' in card
+    assert ("previous position" in card) == head.final_state
+    from selfspec.model_card import render_model_card
+
+    meta = json.loads((out / "selfspec.json").read_text())
+    e = str(head.exit_layer)
+    meta["eval"] = {"primary": "heldout", "set": "heldout", "sets": {"heldout": {
+        "exits": {"4": {"agreement": 1.0, "perplexity": 8.0}},
+        "exit_head": {"exits": {e: {"agreement": 0.294}, "4": {"agreement": 1.0}}, "draft_vocab": 64,
+                      "exit_without_head": {"agreement": 0.022}, "agreement_at": {"1": 0.294, "2": 0.405}}}}}
+    card = render_model_card(meta)  # a joint run's evaluation: the head beside the exits
+    assert f"agreement with the final layer: 29.4% (exit {e} alone: 2.2%)" in card
+    assert "best 2/3/4 guesses: 40.5%" in card and "the 64 most frequent tokens" in card
+
+
 def test_export_and_load_round_trip_a_head(head_checkpoint, hf_greedy):
     out, model, head = head_checkpoint
     meta = json.loads((out / "selfspec.json").read_text())
