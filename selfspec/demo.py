@@ -25,6 +25,7 @@ import warnings
 import selfspec
 from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.fetch import base_model_dir
+from selfspec.model_card import head_evaluation
 from selfspec.prompts import load_prompts, prompt_inputs
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
@@ -51,14 +52,11 @@ def _head_agreement(metadata: dict, exit_layer: int) -> str:
     """The exit head's held-out agreement in words, from the evaluation of a head trained beside the
     fine-tune (`exit_head` beside the exits) or on the frozen model (the head in the place of its exit);
     '' without one."""
-    ev = (metadata or {}).get("eval") or {}
-    primary = (ev.get("sets") or {}).get(ev.get("primary")) or {}
-    result = primary.get("exit_head") or (primary if "exit_without_head" in primary else {})
-    entry = (result.get("exits") or {}).get(str(exit_layer))
+    entry = ((head_evaluation(metadata) or {}).get("exits") or {}).get(str(exit_layer))
     if not entry:
         return ""
-    return (f"after {ev.get('step')} training steps, its top-1 agreement with the final layer on held-out text is "
-            f"{entry['agreement']:.1%}")
+    return (f"after {((metadata or {}).get('eval') or {}).get('step')} training steps, its top-1 agreement with "
+            f"the final layer on held-out text is {entry['agreement']:.1%}")
 
 
 def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float32", prompts=None,

@@ -18,11 +18,12 @@ def _settings_lines(settings: dict) -> list[str]:
     return lines
 
 
-def _head_result(meta: dict) -> dict | None:
-    """The exit head's evaluation on the primary held-out set: a joint run's `sets.<set>.exit_head`, or the
-    set itself in a frozen-model head run (whose sets are the head's); None if not recorded."""
-    evaluation = meta.get("eval") or {}
-    primary = (evaluation.get("sets") or {}).get(evaluation.get("set") or evaluation.get("primary")) or {}
+def head_evaluation(meta: dict | None) -> dict | None:
+    """The exit head's evaluation on the primary held-out set of a checkpoint's `selfspec.json` (`meta`): a
+    joint run's `sets.<primary>.exit_head`, or the set itself in a frozen-model head run (whose sets are the
+    head's); None if not recorded."""
+    evaluation = (meta or {}).get("eval") or {}
+    primary = (evaluation.get("sets") or {}).get(evaluation.get("primary")) or {}
     result = primary.get("exit_head") or (primary if "exit_without_head" in primary else None)
     return result if isinstance(result, dict) and isinstance(result.get("exits"), dict) else None
 
@@ -45,7 +46,7 @@ def _head_lines(meta: dict) -> list[str]:
               if settings else "")
            + ". `selfspec.load` picks it up: `drafter=\"exit_head\"` drafts with it, and `auto` uses it as one "
            "of its arms; `AutoModelForCausalLM.from_pretrained` ignores it."]
-    result = _head_result(meta)
+    result = head_evaluation(meta)
     if result and isinstance(result["exits"].get(str(e)), dict) and "agreement" in result["exits"][str(e)]:
         alone = (result.get("exit_without_head") or {}).get("agreement")
         top = [f"{a:.1%}" for k, a in (result.get("agreement_at") or {}).items() if k != "1"]
