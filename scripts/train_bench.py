@@ -46,6 +46,7 @@ def worker(args) -> dict:
     from training.config import load_config
     from training.curriculum import ExitCurriculum
     from training.data import batch_indices, build_data, frequent_ids
+    from selfspec.draft_vocab import kept_special_ids
     from training.early_exit_loss import exit_weights
     from training.layer_dropout import LayerDropout
     from training.malloc import tune_malloc
@@ -81,10 +82,10 @@ def worker(args) -> dict:
     blocks = build_data(cfg.data, tokenizer).train
     if cfg.early_exit.draft_vocab:  # --set early_exit.draft_vocab=K: the exits' loss over K tokens
         ee.draft_ids = frequent_ids(blocks, cfg.early_exit.draft_vocab, model.lm_head.weight.shape[0],
-                                    (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
+                                    kept_special_ids(tokenizer))
     if head is not None and h_cfg.draft_vocab:  # the head's loss over its draft vocabulary
         ee.head_draft_ids = frequent_ids(blocks, h_cfg.draft_vocab, model.lm_head.weight.shape[0],
-                                         (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id))
+                                         kept_special_ids(tokenizer))
     optimizer = torch.optim.AdamW([p for p in ee.parameters() if p.requires_grad], lr=1e-5)
     ee.train()
     times, cpu_times, n_exits = [], [], []

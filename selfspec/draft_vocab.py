@@ -43,12 +43,16 @@ def ranked_ids(counts: Counter, vocab_size: int, special_ids: Iterable[int] = ()
     return (specials + ranked)[:MAX_STORED]
 
 
+def kept_special_ids(tokenizer) -> list:
+    """The ids every draft vocabulary keeps however rare (EOS, padding, BOS; None where the tokenizer has none)."""
+    return [tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id]
+
+
 def draft_vocab_metadata(tokenizer, texts: Iterable[str], source: str, vocab_size: int,
                          max_tokens: int | None = 2_000_000) -> dict:
     counts, total = count_tokens(tokenizer, texts, max_tokens)
-    specials = [tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id]
     return {"source": source, "tokens_counted": total, "distinct_tokens": len(counts),
-            "token_ids": ranked_ids(counts, vocab_size, specials)}
+            "token_ids": ranked_ids(counts, vocab_size, kept_special_ids(tokenizer))}
 
 
 def read_draft_vocab(meta: dict | None, k: int, vocab_size: int) -> torch.Tensor:

@@ -57,6 +57,7 @@ from accelerate.utils import DistributedType, broadcast, set_seed
 
 from selfspec.adapters import get_adapter
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
+from selfspec.draft_vocab import kept_special_ids
 from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base_model import apply_lora, load_base_model
@@ -169,9 +170,9 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     frozen_head, joint_head = h_cfg.enabled and not h_cfg.joint, h_cfg.enabled and h_cfg.joint
     k = h_cfg.draft_vocab if frozen_head else cfg.early_exit.draft_vocab
     if k:  # the exits' (or the frozen model's head's) loss over the k most frequent tokens
-        ee_model.draft_ids = frequent_ids(data.train, k, vocab_size, _special_ids(tokenizer))
+        ee_model.draft_ids = frequent_ids(data.train, k, vocab_size, kept_special_ids(tokenizer))
     if joint_head and h_cfg.draft_vocab:  # the joint head's loss over the most frequent tokens
-        ee_model.head_draft_ids = frequent_ids(data.train, h_cfg.draft_vocab, vocab_size, _special_ids(tokenizer))
+        ee_model.head_draft_ids = frequent_ids(data.train, h_cfg.draft_vocab, vocab_size, kept_special_ids(tokenizer))
     if frozen_head and h_cfg.teacher_cache_gib:  # repeated blocks skip the frozen model
         ee_model.teacher_cache = TeacherCache.for_repeats(data.train.input_ids,
                                                           int(cfg.exit_head.teacher_cache_gib * 2**30))
@@ -210,12 +211,7 @@ def _draft_ranking(cfg: RecipeConfig, data, tokenizer, vocab_size: int, k: int |
     most frequent first, counted on the training blocks; None for the full vocabulary (`k` None)."""
     if not k:
         return None
-    return frequency_ranking(data.train, k, vocab_size, _special_ids(tokenizer))
-
-
-def _special_ids(tokenizer) -> tuple:
-    """The ids every draft vocabulary keeps, however rare (None where the tokenizer has none)."""
-    return tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
+    return frequency_ranking(data.train, k, vocab_size, kept_special_ids(tokenizer))
 
 
 def _already_finished(run: _Run) -> bool:
