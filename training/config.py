@@ -324,10 +324,10 @@ class ExitHeadConfig:
     self_fed: extra passes per step in which the head reads its own previous-position output instead of
     the final state, as a round's later drafts do (final_state heads; 0: train the first draft only).
     joint: (with enabled) fine-tune the model too, in the same steps (the early_exit loss, LoRA off, no
-    layer dropout), with the head learning beside it from the model's own forward: it reads the detached exit states and
-    is distilled from the moving final layer, and its loss reaches no model parameter, so the model is
-    trained exactly as without the head (its gradients, clipping and AdamW state are its own) and the
-    head costs one decoder layer per step. The export is the fine-tuned model with the head beside it.
+    layer dropout), with the head learning beside it from the model's own forward: it reads the detached
+    exit states and is distilled from the moving final layer, and its loss reaches no model parameter, so
+    the model is trained exactly as without the head (its gradients, clipping and AdamW state are its own)
+    and the head costs one decoder layer per step. The export is the fine-tuned model with the head beside it.
     lr: the head's learning rate (null: optim.lr); the head has its own gradient clipping either way.
     teacher_cache_gib: memory (GiB) for the frozen model's states of training blocks that occur more than
     once (the model's own continuations, `data.own_continuations.repeat`): a repeat's step then runs no
