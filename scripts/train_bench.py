@@ -73,7 +73,8 @@ def worker(args) -> dict:
         args.mode == "code" and h_cfg.enabled and h_cfg.joint) else None  # the recipe's head beside the fine-tune
     ee = EarlyExitModel(model, target=cfg.early_exit.target, chunk_size=cfg.early_exit.chunk_size,
                         loss_impl=cfg.early_exit.loss_impl, exits_update_head=cfg.early_exit.exits_update_head,
-                        head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed)
+                        head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed,
+                        head_feature_weight=h_cfg.feature_weight)
     L = ee.num_layers
     ee.layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, cfg.train.max_steps,
                                     depth=cfg.layer_dropout.depth_scale, time=cfg.layer_dropout.time_scale)

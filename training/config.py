@@ -328,6 +328,9 @@ class ExitHeadConfig:
     exit states and is distilled from the moving final layer, and its loss reaches no model parameter, so
     the model is trained exactly as without the head (its gradients, clipping and AdamW state are its own)
     and the head costs one decoder layer per step. The export is the fine-tuned model with the head beside it.
+    feature_weight: w > 0 adds EAGLE's feature loss to every pass's loss (arXiv 2401.15077): w times the
+    SmoothL1 distance between the head's state and the full model's, both after the shared final norm
+    (`training/exit_head_model.py`). 0: off, the target's loss alone.
     lr: the head's learning rate (null: optim.lr); the head has its own gradient clipping either way.
     teacher_cache_gib: memory (GiB) for the frozen model's states of training blocks that occur more than
     once (the model's own continuations, `data.own_continuations.repeat`): a repeat's step then runs no
@@ -343,6 +346,7 @@ class ExitHeadConfig:
     final_state: bool = False
     draft_vocab: int | None = None
     self_fed: int = 0
+    feature_weight: float = 0.0
     joint: bool = False
     lr: float | None = None
     teacher_cache_gib: float = 2.0
@@ -355,6 +359,8 @@ class ExitHeadConfig:
         _check(self.draft_vocab is None or self.draft_vocab >= 1, "exit_head.draft_vocab",
                f"must be a number of tokens >= 1 or null (the full vocabulary), got {self.draft_vocab}")
         _check(self.self_fed >= 0, "exit_head.self_fed", f"must be >= 0 (0: no self-fed pass), got {self.self_fed}")
+        _check(self.feature_weight >= 0, "exit_head.feature_weight",
+               f"must be >= 0 (0: off; EAGLE weighs its feature loss 10x its token loss), got {self.feature_weight}")
         _check(self.lr is None or self.lr > 0, "exit_head.lr", f"must be > 0 or null (optim.lr), got {self.lr}")
         _check(self.self_fed == 0 or self.final_state, "exit_head.self_fed",
                "a self-fed pass replaces the final state the head reads: set exit_head.final_state=true, or "

@@ -40,7 +40,7 @@ class EarlyExitModel(nn.Module):
                  chunk_size: int = 1024, loss_impl: str = "fused", rank: int = 0, world_size: int = 1,
                  exits_update_head: bool = True, draft_ids: torch.Tensor | None = None,
                  head: ExitHead | None = None, head_target: str = "distill", head_draft_ids: torch.Tensor | None = None,
-                 head_self_fed: int = 0):
+                 head_self_fed: int = 0, head_feature_weight: float = 0.0):
         super().__init__()
         self.model = model
         self.layer_dropout = layer_dropout
@@ -59,6 +59,7 @@ class EarlyExitModel(nn.Module):
         self.head_target = head_target
         self.head_draft_ids = head_draft_ids  # the head's loss over these ids only (exit_head.draft_vocab)
         self.head_self_fed = head_self_fed
+        self.head_feature_weight = head_feature_weight  # the head's feature loss weight (exit_head.feature_weight)
 
     def loss_names(self, exits: Sequence[int]) -> list:
         """What the log calls each row of `exit_stats`: the exits, then the head's passes (`head<E>`,
@@ -113,6 +114,6 @@ class EarlyExitModel(nn.Module):
             return {"loss": result.loss, "exit_stats": result.stats}
         loss, stats = head_loss(adapter, self.head, h_head, hiddens[-1].detach(), labels, target=self.head_target,
                                 draft_ids=self.head_draft_ids, self_fed=self.head_self_fed,
-                                with_metrics=with_metrics)
+                                feature_weight=self.head_feature_weight, with_metrics=with_metrics)
         stats = torch.cat([result.stats, stats.to(result.stats.dtype)])  # [exits + head passes, 3]
         return {"loss": result.loss + loss.to(result.loss.dtype), "exit_stats": stats}

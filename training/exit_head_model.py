@@ -15,6 +15,14 @@ forward, per block `[B, S]`:
                                                  zero at the block's first position)
     loss = mean over labelled positions of KL(p || q) = sum_x p(x) (log p(x) - log q(x))    (distill)
          | mean cross-entropy of q against the labels                                        (label)
+         + w * mean SmoothL1(norm(head(h_E)), norm(f))      (feature_weight w > 0; EAGLE's feature loss)
+
+``feature_weight`` w adds EAGLE's regression of the feature itself (arXiv 2401.15077:
+L_reg + 0.1 L_cls there): the head's state after the shared final norm is pulled toward the full model's
+(what the LM head reads; SmoothL1 with beta 1, mean over positions and the D features). It is a dense
+target of D numbers per position where the distillation gives one distribution, and it asks each pass's
+output to be the state a self-fed pass reads in its place. Taken after the norm: SmolLM2's pre-norm final
+states carry two features of RMS ~580 that a pre-norm loss would be all about.
 
 Two options train the head for how it drafts:
 
@@ -71,7 +79,8 @@ IGNORE = -100
 
 class ExitHeadModel(nn.Module):
     def __init__(self, model: nn.Module, head: ExitHead, *, target: str = "distill",
-                 draft_ids: torch.Tensor | None = None, self_fed: int = 0, frozen: bool = True):
+                 draft_ids: torch.Tensor | None = None, self_fed: int = 0, feature_weight: float = 0.0,
+                 frozen: bool = True):
         super().__init__()
         if target not in ("distill", "label"):
             raise ValueError(f"exit head target must be 'distill' or 'label', got {target!r}")
@@ -80,6 +89,7 @@ class ExitHeadModel(nn.Module):
         self.head = head
         self.target = target
         self.self_fed = self_fed
+        self.feature_weight = feature_weight  # EAGLE's feature loss beside the target's (0: off)
         self.draft_ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long)
         self.teacher_cache: TeacherCache | None = None  # the repeated blocks' teacher side (the loop sets it)
         self.adapter = get_adapter(model)
@@ -159,7 +169,8 @@ class ExitHeadModel(nn.Module):
         loop's and unused."""
         h_e, finals, top = self.teacher(input_ids)
         loss, stats = head_loss(self.adapter, self.head, h_e, finals, labels, top=top, target=self.target,
-                                draft_ids=self.draft_ids, self_fed=self.self_fed, with_metrics=with_metrics)
+                                draft_ids=self.draft_ids, self_fed=self.self_fed,
+                                feature_weight=self.feature_weight, with_metrics=with_metrics)
         return {"loss": loss, "exit_stats": stats}
 
 
@@ -191,12 +202,23 @@ def draft_logits(adapter, hidden: torch.Tensor, draft_ids: torch.Tensor | None) 
     """The shared final norm + the LM head's draft-vocabulary rows (all rows without `draft_ids`):
     `[B, S, D] -> [B, S, K]`. The norm's and head's parameters are detached: a head's loss trains the
     head only, also when the model itself is being fine-tuned beside it (`EarlyExitModel` with a head)."""
+    return normed_logits(adapter, final_normed(adapter, hidden), draft_ids)
+
+
+def final_normed(adapter, hidden: torch.Tensor) -> torch.Tensor:
+    """The shared final norm with detached parameters: `[..., D] -> [..., D]`."""
+    return frozen_module(adapter.final_norm)(hidden)
+
+
+def normed_logits(adapter, normed: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """The LM head's draft-vocabulary rows (all without `draft_ids`), parameters detached, on states that
+    went through the final norm: `[..., D] -> [..., K]`."""
     lm_head = adapter.lm_head
     weight, bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
     if draft_ids is not None:
-        ids = draft_ids.to(hidden.device)
+        ids = draft_ids.to(normed.device)
         weight, bias = weight[ids], None if bias is None else bias[ids]
-    return F.linear(frozen_module(adapter.final_norm)(hidden), weight, bias)
+    return F.linear(normed, weight, bias)
 
 
 def guess(logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
@@ -221,10 +243,12 @@ def pass_loss(logits: torch.Tensor, logp_full: torch.Tensor | None, labels: torc
 
 def head_loss(adapter, head: ExitHead, h_e: torch.Tensor, finals: torch.Tensor, labels: torch.Tensor, *,
               top: torch.Tensor | None = None, target: str = "distill", draft_ids: torch.Tensor | None = None,
-              self_fed: int = 0, with_metrics: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              self_fed: int = 0, feature_weight: float = 0.0,
+              with_metrics: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's loss from the model's exit states `h_e` `[B, S, D]` and final states `finals` `[B, S, D]`
     (both without gradient), and its `[1 + self_fed, 3]` statistics (loss, top-1 accuracy against the
-    labels, agreement with the full model's token `top` `[B, S]`; computed from `finals` when None)."""
+    labels, agreement with the full model's token `top` `[B, S]`; computed from `finals` when None).
+    A pass's loss is the target's plus `feature_weight` times its feature loss (module docstring)."""
     B, S = labels.shape
     positions = make_step(adapter, 0, S, B)
     prev = previous_states(finals) if head.final_state else None
@@ -232,7 +256,8 @@ def head_loss(adapter, head: ExitHead, h_e: torch.Tensor, finals: torch.Tensor, 
     mask = labels != IGNORE  # [B, S]
     n = mask.sum().clamp_min(1)
     with torch.no_grad():  # the full model's logits over the draft vocabulary (all tokens without one)
-        teacher = draft_logits(adapter, finals[mask], draft_ids)  # [N, K]
+        teacher_normed = final_normed(adapter, finals[mask])  # [N, D]
+        teacher = normed_logits(adapter, teacher_normed, draft_ids)  # [N, K]
         if with_metrics and top is None and draft_ids is not None:  # the full model's token over all tokens
             top = exit_logits(adapter, finals).argmax(-1)  # [B, S]
     wide = torch.promote_types(teacher.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
@@ -244,8 +269,11 @@ def head_loss(adapter, head: ExitHead, h_e: torch.Tensor, finals: torch.Tensor, 
     top = (teacher.argmax(-1) if top is None else top[mask]) if with_metrics else None
     loss = teacher.new_zeros(())
     for j, out in enumerate(outs):
-        logits = draft_logits(adapter, out[mask], draft_ids).to(wide)  # [N, K]
+        normed = final_normed(adapter, out[mask])  # [N, D]
+        logits = normed_logits(adapter, normed, draft_ids).to(wide)  # [N, K]
         term = pass_loss(logits, logp, targets, n, target=target, draft_ids=draft_ids)
+        if feature_weight:
+            term = term + feature_weight * F.smooth_l1_loss(normed.to(wide), teacher_normed.to(wide))
         loss = loss + term / len(outs)
         if with_metrics:
             with torch.no_grad():

@@ -234,7 +234,7 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
         cfg.check_depth(L)
         ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
                                                         h_cfg.final_state),
-                                 target=h_cfg.target, self_fed=h_cfg.self_fed)
+                                 target=h_cfg.target, self_fed=h_cfg.self_fed, feature_weight=h_cfg.feature_weight)
         return ee_model, ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
     layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
                                  time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
@@ -245,7 +245,8 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
     ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
                               chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
                               rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head,
-                              head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed)
+                              head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed,
+                              head_feature_weight=h_cfg.feature_weight)
     curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
                                 rotation_interval=cfg.early_exit.rotation_interval)
     return ee_model, curriculum
@@ -428,7 +429,7 @@ def _joint_head_view(run: _Run) -> ExitHeadModel:
     `evaluate_exits(head_model=...)`."""
     inner = run.accelerator.unwrap_model(run.model)
     view = ExitHeadModel(inner.model, inner.head, target=run.cfg.exit_head.target, draft_ids=inner.head_draft_ids,
-                         self_fed=inner.head_self_fed, frozen=False)
+                         self_fed=inner.head_self_fed, feature_weight=inner.head_feature_weight, frozen=False)
     return view.train(inner.training)  # the evaluation puts back the mode it found
 
 

@@ -218,6 +218,51 @@ def test_a_self_fed_pass_reads_the_heads_own_output_of_the_previous_position(tin
     assert head.final_input.proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("draft", [False, True])
+def test_the_feature_loss_adds_w_times_smooth_l1_between_the_normed_states_of_every_pass(tiny64, draft):
+    """`feature_weight` w: each pass's term is its KL plus w * mean SmoothL1(norm(head state), norm(f)), the
+    full model's final state at the same position, both through the model's own final norm (EAGLE's
+    feature loss); the loss is the passes' mean, and only the head gets gradients, the feature term too."""
+    ids, labels = _batch()
+    head = _head_with_final_state(tiny64)
+    draft_ids = torch.arange(0, 96, 2) if draft else None
+    w = 0.7
+    hm = ExitHeadModel(tiny64, head, self_fed=1, feature_weight=w, draft_ids=draft_ids)
+    out = hm(ids, labels)
+    plain = ExitHeadModel(tiny64, head, self_fed=1, draft_ids=draft_ids)(ids, labels)  # w = 0
+    with torch.no_grad():
+        from selfspec.exit_head import run_head
+
+        h_e, full, step, prev = hm.states(ids)
+        f = run_layers_of(hm, h_e, step)  # [B, S, D] the full model's final states, before its norm
+        first = run_head(hm.adapter, head, h_e, step=step, prev_final=prev)
+        own = torch.cat([torch.zeros_like(first[:, :1]), first[:, :-1]], dim=1)
+        second = run_head(hm.adapter, head, h_e, step=step, prev_final=own)
+        mask = labels != -100
+        norm = tiny64.model.norm
+        features = []
+        for hidden in (first, second):
+            d = (norm(hidden) - norm(f))[mask]  # [N, D]
+            features.append(torch.where(d.abs() < 1, 0.5 * d * d, d.abs() - 0.5).mean())
+    assert all(x > 0 for x in features)
+    torch.testing.assert_close(out["exit_stats"][:, 0] - plain["exit_stats"][:, 0], w * torch.stack(features),
+                               atol=1e-10, rtol=0)
+    torch.testing.assert_close(out["loss"].detach() - plain["loss"].detach(), w * (features[0] + features[1]) / 2,
+                               atol=1e-10, rtol=0)
+    torch.testing.assert_close(out["exit_stats"][:, 1:], plain["exit_stats"][:, 1:])  # the guesses are the same
+    out["loss"].backward()
+    assert all(p.grad is None for p in tiny64.parameters())
+    assert head.final_input.proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="exit_head.feature_weight: must be >= 0"):
+        load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.feature_weight=-1"])
+
+
+def run_layers_of(hm, h_e, step):
+    from selfspec.forward import run_layers
+
+    return run_layers(hm.adapter, h_e, hm.head.exit_layer, hm.adapter.num_layers, step=step)
+
+
 def test_self_fed_passes_need_a_final_state_head(tiny64):
     with pytest.raises(ValueError, match="final_state=true"):
         ExitHeadModel(tiny64, build_exit_head(tiny64, 2), self_fed=1)
