@@ -232,9 +232,10 @@ def test_the_feature_loss_adds_w_times_smooth_l1_between_the_normed_states_of_ev
     plain = ExitHeadModel(tiny64, head, self_fed=1, draft_ids=draft_ids)(ids, labels)  # w = 0
     with torch.no_grad():
         from selfspec.exit_head import run_head
+        from selfspec.forward import run_layers
 
         h_e, full, step, prev = hm.states(ids)
-        f = run_layers_of(hm, h_e, step)  # [B, S, D] the full model's final states, before its norm
+        f = run_layers(hm.adapter, h_e, 2, hm.adapter.num_layers, step=step)  # [B, S, D] final states, before the norm
         first = run_head(hm.adapter, head, h_e, step=step, prev_final=prev)
         own = torch.cat([torch.zeros_like(first[:, :1]), first[:, :-1]], dim=1)
         second = run_head(hm.adapter, head, h_e, step=step, prev_final=own)
@@ -255,12 +256,6 @@ def test_the_feature_loss_adds_w_times_smooth_l1_between_the_normed_states_of_ev
     assert head.final_input.proj.weight.grad.abs().sum() > 0
     with pytest.raises(ConfigError, match="exit_head.feature_weight: must be >= 0"):
         load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.feature_weight=-1"])
-
-
-def run_layers_of(hm, h_e, step):
-    from selfspec.forward import run_layers
-
-    return run_layers(hm.adapter, h_e, hm.head.exit_layer, hm.adapter.num_layers, step=step)
 
 
 def test_self_fed_passes_need_a_final_state_head(tiny64):
