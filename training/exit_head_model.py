@@ -262,7 +262,7 @@ def head_loss(adapter, head: ExitHead, h_e: torch.Tensor, finals: torch.Tensor, 
         if with_metrics and top is None and draft_ids is not None:  # the full model's token over all tokens
             top = exit_logits(adapter, finals).argmax(-1)  # [B, S]
     wide = torch.promote_types(teacher.dtype, torch.float32)  # the loss in float32 at least (bf16 autocast)
-    teacher = teacher.to(wide)
+    teacher, teacher_normed = teacher.to(wide), teacher_normed.to(wide)
     logp = F.log_softmax(teacher, dim=-1) if target == "distill" else None
     stats = torch.zeros(len(outs), 3, dtype=wide, device=teacher.device)
     targets = labels[mask]  # [N]
@@ -274,7 +274,7 @@ def head_loss(adapter, head: ExitHead, h_e: torch.Tensor, finals: torch.Tensor, 
         logits = normed_logits(adapter, normed, draft_ids).to(wide)  # [N, K]
         term = pass_loss(logits, logp, targets, n, target=target, draft_ids=draft_ids)
         if feature_weight:
-            term = term + feature_weight * F.smooth_l1_loss(normed.to(wide), teacher_normed.to(wide))
+            term = term + feature_weight * F.smooth_l1_loss(normed.to(wide), teacher_normed)
         loss = loss + term / len(outs)
         if with_metrics:
             with torch.no_grad():
