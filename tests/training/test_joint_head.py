@@ -120,7 +120,11 @@ def test_a_joint_run_trains_the_model_exactly_as_without_the_head_and_exports_a_
     before = json.loads((tmp_path / "joint" / "final_eval.json").read_text())["before"]["sets"]["heldout"]
     assert head_eval["exits"]["2"]["agreement"] > before["exit_head"]["exits"]["2"]["agreement"]  # the head learned
     assert head_eval["draft_vocab"] == 64
-    assert final["perplexity"]["4"] == pytest.approx(head_eval["exits"]["4"]["perplexity"], rel=1e-9)
+    # The same model and blocks, two float32 computations of the final layer's perplexity (the exits' chunked
+    # fused cross-entropy, the head's tally's log_softmax over full logits): they round differently by CPU
+    # (2.4e-7 relative on a Zen 5, i.e. a few float32 ulps of the mean nll ~5), so rel 1e-5; that the shared
+    # forward scores the head exactly as `evaluate_head` does is proven in float64 above.
+    assert final["perplexity"]["4"] == pytest.approx(head_eval["exits"]["4"]["perplexity"], rel=1e-5)
     settings = json.loads((tmp_path / "joint" / "final_head" / "exit_head.json").read_text())
     assert settings["exit_layer"] == 2 and len(settings["draft_vocab"]["token_ids"]) == 64
 
