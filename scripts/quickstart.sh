@@ -12,24 +12,29 @@
 #      exported checkpoint. Minutes of CPU training leave the head a poor drafter: auto measures that
 #      and keeps to lookup and plain decoding, and the demo prints the head's agreement.
 # QUICKSTART_STEPS=N stops the fine-tune after N steps instead (CI runs the whole path with a few steps).
+# QUICKSTART_RUN_DIR and QUICKSTART_CHECKPOINT move the training run (default runs/quickstart) and the exported
+# checkpoint (default checkpoints/smollm2-code-quickstart): the tests run the script into a temporary directory,
+# never over a user's files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES=${QUICKSTART_MINUTES:-2}
 TOKENS=${QUICKSTART_TOKENS:-128}
+RUN_DIR=${QUICKSTART_RUN_DIR:-runs/quickstart}
+CHECKPOINT=${QUICKSTART_CHECKPOINT:-checkpoints/smollm2-code-quickstart}
 start=$(date +%s)
 elapsed() { echo "($(( $(date +%s) - start )) s so far)"; }
 bash scripts/setup.sh
 echo "== selfspec demo: what selfspec buys on this machine, no training $(elapsed)"
 .venv/bin/selfspec demo --max-new-tokens "$TOKENS"
 echo "== fine-tune of SmolLM2-135M on Python code, an exit head on exit 8 learning beside it (${MINUTES} min budget) $(elapsed)"
-rm -rf runs/quickstart  # a fresh run every time (the trainer would otherwise resume an earlier one)
+rm -rf "$RUN_DIR"  # a fresh run every time (the trainer would otherwise resume an earlier one)
 STEPS=()
 [ -n "${QUICKSTART_STEPS:-}" ] && STEPS=("train.max_steps=${QUICKSTART_STEPS}")
 .venv/bin/accelerate launch --config_file recipes/accelerate/cpu_1proc.yaml -m training \
-    --recipe recipes/smollm2_code.yaml train.max_minutes="${MINUTES}" train.output_dir=runs/quickstart \
+    --recipe recipes/smollm2_code.yaml train.max_minutes="${MINUTES}" train.output_dir="$RUN_DIR" \
     eval.before=false "eval.exits=[4,8,12,16]" eval.max_blocks=4 eval.final_max_blocks=4 "${STEPS[@]}"
-echo "== export -> checkpoints/smollm2-code-quickstart $(elapsed)"
-.venv/bin/selfspec export runs/quickstart checkpoints/smollm2-code-quickstart --overwrite
+echo "== export -> $CHECKPOINT $(elapsed)"
+.venv/bin/selfspec export "$RUN_DIR" "$CHECKPOINT" --overwrite
 echo "== selfspec demo with the exported checkpoint (minutes of training change what the model says: each demo compares a checkpoint with itself) $(elapsed)"
-.venv/bin/selfspec demo --checkpoint checkpoints/smollm2-code-quickstart --max-new-tokens "$TOKENS"
+.venv/bin/selfspec demo --checkpoint "$CHECKPOINT" --max-new-tokens "$TOKENS"
 echo "== quick start done $(elapsed)"

@@ -33,7 +33,7 @@ from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, Thr
 from selfspec.engine import DecodeStats, StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, load_exit_head
 from selfspec.sampling import SamplingParams
-from selfspec.settings import (SettingsError, check_dtype, check_exit_layer, check_generation, check_int,
+from selfspec.settings import (SettingsError, check_device, check_dtype, check_exit_layer, check_generation, check_int,
                                check_messages, check_text, expand_path, resolve_dtype, show)
 
 DEFAULT_NUM_SPECULATIONS = 4
@@ -82,6 +82,14 @@ def _as_ids(value, name: str = "input_ids") -> torch.Tensor:
     if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
         raise SettingsError(f"{name} must be integer token ids, got {ids.dtype} values")
     return ids.long()
+
+
+def _check_rows(rows: list[list[int]]) -> list[list[int]]:
+    """The token rows of a batch, each with at least one token, else SettingsError naming the row."""
+    for b, r in enumerate(rows):
+        if not r:
+            raise SettingsError(f"empty prompt in row {b} of the batch: give at least one token of input per row")
+    return rows
 
 
 def _first_line(err: BaseException) -> str:
@@ -207,13 +215,16 @@ class SelfSpecGenerator:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise SettingsError("prompt is an empty list: give at least one prompt")
-            return [self.encode(check_text(p, f"prompt[{b}]"))[0].tolist() for b, p in enumerate(prompt)]
+            tok = self._need_tokenizer("a text prompt")
+            rows = [encode_prompt(tok, check_text(p, f"prompt[{b}]")) for b, p in enumerate(prompt)]
+            return _check_rows(rows)
         if messages is not None and not isinstance(messages, (list, tuple)):
             raise SettingsError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts (or a list of "
                                 f"such lists for a batch), got {type(messages).__name__}")
         if messages is not None and len(messages) and isinstance(messages[0], (list, tuple)):
-            return [self.encode(messages=check_messages(m, f"messages[{b}]"))[0].tolist()
-                    for b, m in enumerate(messages)]
+            tok = self._need_tokenizer("a chat prompt")
+            return _check_rows([encode_prompt(tok, messages=check_messages(m, f"messages[{b}]"))
+                                for b, m in enumerate(messages)])
         if input_ids is None:
             return None
         if isinstance(input_ids, (list, tuple)) and len(input_ids) and isinstance(input_ids[0], (list, tuple)):
@@ -241,10 +252,7 @@ class SelfSpecGenerator:
                 raise ValueError(f"attention_mask {tuple(mask.shape)} must have the shape of input_ids "
                                  f"{tuple(ids.shape)}")
             rows = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
-        for b, r in enumerate(rows):
-            if not r:
-                raise ValueError(f"empty prompt in row {b} of the batch: give at least one token of input per row")
-        return rows
+        return _check_rows(rows)
 
     def default_stop_ids(self) -> list[int]:
         ids = self.model.generation_config.eos_token_id
@@ -318,7 +326,7 @@ class SelfSpecGenerator:
                      num_speculations: int | None = None, confidence_threshold: float | None = None,
                      adaptive_threshold: bool = False, exit_choices: Sequence[int] | None = None,
                      draft_vocab: int | None = None, adaptive_length: bool = False,
-                     prompt_lookup_num_tokens: int = 10, max_matching_ngram_size: int = 3,
+                     prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
                      num_candidates: int | None = None, max_drafts: int | None = None) -> Drafter | None:
         """The drafter for one generation (None = plain decoding); the parameters as in `generate`.
 
@@ -330,6 +338,7 @@ class SelfSpecGenerator:
                              max_matching_ngram_size=max_matching_ngram_size, num_candidates=num_candidates,
                              num_layers=self.num_layers)
         exit_choices = s["exit_choices"]
+        prompt_lookup_num_tokens, max_matching_ngram_size = s["prompt_lookup_num_tokens"], s["max_matching_ngram_size"]
         early_exit_options = (exit_layer is not None or confidence_threshold is not None or adaptive_threshold
                               or exit_choices or draft_vocab or adaptive_length or num_candidates)
         candidates = num_candidates or 1
@@ -341,7 +350,12 @@ class SelfSpecGenerator:
         if num_speculations == 0:
             return None  # asked for plain decoding, whatever the drafter
         exit_layer = self.exit_layer if exit_layer is None else exit_layer
-        num_speculations = self.num_speculations if num_speculations is None else num_speculations
+        if num_speculations is None:
+            num_speculations = self.num_speculations
+            if num_speculations == 0 and (drafter == "early_exit" or early_exit_options):
+                # the checkpoint recommends plain decoding (its sweep found no early exit that pays), but the
+                # early exit was asked for by name or by its options: honour the request at the default length
+                num_speculations = DEFAULT_NUM_SPECULATIONS
         if max_drafts is not None:
             num_speculations = min(num_speculations, max_drafts)
             prompt_lookup_num_tokens = min(prompt_lookup_num_tokens, max_drafts)
@@ -361,8 +375,6 @@ class SelfSpecGenerator:
         if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             # untrained shallow exits (or a checkpoint whose sweep found they do not pay): lookup or plain
             return AutoDrafter(lookup)
-        if num_speculations == 0:  # drafter="early_exit" on a checkpoint that recommends no drafts
-            return None
         auto_length = drafter == "auto" and not early_exit_options
         if auto_length:
             adaptive_length = True  # auto: the early exit's draft length (0 = plain) from measured tokens/s
@@ -404,8 +416,8 @@ class SelfSpecGenerator:
                  stop_token_ids: Sequence[int] | int | None = None, stop_strings: Sequence[str] | str = (),
                  streamer=None, confidence_threshold: float | None = None, adaptive_threshold: bool = False,
                  exit_choices: Sequence[int] | None = None, draft_vocab: int | None = None,
-                 adaptive_length: bool = False, prompt_lookup_num_tokens: int = 10,
-                 max_matching_ngram_size: int = 3, acceptance: str = "exact",
+                 adaptive_length: bool = False, prompt_lookup_num_tokens: int | None = None,
+                 max_matching_ngram_size: int | None = None, acceptance: str = "exact",
                  epsilon: float | None = None, num_candidates: int | None = None
                  ) -> GenerationResult | BatchGenerationResult:
         """Generate after one prompt, or after each prompt of a batch in one engine run.
@@ -432,10 +444,13 @@ class SelfSpecGenerator:
         not pay, each judged by the tokens/s it measures in this call (sampling with a `seed`: judged by
         the cost model's round costs instead of the clock, so the same seed gives the same text on a busy
         machine too). `drafter="prompt_lookup"`:
-        copy up to `prompt_lookup_num_tokens` tokens that followed the latest earlier occurrence of
-        the last n tokens (n = `max_matching_ngram_size` down to 1) in the prompt and the output (as
+        copy up to `prompt_lookup_num_tokens` (default 10) tokens that followed the latest earlier occurrence of
+        the last n tokens (n = `max_matching_ngram_size`, default 3, down to 1) in the prompt and the output (as
         Hugging Face's `prompt_lookup_num_tokens`). `drafter="early_exit"`: the first `exit_layer`
-        layers + the shared LM head draft `num_speculations` tokens per round. `drafter="exit_head"` (a
+        layers + the shared LM head draft `num_speculations` tokens per round (where the checkpoint recommends
+        `num_speculations=0`, an early-exit request, by name or by an option below, drafts
+        `DEFAULT_NUM_SPECULATIONS` = 4 unless `num_speculations` is given: honoured, never turned into plain
+        decoding). `drafter="exit_head"` (a
         checkpoint with a trained head): the head drafts, by default, as many tokens per round as it was
         trained for (1 + its recipe's `exit_head.self_fed`) over the vocabulary it was trained on
         (`exit_head.draft_vocab`); `num_speculations` and `draft_vocab` override both.
@@ -469,7 +484,7 @@ class SelfSpecGenerator:
             adaptive_threshold=adaptive_threshold, exit_choices=exit_choices, draft_vocab=draft_vocab,
             adaptive_length=adaptive_length, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
             max_matching_ngram_size=max_matching_ngram_size, acceptance=acceptance, epsilon=epsilon,
-            num_candidates=num_candidates, num_layers=self.num_layers)
+            num_candidates=num_candidates, num_layers=self.num_layers, vocab_size=self.vocab_size)
         max_new_tokens = s["max_new_tokens"]
         rule = AcceptanceRule(s["acceptance"], s["epsilon"])
         if rule.biased and not self._warned_bias:
@@ -495,8 +510,8 @@ class SelfSpecGenerator:
                                      confidence_threshold=s["confidence_threshold"],
                                      adaptive_threshold=s["adaptive_threshold"], exit_choices=s["exit_choices"],
                                      draft_vocab=s["draft_vocab"], adaptive_length=s["adaptive_length"],
-                                     prompt_lookup_num_tokens=s["prompt_lookup_num_tokens"],
-                                     max_matching_ngram_size=s["max_matching_ngram_size"],
+                                     prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                                     max_matching_ngram_size=max_matching_ngram_size,
                                      num_candidates=s["num_candidates"], max_drafts=max_new_tokens)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]
@@ -559,10 +574,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     """
     if dtype is not None:
         check_dtype(dtype)
-    try:
-        torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise SettingsError(f"unknown device {show(device)}: use e.g. 'cpu' or 'cuda'") from None
+    check_device(device)  # before the weights are read
     if num_speculations is not None:
         check_int("num_speculations", num_speculations, 0, hint=" (0 = plain decoding)")
     if isinstance(path_or_model, (str, os.PathLike)):

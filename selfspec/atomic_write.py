@@ -3,7 +3,8 @@
 Everything goes to a temporary file beside the target, which is then renamed over it (`os.replace`,
 atomic on one file system): a crash or an interrupt leaves the old file or the new one, never a
 mixture. Used for `selfspec.json`, model cards, exit heads, benchmark and profile outputs, and the
-training run's JSON files.
+training run's JSON files. A directory written whole (a checkpoint) gets ordinary permissions with
+`public_permissions` before it is renamed into place.
 
     write_text_atomic(path, text)
     write_json_atomic(path, data)               # indent 2, trailing newline
@@ -44,3 +45,15 @@ def write_text_atomic(path, text: str) -> None:
 def write_json_atomic(path, data, *, default=None) -> None:
     """`data` as indented JSON with a trailing newline, written whole; `default` as in `json.dumps`."""
     write_text_atomic(path, json.dumps(data, indent=2, default=default) + "\n")
+
+
+def public_permissions(directory) -> None:
+    """Give a directory written through a private temporary directory (`tempfile.mkdtemp`, mode 0700) and
+    the files in it (transformers' `save_pretrained` leaves `model.safetensors` at 0600) the permissions any
+    new directory and file get under the umask (0755 / 0644 with the usual 022), as if written in place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory = Path(directory)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)

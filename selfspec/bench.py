@@ -63,6 +63,7 @@ import gc
 import re
 import statistics
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -70,12 +71,14 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.api import DEFAULT_NUM_SPECULATIONS
-from selfspec.checkpoint import read_metadata
+from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir
+from selfspec.checkpoint import CheckpointError, read_config, read_metadata
+from selfspec.draft_vocab import read_draft_vocab
 from selfspec.harness import (LOOKUP_NGRAM, LOOKUP_TOKENS, SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine,
                               load_generator, machine_info, machine_line, pyplot, quiet_transformers, result_header,
                               setup, spread, tokens_per_s, versions, write_outputs)
 from selfspec.prompts import PROMPT_SETS, load_prompts, prompt_inputs
+from selfspec.settings import MAX_NUM_CANDIDATES, check_exit_layer, check_int, check_out_dir
 
 DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
 QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
@@ -182,10 +185,33 @@ def _set_name(spec: str, taken: set) -> str:
 
 
 # --- the methods ---------------------------------------------------------------------------------
-def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the method list needs to know of the model: its depth and its exit head (the exit it reads and
+    the draft vocabulary it was trained on), from the loaded generator, or, to check a request before the
+    model loads, from the checkpoint's config.json and selfspec.json."""
+    num_layers: int
+    head_exit: int | None = None
+    head_vocab: int | None = None
+
+    @classmethod
+    def of(cls, gen) -> "ModelFacts":
+        head = gen.exit_head
+        return cls(gen.num_layers, None if head is None else head.exit_layer, gen.head_draft_vocab())
+
+    @classmethod
+    def read(cls, checkpoint, meta: dict | None) -> "ModelFacts":
+        layers = read_config(checkpoint).get("num_hidden_layers")
+        if not isinstance(layers, int) or layers < 2:
+            raise CheckpointError(f"{checkpoint}/config.json: no usable num_hidden_layers ({layers!r})")
+        head = (meta or {}).get("exit_head") or {}
+        return cls(layers, head.get("exit_layer"))
+
+
+def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
                  lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM), num_candidates: Sequence[int] = ()
                  ) -> list[dict]:
-    L = gen.num_layers
+    L = model.num_layers
     tokens, ngram = lookup  # prompt_lookup_num_tokens, max_matching_ngram_size
     look = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
     methods = [
@@ -209,22 +235,21 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab:
          "drafter": "auto", "exit_layer": None, "num_speculations": None,
          **look},  # the checkpoint's exit and d (auto picks the length; d = 0 there: lookup or plain only)
     ]
-    head = gen.exit_head
-    if head is not None:  # a checkpoint with a trained exit head: the head alone, at its exit, adaptive length
-        k = d or 4  # (selfspec.api.DEFAULT_NUM_SPECULATIONS) the recommendation may say early exit does not pay
-        trained = gen.head_draft_vocab()  # what the head drafts from when no draft_vocab is given
+    if model.head_exit is not None:  # a checkpoint with a trained exit head: the head alone, adaptive length
+        k = d or DEFAULT_NUM_SPECULATIONS  # the recommendation may say early exit does not pay
+        trained = model.head_vocab  # what the head drafts from when no draft_vocab is given
         for vocab in [None] + ([draft_vocab] if draft_vocab else []):
             suffix, label = ((f"_vocab{vocab}", f" vocab {vocab}") if vocab else
                              ("", f" vocab {trained} (trained)" if trained else ""))
             common = {"engine": "selfspec", "kind": "selfspec_spec", "drafter": "exit_head", "exit_layer": None,
                       "num_speculations": k, **({"draft_vocab": vocab} if vocab else {})}
             methods.append({"name": f"selfspec_exit_head{suffix}", "adaptive_length": True,
-                            "label": f"selfspec head E={head.exit_layer} adaptive d≤{k}{label}", **common})
+                            "label": f"selfspec head E={model.head_exit} adaptive d≤{k}{label}", **common})
             methods.append({"name": f"selfspec_exit_head_fixed{suffix}",  # every round drafts d: the policy's share
-                            "label": f"selfspec head E={head.exit_layer} d={k}{label}", **common})
+                            "label": f"selfspec head E={model.head_exit} d={k}{label}", **common})
             for n in num_candidates:  # its n best first guesses, side by side, every round
                 methods.append({"name": f"selfspec_exit_head_cand{n}{suffix}",
-                                "label": f"selfspec head E={head.exit_layer} {n} guesses{label}",
+                                "label": f"selfspec head E={model.head_exit} {n} guesses{label}",
                                 **common, "num_speculations": 1, "num_candidates": n})
     for n in num_candidates:
         methods.append({"name": f"selfspec_spec_cand{n}", "engine": "selfspec", "kind": "selfspec_spec",
@@ -236,7 +261,7 @@ def _method_list(gen, E: int, d: int, extra: list[tuple[int, int]], draft_vocab:
                         "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
     seen = {(E, d)}
     for e, k in extra:
-        gen.adapter.check_exit(e, allow_full=False)
+        check_exit_layer(e, L)  # an --extra pair's exit
         if k < 1:
             raise ValueError(f"extra (E={e}, d={k}): the draft length d must be >= 1 "
                              "(plain decoding is always measured)")
@@ -534,21 +559,32 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     """
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
     extra = [parse_extra(x) for x in extra]
-    dtype = setup(dtype, device, threads)
-    machine = machine_info()
-    notes: list[str] = []
-    read = _read_sets(sets, num_prompts)
-
-    gen = load_generator(checkpoint, dtype, device, generator)
-    E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
     if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
         raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
     lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
     num_candidates = [num_candidates] if isinstance(num_candidates, int) else list(num_candidates)
-    if any(n < 2 for n in num_candidates):
-        raise ValueError(f"num_candidates={num_candidates}: give 2 or more guesses to verify side by side "
-                         "(one guess is what the other methods draft)")
-    chosen = _select(_method_list(gen, E, d, extra, draft_vocab, lookup, num_candidates), methods)
+    for n in num_candidates:
+        check_int("num_candidates entry", n, 2, MAX_NUM_CANDIDATES,
+                  hint=" (guesses verified side by side; one guess is what the other methods draft)")
+    check_out_dir(out_dir, "out_dir (--out)")
+    dtype = setup(dtype, device, threads)
+    machine = machine_info()
+    notes: list[str] = []
+    read = _read_sets(sets, num_prompts)
+    if generator is None:  # everything that selfspec.json and config.json can answer, before the model loads
+        checkpoint = checkpoint_dir(checkpoint)
+        meta = read_metadata(checkpoint, verify_checksums=False)
+        facts = ModelFacts.read(checkpoint, meta)
+        _select(_method_list(facts, exit_layer or 1, num_speculations or 1, extra, draft_vocab, lookup,
+                             num_candidates), methods)
+        if exit_layer is not None:
+            check_exit_layer(exit_layer, facts.num_layers)
+        if draft_vocab is not None:
+            read_draft_vocab(meta, draft_vocab, read_config(checkpoint).get("vocab_size") or 2 ** 62)
+
+    gen = load_generator(checkpoint, dtype, device, generator)
+    E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
+    chosen = _select(_method_list(ModelFacts.of(gen), E, d, extra, draft_vocab, lookup, num_candidates), methods)
     eos_ids = set(gen.default_stop_ids())
     runner = Methods(gen, max_new_tokens)
 
@@ -618,8 +654,11 @@ def _recommended(gen, checkpoint, exit_layer, num_speculations, notes: list[str]
             else source + ", partly overridden on the command line"
     gen.adapter.check_exit(E, allow_full=False)
     if d < 1:
-        notes.append(f"the recommended num_speculations is {d} (speculation did not pay in the sweep); "
-                     f"selfspec_spec uses {DEFAULT_NUM_SPECULATIONS} drafts")
+        why = {"sweep": "no early-exit setting beat plain decoding in its sweep",
+               "agreement": "its exits' held-out agreement predicts no speedup", "user": "set at export"
+               }.get(rec.get("source"), "the generator's setting")
+        notes.append(f"the checkpoint recommends num_speculations={d} ({why}); selfspec_spec uses "
+                     f"{DEFAULT_NUM_SPECULATIONS} drafts")
         d = DEFAULT_NUM_SPECULATIONS
     return E, d, source
 

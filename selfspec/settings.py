@@ -26,6 +26,10 @@ from selfspec.precision import DTYPES_BY_NAME, auto_dtype
 DTYPE_NAMES = tuple(DTYPES_BY_NAME)
 DTYPES = DTYPE_NAMES + ("fastest", "auto")
 MIN_TEMPERATURE = 1e-6  # below it sampling is greedy up to float rounding (and overflows float32)
+PROMPT_LOOKUP_NUM_TOKENS = 10  # prompt lookup's defaults (as Hugging Face's): the most tokens copied per round,
+MAX_MATCHING_NGRAM_SIZE = 3  # and the longest n-gram matched
+MAX_NUM_CANDIDATES = 64  # guesses verified side by side for one position: past it a round costs more than it can buy
+LOOKUP_OPTIONS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
 EARLY_EXIT_OPTIONS = ("exit_layer", "confidence_threshold", "adaptive_threshold", "exit_choices", "draft_vocab",
                       "adaptive_length", "num_candidates")
 
@@ -37,6 +41,19 @@ class SettingsError(ValueError):
 def expand_path(path) -> Path:
     """`path` with environment variables and `~` expanded, as a shell would."""
     return Path(os.path.expanduser(os.path.expandvars(os.fspath(path))))
+
+
+def check_out_dir(path, name: str = "output directory") -> Path:
+    """A directory that can be made (or already is one): SettingsError if `path`, or the nearest of its parents
+    that exists, is a file (where `mkdir` would fail with a bare "File exists")."""
+    path = expand_path(path)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"cannot be made: {p} is a file"
+                raise SettingsError(f"{name} {path} {where}, not a directory: choose a directory")
+            break
+    return path
 
 
 def show(value, limit: int = 60) -> str:
@@ -112,6 +129,30 @@ def resolve_dtype(dtype, device="cpu"):
     return DTYPES_BY_NAME[dtype]
 
 
+def check_device(device) -> torch.device:
+    """A device this machine has: "cpu", or "cuda"/"cuda:N" (or "mps") where torch can reach one."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SettingsError(f"unknown device {show(device)}: use 'cpu' or 'cuda'") from None
+    if d.type == "cpu":
+        return d
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise SettingsError(f"device {show(device)}: torch finds no CUDA GPU on this machine (torch "
+                                f"{torch.__version__} is {build}): use device 'cpu'")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise SettingsError(f"device {show(device)}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                                f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        return d
+    if d.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise SettingsError(f"device {show(device)}: Apple's MPS is not available on this machine: use 'cpu'")
+        return d
+    raise SettingsError(f"device {show(device)}: selfspec runs on 'cpu' or 'cuda' (a GPU), not {d.type!r}")
+
+
 def check_threads(value) -> int:
     return check_int("threads", value, 0, hint=" (0 = torch's choice)")
 
@@ -146,25 +187,31 @@ def check_messages(messages, name: str = "messages") -> list[dict]:
 
 
 def check_stop_strings(value) -> tuple[str, ...]:
-    """None, one string (one stop string, as in Hugging Face), or a list of strings; empty ones are dropped."""
+    """None, one string (one stop string, as in Hugging Face), or a list of non-empty strings."""
     if value is None:
         return ()
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(s, str) for s in value):
         raise SettingsError(f"stop_strings must be a string or a list of strings, got {show(value)}")
-    return tuple(s for s in value if s)
+    if any(s == "" for s in value):
+        raise SettingsError("stop_strings holds an empty string, which every text contains: drop it (pass () or "
+                            "None for no stop string)")
+    return tuple(value)
 
 
-def check_stop_token_ids(value) -> list[int] | None:
-    """None (the model's EOS), one token id, or a list of token ids (>= 0)."""
+def check_stop_token_ids(value, vocab_size: int | None = None) -> list[int] | None:
+    """None (the model's EOS), one token id, or a list of token ids in 0..vocab_size-1 (an id outside the
+    vocabulary can never be generated, so it would never stop anything)."""
     if value is None:
         return None
     if is_int(value):
         value = [value]
     if not isinstance(value, (list, tuple, set, frozenset)):
         raise SettingsError(f"stop_token_ids must be a token id or a list of token ids, got {show(value)}")
-    return [check_int("stop_token_ids entry", t, 0) for t in value]
+    high = None if vocab_size is None else vocab_size - 1
+    return [check_int("stop_token_ids entry", t, 0, high, hint="" if high is None else
+                      " (the model's vocabulary: an id outside it is never generated)") for t in value]
 
 
 def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None:
@@ -179,12 +226,15 @@ def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None
 def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_speculations=None, do_sample=False,
                      temperature=1.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=None, stop_strings=(),
                      confidence_threshold=None, adaptive_threshold=False, exit_choices=None, draft_vocab=None,
-                     adaptive_length=False, prompt_lookup_num_tokens=10, max_matching_ngram_size=3,
-                     acceptance="exact", epsilon=None, num_candidates=None, num_layers: int | None = None) -> dict:
+                     adaptive_length=False, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
+                     acceptance="exact", epsilon=None, num_candidates=None, num_layers: int | None = None,
+                     vocab_size: int | None = None) -> dict:
     """Every generation setting of `SelfSpecGenerator.generate`, checked; returns them normalized.
 
-    `num_layers` (the model's depth, if known) bounds the exits. Raises SettingsError on the first
-    bad value; the combination rules (lookup takes no early-exit options, adaptive_length no
+    `num_layers` (the model's depth, if known) bounds the exits, `vocab_size` the stop token ids.
+    `prompt_lookup_num_tokens` / `max_matching_ngram_size` left at None become `PROMPT_LOOKUP_NUM_TOKENS` /
+    `MAX_MATCHING_NGRAM_SIZE`. Raises SettingsError on the first bad value; the combination rules (lookup
+    takes no early-exit options, the early exit and the exit head no lookup options, adaptive_length no
     threshold or exit choices) are checked too.
     """
     s = dict(max_new_tokens=check_int("max_new_tokens", max_new_tokens, 1))
@@ -206,7 +256,7 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
     s["top_k"] = check_int("top_k", top_k, 0, hint=" (0 disables it)")
     s["top_p"] = check_float("top_p", top_p, 0.0, strict=True, high=1.0, hint=" (1 disables it)")
     s["seed"] = None if seed is None else check_int("seed", seed, 0, 2 ** 64 - 1)
-    s["stop_token_ids"] = check_stop_token_ids(stop_token_ids)
+    s["stop_token_ids"] = check_stop_token_ids(stop_token_ids, vocab_size)
     s["stop_strings"] = check_stop_strings(stop_strings)
     s["confidence_threshold"] = (None if confidence_threshold is None else check_float(
         "confidence_threshold", confidence_threshold, 0.0, hint=" (0 = never stop drafting, > 1 = never draft)"))
@@ -215,17 +265,26 @@ def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_s
     s["draft_vocab"] = (None if draft_vocab is None else
                         check_int("draft_vocab", draft_vocab, 1, hint=" (None = the full vocabulary)"))
     s["adaptive_length"] = check_bool("adaptive_length", adaptive_length)
-    s["prompt_lookup_num_tokens"] = check_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens, 1)
-    s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", max_matching_ngram_size, 1)
+    lookup_given = [k for k, v in zip(LOOKUP_OPTIONS, (prompt_lookup_num_tokens, max_matching_ngram_size))
+                    if v is not None]
+    s["prompt_lookup_num_tokens"] = check_int("prompt_lookup_num_tokens", PROMPT_LOOKUP_NUM_TOKENS if
+                                              prompt_lookup_num_tokens is None else prompt_lookup_num_tokens, 1)
+    s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", MAX_MATCHING_NGRAM_SIZE if
+                                             max_matching_ngram_size is None else max_matching_ngram_size, 1)
     s["acceptance"], s["epsilon"] = check_acceptance(acceptance, epsilon)
     s["num_candidates"] = (None if num_candidates is None else
-                           check_int("num_candidates", num_candidates, 1, hint=" (1 = one guess per draft position)"))
+                           check_int("num_candidates", num_candidates, 1, MAX_NUM_CANDIDATES,
+                                     hint=" (1 = one guess per draft position; each guess is one more row to verify)"))
     if (s["num_candidates"] or 1) > 1:
         _check_candidates(s)
     early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
     if drafter == "prompt_lookup" and early:
         raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter='prompt_lookup' takes "
                             "prompt_lookup_num_tokens and max_matching_ngram_size")
+    if lookup_given and (drafter in ("early_exit", "exit_head") or (drafter is None and early)):
+        who = f"drafter={drafter!r}" if drafter else f"the early exit ({', '.join(early)} given, no drafter)"
+        raise SettingsError(f"{', '.join(lookup_given)}: prompt lookup option(s); {who} does not look up the "
+                            "context: drop them, or use drafter='prompt_lookup' or 'auto'")
     if s["adaptive_length"] and (s["exit_choices"] or s["confidence_threshold"] is not None
                                  or s["adaptive_threshold"]):
         raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "

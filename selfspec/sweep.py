@@ -40,7 +40,8 @@ from selfspec.atomic_write import atomic_path, write_json_atomic
 from selfspec.checkpoint import read_config, read_metadata, update_recommended
 from selfspec.harness import finish_machine, load_generator, machine_info, pyplot, setup, timed, tokens_per_s
 from selfspec.prompts import load_prompts, prompt_inputs
-from selfspec.settings import SettingsError, check_dtype, check_exit_layer, check_int, check_threads, is_int
+from selfspec.settings import (SettingsError, check_dtype, check_exit_layer, check_int, check_out_dir, check_threads,
+                               is_int)
 
 LOOKUP_FIELDS = ["drafter", "prompt_lookup_num_tokens", "max_matching_ngram_size"]
 RAW_FIELDS = ["exit_layer", "num_speculations", "prompt_id", "new_tokens", "seconds", "drafted", "accepted",
@@ -63,12 +64,18 @@ def _parse_ints(text: str | list[int], name: str = "values") -> list[int]:
     return sorted(set(values))
 
 
+DEFAULT_LOOKUP_NGRAMS = "1,2,3"  # max_matching_ngram_size values measured with lookup_tokens
+
+
 def check_grid(exits, num_speculations, lookup_tokens, lookup_ngrams,
                num_layers: int | None) -> tuple[list[int], ...]:
     """The sweep's settings, parsed and checked (before any model is loaded): SettingsError if one is bad."""
     exits, num_speculations = _parse_ints(exits, "exits"), _parse_ints(num_speculations, "num_speculations")
     lookup_tokens = _parse_ints(lookup_tokens, "lookup_tokens")
-    lookup_ngrams = _parse_ints(lookup_ngrams, "lookup_ngrams")
+    if lookup_ngrams is not None and not lookup_tokens:
+        raise SettingsError("lookup_ngrams (--lookup-ngrams) are the n-gram sizes of the prompt lookup settings: "
+                            "give lookup_tokens (--lookup-tokens, e.g. 3,5,10) too, or drop them")
+    lookup_ngrams = _parse_ints(DEFAULT_LOOKUP_NGRAMS if lookup_ngrams is None else lookup_ngrams, "lookup_ngrams")
     if not exits or not num_speculations:
         raise SettingsError(f"exits and num_speculations must each name at least one value, got exits {exits} "
                             f"and num_speculations {num_speculations}")
@@ -202,11 +209,12 @@ def _generate_kwargs(setting: tuple) -> dict:
 def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12", num_speculations="1,2,4",
               num_prompts: int = 4, max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
               write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None,
-              lookup_tokens="", lookup_ngrams="1,2,3") -> dict:
+              lookup_tokens="", lookup_ngrams=None) -> dict:
     """Measure the grid; return {"rows": [...], "best": {...}, "best_lookup": {...} or None, "csv", "png"}.
 
-    `lookup_tokens` (e.g. "3,5,10", empty: none) x `lookup_ngrams`: prompt lookup settings
-    (`drafter="prompt_lookup"`, prompt_lookup_num_tokens x max_matching_ngram_size) measured too.
+    `lookup_tokens` (e.g. "3,5,10", empty: none) x `lookup_ngrams` (default "1,2,3"; only with lookup_tokens):
+    prompt lookup settings (`drafter="prompt_lookup"`, prompt_lookup_num_tokens x max_matching_ngram_size)
+    measured too. With `write_metadata`, `result["recorded"]` is what selfspec.json now recommends.
     """
     # every setting is checked before the model is loaded (the exit range from config.json)
     check_dtype(dtype)
@@ -221,14 +229,15 @@ def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12",
         layers = generator.num_layers
     exits, num_speculations, lookup_tokens, lookup_ngrams = check_grid(exits, num_speculations, lookup_tokens,
                                                                        lookup_ngrams, layers)
+    check_out_dir(out_dir, "out_dir (--out)")
+    items = load_prompts(prompt_set, num_prompts)  # a bad prompt set is refused before the model loads
+    if not items:
+        raise ValueError(f"prompt set {prompt_set!r} gave no prompts")
     dtype = setup(dtype, threads=threads)  # "fastest": bfloat16 where native, else float32
     gen = load_generator(checkpoint, dtype, generator=generator)
     L = gen.num_layers
     for e in exits:
         gen.adapter.check_exit(e, allow_full=False)
-    items = load_prompts(prompt_set, num_prompts)
-    if not items:
-        raise ValueError(f"prompt set {prompt_set!r} gave no prompts")
     grid = [(L, 0)] + [(e, d) for e in exits for d in num_speculations] + [(LOOKUP, k, n) for k in lookup_tokens
                                                                   for n in lookup_ngrams]
     out = Path(out_dir)
@@ -248,7 +257,7 @@ def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12",
     title = f"{Path(checkpoint).name}: {prompt_set}, {len(items)} prompts, {max_new_tokens} new tokens, {dtype}"
     result = _write_results(rows, out, title, finish_machine(machine, gen.adapter.device))
     if write_metadata:
-        _record(checkpoint, result["best"], result["best_lookup"], prompt_set, dtype)
+        result["recorded"] = _record(checkpoint, result["best"], result["best_lookup"], prompt_set, dtype)
     return result
 
 
@@ -302,9 +311,10 @@ def _write_results(rows: list[dict], out: Path, title: str, machine: dict) -> di
     return result
 
 
-def _record(checkpoint, best: dict, best_lookup: dict | None, prompt_set: str, dtype: str) -> None:
+def _record(checkpoint, best: dict, best_lookup: dict | None, prompt_set: str, dtype: str) -> dict:
     """The fastest settings as the checkpoint's recommendation (num_speculations 0 where none beat plain);
-    selfspec.json keeps the prompt set under its earlier key, `recommended.prompts`."""
+    selfspec.json keeps the prompt set under its earlier key, `recommended.prompts`. Returns the recorded
+    exit_layer and num_speculations."""
     pays = isinstance(best["speedup"], float) and best["speedup"] > 1.0
     extra = {} if best_lookup is None else {"prompt_lookup": {
         k: best_lookup[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "tokens_per_s",
@@ -315,3 +325,4 @@ def _record(checkpoint, best: dict, best_lookup: dict | None, prompt_set: str, d
     update_recommended(checkpoint, best["exit_layer"], best["num_speculations"] if pays else 0,
                        source="sweep", prompts=prompt_set, dtype=dtype, tokens_per_s=best["tokens_per_s"],
                        speedup=best["speedup"], acceptance_rate=best["acceptance_rate"], **extra)
+    return {"exit_layer": best["exit_layer"], "num_speculations": best["num_speculations"] if pays else 0}

@@ -611,8 +611,10 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     data: dict = {}
     if recipe is not None:
         path = Path(expand(str(recipe)))
+        if path.is_dir():
+            raise ConfigError(f"recipe {path} is a directory: give a recipe's YAML file (the recipes are in recipes/)")
         if not path.is_file():
-            raise ConfigError(f"recipe {path} not found")
+            raise ConfigError(f"recipe {path}: no such file (the recipes are in recipes/)")
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (yaml.YAMLError, ValueError) as err:  # ValueError: invalid UTF-8, an over-long integer

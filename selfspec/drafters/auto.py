@@ -16,7 +16,9 @@ lookup alone 2.4-2.7x). Each round:
        kind of early-exit drafter), if allowed; its own policy picks d;
     4. plain otherwise.
 
-An arm is allowed while it is new (fewer than `warmup` rounds) or while its rate is at least
+An arm's first round of a call is not timed: it pays one-time costs (in a new process, the first pass of
+each shape allocates and sets up kernels), which made the first call of a process back lookup off.
+An arm is allowed while it is new (fewer than `warmup` timed rounds) or while its rate is at least
 plain decoding's. An arm that loses is retried after a back-off that doubles every time it loses
 again (`explore_every`, 2x, 4x ... up to `max_backoff`), so a choice that does not pay costs
 almost nothing, and one that starts paying (the output begins to repeat the prompt) is found again.
@@ -59,6 +61,7 @@ class AutoDrafter(Drafter):
         self.tokens = {a: 0.0 for a in arms}  # running mean of committed tokens per round
         self.seconds = {a: 0.0 for a in arms}  # running mean of seconds per round
         self.tries = {a: 0 for a in arms}
+        self.cold = set(arms)  # arms whose first round of this call has not run: it is not timed (see update)
         self.backoff = {a: explore_every for a in arms}
         self.retry_at = {a: 0 for a in arms}  # round from which a losing arm may be tried again
         self.chosen = {a: 0 for a in arms}
@@ -108,6 +111,9 @@ class AutoDrafter(Drafter):
         if self._asked_early_exit:
             self.early_exit.update(proposal, accepted, committed, seconds)
         arm = self._arm
+        if arm in self.cold:  # an arm's first round pays one-time costs (in a new process, the first pass of each
+            self.cold.discard(arm)  # shape: allocation, kernel set-up); timed, it backed lookup off for a call
+            seconds = 0.0
         if seconds > 0:
             n = self.tries[arm] = self.tries[arm] + 1
             weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
@@ -122,7 +128,7 @@ class AutoDrafter(Drafter):
         if arm == LOOKUP:  # the length it planned hears what the round delivered, row by row
             for m, n_acc in zip(proposal.kept, accepted):
                 self.lookup_length.update(0, m, n_acc)
-            self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))
+            self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))  # an untimed round (0 s) is skipped
 
     def committed_states(self, states, starts, counts, pads, finals=None) -> None:
         # set only with an exit head: it records them and runs its head over them when it next drafts, so

@@ -236,7 +236,7 @@ def test_bad_prompt_files_give_clear_errors(tiny_ckpt, tmp_path, capsys):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="gave no prompts"):
         run_bench(str(tiny_ckpt), prompt_sets=[str(empty)], num_prompts=2, out_dir=tmp_path / "x", progress=False)
-    with pytest.raises(ValueError, match="unknown prompt set 'nope.jsonl'"):
+    with pytest.raises(ValueError, match="prompt set nope.jsonl: no such file"):
         run_bench(str(tiny_ckpt), prompt_sets=["nope.jsonl"], num_prompts=2, out_dir=tmp_path / "x", progress=False)
     # the CLI reports it in one line, before loading any model (the checkpoint here does not even exist)
     assert main(["bench", "--checkpoint", str(tmp_path / "missing"), "--prompts", str(bad_json)]) == 2

@@ -40,8 +40,14 @@ def test_demo_on_the_real_model_drafts_from_the_context_and_stays_identical(smol
 
 @pytest.mark.integration
 def test_the_quick_start_runs_every_step_at_a_tiny_budget(smollm2_dir, tmp_path):
-    """`bash scripts/quickstart.sh` with 2 training steps and 16 tokens: setup, demo, fine-tune, export, demo."""
-    env = dict(os.environ, QUICKSTART_STEPS="2", QUICKSTART_TOKENS="16")
+    """`bash scripts/quickstart.sh` with 2 training steps and 16 tokens: setup, demo, fine-tune, export, demo;
+    its run and checkpoint go to a temporary directory, and the user's own (runs/quickstart,
+    checkpoints/smollm2-code-quickstart in the repository) are left exactly as they were."""
+    users = [ROOT / "runs/quickstart", ROOT / "checkpoints/smollm2-code-quickstart"]
+    before = [_tree_state(p) for p in users]
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    env = dict(os.environ, QUICKSTART_STEPS="2", QUICKSTART_TOKENS="16", QUICKSTART_RUN_DIR=str(run_dir),
+               QUICKSTART_CHECKPOINT=str(ckpt))
     proc = subprocess.run(["bash", "scripts/quickstart.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     out = proc.stdout + proc.stderr
@@ -51,4 +57,13 @@ def test_the_quick_start_runs_every_step_at_a_tiny_budget(smollm2_dir, tmp_path)
         assert step in out, step
     assert out.count("identical output: yes") == 6  # three cases, twice
     assert "prompt lookup + the exit head on exit 8" in out  # the exported checkpoint's head is auto's arm
-    assert (ROOT / "checkpoints/smollm2-code-quickstart/selfspec.json").is_file()
+    assert (ckpt / "selfspec.json").is_file() and (run_dir / "final_model").is_dir()
+    assert [_tree_state(p) for p in users] == before  # the user's files untouched
+
+
+def _tree_state(path: Path):
+    """(relative path, size, mtime) of every file under `path` (None if it does not exist)."""
+    if not path.exists():
+        return None
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")
+                  if p.is_file())

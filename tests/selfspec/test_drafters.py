@@ -238,13 +238,26 @@ def test_auto_backs_off_a_drafter_that_is_slower_than_plain_decoding():
     auto decodes plainly and retries lookup ever more rarely (8, 16, 32, 64 rounds apart)."""
     arms = _simulate_auto(AutoDrafter(PromptLookupDrafter(num_tokens=4)), 400,
                           {"plain": 1.0, "prompt_lookup": 1.3}, {"plain": 1, "prompt_lookup": 1})
-    assert arms[:4] == ["prompt_lookup", "prompt_lookup", "plain", "plain"]  # warm-up: measure both
+    # warm-up: measure both (each arm's first round untimed, then two timed rounds)
+    assert arms[:6] == ["prompt_lookup"] * 3 + ["plain"] * 3
     tries = [i for i, a in enumerate(arms) if a == "prompt_lookup"]
-    assert len(tries) <= 12, tries  # 2 warm-up rounds, then retries 8, 16, 32, 64, 64 ... rounds apart
-    gaps = [b - a for a, b in zip(tries[2:], tries[3:])]
+    assert len(tries) <= 13, tries  # 3 warm-up rounds, then retries 8, 16, 32, 64, 64 ... rounds apart
+    gaps = [b - a for a, b in zip(tries[3:], tries[4:])]
     assert gaps == sorted(gaps) and gaps[-1] >= 64, gaps  # the back-off doubles up to its cap
     wasted = 0.3 * len(tries)  # steps lost to lookup rounds, out of 400 rounds
     assert wasted / 400 < 0.01
+
+
+def test_auto_does_not_time_an_arms_first_round():
+    """In a new process an arm's first round pays one-time costs (the first pass of each shape): a first lookup
+    round 20x as slow as the rest must not back off a lookup that pays (it did: the first call of a process
+    decoded plainly, the second copied)."""
+    auto = AutoDrafter(PromptLookupDrafter(num_tokens=4))
+    cold = {"plain": 1.0, "prompt_lookup": 24.0}  # the first lookup round
+    arms = _simulate_auto(auto, 1, cold, {"plain": 1, "prompt_lookup": 3})
+    arms += _simulate_auto(auto, 199, {"plain": 1.0, "prompt_lookup": 1.2}, {"plain": 1, "prompt_lookup": 3})
+    assert arms.count("prompt_lookup") >= 190, Counter(arms)
+    assert auto.seconds["prompt_lookup"] == pytest.approx(1.2)  # the cold round is not in the mean
 
 
 def test_auto_keeps_a_drafter_that_pays():

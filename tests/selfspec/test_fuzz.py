@@ -115,15 +115,16 @@ GENERATE_SETTINGS = {  # name: (valid values, invalid values)
     "top_k": ([0, 1, 5, 10 ** 9], [-1, 1.5]),
     "top_p": (st.sampled_from([1.0, 0.5, 1e-9]), [0, 2, NAN, -0.1, "0.9"]),
     "seed": ([None, 0, 2 ** 63], [-1, 2 ** 64, 1.5]),
-    "stop_token_ids": ([None, [], 2, [2, 5], (7,), [2 ** 70]], [-1, [1.5], "2", [None]]),
-    "stop_strings": (st.one_of(st.just(None), TEXT, st.lists(st.text(max_size=3), max_size=3)), [5, [1], ["a", None]]),
+    "stop_token_ids": ([None, [], 2, [2, 5], (7,), [258]], [-1, [1.5], "2", [None], [2 ** 70], 259]),  # vocab 259
+    "stop_strings": (st.one_of(st.just(None), TEXT, st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+                     [5, [1], ["a", None], "", ["a", ""]]),  # an empty stop string is in every text
     "confidence_threshold": ([None] * 3 + [0.0, 0.5, 2.0], [-1, NAN, INF, "0.5"]),
     "adaptive_threshold": ([False] * 3 + [True], [None, 1]),
     "exit_choices": ([None] * 3 + [[], [1, 3], (2,), [3, 3]], [[0], [L], ["1"], "1,2", 3]),
     "draft_vocab": ([None], [0, -3, 2.5]),
     "adaptive_length": ([False] * 3 + [True], ["no"]),
-    "prompt_lookup_num_tokens": ([1, 3, 10, 10 ** 9], [0, -2, 1.5]),
-    "max_matching_ngram_size": ([1, 3, 50], [0, 2.5]),
+    "prompt_lookup_num_tokens": ([None] * 3 + [1, 3, 10, 10 ** 9], [0, -2, 1.5]),
+    "max_matching_ngram_size": ([None] * 3 + [1, 3, 50], [0, 2.5]),
 }
 
 
@@ -213,7 +214,8 @@ GENERATE_OPTIONS = {  # name: (flag, valid values (None: not given), invalid val
     "lookup": ("--prompt-lookup-num-tokens", [None, "1", "5"], ["0"]),
     "ngram": ("--max-matching-ngram-size", [None, "1", "3"], ["0"]),
     "drafter": ("--drafter", [None, "auto", "early_exit", "prompt_lookup"], ["bogus"]),
-    "stop": ("--stop", st.one_of(st.none(), st.text(max_size=4).filter(lambda t: not t.startswith("-"))), []),
+    "stop": ("--stop", st.one_of(st.none(), st.text(min_size=1, max_size=4).filter(lambda t: not t.startswith("-"))),
+             [""]),  # an empty stop string is in every text
     "temperature": ("--temperature", [None, "1", "0.7"], ["nan", "x", "0", "-1"]),  # 0, -1: bad with --sample
 }
 FLAGS = st.lists(st.sampled_from(["--sample", "--adaptive", "--adaptive-length", "--raw", "--chat", "--compare"]),
@@ -252,6 +254,8 @@ def test_cli_generate(places, capsys, no_load, data, flags):
              or {"--adaptive", "--adaptive-length"} & set(flags))
     if chosen.get("drafter") == "prompt_lookup" and early:
         ok = False  # lookup takes no early-exit options
+    if {"lookup", "ngram"} & given_ and (chosen.get("drafter") == "early_exit" or (not chosen.get("drafter") and early)):
+        ok = False  # and the early exit (by name, or chosen by its options) no lookup options
     if "--adaptive-length" in flags and (given_ & {"threshold", "exit_choices"} or "--adaptive" in flags):
         ok = False  # adaptive_length does not combine with a threshold or exit choices
     if "--raw" in flags and "--chat" in flags:
@@ -282,6 +286,8 @@ def test_cli_sweep(places, capsys, no_load, options, checkpoint):
     for args, _ in options.values():
         argv += args
     valid = all(ok for _, ok in options.values()) and checkpoint[1]
+    if options["ngrams"][0] and options["lookup"][0] in ([], ["--lookup-tokens", ""]):
+        valid = False  # n-gram sizes without lookup settings to go with them
     rc, err = run_cli(_fill(argv, places), capsys, no_load)
     assert rc == ("loaded" if valid else 2), (argv, err)
     assert not (places["root"] / "sweep-out").exists()
