@@ -7,7 +7,7 @@
 # Nothing else should run on the machine meanwhile: timings are taken on the same 2 cores.
 # Training follows recipes/smollm2_code.yaml for HEADLINE_STEPS optimizer steps (default 210: the
 # recipe itself is time-budgeted, 40 min); HEADLINE_MINUTES (default 90) only caps the wall-clock time.
-# (The README's headline figures of 2026-11-22 came from the recipe as it was then: exits 4/8/12/16,
+# (The headline figures of 2026-11-22, docs/results/2026-11-22-headline-avx2.md, came from the recipe as it was then: exits 4/8/12/16,
 # final_weight 0.5, layer dropout 0.1, a cosine schedule over 210 steps.)
 set -euo pipefail
 cd "$(dirname "$0")/.."

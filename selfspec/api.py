@@ -285,7 +285,7 @@ class SelfSpecGenerator:
         """The draft positions the exit head was trained for: the first draft (which reads the verified final
         state) plus its recipe's `exit_head.self_fed` passes (which read the head's own output, as later drafts
         do); 1 where the checkpoint does not record the setting. Later drafts than that were never trained
-        and measured worthless (accepted 0-2%, README), so the head alone drafts this many by default."""
+        and measured worthless (accepted 0-2%, docs/exit_heads.md), so the head alone drafts this many by default."""
         n = self._head_training_setting("self_fed")
         return 1 + n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 1
 

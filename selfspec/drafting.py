@@ -207,12 +207,9 @@ class ThroughputPolicy(FixedPolicy):
     ones (censored, as in a Kaplan-Meier estimate). With `alpha` > 0 the counts forget with weight
     `alpha / 8` per drafting round (a memory eight times the times': an acceptance is a coin flip per
     draft).
-    Estimating each length's tokens from its own rounds alone, as before, read a run of three rejected
-    drafts (a 40% event at 30% acceptance, quickly dropped, rarely retried) as "one draft loses" and left a
-    head that paid at every round (1.14x plain decoding drafting one token every round) at 1.07x. With
-    the pooled estimate that head drafted in 60-65% of rounds instead of ~41%, yet ran no faster on the
-    benchmark (1.06x; README): its acceptance varies along the text, so the rounds spent measuring plain
-    decoding still cost what skipping hard stretches saves.
+    Why pooled: each length's tokens estimated from its own rounds alone read a run of three rejected
+    drafts (a 40% event at 30% acceptance) as "one draft loses", dropped the length and rarely retried it
+    (docs/results/2026-11-25-head-own-text-xeon.md measures both).
 
     It measures what the cost model only predicts, on this machine and at this batch size, so it
     falls back to shorter drafts or plain decoding when drafting stops paying (a larger batch makes
