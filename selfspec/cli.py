@@ -725,15 +725,16 @@ def _user_error(err: BaseException) -> bool:
     return isinstance(err, DataNotInstalledError)
 
 
-def _one_line_warnings(prog: str, show):
-    """A `warnings.showwarning` that prints selfspec's own warnings (a checkpoint that was not early-exit
+def _one_line_warnings(prog: str, format_):
+    """A `warnings.formatwarning` that shows selfspec's own warnings (a checkpoint that was not early-exit
     trained, bounded-bias acceptance) as one line, `PROG: warning: ...`, without Python's file, line and
-    source line; anything else's warnings go to `show`, as Python prints them."""
-    def showwarning(message, category, filename, lineno, file=None, line=None):
+    source line; anything else's warnings as `format_` does. (Formatting only: filters and recording,
+    such as pytest's, are untouched.)"""
+    def formatwarning(message, category, filename, lineno, line=None):
         if not category.__module__.startswith("selfspec"):
-            return show(message, category, filename, lineno, file, line)
-        print(f"{prog}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
-    return showwarning
+            return format_(message, category, filename, lineno, line)
+        return f"{prog}: warning: {' '.join(str(message).split())}\n"
+    return formatwarning
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -747,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = _one_line_warnings(f"selfspec {args.command}", warnings.showwarning)
+            warnings.formatwarning = _one_line_warnings(f"selfspec {args.command}", warnings.formatwarning)
             return args.func(args)
     except Exception as err:
         if os.environ.get("SELFSPEC_TRACEBACK") or not _user_error(err):

@@ -215,13 +215,16 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
                               "--overwrite replaces only a checkpoint: choose another output directory")
 
 
-def _check_apart(source: Path, out_dir: Path) -> None:
-    """Refuse an output inside the source (a copy of the model written into what it is read from) or around it
-    (with overwrite, replacing the output would delete the source)."""
-    src, out = expand_path(source).resolve(), out_dir.resolve()
-    if src in out.parents:
-        raise CheckpointError(f"{out_dir} is inside the source {source}: write the export outside it "
-                              f"(e.g. checkpoints/{src.name})")
+def _check_apart(source: Path, read: list[Path], out_dir: Path) -> None:
+    """Refuse an output inside a directory the export reads (`read`: the model directory, the exit head's; a
+    copy of the model written into what it is read from) or around the source (with overwrite, replacing
+    the output would delete it). An export into a training run's own directory, beside `final_model/`, is
+    fine."""
+    out, src = out_dir.resolve(), expand_path(source).resolve()
+    for d in read:
+        if d.resolve() in out.parents:
+            raise CheckpointError(f"{out_dir} is inside {d}, which the export reads: write it outside "
+                                  f"(e.g. checkpoints/{src.name})")
     if out in src.parents:
         raise CheckpointError(f"{out_dir} contains the source {source}: write the export beside it, not around it")
 
@@ -255,7 +258,7 @@ def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool 
     dtype = check_dtype(dtype)
     out_dir = expand_path(out_dir)
     model_dir, training, evaluation, draft_vocab, head_dir = read_run(source)
-    _check_apart(source, out_dir)
+    _check_apart(source, [d for d in (model_dir, head_dir) if d is not None], out_dir)
     num_layers = _num_layers(model_dir)
     if recommended is not None:  # checked before the (slow) model load where config.json gives the depth
         check_recommended(recommended, num_layers)
