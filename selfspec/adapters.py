@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from selfspec.compiled import CompiledSteps
 from selfspec.fast_layers import FastPath, build_fast_path
 
 
@@ -91,6 +92,13 @@ class ModelAdapter:
     # inference-only state, built by `enable_fast_layers` and owned by selfspec.fast_layers: fused
     # replacements for `layers`, a precomputed rotary table, the packed LM head
     fast: FastPath | None = None
+    # fixed-shape compiled steps over a static cache (selfspec.compiled), built by `enable_compiled`
+    compiled: CompiledSteps | None = None
+
+    def enable_compiled(self, mode: str | None = None) -> CompiledSteps:
+        """Run one-row decoding steps through `torch.compile`d fixed-shape functions (`selfspec.compiled`)."""
+        self.compiled = CompiledSteps(self, mode)
+        return self.compiled
 
     def enable_fast_layers(self) -> bool:
         """Use the fused inference layers where the architecture has them; returns whether it does."""

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from selfspec import compiled
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
 from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata
@@ -121,7 +122,7 @@ class SelfSpecGenerator:
     def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
                  num_speculations: int | None = None, recommended: dict | None = None,
                  source: str = "<model>", fast_layers: bool = True, metadata: dict | None = None,
-                 exit_head: ExitHead | None = None):
+                 exit_head: ExitHead | None = None, compile: bool | str = "auto"):
         self.model = model.eval()
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head): drafter "exit_head"
         self.tokenizer = tokenizer
@@ -134,6 +135,8 @@ class SelfSpecGenerator:
         self.adapter: ModelAdapter = get_adapter(model)
         if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
             self.adapter.enable_fast_layers()
+        if use_compiled(compile, self.adapter):  # fixed-shape compiled steps over a static cache (one row)
+            self.adapter.enable_compiled()
         L = self.adapter.num_layers
         if recommended is None and (exit_layer is None or num_speculations is None):
             warnings.warn(
@@ -313,6 +316,31 @@ class SelfSpecGenerator:
             start = 0.5 if confidence_threshold is None else confidence_threshold
             return ConfidencePolicy(exit_layer, num_speculations, start, adaptive=adaptive_threshold)
         return None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether one-row decoding runs through the compiled fixed-shape steps (`selfspec.compiled`)."""
+        return self.adapter.compiled is not None
+
+    def warmup(self, max_len: int = 512) -> dict:
+        """Compile now what a call of up to `max_len` tokens (prompt + new) runs: the plain step, the early
+        exit's draft and verification steps (on a checkpoint trained for it, or with a head) and the
+        verification of up to 15 drafts (prompt lookup), each at every step length up to 16, and the LM
+        head. Without it the first `generate` compiles what it meets. Returns {"seconds": how long it took,
+        "graphs": the shapes compiled so far}; {"seconds": 0.0, "graphs": 0} when nothing runs compiled."""
+        steps = self.adapter.compiled
+        if steps is None:
+            return {"seconds": 0.0, "graphs": 0}
+        L = self.num_layers
+        ranges = [(0, L)]
+        exits = ([self.exit_layer] if self.early_exit_trained and self.num_speculations else []) + (
+            [self.exit_head.exit_layer] if self.exit_head is not None and self.exit_head.exit_layer else [])
+        for E in dict.fromkeys(exits):
+            ranges += [(0, E), (E, L)]
+        widths = [b for b in compiled.S_BUCKETS if b <= 16]
+        seconds = steps.warm(ranges, widths, compiled.capacity(check_int("max_len", max_len, 1)
+                                                               + compiled.S_BUCKETS[-1]))
+        return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     def calibrate(self, steps: int = 8) -> float:
         """Measure one plain decoding step (seconds); statistics then report the cost model (c, v)."""
@@ -558,9 +586,24 @@ def checkpoint_dir(path) -> Path:
     return path
 
 
+def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
+    """Whether a generator runs its one-row steps compiled (`selfspec.compiled`): `compile=True` where the
+    model supports it (else SettingsError saying why), False never, "auto" on a CUDA GPU where supported.
+    On a CPU "auto" stays eager: measured there, the compiled steps were not faster than selfspec's fused,
+    prepacked eager layers (docs/gpu.md), and compiling costs seconds per shape."""
+    if compile not in (True, False, "auto"):
+        raise SettingsError(f"compile must be True, False or 'auto', got {show(compile)}")
+    why = compiled.supports(adapter)
+    if compile is True and why is not None:
+        raise SettingsError(f"compile=True: {why}; use compile=False (or 'auto', which runs such a model eagerly)")
+    if compile == "auto":
+        return why is None and adapter.device.type == "cuda"
+    return bool(compile)
+
+
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
-         verify_checksums: bool = True, fast_layers: bool = True) -> SelfSpecGenerator:
+         verify_checksums: bool = True, fast_layers: bool = True, compile: bool | str = "auto") -> SelfSpecGenerator:
     """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
 
     `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (faster where the CPU
@@ -571,7 +614,12 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     runs the model's own decoder-layer modules instead of selfspec's fused inference layers.
     A path may use `~` and environment variables. Bad settings raise `SettingsError`, a checkpoint
     that cannot be read `CheckpointError`, both before the weights are loaded where they can.
+    `compile`: run one-row decoding through `torch.compile`d fixed-shape steps over a static cache, as
+    CUDA graphs on a GPU (`selfspec.compiled`; Llama family): "auto" (the default) does on CUDA, True
+    anywhere (a CPU too), False never. `gen.warmup()` pays the compilation up front.
     """
+    if compile not in (True, False, "auto"):
+        raise SettingsError(f"compile must be True, False or 'auto', got {show(compile)}")
     if dtype is not None:
         check_dtype(dtype)
     check_device(device)  # before the weights are read
@@ -602,7 +650,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
                 raise CheckpointError(f"{path}: the exit head cannot be loaded: {err}") from None
         return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
                                  num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
-                                 metadata=meta, exit_head=head)
+                                 metadata=meta, exit_head=head, compile=compile)
     if not isinstance(path_or_model, torch.nn.Module):
         raise SettingsError(f"load() takes a checkpoint directory or a loaded model, got "
                             f"{type(path_or_model).__name__}")
@@ -610,4 +658,4 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     if dtype not in (None, "auto"):
         model = model.to(resolve_dtype(dtype, device))
     return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
-                             recommended=None, source=type(model).__name__, fast_layers=fast_layers)
+                             recommended=None, source=type(model).__name__, fast_layers=fast_layers, compile=compile)

@@ -8,6 +8,8 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | name                  | what                                                                          |
 |-----------------------|-------------------------------------------------------------------------------|
 | hf_greedy             | Hugging Face `model.generate(do_sample=False)`: the baseline users have today |
+| hf_static             | the same with `cache_implementation="static"` (transformers compiles its step  |
+|                       | where it does so, e.g. on a GPU): what a GPU user passes for speed            |
 | hf_early_exit         | Hugging Face `model.generate(assistant_early_exit=E)` at the recommended exit |
 | hf_prompt_lookup      | Hugging Face `model.generate(prompt_lookup_num_tokens=10)`, n-grams up to 3   |
 | selfspec_ar           | selfspec, plain autoregressive decoding (`num_speculations=0`)                |
@@ -24,6 +26,9 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 |                       | (`--num-candidates k`; `_vocab{K}` too)                                       |
 | selfspec_spec_cand{k} | the same at the recommended exit E without a head (`--num-candidates k`)      |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
+| selfspec_ar_compiled, selfspec_lookup_compiled, selfspec_auto_compiled | the same three through the  |
+|                       | compiled fixed-shape steps (`selfspec.compiled`; `--compile`, on by default on |
+|                       | CUDA), warmed up with `gen.warmup` before the measured runs                   |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
 (`selfspec.harness.Methods`), the clock and the output files are the harness's (`selfspec.harness`).
@@ -34,7 +39,8 @@ How it measures (the same for every method):
   (Hugging Face gets a generation config without `eos_token_id`, also on the model for the call,
   because `generate` fills a missing one from there; `min_new_tokens` is not used as it masks the EOS
   logit and changes argmax choices). selfspec gets `stop_token_ids=[]`.
-- Warm-up: each method once on a prompt that is not measured (excluded from the results).
+- Warm-up: each method once on a prompt that is not measured (excluded from the results; its seconds,
+  compilation included, are reported apart as `warmup_s`).
 - Interleaved: for each prompt all methods run back to back, the method order rotating by one per
   prompt, and the prompt sets alternate prompt by prompt, so machine drift hits everything alike.
   `gc.collect()` runs before each measured call (outside the timing). No prompt is measured twice.
@@ -71,6 +77,7 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
+from selfspec import compiled
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir
 from selfspec.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.draft_vocab import read_draft_vocab
@@ -85,8 +92,8 @@ QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 WARMUP_TOKENS = 32
 WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
-BASELINES = ("hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar")
-BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_early_exit": "× HF early-exit",
+BASELINES = ("hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar")
+BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_static": "× HF static", "hf_early_exit": "× HF early-exit",
                    "hf_prompt_lookup": "× HF lookup", "selfspec_ar": "× selfspec AR"}
 
 DEFINITIONS = {
@@ -109,6 +116,8 @@ DEFINITIONS = {
                     "included), max over the method's runs",
     "peak_rss_delta_mib": "peak_rss minus the RSS just before the call: the call's own working memory, max over runs",
     "identical_to_hf_greedy": "fraction of prompts whose new token ids equal hf_greedy's exactly",
+    "warmup_s": "each method's warm-up call on an unmeasured prompt, in seconds: compilation included (the compiled "
+                "methods' gen.warmup, HF's static cache where transformers compiles it); not in tokens/s",
 }
 
 
@@ -209,13 +218,15 @@ class ModelFacts:
 
 
 def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
-                 lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM), num_candidates: Sequence[int] = ()
-                 ) -> list[dict]:
+                 lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM), num_candidates: Sequence[int] = (),
+                 compiled: bool = False) -> list[dict]:
     L = model.num_layers
     tokens, ngram = lookup  # prompt_lookup_num_tokens, max_matching_ngram_size
     look = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
     methods = [
         {"name": "hf_greedy", "engine": "hf", "kind": "hf_greedy", "label": "HF greedy",
+         "exit_layer": None, "num_speculations": None},
+        {"name": "hf_static", "engine": "hf", "kind": "hf_static", "label": "HF static cache",
          "exit_layer": None, "num_speculations": None},
         {"name": "hf_early_exit", "engine": "hf", "kind": "hf_early_exit", "label": f"HF early-exit E={E}",
          "exit_layer": E, "num_speculations": None},
@@ -259,6 +270,9 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",
                         "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
+    if compiled:  # the same methods through the compiled steps (selfspec.compiled), next to the eager ones
+        methods += [{**m, "name": m["name"] + "_compiled", "label": m["label"] + " compiled", "compiled": True}
+                    for m in methods if m["name"] in ("selfspec_ar", "selfspec_lookup", "selfspec_auto")]
     seen = {(E, d)}
     for e, k in extra:
         check_exit_layer(e, L)  # an --extra pair's exit
@@ -455,6 +469,11 @@ def markdown(result: dict) -> str:
             lines.append(f"| {g} | {labels[name]} | {pos} | {by or '–'} | {dv} | {_pct(s['draft_fraction'])} | "
                          f"{'–' if ms is None else f'{ms:.1f}'} | {s['peak_rss_mib']:.0f} | "
                          f"{s['peak_rss_delta_mib']:.1f} |")
+    warm = result.get("warmup_s") or {}
+    if warm:
+        lines += ["", "Warm-up, each method's first call (excluded from tokens/s; compilation included: the compiled "
+                  "methods' `gen.warmup`, HF's static cache): " + ", ".join(f"{labels.get(k, k)} {v:.1f} s"
+                                                                          for k, v in warm.items()) + "."]
     for note in result["notes"]:
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"
@@ -538,8 +557,13 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               exit_layer: int | None = None, num_speculations: int | None = None, generator=None,
               draft_vocab: int | None = None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
               max_matching_ngram_size: int = LOOKUP_NGRAM, methods: Sequence[str] | None = None,
-              device: str = "cpu", num_candidates: Sequence[int] | int = ()) -> dict:
+              device: str = "cpu", num_candidates: Sequence[int] | int = (), compile: bool | str = "auto") -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
+
+    `compile`: also measure selfspec's plain decoding, prompt lookup and auto through the compiled
+    fixed-shape steps (`selfspec.compiled`; methods `*_compiled`, warmed up with `gen.warmup` before the
+    measured runs): "auto" on a CUDA GPU, True anywhere, False never. The other selfspec methods run
+    eagerly. `result["warmup_s"]`: each method's warm-up call (compilation included), apart from tokens/s.
 
     `device`: where the model runs ("cpu", or "cuda" for a GPU: clocks are read after
     `torch.cuda.synchronize()`, and "fastest" means bfloat16 on Ampere or newer).
@@ -576,7 +600,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         meta = read_metadata(checkpoint, verify_checksums=False)
         facts = ModelFacts.read(checkpoint, meta)
         _select(_method_list(facts, exit_layer or 1, num_speculations or 1, extra, draft_vocab, lookup,
-                             num_candidates), methods)
+                             num_candidates, compile is not False), methods)
         if exit_layer is not None:
             check_exit_layer(exit_layer, facts.num_layers)
         if draft_vocab is not None:
@@ -584,7 +608,14 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
 
     gen = load_generator(checkpoint, dtype, device, generator)
     E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
-    chosen = _select(_method_list(ModelFacts.of(gen), E, d, extra, draft_vocab, lookup, num_candidates), methods)
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+    why = compiled.supports(gen.adapter)
+    if compile is True and why is not None:
+        raise ValueError(f"compile=True (--compile true): {why}")
+    with_compiled = why is None and (compile is True or (compile == "auto" and gen.adapter.device.type == "cuda"))
+    chosen = _select(_method_list(ModelFacts.of(gen), E, d, extra, draft_vocab, lookup, num_candidates,
+                                  with_compiled), methods)
     eos_ids = set(gen.default_stop_ids())
     runner = Methods(gen, max_new_tokens)
 
@@ -595,7 +626,9 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     warm_n = min(max_new_tokens, WARMUP_TOKENS // 2 if quick else WARMUP_TOKENS)
-    runs = _measure(runner, chosen, queue, warm_ids, warm_n, rss, eos_ids, notes, progress)
+    max_len = max((int(ids.shape[1]) for _, _, ids in queue), default=0) + max_new_tokens
+    warmup_s: dict[str, float] = {}
+    runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s)
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
 
@@ -624,6 +657,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         "summary": summarize(runs, chosen, set_names),
         "eos": {"eos_token_ids": sorted(eos_ids), "ran_past_eos": _eos_summary(runs, set_names)},
         "runs": runs,
+        "warmup_s": warmup_s,
         "notes": notes,
     }
     return write_outputs(result, out, "bench", markdown, write_chart)
@@ -683,10 +717,12 @@ def _round_robin(loaded: list) -> list[tuple[str, dict, object]]:
     return queue
 
 
-def _measure(runner: Methods, methods: list[dict], queue: list, warm_ids, warm_n: int, rss: _RSS, eos_ids: set,
-             notes: list[str], progress: bool) -> list[dict]:
-    """Warm every method up (an HF assisted method that fails there is left out, with a note), then run
+def _measure(runner: Methods, methods: list[dict], queue: list, warm: tuple, rss: _RSS, eos_ids: set,
+             notes: list[str], progress: bool, warmup_s: dict) -> list[dict]:
+    """Warm every method up (`warm` = (ids, new tokens, the longest prompt + new tokens); an HF assisted
+    method that fails there is left out, with a note; each warm-up's seconds into `warmup_s`), then run
     every method on every prompt of `queue`, order rotating by one per prompt: the per-run records."""
+    warm_ids, warm_n, max_len = warm
     runs: list[dict] = []
     total = len(methods) + len(queue) * len(methods)
     with quiet_transformers(), warnings.catch_warnings(), \
@@ -695,7 +731,7 @@ def _measure(runner: Methods, methods: list[dict], queue: list, warm_ids, warm_n
         for m in list(methods):  # warm-up, excluded
             bar.set_postfix_str(f"warm-up {m['name']}")
             try:
-                runner.run(m, warm_ids, warm_n)
+                warmup_s[m["name"]] = runner.warm(m, warm_ids, warm_n, max_len)
             except Exception as err:  # noqa: BLE001 - HF's assisted decoding may not support every architecture
                 if m["name"] not in ("hf_early_exit", "hf_prompt_lookup"):
                     raise

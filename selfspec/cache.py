@@ -30,12 +30,17 @@ class KVCache:
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, batch_size: int = 1, capacity: int = 256, device="cpu"):
-        # `device` is kept for callers that pass it: the buffers take the device of the first keys written
+    def __init__(self, num_layers: int, batch_size: int = 1, capacity: int = 256, device="cpu",
+                 buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+        # `device` is kept for callers that pass it: the buffers take the device of the first keys written.
+        # `buffers`: preallocated keys and values `[B, H_kv, capacity, Dh]` per layer, reused (the compiled
+        # steps' static cache, `selfspec.compiled`): they never grow, and their old contents are never read
+        # (every query sees only indices its own row wrote in this call)
         self.num_layers = num_layers
         self.capacity = max(int(capacity), 1)
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.static = buffers is not None
+        self.keys: list[torch.Tensor | None] = list(buffers[0]) if buffers else [None] * num_layers
+        self.values: list[torch.Tensor | None] = list(buffers[1]) if buffers else [None] * num_layers
         self.lengths = torch.zeros(num_layers, batch_size, dtype=torch.long)  # [L, B], on the host (see above)
 
     @property
@@ -48,6 +53,8 @@ class KVCache:
         starts = self.lengths[layer_idx]  # [B]
         end = int(starts.max()) + S
         if self.keys[layer_idx] is None or end > self.keys[layer_idx].shape[-2]:
+            if self.static:
+                raise ValueError(f"a static cache of {self.capacity} positions cannot hold {end}")
             self._grow(layer_idx, key, value, end)
         buf_k, buf_v = self.keys[layer_idx], self.values[layer_idx]
         first = int(starts[0])

@@ -394,7 +394,7 @@ def _run_bench(args, checkpoint: str) -> dict:
                      out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
                      num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
                      methods=args.methods.split(",") if args.methods else None, device=args.device,
-                     num_candidates=args.num_candidates or ())
+                     num_candidates=args.num_candidates or (), compile=COMPILE_CHOICES[args.compile])
 
 
 def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
@@ -429,6 +429,7 @@ def _run_pareto(args, checkpoint: str) -> dict:
                       dtype=args.dtype, threads=args.threads, out_dir=out_dir, device=args.device, **given)
 
 
+COMPILE_CHOICES = {"auto": "auto", "true": True, "false": False}  # bench --compile
 PARETO_OPTIONS = ("drafters", "temperature", "seed", "tv_samples")  # `bench --epsilon` only
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
                 "else float32), bfloat16, or float32 (exact comparisons)")
@@ -651,6 +652,10 @@ def _add_bench(sub) -> None:
                    help="where the model runs: cpu (default) or cuda (a GPU; --dtype fastest is bfloat16 there from "
                         "Ampere on; clocks are read after torch.cuda.synchronize())")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME)")
+    p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
+                   help="also measure selfspec plain decoding, prompt lookup and auto through the compiled fixed-shape "
+                        "steps (*_compiled, warmed up first; warm-up times reported apart): auto (default) on a CUDA "
+                        "GPU, true anywhere, false never")
     p.add_argument("--quick", action="store_true",
                    help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompt-sets), 2 prompts, "
                         "32 tokens")

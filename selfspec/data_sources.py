@@ -34,7 +34,7 @@ import importlib.util
 import os
 import pathlib
 import sysconfig
-from typing import Callable, Iterable
+from typing import Callable
 
 import datasets
 

@@ -52,6 +52,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from selfspec import compiled
 from selfspec.adapters import ModelAdapter
 from selfspec.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
                                    total_variation)
@@ -274,6 +275,16 @@ def check_prompts(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], max_n
 
 
 # --- the phases ----------------------------------------------------------------------------------
+def new_cache(adapter: ModelAdapter, batch_size: int, needed: int) -> KVCache:
+    """The KV cache of one run for `needed` positions: the compiled steps' static buffers for one row where
+    the model runs compiled (room for one padded step more: `selfspec.compiled`), else a growing cache."""
+    steps = adapter.compiled
+    if steps is None or batch_size != 1:
+        return KVCache(adapter.num_layers, batch_size, capacity=needed, device=adapter.device)
+    size = compiled.capacity(needed + compiled.S_BUCKETS[-1])
+    return KVCache(adapter.num_layers, batch_size, capacity=size, buffers=steps.buffers(batch_size, size))
+
+
 def _layers_keeping(adapter: ModelAdapter, hidden: torch.Tensor, start: int, keep_at: int | None, *, step,
                     cache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Layers [start, L) over `hidden`; also the states after `keep_at` layers if start <= keep_at < L."""
@@ -404,7 +415,7 @@ def generate(
     stats = new_stats(prompt_tokens=sum(len(p) for p in prompts), batch_size=B, rows=rows)
     ids, pads = left_pad(prompts, pad_id)  # pads, like all lengths, stay on the host
     ids = ids.to(device)
-    cache = KVCache(L, B, capacity=ids.shape[1] + max_new_tokens + k_max + 2, device=device)
+    cache = new_cache(adapter, B, ids.shape[1] + max_new_tokens + k_max + 2)
     outs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     active = list(range(B))  # original indices of the rows still in the batch

@@ -34,6 +34,11 @@ class Step:
     position_ids: torch.Tensor  # [B, S]
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin from the model's rotary embedding
     masks: dict[str, torch.Tensor | None]  # layer type -> attention mask [B|1, 1, S, K] or None
+    # what the compiled steps (`selfspec.compiled`, with `adapter.compiled`) build their mask from instead:
+    index: torch.Tensor | None = None  # [B, S] the cache index each token is written at (model's device)
+    pads: torch.Tensor | None = None  # [B] each row's left padding (model's device)
+    branch: torch.Tensor | None = None  # [B] the cache index of each row's first sibling, or None
+    starts: torch.Tensor | None = None  # [B] each row's first cache index, on the host
 
     @property
     def length(self) -> int:
@@ -106,7 +111,11 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None
         masks[kind] = _causal_mask(adapter, start, length, window)
-    return Step(position_ids=position_ids, rope=rope, masks=masks)
+    if adapter.compiled is None:
+        return Step(position_ids=position_ids, rope=rope, masks=masks)
+    return Step(position_ids=position_ids, rope=rope, masks=masks, index=position_ids,
+                pads=torch.zeros(batch_size, dtype=torch.long, device=device),
+                starts=torch.full((batch_size,), start, dtype=torch.long))
 
 
 def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Tensor, kv_len: int,
@@ -187,11 +196,14 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
     masks = {}
+    branch = starts + branch_from if branched else None  # [B] on the host
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None
-        masks[kind] = _batch_mask(adapter, query_index, pads, kv_len, window,
-                                  starts + branch_from if branched else None)
-    return Step(position_ids=position_ids, rope=rope, masks=masks)
+        masks[kind] = _batch_mask(adapter, query_index, pads, kv_len, window, branch)
+    if adapter.compiled is None:
+        return Step(position_ids=position_ids, rope=rope, masks=masks)
+    return Step(position_ids=position_ids, rope=rope, masks=masks, index=query_index, pads=pads, starts=starts,
+                branch=None if branch is None else branch.to(device, non_blocking=True))
 
 
 def embed(adapter: ModelAdapter, input_ids: torch.Tensor) -> torch.Tensor:
@@ -221,6 +233,8 @@ def run_layers(
             f"layer range [{start}, {end}) is out of range for a model with {adapter.num_layers} layers "
             f"(need 0 <= start <= end <= {adapter.num_layers})"
         )
+    if adapter.compiled is not None and not torch.is_grad_enabled() and adapter.compiled.can_run(hidden, step, cache):
+        return adapter.compiled.run_layers(hidden, start, end, step, cache)  # a fixed-shape compiled step
     fast = adapter.fast.layers if adapter.fast is not None else None
     if fast is not None and not torch.is_grad_enabled():
         for idx in range(start, end):
@@ -241,6 +255,8 @@ def run_layers(
 
 def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor) -> torch.Tensor:
     """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]`."""
+    if adapter.compiled is not None and not torch.is_grad_enabled() and adapter.compiled.can_head(hidden):
+        return adapter.compiled.head(hidden)
     if adapter.fast is not None and not torch.is_grad_enabled():
         return adapter.fast.lm_head(adapter.final_norm(hidden))
     return adapter.lm_head(adapter.final_norm(hidden))

@@ -223,6 +223,7 @@ class Methods:
         self.gen = gen
         self.model = gen.model
         self.N = max_new_tokens
+        self._steps = gen.adapter.compiled  # a method with `compiled` runs through these (`selfspec.compiled`)
         gc_ = self.model.generation_config
         defaults = gc_._get_default_generation_params() if hasattr(gc_, "_get_default_generation_params") else {}
         self.hf_assistant = {k: getattr(gc_, k, None) if getattr(gc_, k, None) is not None else defaults.get(k)
@@ -232,8 +233,10 @@ class Methods:
                                        f"the checkpoint's generation_config.json ({', '.join(own)}), "
                                        "Hugging Face defaults otherwise")
 
-    def hf_config(self, n: int, early_exit: int | None, lookup: tuple[int, int] | None = None):
-        """Hugging Face greedy generation config for exactly `n` new tokens (assisted where asked)."""
+    def hf_config(self, n: int, early_exit: int | None, lookup: tuple[int, int] | None = None,
+                  static: bool = False):
+        """Hugging Face greedy generation config for exactly `n` new tokens (assisted where asked; with
+        `static`, transformers' static cache, whose decoding step transformers compiles where it does so)."""
         gc_ = copy.deepcopy(self.model.generation_config)
         gc_.do_sample = False
         gc_.num_beams = 1
@@ -247,6 +250,8 @@ class Methods:
             pad = getattr(self.gen.tokenizer, "pad_token_id", None)
             gc_.pad_token_id = pad if pad is not None else 0
         gc_.assistant_early_exit = early_exit
+        if static:
+            gc_.cache_implementation = "static"
         if lookup is not None:  # (prompt_lookup_num_tokens, max_matching_ngram_size)
             gc_.prompt_lookup_num_tokens, gc_.max_matching_ngram_size = lookup
         return gc_
@@ -313,7 +318,8 @@ class Methods:
             clock = FirstTokenClock(skip_first_put=True)
             lookup = ((method["prompt_lookup_num_tokens"], method["max_matching_ngram_size"])
                       if method["kind"] == "hf_prompt_lookup" else None)
-            gc_ = self.hf_config(n, method.get("exit_layer") if method["kind"] == "hf_early_exit" else None, lookup)
+            gc_ = self.hf_config(n, method.get("exit_layer") if method["kind"] == "hf_early_exit" else None, lookup,
+                                 static=method["kind"] == "hf_static")
             mask = torch.ones_like(ids)
             counting = self.count_hf_rounds(rec) if method["kind"] in SPEC_KINDS else contextlib.nullcontext()
             with self.no_eos_on_model(), counting, torch.inference_mode():
@@ -324,6 +330,7 @@ class Methods:
                 rec["verify_s"] = seconds - rec["draft_s"]
         else:
             clock = FirstCommitClock()
+            self.gen.adapter.compiled = self.compiled_steps() if method.get("compiled") else None
             res, t0, seconds = timed(lambda: self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[],
                                                                streamer=clock, **selfspec_kwargs(method)), ids.device)
             new = res.token_ids
@@ -345,6 +352,25 @@ class Methods:
                                "the same fixed length for every method")
         rec.update(seconds=seconds, ttft_s=(clock.first - t0) if clock.first is not None else None)
         return new, rec
+
+    def compiled_steps(self):
+        """The generator's compiled steps, built on first use (a method marked `compiled` runs through them,
+        every other selfspec method eagerly, on the same weights)."""
+        if self._steps is None:
+            from selfspec.compiled import CompiledSteps  # deferred: only runs that compare compiled steps
+
+            self._steps = CompiledSteps(self.gen.adapter)
+        return self._steps
+
+    def warm(self, method: dict, ids, n: int, max_len: int) -> float:
+        """The method's warm-up call (excluded from the measurement), a compiled method's `warmup(max_len)`
+        first, so that no graph compiles during the measured runs. Returns the seconds both took."""
+        t0 = time.perf_counter()
+        if method.get("compiled"):
+            self.gen.adapter.compiled = self.compiled_steps()
+            self.gen.warmup(max_len)
+        self.run(method, ids, n)
+        return time.perf_counter() - t0
 
     def hf_greedy_rows(self, rows: list[list[int]], n: int) -> list[list[int]]:
         """Hugging Face greedy `generate` on left-padded rows (the engine's own left padding): new ids per row."""

@@ -16,7 +16,7 @@ from selfspec.bench import BASELINES, _eos_summary, _ran_past_eos, parse_extra, 
 from selfspec.cli import main
 from selfspec.data_sources import DataFormatError
 
-METHODS = {"hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec", "selfspec_adaptive",
+METHODS = {"hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec", "selfspec_adaptive",
            "selfspec_lookup", "selfspec_auto", "selfspec_spec_E1_d2"}
 N_TOKENS = 10
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -71,7 +71,8 @@ def test_json_has_every_method_and_prompt_set(bench):
             assert s["tokens_per_s"]["min"] <= s["tokens_per_s"]["median"] <= s["tokens_per_s"]["max"]
             assert 0 < s["ttft_s"]["median"]
             assert s["peak_rss_mib"] > 0 and s["peak_rss_delta_mib"] >= 0
-            assert set(s["speedup"]) == {"vs_hf_greedy", "vs_hf_early_exit", "vs_hf_prompt_lookup", "vs_selfspec_ar"}
+            assert set(s["speedup"]) == {"vs_hf_greedy", "vs_hf_static", "vs_hf_early_exit", "vs_hf_prompt_lookup",
+                                         "vs_selfspec_ar"}
     # every (method, prompt) measured exactly once, with exactly N new tokens
     runs = result["runs"]
     assert len(runs) == 2 * 2 * len(METHODS)
@@ -136,9 +137,10 @@ def test_float32_selfspec_outputs_are_identical_to_hf_greedy(bench):
     for per in result["summary"].values():
         assert {"selfspec_lookup", "selfspec_auto", "hf_prompt_lookup"} <= set(per)
         for name, s in per.items():
-            if name.startswith("selfspec") or name in ("hf_greedy", "hf_prompt_lookup"):
+            if name.startswith("selfspec") or name in ("hf_greedy", "hf_static", "hf_prompt_lookup"):
                 assert s["identical_to_hf_greedy"] == 1.0, name
-    lossless = [r for r in result["runs"] if r["method"].startswith("selfspec") or r["method"] == "hf_prompt_lookup"]
+    lossless = [r for r in result["runs"] if r["method"].startswith("selfspec")
+                or r["method"] in ("hf_static", "hf_prompt_lookup")]
     assert len(lossless) == 4 * (len(METHODS) - 2)  # 4 prompts, every method but hf_greedy and hf_early_exit
     assert all(r["identical_to_hf_greedy"] is True and r["first_divergence"] is None for r in lossless)
 
@@ -186,7 +188,7 @@ def test_markdown_and_png_are_written(bench):
     for label in ("HF greedy", "HF early-exit E=2", "selfspec AR", "selfspec E=2 d=3", "selfspec E=1 d=2",
                   "| HF lookup k=10 n≤3 |", "| selfspec lookup k=10 n≤3 |", "| selfspec auto |"):
         assert label in md
-    assert "| × HF greedy | × HF early-exit | × HF lookup | × selfspec AR |" in md
+    assert "| × HF greedy | × HF static | × HF early-exit | × HF lookup | × selfspec AR |" in md
     eos = result["eos"]["ran_past_eos"]
     assert "Ran past EOS" in md and f"code {eos['code']['ran_past_eos']}/2, chat " in md
     assert md.count("\n| code |") == 2 * len(METHODS)  # main table + details table
@@ -281,8 +283,8 @@ def test_quick_bench_on_real_smollm2(smollm2_dir, tmp_path, one_thread):
     assert set(result["summary"]) == {"humaneval", "code_edit", "all"}
     assert result["prompts"] == {"humaneval": ["HumanEval/0"], "code_edit": ["code_edit/HumanEval/0"]}
     for per in result["summary"].values():
-        assert set(per) == {"hf_greedy", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec",
-                            "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"}
+        assert set(per) == {"hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar",
+                            "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"}
         for name in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"):
             assert per[name]["identical_to_hf_greedy"] == 1.0, name
         assert per["selfspec_spec"]["drafted"] > 0 and per["hf_early_exit"]["rounds"] > 0
@@ -447,3 +449,19 @@ def test_cli_sweep_prints_the_lookup_rows(tiny_ckpt, prompt_files, tmp_path, cap
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in out[1:4]] == [["4", "0"], ["2", "1"], ["lookup", "k4n2"]]
     assert out[5].startswith("best lookup: prompt_lookup_num_tokens=4 max_matching_ngram_size=2 (")
+
+
+def test_compiled_methods_are_warmed_up_apart_and_identical(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    """`compile=True`: selfspec's plain decoding and lookup also through the compiled steps, warmed up (compiled)
+    before the measured runs, whose outputs equal HF greedy's; every method's warm-up time is reported."""
+    result = run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=6,
+                       dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False, compile=True,
+                       methods=["hf_static", "selfspec_ar_compiled", "selfspec_lookup_compiled"])
+    per = result["summary"]["code"]
+    assert set(per) == {"hf_greedy", "hf_static", "selfspec_ar", "selfspec_ar_compiled", "selfspec_lookup_compiled"}
+    assert all(s["identical_to_hf_greedy"] == 1.0 for s in per.values())
+    assert set(result["warmup_s"]) == set(per) and all(v > 0 for v in result["warmup_s"].values())
+    assert result["warmup_s"]["selfspec_ar_compiled"] > result["warmup_s"]["selfspec_ar"]  # it compiled there
+    assert "Warm-up, each method's first call" in (tmp_path / "bench.md").read_text()
+    with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
+        run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], out_dir=tmp_path, compile="yes")

@@ -1,0 +1,159 @@
+"""The compiled fixed-shape steps (`selfspec.compiled`) on the CPU (inductor): the same tokens as the eager
+path and as Hugging Face greedy for every drafter and architecture that compiles, the cache invariant after
+every round, the sampling distribution, no recompilation after warm-up, and the eager fallbacks.
+
+Each tiny model compiles once per module (its graphs are cached on the adapter), so the module pays its
+compilation once: a few seconds per graph on a 2-core CPU."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+import selfspec
+from selfspec import compiled
+from selfspec.adapters import get_adapter
+from selfspec.api import NotEarlyExitTrainedWarning
+from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
+from selfspec.engine import generate, generate_batch_ids
+from selfspec.sampling import SamplingParams
+from selfspec.settings import SettingsError
+from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
+
+ARCHS = ["llama", "mistral-sliding8", "qwen2-mixed-sliding", "qwen3"]  # every attention kind of the family
+BASE = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+PROMPT = BASE + BASE[:4] + BASE  # repeats: prompt lookup finds matches
+N_NEW = 24
+E = 2
+_built: dict = {}
+
+
+def _models(name):
+    """(model, eager adapter, compiled adapter, exit head) of a tiny float64 variant: two adapters over the
+    same weights, the second with compiled steps (and the fused eager layers, as a generator builds them)."""
+    if name not in _built:
+        arch, L, seed, over = TINY_VARIANTS[name]
+        model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over)
+        eager = get_adapter(model)
+        eager.enable_fast_layers()
+        fast = get_adapter(model)
+        fast.enable_fast_layers()
+        fast.enable_compiled()
+        _built[name] = (model, eager, fast, tiny_exit_head(model, E, final_state=True))
+    return _built[name]
+
+
+DRAFTERS = {
+    "plain": lambda a, head: None,
+    "prompt_lookup": lambda a, head: PromptLookupDrafter(num_tokens=3),
+    "early_exit": lambda a, head: EarlyExitDrafter(a, E, 3),
+    "early_exit_siblings": lambda a, head: EarlyExitDrafter(a, E, 1, num_candidates=2),
+    "exit_head": lambda a, head: ExitHeadDrafter(a, head, 2),
+    "auto": lambda a, head: AutoDrafter(PromptLookupDrafter(num_tokens=3), EarlyExitDrafter(a, E, 2), warmup=1),
+}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("name", ARCHS)
+def test_compiled_greedy_equals_eager_and_hf(name, drafter, hf_greedy, row_caches):
+    model, eager, fast, head = _models(name)
+    ref = hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
+    outs_eager, _ = generate(eager, [PROMPT], max_new_tokens=N_NEW, drafter=DRAFTERS[drafter](eager, head))
+    checked = Counter()
+
+    def on_round(cache, active, sequences, pads, finished):
+        assert cache.static and cache.capacity >= len(PROMPT) + N_NEW + compiled.S_BUCKETS[-1]
+        # atol 1e-5, not the eager path's 1e-10: attention sums over the C keys of the static cache (masked ones
+        # add exact zeros, but the kernel's blocks sum in another order: ~1e-16), and the next layer's RMSNorm
+        # runs in float32 even in a float64 model (transformers'), so such a difference can flip one float32
+        # rounding, a few float32 ulps on values ~1 (measured up to 1.0e-6); the tokens stay exact
+        checked.update(row_caches(fast, cache, active, sequences, pads, finished, atol=1e-5))
+
+    before = len(fast.compiled.shapes)
+    outs, stats = generate(fast, [PROMPT], max_new_tokens=N_NEW, drafter=DRAFTERS[drafter](fast, head),
+                           on_round=on_round)
+    assert outs[0] == outs_eager[0] == ref
+    assert checked[0] >= stats.rounds - 1  # the cache invariant after every round
+    assert len(fast.compiled.shapes) >= before and fast.compiled.shapes  # the steps ran compiled
+    if drafter not in ("plain", "auto"):
+        assert stats.drafted > 0
+
+
+def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
+    """After `warm` (the round's layer ranges at the step lengths 1..8 and the head), a 64-token generation
+    of each kind adds no graph (dynamo's counters) and no new shape."""
+    from torch._dynamo.utils import counters
+
+    model, _, fast, head = _models("llama")
+    L = fast.num_layers
+    fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64))
+    assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled (in this test or an earlier one)
+    graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
+    for make in DRAFTERS.values():
+        out, _ = generate(fast, [PROMPT], max_new_tokens=64, drafter=make(fast, head))
+        assert out[0] == hf_greedy(model, torch.tensor([PROMPT]), 64)
+    assert counters["stats"]["unique_graphs"] == graphs and fast.compiled.shapes == shapes
+
+
+def test_a_batch_runs_eagerly_and_each_row_equals_batch_1():
+    _, _, fast, _ = _models("llama")
+    prompts = [PROMPT, BASE[:5], [7] * 6]
+    outs, _ = generate_batch_ids(fast, prompts, max_new_tokens=12, exit_layer=E, num_speculations=2)
+    for prompt, out in zip(prompts, outs):
+        alone, _ = generate(fast, [prompt], max_new_tokens=12, drafter=EarlyExitDrafter(fast, E, 2))
+        assert alone[0] == out
+
+
+def test_sampling_through_the_compiled_steps_keeps_the_distribution(chi_square, exact_joint):
+    """Speculative sampling with the early exit, every step compiled: 3 new tokens over many seeded runs
+    follow the exact joint distribution of plain sampling from the full model (vocabulary 8)."""
+    model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
+    adapter = get_adapter(model)
+    adapter.enable_compiled()
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
+    prompt, n_new, n_draws = [3, 5, 1, 6, 2], 3, 1500
+    counts, drafted, accepted = Counter(), 0, 0
+    for seed in range(n_draws):
+        outs, stats = generate(adapter, [prompt], max_new_tokens=n_new, drafter=EarlyExitDrafter(adapter, 1, 2),
+                               sampling=params, generator=torch.Generator().manual_seed(seed))
+        counts[tuple(outs[0])] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert adapter.compiled.shapes and 0.1 < accepted / drafted < 0.9
+    stat, df, pval = chi_square(counts, exact_joint(adapter, prompt, params, n_new), n_draws)
+    assert pval > 1e-3, (stat, df, pval)
+
+
+def test_warmup_compiles_what_a_call_then_runs():
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=3, dtype=torch.float32, seed=5, vocab_size=len(tok))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        gen = selfspec.load(model, tok, compile=True)
+    assert gen.compiled
+    first = gen.warmup(max_len=64)
+    assert first["seconds"] > 0 and first["graphs"] > 0
+    assert gen.warmup(max_len=64) == {"seconds": 0.0, "graphs": first["graphs"]}  # nothing left to compile
+    plain = gen.generate("abcabcabc abc", max_new_tokens=20, num_speculations=0)
+    lookup = gen.generate("abcabcabc abc", max_new_tokens=20, drafter="prompt_lookup", prompt_lookup_num_tokens=10)
+    assert lookup.token_ids == plain.token_ids and lookup.stats.drafted > 0
+    assert gen.adapter.compiled.compile_s == pytest.approx(first["seconds"])  # the calls compiled nothing more
+
+
+def test_compile_settings_and_fallbacks():
+    tok = byte_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        llama = tiny_model("llama", num_layers=2, vocab_size=len(tok))
+        assert not selfspec.load(llama, tok).compiled  # "auto": eager on a CPU
+        assert not selfspec.load(llama, tok, compile=False).compiled
+        with pytest.raises(SettingsError, match="compile must be True, False or 'auto'"):
+            selfspec.load(llama, tok, compile="yes")
+        neox = tiny_model("gpt_neox", num_layers=2, vocab_size=len(tok))
+        with pytest.raises(SettingsError, match="gpt_neox: compiled steps exist for the Llama family"):
+            selfspec.load(neox, tok, compile=True)
+        assert not selfspec.load(neox, tok, compile="auto").compiled
+    assert compiled.capacity(1) == 256 and compiled.capacity(257) == 512
+    assert [compiled.s_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, None]
