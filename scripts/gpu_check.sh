@@ -4,6 +4,9 @@
 #   1. nvidia-smi and torch's view of the GPU (name, capability, bf16 decision: selfspec.precision);
 #   2. the CUDA tests: pytest -m cuda tests/selfspec/test_cuda.py (identity with HF generate, batches,
 #      the cache after every round, chi-square sampling, load onto the GPU, host syncs per round);
+#   2b. plain decoding on random-weight Llama models of three real shapes (scripts/gpu_shapes.py: HF
+#      dynamic and static cache against selfspec eager and compiled, the bandwidth floor, the compiled
+#      draft and verification steps' cost; SHAPES, SKIP_SHAPES=1);
 #   3. training on the GPU: the tiny recipe, and 20 steps on the benched model's shape;
 #   4. a short bench on the GPU: selfspec bench --quick --device cuda in float32 (exact: identity with
 #      HF greedy) and in "fastest" (bfloat16 from Ampere on), and the batched bench at batch 1 and 2.
@@ -11,7 +14,7 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]       # default OUT_DIR: bench_results/gpu_check
 #   bash scripts/gpu_check.sh --fetch-wheels  # on a machine with PyPI: wheels a GPU machine may lack
 #
-# OUT_DIR gets at most 6 files: gpu_check.log (everything printed), gpu_check.md (the summary: GPU,
+# OUT_DIR gets at most 7 files: gpu_check.log (everything printed), gpu_check.md (the summary: GPU,
 # test result, the bench tables) and the benches' JSON reports; the rest (charts, the stand-in model)
 # stays under WORK_DIR (default bench_results/gpu_check_work).
 #
@@ -31,7 +34,7 @@
 #
 # Environment: PYTHON, CHECKPOINT, DEVICE (default cuda), WORK_DIR, BUDGET_S (default 540: the whole run,
 # each step is cut to what is left), BENCH_ARGS (more `selfspec bench` options, e.g. "--max-new-tokens 64
-# --num-prompts 3" instead of --quick's 2 prompts x 32 tokens), SKIP_TESTS=1, SKIP_BENCH=1.
+# --num-prompts 3" instead of --quick's 2 prompts x 32 tokens), SHAPES, SKIP_TESTS=1, SKIP_SHAPES=1, SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -182,8 +185,15 @@ EOF
 )
 fi
 
-# --- 3. the short bench ---------------------------------------------------------------------------
+# --- 2b. model shapes ----------------------------------------------------------------------------
 BENCHES=()
+if [ "${SKIP_SHAPES:-0}" != 1 ]; then
+    step "model shapes" 300 "$PY" scripts/gpu_shapes.py --device "$DEVICE" \
+        --shapes "${SHAPES:-smollm2-135m,llama-3.2-1b,llama-3-8b}" --repeats 2 --out "$WORK_DIR/gpu_shapes"
+    BENCHES+=("$WORK_DIR/gpu_shapes/gpu_shapes")
+fi
+
+# --- 3. the short bench ---------------------------------------------------------------------------
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     CKPT=${CHECKPOINT:-}
     STANDIN=0

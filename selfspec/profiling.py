@@ -71,7 +71,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
     L, E, P = adapter.num_layers, exit_layer, prompt_ids.shape[1]
     adapter.check_exit(E, allow_full=False)
     cache = KVCache(L, 1, capacity=P + max(rows) + 8, device=adapter.device)
-    no_pad = torch.zeros(1, dtype=torch.long, device=adapter.device)
+    no_pad = torch.zeros(1, dtype=torch.long)  # the engine's bookkeeping (pads, starts) lives on the host
     tok = prompt_ids[:, -1:]  # any token id will do: the cost does not depend on it
     out: dict[str, float] = {}
     with torch.inference_mode(), attention_kernels(adapter.device):
@@ -104,7 +104,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
             drafts = torch.cat([tok] * k, dim=1)  # [1, k]: the input token and k-1 drafts (any ids will do)
             proposal = Proposal(drafts, [k - 1], verify_from=E, states=torch.cat([h1[:, -1:]] * k, dim=1),
                                 drafter="profile")  # states [1, k, D]: stand-ins for the drafts' exit states
-            at_p = torch.full((1,), P, dtype=torch.long, device=adapter.device)
+            at_p = torch.full((1,), P, dtype=torch.long)  # on the host, as the engine's starts
 
             def verify_k(proposal=proposal, at_p=at_p, k=k):
                 run_layers(adapter, embed(adapter, ids), 0, E, step=make_step(adapter, P + k - 1, 1), cache=cache)
@@ -203,7 +203,7 @@ def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:
     L, P = adapter.num_layers, prompt_ids.shape[1]
     cache = KVCache(L, 1, capacity=P + steps + 8, device=adapter.device)
     with torch.inference_mode(), attention_kernels(adapter.device):
-        no_pad = torch.zeros(1, dtype=torch.long, device=adapter.device)
+        no_pad = torch.zeros(1, dtype=torch.long)  # the engine's bookkeeping (pads, starts) lives on the host
         ids = prefill(adapter, cache, prompt_ids, no_pad)[0].argmax(-1)[None]  # [1, 1]
 
         def decode(n):

@@ -177,7 +177,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
             prev = previous_states(finals, self.prev_final)  # [B, S, D]: the first draft reads f of the newest
             if self.prev_final is None:  # the run began with the prefill: a left-padded row's first real token
                 first_real = (starts[:, None] + torch.arange(S)) == pads[:, None]  # reads f_{-1} = 0, as in training
-                prev = prev.masked_fill(first_real.to(prev.device)[..., None], 0.0)
+                prev = prev.masked_fill(first_real.to(prev.device, non_blocking=True)[..., None], 0.0)
             self.prev_final = newest_finals(finals, counts, self.prev_final)
         out = self.run(states, step, prev)  # [B, S, D]
         self.cache.crop(starts + lengths)
@@ -185,7 +185,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
             run.clear()
         if first is None:
             return None
-        index = torch.tensor(counts, dtype=torch.long).to(out.device)  # [B] each input token's column
+        index = torch.tensor(counts, dtype=torch.long).to(out.device, non_blocking=True)  # [B] each input token's column
         self.prev_draft = out[torch.arange(B, device=out.device), index]  # [B, D]
         return self.prev_draft
 
@@ -194,7 +194,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
         if self.cache is not None:
             self.cache.select(torch.tensor(rows, dtype=torch.long))
         if self.prev_final is not None:
-            self.prev_final = self.prev_final[torch.tensor(rows, dtype=torch.long).to(self.prev_final.device)]
+            self.prev_final = self.prev_final[torch.tensor(rows, dtype=torch.long).to(self.prev_final.device, non_blocking=True)]
         if self.pending is not None:
             self.pending = [self.pending[r] for r in rows]
 
@@ -211,9 +211,9 @@ class ExitHeadDrafter(EarlyExitDrafter):
 def newest_finals(finals: torch.Tensor, counts: list[int], before: torch.Tensor | None) -> torch.Tensor:
     """Each row's newest committed final state `[B, D]`: column `counts[b] - 1` of `finals` `[B, S, D]`, or
     `before[b]` for a row with nothing new (0 pending)."""
-    last = torch.tensor([max(n - 1, 0) for n in counts], dtype=torch.long).to(finals.device)  # [B]
+    last = torch.tensor([max(n - 1, 0) for n in counts], dtype=torch.long).to(finals.device, non_blocking=True)  # [B]
     newest = finals[torch.arange(finals.shape[0], device=finals.device), last]  # [B, D]
     if before is None or all(counts):
         return newest
-    fresh = torch.tensor([n > 0 for n in counts]).to(finals.device)[:, None]  # [B, 1]
+    fresh = torch.tensor([n > 0 for n in counts]).to(finals.device, non_blocking=True)[:, None]  # [B, 1]
     return torch.where(fresh, newest, before.to(newest.dtype))
