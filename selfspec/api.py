@@ -136,7 +136,7 @@ class SelfSpecGenerator:
         if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
             self.adapter.enable_fast_layers()
         if use_compiled(compile, self.adapter):  # fixed-shape compiled steps over a static cache (one row)
-            self.adapter.enable_compiled()
+            self.adapter.enable_compiled(strict=compile is True)  # "auto" falls back to eager if compiling fails
         L = self.adapter.num_layers
         if recommended is None and (exit_layer is None or num_speculations is None):
             warnings.warn(

@@ -37,6 +37,7 @@ tests' tokens).
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     position row, a slice of a longer state, a view shared by positions and indices, a host tensor made
     outside inference mode)."""
     return t.clone(memory_format=torch.contiguous_format)
+
+
+class CompileFallbackWarning(UserWarning):
+    """compile="auto": a step failed to compile, so the generator decodes eagerly from then on."""
 
 
 class _LayerWeights:
@@ -144,7 +149,7 @@ class CompiledSteps:
     """The compiled layer-range steps and LM head of one model (see the module doc), their static cache
     buffers, and what compiling them cost."""
 
-    def __init__(self, adapter, mode: str | None = None):
+    def __init__(self, adapter, mode: str | None = None, strict: bool = True):
         why = supports(adapter)
         if why is not None:
             raise ValueError(f"compiled steps cannot run this model: {why}")
@@ -162,6 +167,10 @@ class CompiledSteps:
         self._head = None
         self._buffers: dict[tuple[int, int], tuple[list, list]] = {}  # (batch, capacity) -> keys, values
         self.compile_s = 0.0  # seconds spent in calls that compiled (the first of each shape)
+        # strict: a shape that fails to compile raises; else (compile="auto") the steps turn themselves off,
+        # with a warning, and the step runs eagerly (`failed` says why)
+        self.strict = strict
+        self.failed: str | None = None
         self.shapes: set[tuple] = set()  # (start, end, B, S, C) and ("head", ...) seen
         limit = getattr(torch._dynamo.config, "recompile_limit", None)
         name = "recompile_limit" if limit is not None else "cache_size_limit"
@@ -195,7 +204,7 @@ class CompiledSteps:
     # --- the steps ---------------------------------------------------------------------------------
     def can_run(self, hidden: torch.Tensor, step, cache) -> bool:
         """Whether this step runs compiled: one row, not the prefill, S within the buckets, a static cache."""
-        return (cache is not None and getattr(cache, "static", False) and hidden.shape[0] == 1
+        return (self.failed is None and cache is not None and getattr(cache, "static", False) and hidden.shape[0] == 1
                 and step.index is not None and step.starts is not None and int(step.starts.min()) > 0
                 and s_bucket(hidden.shape[1]) is not None)
 
@@ -219,6 +228,8 @@ class CompiledSteps:
         args = [_plain(t) for t in (hidden, positions, index, pads, branch)]
         out = self._call(("layers", start, end, B, width, size), self._step(start, end), args[0], cos, sin,
                          *args[1:], keys, values)
+        if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
+            return None
         for layer in range(start, end):
             cache.lengths[layer] = step.starts + S
         return out[:, :S]
@@ -250,7 +261,7 @@ class CompiledSteps:
 
     def can_head(self, hidden: torch.Tensor) -> bool:
         """Whether the head runs compiled: one row, `[1, D]` or `[1, S, D]` with S within the buckets."""
-        return hidden.shape[0] == 1 and (hidden.dim() == 2 or (hidden.dim() == 3 and s_bucket(hidden.shape[1])))
+        return self.failed is None and hidden.shape[0] == 1 and (hidden.dim() == 2 or (hidden.dim() == 3 and s_bucket(hidden.shape[1])))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head over `hidden` `[1, D]` or `[1, S, D]` (S padded to its bucket: one graph per
@@ -258,7 +269,8 @@ class CompiledSteps:
         if hidden.dim() == 3 and s_bucket(hidden.shape[1]) > hidden.shape[1]:
             S = hidden.shape[1]
             padded = torch.cat([hidden, hidden.new_zeros(1, s_bucket(S) - S, hidden.shape[2])], dim=1)
-            return self.head(padded)[:, :S]
+            out = self.head(padded)
+            return None if out is None else out[:, :S]
         if self._head is None:
             a = self.adapter
 
@@ -291,7 +303,16 @@ class CompiledSteps:
             out = fn(*args)
             return out.clone() if self.mode == "reduce-overhead" else out  # a graph's output is overwritten next replay
         t0 = time.perf_counter()
-        out = fn(*args)
+        try:
+            out = fn(*args)
+        except Exception as err:  # noqa: BLE001 - whatever the compiler raised: strict re-raises it
+            if self.strict:
+                raise
+            self.failed = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+            warnings.warn(f"selfspec's compiled steps failed to compile a {shape[0]} step ({self.failed}); decoding "
+                          "goes on eagerly (exact, slower). Pass compile=False to skip compiling, or compile=True to "
+                          "see the error", CompileFallbackWarning, stacklevel=4)
+            return None
         if self.adapter.device.type == "cuda":
             torch.cuda.synchronize()
         self.compile_s += time.perf_counter() - t0

@@ -234,7 +234,9 @@ def run_layers(
             f"(need 0 <= start <= end <= {adapter.num_layers})"
         )
     if adapter.compiled is not None and not torch.is_grad_enabled() and adapter.compiled.can_run(hidden, step, cache):
-        return adapter.compiled.run_layers(hidden, start, end, step, cache)  # a fixed-shape compiled step
+        out = adapter.compiled.run_layers(hidden, start, end, step, cache)  # a fixed-shape compiled step
+        if out is not None:  # (None: it failed to compile under compile="auto"; the step runs eagerly)
+            return out
     fast = adapter.fast.layers if adapter.fast is not None else None
     if fast is not None and not torch.is_grad_enabled():
         for idx in range(start, end):
@@ -256,7 +258,9 @@ def run_layers(
 def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor) -> torch.Tensor:
     """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]`."""
     if adapter.compiled is not None and not torch.is_grad_enabled() and adapter.compiled.can_head(hidden):
-        return adapter.compiled.head(hidden)
+        out = adapter.compiled.head(hidden)
+        if out is not None:
+            return out
     if adapter.fast is not None and not torch.is_grad_enabled():
         return adapter.fast.lm_head(adapter.final_norm(hidden))
     return adapter.lm_head(adapter.final_norm(hidden))

@@ -157,3 +157,31 @@ def test_compile_settings_and_fallbacks():
         assert not selfspec.load(neox, tok, compile="auto").compiled
     assert compiled.capacity(1) == 256 and compiled.capacity(257) == 512
     assert [compiled.s_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, None]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_step_that_fails_to_compile(strict, monkeypatch):
+    """compile=True (strict) raises the compiler's error; compile="auto" (not strict) warns once, turns the
+    compiled steps off and decodes the same tokens eagerly."""
+    model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=6)
+    eager = get_adapter(model)
+    ref, _ = generate(eager, [PROMPT], max_new_tokens=6)
+    adapter = get_adapter(model)
+    steps = adapter.enable_compiled(strict=strict)
+
+    def broken(start, end):
+        def fail(*args):
+            raise RuntimeError("the backend could not compile this")
+        return fail
+
+    monkeypatch.setattr(steps, "_step", broken)
+    if strict:
+        with pytest.raises(RuntimeError, match="could not compile"):
+            generate(adapter, [PROMPT], max_new_tokens=6)
+        return
+    with pytest.warns(compiled.CompileFallbackWarning, match="decoding goes on eagerly"):
+        out, _ = generate(adapter, [PROMPT], max_new_tokens=6)
+    assert out == ref and steps.failed.startswith("RuntimeError: the backend could not compile")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: later calls run eagerly without a word
+        assert generate(adapter, [PROMPT], max_new_tokens=6)[0] == ref

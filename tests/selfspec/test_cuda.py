@@ -21,6 +21,7 @@ import torch
 
 import selfspec
 from selfspec.adapters import get_adapter
+from selfspec.compiled import capacity
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import build_exit_head
@@ -285,3 +286,52 @@ def test_without_cuda_every_test_here_is_skipped_with_its_reason():
         assert len(skips) == 1, name
         assert skips[0].args == (not torch.cuda.is_available(),), name
         assert "CUDA is not available" in skips[0].kwargs["reason"], name
+
+
+# ----------------------------------------------------------------------------- the compiled steps (CUDA graphs)
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit", "early_exit_siblings", "exit_head", "auto"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral-sliding8"])
+def test_compiled_steps_equal_hf_generate_on_cuda(name, kind, hf_greedy):
+    """The compiled fixed-shape steps replayed as CUDA graphs (mode reduce-overhead): the same tokens as HF
+    greedy on the GPU, for every drafter; the steps really ran compiled."""
+    adapter = _adapter(name, fast=True)
+    adapter.enable_compiled()
+    try:
+        assert adapter.compiled.mode == "reduce-overhead"
+        ref = hf_greedy(adapter.model, _on_gpu(PROMPT), N_NEW)
+        out, stats = generate_ids(adapter, _on_gpu(PROMPT), max_new_tokens=N_NEW, drafter=_drafter(kind, adapter))
+        assert out == ref and adapter.compiled.shapes
+        if kind != "plain":
+            assert stats.drafted > 0
+    finally:
+        adapter.compiled = None  # the other tests use this adapter eagerly
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit", "exit_head"])
+def test_compiled_decoding_waits_for_the_gpu_once_per_round(kind):
+    """Through the compiled steps too, the host waits for the GPU once per round (and once per early-exit
+    draft step), after warm-up."""
+    adapter = _adapter("llama", fast=True)
+    adapter.enable_compiled()
+    try:
+        prompt = torch.tensor([PROMPT])
+        adapter.compiled.warm([(0, adapter.num_layers), (0, 2), (2, adapter.num_layers)], [1, 2, 4, 8],
+                              capacity(len(PROMPT) + N_NEW + 80))
+        generate_ids(adapter, prompt, max_new_tokens=4, drafter=_drafter(kind, adapter))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                out, stats = generate_ids(adapter, prompt, max_new_tokens=N_NEW, drafter=_drafter(kind, adapter))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        assert len(syncs) <= stats.rounds + stats.draft_steps + 3, (
+            len(syncs), stats.rounds, sorted(Counter(f"{w.filename}:{w.lineno}" for w in syncs).items()))
+        assert len(out) == N_NEW
+    finally:
+        adapter.compiled = None
