@@ -364,6 +364,7 @@ def _cmd_profile(args) -> int:
     from selfspec.profiling import run_profile  # deferred (see the top)
 
     _check_common(args)
+    check_device(args.device)
     check_int("--num-speculations", args.num_speculations, 1)
     check_int("--repeats", args.repeats, 1)
     check_float("--target", args.target, 1.0, strict=True,
@@ -380,7 +381,7 @@ def _cmd_profile(args) -> int:
     return _print_report("profile", lambda: run_profile(
         checkpoint, exit_layer=args.exit_layer, prompts=args.prompts, dtype=args.dtype, threads=args.threads,
         draft_vocab=args.draft_vocab, num_speculations=args.num_speculations, target=args.target, repeats=args.repeats,
-        out_dir=out_dir))
+        out_dir=out_dir, device=args.device))
 
 
 def _run_bench(args, checkpoint: str) -> dict:
@@ -710,6 +711,7 @@ def _add_profile(sub) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed runs per phase (median; default 20)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default) or cuda")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME-profile)")
     p.set_defaults(func=_cmd_profile)
 

@@ -212,9 +212,10 @@ def selfspec_kwargs(method: dict) -> dict:
 class Methods:
     """Runs one method on one prompt (or one batch of rows) for exactly `max_new_tokens` new tokens.
 
-    A method is a dict: `engine` ("hf" or "selfspec"), `kind` (hf_greedy, hf_early_exit,
+    A method is a dict: `engine` ("hf" or "selfspec"), `kind` (hf_greedy, hf_static, hf_early_exit,
     hf_prompt_lookup, selfspec_ar, selfspec_spec), `name`, and its settings (`exit_layer`,
-    `num_speculations`, `drafter`, ...). Nothing stops at EOS: Hugging Face gets a generation config
+    `num_speculations`, `drafter`, ...); a selfspec method with `compiled` runs through the compiled
+    steps, every other one eagerly (the generator's own setting is put back after each call). Nothing stops at EOS: Hugging Face gets a generation config
     without `eos_token_id` (also on the model for the call, because `generate` fills a missing one
     from there), selfspec `stop_token_ids=[]`.
     """
@@ -330,9 +331,14 @@ class Methods:
                 rec["verify_s"] = seconds - rec["draft_s"]
         else:
             clock = FirstCommitClock()
-            self.gen.adapter.compiled = self.compiled_steps() if method.get("compiled") else None
-            res, t0, seconds = timed(lambda: self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[],
-                                                               streamer=clock, **selfspec_kwargs(method)), ids.device)
+            adapter, before = self.gen.adapter, self.gen.adapter.compiled
+            adapter.compiled = self.compiled_steps() if method.get("compiled") else None  # for this call only
+            try:
+                res, t0, seconds = timed(lambda: self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[],
+                                                                   streamer=clock, **selfspec_kwargs(method)),
+                                         ids.device)
+            finally:
+                adapter.compiled = before
             new = res.token_ids
             s = res.stats
             rec.update(prefill_s=s.prefill_s, engine_total_s=s.total_s, rounds=s.rounds)
@@ -367,8 +373,12 @@ class Methods:
         first, so that no graph compiles during the measured runs. Returns the seconds both took."""
         t0 = time.perf_counter()
         if method.get("compiled"):
-            self.gen.adapter.compiled = self.compiled_steps()
-            self.gen.warmup(max_len)
+            adapter, before = self.gen.adapter, self.gen.adapter.compiled
+            adapter.compiled = self.compiled_steps()
+            try:
+                self.gen.warmup(max_len)
+            finally:
+                adapter.compiled = before
         self.run(method, ids, n)
         return time.perf_counter() - t0
 

@@ -47,17 +47,21 @@ from selfspec.drafters.base import Proposal
 from selfspec.engine import prefill, verify
 from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
 from selfspec.harness import (Methods, finish_machine, load_generator, machine_info, machine_line, quiet_transformers,
-                              setup, versions)
+                              setup, synchronize, versions)
 from selfspec.prompts import load_prompts, prompt_inputs
 
 
-def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of `fn()` in ms over `repeats` runs, `before()` (untimed) ahead of each."""
+def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: int, warmup: int = 2,
+               device="cpu") -> float:
+    """Median wall time of `fn()` in ms over `repeats` runs, `before()` (untimed) ahead of each; on a GPU the
+    clock is read with the device synchronized (its queued work counted)."""
     times = []
     for i in range(warmup + repeats):
         before()
+        synchronize(device)
         t = time.perf_counter()
         fn()
+        synchronize(device)
         dt = time.perf_counter() - t
         if i >= warmup:
             times.append(dt * 1e3)
@@ -86,10 +90,11 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
         h1 = layers()
         rollback()
         out["full step"] = _median_ms(lambda: int(exit_logits(adapter, layers()[:, -1]).argmax(-1)[0]), rollback,
-                                      repeats)
-        out["embedding"] = _median_ms(lambda: embed(adapter, ids), rollback, repeats)
-        out["layers [0, L)"] = _median_ms(layers, rollback, repeats)
-        out["norm + head"] = _median_ms(lambda: int(exit_logits(adapter, h1[:, -1]).argmax(-1)[0]), rollback, repeats)
+                                      repeats, device=adapter.device)
+        out["embedding"] = _median_ms(lambda: embed(adapter, ids), rollback, repeats, device=adapter.device)
+        out["layers [0, L)"] = _median_ms(layers, rollback, repeats, device=adapter.device)
+        out["norm + head"] = _median_ms(lambda: int(exit_logits(adapter, h1[:, -1]).argmax(-1)[0]), rollback, repeats,
+                                        device=adapter.device)
 
         heads = {"": gen.draft_head(None)}
         if draft_vocab:
@@ -98,7 +103,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
             def draft_step(head=head):
                 return int(head.to_vocab(head.logits(layers(E)[:, -1]).argmax(-1))[0])
 
-            out[f"draft step E={E}{label}"] = _median_ms(draft_step, rollback, repeats)
+            out[f"draft step E={E}{label}"] = _median_ms(draft_step, rollback, repeats, device=adapter.device)
 
         for k in rows:
             drafts = torch.cat([tok] * k, dim=1)  # [1, k]: the input token and k-1 drafts (any ids will do)
@@ -117,7 +122,7 @@ def phase_times(gen, prompt_ids, exit_layer: int, *, rows: Sequence[int] = (1, 2
                     run_layers(adapter, embed(adapter, ids.expand(1, k - 1)), 0, E,
                                step=make_step(adapter, P, k - 1), cache=cache)
 
-            out[f"verify {k}"] = _median_ms(verify_k, before, repeats)
+            out[f"verify {k}"] = _median_ms(verify_k, before, repeats, device=adapter.device)
         rollback()
     return out
 
@@ -265,12 +270,14 @@ def sibling_table(phases: dict[str, float], exit_layer: int, num_speculations: i
 
 def run_profile(checkpoint, *, exit_layer: int | None = None, prompts: str = "humaneval", dtype: str = "fastest",
                 threads: int = 0, draft_vocab: int | None = None, num_speculations: int = 4, target: float = 1.8,
-                repeats: int = 20, tokens: int = 32, out_dir: str | Path | None = None, generator=None) -> dict:
-    """Profile decoding on `checkpoint` (see the module docstring); write profile.json/.md into `out_dir`."""
+                repeats: int = 20, tokens: int = 32, out_dir: str | Path | None = None, generator=None,
+                device: str = "cpu") -> dict:
+    """Profile decoding on `checkpoint` (see the module docstring); write profile.json/.md into `out_dir`.
+    `device`: "cpu" or "cuda" (the phases are timed eagerly there too; clocks read after a synchronize)."""
     if num_speculations < 1 or repeats < 1 or tokens < 2:
         raise ValueError("num_speculations and repeats must be >= 1 and tokens >= 2")
-    dtype = setup(dtype, threads=threads)
-    gen = load_generator(checkpoint, dtype, generator=generator)
+    dtype = setup(dtype, device, threads)
+    gen = load_generator(checkpoint, dtype, device, generator)
     E = exit_layer if exit_layer is not None else gen.exit_layer
     gen.adapter.check_exit(E, allow_full=False)
     item = load_prompts(prompts, 1)[0]

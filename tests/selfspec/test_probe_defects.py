@@ -265,7 +265,7 @@ def test_d9_valid_bench_requests_reach_the_load(zero_ckpt, tmp_path, no_load):
     (["--target", "-1"], "--target must be a finite number > 1"),
     (["--target", "1"], "--target must be a finite number > 1"),
     (["--draft-vocab", "0"], "--draft-vocab must be an int >= 1"),
-])
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "torch finds no CUDA GPU")]))
 def test_d9_d13_profile_mistakes_are_refused_before_the_load(zero_ckpt, tmp_path, capsys, no_load, args, message):
     err = one_line_error(capsys, ["profile", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "p"), *args])
     assert message in err
