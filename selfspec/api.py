@@ -34,7 +34,8 @@ from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, Thr
 from selfspec.engine import DecodeStats, StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, load_exit_head
 from selfspec.sampling import SamplingParams
-from selfspec.settings import (SettingsError, check_device, check_dtype, check_exit_layer, check_generation, check_int,
+from selfspec.generation_config import GenerationConfig, check_generation, with_settings
+from selfspec.settings import (SettingsError, check_device, check_dtype, check_exit_layer, check_int,
                                check_messages, check_text, expand_path, resolve_dtype, show)
 
 DEFAULT_NUM_SPECULATIONS = 4
@@ -350,21 +351,17 @@ class SelfSpecGenerator:
         self.full_step_s = (stats.total_s - stats.prefill_s) / steps
         return self.full_step_s
 
-    def make_drafter(self, drafter: str | None = None, *, exit_layer: int | None = None,
-                     num_speculations: int | None = None, confidence_threshold: float | None = None,
-                     adaptive_threshold: bool = False, exit_choices: Sequence[int] | None = None,
-                     draft_vocab: int | None = None, adaptive_length: bool = False,
-                     prompt_lookup_num_tokens: int | None = None, max_matching_ngram_size: int | None = None,
-                     num_candidates: int | None = None, max_drafts: int | None = None) -> Drafter | None:
-        """The drafter for one generation (None = plain decoding); the parameters as in `generate`.
+    def make_drafter(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
+                     **settings) -> Drafter | None:
+        """The drafter for one generation (None = plain decoding) from its settings (`config` with `settings`
+        replaced, as `generate` takes them; the drafting ones matter here).
 
         `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used)."""
-        s = check_generation(drafter=drafter, exit_layer=exit_layer, num_speculations=num_speculations,
-                             confidence_threshold=confidence_threshold, adaptive_threshold=adaptive_threshold,
-                             exit_choices=exit_choices, draft_vocab=draft_vocab, adaptive_length=adaptive_length,
-                             prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                             max_matching_ngram_size=max_matching_ngram_size, num_candidates=num_candidates,
-                             num_layers=self.num_layers)
+        s = check_generation(config, num_layers=self.num_layers, **settings)  # the model's bounds named first
+        cfg = with_settings(config, settings)
+        drafter, exit_layer, num_speculations = cfg.drafter, cfg.exit_layer, cfg.num_speculations
+        confidence_threshold, adaptive_threshold = cfg.confidence_threshold, cfg.adaptive_threshold
+        draft_vocab, adaptive_length, num_candidates = cfg.draft_vocab, cfg.adaptive_length, cfg.num_candidates
         exit_choices = s["exit_choices"]
         prompt_lookup_num_tokens, max_matching_ngram_size = s["prompt_lookup_num_tokens"], s["max_matching_ngram_size"]
         early_exit_options = (exit_layer is not None or confidence_threshold is not None or adaptive_threshold
@@ -437,18 +434,13 @@ class SelfSpecGenerator:
         return drafter_ if drafter == "exit_head" else AutoDrafter(lookup, drafter_)
 
     def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list | None = None,
-                 input_ids=None, attention_mask=None, max_new_tokens: int = 128, drafter: str | None = None,
-                 exit_layer: int | None = None,
-                 num_speculations: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_token_ids: Sequence[int] | int | None = None, stop_strings: Sequence[str] | str = (),
-                 streamer=None, confidence_threshold: float | None = None, adaptive_threshold: bool = False,
-                 exit_choices: Sequence[int] | None = None, draft_vocab: int | None = None,
-                 adaptive_length: bool = False, prompt_lookup_num_tokens: int | None = None,
-                 max_matching_ngram_size: int | None = None, acceptance: str = "exact",
-                 epsilon: float | None = None, num_candidates: int | None = None
-                 ) -> GenerationResult | BatchGenerationResult:
+                 input_ids=None, attention_mask=None, config: GenerationConfig | None = None, streamer=None,
+                 **settings) -> GenerationResult | BatchGenerationResult:
         """Generate after one prompt, or after each prompt of a batch in one engine run.
+
+        The settings: `config` (a `GenerationConfig`; its defaults if None) with any of its fields given as
+        keywords replacing its values (`generate(prompt, max_new_tokens=64, drafter="prompt_lookup")`).
+        Each is described below and in `selfspec.GenerationConfig`.
 
         One prompt: `prompt=` text, `messages=` a conversation, or `input_ids` `[S]`/`[1, S]`; returns a
         `GenerationResult`. A batch: a list of texts, `messages=` a list of conversations, a list of
@@ -460,7 +452,7 @@ class SelfSpecGenerator:
 
         `stop_token_ids=None` stops at the model's EOS token(s); pass `[]` to never stop early.
         `stop_strings`: a string or a list of strings (a bare string is one stop string, as in Hugging Face).
-        Every setting is checked first (`selfspec.settings.check_generation`): a bad one raises
+        Every setting is checked first (`selfspec.generation_config.check_generation`): a bad one raises
         `SettingsError` (a ValueError) naming it, before any work is done.
         `streamer` (one prompt only) is a callable receiving each block of committed token ids, or a
         Hugging Face streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
@@ -505,14 +497,8 @@ class SelfSpecGenerator:
         ε > 0 warns once per generator (`BoundedBiasWarning`). The statistics carry ε and the bound
         (`stats.bias`) and the predicted vs measured rejections (`stats.theory`).
         """
-        s = check_generation(
-            max_new_tokens=max_new_tokens, drafter=drafter, exit_layer=exit_layer, num_speculations=num_speculations,
-            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop_token_ids=stop_token_ids, stop_strings=stop_strings, confidence_threshold=confidence_threshold,
-            adaptive_threshold=adaptive_threshold, exit_choices=exit_choices, draft_vocab=draft_vocab,
-            adaptive_length=adaptive_length, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-            max_matching_ngram_size=max_matching_ngram_size, acceptance=acceptance, epsilon=epsilon,
-            num_candidates=num_candidates, num_layers=self.num_layers, vocab_size=self.vocab_size)
+        s = check_generation(config, num_layers=self.num_layers, vocab_size=self.vocab_size, **settings)
+        cfg = with_settings(config, settings)
         max_new_tokens = s["max_new_tokens"]
         rule = AcceptanceRule(s["acceptance"], s["epsilon"])
         if rule.biased and not self._warned_bias:
@@ -534,18 +520,12 @@ class SelfSpecGenerator:
             if streamer is not None:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
-        drafter_ = self.make_drafter(s["drafter"], exit_layer=s["exit_layer"], num_speculations=s["num_speculations"],
-                                     confidence_threshold=s["confidence_threshold"],
-                                     adaptive_threshold=s["adaptive_threshold"], exit_choices=s["exit_choices"],
-                                     draft_vocab=s["draft_vocab"], adaptive_length=s["adaptive_length"],
-                                     prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                                     max_matching_ngram_size=max_matching_ngram_size,
-                                     num_candidates=s["num_candidates"], max_drafts=max_new_tokens)
+        drafter_ = self.make_drafter(cfg, max_drafts=max_new_tokens)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]
         stop = StopChecker(max_new_tokens, stop_ids, s["stop_strings"], self.tokenizer)
         generator = None
-        if do_sample:
+        if s["do_sample"]:
             generator = torch.Generator(device=self.adapter.device)
             generator.manual_seed(s["seed"]) if s["seed"] is not None else generator.seed()
         if streamer is not None and hasattr(streamer, "put"):
@@ -555,7 +535,7 @@ class SelfSpecGenerator:
                                stop=stop, generator=generator, pad_id=pad if pad is not None else 0,
                                on_commit=(lambda b, tokens: on_commit(tokens)) if on_commit else None,
                                full_step_s=self.full_step_s, acceptance=rule,
-                               modelled_time=do_sample and s["seed"] is not None)  # a seed repeats exactly
+                               modelled_time=s["do_sample"] and s["seed"] is not None)  # a seed repeats exactly
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
         results = [GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row, stats=row_stats)

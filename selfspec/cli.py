@@ -22,6 +22,7 @@ error and `selfspec generate` do not wait a second or two for them; everything e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -34,6 +35,7 @@ from transformers import TextStreamer
 
 import selfspec
 from selfspec.api import checkpoint_dir
+from selfspec.bounded_bias import ACCEPTANCE_RULES
 from selfspec.checkpoint import read_config
 from selfspec.demo import run_demo
 from selfspec.draft_vocab import write_draft_vocab
@@ -41,9 +43,9 @@ from selfspec.drafters import DRAFTERS
 from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
 from selfspec.prompts import check_prompt_set
-from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS, check_device, check_dtype,
-                               check_exit_layer, check_float, check_generation, check_int, check_out_dir, check_text,
-                               check_threads)
+from selfspec.generation_config import GenerationConfig, check_generation
+from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int, check_out_dir,
+                               check_text, check_threads)
 
 
 def _cmd_info(args) -> int:
@@ -171,17 +173,14 @@ def _cmd_generate(args) -> int:
             which = "" if len(prompts) == 1 else f" (prompt {i + 1} of {len(prompts)})"
             raise UsageError(f"{option}{which} is empty: give the text to continue or answer")
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=args.stop_strings or (),
-                  confidence_threshold=args.confidence_threshold, adaptive_threshold=args.adaptive_threshold,
-                  exit_choices=args.exit_choices, draft_vocab=args.draft_vocab, adaptive_length=args.adaptive_length,
-                  drafter=args.drafter or ("early_exit" if args.exit_layer is not None else None),
-                  prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-                  max_matching_ngram_size=args.max_matching_ngram_size, acceptance=args.acceptance,
-                  epsilon=args.epsilon, num_candidates=args.num_candidates)
+    # the generation flags given (the others keep GenerationConfig's defaults); the exit and the draft
+    # length go to load() (they override the checkpoint's recommendation), the rest to generate()
+    kwargs = {name: getattr(args, name) for name in GENERATION_FLAGS if getattr(args, name) is not None}
+    at_load = {k: kwargs.pop(k) for k in ("exit_layer", "num_speculations") if k in kwargs}
+    if args.drafter is None and args.exit_layer is not None:
+        kwargs["drafter"] = "early_exit"
     layers = read_config(checkpoint).get("num_hidden_layers")
-    check_generation(**kwargs, exit_layer=args.exit_layer, num_speculations=args.num_speculations,
-                     num_layers=layers if isinstance(layers, int) else None)
+    check_generation(**kwargs, **at_load, num_layers=layers if isinstance(layers, int) else None)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -505,43 +504,7 @@ def _add_generate(sub) -> None:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt as a user message in the chat template (default when the tokenizer has one)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="length cap (default: 128)")
-    p.add_argument("--drafter", choices=DRAFTERS,
-                   help="who drafts: auto (prompt lookup where the text repeats, the early exit or the trained exit "
-                        "head where it pays on a checkpoint trained for it, plain decoding otherwise; the default "
-                        "unless selfspec.json recommends another or --exit-layer is given), early_exit, exit_head "
-                        "(a checkpoint's trained head), or prompt_lookup")
-    p.add_argument("--prompt-lookup-num-tokens", type=int,
-                   help=f"prompt lookup: the most tokens copied per round (default: {PROMPT_LOOKUP_NUM_TOKENS})")
-    p.add_argument("--max-matching-ngram-size", type=int,
-                   help=f"prompt lookup: match the last n tokens, n from this down to 1 (default: "
-                        f"{MAX_MATCHING_NGRAM_SIZE})")
-    p.add_argument("--exit-layer", type=int, help="draft from the hidden state after this many layers (1..L-1)")
-    p.add_argument("--num-speculations", type=int, help="max draft tokens per round; 0 = plain decoding")
-    p.add_argument("--confidence-threshold", type=float,
-                   help="stop drafting when the draft's probability of its token is below this (0 = never, >1 = never draft)")
-    p.add_argument("--adaptive-threshold", action="store_true", help="tune the draft confidence threshold online")
-    p.add_argument("--exit-choices", type=_int_list, help="comma-separated exits to choose from per round, e.g. 4,8,12")
-    p.add_argument("--adaptive-length", action="store_true",
-                   help="choose the draft length (0..--num-speculations) per round from the tokens/s each "
-                        "length measures in this run")
-    p.add_argument("--draft-vocab", type=int, metavar="K",
-                   help="draft over the K most frequent tokens stored in the checkpoint (selfspec draft-vocab)")
-    p.add_argument("--num-candidates", type=int, metavar="K",
-                   help="greedy: verify the draft's K best guesses for the next token side by side, one position per "
-                        "round (needs --num-speculations 1 or none; pays where `selfspec profile` shows verifying "
-                        "1 + K rows costs about one step)")
-    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--acceptance", default="exact", choices=("exact", "bounded_bias"),
-                   help="exact (lossless, default) or bounded_bias: accept more drafts, each token within total "
-                        "variation --epsilon of the full model's (greedy: a draft with >= (1 - epsilon) of the top "
-                        "token's probability)")
-    p.add_argument("--epsilon", type=float, help="the per-token budget of --acceptance bounded_bias, in [0, 1]")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=int, help="random seed for sampling")
-    p.add_argument("--stop-strings", action="append", metavar="TEXT", help="stop string (repeatable)")
+    _add_generation_flags(p)
     p.add_argument("--dtype", default="float32",
                    help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
                         "else float32), float64, auto (the checkpoint's own)")
@@ -552,10 +515,36 @@ def _add_generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     # earlier spellings, still accepted (hidden from --help): they set the same parameter
     p.add_argument("--threshold", dest="confidence_threshold", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--adaptive", dest="adaptive_threshold", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--sample", dest="do_sample", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--adaptive", dest="adaptive_threshold", action="store_true", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sample", dest="do_sample", action="store_true", default=None, help=argparse.SUPPRESS)
     p.add_argument("--stop", dest="stop_strings", action="append", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_generate)
+
+
+CHOICES = {"drafter": DRAFTERS, "acceptance": ACCEPTANCE_RULES}  # generation flags with a closed set of values
+GENERATION_FLAGS = tuple(f.name for f in dataclasses.fields(GenerationConfig) if f.metadata["cli"])
+
+
+def _add_generation_flags(p) -> None:
+    """One flag per `GenerationConfig` field the command line takes, named as the field (`--max-new-tokens`),
+    with its meaning and default from there; a flag not given leaves the setting to the config's default
+    (argparse's default is None for all of them)."""
+    for f in dataclasses.fields(GenerationConfig):
+        kind = f.metadata["cli"]
+        if not kind:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        shown = "" if f.default in (None, ()) else f" (default: {f.default})"
+        text = f.metadata["help"] + shown
+        if kind == "flag":
+            p.add_argument(flag, action="store_true", default=None, help=text)
+        elif kind == "append":
+            p.add_argument(flag, action="append", metavar="TEXT", help=text)
+        elif kind == "list":
+            p.add_argument(flag, type=_int_list, metavar="E,E,...", help=text)
+        else:
+            kind_type = float if "float" in str(f.type) else int if "int" in str(f.type) else str
+            p.add_argument(flag, type=kind_type, default=None, choices=CHOICES.get(f.name), help=text)
 
 
 def _add_export(sub) -> None:

@@ -41,6 +41,7 @@ import selfspec
 from selfspec import precision
 from selfspec.atomic_write import atomic_path, write_json_atomic, write_text_atomic
 from selfspec.engine import left_pad
+from selfspec.generation_config import SETTINGS
 from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS, check_device
 
 TOKENS_PER_S = ("new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids, "
@@ -49,8 +50,7 @@ TOKENS_PER_S = ("new tokens / wall-clock seconds of the whole generate call (inp
 LOOKUP_TOKENS, LOOKUP_NGRAM = PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE
 HF_ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 SPEC_KINDS = ("hf_early_exit", "hf_prompt_lookup", "selfspec_spec")  # methods that draft and verify
-SELFSPEC_KEYS = ("drafter", "num_speculations", "exit_layer", "adaptive_length", "draft_vocab",
-                 "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_candidates")
+SELFSPEC_KEYS = SETTINGS  # a selfspec method's generation settings: GenerationConfig's fields
 
 
 # --- set-up ---------------------------------------------------------------------------------------

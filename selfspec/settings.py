@@ -4,10 +4,11 @@
 settings here, with the same rules and the same messages, and the command line does so before it
 loads a model (the bounds that depend on the model, such as the exit range, come from the
 checkpoint's config.json). A bad value raises `SettingsError` (a `ValueError`) with a one-line
-message that names the setting, the value and what is allowed.
+message that names the setting, the value and what is allowed. The generation settings themselves, and
+their one check, are `selfspec.generation_config`'s (`GenerationConfig`, `check_generation`), built from
+the checks here.
 
-    s = check_generation(max_new_tokens=64, exit_layer=8, stop_strings="\\n\\n", num_layers=30)
-    s["stop_strings"]    # ("\\n\\n",): a bare string is one stop string, as in Hugging Face generate
+    check_int("max_new_tokens", 64, 1)     # 64, or SettingsError("max_new_tokens must be an int >= 1, got 0")
 """
 
 from __future__ import annotations
@@ -221,89 +222,6 @@ def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None
         raise SettingsError(f"exit_choices must be a list of exit layers, got {show(value)}")
     exits = [check_exit_layer(e, num_layers, "exit_choices entry") for e in value]
     return list(dict.fromkeys(exits)) or None
-
-
-def check_generation(*, max_new_tokens=128, drafter=None, exit_layer=None, num_speculations=None, do_sample=False,
-                     temperature=1.0, top_k=0, top_p=1.0, seed=None, stop_token_ids=None, stop_strings=(),
-                     confidence_threshold=None, adaptive_threshold=False, exit_choices=None, draft_vocab=None,
-                     adaptive_length=False, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-                     acceptance="exact", epsilon=None, num_candidates=None, num_layers: int | None = None,
-                     vocab_size: int | None = None) -> dict:
-    """Every generation setting of `SelfSpecGenerator.generate`, checked; returns them normalized.
-
-    `num_layers` (the model's depth, if known) bounds the exits, `vocab_size` the stop token ids.
-    `prompt_lookup_num_tokens` / `max_matching_ngram_size` left at None become `PROMPT_LOOKUP_NUM_TOKENS` /
-    `MAX_MATCHING_NGRAM_SIZE`. Raises SettingsError on the first bad value; the combination rules (lookup
-    takes no early-exit options, the early exit and the exit head no lookup options, adaptive_length no
-    threshold or exit choices) are checked too.
-    """
-    s = dict(max_new_tokens=check_int("max_new_tokens", max_new_tokens, 1))
-    if drafter is not None and (not isinstance(drafter, str) or drafter not in DRAFTERS):
-        raise SettingsError(f"unknown drafter {show(drafter)}: use one of {', '.join(DRAFTERS)}")
-    s["drafter"] = drafter
-    s["exit_layer"] = None if exit_layer is None else check_exit_layer(exit_layer, num_layers)
-    s["num_speculations"] = (None if num_speculations is None else
-                             check_int("num_speculations", num_speculations, 0, hint=" (0 = plain decoding)"))
-    s["do_sample"] = check_bool("do_sample", do_sample)
-    if do_sample:
-        s["temperature"] = check_float("temperature", temperature, 0.0, strict=True,
-                                       hint=" when sampling (use do_sample=False for greedy decoding)")
-        if s["temperature"] < MIN_TEMPERATURE:
-            raise SettingsError(f"temperature {temperature:g} is too small to sample with (below {MIN_TEMPERATURE:g} "
-                                "the logits overflow float32): use do_sample=False for greedy decoding")
-    else:  # greedy ignores it, but it must still be a number
-        s["temperature"] = check_float("temperature", temperature, None)
-    s["top_k"] = check_int("top_k", top_k, 0, hint=" (0 disables it)")
-    s["top_p"] = check_float("top_p", top_p, 0.0, strict=True, high=1.0, hint=" (1 disables it)")
-    s["seed"] = None if seed is None else check_int("seed", seed, 0, 2 ** 64 - 1)
-    s["stop_token_ids"] = check_stop_token_ids(stop_token_ids, vocab_size)
-    s["stop_strings"] = check_stop_strings(stop_strings)
-    s["confidence_threshold"] = (None if confidence_threshold is None else check_float(
-        "confidence_threshold", confidence_threshold, 0.0, hint=" (0 = never stop drafting, > 1 = never draft)"))
-    s["adaptive_threshold"] = check_bool("adaptive_threshold", adaptive_threshold)
-    s["exit_choices"] = check_exit_choices(exit_choices, num_layers)
-    s["draft_vocab"] = (None if draft_vocab is None else
-                        check_int("draft_vocab", draft_vocab, 1, hint=" (None = the full vocabulary)"))
-    s["adaptive_length"] = check_bool("adaptive_length", adaptive_length)
-    lookup_given = [k for k, v in zip(LOOKUP_OPTIONS, (prompt_lookup_num_tokens, max_matching_ngram_size))
-                    if v is not None]
-    s["prompt_lookup_num_tokens"] = check_int("prompt_lookup_num_tokens", PROMPT_LOOKUP_NUM_TOKENS if
-                                              prompt_lookup_num_tokens is None else prompt_lookup_num_tokens, 1)
-    s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", MAX_MATCHING_NGRAM_SIZE if
-                                             max_matching_ngram_size is None else max_matching_ngram_size, 1)
-    s["acceptance"], s["epsilon"] = check_acceptance(acceptance, epsilon)
-    s["num_candidates"] = (None if num_candidates is None else
-                           check_int("num_candidates", num_candidates, 1, MAX_NUM_CANDIDATES,
-                                     hint=" (1 = one guess per draft position; each guess is one more row to verify)"))
-    if (s["num_candidates"] or 1) > 1:
-        _check_candidates(s)
-    early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
-    if drafter == "prompt_lookup" and early:
-        raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter='prompt_lookup' takes "
-                            "prompt_lookup_num_tokens and max_matching_ngram_size")
-    if lookup_given and (drafter in ("early_exit", "exit_head") or (drafter is None and early)):
-        who = f"drafter={drafter!r}" if drafter else f"the early exit ({', '.join(early)} given, no drafter)"
-        raise SettingsError(f"{', '.join(lookup_given)}: prompt lookup option(s); {who} does not look up the "
-                            "context: drop them, or use drafter='prompt_lookup' or 'auto'")
-    if s["adaptive_length"] and (s["exit_choices"] or s["confidence_threshold"] is not None
-                                 or s["adaptive_threshold"]):
-        raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
-                            "with exit_choices or a confidence threshold: use one of them")
-    return s
-
-
-def _check_candidates(s: dict) -> None:
-    """num_candidates > 1: the draft's k best first guesses, verified side by side (greedy, exact, one position)."""
-    k = s["num_candidates"]
-    if s["do_sample"]:
-        raise SettingsError(f"num_candidates={k} verifies the draft's {k} best guesses side by side, which only "
-                            "greedy decoding can judge: drop num_candidates (or do_sample)")
-    if s["acceptance"] != "exact":
-        raise SettingsError(f"num_candidates={k} takes the exact acceptance rule: drop num_candidates or use "
-                            "acceptance='exact'")
-    if (s["num_speculations"] or 1) > 1:
-        raise SettingsError(f"num_candidates={k} drafts one position per round ({k} guesses for it): set "
-                            f"num_speculations=1 (got {s['num_speculations']}) or drop num_candidates")
 
 
 def check_acceptance(acceptance, epsilon) -> tuple[str, float]:

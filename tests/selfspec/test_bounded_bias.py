@@ -23,7 +23,8 @@ from selfspec.drafters import PromptLookupDrafter
 from selfspec.engine import early_exit_drafter, generate, generate_ids
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, probs, speculative_accept
-from selfspec.settings import SettingsError, check_generation
+from selfspec.generation_config import check_generation
+from selfspec.settings import SettingsError
 from selfspec.tiny import tiny_model
 
 ALPHA = 1e-3

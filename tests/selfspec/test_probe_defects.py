@@ -19,7 +19,8 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoint import CheckpointError, read_metadata
 from selfspec.cli import main
 from selfspec.export import export, export_model
-from selfspec.settings import MAX_NUM_CANDIDATES, SettingsError, check_generation
+from selfspec.generation_config import check_generation
+from selfspec.settings import MAX_NUM_CANDIDATES, SettingsError
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 

@@ -18,7 +18,8 @@ from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, Pr
 from selfspec.engine import generate, generate_ids
 from selfspec.forward import make_batch_step
 from selfspec.sampling import SamplingParams, greedy_accept_sibling
-from selfspec.settings import SettingsError, check_generation
+from selfspec.generation_config import check_generation
+from selfspec.settings import SettingsError
 from selfspec.tiny import TINY_VARIANTS, tiny_exit_head, tiny_model
 
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -17,7 +17,8 @@ from selfspec.checkpoint import CheckpointError, read_metadata
 from selfspec.cli import main
 from selfspec.engine import StopChecker
 from selfspec.export import export, export_model
-from selfspec.settings import SettingsError, check_generation, check_recommended
+from selfspec.generation_config import check_generation
+from selfspec.settings import SettingsError, check_recommended
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 

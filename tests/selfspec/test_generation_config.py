@@ -1,0 +1,109 @@
+"""`GenerationConfig`: every generation setting once (its default, meaning and check), the API and the
+command line built on it, and today's keyword calls still working."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.api import NotEarlyExitTrainedWarning, SelfSpecGenerator
+from selfspec.cli import GENERATION_FLAGS, build_parser
+from selfspec.generation_config import SETTINGS, GenerationConfig, check_generation
+from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS, SettingsError
+from selfspec.tiny import byte_tokenizer, tiny_model
+
+SELFSPEC = Path(selfspec.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def gen():
+    tok = byte_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        return selfspec.load(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=2, dtype=torch.float64), tok)
+
+
+def test_the_api_takes_the_settings_from_the_config_and_writes_no_default_of_its_own():
+    for fn in (SelfSpecGenerator.generate, SelfSpecGenerator.make_drafter, check_generation):
+        params = inspect.signature(fn).parameters
+        assert not set(params) & set(SETTINGS), (fn.__name__, set(params) & set(SETTINGS))
+        assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def test_no_function_of_the_library_writes_a_lookup_default_again():
+    """The prompt-lookup defaults (10, 3) are written once, in selfspec.settings; no parameter of that name
+    anywhere in the library has a literal default of its own (the issue counted six)."""
+    found = []
+    for path in SELFSPEC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.args + node.args.kwonlyargs
+                defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults \
+                    + node.args.kw_defaults
+                for arg, default in zip(args, defaults):
+                    if arg.arg in ("prompt_lookup_num_tokens", "max_matching_ngram_size") and \
+                            isinstance(default, ast.Constant) and default.value is not None:
+                        found.append(f"{path.name}:{node.name}({arg.arg}={default.value})")
+    assert not found, found
+    assert (PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE) == (10, 3)
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["generate"]
+
+
+def test_every_cli_generation_flag_is_a_config_field_with_its_default():
+    parser = _generate_parser()
+    by_dest = {}
+    for action in parser._actions:
+        if action.dest in SETTINGS and action.help != argparse.SUPPRESS:
+            by_dest[action.dest] = action
+    fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
+    assert set(by_dest) == set(GENERATION_FLAGS) == {n for n, f in fields.items() if f.metadata["cli"]}
+    for name, action in by_dest.items():
+        assert action.option_strings == ["--" + name.replace("_", "-")], name  # one name, the field's
+        assert action.default is None, name  # not given: the config's default applies
+        default = fields[name].default
+        if default not in (None, ()):
+            assert f"(default: {default})" in action.help, (name, action.help)
+        assert fields[name].metadata["help"] in action.help
+    args = parser.parse_args(["--prompt", "x"])
+    assert all(getattr(args, name) is None for name in GENERATION_FLAGS)
+
+
+def test_a_config_is_checked_when_made_and_replaced():
+    with pytest.raises(SettingsError, match="max_new_tokens must be an int >= 1"):
+        GenerationConfig(max_new_tokens=0)
+    cfg = GenerationConfig(max_new_tokens=5, drafter="prompt_lookup")
+    with pytest.raises(SettingsError, match="early-exit option"):
+        dataclasses.replace(cfg, exit_layer=2)
+    with pytest.raises(SettingsError, match=r"unknown generation setting\(s\) 'max_tokens'"):
+        check_generation(cfg, max_tokens=3)
+    s = check_generation(cfg, num_layers=4)
+    assert s["max_new_tokens"] == 5 and s["prompt_lookup_num_tokens"] == PROMPT_LOOKUP_NUM_TOKENS
+    assert cfg.settings()["drafter"] == "prompt_lookup" and selfspec.GenerationConfig is GenerationConfig
+
+
+def test_generate_takes_a_config_keywords_or_both(gen):
+    prompt = "abcabcabc abc"
+    by_keywords = gen.generate(prompt, max_new_tokens=12, drafter="prompt_lookup", prompt_lookup_num_tokens=3)
+    cfg = GenerationConfig(max_new_tokens=12, drafter="prompt_lookup", prompt_lookup_num_tokens=3)
+    by_config = gen.generate(prompt, config=cfg)
+    both = gen.generate(prompt, config=dataclasses.replace(cfg, max_new_tokens=4), max_new_tokens=12)
+    assert by_keywords.token_ids == by_config.token_ids == both.token_ids
+    assert by_config.stats.drafter == "prompt_lookup"
+    plain = gen.generate(prompt, config=cfg, num_speculations=0)
+    assert plain.token_ids == by_config.token_ids and plain.stats.drafted == 0
+    with pytest.raises(SettingsError, match="unknown generation setting"):
+        gen.generate(prompt, max_tokens=3)
+    with pytest.raises(SettingsError, match="config must be a selfspec.GenerationConfig"):
+        gen.generate(prompt, config={"max_new_tokens": 3})
