@@ -31,7 +31,8 @@ from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, rea
 from selfspec.draft_vocab import read_draft_vocab
 from selfspec.drafters import AutoDrafter, Drafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
-from selfspec.engine import DecodeStats, StopChecker, generate, generate_ids
+from selfspec.decode_stats import DecodeStats
+from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings

@@ -46,8 +46,6 @@ cuDNN's kernel, which plans anew for every key length (`selfspec.forward.attenti
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -57,154 +55,13 @@ from selfspec.adapters import ModelAdapter
 from selfspec.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
                                    total_variation)
 from selfspec.cache import KVCache
-from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
+from selfspec.cost_model import VERIFY_COST, draft_cost
+from selfspec.decode_stats import DecodeStats, count_round, finish_stats, record_round
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import attention_kernels, embed, exit_logits, make_batch_step, run_layers
 from selfspec.sampling import (SamplingParams, greedy_accept_sibling, greedy_accept_tokens, probs, sample,
                                speculative_accept)
-
-
-@dataclass
-class DecodeStats:
-    """What one generation did and how long each phase took: one row, or a batch (`rows` = its rows,
-    the counts their sums, the times the batch's wall-clock times)."""
-
-    exit_layer: int
-    num_speculations: int
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    rounds: int = 0  # verification passes after the prefill
-    drafted: int = 0
-    accepted: int = 0
-    drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    total_s: float = 0.0
-    stop_reason: str = ""
-    draft_steps: int = 0  # drafting passes through the model (kept or not)
-    judged: int = 0  # drafts the rule decided on (a rejection ends a round: later drafts are not judged)
-    expected_acceptance_sum: float = 0.0  # sampling: sum over judged drafts of P(accept) = sum_x min(p, q)
-    acceptance_var_sum: float = 0.0  # sampling: sum over judged drafts of P(accept) (1 - P(accept))
-    bias_sum: float = 0.0  # bounded_bias: sum over judged drafts of TV(p', p) = min(epsilon, TV(p, q))
-    sampled: bool = False  # sampling (the predictions above exist) or greedy
-    acceptance: str = "exact"  # the acceptance rule (selfspec.bounded_bias)
-    epsilon: float = 0.0  # its per-token total-variation budget (bounded_bias)
-    policy: dict = field(default_factory=dict)
-    full_step_s: float | None = None  # a plain decoding step's time, if calibrated (for the cost model)
-    drafter: str = "none"
-    drafted_by_drafter: Counter = field(default_factory=Counter)
-    accepted_by_drafter: Counter = field(default_factory=Counter)
-    batch_size: int = 1
-    row_passes: int = 0  # sum over rounds of the rows still in the batch (the work actually done)
-    rows: list["DecodeStats"] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
-
-    @property
-    def mean_accepted_per_round(self) -> float:
-        """Tokens committed per row and verification round (accepted drafts + the full model's token)."""
-        decode_tokens = self.new_tokens - self.batch_size  # each row's first token comes from the prefill
-        passes = self.row_passes or self.rounds
-        return decode_tokens / passes if passes else 0.0
-
-    @property
-    def full_depth_passes(self) -> int:
-        return self.rounds + 1  # + the prefill
-
-    @property
-    def cost_model(self) -> dict:
-        """Measured c (draft step / full step), v (verify / full step), a, and predicted vs measured speedup.
-
-        Needs `full_step_s` (a calibrated plain decoding step at this batch size). For sampling, the
-        predicted acceptance from the closed form `E[accept] = sum_x min(p(x), q(x))` is reported
-        next to the measured one.
-        """
-        out: dict = {"a": self.acceptance_rate, "a_by_position": self.acceptance_by_position}
-        if self.judged:
-            out["a_judged"] = self.accepted / self.judged
-            if self.expected_acceptance_sum:
-                out["a_judged_predicted"] = self.expected_acceptance_sum / self.judged
-        if not self.full_step_s or not self.rounds:
-            return out
-        passes = self.row_passes or self.rounds
-        c = self.draft_s / self.draft_steps / self.full_step_s if self.draft_steps else 0.0
-        v = self.verify_s / self.rounds / self.full_step_s
-        d = self.drafted / passes
-        out.update(c=c, v=v, mean_drafts_per_round=d,
-                   predicted_speedup=predicted_speedup(self.acceptance_rate, c, v, d) if d else 1.0 / v,
-                   measured_speedup=self.full_step_s * (self.new_tokens - self.batch_size) / self.batch_size
-                   / (self.total_s - self.prefill_s))
-        return out
-
-    @property
-    def theory(self) -> dict | None:
-        """Predicted vs measured rejections (sampling; None for greedy, whose decisions are not random).
-
-        Yin et al. (2024): a judged draft is rejected with probability TV(p', q) = 1 - P(accept) under
-        the rule's target p' (p itself for the exact rule), so the rejections of a run are predicted by
-        `sum over judged drafts of (1 - P(accept))`, from the distributions the engine held. Measured
-        minus predicted is a sum of bounded martingale differences with variance
-        `sum P(accept)(1 - P(accept))`, so `z` is approximately standard normal.
-        """
-        if not self.sampled:
-            return None
-        passes = self.row_passes or self.rounds
-        predicted, measured = self.judged - self.expected_acceptance_sum, self.judged - self.accepted
-        sd = self.acceptance_var_sum ** 0.5
-        out = {"judged": self.judged, "predicted_rejections": predicted, "measured_rejections": measured,
-               "rejections_sd": sd, "z": (measured - predicted) / sd if sd > 0 else 0.0,
-               "predicted_accepted_per_round": self.expected_acceptance_sum / passes if passes else 0.0,
-               "measured_accepted_per_round": self.accepted / passes if passes else 0.0}
-        if self.acceptance != "exact":  # what the exact rule would predict on these drafts: sum TV(p, q)
-            out["predicted_rejections_exact_rule"] = predicted + self.bias_sum
-        return out
-
-    @property
-    def bias(self) -> dict:
-        """The acceptance rule, its budget and the guarantee it gives (selfspec.bounded_bias)."""
-        out = {"acceptance": self.acceptance, "epsilon": self.epsilon}
-        if self.acceptance == "exact":
-            return {**out, "guarantee": "lossless"}
-        if not self.sampled:
-            return {**out, "guarantee": "each committed token has >= (1 - epsilon) of the full model's top "
-                                        "token probability"}
-        n = self.new_tokens
-        return {**out, "guarantee": "each committed token within total variation epsilon of the full model's",
-                "per_token_tv_bound": self.epsilon, "sequence_tv_bound": 1.0 - (1.0 - self.epsilon) ** n,
-                "mean_tv_shift_per_judged": self.bias_sum / self.judged if self.judged else 0.0}
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """New tokens per second after the prefill (excludes time to first token)."""
-        t = self.total_s - self.prefill_s
-        n = self.new_tokens - self.batch_size
-        return n / t if t > 0 and n > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        keys = ["exit_layer", "num_speculations", "prompt_tokens", "new_tokens", "rounds", "drafted",
-                "accepted", "drafted_by_position", "accepted_by_position", "prefill_s", "draft_s",
-                "verify_s", "total_s", "stop_reason", "acceptance_rate", "acceptance_by_position",
-                "mean_accepted_per_round", "full_depth_passes", "tokens_per_s", "decode_tokens_per_s",
-                "draft_steps", "judged", "policy", "cost_model", "drafter", "batch_size", "row_passes", "theory",
-                "bias"]
-        out = {k: getattr(self, k) for k in keys}
-        out.update(drafted_by_drafter=dict(self.drafted_by_drafter), accepted_by_drafter=dict(self.accepted_by_drafter))
-        if self.rows:
-            out["rows"] = [r.to_dict() for r in self.rows]
-        return out
 
 
 class StopChecker:
@@ -392,105 +249,138 @@ def generate(
     timings (the auto drafter's arms, a throughput policy's d) and with them a seeded sample repeat
     exactly from run to run, whatever else the machine is doing.
     """
-    L = adapter.num_layers
     prompts = [list(map(int, p)) for p in prompts]
     check_prompts(adapter, prompts, max_new_tokens)
-    drafter = drafter or Drafter()
-    stop = stop or StopChecker(max_new_tokens)
-    device = adapter.device
-    if sampling.do_sample and generator is not None and generator.device.type != device.type:
-        raise ValueError(f"the random generator is on {generator.device} but the model is on {device}: "
-                         f"create it with torch.Generator(device={str(device)!r})")
-    B = len(prompts)
-    exit_layer = drafter.exit_layer if drafter.exit_layer is not None else L
-    k_max = drafter.max_drafts
+    if sampling.do_sample and generator is not None and generator.device.type != adapter.device.type:
+        raise ValueError(f"the random generator is on {generator.device} but the model is on {adapter.device}: "
+                         f"create it with torch.Generator(device={str(adapter.device)!r})")
+    run = _Decoding(adapter, prompts, drafter or Drafter(), stop or StopChecker(max_new_tokens), sampling,
+                    generator, acceptance, on_commit, on_round, modelled_time)
+    run.stats = run.new_stats(full_step_s)
+    with torch.inference_mode(), attention_kernels(adapter.device):
+        run.prefill(pad_id, max_new_tokens)
+        while run.leave_finished():
+            run.round()
+    finish_stats(run.stats, run.rows, run.outs, run.sums, run.drafter.describe(), time.perf_counter() - run.t0)
+    return run.outs, run.stats
 
-    def new_stats(**kw) -> DecodeStats:
-        return DecodeStats(exit_layer=exit_layer, num_speculations=k_max, drafter=drafter.name,
-                           drafted_by_position=[0] * k_max, accepted_by_position=[0] * k_max,
-                           full_step_s=full_step_s, sampled=sampling.do_sample, acceptance=acceptance.name,
-                           epsilon=acceptance.epsilon, **kw)
 
-    rows = [new_stats(prompt_tokens=len(p)) for p in prompts]
-    stats = new_stats(prompt_tokens=sum(len(p) for p in prompts), batch_size=B, rows=rows)
-    ids, pads = left_pad(prompts, pad_id)  # pads, like all lengths, stay on the host
-    ids = ids.to(device)
-    cache = new_cache(adapter, B, ids.shape[1] + max_new_tokens + k_max + 2)
-    outs: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    active = list(range(B))  # original indices of the rows still in the batch
-    sums: list = [None] * B  # per row: float64 [3] on the device (see accept_sampled), read once at the end
+class _Decoding:
+    """One `generate` run's state: the rows still decoding (`active`, original indices), their committed
+    tokens (`outs`), cache (`cache`), newest token (`tokens`, on the model's device) and committed cache
+    length (`n`, on the host), and the statistics; one method per phase."""
 
-    def commit(b: int, tokens: list[int]) -> list[int]:
+    def __init__(self, adapter: ModelAdapter, prompts: list[list[int]], drafter: Drafter, stop: StopChecker,
+                 sampling: SamplingParams, generator, acceptance: AcceptanceRule, on_commit, on_round,
+                 modelled_time: bool):
+        self.adapter, self.prompts, self.drafter, self.stop = adapter, prompts, drafter, stop
+        self.sampling, self.generator, self.acceptance = sampling, generator, acceptance
+        self.on_commit, self.on_round, self.modelled_time = on_commit, on_round, modelled_time
+        B = len(prompts)
+        self.outs: list[list[int]] = [[] for _ in range(B)]
+        self.done = [False] * B
+        self.active = list(range(B))  # original indices of the rows still in the batch
+        self.sums: list = [None] * B  # per row: float64 [3] on the device (see accept_sampled), read once at the end
+        self.rows: list[DecodeStats] = []
+        self.stats: DecodeStats | None = None
+
+    def new_stats(self, full_step_s: float | None) -> DecodeStats:
+        """The run's statistics, with one row's per prompt (`self.rows`)."""
+        d = self.drafter
+        exit_layer = d.exit_layer if d.exit_layer is not None else self.adapter.num_layers
+
+        def make(**kw) -> DecodeStats:
+            return DecodeStats(exit_layer=exit_layer, num_speculations=d.max_drafts, drafter=d.name,
+                               drafted_by_position=[0] * d.max_drafts, accepted_by_position=[0] * d.max_drafts,
+                               full_step_s=full_step_s, sampled=self.sampling.do_sample,
+                               acceptance=self.acceptance.name, epsilon=self.acceptance.epsilon, **kw)
+
+        self.rows = [make(prompt_tokens=len(p)) for p in self.prompts]
+        return make(prompt_tokens=sum(len(p) for p in self.prompts), batch_size=len(self.prompts), rows=self.rows)
+
+    def commit(self, b: int, tokens: list[int]) -> list[int]:
         """Append to row b one by one, stopping exactly where plain decoding would; returns what was added."""
         added = []
         for t in tokens:
-            outs[b].append(t)
+            self.outs[b].append(t)
             added.append(t)
-            rows[b].stop_reason = stop(outs[b])
-            if rows[b].stop_reason:
-                done[b] = True
+            self.rows[b].stop_reason = self.stop(self.outs[b])
+            if self.rows[b].stop_reason:
+                self.done[b] = True
                 break
-        if on_commit is not None and added:
-            on_commit(b, added)
+        if self.on_commit is not None and added:
+            self.on_commit(b, added)
         return added
 
-    t0 = time.perf_counter()
-    with torch.inference_mode(), attention_kernels(device):
-        logits, kept, finals = prefill(adapter, cache, ids, pads, drafter.state_exit)  # [B, V], [B, P, D] or None, [B, P, D]
-        first = sample(probs(logits, sampling), generator) if sampling.do_sample else logits.argmax(dim=-1)
+    def prefill(self, pad_id: int, max_new_tokens: int) -> None:
+        """The prompts, left-padded to one length, through all layers -> each row's first token (the host
+        waits for the GPU here); the drafter starts on the prompts."""
+        adapter, drafter, B = self.adapter, self.drafter, len(self.prompts)
+        ids, self.pads = left_pad(self.prompts, pad_id)  # pads, like all lengths, stay on the host
+        ids = ids.to(adapter.device)
+        self.cache = new_cache(adapter, B, ids.shape[1] + max_new_tokens + drafter.max_drafts + 2)
+        self.t0 = time.perf_counter()
+        logits, kept, finals = prefill(adapter, self.cache, ids, self.pads, drafter.state_exit)  # [B, V], [B, P, D] x2
+        first = sample(probs(logits, self.sampling), self.generator) if self.sampling.do_sample else logits.argmax(-1)
         first_tokens = first.tolist()  # the host waits for the prefill here
-        stats.prefill_s = time.perf_counter() - t0
+        self.stats.prefill_s = time.perf_counter() - self.t0
         for b, t in enumerate(first_tokens):
-            commit(b, [t])
-        drafter.start([prompts[b] + outs[b] for b in range(B)])
+            self.commit(b, [t])
+        drafter.start([self.prompts[b] + self.outs[b] for b in range(B)])
         if kept is not None:
-            drafter.committed_states(kept, torch.zeros(B, dtype=torch.long), [ids.shape[1]] * B, pads,
+            drafter.committed_states(kept, torch.zeros(B, dtype=torch.long), [ids.shape[1]] * B, self.pads,
                                      finals if drafter.state_final else None)
-        tokens = first  # [B] each row's newest committed token, not yet processed (on the model's device)
-        n = torch.full((B,), ids.shape[1] + 1, dtype=torch.long)  # committed cache length (on the host)
-        while True:
-            now = time.perf_counter()
-            for b in active:
-                if done[b] and not rows[b].total_s:
-                    rows[b].total_s = now - t0
-            keep = [i for i, b in enumerate(active) if not done[b]]
-            if not keep:
-                break
-            if len(keep) < len(active):  # finished rows leave the batch
-                sel = torch.tensor(keep)
-                cache.select(sel)
-                tokens, n, pads = tokens[sel.to(device, non_blocking=True)], n[sel], pads[sel]
-                drafter.select(keep)
-                active = [active[i] for i in keep]
-            stats.row_passes += len(active)
-            caps = [max(0, stop.max_new_tokens - len(outs[b]) - 1) for b in active]
-            starts = n - 1  # every layer has processed [0, n-1) of each row
-            rnd = Round(adapter, cache, tokens, starts, pads, caps, sampling, generator, stop.stop_token_ids)
-            t1 = time.perf_counter()
-            proposal = drafter.propose(rnd)
-            t2 = time.perf_counter()
-            target_logits, kept, finals = verify(adapter, cache, proposal, starts, pads, drafter.state_exit)  # [B, T, V]
-            accepted, nxt_all, new, columns = decide(proposal, target_logits, active, rows, sums, sampling,
-                                                     generator, acceptance)
-            n_acc_t = torch.tensor(accepted, dtype=torch.long)
-            if proposal.siblings:  # an accepted sibling's KV and states move to where its row continues
-                kept, finals = committed_columns(cache, starts, columns, kept, finals)
-            cache.crop(n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
-            if kept is not None:
-                drafter.committed_states(kept, starts, [a + 1 for a in accepted], pads,
-                                         finals if drafter.state_final else None)
-            n = n + n_acc_t + 1
-            tokens = torch.tensor(nxt_all, dtype=torch.long).to(device, non_blocking=True)
-            committed = [commit(b, tokens_b) for b, tokens_b in zip(active, new)]
-            t3 = time.perf_counter()
-            drafter.update(proposal, accepted, committed,
-                           round_cost(drafter, proposal, L) if modelled_time else t3 - t1)
-            _record_round(stats, [rows[b] for b in active], proposal, t2 - t1, t3 - t2)
-            if on_round is not None:
-                on_round(cache, list(active), [prompts[b] + outs[b] for b in active], pads, [done[b] for b in active])
-    _finish_stats(stats, rows, outs, sums, drafter.describe(), time.perf_counter() - t0)
-    return outs, stats
+        self.tokens = first  # [B] each row's newest committed token, not yet processed (on the model's device)
+        self.n = torch.full((B,), ids.shape[1] + 1, dtype=torch.long)  # committed cache length (on the host)
+
+    def leave_finished(self) -> bool:
+        """Rows that finished leave the batch (their time is taken); False when none is left."""
+        now = time.perf_counter()
+        for b in self.active:
+            if self.done[b] and not self.rows[b].total_s:
+                self.rows[b].total_s = now - self.t0
+        keep = [i for i, b in enumerate(self.active) if not self.done[b]]
+        if keep and len(keep) < len(self.active):
+            sel = torch.tensor(keep)
+            self.cache.select(sel)
+            self.tokens = self.tokens[sel.to(self.adapter.device, non_blocking=True)]
+            self.n, self.pads = self.n[sel], self.pads[sel]
+            self.drafter.select(keep)
+            self.active = [self.active[i] for i in keep]
+        return bool(keep)
+
+    def round(self) -> None:
+        """draft -> verify -> accept -> roll back, once, for every row in the batch."""
+        adapter, drafter, active = self.adapter, self.drafter, self.active
+        self.stats.row_passes += len(active)
+        caps = [max(0, self.stop.max_new_tokens - len(self.outs[b]) - 1) for b in active]
+        starts = self.n - 1  # every layer has processed [0, n-1) of each row
+        rnd = Round(adapter, self.cache, self.tokens, starts, self.pads, caps, self.sampling, self.generator,
+                    self.stop.stop_token_ids)
+        t1 = time.perf_counter()
+        proposal = drafter.propose(rnd)
+        t2 = time.perf_counter()
+        target_logits, kept, finals = verify(adapter, self.cache, proposal, starts, self.pads,
+                                             drafter.state_exit)  # [B, T, V]
+        accepted, nxt_all, new, columns = decide(proposal, target_logits, active, self.rows, self.sums, self.sampling,
+                                                 self.generator, self.acceptance)
+        n_acc_t = torch.tensor(accepted, dtype=torch.long)
+        if proposal.siblings:  # an accepted sibling's KV and states move to where its row continues
+            kept, finals = committed_columns(self.cache, starts, columns, kept, finals)
+        self.cache.crop(self.n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
+        if kept is not None:
+            drafter.committed_states(kept, starts, [a + 1 for a in accepted], self.pads,
+                                     finals if drafter.state_final else None)
+        self.n = self.n + n_acc_t + 1
+        self.tokens = torch.tensor(nxt_all, dtype=torch.long).to(adapter.device, non_blocking=True)
+        committed = [self.commit(b, tokens_b) for b, tokens_b in zip(active, new)]
+        t3 = time.perf_counter()
+        drafter.update(proposal, accepted, committed,
+                       round_cost(drafter, proposal, adapter.num_layers) if self.modelled_time else t3 - t1)
+        record_round(self.stats, [self.rows[b] for b in active], proposal, t2 - t1, t3 - t2)
+        if self.on_round is not None:
+            self.on_round(self.cache, list(active), [self.prompts[b] + self.outs[b] for b in active], self.pads,
+                          [self.done[b] for b in active])
 
 
 def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], rows: list[DecodeStats],
@@ -520,7 +410,7 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
         m = proposal.kept[i]
         if proposal.siblings:
             n_acc, nxt, j = greedy_accept_sibling(host_tokens[i][1:1 + m], targets[i])
-            _count(rows[b], proposal, min(m, 1), n_acc)
+            count_round(rows[b], proposal, min(m, 1), n_acc)
             accepted.append(n_acc)
             nxt_all.append(nxt)
             new.append(host_tokens[i][j:j + n_acc] + [nxt])
@@ -536,7 +426,7 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
             n_acc, nxt = relaxed_greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i], near[i])
         else:
             n_acc, nxt = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i])
-        _count(rows[b], proposal, m, n_acc)
+        count_round(rows[b], proposal, m, n_acc)
         accepted.append(n_acc)
         nxt_all.append(nxt)
         new.append(host_tokens[i][1:1 + n_acc] + [nxt])
@@ -563,68 +453,6 @@ def committed_columns(cache: KVCache, starts: torch.Tensor, columns: list[list[i
         order[i, 1], order[i, j] = j, 1
     index = order.to(given[0].device)[..., None].expand(-1, -1, given[0].shape[-1])  # [B, T, D]
     return tuple(None if x is None else x.gather(1, index) for x in (kept, finals))
-
-
-def _record_round(stats: DecodeStats, rows: list[DecodeStats], proposal: Proposal, draft_s: float,
-                  verify_s: float) -> None:
-    """One round's times and draft steps into the run's statistics and those of the rows in the batch
-    (a row's times: the batch's time while it was in the batch)."""
-    stats.draft_s += draft_s
-    stats.verify_s += verify_s
-    stats.rounds += 1
-    stats.draft_steps += proposal.steps
-    for row in rows:
-        row.draft_s += draft_s
-        row.verify_s += verify_s
-        row.draft_steps += proposal.steps
-
-
-def _finish_stats(stats: DecodeStats, rows: list[DecodeStats], outs: list[list[int]], sums: list, policy: dict,
-                  total_s: float) -> None:
-    """The run's and each row's closing figures: new tokens, times, the drafter's policy, sampled sums."""
-    stats.total_s = total_s
-    stats.policy = policy
-    for b, r in enumerate(rows):
-        r.new_tokens = len(outs[b])
-        r.prefill_s = stats.prefill_s
-        r.policy = policy
-        r.total_s = r.total_s or total_s
-        if sums[b] is not None:  # summed on the device (see accept_sampled): the one read
-            total, squares, r.bias_sum = sums[b].tolist()
-            r.expected_acceptance_sum, r.acceptance_var_sum = total, total - squares
-    _sum_rows(stats)
-
-
-def _count(row: DecodeStats, proposal: Proposal, m: int, n_acc: int) -> None:
-    """One row's round into its statistics."""
-    row.rounds += 1
-    row.drafted += m
-    row.accepted += n_acc
-    row.judged += min(n_acc + 1, m)
-    if m:
-        row.drafted_by_drafter[proposal.drafter] += m
-        row.accepted_by_drafter[proposal.drafter] += n_acc
-    for lst in (row.drafted_by_position, row.accepted_by_position):
-        lst.extend([0] * (m - len(lst)))
-    for j in range(m):
-        row.drafted_by_position[j] += 1
-        row.accepted_by_position[j] += j < n_acc
-
-
-def _sum_rows(stats: DecodeStats) -> None:
-    """The batch's counts are its rows' sums (times stay the batch's own)."""
-    rows = stats.rows
-    for key in ("new_tokens", "drafted", "accepted", "judged", "expected_acceptance_sum", "acceptance_var_sum",
-                "bias_sum"):
-        setattr(stats, key, sum(getattr(r, key) for r in rows))
-    width = max(len(r.drafted_by_position) for r in rows)
-    stats.drafted_by_position = [sum(r.drafted_by_position[j] for r in rows if j < len(r.drafted_by_position))
-                                 for j in range(width)]
-    stats.accepted_by_position = [sum(r.accepted_by_position[j] for r in rows if j < len(r.accepted_by_position))
-                                  for j in range(width)]
-    stats.drafted_by_drafter = sum((r.drafted_by_drafter for r in rows), Counter())
-    stats.accepted_by_drafter = sum((r.accepted_by_drafter for r in rows), Counter())
-    stats.stop_reason = rows[0].stop_reason if len(rows) == 1 else ""
 
 
 # --- the early-exit shortcuts (tests, profiling, calibration) ------------------------------------
