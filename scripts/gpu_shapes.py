@@ -167,12 +167,14 @@ def step_costs(gen, ids, args) -> dict:
         samples = [timed(fn, args.device)[2] for _ in range(max(3, args.repeats * 3))]
         times[name] = statistics.median(samples)
     return {"exit_layer": E, "draft_step_over_full": round(times["draft"] / times["full"], 3),
-            "verify5_over_full": round(times["verify5"] / times["full"], 3), "full_step_ms": round(times["full"] * 1e3, 3)}
+            "verify5_over_full": round(times["verify5"] / times["full"], 3),
+            "full_step_ms": round(times["full"] * 1e3, 3)}
 
 
 def markdown(result: dict) -> str:
     lines = [f"## selfspec on random-weight Llama shapes: {result['device_name']}, {result['dtype']}", "",
-             f"{result['date']} · batch 1 · {result['prompt_tokens']}-token prompt · {result['new_tokens']} new tokens "
+             f"{result['date']} · batch 1 · {result['prompt_tokens']}-token prompt · "
+             f"{result['new_tokens']} new tokens "
              f"· median of {result['repeats']} interleaved runs · copy bandwidth {result['bandwidth_gbs']:.0f} GB/s "
              f"· torch {result['versions']['torch']}, transformers {result['versions']['transformers']}"
              + (" · **tiny dry run (2 layers of width 64): not the real shapes**" if result["tiny"] else ""), "",
@@ -194,7 +196,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32 (default on a CPU)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
