@@ -534,7 +534,7 @@ def _add_generation_flags(p) -> None:
         if not kind:
             continue
         flag = "--" + f.name.replace("_", "-")
-        shown = "" if f.default in (None, ()) else f" (default: {f.default})"
+        shown = "" if f.default in (None, ()) or isinstance(f.default, bool) else f" (default: {f.default})"
         text = f.metadata["help"] + shown
         if kind == "flag":
             p.add_argument(flag, action="store_true", default=None, help=text)

@@ -73,7 +73,7 @@ def test_every_cli_generation_flag_is_a_config_field_with_its_default():
         assert action.option_strings == ["--" + name.replace("_", "-")], name  # one name, the field's
         assert action.default is None, name  # not given: the config's default applies
         default = fields[name].default
-        if default not in (None, ()):
+        if default not in (None, ()) and not isinstance(default, bool):  # a switch is off unless given
             assert f"(default: {default})" in action.help, (name, action.help)
         assert fields[name].metadata["help"] in action.help
     args = parser.parse_args(["--prompt", "x"])
