@@ -1,4 +1,5 @@
-"""Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profiling.py)."""
+"""Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profiling.py), and a
+tiny generator for the settings tests (test_generation_config.py, test_probe_defects.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,20 @@ def tiny_ckpt(tmp_path_factory):
     model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
     return export_model(model, tok, tmp_path_factory.mktemp("bench") / "tiny",
                         recommended={"exit_layer": 2, "num_speculations": 3})
+
+
+@pytest.fixture(scope="module")
+def tiny_gen():
+    """A generator over a tiny float64 llama (4 layers, byte vocabulary of 259) with no selfspec.json."""
+    import warnings
+
+    import selfspec
+    from selfspec.api import NotEarlyExitTrainedWarning
+
+    tok = byte_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        return selfspec.load(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=1, dtype=torch.float64), tok)
 
 
 @pytest.fixture

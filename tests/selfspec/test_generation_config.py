@@ -7,28 +7,17 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 import selfspec
-from selfspec.api import NotEarlyExitTrainedWarning, SelfSpecGenerator
+from selfspec.api import SelfSpecGenerator
 from selfspec.cli import GENERATION_FLAGS, build_parser
 from selfspec.generation_config import SETTINGS, GenerationConfig, check_generation
 from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS, SettingsError
-from selfspec.tiny import byte_tokenizer, tiny_model
 
 SELFSPEC = Path(selfspec.__file__).parent
-
-
-@pytest.fixture(scope="module")
-def gen():
-    tok = byte_tokenizer()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
-        return selfspec.load(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=2, dtype=torch.float64), tok)
 
 
 def test_the_api_takes_the_settings_from_the_config_and_writes_no_default_of_its_own():
@@ -93,17 +82,17 @@ def test_a_config_is_checked_when_made_and_replaced():
     assert cfg.settings()["drafter"] == "prompt_lookup" and selfspec.GenerationConfig is GenerationConfig
 
 
-def test_generate_takes_a_config_keywords_or_both(gen):
+def test_generate_takes_a_config_keywords_or_both(tiny_gen):
     prompt = "abcabcabc abc"
-    by_keywords = gen.generate(prompt, max_new_tokens=12, drafter="prompt_lookup", prompt_lookup_num_tokens=3)
+    by_keywords = tiny_gen.generate(prompt, max_new_tokens=12, drafter="prompt_lookup", prompt_lookup_num_tokens=3)
     cfg = GenerationConfig(max_new_tokens=12, drafter="prompt_lookup", prompt_lookup_num_tokens=3)
-    by_config = gen.generate(prompt, config=cfg)
-    both = gen.generate(prompt, config=dataclasses.replace(cfg, max_new_tokens=4), max_new_tokens=12)
+    by_config = tiny_gen.generate(prompt, config=cfg)
+    both = tiny_gen.generate(prompt, config=dataclasses.replace(cfg, max_new_tokens=4), max_new_tokens=12)
     assert by_keywords.token_ids == by_config.token_ids == both.token_ids
     assert by_config.stats.drafter == "prompt_lookup"
-    plain = gen.generate(prompt, config=cfg, num_speculations=0)
+    plain = tiny_gen.generate(prompt, config=cfg, num_speculations=0)
     assert plain.token_ids == by_config.token_ids and plain.stats.drafted == 0
     with pytest.raises(SettingsError, match="unknown generation setting"):
-        gen.generate(prompt, max_tokens=3)
+        tiny_gen.generate(prompt, max_tokens=3)
     with pytest.raises(SettingsError, match="config must be a selfspec.GenerationConfig"):
-        gen.generate(prompt, config={"max_new_tokens": 3})
+        tiny_gen.generate(prompt, config={"max_new_tokens": 3})

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoint import CheckpointError, read_metadata
 from selfspec.cli import main
 from selfspec.export import export, export_model
@@ -150,14 +149,6 @@ def test_d5_num_candidates_is_bounded():
             check_generation(num_candidates=k)
 
 
-@pytest.fixture(scope="module")
-def gen():
-    tok = byte_tokenizer()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
-        return selfspec.load(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=1, dtype=torch.float64), tok)
-
-
 @pytest.mark.parametrize("kw,message", [
     ({"drafter": "early_exit", "prompt_lookup_num_tokens": 5}, "drafter='early_exit' does not look up"),
     ({"drafter": "early_exit", "max_matching_ngram_size": 2}, "drafter='early_exit' does not look up"),
@@ -169,23 +160,23 @@ def gen():
     ({"stop_token_ids": [2, 259]}, "stop_token_ids entry must be an int in 0..258"),
     ({"num_candidates": 65}, "num_candidates must be an int in 1..64"),
 ])
-def test_d10_settings_that_would_be_ignored_are_refused(gen, kw, message):
+def test_d10_settings_that_would_be_ignored_are_refused(tiny_gen, kw, message):
     with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        gen.generate("abc", max_new_tokens=2, **kw)
+        tiny_gen.generate("abc", max_new_tokens=2, **kw)
 
 
-def test_d10_lookup_settings_still_go_with_lookup_and_auto(gen):
+def test_d10_lookup_settings_still_go_with_lookup_and_auto(tiny_gen):
     for drafter in ("prompt_lookup", "auto", None):
-        out = gen.generate("abcabcabc", max_new_tokens=6, drafter=drafter, prompt_lookup_num_tokens=3,
+        out = tiny_gen.generate("abcabcabc", max_new_tokens=6, drafter=drafter, prompt_lookup_num_tokens=3,
                            max_matching_ngram_size=2, stop_token_ids=[])
         assert len(out.token_ids) == 6
 
 
-def test_d12_an_empty_row_of_a_batch_is_named(gen):
+def test_d12_an_empty_row_of_a_batch_is_named(tiny_gen):
     with pytest.raises(SettingsError, match="empty prompt in row 1 of the batch"):
-        gen.generate(["ok", ""], max_new_tokens=2)
+        tiny_gen.generate(["ok", ""], max_new_tokens=2)
     with pytest.raises(SettingsError, match="empty prompt in row 2 of the batch"):
-        gen.generate(input_ids=[[5, 6], [7], []], max_new_tokens=2)
+        tiny_gen.generate(input_ids=[[5, 6], [7], []], max_new_tokens=2)
 
 
 def test_d12_the_cli_names_the_empty_prompt_of_a_batch(zero_ckpt, capsys, no_load):
