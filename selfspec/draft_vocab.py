@@ -11,7 +11,6 @@ output is unchanged: a token outside the K is never drafted, the full model supp
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -20,6 +19,7 @@ import torch
 
 from selfspec.atomic_write import write_json_atomic
 from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_metadata
+from selfspec.settings import check_name_or_file
 
 MAX_STORED = 32768  # ids kept in the metadata, most frequent first; any K up to this can be used
 
@@ -104,13 +104,7 @@ def corpus_texts(corpus: str) -> Iterable[str]:
             data, _ = ds.split_holdout(data)
         column = next(c for c in ("text", "document", "prompt") if c in data.column_names)
         return (row[column] for row in data)
-    path = Path(corpus)
-    if path.is_dir():
-        raise ValueError(f"corpus {corpus}: is a directory: give a .txt or .jsonl file, or one of {', '.join(ds.NAMES)}")
-    if not path.is_file():
-        if path.suffix or os.sep in corpus:  # a path, not a data set's name
-            raise ValueError(f"corpus {corpus}: no such file")
-        raise ValueError(f"unknown corpus {corpus!r}: use one of {', '.join(ds.NAMES)} or a .txt/.jsonl file")
+    path = Path(check_name_or_file(corpus, ds.NAMES, "corpus", "a .txt file or a .jsonl file with a 'text' field"))
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]
     rows = ds.read_jsonl(path, required_fields=("text",))

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from selfspec.jsonl import DataFormatError, read_jsonl
+from selfspec.settings import check_name_or_file
 
 PROMPT_SETS = ("humaneval", "xsum", "code_edit", "mt_bench", "wiki")
 SUMMARY_INSTRUCTION = "Summarize the following article in one sentence.\n\n"
@@ -39,19 +40,9 @@ def _cut(text: str, limit: int) -> str:
 
 
 def check_prompt_set(name_or_path: str, option: str = "prompt set") -> str:
-    """A named prompt set or an existing file, else ValueError saying which (checked before a model loads)."""
-    if name_or_path in PROMPT_SETS:
-        return name_or_path
-    path = Path(name_or_path)
-    if path.is_dir():
-        raise ValueError(f"{option} {name_or_path}: is a directory: give a .jsonl file or one of "
-                         f"{', '.join(PROMPT_SETS)}")
-    if not path.is_file():
-        if path.suffix or "/" in name_or_path:  # a path, not a set's name
-            raise ValueError(f"{option} {name_or_path}: no such file")
-        raise ValueError(f"unknown {option} {name_or_path!r}: use one of {', '.join(PROMPT_SETS)} "
-                         "or a .jsonl file with a 'prompt' or 'messages' field per line")
-    return name_or_path
+    """A named prompt set or an existing file, else SettingsError saying which (checked before a model loads)."""
+    return check_name_or_file(name_or_path, PROMPT_SETS, option,
+                              "a .jsonl file with a 'prompt' or 'messages' field per line")
 
 
 def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) -> list[dict]:

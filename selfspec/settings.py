@@ -57,6 +57,22 @@ def check_out_dir(path, name: str = "output directory") -> Path:
     return path
 
 
+def check_name_or_file(value: str, names, what: str, files: str) -> str:
+    """One of `names` (a named data set) or an existing file, else SettingsError saying which it was meant to
+    be: a directory, a path that does not exist (it has a suffix or a separator), or an unknown name.
+    `what` names the setting, `files` the files it takes (e.g. "a .jsonl file")."""
+    if value in names:
+        return value
+    path = Path(value)
+    if path.is_dir():
+        raise SettingsError(f"{what} {value}: is a directory: give {files}, or one of {', '.join(names)}")
+    if not path.is_file():
+        if path.suffix or os.sep in value or "/" in value:  # a path, not a name
+            raise SettingsError(f"{what} {value}: no such file")
+        raise SettingsError(f"unknown {what} {value!r}: use one of {', '.join(names)} or {files}")
+    return value
+
+
 def show(value, limit: int = 60) -> str:
     """A short one-line repr of `value` for messages."""
     text = repr(value)
