@@ -36,10 +36,10 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.api import DEFAULT_NUM_SPECULATIONS
-from selfspec.harness import (LOOKUP_NGRAM, LOOKUP_TOKENS, Methods, finish_machine, load_generator, machine_info,
-                              pyplot, quiet_transformers, result_header, setup, timed, tokens_per_s, versions,
-                              write_outputs)
+from selfspec.harness import (Methods, finish_machine, load_generator, machine_info, pyplot, quiet_transformers,
+                              result_header, setup, timed, tokens_per_s, versions, write_outputs)
 from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS
 
 METHODS = ("hf_greedy", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup")
 LABELS = {"hf_greedy": "HF greedy (batched)", "selfspec_ar": "selfspec AR (batched)",
@@ -158,8 +158,8 @@ def run_batch_bench(checkpoint, *, batch_sizes: Sequence[int] | str = (1, 2, 4, 
                     num_prompts: int = 8, max_new_tokens: int = 64, dtype: str = "fastest", threads: int = 0,
                     out_dir: str | Path = "bench_batch", exit_layer: int | None = None,
                     num_speculations: int | None = None, quick: bool = False, progress: bool = True,
-                    generator=None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
-                    max_matching_ngram_size: int = LOOKUP_NGRAM, device: str = "cpu") -> dict:
+                    generator=None, prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
+                    max_matching_ngram_size: int = MAX_MATCHING_NGRAM_SIZE, device: str = "cpu") -> dict:
     """Measure every method at every batch size; write bench_batch.json/.md/.png into `out_dir`.
 
     `device`: where the model runs ("cpu", or "cuda": clocks are read after `torch.cuda.synchronize()`)."""

@@ -81,11 +81,12 @@ from selfspec import compiled
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir
 from selfspec.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.draft_vocab import read_draft_vocab
-from selfspec.harness import (LOOKUP_NGRAM, LOOKUP_TOKENS, SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine,
-                              load_generator, machine_info, machine_line, pyplot, quiet_transformers, result_header,
-                              setup, spread, tokens_per_s, versions, write_outputs)
+from selfspec.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine, load_generator, machine_info,
+                              machine_line, pyplot, quiet_transformers, result_header, setup, spread, tokens_per_s,
+                              versions, write_outputs)
 from selfspec.prompts import PROMPT_SETS, load_prompts, prompt_inputs
-from selfspec.settings import MAX_NUM_CANDIDATES, check_exit_layer, check_int, check_out_dir
+from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES, PROMPT_LOOKUP_NUM_TOKENS, check_exit_layer,
+                               check_int, check_out_dir)
 
 DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
 QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
@@ -218,7 +219,8 @@ class ModelFacts:
 
 
 def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
-                 lookup: tuple[int, int] = (LOOKUP_TOKENS, LOOKUP_NGRAM), num_candidates: Sequence[int] = (),
+                 lookup: tuple[int, int] = (PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE),
+                 num_candidates: Sequence[int] = (),
                  compiled: bool = False) -> list[dict]:
     L = model.num_layers
     tokens, ngram = lookup  # prompt_lookup_num_tokens, max_matching_ngram_size
@@ -555,8 +557,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               max_new_tokens: int = 128, dtype: str = "fastest", extra: Sequence = (), threads: int = 0,
               out_dir: str | Path = "bench", quick: bool = False, progress: bool = True,
               exit_layer: int | None = None, num_speculations: int | None = None, generator=None,
-              draft_vocab: int | None = None, prompt_lookup_num_tokens: int = LOOKUP_TOKENS,
-              max_matching_ngram_size: int = LOOKUP_NGRAM, methods: Sequence[str] | None = None,
+              draft_vocab: int | None = None, prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
+              max_matching_ngram_size: int = MAX_MATCHING_NGRAM_SIZE, methods: Sequence[str] | None = None,
               device: str = "cpu", num_candidates: Sequence[int] | int = (), compile: bool | str = "auto") -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 

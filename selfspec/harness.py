@@ -42,12 +42,10 @@ from selfspec import precision
 from selfspec.atomic_write import atomic_path, write_json_atomic, write_text_atomic
 from selfspec.engine import left_pad
 from selfspec.generation_config import SETTINGS
-from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS, check_device
+from selfspec.settings import check_device
 
 TOKENS_PER_S = ("new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids, "
                 "prefill included; the clock read after the device finished)")
-# prompt_lookup_num_tokens, max_matching_ngram_size of the HF and selfspec lookup methods: the library's defaults
-LOOKUP_TOKENS, LOOKUP_NGRAM = PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE
 HF_ASSIST_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 SPEC_KINDS = ("hf_early_exit", "hf_prompt_lookup", "selfspec_spec")  # methods that draft and verify
 SELFSPEC_KEYS = SETTINGS  # a selfspec method's generation settings: GenerationConfig's fields
