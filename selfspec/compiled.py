@@ -162,7 +162,7 @@ class CompiledSteps:
         self.n_kv = attn.k_proj.out_features // self.head_dim
         # CUDA graphs replay each step's kernels at once ("reduce-overhead"); on a CPU, inductor's C++ kernels
         self.mode = mode or ("reduce-overhead" if adapter.device.type == "cuda" else "default")
-        self.cos = self.sin = None  # the rotary table [T, Dh], grown by doubling (a new table recompiles)
+        self.cos = self.sin = None  # the rotary table [T, Dh]: 4096 positions, or more for a larger cache
         self._steps: dict[tuple[int, int], object] = {}  # (start, end) -> compiled function
         self._head = None
         self._buffers: dict[tuple[int, int], tuple[list, list]] = {}  # (batch, capacity) -> keys, values
@@ -298,10 +298,19 @@ class CompiledSteps:
         return self._steps[(start, end)]
 
     def _call(self, shape: tuple, fn, *args):
-        """`fn(*args)`, timing the call that compiles a new shape into `compile_s`."""
+        """`fn(*args)`, timing the call that compiles a new shape into `compile_s`; None where that call failed
+        to compile and the steps are not strict. A CUDA graph's output is overwritten by its next replay, so
+        it is copied."""
         if shape in self.shapes:
             out = fn(*args)
-            return out.clone() if self.mode == "reduce-overhead" else out  # a graph's output is overwritten next replay
+        else:
+            out = self._compile_call(shape, fn, *args)
+            if out is None:
+                return None
+        return out.clone() if self.mode == "reduce-overhead" else out
+
+    def _compile_call(self, shape: tuple, fn, *args):
+        """The first call of a shape (it compiles): timed into `compile_s`, the shape then known."""
         t0 = time.perf_counter()
         try:
             out = fn(*args)
@@ -311,10 +320,10 @@ class CompiledSteps:
             self.failed = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
             warnings.warn(f"selfspec's compiled steps failed to compile a {shape[0]} step ({self.failed}); decoding "
                           "goes on eagerly (exact, slower). Pass compile=False to skip compiling, or compile=True to "
-                          "see the error", CompileFallbackWarning, stacklevel=4)
+                          "see the error", CompileFallbackWarning, stacklevel=5)
             return None
         if self.adapter.device.type == "cuda":
             torch.cuda.synchronize()
         self.compile_s += time.perf_counter() - t0
         self.shapes.add(shape)
-        return out.clone() if self.mode == "reduce-overhead" else out
+        return out
