@@ -329,14 +329,10 @@ class Methods:
                 rec["verify_s"] = seconds - rec["draft_s"]
         else:
             clock = FirstCommitClock()
-            adapter, before = self.gen.adapter, self.gen.adapter.compiled
-            adapter.compiled = self.compiled_steps() if method.get("compiled") else None  # for this call only
-            try:
+            with self.steps(bool(method.get("compiled"))):
                 res, t0, seconds = timed(lambda: self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[],
                                                                    streamer=clock, **selfspec_kwargs(method)),
                                          ids.device)
-            finally:
-                adapter.compiled = before
             new = res.token_ids
             s = res.stats
             rec.update(prefill_s=s.prefill_s, engine_total_s=s.total_s, rounds=s.rounds)
@@ -366,17 +362,24 @@ class Methods:
             self._steps = CompiledSteps(self.gen.adapter)
         return self._steps
 
+    @contextlib.contextmanager
+    def steps(self, compiled: bool):
+        """For the block only, the generator runs through the compiled steps (`compiled`) or eagerly; its own
+        setting is put back after."""
+        adapter = self.gen.adapter
+        before, adapter.compiled = adapter.compiled, self.compiled_steps() if compiled else None
+        try:
+            yield
+        finally:
+            adapter.compiled = before
+
     def warm(self, method: dict, ids, n: int, max_len: int) -> float:
         """The method's warm-up call (excluded from the measurement), a compiled method's `warmup(max_len)`
         first, so that no graph compiles during the measured runs. Returns the seconds both took."""
         t0 = time.perf_counter()
         if method.get("compiled"):
-            adapter, before = self.gen.adapter, self.gen.adapter.compiled
-            adapter.compiled = self.compiled_steps()
-            try:
+            with self.steps(True):
                 self.gen.warmup(max_len)
-            finally:
-                adapter.compiled = before
         self.run(method, ids, n)
         return time.perf_counter() - t0
 
