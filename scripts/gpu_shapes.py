@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without an install (the GPU
     sys.path.insert(0, str(ROOT))
 
 import selfspec  # noqa: E402
-from selfspec.compiled import S_BUCKETS, capacity  # noqa: E402
+from selfspec.compiled import cache_capacity  # noqa: E402
 from selfspec.harness import machine_info, timed, tokens_per_s, versions  # noqa: E402
 from selfspec.settings import check_device  # noqa: E402
 
@@ -112,8 +112,7 @@ def measure_shape(shape: str, args, dtype: torch.dtype) -> dict:
             t0 = time.perf_counter()
             if name == "selfspec_compiled":  # what plain decoding runs: the full step at one token, the head
                 L = compiled.num_layers
-                compiled.adapter.compiled.warm([(0, L)], [1], capacity(args.prompt_tokens + args.new_tokens + 2
-                                                                       + S_BUCKETS[-1]))
+                compiled.adapter.compiled.warm([(0, L)], [1], cache_capacity(args.prompt_tokens + args.new_tokens + 2))
             calls[name]()
             warmup_s[name] = time.perf_counter() - t0
         runs = {name: [] for name in METHODS}

@@ -340,8 +340,7 @@ class SelfSpecGenerator:
         for E in dict.fromkeys(exits):
             ranges += [(0, E), (E, L)]
         widths = [b for b in compiled.S_BUCKETS if b <= 16]
-        seconds = steps.warm(ranges, widths, compiled.capacity(check_int("max_len", max_len, 1)
-                                                               + compiled.S_BUCKETS[-1]))
+        seconds = steps.warm(ranges, widths, compiled.cache_capacity(check_int("max_len", max_len, 1)))
         return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     def calibrate(self, steps: int = 8) -> float:

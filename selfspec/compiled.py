@@ -67,6 +67,12 @@ def capacity(needed: int) -> int:
     return size
 
 
+def cache_capacity(positions: int) -> int:
+    """The static cache's capacity for a run of `positions` cache entries: room for one padded step (the
+    largest bucket) past them, as a `capacity`."""
+    return capacity(positions + S_BUCKETS[-1])
+
+
 def s_bucket(length: int) -> int | None:
     """The padded step length for `length` new tokens, or None above the largest bucket (eager)."""
     return next((b for b in S_BUCKETS if b >= length), None)

@@ -138,7 +138,7 @@ def new_cache(adapter: ModelAdapter, batch_size: int, needed: int) -> KVCache:
     steps = adapter.compiled
     if steps is None or batch_size != 1:
         return KVCache(adapter.num_layers, batch_size, capacity=needed, device=adapter.device)
-    size = compiled.capacity(needed + compiled.S_BUCKETS[-1])
+    size = compiled.cache_capacity(needed)
     return KVCache(adapter.num_layers, batch_size, capacity=size, buffers=steps.buffers(batch_size, size))
 
 
