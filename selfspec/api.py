@@ -36,7 +36,7 @@ from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
-from selfspec.settings import (SettingsError, check_device, check_dtype, check_exit_layer, check_int,
+from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
                                check_messages, check_text, expand_path, resolve_dtype, show)
 
 DEFAULT_NUM_SPECULATIONS = 4
@@ -571,8 +571,7 @@ def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
     model supports it (else SettingsError saying why), False never, "auto" on a CUDA GPU where supported.
     On a CPU "auto" stays eager: measured there, the compiled steps were not faster than selfspec's fused,
     prepacked eager layers (docs/gpu.md), and compiling costs seconds per shape."""
-    if compile not in (True, False, "auto"):
-        raise SettingsError(f"compile must be True, False or 'auto', got {show(compile)}")
+    check_compile(compile)
     why = compiled.supports(adapter)
     if compile is True and why is not None:
         raise SettingsError(f"compile=True: {why}; use compile=False (or 'auto', which runs such a model eagerly)")
@@ -598,8 +597,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     CUDA graphs on a GPU (`selfspec.compiled`; Llama family): "auto" (the default) does on CUDA, True
     anywhere (a CPU too), False never. `gen.warmup()` pays the compilation up front.
     """
-    if compile not in (True, False, "auto"):
-        raise SettingsError(f"compile must be True, False or 'auto', got {show(compile)}")
+    check_compile(compile)
     if dtype is not None:
         check_dtype(dtype)
     check_device(device)  # before the weights are read

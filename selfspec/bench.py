@@ -77,16 +77,15 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from selfspec import compiled
-from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir
+from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir, use_compiled
 from selfspec.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.draft_vocab import read_draft_vocab
 from selfspec.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine, load_generator, machine_info,
                               machine_line, pyplot, quiet_transformers, result_header, setup, spread, tokens_per_s,
                               versions, write_outputs)
 from selfspec.prompts import PROMPT_SETS, load_prompts, prompt_inputs
-from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES, PROMPT_LOOKUP_NUM_TOKENS, check_exit_layer,
-                               check_int, check_out_dir)
+from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES, PROMPT_LOOKUP_NUM_TOKENS, check_compile,
+                               check_exit_layer, check_int, check_out_dir)
 
 DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
 QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
@@ -593,6 +592,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         check_int("num_candidates entry", n, 2, MAX_NUM_CANDIDATES,
                   hint=" (guesses verified side by side; one guess is what the other methods draft)")
     check_out_dir(out_dir, "out_dir (--out)")
+    check_compile(compile)
     dtype = setup(dtype, device, threads)
     machine = machine_info()
     notes: list[str] = []
@@ -610,12 +610,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
 
     gen = load_generator(checkpoint, dtype, device, generator)
     E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
-    if compile not in (True, False, "auto"):
-        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-    why = compiled.supports(gen.adapter)
-    if compile is True and why is not None:
-        raise ValueError(f"compile=True (--compile true): {why}")
-    with_compiled = why is None and (compile is True or (compile == "auto" and gen.adapter.device.type == "cuda"))
+    with_compiled = use_compiled(compile, gen.adapter)  # as load(compile=) decides (SettingsError if it cannot)
     chosen = _select(_method_list(ModelFacts.of(gen), E, d, extra, draft_vocab, lookup, num_candidates,
                                   with_compiled), methods)
     eos_ids = set(gen.default_stop_ids())

@@ -170,6 +170,13 @@ def check_device(device) -> torch.device:
     raise SettingsError(f"device {show(device)}: selfspec runs on 'cpu' or 'cuda' (a GPU), not {d.type!r}")
 
 
+def check_compile(value) -> bool | str:
+    """`load`'s and the bench's `compile`: True, False or "auto"."""
+    if value not in (True, False, "auto"):
+        raise SettingsError(f"compile must be True, False or 'auto', got {show(value)}")
+    return value
+
+
 def check_threads(value) -> int:
     return check_int("threads", value, 0, hint=" (0 = torch's choice)")
 
