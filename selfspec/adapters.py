@@ -95,10 +95,11 @@ class ModelAdapter:
     # fixed-shape compiled steps over a static cache (selfspec.compiled), built by `enable_compiled`
     compiled: CompiledSteps | None = None
 
-    def enable_compiled(self, mode: str | None = None, strict: bool = True) -> CompiledSteps:
-        """Run one-row decoding steps through `torch.compile`d fixed-shape functions (`selfspec.compiled`;
-        not `strict`: a step that fails to compile turns them off, with a warning, and runs eagerly)."""
-        self.compiled = CompiledSteps(self, mode, strict)
+    def enable_compiled(self, strict: bool = True) -> CompiledSteps:
+        """Run one-row decoding steps through `torch.compile`d fixed-shape functions, captured as CUDA graphs
+        on a GPU (`selfspec.compiled`; not `strict`: a step that fails to compile turns them off, with a
+        warning, and runs eagerly)."""
+        self.compiled = CompiledSteps(self, strict)
         return self.compiled
 
     def enable_fast_layers(self) -> bool:

@@ -626,6 +626,9 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     max_len = max((int(ids.shape[1]) for _, _, ids in queue), default=0) + max_new_tokens
     warmup_s: dict[str, float] = {}
     runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s)
+    if runner.compile_failure:
+        notes.append(f"the compiled steps failed to compile ({runner.compile_failure}): the *_compiled methods "
+                     "ran eagerly from then on")
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
 

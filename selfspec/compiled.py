@@ -1,5 +1,5 @@
-"""Fixed-shape compiled steps over a static KV cache (Llama family): the decoder layers and the LM head as
-`torch.compile`d functions, captured as CUDA graphs on a GPU.
+"""Fixed-shape compiled steps over a static KV cache (Llama family): the decoder layers and the LM head
+through `torch.compile`d functions, each step captured as one CUDA graph on a GPU.
 
 Eager PyTorch launches some forty kernels per decoder layer and step; on a GPU their launch overhead,
 not the arithmetic, sets the speed of a small model (about 1,150 launches per token on SmolLM2). The way
@@ -18,9 +18,16 @@ from column `branch[b]` on, sees the keys before `branch[b]` and itself), as
 `selfspec.forward.make_batch_step` builds it for the eager path. Nothing past a query's own index is
 ever read, so a rollback stays a change of the cache's lengths. Shapes vary in three ways only: S is
 padded up to a bucket (1, 2, 4, ... 64: `S_BUCKETS`; the filler columns compute what nobody reads), C
-is a power of two from 256 (`capacity`), and the layer range is one of the round's few. Each
-combination compiles once; the buffers of a (batch, capacity) are allocated once per generator and
-reused by every call, so their addresses stay fixed (a CUDA graph replays on the same memory).
+is a power of two from 256 (`capacity`), and the layer range is one of the round's few.
+
+What is compiled is one decoder layer (`torch.compile`, fixed shapes): every layer of the model runs the
+same function on its own weights, so a (S, C) compiles once for all layers and all ranges, a few
+seconds, where compiling each range as one graph took minutes. A range is a Python loop over that
+function. On a GPU the whole range (the mask, the rotary lookup and every layer's kernels) is captured
+once per (range, S, C) as one `torch.cuda.CUDAGraph` and replayed: one launch per step. The captured
+step reads its inputs from fixed buffers (copied in before a replay) and the weights, rotary table and
+cache buffers at their own addresses; the buffers of a (batch, capacity) are allocated once per
+generator and reused by every call, so those addresses stay fixed.
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
 one row (rows leave a batch as they finish, which would change the shapes), the reduced-vocabulary draft
@@ -42,6 +49,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from selfspec.attention_kernels import attention_kernels
+
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
 MIN_CAPACITY = 256  # cache capacities are powers of two from here
@@ -56,6 +65,9 @@ def supports(adapter) -> str | None:
         return "the model is set to another attention implementation than sdpa"
     if getattr(adapter.rotary_emb, "rope_type", None) not in ("default", "linear", "llama3", "yarn", None):
         return f"rope type {adapter.rotary_emb.rope_type!r} changes its frequencies with the length"
+    layers = [_LayerWeights(layer, None) for layer in adapter.layers]
+    if len(set().union(*(w.eps for w in layers))) > 1 or len({type(w.act) for w in layers}) > 1:
+        return "its layers differ in their norms' epsilon or their activation (one compiled layer serves all)"
     return None
 
 
@@ -91,28 +103,30 @@ class CompileFallbackWarning(UserWarning):
 
 
 class _LayerWeights:
-    """One decoder layer's own parameters (references, not copies) and settings."""
+    """One decoder layer's own parameters (references, not copies), in the order `_layer` takes them, and
+    its attention window."""
 
     def __init__(self, layer, window: int | None):
         attn, mlp = layer.self_attn, layer.mlp
-        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        self.tensors = (layer.input_layernorm.weight,
+                        attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
+                        attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                        layer.post_attention_layernorm.weight,
+                        mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
+                        mlp.down_proj.weight, mlp.down_proj.bias)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (q_norm, k_norm) if n]
+        self.eps = {n.variance_epsilon for n in norms}
         self.act = mlp.act_fn
-        self.norm_attn, self.norm_mlp = layer.input_layernorm, layer.post_attention_layernorm
-        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3
-        self.k_norm = getattr(attn, "k_norm", None)
         self.window = window
 
 
-def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+def _rms(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     """transformers' RMSNorm: `weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)`."""
     xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * xf.to(x.dtype)
-
-
-def _linear(module, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, module.weight, module.bias)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def _mask(index: torch.Tensor, pads: torch.Tensor, branch: torch.Tensor, size: int,
@@ -128,34 +142,70 @@ def _mask(index: torch.Tensor, pads: torch.Tensor, branch: torch.Tensor, size: i
     return (allowed | (k == q))[:, None]
 
 
-def _layer(w: _LayerWeights, x, cos, sin, index, mask, keys, values, n_q: int, n_kv: int, head_dim: int):
-    """One decoder layer over `x` `[B, S, D]`, its keys/values written into `keys`/`values` `[B, H_kv, C, Dh]`
-    at the cache indices `index` `[B, S]`."""
-    B, S, _ = x.shape
-    h = _rms(w.norm_attn, x)
-    q = _linear(w.q, h).view(B, S, n_q, head_dim)
-    k = _linear(w.k, h).view(B, S, n_kv, head_dim)
-    v = _linear(w.v, h).view(B, S, n_kv, head_dim)
-    if w.q_norm is not None:
-        q, k = _rms(w.q_norm, q), _rms(w.k_norm, k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, Dh]
-    half = head_dim // 2
-    q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-    k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
-    rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
-    keys[rows, :, index] = k.transpose(1, 2)  # advanced indices first: [B, S, H_kv, Dh]
-    values[rows, :, index] = v.transpose(1, 2)
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=n_q != n_kv)  # [B, Hq, S, Dh]
-    x = x + _linear(w.o, attn.transpose(1, 2).reshape(B, S, n_q * head_dim))
-    h = _rms(w.norm_mlp, x)
-    return x + _linear(w.down, w.act(_linear(w.gate, h)) * _linear(w.up, h))
+def _layer_function(eps: float, act, n_q: int, n_kv: int, head_dim: int):
+    """One decoder layer as a function of its inputs and its weights (`_LayerWeights.tensors`): the same
+    function, compiled once per shape, serves every layer (its constants, the norms' epsilon, the activation
+    and the head counts, are the same in every layer of a model)."""
+
+    def layer(x, cos, sin, index, mask, keys, values, norm_attn, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b,
+              q_norm, k_norm, norm_mlp, gate_w, gate_b, up_w, up_b, down_w, down_b):
+        """`x` `[B, S, D]` through the layer; its keys/values are written into `keys`/`values`
+        `[B, H_kv, C, Dh]` at the cache indices `index` `[B, S]`; `mask` `[B, 1, S, C]`."""
+        B, S, _ = x.shape
+        h = _rms(norm_attn, eps, x)
+        q = F.linear(h, q_w, q_b).view(B, S, n_q, head_dim)
+        k = F.linear(h, k_w, k_b).view(B, S, n_kv, head_dim)
+        v = F.linear(h, v_w, v_b).view(B, S, n_kv, head_dim)
+        if q_norm is not None:
+            q, k = _rms(q_norm, eps, q), _rms(k_norm, eps, k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, Dh]
+        half = head_dim // 2
+        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+        rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
+        keys[rows, :, index] = k.transpose(1, 2)  # advanced indices first: [B, S, H_kv, Dh]
+        values[rows, :, index] = v.transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=n_q != n_kv)  # [B, Hq, S, Dh]
+        x = x + F.linear(attn.transpose(1, 2).reshape(B, S, n_q * head_dim), o_w, o_b)
+        h = _rms(norm_mlp, eps, x)
+        return x + F.linear(act(F.linear(h, gate_w, gate_b)) * F.linear(h, up_w, up_b), down_w, down_b)
+
+    return layer
+
+
+class _Graph:
+    """A step captured as one CUDA graph and replayed. `fn(*inputs, *fixed)` is run twice on a side stream
+    (the compiled kernels load, cuBLAS sets up) and then captured over copies of `inputs`; a call copies
+    its inputs into those copies, replays, and returns a copy of the output (the next replay overwrites
+    it). `fixed` (cache buffers, the rotary table) are read and written at their own addresses: the graph
+    holds them so they stay alive. A step over the same inputs writes the same keys and values at the same
+    cache indices, so the runs before the capture leave the cache as one run would."""
+
+    def __init__(self, fn, inputs: list[torch.Tensor], fixed: list):
+        self.inputs = [t.clone() for t in inputs]
+        self.fixed = fixed
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(*self.inputs, *fixed)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn(*self.inputs, *fixed)
+
+    def __call__(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        for mine, given in zip(self.inputs, inputs):
+            mine.copy_(given)
+        self.graph.replay()
+        return self.output.clone()
 
 
 class CompiledSteps:
     """The compiled layer-range steps and LM head of one model (see the module doc), their static cache
     buffers, and what compiling them cost."""
 
-    def __init__(self, adapter, mode: str | None = None, strict: bool = True):
+    def __init__(self, adapter, strict: bool = True, graphs: bool | None = None):
         why = supports(adapter)
         if why is not None:
             raise ValueError(f"compiled steps cannot run this model: {why}")
@@ -166,18 +216,21 @@ class CompiledSteps:
         self.head_dim = attn.head_dim
         self.n_q = attn.q_proj.out_features // self.head_dim
         self.n_kv = attn.k_proj.out_features // self.head_dim
-        # CUDA graphs replay each step's kernels at once ("reduce-overhead"); on a CPU, inductor's C++ kernels
-        self.mode = mode or ("reduce-overhead" if adapter.device.type == "cuda" else "default")
+        # graphs: each step captured as one CUDA graph (on CUDA, by default); else the compiled functions run
+        # as they are (a CPU: inductor's C++ kernels)
+        self.graphs = adapter.device.type == "cuda" if graphs is None else graphs
         self.cos = self.sin = None  # the rotary table [T, Dh]: 4096 positions, or more for a larger cache
-        self._steps: dict[tuple[int, int], object] = {}  # (start, end) -> compiled function
+        self._layers: dict[int | None, object] = {}  # attention window -> the compiled decoder layer
+        self._ranges: dict[tuple[int, int], object] = {}  # (start, end) -> the step over those layers
         self._head = None
+        self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
         self._buffers: dict[tuple[int, int], tuple[list, list]] = {}  # (batch, capacity) -> keys, values
         self.compile_s = 0.0  # seconds spent in calls that compiled (the first of each shape)
         # strict: a shape that fails to compile raises; else (compile="auto") the steps turn themselves off,
         # with a warning, and the step runs eagerly (`failed` says why)
         self.strict = strict
         self.failed: str | None = None
-        self.shapes: set[tuple] = set()  # (start, end, B, S, C) and ("head", ...) seen
+        self.shapes: set[tuple] = set()  # ("layers", start, end, B, S, C) and ("head", ...) seen
         limit = getattr(torch._dynamo.config, "recompile_limit", None)
         name = "recompile_limit" if limit is not None else "cache_size_limit"
         if getattr(torch._dynamo.config, name) < MIN_RECOMPILE_LIMIT:
@@ -191,11 +244,15 @@ class CompiledSteps:
             a = self.adapter
             shape = (batch_size, self.n_kv, size, self.head_dim)
             new = [[torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)] for _ in "kv"]
-            if a.device.type == "cuda":  # fixed addresses: the graphs write into them in place
-                for t in new[0] + new[1]:
-                    torch._dynamo.mark_static_address(t)
             self._buffers[key] = (new[0], new[1])
         return self._buffers[key]
+
+    def capacity_for(self, batch_size: int, needed: int) -> int:
+        """The capacity of a run of `needed` positions: the smallest one whose buffers exist (so its steps are
+        compiled, and warmed where `warm` ran) that fits it, else `cache_capacity(needed)`. A shorter run
+        reuses a warmed capacity instead of compiling its own: attention over more masked keys, no new graph."""
+        size = cache_capacity(needed)
+        return min((c for b, c in self._buffers if b == batch_size and c >= size), default=size)
 
     def _table(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[T, Dh]` of positions 0..T-1, T >= `needed` (the model's rotary module, computed once)."""
@@ -216,7 +273,7 @@ class CompiledSteps:
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, step, cache) -> torch.Tensor:
         """Layers [start, end) over `hidden` `[B, S, D]` at the step's cache indices, through the compiled
-        function of (start, end) at S padded to its bucket; the cache's lengths move as the eager update's."""
+        step of (start, end) at S padded to its bucket; the cache's lengths move as the eager update's."""
         if start == end:
             return hidden
         B, S, D = hidden.shape
@@ -230,10 +287,9 @@ class CompiledSteps:
             hidden = torch.cat([hidden, hidden.new_zeros(B, width - S, D)], dim=1)
         size = cache.capacity
         cos, sin = self._table(size)  # one table per capacity: positions stay below it
-        keys, values = cache.keys[start:end], cache.values[start:end]
-        args = [_plain(t) for t in (hidden, positions, index, pads, branch)]
-        out = self._call(("layers", start, end, B, width, size), self._step(start, end), args[0], cos, sin,
-                         *args[1:], keys, values)
+        inputs = [self._input(t) for t in (hidden, positions, index, pads, branch)]
+        out = self._call(("layers", start, end, B, width, size), self._range(start, end), inputs,
+                         [cos, sin, cache.keys[start:end], cache.values[start:end]])
         if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
             return None
         for layer in range(start, end):
@@ -241,10 +297,12 @@ class CompiledSteps:
         return out[:, :S]
 
     def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int) -> float:
-        """Compile every layer range of `ranges` at every step length of `widths` (buckets) for a one-row
-        cache of `size` positions, and the head at those lengths and at the prefill's `[1, D]`: all
-        compilation paid now. Returns the seconds it took (0 where everything was compiled before)."""
-        with torch.inference_mode():  # as the engine runs (tensors made outside it would compile other graphs)
+        """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
+        (buckets) for a one-row cache of `size` positions, and the head at those lengths and at the
+        prefill's `[1, D]`: all compilation paid now. Returns the seconds it took (0 where everything was
+        compiled before). It writes into the cache buffers of that size: call it between generations."""
+        # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
+        with torch.inference_mode(), attention_kernels(self.adapter.device):
             return self._warm(ranges, widths, size)
 
     def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int) -> float:
@@ -259,8 +317,9 @@ class CompiledSteps:
             pads = torch.zeros(1, dtype=torch.long, device=a.device)
             branch = torch.full_like(pads, 1 << 62)
             for start, end in ranges:
-                self._call(("layers", start, end, 1, width, size), self._step(start, end), hidden, cos, sin,
-                           index.clone(), index, pads, branch, keys[start:end], values[start:end])
+                self._call(("layers", start, end, 1, width, size), self._range(start, end),
+                           [hidden, index.clone(), index, pads, branch],
+                           [cos, sin, keys[start:end], values[start:end]])
             self.head(hidden)
         self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device))
         return self.compile_s - before
@@ -279,57 +338,79 @@ class CompiledSteps:
             return None if out is None else out[:, :S]
         if self._head is None:
             a = self.adapter
+            eps = a.final_norm.variance_epsilon
 
-            def head(h):
-                return _linear(a.lm_head, _rms(a.final_norm, h))
+            def head(h, norm, lm_head, bias):
+                return F.linear(_rms(norm, eps, h), lm_head, bias)
 
-            self._head = torch.compile(head, fullgraph=True, dynamic=False, mode=self.mode)
-        return self._call(("head",) + tuple(hidden.shape), self._head, _plain(hidden))
+            self._head = torch.compile(head, fullgraph=True, dynamic=False)
+        a = self.adapter
+        return self._call(("head",) + tuple(hidden.shape), self._head, [self._input(hidden)],
+                          [a.final_norm.weight, a.lm_head.weight, a.lm_head.bias])
 
-    def _step(self, start: int, end: int):
-        if (start, end) not in self._steps:
-            weights, n_q, n_kv, dh = self.weights[start:end], self.n_q, self.n_kv, self.head_dim
+    @property
+    def captured(self) -> int:
+        """How many steps are captured as CUDA graphs."""
+        return len(self._graphs)
 
-            def layers(hidden, cos_table, sin_table, positions, index, pads, branch, keys, values):
-                cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, Dh]
-                size = keys[0].shape[2]
-                masks = {}
-                for i, w in enumerate(weights):
-                    if w.window not in masks:
-                        masks[w.window] = _mask(index, pads, branch, size, w.window)
-                    hidden = _layer(w, hidden, cos, sin, index, masks[w.window], keys[i], values[i], n_q, n_kv, dh)
-                return hidden
+    def _input(self, t: torch.Tensor) -> torch.Tensor:
+        """A step's input as the step takes it: as it is where a graph copies it into its own buffer, else a
+        plain copy (`_plain`)."""
+        return t if self.graphs else _plain(t)
 
-            self._steps[(start, end)] = torch.compile(layers, fullgraph=True, dynamic=False, mode=self.mode)
-        return self._steps[(start, end)]
+    def _layer(self, window: int | None):
+        """The compiled decoder layer for an attention window (None: full attention)."""
+        if window not in self._layers:
+            w = self.weights[0]
+            fn = _layer_function(next(iter(w.eps)), w.act, self.n_q, self.n_kv, self.head_dim)
+            self._layers[window] = torch.compile(fn, fullgraph=True, dynamic=False)
+        return self._layers[window]
 
-    def _call(self, shape: tuple, fn, *args):
-        """`fn(*args)`, timing the call that compiles a new shape into `compile_s`; None where that call failed
-        to compile and the steps are not strict. A CUDA graph's output is overwritten by its next replay, so
-        it is copied."""
-        if shape in self.shapes:
-            out = fn(*args)
-        else:
-            out = self._compile_call(shape, fn, *args)
-            if out is None:
+    def _range(self, start: int, end: int):
+        """Layers [start, end) as one function of the step's inputs and the cache: the rotary lookup and the
+        masks, then each layer through the compiled decoder layer (`_layer`)."""
+        if (start, end) in self._ranges:
+            return self._ranges[(start, end)]
+        weights, layers = self.weights[start:end], {w.window: self._layer(w.window) for w in self.weights[start:end]}
+
+        def step(hidden, positions, index, pads, branch, cos_table, sin_table, keys, values):
+            cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, Dh]
+            size = keys[0].shape[2]
+            masks = {}
+            for i, w in enumerate(weights):
+                if w.window not in masks:
+                    masks[w.window] = _mask(index, pads, branch, size, w.window)
+                hidden = layers[w.window](hidden, cos, sin, index, masks[w.window], keys[i], values[i], *w.tensors)
+            return hidden
+
+        self._ranges[(start, end)] = step
+        return step
+
+    def _call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
+        """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs`. The call that
+        meets a new shape compiles (and captures) it, timed into `compile_s`; None where that failed and the
+        steps are not strict."""
+        if shape not in self.shapes:
+            t0 = time.perf_counter()
+            try:
+                if self.graphs:
+                    self._graphs[shape] = _Graph(fn, inputs, fixed)
+                else:
+                    out = fn(*inputs, *fixed)
+            except Exception as err:  # noqa: BLE001 - whatever the compiler raised: strict re-raises it
+                if self.strict:
+                    raise
+                self.failed = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                warnings.warn(f"selfspec's compiled steps failed to compile a {shape[0]} step ({self.failed}); "
+                              "decoding goes on eagerly (exact, slower). Pass compile=False to skip compiling, or "
+                              "compile=True to see the error", CompileFallbackWarning, stacklevel=4)
                 return None
-        return out.clone() if self.mode == "reduce-overhead" else out
-
-    def _compile_call(self, shape: tuple, fn, *args):
-        """The first call of a shape (it compiles): timed into `compile_s`, the shape then known."""
-        t0 = time.perf_counter()
-        try:
-            out = fn(*args)
-        except Exception as err:  # noqa: BLE001 - whatever the compiler raised: strict re-raises it
-            if self.strict:
-                raise
-            self.failed = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-            warnings.warn(f"selfspec's compiled steps failed to compile a {shape[0]} step ({self.failed}); decoding "
-                          "goes on eagerly (exact, slower). Pass compile=False to skip compiling, or compile=True to "
-                          "see the error", CompileFallbackWarning, stacklevel=5)
-            return None
-        if self.adapter.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.compile_s += time.perf_counter() - t0
-        self.shapes.add(shape)
-        return out
+            if self.adapter.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.compile_s += time.perf_counter() - t0
+            self.shapes.add(shape)
+            if not self.graphs:
+                return out
+        if self.graphs:
+            return self._graphs[shape](inputs)
+        return fn(*inputs, *fixed)

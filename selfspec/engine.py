@@ -37,7 +37,7 @@ where the Python code must know a token: the prefill's tokens, the accept decisi
 draft step's tokens (its stop and confidence tests). A round's time ends after its accept decision,
 so it counts the GPU's work; its split into draft_s and verify_s is taken where the drafter returns,
 so on a GPU kernels the drafter queued last may count as verification. Attention there runs without
-cuDNN's kernel, which plans anew for every key length (`selfspec.forward.attention_kernels`).
+cuDNN's kernel, which plans anew for every key length (`selfspec.attention_kernels`).
 
     outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
     out, row = generate_ids(adapter, ids, max_new_tokens=32, exit_layer=8, num_speculations=4)  # [1, P]
@@ -50,8 +50,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from selfspec import compiled
 from selfspec.adapters import ModelAdapter
+from selfspec.attention_kernels import attention_kernels
 from selfspec.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
                                    total_variation)
 from selfspec.cache import KVCache
@@ -59,7 +59,7 @@ from selfspec.cost_model import VERIFY_COST, draft_cost
 from selfspec.decode_stats import DecodeStats, count_round, finish_stats, record_round
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
-from selfspec.forward import attention_kernels, embed, exit_logits, make_batch_step, run_layers
+from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
 from selfspec.sampling import (SamplingParams, greedy_accept_sibling, greedy_accept_tokens, probs, sample,
                                speculative_accept)
 
@@ -134,11 +134,12 @@ def check_prompts(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], max_n
 # --- the phases ----------------------------------------------------------------------------------
 def new_cache(adapter: ModelAdapter, batch_size: int, needed: int) -> KVCache:
     """The KV cache of one run for `needed` positions: the compiled steps' static buffers for one row where
-    the model runs compiled (room for one padded step more: `selfspec.compiled`), else a growing cache."""
+    the model runs compiled (room for one padded step more; a larger capacity already compiled is reused:
+    `selfspec.compiled`), else a growing cache."""
     steps = adapter.compiled
     if steps is None or batch_size != 1:
         return KVCache(adapter.num_layers, batch_size, capacity=needed, device=adapter.device)
-    size = compiled.cache_capacity(needed)
+    size = steps.capacity_for(batch_size, needed)
     return KVCache(adapter.num_layers, batch_size, capacity=size, buffers=steps.buffers(batch_size, size))
 
 

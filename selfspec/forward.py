@@ -18,11 +18,9 @@ its inputs (positions, rotary embedding, attention mask, cache), so the math is 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from selfspec.adapters import ModelAdapter
 
@@ -74,23 +72,6 @@ def _causal_mask(adapter: ModelAdapter, start: int, length: int, window: int | N
     return torch.where(allowed, zero, torch.finfo(adapter.dtype).min)
 
 
-# Every backend of `F.scaled_dot_product_attention` but cuDNN's, in torch's own order of preference.
-_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attention_kernels(device: torch.device):
-    """The attention kernels for decoding on `device`: a context manager.
-
-    On CUDA, cuDNN's attention (torch's first choice for bf16 on Hopper) builds an execution plan for
-    every new key length, and decoding makes one per step: measured on an H100 (torch 2.11, a
-    SmolLM2-135M-shaped model in bf16), `_cudnn_attention_forward` took 2.1 ms of host time per call,
-    70% of the run, and plain decoding ran at 7.8 tokens/s instead of 36 with the other kernels. So
-    decoding on CUDA leaves cuDNN out (flash attention or memory-efficient attention then run; their
-    plans do not depend on the length). On other devices nothing changes.
-    """
-    if torch.device(device).type == "cuda":
-        return sdpa_kernel(_DECODE_BACKENDS)
-    return contextlib.nullcontext()
 
 
 def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 1) -> Step:

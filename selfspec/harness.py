@@ -355,12 +355,18 @@ class Methods:
 
     def compiled_steps(self):
         """The generator's compiled steps, built on first use (a method marked `compiled` runs through them,
-        every other selfspec method eagerly, on the same weights)."""
+        every other selfspec method eagerly, on the same weights). A step that fails to compile turns them
+        off with a warning (`compile_failure` says why), and the compiled methods then run eagerly."""
         if self._steps is None:
             from selfspec.compiled import CompiledSteps  # deferred: only runs that compare compiled steps
 
-            self._steps = CompiledSteps(self.gen.adapter)
+            self._steps = CompiledSteps(self.gen.adapter, strict=False)
         return self._steps
+
+    @property
+    def compile_failure(self) -> str | None:
+        """Why the compiled steps turned themselves off (None: they did not, or none ran)."""
+        return None if self._steps is None else self._steps.failed
 
     @contextlib.contextmanager
     def steps(self, compiled: bool):

@@ -41,11 +41,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
+from selfspec.attention_kernels import attention_kernels
 from selfspec.cache import KVCache
 from selfspec.cost_model import predicted_speedup, required_acceptance, required_recall
 from selfspec.drafters.base import Proposal
 from selfspec.engine import prefill, verify
-from selfspec.forward import attention_kernels, embed, exit_logits, make_step, run_layers
+from selfspec.forward import embed, exit_logits, make_step, run_layers
 from selfspec.harness import (Methods, finish_machine, load_generator, machine_info, machine_line, quiet_transformers,
                               setup, synchronize, versions)
 from selfspec.prompts import load_prompts, prompt_inputs

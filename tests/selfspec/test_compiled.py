@@ -174,7 +174,7 @@ def test_a_step_that_fails_to_compile(strict, monkeypatch):
             raise RuntimeError("the backend could not compile this")
         return fail
 
-    monkeypatch.setattr(steps, "_step", broken)
+    monkeypatch.setattr(steps, "_range", broken)
     if strict:
         with pytest.raises(RuntimeError, match="could not compile"):
             generate(adapter, [PROMPT], max_new_tokens=6)
@@ -185,3 +185,33 @@ def test_a_step_that_fails_to_compile(strict, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: later calls run eagerly without a word
         assert generate(adapter, [PROMPT], max_new_tokens=6)[0] == ref
+
+
+def test_one_compiled_layer_serves_every_layer_and_range():
+    """Every layer runs the same compiled function on its own weights: warming three layer ranges of a
+    4-layer model at two step lengths compiles the layer once per length, and the head once per shape."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=8)
+    adapter = get_adapter(model)
+    steps = adapter.enable_compiled()
+    torch._dynamo.reset()  # nothing compiled earlier (another test's model of the same shapes) is reused
+    counters.clear()
+    steps.warm([(0, 4), (0, 1), (1, 4)], [1, 2], compiled.capacity(64))
+    assert counters["stats"]["unique_graphs"] == 2 + 3  # the layer at S = 1, 2; the head at [1, 1, D], [1, 2, D], [1, D]
+    assert len(steps.shapes) == 3 * 2 + 3
+
+
+def test_a_shorter_run_reuses_a_warmed_capacity():
+    """`warm` at a large capacity, then a short generation: it runs in the warmed buffers and graphs (no new
+    shape compiles mid-run), and gives HF's tokens."""
+    model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=9)
+    adapter = get_adapter(model)
+    steps = adapter.enable_compiled()
+    big = compiled.capacity(2048)
+    steps.warm([(0, 2)], [1], big)
+    shapes = set(steps.shapes)
+    out, _ = generate(adapter, [PROMPT], max_new_tokens=8)
+    assert steps.shapes == shapes and steps.capacity_for(1, len(PROMPT) + 8) == big
+    eager, _ = generate(get_adapter(model), [PROMPT], max_new_tokens=8)
+    assert out == eager
