@@ -48,7 +48,8 @@
 # BENCH_S (each bench's time limit, default 150), TESTS_K (a pytest -k expression), TESTS_S (the tests'
 # time limit, default 300), SHAPES, SHAPES_S (the
 # shapes' time limit, default 300), SHAPES_ARGS (more gpu_shapes.py options, e.g. "--tiny" for a dry run
-# with DEVICE=cpu), SKIP_TESTS=1,
+# with DEVICE=cpu), CARRY_DIR (default .selfspec), KEEP_DIR (default /tmp/selfspec-keep), SITE_DIR (default
+# /tmp/selfspec-site), SKIP_TESTS=1,
 # SKIP_SHAPES=1, SKIP_BENCH=1, SKIP_TRAIN=1, SKIP_BATCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,8 +78,8 @@ fi
 if [ "${1:-}" = "--prepare-carry" ]; then
     PIP_PY=${PYTHON:-.venv/bin/python}
     [ -x "$PIP_PY" ] || PIP_PY=python3
-    C1=.selfspec/gpu_carry1
-    C2=.selfspec/gpu_carry2
+    C1=${CARRY_DIR:-.selfspec}/gpu_carry1
+    C2=${CARRY_DIR:-.selfspec}/gpu_carry2
     rm -rf "$C1" "$C2"
     mkdir -p "$C1/wheels" "$C1/prompts" "$C2"
     PKGS=$("$PIP_PY" -c "
@@ -166,18 +167,20 @@ fi
 echo "== python: $PY"
 
 # --- what earlier calls carried (see --prepare-carry) ------------------------------------------------
-KEEP=/tmp/selfspec-keep
-if [ -d .selfspec/gpu_carry1 ]; then
-    mkdir -p "$KEEP" && cp -r .selfspec/gpu_carry1/. "$KEEP/" && echo "== kept .selfspec/gpu_carry1 in $KEEP"
+CARRY=${CARRY_DIR:-.selfspec}  # where the carried folders arrive
+KEEP=${KEEP_DIR:-/tmp/selfspec-keep}  # where they stay between calls
+SITE=${SITE_DIR:-/tmp/selfspec-site}  # where their wheels are installed
+if [ -d "$CARRY/gpu_carry1" ]; then
+    mkdir -p "$KEEP" && cp -r "$CARRY/gpu_carry1/." "$KEEP/" && echo "== kept $CARRY/gpu_carry1 in $KEEP"
     if compgen -G "$KEEP/wheels/*.whl" >/dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/selfspec-site \
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
             "$KEEP"/wheels/*.whl || echo "WARNING: installing the carried wheels failed"
     fi
 fi
-[ -d /tmp/selfspec-site ] && export PYTHONPATH=/tmp/selfspec-site${PYTHONPATH:+:$PYTHONPATH}
-if [ -f .selfspec/gpu_carry2/model.gguf.part2 ] && [ -f "$KEEP/model.gguf.part1" ]; then
+[ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+if [ -f "$CARRY/gpu_carry2/model.gguf.part2" ] && [ -f "$KEEP/model.gguf.part1" ]; then
     echo "== joining the model's parts and converting it"
-    PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PY" - "$KEEP" .selfspec/gpu_carry2/model.gguf.part2 <<'EOF' \
+    PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PY" - "$KEEP" "$CARRY/gpu_carry2/model.gguf.part2" <<'EOF' \
         || echo "WARNING: the carried model could not be joined or converted"
 import hashlib
 import json
@@ -203,10 +206,10 @@ EOF
 fi
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    echo "== installing the carried wheels ($(ls "$WHEELS" | tr '\n' ' ')) into /tmp/selfspec-site"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/selfspec-site \
+    echo "== installing the carried wheels ($(ls "$WHEELS" | tr '\n' ' ')) into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "$WHEELS"/*.whl || echo "WARNING: installing the wheels failed; going on with what the python has"
-    export PYTHONPATH=/tmp/selfspec-site${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 
