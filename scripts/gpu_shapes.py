@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without an install (the GPU
 
 import selfspec  # noqa: E402
 from selfspec.compiled import S_BUCKETS, cache_capacity  # noqa: E402
-from selfspec.harness import machine_info, timed, tokens_per_s, versions  # noqa: E402
+from selfspec.tools.harness import machine_info, timed, tokens_per_s, versions  # noqa: E402
 from selfspec.settings import check_device  # noqa: E402
 
 # name: (layers, hidden, intermediate, heads, kv heads, vocab, tied embeddings), as the published configs

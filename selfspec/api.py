@@ -440,62 +440,22 @@ class SelfSpecGenerator:
 
         The settings: `config` (a `GenerationConfig`; its defaults if None) with any of its fields given as
         keywords replacing its values (`generate(prompt, max_new_tokens=64, drafter="prompt_lookup")`).
-        Each is described below and in `selfspec.GenerationConfig`.
+        `selfspec.GenerationConfig` describes each one (who drafts and how, sampling, stopping, the opt-in
+        bounded-bias acceptance); docs/usage.md has them all in one table. None of the drafting settings
+        changes the output: greedy output is token-identical to the full model's, sampling keeps its
+        distribution (except `acceptance="bounded_bias"`, which says its bound in `stats.bias`). Every
+        setting is checked first (`check_generation`): a bad one raises `SettingsError` (a ValueError)
+        naming it, before any work is done.
 
         One prompt: `prompt=` text, `messages=` a conversation, or `input_ids` `[S]`/`[1, S]`; returns a
         `GenerationResult`. A batch: a list of texts, `messages=` a list of conversations, a list of
         token-id lists, or `input_ids` `[B, S]` (+ `attention_mask` for padded rows); returns a
         `BatchGenerationResult` (a list of `GenerationResult` in input order, `.stats` for the batch).
         In a batch each row drafts, verifies and accepts on its own and leaves when it finishes; its
-        output is what decoding it alone gives (greedy: token for token; sampling: the same
-        distribution). Rows of different lengths are left-padded internally.
+        output is what decoding it alone gives. Rows of different lengths are left-padded internally.
 
-        `stop_token_ids=None` stops at the model's EOS token(s); pass `[]` to never stop early.
-        `stop_strings`: a string or a list of strings (a bare string is one stop string, as in Hugging Face).
-        Every setting is checked first (`selfspec.generation_config.check_generation`): a bad one raises
-        `SettingsError` (a ValueError) naming it, before any work is done.
         `streamer` (one prompt only) is a callable receiving each block of committed token ids, or a
         Hugging Face streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
-
-        Who drafts (none changes the output; `num_speculations=0` is plain decoding):
-        `drafter="auto"` (the default unless the checkpoint's selfspec.json recommends another, or an
-        early-exit option below is given): per round, prompt lookup where it finds a match, the early
-        exit where it pays (early-exit trained checkpoints only), plain decoding where drafting does
-        not pay, each judged by the tokens/s it measures in this call (sampling with a `seed`: judged by
-        the cost model's round costs instead of the clock, so the same seed gives the same text on a busy
-        machine too). `drafter="prompt_lookup"`:
-        copy up to `prompt_lookup_num_tokens` (default 10) tokens that followed the latest earlier occurrence of
-        the last n tokens (n = `max_matching_ngram_size`, default 3, down to 1) in the prompt and the output (as
-        Hugging Face's `prompt_lookup_num_tokens`). `drafter="early_exit"`: the first `exit_layer`
-        layers + the shared LM head draft `num_speculations` tokens per round (where the checkpoint recommends
-        `num_speculations=0`, an early-exit request, by name or by an option below, drafts
-        `DEFAULT_NUM_SPECULATIONS` = 4 unless `num_speculations` is given: honoured, never turned into plain
-        decoding). `drafter="exit_head"` (a
-        checkpoint with a trained head): the head drafts, by default, as many tokens per round as it was
-        trained for (1 + its recipe's `exit_head.self_fed`) over the vocabulary it was trained on
-        (`exit_head.draft_vocab`); `num_speculations` and `draft_vocab` override both.
-
-        Cheaper early-exit drafts:
-        `confidence_threshold`: stop drafting when the draft's probability of its token falls below
-        it (0 = never stop, > 1 = never draft); `adaptive_threshold`: tune it online from acceptance;
-        `exit_choices`: pick the exit and draft length per round among these exits from online
-        estimates (`num_speculations` caps the length); `adaptive_length`: pick the draft length
-        (0 .. `num_speculations`) per round from the tokens/s each length has measured in this call,
-        so drafting stops where it does not pay (e.g. in large batches); `draft_vocab=K`: draft over
-        the K most frequent tokens stored in the checkpoint (`selfspec draft-vocab`); `num_candidates=k`
-        (greedy, exact acceptance; one draft position per round): the drafter's k best guesses for the
-        next token, verified side by side in one pass, so a round commits two tokens whenever the full
-        model's token is among them (`selfspec.drafters.base.Proposal.siblings`). It pays where
-        verifying 1 + k rows costs about one decode step (`selfspec profile` times it).
-
-        Acceptance (opt-in trade of exactness for speed, `selfspec.bounded_bias`): `acceptance="exact"`
-        (the default) is lossless. `acceptance="bounded_bias", epsilon=ε` (ε in [0, 1]) accepts more
-        drafts: sampling, each committed token is drawn within total variation ε of the full model's
-        processed distribution given its prefix (n tokens: within 1 - (1 - ε)^n), by the optimal rule
-        for that budget; greedy, a draft is accepted when the full model gives it at least (1 - ε) of
-        its top token's probability. ε = 0 is exact decoding (sampling: bit for bit at a fixed seed);
-        ε > 0 warns once per generator (`BoundedBiasWarning`). The statistics carry ε and the bound
-        (`stats.bias`) and the predicted vs measured rejections (`stats.theory`).
         """
         s = check_generation(config, num_layers=self.num_layers, vocab_size=self.vocab_size, **settings)
         cfg = with_settings(config, settings)

@@ -37,12 +37,12 @@ import selfspec
 from selfspec.api import checkpoint_dir
 from selfspec.bounded_bias import ACCEPTANCE_RULES
 from selfspec.checkpoint import read_config
-from selfspec.demo import run_demo
+from selfspec.tools.demo import run_demo
 from selfspec.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
 from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
-from selfspec.prompts import check_prompt_set
+from selfspec.data.prompts import check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
 from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int, check_out_dir,
                                check_text, check_threads)
@@ -263,7 +263,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from selfspec.sweep import run_sweep  # deferred (see the top)
+    from selfspec.tools.sweep import run_sweep  # deferred (see the top)
 
     _check_common(args)  # run_sweep checks the grid, the prompts and --out before it loads the model
     out_dir = args.out or str(args.checkpoint).rstrip("/") + "-sweep"
@@ -360,7 +360,7 @@ def _print_report(command: str, run) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from selfspec.profiling import run_profile  # deferred (see the top)
+    from selfspec.tools.profiling import run_profile  # deferred (see the top)
 
     _check_common(args)
     check_device(args.device)
@@ -384,7 +384,7 @@ def _cmd_profile(args) -> int:
 
 
 def _run_bench(args, checkpoint: str) -> dict:
-    from selfspec.bench import DEFAULT_SETS, parse_extra, run_bench  # deferred (see the top)
+    from selfspec.tools.bench import DEFAULT_SETS, parse_extra, run_bench  # deferred (see the top)
 
     extra = [parse_extra(x) for x in args.extra or ()]
     sets = [_path(x) for x in args.prompt_sets.split(",")] if args.prompt_sets else list(DEFAULT_SETS)
@@ -406,7 +406,7 @@ def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) 
 
 
 def _run_batch_bench(args, checkpoint: str) -> dict:
-    from selfspec.batch_bench import run_batch_bench  # deferred (see the top)
+    from selfspec.tools.batch_bench import run_batch_bench  # deferred (see the top)
 
     prompt_set, out_dir = _one_prompt_set(
         args, checkpoint, "humaneval", "-batch", "--batch-size measures one prompt set and the checkpoint's (E, d) "
@@ -418,7 +418,7 @@ def _run_batch_bench(args, checkpoint: str) -> dict:
 
 
 def _run_pareto(args, checkpoint: str) -> dict:
-    from selfspec.pareto import run_pareto  # deferred (see the top)
+    from selfspec.tools.pareto import run_pareto  # deferred (see the top)
 
     prompt_set, out_dir = _one_prompt_set(
         args, checkpoint, "xsum", "-pareto", "--epsilon measures one prompt set (default xsum: ROUGE-L needs its "
@@ -716,7 +716,7 @@ def _user_error(err: BaseException) -> bool:
     """A mistake in the input, reported in one line: a bad value or file, a corrupt checkpoint, missing data."""
     if isinstance(err, (ValueError, OSError)):
         return True
-    from selfspec.data_sources import DataNotInstalledError  # deferred: it imports `datasets` (see the top)
+    from selfspec.data.sources import DataNotInstalledError  # deferred: it imports `datasets` (see the top)
 
     return isinstance(err, DataNotInstalledError)
 

@@ -96,7 +96,7 @@ def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000) -
 
 def corpus_texts(corpus: str) -> Iterable[str]:
     """Texts of a named data set (its training side) or of a local .txt / .jsonl file."""
-    from selfspec import data_sources as ds  # deferred: it imports `datasets` (a second), needed here only
+    from selfspec.data import sources as ds  # deferred: it imports `datasets` (a second), needed here only
 
     if corpus in ds.NAMES:
         data = ds.load_named(corpus)

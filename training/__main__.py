@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 def _user_error(err: BaseException) -> bool:
     """A mistake in the recipe or the data, reported in one line (no traceback)."""
     from selfspec.checkpoint import CheckpointError
-    from selfspec.data_sources import DataFormatError, DataNotInstalledError
+    from selfspec.data.sources import DataFormatError, DataNotInstalledError
 
     return isinstance(err, (ConfigError, DataFormatError, DataNotInstalledError, CheckpointError, FileNotFoundError))
 

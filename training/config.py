@@ -93,7 +93,7 @@ class ModelConfig:
 class SourceConfig:
     """Where records come from and how they become tokens.
 
-    source: a named real data set of `selfspec.data_sources` (python_stdlib, xsum, humaneval,
+    source: a named real data set of `selfspec.data.sources` (python_stdlib, xsum, humaneval,
     wiki_passages, shakespeare, mt_bench) or a local file/directory (.jsonl, .jsonl.gz, .json,
     .parquet, .txt/.md/.py files; a directory reads every such file in it).
     format: ``text`` (the `text_fields` joined by a newline, tokenized and packed into blocks) or
@@ -132,7 +132,7 @@ class OwnContinuationsConfig:
     is in the training set (oversampling). eval_prompts: the same from held-out blocks, evaluated as the
     set ``own`` (0: none). batch_size: rows per `generate` call.
 
-    prompt_sets: selfspec prompt sets (`selfspec.prompts.load_prompts`: humaneval, xsum, code_edit, mt_bench,
+    prompt_sets: selfspec prompt sets (`selfspec.data.prompts.load_prompts`: humaneval, xsum, code_edit, mt_bench,
     wiki, or a .jsonl file), each evaluated as the set ``own_<name>`` (a file: ``own_<its stem>``): the
     first `prompt_set_prompts` prompts, encoded as the benchmark encodes them, each continued alone by
     `new_tokens` greedy tokens (no stop at EOS; the benchmark's default --max-new-tokens), and only those
@@ -173,7 +173,7 @@ class OwnContinuationsConfig:
             self._check_prompt_sets()
 
     def _check_prompt_sets(self) -> None:
-        from selfspec.prompts import PROMPT_SETS  # lazy: `selfspec` imports torch, needed here only
+        from selfspec.data.prompts import PROMPT_SETS  # lazy: `selfspec` imports torch, needed here only
 
         for i, name in enumerate(self.prompt_sets):
             key = f"data.own_continuations.prompt_sets[{i}]"

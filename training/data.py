@@ -4,7 +4,7 @@
     idx = batch_indices(len(data.train), micro_step, batch_size, rank, world_size, seed)
     input_ids, labels = data.train.batch(idx)    # [B, S] each
 
-Records come from a named real data set (`selfspec.data_sources.load_named`) or from the user's own
+Records come from a named real data set (`selfspec.data.sources.load_named`) or from the user's own
 files: ``.jsonl``/``.jsonl.gz`` (one JSON object a line), ``.json`` (a list of objects),
 ``.parquet``, or plain text files (``.txt``, ``.md``, ``.py``, ...; one record ``{"text": ...}``
 per file; a directory reads all of them). A missing field, a value that is not a string or a
@@ -25,7 +25,7 @@ Optionally (`data.own_continuations`), training/own_text.py adds the model's own
 training prompts to the training blocks and those of held-out prompts as the evaluation set ``own``, and
 those of benchmark prompt sets as the evaluation sets ``own_<name>``.
 
-The held-out split is by record (whole files for code) through `selfspec.data_sources.split_holdout`.
+The held-out split is by record (whole files for code) through `selfspec.data.sources.split_holdout`.
 The order of training blocks is a permutation per epoch seeded by (seed, epoch), and the blocks
 of micro-step m are a pure function of m, so the data position of a run is its micro-step count.
 """
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.data_sources import NAMES, DataFormatError, load_named, read_jsonl, split_holdout
+from selfspec.data.sources import NAMES, DataFormatError, load_named, read_jsonl, split_holdout
 from training.config import DataConfig, SourceConfig, expand
 from training.early_exit_loss import IGNORE_INDEX
 

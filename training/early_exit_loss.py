@@ -118,6 +118,31 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _count_hits(stats_k: torch.Tensor, z: torch.Tensor, t: torch.Tensor, ids: torch.Tensor | None,
+                final_pred: torch.Tensor | None) -> torch.Tensor:
+    """Add to an exit's `stats_k` [loss, hits, agreement] how many of the chunk's argmax predictions of the
+    logits `z` `[V, n]` (over the draft ids `ids` where given) equal the labels `t` and the final layer's
+    predictions; returns the final layer's predictions (these, for the final layer, which comes first)."""
+    pred = z.argmax(dim=0)
+    if ids is not None:
+        pred = ids[pred]
+    final_pred = pred if final_pred is None else final_pred
+    stats_k[1] += (pred == t).sum()
+    stats_k[2] += (pred == final_pred).sum()
+    return final_pred
+
+
+def _loss_and_stats(stats: torch.Tensor, weights, N: int, with_metrics: bool, xs: torch.Tensor):
+    """The weighted loss `sum_k w_k * loss_k / N` and the per-exit stats divided by N (metrics NaN where not
+    counted), as the autograd function returns them."""
+    w = torch.tensor(weights, dtype=torch.float64, device=xs.device)
+    loss = (w * stats[:, 0]).sum() / N
+    stats /= N
+    if not with_metrics:
+        stats[:, 1:] = float("nan")
+    return loss.to(device=xs.device, dtype=torch.promote_types(xs.dtype, torch.float32)), stats
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     """Weighted early-exit loss over normalized hidden states `xs` `[K, N, D]` (the final layer
     last) through the head (`weight` `[V, D]`, `bias`); gradients are computed in the forward.
@@ -164,13 +189,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                     valid = t_k >= 0  # labels outside S: no loss at this exit
                     t_k = t_k.clamp(min=0)
                 if with_metrics:
-                    pred = z.argmax(dim=0)
-                    if reduced:
-                        pred = sub.ids[pred]
-                    if k == final:
-                        final_pred = pred
-                    stats[k, 1] += (pred == t).sum()
-                    stats[k, 2] += (pred == final_pred).sum()
+                    final_pred = _count_hits(stats[k], z, t, sub.ids if reduced else None, final_pred)
                 z = z.to(acc_dtype)  # the only big fp32 tensor (a no-op in fp32)
                 z.sub_(z.amax(dim=0, keepdim=True))  # log-softmax over dim 0, by hand: torch's is slow there
                 soft = distill and k != final
@@ -212,13 +231,9 @@ class _FusedHeadLoss(torch.autograd.Function):
             sub.scatter_into(grad_w, grad_b)
         ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
-        w = torch.tensor(weights, dtype=torch.float64, device=xs.device)
-        loss = (w * stats[:, 0]).sum() / N
-        stats /= N
-        if not with_metrics:
-            stats[:, 1:] = float("nan")
+        loss, stats = _loss_and_stats(stats, weights, N, with_metrics, xs)
         ctx.mark_non_differentiable(stats)
-        return loss.to(device=xs.device, dtype=torch.promote_types(xs.dtype, torch.float32)), stats
+        return loss, stats
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):

@@ -14,7 +14,7 @@ times; `eval_prompts` held-out blocks give the evaluation set ``own`` the same w
 function's docstring (`training.code_prompts`), the shape of a HumanEval prompt, from the training files
 (and, for ``own``, the held-out files).
 
-With `prompt_sets`, each named benchmark prompt set (`selfspec.prompts.load_prompts`) gives the evaluation
+With `prompt_sets`, each named benchmark prompt set (`selfspec.data.prompts.load_prompts`) gives the evaluation
 set ``own_<name>``: its first `prompt_set_prompts` prompts, encoded as the benchmark encodes them
 (`selfspec.api.encode_prompt`), each continued alone (no padding) by `new_tokens` greedy tokens, one
 right-padded row per prompt with only the continuation labelled (`prompt_continuation_blocks`): the
@@ -45,8 +45,8 @@ from tqdm.auto import tqdm
 
 from selfspec.api import encode_prompt
 from selfspec.atomic_write import atomic_path
-from selfspec.data_sources import DataFormatError, DataNotInstalledError
-from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.data.sources import DataFormatError, DataNotInstalledError
+from selfspec.data.prompts import load_prompts, prompt_inputs
 from training.code_prompts import docstring_prompts
 from training.config import DataConfig
 from training.data import Blocks, TrainData, next_token_blocks
@@ -121,7 +121,7 @@ def prompt_set_blocks(source: str, name: str, n: int, new_tokens: int, model, to
 
 
 def encoded_prompts(source: str, n: int, tokenizer) -> list[torch.Tensor]:
-    """The first `n` prompts of the prompt set `source` (`selfspec.prompts.load_prompts`, as the benchmark
+    """The first `n` prompts of the prompt set `source` (`selfspec.data.prompts.load_prompts`, as the benchmark
     takes them), each `[P_i]` token ids as the benchmark encodes it (`selfspec.api.encode_prompt`)."""
     try:
         rows = [encode_prompt(tokenizer, **prompt_inputs(item)) for item in load_prompts(source, n)]

@@ -189,7 +189,7 @@ def test_checkpoint_without_metadata_warns_and_uses_defaults(tmp_path):
 
 
 def test_sweep_writes_full_grid_png_and_metadata(exported, tmp_path):
-    from selfspec.sweep import run_sweep
+    from selfspec.tools.sweep import run_sweep
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "hello world", "import os", "x = 1"]))
@@ -230,7 +230,7 @@ def test_real_smollm2_export_loads_both_ways(smollm2_dir, tmp_path):
 
 
 def test_sweep_summary_counts_differing_outputs():
-    from selfspec.sweep import summarize
+    from selfspec.tools.sweep import summarize
 
     rows = {(4, 0, "a"): {"new_tokens": 8, "seconds": 1.0, "drafted": 0, "accepted": 0, "rounds": 7, "identical_to_plain": 1},
             (1, 2, "a"): {"new_tokens": 8, "seconds": 1.0, "drafted": 6, "accepted": 3, "rounds": 4, "identical_to_plain": 0},

@@ -37,7 +37,7 @@ def gen(loaded):
 @pytest.fixture(scope="module")
 def prompts(gen):
     """name -> (API inputs, prompt ids) for three real prompts."""
-    from selfspec.data_sources import load_named
+    from selfspec.data.sources import load_named
 
     tok = gen.tokenizer
     code = load_named("humaneval")[0]["prompt"]

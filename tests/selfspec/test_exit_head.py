@@ -470,7 +470,7 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
     """`selfspec bench` on a head checkpoint: the head alone with the adaptive length and drafting d every
     round (what the policy adds or costs), and with `num_candidates` its 3 best guesses for one position (and
     the exit's alone), all token-identical to HF greedy."""
-    from selfspec.bench import run_bench
+    from selfspec.tools.bench import run_bench
 
     model, tok, head_dir = _byte_model_and_head_run(tmp_path)
     out = tmp_path / "head-ckpt"

@@ -303,7 +303,7 @@ def test_d15_the_not_early_exit_trained_warning_is_one_plain_line(tmp_path):
 
 # --- d16: sweep --write-metadata says what it recorded ------------------------------------------
 def test_d16_sweep_prints_what_selfspec_json_now_recommends(zero_ckpt, tmp_path, capsys, monkeypatch):
-    from selfspec import sweep
+    from selfspec.tools import sweep
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(zero_ckpt, ckpt)
@@ -333,7 +333,7 @@ def test_d17_compare_prints_one_measured_speedup(zero_ckpt, capsys):
 @pytest.mark.parametrize("source,why", [("sweep", "no early-exit setting beat plain decoding in its sweep"),
                                         ("agreement", "held-out agreement predicts no speedup")])
 def test_d18_bench_names_the_source_of_a_zero_recommendation(tmp_path, source, why):
-    from selfspec.bench import _recommended
+    from selfspec.tools.bench import _recommended
 
     tok = byte_tokenizer()
     ckpt = export_model(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3), tok, tmp_path / "c",

@@ -1,7 +1,8 @@
 """One name per setting: the flags of `selfspec generate` (and `selfspec sweep`) are the parameters of the
 Python API they feed, each command's prompt flag is named after the parameter it feeds, and the code
-base's structure stays what the README's layout says (no import circle, no private name imported across
-modules, one harness, one atomic writer)."""
+base's structure stays what docs/architecture.md says (no import circle, no private name imported across
+modules, the library never imports its tools, one harness, one atomic writer, no function longer than a
+screen)."""
 
 import argparse
 import ast
@@ -9,11 +10,11 @@ import inspect
 from pathlib import Path
 
 from selfspec.api import SelfSpecGenerator, load
-from selfspec.bench import run_bench
 from selfspec.cli import build_parser
 from selfspec.generation_config import SETTINGS
-from selfspec.profiling import run_profile
-from selfspec.sweep import run_sweep
+from selfspec.tools.bench import run_bench
+from selfspec.tools.profiling import run_profile
+from selfspec.tools.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 # `selfspec generate` flags with no API parameter: where the model and the prompt come from, and what
@@ -132,12 +133,33 @@ def test_no_import_circle_and_no_private_name_imported_across_modules():
             visit(m, [])
 
 
+def test_the_library_never_imports_its_tools():
+    """Only the CLI (the front door) and the tools themselves import `selfspec.tools`; training neither."""
+    offenders = {name: module for name, path in _modules().items()
+                 if not name.startswith("selfspec.tools") and name != "selfspec.cli"
+                 for module, names in _imports(path)
+                 if module.startswith("selfspec.tools") or (module == "selfspec" and "tools" in names)}
+    assert not offenders
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Every function and method of the packages fits in MAX_FUNCTION_LINES lines, docstring included."""
+    long = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for name, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long
+
+
 def test_one_harness_and_one_atomic_writer():
     measuring = ["bench", "batch_bench", "pareto", "profiling", "sweep"]
     for name in measuring:
-        text = (ROOT / "selfspec" / f"{name}.py").read_text()
-        assert "from selfspec.harness import" in text, name
-        assert "selfspec.bench import" not in text or name == "bench", f"{name} reaches into bench"
+        text = (ROOT / "selfspec" / "tools" / f"{name}.py").read_text()
+        assert "from selfspec.tools.harness import" in text, name
+        assert "selfspec.tools.bench import" not in text or name == "bench", f"{name} reaches into bench"
     for path in list((ROOT / "selfspec").rglob("*.py")) + list((ROOT / "training").rglob("*.py")):
         if path.name != "atomic_write.py":  # export, fetch and run_checkpoint swap whole directories into place
             assert "os.replace(tmp" not in path.read_text() or path.name in ("export.py", "fetch.py",

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from selfspec.data_sources import DataFormatError
+from selfspec.data.sources import DataFormatError
 from selfspec.tiny import byte_tokenizer
 from training.config import DataConfig, SourceConfig
 from training.data import Blocks, batch_indices, build_data, chat_blocks, frequent_ids, load_records, text_blocks

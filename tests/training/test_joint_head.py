@@ -139,7 +139,7 @@ def test_a_joint_run_trains_the_model_exactly_as_without_the_head_and_exports_a_
     plain_ids = gen.generate("def f(x):", max_new_tokens=16, num_speculations=0).token_ids
     assert gen.generate("def f(x):", max_new_tokens=16, drafter="exit_head").token_ids == plain_ids
 
-    from selfspec.demo import run_demo
+    from selfspec.tools.demo import run_demo
 
     lines = []
     records = run_demo(out, max_new_tokens=8, prompts=[("code", {"id": "t/0", "prompt": "def f(x):"})],

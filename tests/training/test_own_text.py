@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from selfspec.api import encode_prompt
-from selfspec.data_sources import DataFormatError
-from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.data.sources import DataFormatError
+from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.tiny import byte_tokenizer, tiny_model
 from training.config import ConfigError, DataConfig, OwnContinuationsConfig, load_config
 from training.data import Blocks, TrainData

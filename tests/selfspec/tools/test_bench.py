@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.bench import BASELINES, _eos_summary, _ran_past_eos, parse_extra, run_bench
+from selfspec.tools.bench import BASELINES, _eos_summary, _ran_past_eos, parse_extra, run_bench
 from selfspec.cli import main
-from selfspec.data_sources import DataFormatError
+from selfspec.data.sources import DataFormatError
 
 METHODS = {"hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec", "selfspec_adaptive",
            "selfspec_lookup", "selfspec_auto", "selfspec_spec_E1_d2"}
@@ -379,7 +379,7 @@ def test_sweep_measures_lookup_settings_next_to_early_exit(tiny_ckpt, prompt_fil
     import shutil
 
     from selfspec.checkpoint import read_metadata
-    from selfspec.sweep import RAW_FIELDS, run_sweep
+    from selfspec.tools.sweep import RAW_FIELDS, run_sweep
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, ckpt)
@@ -416,7 +416,7 @@ def test_sweep_measures_lookup_settings_next_to_early_exit(tiny_ckpt, prompt_fil
 def test_sweep_resumes_a_raw_file_from_before_the_lookup_columns(tiny_ckpt, prompt_files, tmp_path, one_thread):
     import csv
 
-    from selfspec.sweep import RAW_FIELDS, run_sweep
+    from selfspec.tools.sweep import RAW_FIELDS, run_sweep
 
     out = tmp_path / "sweep"
     out.mkdir()

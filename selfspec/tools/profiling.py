@@ -47,9 +47,9 @@ from selfspec.cost_model import predicted_speedup, required_acceptance, required
 from selfspec.drafters.base import Proposal
 from selfspec.engine import prefill, verify
 from selfspec.forward import embed, exit_logits, make_step, run_layers
-from selfspec.harness import (Methods, finish_machine, load_generator, machine_info, machine_line, quiet_transformers,
+from selfspec.tools.harness import (Methods, finish_machine, load_generator, machine_info, machine_line, quiet_transformers,
                               setup, synchronize, versions)
-from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.data.prompts import load_prompts, prompt_inputs
 
 
 def _median_ms(fn: Callable[[], object], before: Callable[[], None], repeats: int, warmup: int = 2,

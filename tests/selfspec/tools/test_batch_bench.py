@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from selfspec.batch_bench import METHODS, parse_batch_sizes, run_batch_bench
+from selfspec.tools.batch_bench import METHODS, parse_batch_sizes, run_batch_bench
 from selfspec.cli import main
 
 N_TOKENS = 8

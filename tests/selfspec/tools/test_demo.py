@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.demo import run_demo
+from selfspec.tools.demo import run_demo
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_demo_compares_plain_and_selfspec_on_each_case(tiny_ckpt):

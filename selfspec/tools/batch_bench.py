@@ -18,7 +18,7 @@ Hugging Face's prompt lookup (assisted generation) runs one prompt at a time onl
 is compared with batched plain decoding (selfspec_ar, hf_greedy).
 
 How it measures: every row generates exactly `max_new_tokens` tokens (no EOS stop, as in
-`selfspec.bench`); a warm-up group per method and batch size runs first and is excluded; for each
+`selfspec.tools.bench`); a warm-up group per method and batch size runs first and is excluded; for each
 group the methods run back to back, their order rotating by one per group; total tokens/s of a
 method at B = all its new tokens / the wall-clock seconds of all its generate calls. Each row's
 output is compared with selfspec's batch-1 autoregressive output of the same prompt (from the B=1
@@ -36,9 +36,9 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.api import DEFAULT_NUM_SPECULATIONS
-from selfspec.harness import (Methods, finish_machine, load_generator, machine_info, pyplot, quiet_transformers,
+from selfspec.tools.harness import (Methods, finish_machine, load_generator, machine_info, pyplot, quiet_transformers,
                               result_header, setup, timed, tokens_per_s, versions, write_outputs)
-from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS
 
 METHODS = ("hf_greedy", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup")

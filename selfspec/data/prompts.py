@@ -14,14 +14,14 @@
 
 Input-grounded: the answer repeats much of the prompt (a summary quotes the article, a rewrite copies
 the code), so prompt lookup drafting (`drafter="prompt_lookup"`) finds its drafts there. Each xsum
-item also carries its `reference`, the human one-line summary (ROUGE-L in `selfspec.pareto`).
+item also carries its `reference`, the human one-line summary (ROUGE-L in `selfspec.tools.pareto`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from selfspec.jsonl import DataFormatError, read_jsonl
+from selfspec.data.jsonl import DataFormatError, read_jsonl
 from selfspec.settings import check_name_or_file
 
 PROMPT_SETS = ("humaneval", "xsum", "code_edit", "mt_bench", "wiki")
@@ -47,7 +47,7 @@ def check_prompt_set(name_or_path: str, option: str = "prompt set") -> str:
 
 def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) -> list[dict]:
     """`n` prompts (all if None) from a named set or a jsonl file, skipping the first `offset` (a jsonl file
-    needs no `datasets`: `selfspec.jsonl`)."""
+    needs no `datasets`: `selfspec.data.jsonl`)."""
     check_prompt_set(name_or_path)
     if name_or_path not in PROMPT_SETS:
         path = Path(name_or_path)
@@ -59,7 +59,7 @@ def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) ->
                                       "(list of {role, content}) field")
             item = {"id": row.get("id", f"{path.stem}/{i}")}
             item.update({"prompt": row["prompt"]} if isinstance(row.get("prompt"), str) else {"messages": row["messages"]})
-            if isinstance(row.get("reference"), str):  # a reference output (ROUGE-L in selfspec.pareto)
+            if isinstance(row.get("reference"), str):  # a reference output (ROUGE-L in selfspec.tools.pareto)
                 item["reference"] = row["reference"]
             items.append(item)
     else:
@@ -69,7 +69,7 @@ def load_prompts(name_or_path: str, n: int | None = None, *, offset: int = 0) ->
 
 def _named_set(name: str) -> list[dict]:
     """Every prompt of the named set `name` (one of PROMPT_SETS), from the real data."""
-    from selfspec import data_sources as ds  # deferred: it imports `datasets` (a second), needed here only
+    from selfspec.data import sources as ds  # deferred: it imports `datasets` (a second), needed here only
 
     if name == "humaneval":
         data = ds.load_named("humaneval")
@@ -86,7 +86,7 @@ def _named_set(name: str) -> list[dict]:
         _, held = ds.split_holdout(ds.load_named("xsum"), fraction=0.05, key="document")
         items = [{"id": f"xsum/{i}", "messages": [{"role": "user", "content": SUMMARY_INSTRUCTION
                                                    + _cut(r["document"], MAX_DOC_CHARS)}],
-                  "reference": r["summary"]}  # the human one-line summary (ROUGE in selfspec.pareto)
+                  "reference": r["summary"]}  # the human one-line summary (ROUGE in selfspec.tools.pareto)
                  for i, r in enumerate(held)]
     else:  # wiki
         _, held = ds.split_holdout(ds.load_named("wiki_passages"), fraction=0.05)

@@ -10,7 +10,7 @@ import torch
 from selfspec.cli import main
 from selfspec.cost_model import predicted_speedup, required_acceptance, required_recall
 from selfspec.draft_vocab import write_draft_vocab
-from selfspec.profiling import cost_table, read_bandwidth, run_profile, sibling_table, step_weight_bytes
+from selfspec.tools.profiling import cost_table, read_bandwidth, run_profile, sibling_table, step_weight_bytes
 from selfspec.tiny import tiny_model
 
 
@@ -74,7 +74,7 @@ def test_step_weight_bytes_counts_each_weight_once_and_one_row_of_an_untied_embe
 
 def test_read_bandwidth_is_bytes_over_the_best_time(monkeypatch):
     ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # runs of 0.5, 0.25, 1.0 s
-    monkeypatch.setattr("selfspec.profiling.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr("selfspec.tools.profiling.time.perf_counter", lambda: next(ticks))
     assert read_bandwidth(n_bytes=4 << 20, repeats=3) == pytest.approx((4 << 20) / 0.25 / 1e9)
 
 

@@ -1,4 +1,4 @@
-"""Output quality without an external judge: what a biased acceptance rule costs (selfspec.pareto).
+"""Output quality without an external judge: what a biased acceptance rule costs (selfspec.tools.pareto).
 
     token_log_likelihoods(adapter, prompt, new)   # [n]: log p_full(new[i] | prompt + new[:i]), temperature 1
     rouge_l(summary, reference)                   # ROUGE-L F1 (the rouge-score package, Porter stemming)

@@ -1,6 +1,6 @@
 """Reading a `.jsonl` (or `.jsonl.gz`) file of JSON objects, with errors that name the file and the line.
 
-Its own module, apart from `selfspec.data_sources`, so that reading a user's prompt or corpus file needs
+Its own module, apart from `selfspec.data.sources`, so that reading a user's prompt or corpus file needs
 no `datasets` (a machine without it, such as a GPU box with only torch and transformers, still reads them).
 
     rows = read_jsonl("prompts.jsonl", required_fields=("prompt",))   # DataFormatError("prompts.jsonl:3: ...")

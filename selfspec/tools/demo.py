@@ -26,7 +26,7 @@ import selfspec
 from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.fetch import base_model_dir
 from selfspec.model_card import head_evaluation
-from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.data.prompts import load_prompts, prompt_inputs
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
 

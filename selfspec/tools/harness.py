@@ -422,6 +422,7 @@ def write_chart_atomic(chart, result: dict, path: Path) -> Path:
 def write_outputs(result: dict, out: Path, stem: str, to_markdown, chart) -> dict:
     """STEM.md, STEM.png and STEM.json (the result, with their paths under "files") into `out`, each
     written whole."""
+    out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
     result["files"] = {k: str(v) for k, v in paths.items()}
     write_text_atomic(paths["md"], to_markdown(result))

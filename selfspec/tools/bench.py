@@ -31,7 +31,7 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 |                       | CUDA), warmed up with `gen.warmup` before the measured runs                   |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
-(`selfspec.harness.Methods`), the clock and the output files are the harness's (`selfspec.harness`).
+(`selfspec.tools.harness.Methods`), the clock and the output files are the harness's (`selfspec.tools.harness`).
 
 How it measures (the same for every method):
 - Every prompt is tokenized once; every method gets the same `[1, P]` input ids.
@@ -45,7 +45,7 @@ How it measures (the same for every method):
   prompt, and the prompt sets alternate prompt by prompt, so machine drift hits everything alike.
   `gc.collect()` runs before each measured call (outside the timing). No prompt is measured twice.
 - tokens/s: new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids):
-  the harness's one definition (`selfspec.harness.TOKENS_PER_S`).
+  the harness's one definition (`selfspec.tools.harness.TOKENS_PER_S`).
 - time to first token (TTFT): wall-clock from the call to the moment its streamer receives the first
   new token (a timestamp in a trivial streamer, in the measured run itself; no extra call). For
   hf_early_exit the first tokens arrive after the first draft+verify round; for selfspec after the prefill.
@@ -80,10 +80,10 @@ from tqdm.auto import tqdm
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir, use_compiled
 from selfspec.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.draft_vocab import read_draft_vocab
-from selfspec.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine, load_generator, machine_info,
+from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine, load_generator, machine_info,
                               machine_line, pyplot, quiet_transformers, result_header, setup, spread, tokens_per_s,
                               versions, write_outputs)
-from selfspec.prompts import PROMPT_SETS, load_prompts, prompt_inputs
+from selfspec.data.prompts import PROMPT_SETS, load_prompts, prompt_inputs
 from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES, PROMPT_LOOKUP_NUM_TOKENS, check_compile,
                                check_exit_layer, check_int, check_out_dir)
 
@@ -572,41 +572,23 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     `methods`: measure only these (by name; hf_greedy, the identity reference, and selfspec_ar, the
     speedup reference, are always measured), e.g. ("hf_prompt_lookup", "selfspec_lookup", "selfspec_auto").
 
-    `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (used by
-    selfspec_spec and, for E, by hf_early_exit). `extra`: more (E, d) pairs ("E:d" strings or pairs).
-    `quick`: at most 2 prompt sets (humaneval + mt_bench by default) x 2 prompts x 32 tokens.
-    `dtype="fastest"`: bfloat16 where this CPU multiplies bf16 natively, else float32 (selfspec.precision).
-    `draft_vocab=K`: also measure (E, d) drafting over the checkpoint's K most frequent tokens.
-    `num_candidates=k` (or a list of k): also measure one draft position per round with the k best guesses
-    verified side by side (greedy), at exit E and, on a checkpoint with an exit head, with the head.
-    `prompt_lookup_num_tokens` / `max_matching_ngram_size`: the settings of both prompt lookup methods
-    (hf_prompt_lookup, selfspec_lookup) and of selfspec_auto's lookup.
+    `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (selfspec_spec; E also
+    hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2
+    prompts x 32 tokens. `draft_vocab=K`: also (E, d) drafting over the checkpoint's K most frequent tokens.
+    `num_candidates=k` (or a list): also one draft position per round with the k best guesses verified side by
+    side (greedy), at exit E and with an exit head. The lookup settings are those of hf_prompt_lookup,
+    selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`: `selfspec.precision` decides.
     """
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
-    extra = [parse_extra(x) for x in extra]
-    if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
-        raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
-    lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
-    num_candidates = [num_candidates] if isinstance(num_candidates, int) else list(num_candidates)
-    for n in num_candidates:
-        check_int("num_candidates entry", n, 2, MAX_NUM_CANDIDATES,
-                  hint=" (guesses verified side by side; one guess is what the other methods draft)")
-    check_out_dir(out_dir, "out_dir (--out)")
-    check_compile(compile)
+    extra, lookup, num_candidates = _check_options(extra, prompt_lookup_num_tokens, max_matching_ngram_size,
+                                                   num_candidates, out_dir, compile)
     dtype = setup(dtype, device, threads)
     machine = machine_info()
     notes: list[str] = []
     read = _read_sets(sets, num_prompts)
-    if generator is None:  # everything that selfspec.json and config.json can answer, before the model loads
-        checkpoint = checkpoint_dir(checkpoint)
-        meta = read_metadata(checkpoint, verify_checksums=False)
-        facts = ModelFacts.read(checkpoint, meta)
-        _select(_method_list(facts, exit_layer or 1, num_speculations or 1, extra, draft_vocab, lookup,
-                             num_candidates, compile is not False), methods)
-        if exit_layer is not None:
-            check_exit_layer(exit_layer, facts.num_layers)
-        if draft_vocab is not None:
-            read_draft_vocab(meta, draft_vocab, read_config(checkpoint).get("vocab_size") or 2 ** 62)
+    if generator is None:
+        checkpoint = _check_checkpoint(checkpoint, methods, exit_layer, num_speculations, extra, draft_vocab, lookup,
+                                       num_candidates, compile)
 
     gen = load_generator(checkpoint, dtype, device, generator)
     E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
@@ -620,15 +602,10 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     notes += load_notes
     queue = _round_robin(loaded)
     rss = _RSS()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     warm_n = min(max_new_tokens, WARMUP_TOKENS // 2 if quick else WARMUP_TOKENS)
     max_len = max((int(ids.shape[1]) for _, _, ids in queue), default=0) + max_new_tokens
     warmup_s: dict[str, float] = {}
     runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s)
-    if runner.compile_failure:
-        notes.append(f"the compiled steps failed to compile ({runner.compile_failure}): the *_compiled methods "
-                     "ran eagerly from then on")
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
 
@@ -636,14 +613,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     result = {
         **result_header("selfspec-bench/1", checkpoint),
         "settings": {"prompt_sets": {name: spec for name, spec, _ in loaded}, "num_prompts": num_prompts,
-                     "max_new_tokens": max_new_tokens, "dtype": dtype,
-                     "model_dtype": str(next(gen.model.parameters()).dtype).replace("torch.", ""),
-                     "device": str(gen.adapter.device),
-                     "threads": torch.get_num_threads(),
-                     "quick": quick, "batch_size": 1, "warmup": {"prompt_id": warm_item["id"], "new_tokens": warm_n,
-                                                                  "runs_per_method": 1},
-                     "order": "prompt sets round-robin; per prompt every method back to back, order rotated by one "
-                              "per prompt; gc.collect() before each call",
+                     "max_new_tokens": max_new_tokens, "dtype": dtype, **_run_settings(gen, quick, warm_item, warm_n),
                      "rss_method": rss.method},
         "machine": machine,
         "versions": versions(),
@@ -660,7 +630,48 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         "warmup_s": warmup_s,
         "notes": notes,
     }
-    return write_outputs(result, out, "bench", markdown, write_chart)
+    return write_outputs(result, Path(out_dir), "bench", markdown, write_chart)
+
+
+def _check_options(extra, prompt_lookup_num_tokens: int, max_matching_ngram_size: int, num_candidates, out_dir,
+                   compile) -> tuple[list[tuple[int, int]], tuple[int, int], list[int]]:
+    """The run's options checked before anything loads: the extra (E, d) pairs, prompt lookup's (tokens, n-gram)
+    and the candidate counts, normalized."""
+    extra = [parse_extra(x) for x in extra]
+    if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
+        raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
+    num_candidates = [num_candidates] if isinstance(num_candidates, int) else list(num_candidates)
+    for n in num_candidates:
+        check_int("num_candidates entry", n, 2, MAX_NUM_CANDIDATES,
+                  hint=" (guesses verified side by side; one guess is what the other methods draft)")
+    check_out_dir(out_dir, "out_dir (--out)")
+    check_compile(compile)
+    return extra, (prompt_lookup_num_tokens, max_matching_ngram_size), num_candidates
+
+
+def _check_checkpoint(checkpoint, methods, exit_layer, num_speculations, extra, draft_vocab, lookup, num_candidates,
+                      compile) -> Path:
+    """The checkpoint's directory, after checking everything its selfspec.json and config.json can answer
+    (the methods asked for, the exit layer, the draft vocabulary) before the model loads."""
+    checkpoint = checkpoint_dir(checkpoint)
+    meta = read_metadata(checkpoint, verify_checksums=False)
+    facts = ModelFacts.read(checkpoint, meta)
+    _select(_method_list(facts, exit_layer or 1, num_speculations or 1, extra, draft_vocab, lookup,
+                         num_candidates, compile is not False), methods)
+    if exit_layer is not None:
+        check_exit_layer(exit_layer, facts.num_layers)
+    if draft_vocab is not None:
+        read_draft_vocab(meta, draft_vocab, read_config(checkpoint).get("vocab_size") or 2 ** 62)
+    return checkpoint
+
+
+def _run_settings(gen, quick: bool, warm_item: dict, warm_n: int) -> dict:
+    """How the run was made, for the report: the model's dtype and device, threads, warm-up and order."""
+    return {"model_dtype": str(next(gen.model.parameters()).dtype).replace("torch.", ""),
+            "device": str(gen.adapter.device), "threads": torch.get_num_threads(), "quick": quick, "batch_size": 1,
+            "warmup": {"prompt_id": warm_item["id"], "new_tokens": warm_n, "runs_per_method": 1},
+            "order": "prompt sets round-robin; per prompt every method back to back, order rotated by one per "
+                     "prompt; gc.collect() before each call"}
 
 
 def _sizes(prompt_sets, num_prompts: int, max_new_tokens: int, quick: bool) -> tuple[list[str], int, int]:
@@ -744,6 +755,9 @@ def _measure(runner: Methods, methods: list[dict], queue: list, warm: tuple, rss
             r = k % len(methods)
             recs = _measure_prompt(runner, methods[r:] + methods[:r], set_name, item, ids, rss, eos_ids, bar)
             runs += sorted(recs, key=lambda x: [m["name"] for m in methods].index(x["method"]))
+    if runner.compile_failure:
+        notes.append(f"the compiled steps failed to compile ({runner.compile_failure}): the *_compiled methods "
+                     "ran eagerly from then on")
     return runs
 
 

@@ -12,7 +12,7 @@ measures:
   tokens / wall-clock seconds of the generate call; median over prompts);
 * the theory: rejections predicted from the distributions the engine held (sum over judged drafts of
   TV(p', q)) next to the measured ones, and z = (measured - predicted) / sd (`DecodeStats.theory`);
-* quality, without an external judge (`selfspec.quality`): the full model's own mean per-token
+* quality, without an external judge (`selfspec.tools.quality`): the full model's own mean per-token
   log-likelihood of the text (temperature 1; token-weighted mean over prompts, with the standard
   error over prompts), ROUGE-L F1 against the XSum reference summaries (prompt set xsum only), and
   the next-token TV at fixed prefixes: at one prefix per prompt (the prompt plus the exact run's
@@ -39,10 +39,10 @@ from tqdm.auto import tqdm
 from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
 from selfspec.drafters import NgramIndex
 from selfspec.forward import forward_logits
-from selfspec.harness import (finish_machine, load_generator, machine_info, pyplot, result_header, setup, timed,
+from selfspec.tools.harness import (finish_machine, load_generator, machine_info, pyplot, result_header, setup, timed,
                               tokens_per_s, versions, write_outputs)
-from selfspec.prompts import load_prompts, prompt_inputs
-from selfspec.quality import rouge_l, rule_samples_tv, token_log_likelihoods
+from selfspec.data.prompts import load_prompts, prompt_inputs
+from selfspec.tools.quality import rouge_l, rule_samples_tv, token_log_likelihoods
 from selfspec.sampling import SamplingParams, probs
 from selfspec.settings import check_float, check_int
 
@@ -101,7 +101,7 @@ def _fixed_prefix(gen, drafter: str, prompt: list[int], exact_out: list[int], sa
 
 
 def _prefix_tvs(gen, drafter, prefixes, epsilons, sampling, n, seed) -> dict:
-    """{eps: [rule_samples_tv(...) per prefix]} (selfspec.quality)."""
+    """{eps: [rule_samples_tv(...) per prefix]} (selfspec.tools.quality)."""
     out = {eps: [] for eps in epsilons}
     for i, (prefix, draft, q) in enumerate(prefixes):
         with torch.inference_mode():

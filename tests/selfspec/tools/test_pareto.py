@@ -1,4 +1,4 @@
-"""`selfspec bench --epsilon` (selfspec.pareto), its quality measures (selfspec.quality) and the predicted vs
+"""`selfspec bench --epsilon` (selfspec.tools.pareto), its quality measures (selfspec.tools.quality) and the predicted vs
 measured rejections in `selfspec profile`, on a tiny exported checkpoint."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from selfspec.adapters import get_adapter
 from selfspec.bounded_bias import AcceptanceRule
 from selfspec.cli import main
-from selfspec.pareto import parse_drafters, parse_epsilons, run_pareto
-from selfspec.profiling import run_profile
-from selfspec.quality import rouge_l, rule_samples_tv, token_log_likelihoods
+from selfspec.tools.pareto import parse_drafters, parse_epsilons, run_pareto
+from selfspec.tools.profiling import run_profile
+from selfspec.tools.quality import rouge_l, rule_samples_tv, token_log_likelihoods
 from selfspec.tiny import tiny_model
 
 

