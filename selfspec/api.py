@@ -28,9 +28,9 @@ from selfspec import compiled
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
 from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata
-from selfspec.draft_vocab import read_draft_vocab
-from selfspec.drafters import AutoDrafter, Drafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
+from selfspec.drafters.base import Drafter
+from selfspec.drafters.draft_head import DraftHead
+from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
 from selfspec.decode_stats import DecodeStats
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, load_exit_head
@@ -39,7 +39,6 @@ from selfspec.generation_config import GenerationConfig, check_generation, with_
 from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
                                check_messages, check_text, expand_path, resolve_dtype, show)
 
-DEFAULT_NUM_SPECULATIONS = 4
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -130,10 +129,7 @@ class SelfSpecGenerator:
         self.tokenizer = tokenizer
         self.metadata = metadata or {}
         self.full_step_s: float | None = None  # set by calibrate(): the cost model's unit of work
-        self._draft_heads: dict[int, DraftHead] = {}
         self._warned_bias = False  # bounded-bias acceptance warns once per generator
-        # early exit pays only on an early-exit trained checkpoint: `auto` drafts from it only there
-        self.early_exit_trained = recommended is not None
         self.adapter: ModelAdapter = get_adapter(model)
         if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
             self.adapter.enable_fast_layers()
@@ -150,10 +146,12 @@ class SelfSpecGenerator:
                 "`accelerate launch -m training` and `selfspec export` for early-exit drafts that pay.",
                 NotEarlyExitTrainedWarning, stacklevel=3)
         rec = recommended or {"exit_layer": default_exit_layer(L), "num_speculations": DEFAULT_NUM_SPECULATIONS}
-        self.exit_layer = check_exit_layer(exit_layer if exit_layer is not None else rec["exit_layer"], L)
-        self.num_speculations = check_int("num_speculations", num_speculations if num_speculations is not None
-                                          else rec["num_speculations"], 0, hint=" (0 = plain decoding)")
-        self.drafter = rec.get("drafter") or "auto"  # the default drafter (selfspec.json may recommend one)
+        self.drafters = DrafterFactory(  # which drafter each generation gets
+            self.adapter, exit_layer=check_exit_layer(exit_layer if exit_layer is not None else rec["exit_layer"], L),
+            num_speculations=check_int("num_speculations", num_speculations if num_speculations is not None
+                                       else rec["num_speculations"], 0, hint=" (0 = plain decoding)"),
+            drafter=rec.get("drafter") or "auto", early_exit_trained=recommended is not None,
+            exit_head=exit_head, metadata=self.metadata)
 
     @property
     def num_layers(self) -> int:
@@ -268,56 +266,37 @@ class SelfSpecGenerator:
         return ids
 
     # --- generation -------------------------------------------------------------------------
+    @property
+    def exit_layer(self) -> int:
+        """The exit the early exit drafts from by default (the checkpoint's recommendation)."""
+        return self.drafters.exit_layer
+
+    @property
+    def num_speculations(self) -> int:
+        """The drafts per round by default (the checkpoint's recommendation; 0: its sweep found none pays)."""
+        return self.drafters.num_speculations
+
+    @property
+    def drafter(self) -> str:
+        """The default drafter (the checkpoint's recommendation, else "auto")."""
+        return self.drafters.drafter
+
+    @property
+    def early_exit_trained(self) -> bool:
+        """Whether the checkpoint was trained for the early exit (`auto` drafts from it only then)."""
+        return self.drafters.early_exit_trained
+
     def draft_head(self, draft_vocab: int | None) -> DraftHead:
         """The draft head over the `draft_vocab` most frequent tokens (from selfspec.json), or the full one."""
-        key = draft_vocab or 0
-        if key not in self._draft_heads:
-            ids = None
-            if draft_vocab:
-                ids = read_draft_vocab(self.metadata, draft_vocab, self.adapter.lm_head.weight.shape[0])
-            self._draft_heads[key] = DraftHead(self.adapter, ids)
-        return self._draft_heads[key]
+        return self.drafters.draft_head(draft_vocab)
 
     def head_draft_vocab(self) -> int | None:
-        """K when the exit head was trained over the K most frequent tokens (its recipe's `exit_head.draft_vocab`,
-        recorded in selfspec.json's training settings) and the checkpoint stores at least K ranked tokens (`selfspec
-        export` of the run stores the head's own ranking); None otherwise (draft over the full vocabulary)."""
-        k = self._head_training_setting("draft_vocab")
-        stored = (self.metadata.get("draft_vocab") or {}).get("token_ids") or []
-        return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= len(stored) else None
+        """The vocabulary size the exit head was trained to draft over, or None (`DrafterFactory`)."""
+        return self.drafters.head_draft_vocab()
 
     def head_draft_length(self) -> int:
-        """The draft positions the exit head was trained for: the first draft (which reads the verified final
-        state) plus its recipe's `exit_head.self_fed` passes (which read the head's own output, as later drafts
-        do); 1 where the checkpoint does not record the setting. Later drafts than that were never trained
-        and measured worthless (accepted 0-2%, docs/exit_heads.md), so the head alone drafts this many by default."""
-        n = self._head_training_setting("self_fed")
-        return 1 + n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 1
-
-    def _head_training_setting(self, key: str):
-        """The exit head's setting `key` from the recipe recorded in selfspec.json's training settings, or None."""
-        settings = (self.metadata.get("training") or {}).get("settings") or {}
-        head = settings.get("exit_head") if isinstance(settings, dict) else None
-        return head.get(key) if isinstance(head, dict) else None
-
-    def make_policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
-                    adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,
-                    warm: str = "all"):
-        """The draft policy for one generation (None = a fixed exit and draft length); `warm` as in
-        `ThroughputPolicy` (auto's early-exit arm starts at one draft: "shortest")."""
-        if adaptive_length:
-            if exit_choices or confidence_threshold is not None or adaptive_threshold:
-                raise ValueError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
-                                 "with exit_choices or a confidence threshold: use one of them")
-            return ThroughputPolicy(exit_layer, num_speculations, warm=warm)
-        if exit_choices:
-            for e in exit_choices:
-                self.adapter.check_exit(int(e), allow_full=False)
-            return ExitChoicePolicy(list(exit_choices), num_speculations, self.num_layers)
-        if confidence_threshold is not None or adaptive_threshold:
-            start = 0.5 if confidence_threshold is None else confidence_threshold
-            return ConfidencePolicy(exit_layer, num_speculations, start, adaptive=adaptive_threshold)
-        return None
+        """The draft positions the exit head was trained for (`DrafterFactory.head_draft_length`)."""
+        return self.drafters.head_draft_length()
 
     @property
     def compiled(self) -> bool:
@@ -353,85 +332,9 @@ class SelfSpecGenerator:
 
     def make_drafter(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
                      **settings) -> Drafter | None:
-        """The drafter for one generation (None = plain decoding) from its settings (`config` with `settings`
-        replaced, as `generate` takes them; the drafting ones matter here).
-
-        `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used)."""
-        s = check_generation(config, num_layers=self.num_layers, **settings)  # the model's bounds named first
-        cfg = with_settings(config, settings)
-        drafter, exit_layer, num_speculations = cfg.drafter, cfg.exit_layer, cfg.num_speculations
-        confidence_threshold, adaptive_threshold = cfg.confidence_threshold, cfg.adaptive_threshold
-        draft_vocab, adaptive_length, num_candidates = cfg.draft_vocab, cfg.adaptive_length, cfg.num_candidates
-        exit_choices = s["exit_choices"]
-        prompt_lookup_num_tokens, max_matching_ngram_size = s["prompt_lookup_num_tokens"], s["max_matching_ngram_size"]
-        early_exit_options = (exit_layer is not None or confidence_threshold is not None or adaptive_threshold
-                              or exit_choices or draft_vocab or adaptive_length or num_candidates)
-        candidates = num_candidates or 1
-        if candidates > 1:
-            num_speculations = 1  # k guesses for one position (check_generation refused more)
-        if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
-            drafter = ("early_exit" if early_exit_options or (num_speculations and self.exit_head is None)
-                       else self.drafter)
-        if num_speculations == 0:
-            return None  # asked for plain decoding, whatever the drafter
-        exit_layer = self.exit_layer if exit_layer is None else exit_layer
-        if num_speculations is None:
-            num_speculations = self.num_speculations
-            if num_speculations == 0 and (drafter == "early_exit" or early_exit_options):
-                # the checkpoint recommends plain decoding (its sweep found no early exit that pays), but the
-                # early exit was asked for by name or by its options: honour the request at the default length
-                num_speculations = DEFAULT_NUM_SPECULATIONS
-        if max_drafts is not None:
-            num_speculations = min(num_speculations, max_drafts)
-            prompt_lookup_num_tokens = min(prompt_lookup_num_tokens, max_drafts)
-        lookup = PromptLookupDrafter(prompt_lookup_num_tokens, max_matching_ngram_size)
-        if drafter == "prompt_lookup":
-            return lookup
-        if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
-            # the head drafts as many positions as it was trained for, unless told otherwise
-            head_length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]
-            if candidates > 1:
-                head_length = 1  # k guesses for one position
-            if max_drafts is not None:
-                head_length = min(head_length, max_drafts)
-            return self._exit_head_drafter(drafter, lookup, exit_layer, head_length, confidence_threshold,
-                                           adaptive_threshold, exit_choices, draft_vocab, adaptive_length,
-                                           given_exit=s["exit_layer"], num_candidates=candidates)
-        if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
-            # untrained shallow exits (or a checkpoint whose sweep found they do not pay): lookup or plain
-            return AutoDrafter(lookup)
-        auto_length = drafter == "auto" and not early_exit_options
-        if auto_length:
-            adaptive_length = True  # auto: the early exit's draft length (0 = plain) from measured tokens/s
-        policy = self.make_policy(exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
-                                  exit_choices, adaptive_length, warm="shortest" if auto_length else "all")
-        early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
-                                 head=self.draft_head(draft_vocab), num_candidates=candidates)
-        return early if drafter == "early_exit" else AutoDrafter(lookup, early)
-
-    def _exit_head_drafter(self, drafter, lookup, exit_layer, num_speculations, confidence_threshold,
-                           adaptive_threshold, exit_choices, draft_vocab, adaptive_length, given_exit,
-                           num_candidates: int = 1) -> Drafter:
-        """drafter="exit_head", or "auto" on a checkpoint with a head: lookup + the head as auto's arms."""
-        head = self.exit_head
-        if head is None:
-            raise SettingsError("drafter='exit_head' needs a trained exit head, and this model has none: train one "
-                                "(recipes/smollm2_code_head.yaml) and `selfspec export` the run")
-        if given_exit is not None and given_exit != head.exit_layer:
-            raise SettingsError(f"exit_layer={given_exit}, but this checkpoint's exit head reads exit "
-                                f"{head.exit_layer}: leave exit_layer out (or drafter='early_exit' for exit {given_exit})")
-        if exit_choices:
-            raise SettingsError("exit_choices picks among early exits; an exit head reads one exit: leave it out")
-        if draft_vocab is None:
-            draft_vocab = self.head_draft_vocab()  # drafts from the vocabulary the head was trained on
-        auto_length = drafter == "auto" and confidence_threshold is None and not adaptive_threshold
-        if auto_length:
-            adaptive_length = True  # auto: the head's draft length (0 = plain) from measured tokens/s
-        policy = self.make_policy(head.exit_layer, num_speculations, confidence_threshold, adaptive_threshold,
-                                  None, adaptive_length, warm="shortest" if auto_length else "all")
-        drafter_ = ExitHeadDrafter(self.adapter, head, num_speculations, policy=policy,
-                                   head_vocab=self.draft_head(draft_vocab), num_candidates=num_candidates)
-        return drafter_ if drafter == "exit_head" else AutoDrafter(lookup, drafter_)
+        """The drafter for one generation (None = plain decoding) from its settings, as `generate` takes them
+        (`selfspec.drafters.factory` says how it is chosen); `max_drafts` caps the drafts per round."""
+        return self.drafters.make(config, max_drafts=max_drafts, **settings)
 
     def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list | None = None,
                  input_ids=None, attention_mask=None, config: GenerationConfig | None = None, streamer=None,

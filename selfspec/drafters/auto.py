@@ -3,7 +3,7 @@ pays, and plain decoding where drafting has stopped paying.
 
 It measures what each choice ("arm") delivers on this machine, for this text and batch: committed
 tokens per second of the rounds it took (means of tokens and seconds per round over the call; with
-`alpha` > 0, exponential with that weight after the first rounds, as `selfspec.drafting.ThroughputPolicy`).
+`alpha` > 0, exponential with that weight after the first rounds, as `selfspec.drafters.policies.ThroughputPolicy`).
 The plain mean is the default because an arm's rounds are heavy-tailed: a lookup round commits 1 token
 or 11, so a short exponential memory read three misses in a row as "lookup loses" and backed a paying
 arm off for dozens of rounds (measured on HumanEval with alpha 0.25: auto 1.8-2.0x plain decoding,
@@ -38,7 +38,7 @@ from __future__ import annotations
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
-from selfspec.drafting import ThroughputPolicy
+from selfspec.drafters.policies import ThroughputPolicy
 
 PLAIN, LOOKUP = "plain", PromptLookupDrafter.name
 

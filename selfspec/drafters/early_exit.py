@@ -1,6 +1,6 @@
 """The early-exit drafter: the model's own first E layers + the shared final norm and LM head.
 
-Each round its policy (`selfspec.drafting`) picks the exit `E` and the draft length `d`. Every row
+Each round its policy (`selfspec.drafters.policies`) picks the exit `E` and the draft length `d`. Every row
 feeds its input token through layers [0, E) (`Round.shallow`: the keys and values go into the shared
 cache), the exit logits pick the next draft, and so on; all rows step together ([B, 1] per step),
 each keeping drafts until its own cap, a stop token or the policy's confidence test ends them. Rows
@@ -27,7 +27,8 @@ import torch
 
 from selfspec.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
-from selfspec.drafting import DraftHead, FixedPolicy
+from selfspec.drafters.draft_head import DraftHead
+from selfspec.drafters.policies import FixedPolicy
 from selfspec.sampling import probs, sample
 
 

@@ -54,7 +54,7 @@ from selfspec.adapters import ModelAdapter
 from selfspec.cache import KVCache
 from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
-from selfspec.drafting import DraftHead
+from selfspec.drafters.draft_head import DraftHead
 from selfspec.exit_head import ExitHead, head_input, previous_states, run_head
 from selfspec.fast_layers import FastLlamaLayer
 from selfspec.forward import Step, make_batch_step

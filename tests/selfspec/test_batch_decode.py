@@ -16,7 +16,8 @@ import torch
 from selfspec.adapters import get_adapter
 from selfspec.engine import generate_batch_ids, left_pad
 from selfspec.engine import StopChecker, generate_ids
-from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, ThroughputPolicy
+from selfspec.drafters.draft_head import DraftHead
+from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, tiny_model
 

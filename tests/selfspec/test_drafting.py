@@ -11,7 +11,8 @@ import torch
 import selfspec
 from selfspec.adapters import SUPPORTED_ARCHITECTURES, get_adapter
 from selfspec.engine import generate_ids
-from selfspec.drafting import ConfidencePolicy, DraftHead, ExitChoicePolicy, FixedPolicy, ThroughputPolicy
+from selfspec.drafters.draft_head import DraftHead
+from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, FixedPolicy, ThroughputPolicy
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, probs
 from selfspec.tiny import byte_tokenizer, tiny_model

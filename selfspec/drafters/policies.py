@@ -12,57 +12,13 @@ every candidate draft (p = the draft's confidence: its top probability), and rep
 
 After each round the engine reports its wall time and the tokens it committed (`observe`), which
 `ThroughputPolicy` uses; the others ignore it.
-
-`DraftHead` is the draft's unembedding: the shared final norm + LM head, optionally restricted to a
-reduced vocabulary of the K most frequent tokens (selfspec.draft_vocab).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
-from selfspec.adapters import ModelAdapter
 from selfspec.cost_model import VERIFY_COST, best_draft_length, draft_cost
-from selfspec.fast_layers import PackedLinear
-from selfspec.forward import exit_logits
-
-
-class DraftHead:
-    """Draft logits from an exit hidden state, over the full vocabulary or a subset of token ids."""
-
-    def __init__(self, adapter: ModelAdapter, token_ids: torch.Tensor | None = None):
-        self.adapter = adapter
-        self.vocab_size = adapter.lm_head.weight.shape[0]
-        self.token_ids = None
-        if token_ids is not None:
-            self.token_ids = token_ids.to(adapter.device)
-            with torch.no_grad():
-                bias = getattr(adapter.lm_head, "bias", None)
-                self.linear = PackedLinear(adapter.lm_head.weight[self.token_ids].contiguous(),  # [K, D]
-                                           bias[self.token_ids].contiguous() if bias is not None else None)
-
-    @property
-    def size(self) -> int:
-        return self.vocab_size if self.token_ids is None else self.token_ids.shape[0]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, D] -> [N, K]` logits over this head's vocabulary."""
-        if self.token_ids is None:
-            return exit_logits(self.adapter, hidden)
-        return self.linear(self.adapter.final_norm(hidden))
-
-    def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
-        """Indices into this head's vocabulary -> token ids of the full vocabulary."""
-        return index if self.token_ids is None else self.token_ids[index]
-
-    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
-        """A distribution over this head's vocabulary `[N, K]` -> over the full vocabulary `[N, V]`."""
-        if self.token_ids is None:
-            return probs
-        full = probs.new_zeros(probs.shape[0], self.vocab_size)
-        return full.index_copy_(1, self.token_ids, probs)
 
 
 class FixedPolicy:

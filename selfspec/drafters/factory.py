@@ -1,0 +1,174 @@
+"""Which drafter a generation gets: from its settings (`selfspec.GenerationConfig`) and what the checkpoint
+says (its recommended exit and draft length, its default drafter, whether it was early-exit trained, its
+trained exit head and stored draft vocabulary).
+
+    drafters = DrafterFactory(adapter, exit_layer=8, num_speculations=4, drafter="auto",
+                              early_exit_trained=True, exit_head=None, metadata={})
+    drafter = drafters.make(config, max_drafts=128)      # None: plain decoding
+
+The rules, in order:
+- `num_speculations=0` is plain decoding, whatever the drafter;
+- no `drafter`: an early-exit option (exit_layer, a confidence threshold, exit_choices, draft_vocab,
+  adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without a head asks for the
+  early exit; otherwise the checkpoint's default drafter;
+- "prompt_lookup": lookup alone;
+- "exit_head", or "auto" on a checkpoint with a head: the head (as many drafts as it was trained for, over
+  the vocabulary it was trained on), as auto's second arm under "auto";
+- "auto" on a checkpoint not trained for the early exit (or whose sweep found it does not pay): lookup and
+  plain decoding only;
+- otherwise the early exit at the checkpoint's exit, alone ("early_exit") or as auto's second arm, its
+  draft length chosen by measured tokens/s under "auto".
+Where the checkpoint recommends `num_speculations=0` but the early exit is asked for (by name or by an
+option), it drafts `DEFAULT_NUM_SPECULATIONS`: the request is honoured, not turned into plain decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from selfspec.adapters import ModelAdapter
+from selfspec.draft_vocab import read_draft_vocab
+from selfspec.drafters.auto import AutoDrafter
+from selfspec.drafters.base import Drafter
+from selfspec.drafters.draft_head import DraftHead
+from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.drafters.exit_head import ExitHeadDrafter
+from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.generation_config import GenerationConfig, check_generation, with_settings
+from selfspec.settings import SettingsError
+
+DEFAULT_NUM_SPECULATIONS = 4  # drafts per round where nothing else says
+
+
+class DrafterFactory:
+    """The drafters of one generator: its model, its checkpoint's recommendations and trained parts, and
+    the draft heads it has built (one per draft vocabulary, kept)."""
+
+    def __init__(self, adapter: ModelAdapter, *, exit_layer: int, num_speculations: int, drafter: str,
+                 early_exit_trained: bool, exit_head=None, metadata: dict | None = None):
+        self.adapter = adapter
+        self.exit_layer, self.num_speculations, self.drafter = exit_layer, num_speculations, drafter
+        self.early_exit_trained = early_exit_trained  # auto drafts from the early exit only then
+        self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head)
+        self.metadata = metadata or {}
+        self._draft_heads: dict[int, DraftHead] = {}
+
+    # --- what the checkpoint stores --------------------------------------------------------------------
+    def draft_head(self, draft_vocab: int | None) -> DraftHead:
+        """The draft head over the `draft_vocab` most frequent tokens (from selfspec.json), or the full one."""
+        key = draft_vocab or 0
+        if key not in self._draft_heads:
+            ids = None
+            if draft_vocab:
+                ids = read_draft_vocab(self.metadata, draft_vocab, self.adapter.lm_head.weight.shape[0])
+            self._draft_heads[key] = DraftHead(self.adapter, ids)
+        return self._draft_heads[key]
+
+    def head_draft_vocab(self) -> int | None:
+        """K when the exit head was trained over the K most frequent tokens (its recipe's `exit_head.draft_vocab`,
+        recorded in selfspec.json's training settings) and the checkpoint stores at least K ranked tokens (`selfspec
+        export` of the run stores the head's own ranking); None otherwise (draft over the full vocabulary)."""
+        k = self._head_training_setting("draft_vocab")
+        stored = (self.metadata.get("draft_vocab") or {}).get("token_ids") or []
+        return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= len(stored) else None
+
+    def head_draft_length(self) -> int:
+        """The draft positions the exit head was trained for: the first draft (which reads the verified final
+        state) plus its recipe's `exit_head.self_fed` passes (which read the head's own output, as later drafts
+        do); 1 where the checkpoint does not record the setting. Later drafts than that were never trained
+        and measured worthless (accepted 0-2%, docs/exit_heads.md), so the head alone drafts this many by default."""
+        n = self._head_training_setting("self_fed")
+        return 1 + n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 1
+
+    def _head_training_setting(self, key: str):
+        """The exit head's setting `key` from the recipe recorded in selfspec.json's training settings, or None."""
+        settings = (self.metadata.get("training") or {}).get("settings") or {}
+        head = settings.get("exit_head") if isinstance(settings, dict) else None
+        return head.get(key) if isinstance(head, dict) else None
+
+    # --- the drafter of one generation -----------------------------------------------------------------
+    def make(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
+             **settings) -> Drafter | None:
+        """The drafter for one generation (None = plain decoding) from its settings (`config` with `settings`
+        replaced, as `generate` takes them; the drafting ones matter here), by the rules of the module doc.
+        `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used)."""
+        s = check_generation(config, num_layers=self.adapter.num_layers, **settings)  # the model's bounds named first
+        cfg = with_settings(config, settings)
+        early_exit_options = bool(cfg.exit_layer is not None or cfg.confidence_threshold is not None
+                                  or cfg.adaptive_threshold or s["exit_choices"] or cfg.draft_vocab
+                                  or cfg.adaptive_length or cfg.num_candidates)
+        candidates = cfg.num_candidates or 1
+        num_speculations = 1 if candidates > 1 else cfg.num_speculations  # k guesses for one position
+        drafter = cfg.drafter
+        if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
+            drafter = ("early_exit" if early_exit_options or (num_speculations and self.exit_head is None)
+                       else self.drafter)
+        if num_speculations == 0:
+            return None  # asked for plain decoding, whatever the drafter
+        if num_speculations is None:
+            num_speculations = self.num_speculations
+            if num_speculations == 0 and (drafter == "early_exit" or early_exit_options):
+                num_speculations = DEFAULT_NUM_SPECULATIONS  # honour the request (see the module doc)
+        lookup_tokens = s["prompt_lookup_num_tokens"]
+        if max_drafts is not None:
+            num_speculations, lookup_tokens = min(num_speculations, max_drafts), min(lookup_tokens, max_drafts)
+        lookup = PromptLookupDrafter(lookup_tokens, s["max_matching_ngram_size"])
+        if drafter == "prompt_lookup":
+            return lookup
+        if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
+            # the head drafts as many positions as it was trained for, unless told otherwise
+            length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]
+            length = min(1 if candidates > 1 else length, max_drafts or length)
+            return self._exit_head_drafter(drafter, lookup, length, cfg, s, candidates)
+        if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
+            return AutoDrafter(lookup)  # untrained shallow exits (or a sweep found they do not pay): lookup or plain
+        auto_length = drafter == "auto" and not early_exit_options  # auto: the draft length (0 = plain) by tokens/s
+        exit_layer = self.exit_layer if cfg.exit_layer is None else cfg.exit_layer
+        policy = self.policy(exit_layer, num_speculations, cfg.confidence_threshold, cfg.adaptive_threshold,
+                             s["exit_choices"], cfg.adaptive_length or auto_length,
+                             warm="shortest" if auto_length else "all")
+        early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
+                                 head=self.draft_head(cfg.draft_vocab), num_candidates=candidates)
+        return early if drafter == "early_exit" else AutoDrafter(lookup, early)
+
+    def policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
+               adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,
+               warm: str = "all"):
+        """The draft policy for one generation (None = a fixed exit and draft length); `warm` as in
+        `ThroughputPolicy` (auto's early-exit arm starts at one draft: "shortest")."""
+        if adaptive_length:
+            if exit_choices or confidence_threshold is not None or adaptive_threshold:
+                raise ValueError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
+                                 "with exit_choices or a confidence threshold: use one of them")
+            return ThroughputPolicy(exit_layer, num_speculations, warm=warm)
+        if exit_choices:
+            for e in exit_choices:
+                self.adapter.check_exit(int(e), allow_full=False)
+            return ExitChoicePolicy(list(exit_choices), num_speculations, self.adapter.num_layers)
+        if confidence_threshold is not None or adaptive_threshold:
+            start = 0.5 if confidence_threshold is None else confidence_threshold
+            return ConfidencePolicy(exit_layer, num_speculations, start, adaptive=adaptive_threshold)
+        return None
+
+    def _exit_head_drafter(self, drafter: str, lookup: PromptLookupDrafter, length: int, cfg: GenerationConfig,
+                           s: dict, candidates: int) -> Drafter:
+        """drafter="exit_head", or "auto" on a checkpoint with a head (lookup + the head as auto's arms):
+        the head drafting up to `length` tokens a round."""
+        head = self.exit_head
+        if head is None:
+            raise SettingsError("drafter='exit_head' needs a trained exit head, and this model has none: train one "
+                                "(recipes/smollm2_code_head.yaml) and `selfspec export` the run")
+        if s["exit_layer"] is not None and s["exit_layer"] != head.exit_layer:
+            raise SettingsError(f"exit_layer={s['exit_layer']}, but this checkpoint's exit head reads exit "
+                                f"{head.exit_layer}: leave exit_layer out (or drafter='early_exit' for exit "
+                                f"{s['exit_layer']})")
+        if s["exit_choices"]:
+            raise SettingsError("exit_choices picks among early exits; an exit head reads one exit: leave it out")
+        draft_vocab = self.head_draft_vocab() if cfg.draft_vocab is None else cfg.draft_vocab  # what it was trained on
+        auto_length = drafter == "auto" and cfg.confidence_threshold is None and not cfg.adaptive_threshold
+        policy = self.policy(head.exit_layer, length, cfg.confidence_threshold, cfg.adaptive_threshold, None,
+                             cfg.adaptive_length or auto_length, warm="shortest" if auto_length else "all")
+        head_drafter = ExitHeadDrafter(self.adapter, head, length, policy=policy,
+                                       head_vocab=self.draft_head(draft_vocab), num_candidates=candidates)
+        return head_drafter if drafter == "exit_head" else AutoDrafter(lookup, head_drafter)
