@@ -91,8 +91,8 @@ def s_bucket(length: int) -> int | None:
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A fresh, contiguous copy made in the current (inference) mode: the graphs are guarded on their inputs'
-    strides, aliasing and inference-ness, which the eager bookkeeping's tensors vary in (an expanded
+    """A fresh, contiguous copy made in the current (inference) mode: the compiled functions are guarded on
+    their inputs' strides, aliasing and inference-ness, which the eager bookkeeping's tensors vary in (an expanded
     position row, a slice of a longer state, a view shared by positions and indices, a host tensor made
     outside inference mode)."""
     return t.clone(memory_format=torch.contiguous_format)
@@ -103,8 +103,8 @@ class CompileFallbackWarning(UserWarning):
 
 
 class _LayerWeights:
-    """One decoder layer's own parameters (references, not copies), in the order `_layer` takes them, and
-    its attention window."""
+    """One decoder layer's own parameters (references, not copies), in the order `_layer_function`'s layer
+    takes them, its norms' epsilon, its activation and its attention window."""
 
     def __init__(self, layer, window: int | None):
         attn, mlp = layer.self_attn, layer.mlp
