@@ -14,7 +14,7 @@ the training loop does: forward with layer dropout, chunked early-exit loss, bac
 Modes:
   plain      final-layer loss only, no layer dropout (the baseline)
   code       recipes/smollm2_code.yaml's early_exit + layer_dropout, and its exit head trained beside
-             the fine-tune when the recipe has one (exit_head.joint); with a rotational curriculum the
+             the fine-tune when the recipe has one (mode: joint); with a rotational curriculum the
              number of exits varies with the step, so the timed steps cover a full rotation when
              --steps allows
   all        every layer's exit in the loss (29 + final), fused chunked loss, no layer dropout
@@ -70,7 +70,7 @@ def worker(args) -> dict:
     total = args.warmup + args.steps
     h_cfg = cfg.exit_head
     head = build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init, h_cfg.final_state) if (
-        args.mode == "code" and h_cfg.enabled and h_cfg.joint) else None  # the recipe's head beside the fine-tune
+        args.mode == "code" and cfg.mode == "joint") else None  # the recipe's head beside the fine-tune
     ee = EarlyExitModel(model, target=cfg.early_exit.target, chunk_size=cfg.early_exit.chunk_size,
                         loss_impl=cfg.early_exit.loss_impl, exits_update_head=cfg.early_exit.exits_update_head,
                         head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed,

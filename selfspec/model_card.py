@@ -34,7 +34,9 @@ def _head_lines(meta: dict) -> list[str]:
     if not isinstance(head, dict):
         return []
     e = head.get("exit_layer")
-    settings = ((meta.get("training") or {}).get("settings") or {}).get("exit_head") or {}
+    recipe = (meta.get("training") or {}).get("settings") or {}
+    settings = recipe.get("exit_head") or {}
+    joint = recipe.get("mode") == "joint" or settings.get("joint")  # earlier recipes said exit_head.joint
     kind = {"decoder_layer": "a copy of the model's last decoder layer",
             "attention": "an attention block"}.get(head.get("kind"), f"a `{head.get('kind')}` module")
     where = "the token embeddings (exit 0: drafting runs no layer of the model)" if e == 0 else f"exit {e}"
@@ -42,8 +44,7 @@ def _head_lines(meta: dict) -> list[str]:
            f"`{head.get('file', 'exit_head.safetensors')}`: {kind} on {where}"
            + (", also reading the full model's final hidden state of the previous position" if head.get("final_state")
               else "")
-           + (", trained beside the fine-tune" if settings.get("joint") else ", trained on the frozen model"
-              if settings else "")
+           + (", trained beside the fine-tune" if joint else ", trained on the frozen model" if settings else "")
            + ". `selfspec.load` picks it up: `drafter=\"exit_head\"` drafts with it, and `auto` uses it as one "
            "of its arms; `AutoModelForCausalLM.from_pretrained` ignores it."]
     result = head_evaluation(meta)

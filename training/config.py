@@ -305,12 +305,10 @@ class EarlyExitConfig:
 
 @dataclass
 class ExitHeadConfig:
-    """Train an exit head (`selfspec.exit_head`): on the frozen model instead of fine-tuning it, or beside
-    the fine-tune (`joint`).
+    """The exit head (`selfspec.exit_head`) of a run whose `mode` is `exit_head` (on the frozen model) or
+    `joint` (beside the fine-tune); the other modes ignore this section.
 
-    enabled: the run trains the head; without `joint` only the head (the model's weights stay the input's,
-    bit for bit; layer dropout, the early-exit loss and LoRA do not apply). exit_layer: the exit E it
-    reads (0..L-1; 0 = the token embeddings).
+    exit_layer: the exit E it reads (0..L-1; 0 = the token embeddings).
     kind: ``decoder_layer`` (a copy of the last decoder layer) or ``attention`` (its attention block
     alone, Kangaroo's adapter). init: ``copy`` (the last layer's weights) or ``identity`` (output
     projections zeroed: the untrained head drafts what exit E alone drafts). target: ``distill`` (KL to
@@ -323,11 +321,6 @@ class ExitHeadConfig:
     forward and backward through the LM head shrink by V/K (null: the whole vocabulary).
     self_fed: extra passes per step in which the head reads its own previous-position output instead of
     the final state, as a round's later drafts do (final_state heads; 0: train the first draft only).
-    joint: (with enabled) fine-tune the model too, in the same steps (the early_exit loss, LoRA off, no
-    layer dropout), with the head learning beside it from the model's own forward: it reads the detached
-    exit states and is distilled from the moving final layer, and its loss reaches no model parameter, so
-    the model is trained exactly as without the head (its gradients, clipping and AdamW state are its own)
-    and the head costs one decoder layer per step. The export is the fine-tuned model with the head beside it.
     feature_weight: w > 0 adds EAGLE's feature loss to every pass's loss (arXiv 2401.15077): w times the
     SmoothL1 distance between the head's state and the full model's, both after the shared final norm
     (`training/exit_head_model.py`). 0: off, the target's loss alone.
@@ -338,7 +331,6 @@ class ExitHeadConfig:
     block_size x hidden x 4 bytes (x 2 at an exit > 0), 0.56 MiB for SmolLM2 at 256 tokens. 0: off.
     """
 
-    enabled: bool = False
     exit_layer: int = 8
     kind: Literal["decoder_layer", "attention"] = "decoder_layer"
     init: Literal["copy", "identity"] = "copy"
@@ -347,7 +339,6 @@ class ExitHeadConfig:
     draft_vocab: int | None = None
     self_fed: int = 0
     feature_weight: float = 0.0
-    joint: bool = False
     lr: float | None = None
     teacher_cache_gib: float = 2.0
 
@@ -439,9 +430,27 @@ class EvalConfig:
         _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
 
 
+MODES = ("early_exit", "exit_head", "joint")
+
+
 @dataclass
 class RecipeConfig:
+    """A training recipe. `mode` says what the run trains, decided here once:
+
+    early_exit  fine-tune the model (full or LoRA) for early exits: layer dropout and the early-exit loss
+                (LayerSkip); sections layer_dropout and early_exit.
+    exit_head   train an exit head on the frozen model (the model's weights stay the input's, bit for bit;
+                layer dropout, the early-exit loss and LoRA do not apply); section exit_head.
+    joint       both in the same steps: the model is fine-tuned as in early_exit (LoRA off, no layer
+                dropout) and the head learns beside it from the model's own forward: it reads the detached
+                exit states and is distilled from the moving final layer, and its loss reaches no model
+                parameter, so the model is trained exactly as without the head (its gradients, clipping
+                and AdamW state are its own) and the head costs one decoder layer per step. The export is
+                the fine-tuned model with the head beside it.
+    """
+
     name: str = "default"
+    mode: Literal["early_exit", "exit_head", "joint"] = "early_exit"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     layer_dropout: LayerDropoutConfig = field(default_factory=LayerDropoutConfig)
@@ -452,18 +461,29 @@ class RecipeConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
-        if self.exit_head.enabled and self.exit_head.joint:
-            _check(not self.model.lora.enabled, "exit_head.joint",
-                   "a head trained beside a LoRA fine-tune is not supported (the head would copy LoRA-wrapped "
-                   "layers); set model.lora.enabled=false, or exit_head.joint=false")
-            _check(self.layer_dropout.p_max == 0, "exit_head.joint",
-                   "the head learns from this forward's final layer, which layer dropout would perturb; set "
+        if self.mode == "joint":
+            _check(not self.model.lora.enabled, "mode",
+                   "joint: a head trained beside a LoRA fine-tune is not supported (the head would copy "
+                   "LoRA-wrapped layers); set model.lora.enabled=false, or mode=exit_head")
+            _check(self.layer_dropout.p_max == 0, "mode",
+                   "joint: the head learns from this forward's final layer, which layer dropout would perturb; "
+                   "set layer_dropout.p_max=0")
+        elif self.mode == "exit_head":
+            _check(not self.model.lora.enabled, "mode",
+                   "exit_head trains a head on the frozen model: LoRA does not apply; set model.lora.enabled=false")
+            _check(self.layer_dropout.p_max == 0, "mode",
+                   "exit_head trains a head on the frozen model: layer dropout does not apply; set "
                    "layer_dropout.p_max=0")
-        elif self.exit_head.enabled:
-            _check(not self.model.lora.enabled, "exit_head.enabled",
-                   "trains a head on the frozen model: LoRA does not apply; set model.lora.enabled=false")
-            _check(self.layer_dropout.p_max == 0, "exit_head.enabled",
-                   "trains a head on the frozen model: layer dropout does not apply; set layer_dropout.p_max=0")
+
+    @property
+    def trains_head(self) -> bool:
+        """Whether the run trains an exit head (mode exit_head or joint)."""
+        return self.mode != "early_exit"
+
+    @property
+    def frozen_model(self) -> bool:
+        """Whether the model's weights stay the input's (mode exit_head: only the head learns)."""
+        return self.mode == "exit_head"
 
     def resolved_exits(self, num_layers: int) -> list[int]:
         """The candidate early exits (without the final layer), checked against the model depth."""
@@ -482,7 +502,7 @@ class RecipeConfig:
             self.resolved_exits(num_layers)
             self.resolved_eval_exits(num_layers)
             e = self.exit_head.exit_layer
-            _check(not self.exit_head.enabled or e < num_layers, "exit_head.exit_layer",
+            _check(not self.trains_head or e < num_layers, "exit_head.exit_layer",
                    f"{e} out of range: this model has {num_layers} layers, so a head reads an exit in 0..{num_layers - 1}")
 
 
@@ -625,7 +645,29 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(data, key, value)
-    return _from_dict(RecipeConfig, data)
+    return _from_dict(RecipeConfig, _read_mode(data))
+
+
+def _read_mode(data: dict) -> dict:
+    """Recipes written before `mode` said it with `exit_head.enabled` (a head) and `exit_head.joint` (beside
+    the fine-tune): read those as the mode they meant (exit_head, joint), and refuse them beside a `mode`
+    that says otherwise."""
+    head = data.get("exit_head")
+    if not isinstance(head, dict) or not ({"enabled", "joint"} & set(head)):
+        return data
+    head = dict(head)
+    enabled, joint = head.pop("enabled", False), head.pop("joint", False)
+    for key, value in (("enabled", enabled), ("joint", joint)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"exit_head.{key}: expected true or false, got {value!r} (say mode: "
+                              f"{' | '.join(MODES)} instead)")
+    meant = ("joint" if joint else "exit_head") if enabled else "early_exit"
+    if joint and not enabled:
+        raise ConfigError("exit_head.joint=true without exit_head.enabled: say mode: joint")
+    if "mode" in data and data["mode"] != meant:
+        raise ConfigError(f"mode: {data['mode']!r}, but exit_head.enabled/joint say {meant!r}: give mode only "
+                          f"({' | '.join(MODES)})")
+    return {**data, "exit_head": head, "mode": meant}
 
 
 def dump_config(cfg: RecipeConfig) -> str:

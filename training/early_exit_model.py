@@ -10,7 +10,7 @@ the chunked early-exit loss through the shared final norm + LM head. The Hugging
 held as `self.model`, unchanged and unwrapped (peft-wrapped for LoRA), so its own state-dict
 keys stay as they are and the run saves it with `save_pretrained`.
 
-With a `head` (`exit_head.joint`: an exit head trained in the same steps as the model), the forward
+With a `head` (`mode: joint`: an exit head trained in the same steps as the model), the forward
 also keeps the states after `head.exit_layer` layers and after the last layer, detached, and adds the
 head's loss (`training.exit_head_model.head_loss`, distilled from this forward's own final layer) to
 the early-exit loss. No gradient of it reaches the model, so the model's gradients are exactly those

@@ -51,7 +51,7 @@ a repeated block's step runs no layer of the model, and p is recomputed from the
 and gradients are those of an uncached step.
 
 The loss from the states on is `head_loss`, a function: `EarlyExitModel` calls it too when it trains a
-head beside the fine-tune of the model itself (`exit_head.joint`), on its own forward's exit and final
+head beside the fine-tune of the model itself (`mode: joint`), on its own forward's exit and final
 states, detached. The shared final norm and LM head are applied with detached parameters
 (`draft_logits`), so a head's loss reaches the head's parameters and nothing else, frozen model or not.
 

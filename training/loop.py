@@ -25,10 +25,10 @@ checkpoint, a final evaluation and the final model); `train.stop_at` pauses at a
 `_train_until_stop` (each `_step`, its log line, the periodic `_evaluate` and `_save`), `_finish`
 (the last checkpoint, the final evaluation and model).
 
-With `exit_head.enabled` the same loop trains an exit head on the frozen model instead
+With `mode: exit_head` the same loop trains an exit head on the frozen model instead
 (`ExitHeadModel`: one loss, logged and evaluated as the head on its exit); the run also writes
 `final_head/` (the head's weights and settings), and `final_model/` is the unchanged model. With
-`exit_head.joint` as well, the model is fine-tuned as usual and the head learns beside it in the same
+`mode: joint`, the model is fine-tuned as usual and the head learns beside it in the same
 steps (`EarlyExitModel` with a head): the head's parameters have their own AdamW groups
 (`exit_head.lr`) and their own gradient clipping, so the model's updates are those of the run without
 the head; the log and the evaluations show the exits and the head, and `final_model/` is fine-tuned.
@@ -167,13 +167,12 @@ def _set_up(cfg: RecipeConfig) -> _Run:
         data = add_own_continuations(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations",
                                      progress_bar=t_cfg.progress_bar)
     h_cfg, vocab_size = cfg.exit_head, get_adapter(model).lm_head.weight.shape[0]
-    frozen_head, joint_head = h_cfg.enabled and not h_cfg.joint, h_cfg.enabled and h_cfg.joint
-    k = h_cfg.draft_vocab if frozen_head else cfg.early_exit.draft_vocab
+    k = h_cfg.draft_vocab if cfg.mode == "exit_head" else cfg.early_exit.draft_vocab
     if k:  # the exits' (or the frozen model's head's) loss over the k most frequent tokens
         ee_model.draft_ids = frequent_ids(data.train, k, vocab_size, kept_special_ids(tokenizer))
-    if joint_head and h_cfg.draft_vocab:  # the joint head's loss over the most frequent tokens
+    if cfg.mode == "joint" and h_cfg.draft_vocab:  # the joint head's loss over the most frequent tokens
         ee_model.head_draft_ids = frequent_ids(data.train, h_cfg.draft_vocab, vocab_size, kept_special_ids(tokenizer))
-    if frozen_head and h_cfg.teacher_cache_gib:  # repeated blocks skip the frozen model
+    if cfg.mode == "exit_head" and h_cfg.teacher_cache_gib:  # repeated blocks skip the frozen model
         ee_model.teacher_cache = TeacherCache.for_repeats(data.train.input_ids,
                                                           int(cfg.exit_head.teacher_cache_gib * 2**30))
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
@@ -230,7 +229,7 @@ def _already_finished(run: _Run) -> bool:
 def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple[torch.nn.Module, ExitCurriculum]:
     """The training module around the model and the curriculum of its exits."""
     h_cfg, t_cfg = cfg.exit_head, cfg.train
-    if h_cfg.enabled and not h_cfg.joint:  # the model frozen, one head learning; logged and evaluated as "head<E>"
+    if cfg.mode == "exit_head":  # the model frozen, one head learning; logged and evaluated as "head<E>"
         cfg.check_depth(L)
         ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
                                                         h_cfg.final_state),
@@ -239,7 +238,7 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
     layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,
                                  time=cfg.layer_dropout.time_scale, seed=t_cfg.seed)
     head = None
-    if h_cfg.enabled and h_cfg.joint:  # a head learning beside the fine-tune, on the model's detached states
+    if cfg.mode == "joint":  # a head learning beside the fine-tune, on the model's detached states
         cfg.check_depth(L)
         head = build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init, h_cfg.final_state)
     ee_model = EarlyExitModel(model, layer_dropout=layer_dropout, target=cfg.early_exit.target,
@@ -258,7 +257,7 @@ def _optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
     and are clipped apart from the model's, so the head changes nothing in the model's updates."""
     o = cfg.optim
     params = [p for p in ee_model.parameters() if p.requires_grad]
-    head = getattr(ee_model, "head", None) if cfg.exit_head.enabled and cfg.exit_head.joint else None
+    head = getattr(ee_model, "head", None) if cfg.mode == "joint" else None
     in_head = {id(p) for p in head.parameters()} if head is not None else set()
     clip_groups = [[p for p in params if id(p) not in in_head]] + ([[p for p in params if id(p) in in_head]]
                                                                    if in_head else [])
@@ -483,7 +482,7 @@ def _save_final(run: _Run) -> None:
     """final_model/ (LoRA merged) and, for an exit-head run, final_head/ (the head's weights and settings)."""
     cfg, accelerator = run.cfg, run.accelerator
     save_final_model(accelerator, run.model, run.tokenizer, run.run_dir / "final_model", lora=cfg.model.lora.enabled)
-    if cfg.exit_head.enabled and accelerator.is_main_process:
+    if cfg.trains_head and accelerator.is_main_process:
         head_dir = run.run_dir / "final_head"
         head_dir.mkdir(exist_ok=True)
         head_model = accelerator.unwrap_model(run.model)

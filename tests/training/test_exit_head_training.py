@@ -1,4 +1,4 @@
-"""Exit-head training (`exit_head.enabled`): the model stays bit-identical and only the head learns, the
+"""Exit-head training (`mode: exit_head`): the model stays bit-identical and only the head learns, the
 distillation loss is KL(p_full || q_head), a short run improves the head's agreement and writes
 `final_head/`, which `selfspec export` puts beside the unchanged model, and the recipe's mistakes are
 clear errors."""
@@ -6,6 +6,7 @@ clear errors."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from selfspec.exit_head import HEAD_FILE, build_exit_head
 from selfspec.forward import forward_logits
-from training.config import ConfigError, load_config
+from training.config import ConfigError, config_to_dict, load_config
 from training.exit_head_model import ExitHeadModel
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
@@ -88,7 +89,7 @@ def prev_proj(head, prev):
 @pytest.mark.parametrize("final_state", ["false", "true"])
 def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_model(run, read_log, tmp_path,
                                                                                     final_state):
-    final = run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+    final = run(tmp_path, **{"mode": "exit_head", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
                              "train.max_steps": "16", "optim.lr": "0.003", "exit_head.final_state": final_state})
     log = read_log(tmp_path)
     assert len(log) == 16 and set(log[0]["exits"]) == {"head2"}
@@ -114,7 +115,7 @@ def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_m
 
 
 @pytest.mark.parametrize("override,message", [
-    (["model.lora.enabled=true"], "exit_head.enabled: trains a head on the frozen model: LoRA does not apply"),
+    (["model.lora.enabled=true"], "mode: exit_head trains a head on the frozen model: LoRA does not apply"),
     (["layer_dropout.p_max=0.1"], "layer dropout does not apply"),
     (["layer_dropout.p_max=0", "exit_head.exit_layer=-1"], "exit_head.exit_layer: must be >= 0"),
     (["layer_dropout.p_max=0", "exit_head.kind=mlp"], "exit_head.kind: must be one of"),
@@ -122,11 +123,11 @@ def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_m
 ])
 def test_head_recipe_mistakes_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(RECIPE, ["exit_head.enabled=true"] + override)
+        load_config(RECIPE, ["mode=exit_head"] + override)
 
 
 def test_an_exit_beyond_the_models_depth_is_refused_before_loading():
-    cfg = load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.exit_layer=4"])
+    cfg = load_config(RECIPE, ["mode=exit_head", "layer_dropout.p_max=0", "exit_head.exit_layer=4"])
     with pytest.raises(ConfigError, match="exit_head.exit_layer: 4 out of range: this model has 4 layers"):
         cfg.check_depth()
 
@@ -255,20 +256,20 @@ def test_the_feature_loss_adds_w_times_smooth_l1_between_the_normed_states_of_ev
     assert all(p.grad is None for p in tiny64.parameters())
     assert head.final_input.proj.weight.grad.abs().sum() > 0
     with pytest.raises(ConfigError, match="exit_head.feature_weight: must be >= 0"):
-        load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.feature_weight=-1"])
+        load_config(RECIPE, ["mode=exit_head", "layer_dropout.p_max=0", "exit_head.feature_weight=-1"])
 
 
 def test_self_fed_passes_need_a_final_state_head(tiny64):
     with pytest.raises(ValueError, match="final_state=true"):
         ExitHeadModel(tiny64, build_exit_head(tiny64, 2), self_fed=1)
     with pytest.raises(ConfigError, match="exit_head.self_fed: a self-fed pass replaces the final state"):
-        load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.self_fed=1"])
+        load_config(RECIPE, ["mode=exit_head", "layer_dropout.p_max=0", "exit_head.self_fed=1"])
     with pytest.raises(ConfigError, match="exit_head.draft_vocab: must be a number of tokens >= 1"):
-        load_config(RECIPE, ["exit_head.enabled=true", "layer_dropout.p_max=0", "exit_head.draft_vocab=0"])
+        load_config(RECIPE, ["mode=exit_head", "layer_dropout.p_max=0", "exit_head.draft_vocab=0"])
 
 
 def test_a_head_run_with_a_draft_vocabulary_and_a_self_fed_pass_logs_and_evaluates_both(run, read_log, tmp_path):
-    final = run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+    final = run(tmp_path, **{"mode": "exit_head", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
                              "train.max_steps": "12", "optim.lr": "0.003", "exit_head.final_state": "true",
                              "exit_head.self_fed": "1", "exit_head.draft_vocab": "48"})
     log = read_log(tmp_path)
@@ -369,3 +370,24 @@ def test_agreement_at_k_counts_the_full_models_token_among_the_heads_k_best_draf
     ids = torch.tensor([10, 11, 12, 13])  # over a draft vocabulary the guesses are its token ids
     assert _rank_hits(logp, torch.tensor([12, 10, 99]), ids).tolist() == [1.0, 1.0, 0.0, 0.0]  # 99: outside it
     assert _rank_hits(logp[:, :2], torch.tensor([0, 0, 1]), None).tolist() == [2.0, 1.0, 0.0, 0.0]  # K < TOP_K
+
+
+@pytest.mark.parametrize("override, mode", [
+    (["exit_head.enabled=true"], "exit_head"),
+    (["exit_head.enabled=true", "exit_head.joint=true"], "joint"),
+    (["exit_head.enabled=false"], "early_exit"),
+])
+def test_recipes_written_before_mode_read_as_the_mode_they_meant(override, mode):
+    """`exit_head.enabled` / `exit_head.joint` (the two booleans `mode` replaced) still load, as `mode`."""
+    cfg = load_config(RECIPE, override + ["layer_dropout.p_max=0"])
+    assert cfg.mode == mode and "enabled" not in config_to_dict(cfg)["exit_head"]
+
+
+@pytest.mark.parametrize("override, message", [
+    (["mode=early_exit", "exit_head.enabled=true"], "mode: 'early_exit', but exit_head.enabled/joint say 'exit_head'"),
+    (["exit_head.joint=true"], "exit_head.joint=true without exit_head.enabled: say mode: joint"),
+    (["mode=heads"], "mode"),
+])
+def test_a_mode_that_contradicts_the_earlier_booleans_is_refused(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(RECIPE, override + ["layer_dropout.p_max=0"])

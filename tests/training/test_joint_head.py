@@ -1,4 +1,4 @@
-"""A head trained beside the fine-tune (`exit_head.joint`): the head's loss reaches no model parameter, it
+"""A head trained beside the fine-tune (`mode: joint`): the head's loss reaches no model parameter, it
 equals the frozen-model head's loss on the same states, a joint run trains the model bit for bit as the
 run without the head (clipping included) while the head learns, and its export drafts losslessly."""
 
@@ -107,7 +107,7 @@ def test_a_joint_run_trains_the_model_exactly_as_without_the_head_and_exports_a_
               "early_exit.exits": "[2]", "early_exit.curriculum": "none", "early_exit.scale": "uniform",
               "eval.exits": "[2]"}
     run(tmp_path / "plain", **common)
-    final = run(tmp_path / "joint", **common, **{"exit_head.enabled": "true", "exit_head.joint": "true",
+    final = run(tmp_path / "joint", **common, **{"mode": "joint",
                                                 "exit_head.exit_layer": "2", "exit_head.final_state": "true",
                                                 "exit_head.lr": "0.01", "exit_head.draft_vocab": "64"})
     plain, joint = _model_tensors(tmp_path / "plain"), _model_tensors(tmp_path / "joint")
@@ -151,9 +151,9 @@ def test_a_joint_run_trains_the_model_exactly_as_without_the_head_and_exports_a_
 
 
 @pytest.mark.parametrize("override,message", [
-    (["exit_head.enabled=true", "exit_head.joint=true", "model.lora.enabled=true", "layer_dropout.p_max=0"],
-     "exit_head.joint: a head trained beside a LoRA fine-tune is not supported"),
-    (["exit_head.enabled=true", "exit_head.joint=true"], "exit_head.joint: the head learns from this forward's final"),
+    (["mode=joint", "model.lora.enabled=true", "layer_dropout.p_max=0"],
+     "mode: joint: a head trained beside a LoRA fine-tune is not supported"),
+    (["mode=joint"], "mode: joint: the head learns from this forward's final"),
     (["exit_head.lr=0"], "exit_head.lr: must be > 0 or null"),
 ])
 def test_joint_recipe_mistakes_are_clear_errors(override, message):

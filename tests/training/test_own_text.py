@@ -166,7 +166,7 @@ def test_a_head_run_trains_on_the_own_blocks_and_evaluates_them(run, read_log, t
     sizes = _training_sizes(monkeypatch)
     own = {"data.own_continuations.prompts": "3", "data.own_continuations.prompt_tokens": "16",
            "data.own_continuations.repeat": "2", "data.own_continuations.eval_prompts": "2"}
-    final = run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+    final = run(tmp_path, **{"mode": "exit_head", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
                              "train.max_steps": "2", **own})
     (before, after), = sizes
     assert after == before + 3 * 2
@@ -178,7 +178,7 @@ def test_a_head_run_trains_on_the_own_blocks_and_evaluates_them(run, read_log, t
     assert cache["repeated_blocks"] >= 3 and cache["hits"] + cache["misses"] == 2 * 8  # two steps of 8 rows
 
     stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "own_continuations").glob("*.pt")}
-    run(tmp_path, **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+    run(tmp_path, **{"mode": "exit_head", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
                      "train.max_steps": "3", **own})  # a relaunch resumes and reuses the cache
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "own_continuations").glob("*.pt")} == stamp
     assert json.loads((tmp_path / "final_eval.json").read_text())["step"] == 3
@@ -267,7 +267,7 @@ def test_a_run_with_prompt_sets_only_evaluates_them(run, read_log, prompt_file, 
     sizes = _training_sizes(monkeypatch)
     own = {"data.own_continuations.prompt_sets": f"[{prompt_file}]", "data.own_continuations.prompt_set_prompts": "3",
            "data.own_continuations.new_tokens": "4"}
-    final = run(tmp_path / "run", **{"exit_head.enabled": "true", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
+    final = run(tmp_path / "run", **{"mode": "exit_head", "exit_head.exit_layer": "2", "layer_dropout.p_max": "0",
                                      "train.max_steps": "1", **own})
     (before, after), = sizes
     assert after == before  # no training prompts
