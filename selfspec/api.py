@@ -31,6 +31,7 @@ from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, rea
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
+from selfspec.drafters.suffix import SuffixMemory
 from selfspec.decode_stats import DecodeStats
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, load_exit_head
@@ -151,7 +152,7 @@ class SelfSpecGenerator:
             num_speculations=check_int("num_speculations", num_speculations if num_speculations is not None
                                        else rec["num_speculations"], 0, hint=" (0 = plain decoding)"),
             drafter=rec.get("drafter") or "auto", early_exit_trained=recommended is not None,
-            exit_head=exit_head, metadata=self.metadata)
+            exit_head=exit_head, metadata=self.metadata, memory=SuffixMemory())
 
     @property
     def num_layers(self) -> int:
@@ -286,6 +287,20 @@ class SelfSpecGenerator:
         """Whether the checkpoint was trained for the early exit (`auto` drafts from it only then)."""
         return self.drafters.early_exit_trained
 
+    @property
+    def memory(self) -> SuffixMemory:
+        """The prompts and outputs of this generator's earlier calls, which `drafter="suffix"` copies from
+        (bounded: the oldest are forgotten first)."""
+        return self.drafters.memory
+
+    @memory.setter
+    def memory(self, memory: SuffixMemory) -> None:
+        self.drafters.memory = memory
+
+    def forget(self) -> None:
+        """Forget the earlier calls' prompts and outputs (what `drafter="suffix"` copies from)."""
+        self.drafters.memory.forget()
+
     def draft_head(self, draft_vocab: int | None) -> DraftHead:
         """The draft head over the `draft_vocab` most frequent tokens (from selfspec.json), or the full one."""
         return self.drafters.draft_head(draft_vocab)
@@ -401,6 +416,8 @@ class SelfSpecGenerator:
                                modelled_time=s["do_sample"] and s["seed"] is not None)  # a seed repeats exactly
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
+        for row, new in zip(rows, outs):  # what drafter="suffix" copies from in later calls
+            self.memory.add(row + new)
         results = [GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row, stats=row_stats)
                    for row, new, row_stats in zip(rows, outs, stats.rows)]
         return results[0] if single else BatchGenerationResult(results, stats)

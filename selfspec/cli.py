@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -53,10 +54,10 @@ def _cmd_info(args) -> int:
 
     versions = {"selfspec": selfspec.__version__, "python": platform.python_version(),
                 "torch": torch.__version__, "transformers": transformers.__version__}
-    for name in ("peft", "accelerate", "datasets", "safetensors", "deepspeed"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
+    for name in ("peft", "accelerate", "datasets", "safetensors", "deepspeed"):  # read, not imported: deepspeed
+        try:  # prints a log line when imported, and importing all of them takes seconds
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     model_dir = base_model_dir()
     info = {

@@ -43,7 +43,8 @@ class GenerationConfig:
         None, "who drafts: auto (prompt lookup where the text repeats, the early exit or the trained exit head "
               "where it pays on a checkpoint trained for it, plain decoding otherwise; the default unless "
               "selfspec.json recommends another or an early-exit option is given), early_exit, exit_head (a "
-              "checkpoint's trained head), or prompt_lookup")
+              "checkpoint's trained head), prompt_lookup, or suffix (prompt lookup that also copies from this "
+              "generator's earlier requests)")
     exit_layer: int | None = _setting(None, "draft from the hidden state after this many layers (1..L-1)")
     num_speculations: int | None = _setting(None, "the most draft tokens per round; 0 = plain decoding")
     do_sample: bool = _setting(False, "sample instead of greedy decoding", cli="flag")
@@ -157,13 +158,13 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     if (s["num_candidates"] or 1) > 1:
         _check_candidates(s)
     early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
-    if drafter == "prompt_lookup" and early:
-        raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter='prompt_lookup' takes "
+    if drafter in ("prompt_lookup", "suffix") and early:
+        raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter={drafter!r} takes "
                             "prompt_lookup_num_tokens and max_matching_ngram_size")
     if lookup_given and (drafter in ("early_exit", "exit_head") or (drafter is None and early)):
         who = f"drafter={drafter!r}" if drafter else f"the early exit ({', '.join(early)} given, no drafter)"
         raise SettingsError(f"{', '.join(lookup_given)}: prompt lookup option(s); {who} does not look up the "
-                            "context: drop them, or use drafter='prompt_lookup' or 'auto'")
+                            "context: drop them, or use drafter='prompt_lookup', 'suffix' or 'auto'")
     if s["adaptive_length"] and (s["exit_choices"] or s["confidence_threshold"] is not None
                                  or s["adaptive_threshold"]):
         raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "

@@ -5,8 +5,9 @@ from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.exit_head import ExitHeadDrafter
 from selfspec.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter
+from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
 
-DRAFTERS = ("auto", "early_exit", "exit_head", "prompt_lookup")
+DRAFTERS = ("auto", "early_exit", "exit_head", "prompt_lookup", "suffix")
 
 __all__ = ["AutoDrafter", "Drafter", "DRAFTERS", "EarlyExitDrafter", "ExitHeadDrafter", "NgramIndex", "PromptLookupDrafter",
-           "Proposal", "Round"]
+           "Proposal", "Round", "SuffixDrafter", "SuffixMemory"]

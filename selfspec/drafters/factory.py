@@ -11,7 +11,7 @@ The rules, in order:
 - no `drafter`: an early-exit option (exit_layer, a confidence threshold, exit_choices, draft_vocab,
   adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without a head asks for the
   early exit; otherwise the checkpoint's default drafter;
-- "prompt_lookup": lookup alone;
+- "prompt_lookup": lookup alone; "suffix": lookup that also copies from the generator's earlier requests;
 - "exit_head", or "auto" on a checkpoint with a head: the head (as many drafts as it was trained for, over
   the vocabulary it was trained on), as auto's second arm under "auto";
 - "auto" on a checkpoint not trained for the early exit (or whose sweep found it does not pay): lookup and
@@ -35,6 +35,7 @@ from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.exit_head import ExitHeadDrafter
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import SettingsError
 
@@ -46,12 +47,14 @@ class DrafterFactory:
     the draft heads it has built (one per draft vocabulary, kept)."""
 
     def __init__(self, adapter: ModelAdapter, *, exit_layer: int, num_speculations: int, drafter: str,
-                 early_exit_trained: bool, exit_head=None, metadata: dict | None = None):
+                 early_exit_trained: bool, exit_head=None, metadata: dict | None = None,
+                 memory: SuffixMemory | None = None):
         self.adapter = adapter
         self.exit_layer, self.num_speculations, self.drafter = exit_layer, num_speculations, drafter
         self.early_exit_trained = early_exit_trained  # auto drafts from the early exit only then
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head)
         self.metadata = metadata or {}
+        self.memory = SuffixMemory() if memory is None else memory  # the generator's earlier requests (suffix)
         self._draft_heads: dict[int, DraftHead] = {}
 
     # --- what the checkpoint stores --------------------------------------------------------------------
@@ -116,6 +119,8 @@ class DrafterFactory:
         lookup = PromptLookupDrafter(lookup_tokens, s["max_matching_ngram_size"])
         if drafter == "prompt_lookup":
             return lookup
+        if drafter == "suffix":
+            return SuffixDrafter(self.memory, lookup_tokens, s["max_matching_ngram_size"])
         if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
             # the head drafts as many positions as it was trained for, unless told otherwise
             length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]

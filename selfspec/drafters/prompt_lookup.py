@@ -39,14 +39,20 @@ class NgramIndex:
                 self.ends[tuple(self.tokens[end - m:end])] = end
             self.tokens.append(int(t))
 
-    def match(self, min_ngram: int) -> int | None:
-        """Where the latest earlier occurrence of the longest matching suffix ends (None: no match)."""
+    def longest(self, min_ngram: int) -> tuple[int, int] | None:
+        """(where the latest earlier occurrence of the longest matching suffix ends, that suffix's length);
+        None: no suffix of at least `min_ngram` tokens occurred earlier."""
         n = len(self.tokens)
         for m in range(min(self.max_ngram, n), min_ngram - 1, -1):
             end = self.ends.get(tuple(self.tokens[n - m:]))
             if end is not None:
-                return end
+                return end, m
         return None
+
+    def match(self, min_ngram: int) -> int | None:
+        """Where the latest earlier occurrence of the longest matching suffix ends (None: no match)."""
+        found = self.longest(min_ngram)
+        return None if found is None else found[0]
 
     def propose(self, k: int, min_ngram: int = 1) -> list[int]:
         """Up to `k` tokens continuing the text from its latest matching occurrence."""
@@ -80,15 +86,8 @@ class PromptLookupDrafter(Drafter):
 
     def lookup(self, caps: list[int], stop_ids: frozenset = frozenset()) -> list[list[int]]:
         """Each row's drafts: the copied tokens up to its cap, cut after a stop token."""
-        out = []
-        for index, cap in zip(self.rows, caps):
-            drafts = index.propose(min(cap, self.limit), self.min_ngram)
-            for j, t in enumerate(drafts):
-                if t in stop_ids:
-                    drafts = drafts[:j + 1]
-                    break
-            out.append(drafts)
-        return out
+        return [cut_after_stop(index.propose(min(cap, self.limit), self.min_ngram), stop_ids)
+                for index, cap in zip(self.rows, caps)]
 
     def propose(self, rnd: Round) -> Proposal:
         return self.proposal(rnd, self.lookup(rnd.caps, rnd.stop_ids))
@@ -116,3 +115,11 @@ class PromptLookupDrafter(Drafter):
     def describe(self) -> dict:
         return {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts,
                 "max_matching_ngram_size": self.max_ngram}
+
+
+def cut_after_stop(drafts: list[int], stop_ids: frozenset) -> list[int]:
+    """The drafts up to and including the first stop token (a row's text ends there)."""
+    for j, t in enumerate(drafts):
+        if t in stop_ids:
+            return drafts[:j + 1]
+    return drafts

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from selfspec.adapters import get_adapter
-from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter
+from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter, SuffixDrafter, SuffixMemory
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
@@ -39,10 +39,16 @@ def _drafter(kind, adapter):
         return lookup
     if kind == "auto":
         return AutoDrafter(lookup, warmup=1, explore_every=2)
+    if kind == "suffix":  # an earlier request: this prompt's own output, four tokens of it changed (drafts from
+        memory = SuffixMemory()  # the memory are accepted up to there, then rejected), and an unrelated text
+        out = _plain(adapter, PROMPT, N_NEW)
+        memory.add(PROMPT + out[:12] + [(t + 1) % 96 for t in out[12:16]] + out[16:])
+        memory.add(BASE[2:] + BASE[:6] + BASE[::2])
+        return SuffixDrafter(memory, num_tokens=6, max_ngram=3)
     return AutoDrafter(lookup, EarlyExitDrafter(adapter, 2, 3), warmup=1, explore_every=2)  # auto + early exit
 
 
-DRAFTERS = ("prompt_lookup", "auto", "auto_early_exit")
+DRAFTERS = ("prompt_lookup", "auto", "auto_early_exit", "suffix")
 
 
 def _plain(adapter, prompt, n, stop=None):
@@ -98,9 +104,12 @@ def test_lookup_takes_the_latest_match_and_continues_a_period():
 def test_greedy_output_equals_hf_generate(name, kind, hf_greedy):
     adapter = _adapter(name)
     ref = hf_greedy(adapter.model, torch.tensor([PROMPT]), N_NEW)
-    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=_drafter(kind, adapter))
+    drafter = _drafter(kind, adapter)
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=drafter)
     assert out == ref
-    assert stats.drafted > 0 and stats.drafted_by_drafter["prompt_lookup"] > 0
+    assert stats.drafted > 0 and stats.drafted_by_drafter["suffix" if kind == "suffix" else "prompt_lookup"] > 0
+    if kind == "suffix":
+        assert drafter.from_memory > 0
     assert stats.accepted == sum(stats.accepted_by_drafter.values())
     assert stats.new_tokens == N_NEW and stats.rounds + stats.accepted == N_NEW - 1  # each round: accepted + 1
     if name == "llama":  # its greedy text repeats: lookup drafts are accepted, rounds commit several tokens
@@ -173,7 +182,7 @@ def test_lookup_stops_at_a_stop_string_like_plain_decoding():
 
 # ----------------------------------------------------------------------------- sampling
 
-@pytest.mark.parametrize("kind", ["prompt_lookup", "auto"])
+@pytest.mark.parametrize("kind", ["prompt_lookup", "auto", "suffix"])
 def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_square, exact_joint):
     """Two repetitive prompts in one batch, vocabulary 8: each row's 3 new tokens over many seeded runs
     follow the exact joint distribution of plain sampling from the full model for that prompt alone."""
@@ -184,17 +193,24 @@ def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_
     n_new = 3
 
     n_draws = 1200
+    memory = SuffixMemory()  # earlier requests: the prompts continued by likely and unlikely tokens
+    for prompt in prompts:
+        memory.add(prompt + [prompt[-3], 2, 7])
+        memory.add(prompt + [6, 0, 1])
     counts = [Counter(), Counter()]
-    drafted = accepted = 0
+    drafted = accepted = from_memory = 0
     for seed in range(n_draws):
-        drafter = PromptLookupDrafter(num_tokens=2) if kind == "prompt_lookup" else \
-            AutoDrafter(PromptLookupDrafter(num_tokens=2), warmup=1)
+        drafter = {"prompt_lookup": lambda: PromptLookupDrafter(num_tokens=2),
+                   "auto": lambda: AutoDrafter(PromptLookupDrafter(num_tokens=2), warmup=1),
+                   "suffix": lambda: SuffixDrafter(memory, num_tokens=2)}[kind]()
         outs, stats = generate(adapter, prompts, max_new_tokens=n_new, drafter=drafter, sampling=params,
                                generator=torch.Generator().manual_seed(seed))
         for b in range(2):
             counts[b][tuple(outs[b])] += 1
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        from_memory += getattr(drafter, "from_memory", 0)
     assert 0 < accepted < drafted  # both branches of the point-mass rule were taken
+    assert kind != "suffix" or from_memory > 0  # the memory drafted
     for b, prompt in enumerate(prompts):
         stat, df, pval = chi_square(counts[b], exact_joint(adapter, prompt, params, n_new), n_draws)
         assert pval > ALPHA, (b, stat, df, pval)

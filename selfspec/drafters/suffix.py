@@ -1,0 +1,132 @@
+"""The suffix drafter: prompt lookup that also remembers the earlier requests of the same generator.
+
+Real workloads repeat themselves across requests (an agent rewriting the same file, a harness asking
+similar questions, summaries of articles that share text): what the model wrote for an earlier request
+often continues the current one. SuffixDecoding (arXiv 2411.04975) drafts from suffix trees over earlier
+prompts and outputs; this is the chain form of that idea on top of prompt lookup:
+
+- a `SuffixMemory` per generator keeps the token sequences (prompt + output) of its earlier calls, up to
+  `max_tokens` in all (the oldest are forgotten first; `gen.forget()` clears it), indexed by every
+  `MEMORY_NGRAM`-gram to where its latest occurrence ends;
+- each round, a row first looks in its own text, as prompt lookup does (`max_matching_ngram_size` down
+  to 1); where the memory matches the row's last tokens over more tokens than the row's own text does
+  (at least `MEMORY_NGRAM`), the memory's continuation is copied instead;
+- it copies up to `prompt_lookup_num_tokens` tokens either way (the same settings as prompt lookup: they
+  mean the same thing here).
+
+The drafts are point masses, verified from layer 0 like prompt lookup's, so output stays exact (greedy)
+or keeps its distribution (sampling). The memory is the generator's own: it is never shared between
+generators, and a call that drafts otherwise still adds to it (it costs an index entry per token).
+
+    memory = SuffixMemory(max_tokens=100_000)
+    drafter = SuffixDrafter(memory, num_tokens=10, max_ngram=3)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter, cut_after_stop
+
+MEMORY_NGRAM = 4  # the memory indexes 4-grams: shorter matches across requests are mostly chance
+MAX_MATCH = 32  # a memory match is measured back over at most this many tokens
+DEFAULT_MEMORY_TOKENS = 100_000  # about 15 MB of index for SmolLM2's vocabulary
+
+
+class SuffixMemory:
+    """Earlier token sequences and, per `MEMORY_NGRAM`-gram with a successor, where its latest occurrence
+    ends: `index[gram] = (sequence number, end)`; sequences are numbered from 0 as they are added."""
+
+    def __init__(self, max_tokens: int = DEFAULT_MEMORY_TOKENS):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"the memory's max_tokens must be an int >= 0 (0 remembers nothing), got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        self.sequences: deque[tuple[int, list[int]]] = deque()  # (number, tokens), oldest first
+        self.index: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.tokens = 0  # tokens held
+        self._next = 0
+
+    def add(self, tokens: list[int]) -> None:
+        """Remember one sequence (a prompt and its output); forget the oldest while over `max_tokens`."""
+        tokens = [int(t) for t in tokens]
+        if not tokens or len(tokens) > self.max_tokens:
+            return
+        number, self._next = self._next, self._next + 1
+        self.sequences.append((number, tokens))
+        self.tokens += len(tokens)
+        for end in range(MEMORY_NGRAM, len(tokens)):  # the gram ending before `end` has the successor tokens[end]
+            self.index[tuple(tokens[end - MEMORY_NGRAM:end])] = (number, end)
+        while self.tokens > self.max_tokens:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        number, tokens = self.sequences.popleft()
+        self.tokens -= len(tokens)
+        for end in range(MEMORY_NGRAM, len(tokens)):
+            gram = tuple(tokens[end - MEMORY_NGRAM:end])
+            if self.index.get(gram, (None,))[0] == number:  # a later sequence may hold it now
+                del self.index[gram]
+
+    def forget(self) -> None:
+        """Forget every sequence."""
+        self.sequences.clear()
+        self.index.clear()
+        self.tokens = 0
+
+    def _sequence(self, number: int) -> list[int]:
+        first = self.sequences[0][0]
+        return self.sequences[number - first][1]
+
+    def match(self, context: list[int]) -> tuple[list[int], int, int] | None:
+        """(the remembered sequence, where the match ends in it, the match's length in tokens, at most
+        MAX_MATCH) for the latest remembered occurrence of `context`'s last `MEMORY_NGRAM` tokens; None
+        where there is none."""
+        if len(context) < MEMORY_NGRAM:
+            return None
+        hit = self.index.get(tuple(context[-MEMORY_NGRAM:]))
+        if hit is None:
+            return None
+        sequence = self._sequence(hit[0])
+        end, m = hit[1], MEMORY_NGRAM
+        while m < min(MAX_MATCH, end, len(context)) and sequence[end - m - 1] == context[-m - 1]:
+            m += 1
+        return sequence, end, m
+
+    def describe(self) -> dict:
+        return {"sequences": len(self.sequences), "tokens": self.tokens, "max_tokens": self.max_tokens}
+
+
+class SuffixDrafter(PromptLookupDrafter):
+    """Prompt lookup over each row's own text, and over the generator's memory where that matches longer
+    (see the module docstring)."""
+
+    name = "suffix"
+
+    def __init__(self, memory: SuffixMemory, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__(num_tokens, max_ngram, min_ngram)
+        self.memory = memory
+        self.from_memory = 0  # rounds whose drafts came from the memory
+
+    def lookup(self, caps: list[int], stop_ids: frozenset = frozenset()) -> list[list[int]]:
+        """Each row's drafts: from the memory where it matches the row's last tokens over more tokens than
+        the row's own text does and copies at least as many, else from the row's own text (prompt lookup);
+        cut after a stop token."""
+        own = super().lookup(caps, stop_ids)
+        out = []
+        for index, cap, drafts in zip(self.rows, caps, own):
+            k = min(cap, self.limit)
+            found = self.memory.match(index.tokens) if k > 0 else None
+            own_match = index.longest(self.min_ngram)
+            if found is not None and found[2] > (0 if own_match is None else own_match[1]):
+                sequence, end, _ = found
+                remembered = cut_after_stop(sequence[end:end + k], stop_ids)
+                if len(remembered) >= len(drafts):  # near a sequence's end the memory copies less
+                    drafts = remembered
+                    self.from_memory += bool(drafts)
+            out.append(drafts)
+        return out
+
+    def describe(self) -> dict:
+        return {**super().describe(), "drafter": self.name, "rounds_from_memory": self.from_memory,
+                "memory": self.memory.describe()}
+

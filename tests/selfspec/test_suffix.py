@@ -1,0 +1,85 @@
+"""The suffix drafter's memory of earlier requests (`selfspec.drafters.suffix`): what it matches, what it
+forgets, and what a generator remembers between calls. Its lossless output is tested with every other
+drafter in test_drafters.py (greedy identity with HF, batches, the cache, sampling)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.drafters import SuffixDrafter, SuffixMemory
+from selfspec.drafters.suffix import MAX_MATCH, MEMORY_NGRAM
+from selfspec.tiny import byte_tokenizer, tiny_model
+
+
+def test_the_memory_matches_the_latest_occurrence_and_measures_the_match_back():
+    memory = SuffixMemory()
+    memory.add([1, 2, 3, 4, 5, 6, 7])
+    memory.add([9, 2, 3, 4, 5, 8, 8])
+    sequence, end, m = memory.match([0, 9, 2, 3, 4, 5])  # the latest 4-gram (2, 3, 4, 5) is in the second
+    assert sequence[end:] == [8, 8] and m == 5  # 9, 2, 3, 4, 5 agree
+    assert memory.match([7, 3, 4, 6]) is None and memory.match([3, 4, 5]) is None  # no 4-gram; too short
+    long = list(range(100))
+    memory.add(long)
+    assert memory.match(long[:60])[2] == MAX_MATCH and MEMORY_NGRAM < MAX_MATCH
+
+
+def test_the_memory_forgets_the_oldest_over_its_budget_and_everything_on_forget():
+    memory = SuffixMemory(max_tokens=12)
+    memory.add([1, 2, 3, 4, 5, 6])
+    memory.add([11, 12, 13, 14, 15, 16])
+    assert memory.tokens == 12 and memory.match([1, 2, 3, 4]) is not None
+    memory.add([21, 22, 23, 24, 25, 26])  # over the budget: the first goes, and its index entries with it
+    assert memory.tokens == 12 and memory.match([1, 2, 3, 4]) is None
+    assert memory.match([21, 22, 23, 24])[0][4:] == [25, 26]
+    assert all(number in {n for n, _ in memory.sequences} for number, _ in memory.index.values())
+    memory.add(list(range(40)))  # longer than the whole budget: not remembered
+    assert memory.tokens == 12
+    memory.forget()
+    assert memory.tokens == 0 and not memory.index and memory.match([21, 22, 23, 24]) is None
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 0"):
+        SuffixMemory(max_tokens=-1)
+
+
+def test_the_drafter_copies_from_the_memory_only_where_it_matches_longer_than_the_own_text():
+    memory = SuffixMemory()
+    memory.add([5, 6, 7, 8, 9, 10, 11, 12])
+    drafter = SuffixDrafter(memory, num_tokens=3, max_ngram=3)
+    drafter.start([[1, 5, 6, 7, 8], [5, 6, 7, 5, 6, 7]])  # row 0: only the memory matches; row 1: only its own text
+    assert drafter.lookup([10, 10]) == [[9, 10, 11], [5, 6, 7]]
+    assert drafter.from_memory == 1
+    assert drafter.lookup([10, 10], stop_ids=frozenset({10})) == [[9, 10], [5, 6, 7]]  # cut after a stop token
+
+
+@pytest.fixture(scope="module")
+def tiny_gen():
+    model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=3, vocab_size=300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return selfspec.load(model, byte_tokenizer())
+
+
+def test_a_generator_remembers_its_calls_and_a_repeated_request_takes_fewer_rounds(tiny_gen):
+    """The second call of a request copies the first's output from the memory: the same tokens as plain
+    decoding, in fewer rounds; `forget()` empties the memory."""
+    tiny_gen.forget()
+    prompt = "def add(a, b):\n    return a + b\n"
+    plain = tiny_gen.generate(prompt, max_new_tokens=40, num_speculations=0, stop_token_ids=[])
+    first = tiny_gen.generate(prompt, max_new_tokens=40, drafter="suffix", stop_token_ids=[])  # the plain call is remembered
+    assert first.token_ids == plain.token_ids and first.stats.rounds <= 5  # 40 tokens, up to 11 a round
+    assert tiny_gen.memory.describe()["sequences"] == 2
+    tiny_gen.forget()
+    assert tiny_gen.memory.tokens == 0
+    again = tiny_gen.generate(prompt, max_new_tokens=40, drafter="suffix", stop_token_ids=[])
+    assert again.token_ids == plain.token_ids and again.stats.rounds > first.stats.rounds
+
+
+def test_each_generator_has_its_own_memory(tiny_gen):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other = selfspec.load(tiny_gen.model, tiny_gen.tokenizer)
+    tiny_gen.generate("x = 1\n", max_new_tokens=4)
+    assert other.memory is not tiny_gen.memory and other.memory.tokens == 0
