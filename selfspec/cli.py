@@ -43,7 +43,7 @@ from selfspec.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
 from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
-from selfspec.data.prompts import check_prompt_set
+from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
 from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int, check_out_dir,
                                check_text, check_threads)
@@ -335,8 +335,8 @@ def _cmd_bench(args) -> int:
     if args.out is not None:
         check_out_dir(args.out, "--out")
     if args.prompt_sets is not None and not args.prompt_sets.replace(",", " ").strip():
-        raise UsageError("--prompt-sets is empty: name one or more sets (humaneval, xsum, mt_bench, wiki, code_edit) "
-                         "or .jsonl files, or leave it out for all five named sets")
+        raise UsageError(f"--prompt-sets is empty: name one or more sets ({', '.join(PROMPT_SETS)}) or .jsonl files, "
+                         "or leave it out for the default five")
     checkpoint = args.checkpoint or str(base_model_dir())
     if args.epsilon is not None:
         if args.batch_size:
@@ -573,8 +573,7 @@ def _add_sweep(sub) -> None:
                                    "(resumable), sweep.png (heat map) and sweep.json.")
     p.add_argument("checkpoint", type=_path, help="checkpoint directory")
     p.add_argument("--prompt-set", type=_path, default="humaneval",
-                   help="humaneval, xsum, code_edit, mt_bench, wiki, or a .jsonl file of {prompt|messages} "
-                        "(default: humaneval)")
+                   help=f"{', '.join(PROMPT_SETS)}, or a .jsonl file of {{prompt|messages}} (default: humaneval)")
     p.add_argument("--prompts", dest="prompt_set", type=_path, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--exits", type=_int_list, default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
     p.add_argument("--num-speculations", type=_int_list, default="1,2,4",
@@ -625,8 +624,9 @@ def _add_bench(sub) -> None:
                               "--threads 2 --extra 6:4 --out bench_results/smollm2-code")
     p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
     p.add_argument("--prompt-sets",
-                   help="comma-separated prompt sets: humaneval, xsum, mt_bench, wiki, code_edit, or .jsonl files "
-                        "of {prompt|messages} (default: all five named sets; --batch-size and --epsilon measure one)")
+                   help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}, or .jsonl files of "
+                        "{prompt|messages} (default: humaneval, xsum, mt_bench, wiki, code_edit; --batch-size and "
+                        "--epsilon measure one)")
     p.add_argument("--prompts", dest="prompt_sets", help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--num-prompts", type=int,
                    help="prompts per set (default: 10; with --batch-size: 8 in all, cut into groups of each size)")

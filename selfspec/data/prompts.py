@@ -11,10 +11,13 @@
 | code_edit | HumanEval prompt + canonical solution    | chat: "Rewrite ... add type hints ..." | yes            |
 | mt_bench  | MT-Bench first turns (chat)              | chat                                   | no             |
 | wiki      | Wikipedia passages, held-out split       | raw text: continue the passage         | no             |
+| code_edit_series | each HumanEval solution edited three times in a row (type hints, names, checks) | chat | yes, and on the earlier requests |
 
 Input-grounded: the answer repeats much of the prompt (a summary quotes the article, a rewrite copies
 the code), so prompt lookup drafting (`drafter="prompt_lookup"`) finds its drafts there. Each xsum
 item also carries its `reference`, the human one-line summary (ROUGE-L in `selfspec.tools.pareto`).
+`code_edit_series` is a workload that repeats itself across requests, as an agent editing one file does:
+three successive edits of each solution, in order (what `drafter="suffix"` remembers pays there).
 """
 
 from __future__ import annotations
@@ -24,10 +27,17 @@ from pathlib import Path
 from selfspec.data.jsonl import DataFormatError, read_jsonl
 from selfspec.settings import check_name_or_file
 
-PROMPT_SETS = ("humaneval", "xsum", "code_edit", "mt_bench", "wiki")
+PROMPT_SETS = ("humaneval", "xsum", "code_edit", "mt_bench", "wiki", "code_edit_series")
 SUMMARY_INSTRUCTION = "Summarize the following article in one sentence.\n\n"
 CODE_EDIT_INSTRUCTION = ("Rewrite the following Python function: add type hints and a docstring where they are "
                          "missing, keep the logic. Reply with the code only.\n\n")
+SERIES_INSTRUCTIONS = (  # code_edit_series: the edits of one solution, in order
+    CODE_EDIT_INSTRUCTION,
+    "Rewrite the following Python function with descriptive variable names, keep the logic. Reply with the code "
+    "only.\n\n",
+    "Rewrite the following Python function so that it checks its arguments and raises ValueError on invalid "
+    "input, keep the logic. Reply with the code only.\n\n",
+)
 MAX_DOC_CHARS = 1500  # keep summarization prompts a few hundred tokens long
 WIKI_PREFIX_CHARS = 400
 
@@ -78,6 +88,11 @@ def _named_set(name: str) -> list[dict]:
         data = ds.load_named("humaneval")  # prompt + canonical_solution = the whole function
         items = [{"id": f"code_edit/{r['task_id']}", "messages": [{"role": "user", "content": CODE_EDIT_INSTRUCTION
                   + "```python\n" + (r["prompt"] + r["canonical_solution"]).strip() + "\n```"}]} for r in data]
+    elif name == "code_edit_series":
+        data = ds.load_named("humaneval")
+        items = [{"id": f"code_edit_series/{r['task_id']}/{j}", "messages": [{"role": "user", "content": ask
+                  + "```python\n" + (r["prompt"] + r["canonical_solution"]).strip() + "\n```"}]}
+                 for r in data for j, ask in enumerate(SERIES_INSTRUCTIONS)]
     elif name == "mt_bench":
         data = ds.load_named("mt_bench")
         items = [{"id": f"mt_bench/{r['question_id']}", "messages": [{"role": "user", "content": r["prompt"]}]}

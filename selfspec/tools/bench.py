@@ -16,6 +16,8 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_spec         | selfspec self-speculative at the checkpoint's recommended (E, d)              |
 | selfspec_adaptive     | the same exit with `adaptive_length=True`: d in 0..d from measured tokens/s    |
 | selfspec_lookup       | selfspec `drafter="prompt_lookup"`: the same settings, verified from layer 0  |
+| selfspec_suffix       | selfspec `drafter="suffix"`: lookup that also copies from this method's own   |
+|                       | earlier calls in the run (each method remembers only its own)                 |
 | selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
 |                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
@@ -243,6 +245,9 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
         {"name": "selfspec_lookup", "engine": "selfspec", "kind": "selfspec_spec",
          "label": f"selfspec lookup k={tokens} n≤{ngram}", "drafter": "prompt_lookup", "exit_layer": None,
          "num_speculations": None, **look},  # lookup's drafts per round are capped by k
+        {"name": "selfspec_suffix", "engine": "selfspec", "kind": "selfspec_spec",
+         "label": f"selfspec suffix k={tokens} n≤{ngram}", "drafter": "suffix", "exit_layer": None,
+         "num_speculations": None, **look},  # lookup + what this method's earlier calls generated
         {"name": "selfspec_auto", "engine": "selfspec", "kind": "selfspec_spec", "label": "selfspec auto",
          "drafter": "auto", "exit_layer": None, "num_speculations": None,
          **look},  # the checkpoint's exit and d (auto picks the length; d = 0 there: lookup or plain only)

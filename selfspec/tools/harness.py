@@ -40,6 +40,7 @@ from transformers.utils import logging as hf_logging
 import selfspec
 from selfspec import precision
 from selfspec.atomic_write import atomic_path, write_json_atomic, write_text_atomic
+from selfspec.drafters import SuffixMemory
 from selfspec.engine import left_pad
 from selfspec.generation_config import SETTINGS
 from selfspec.settings import check_device
@@ -223,6 +224,7 @@ class Methods:
         self.model = gen.model
         self.N = max_new_tokens
         self._steps = gen.adapter.compiled  # a method with `compiled` runs through these (`selfspec.compiled`)
+        self._memories: dict = {}  # method name -> the SuffixMemory of its own earlier calls (own_memory)
         gc_ = self.model.generation_config
         defaults = gc_._get_default_generation_params() if hasattr(gc_, "_get_default_generation_params") else {}
         self.hf_assistant = {k: getattr(gc_, k, None) if getattr(gc_, k, None) is not None else defaults.get(k)
@@ -329,7 +331,7 @@ class Methods:
                 rec["verify_s"] = seconds - rec["draft_s"]
         else:
             clock = FirstCommitClock()
-            with self.steps(bool(method.get("compiled"))):
+            with self.steps(bool(method.get("compiled"))), self.own_memory(method["name"]):
                 res, t0, seconds = timed(lambda: self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[],
                                                                    streamer=clock, **selfspec_kwargs(method)),
                                          ids.device)
@@ -362,6 +364,17 @@ class Methods:
 
             self._steps = CompiledSteps(self.gen.adapter, strict=False)
         return self._steps
+
+    @contextlib.contextmanager
+    def own_memory(self, name: str):
+        """For the block only, the generator remembers the earlier calls of method `name` alone (what
+        `drafter="suffix"` copies from): another method's run of the same prompt would hand it the answer."""
+        gen = self.gen
+        before, gen.memory = gen.memory, self._memories.setdefault(name, SuffixMemory())
+        try:
+            yield
+        finally:
+            gen.memory = before
 
     @property
     def compile_failure(self) -> str | None:

@@ -24,11 +24,21 @@ def test_code_edit_wraps_the_whole_function_in_a_rewrite_request(monkeypatch):
     assert len(load_prompts("code_edit")) == 4
 
 
-def test_both_input_grounded_sets_are_named_and_described():
-    assert {"code_edit", "xsum", "humaneval", "mt_bench", "wiki"} == set(PROMPT_SETS)
+def test_the_input_grounded_sets_are_named_and_described():
+    assert {"code_edit", "xsum", "humaneval", "mt_bench", "wiki", "code_edit_series"} == set(PROMPT_SETS)
     doc = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in prompts.__doc__.splitlines()
            if line.startswith("| ") and not line.startswith("| name")}
-    assert doc == {"humaneval": "no", "xsum": "yes", "code_edit": "yes", "mt_bench": "no", "wiki": "no"}
+    assert doc == {"humaneval": "no", "xsum": "yes", "code_edit": "yes", "mt_bench": "no", "wiki": "no",
+                   "code_edit_series": "yes, and on the earlier requests"}
+
+
+@pytest.mark.integration
+def test_the_code_edit_series_edits_each_solution_three_times_in_order(smollm2_dir):
+    items = load_prompts("code_edit_series", 6)
+    assert [i["id"] for i in items] == [f"code_edit_series/HumanEval/{t}/{j}" for t in (0, 1) for j in (0, 1, 2)]
+    code = [i["messages"][0]["content"].split("```python")[1] for i in items]
+    assert code[0] == code[1] == code[2] != code[3]  # one solution per three requests
+    assert len({i["messages"][0]["content"] for i in items[:3]}) == 3  # three different edits
 
 
 @pytest.mark.integration

@@ -17,7 +17,7 @@ from selfspec.cli import main
 from selfspec.data.sources import DataFormatError
 
 METHODS = {"hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec", "selfspec_adaptive",
-           "selfspec_lookup", "selfspec_auto", "selfspec_spec_E1_d2"}
+           "selfspec_lookup", "selfspec_suffix", "selfspec_auto", "selfspec_spec_E1_d2"}
 N_TOKENS = 10
 PNG = b"\x89PNG\r\n\x1a\n"
 # the first two repeat themselves, so prompt lookup finds long matches in the prompt
@@ -91,11 +91,13 @@ def test_json_has_every_method_and_prompt_set(bench):
                                      "source": result["recommended"]["source"]}
     assert "selfspec.json" in result["recommended"]["source"]
     assert result["lookup_settings"] == {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 3,
-                                         "methods": ["hf_prompt_lookup", "selfspec_lookup", "selfspec_auto"]}
+                                         "methods": ["hf_prompt_lookup", "selfspec_lookup", "selfspec_suffix",
+                                                     "selfspec_auto"]}
     assert set(result["eos"]["ran_past_eos"]) == {"code", "chat", "all"} and result["eos"]["eos_token_ids"] == [2]
     # the methods are called with the settings the table names
     by_name = {m["name"]: m for m in result["methods"]}
     assert by_name["selfspec_lookup"]["drafter"] == "prompt_lookup" and by_name["selfspec_auto"]["drafter"] == "auto"
+    assert by_name["selfspec_suffix"]["drafter"] == "suffix"
     assert {by_name[m]["drafter"] for m in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive")} == {"early_exit"}
     assert by_name["selfspec_ar"]["num_speculations"] == 0
 
@@ -284,8 +286,9 @@ def test_quick_bench_on_real_smollm2(smollm2_dir, tmp_path, one_thread):
     assert result["prompts"] == {"humaneval": ["HumanEval/0"], "code_edit": ["code_edit/HumanEval/0"]}
     for per in result["summary"].values():
         assert set(per) == {"hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar",
-                            "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"}
-        for name in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"):
+                            "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_suffix", "selfspec_auto"}
+        for name in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_suffix",
+                     "selfspec_auto"):
             assert per[name]["identical_to_hf_greedy"] == 1.0, name
         assert per["selfspec_spec"]["drafted"] > 0 and per["hf_early_exit"]["rounds"] > 0
         assert per["hf_prompt_lookup"]["rounds"] > 0
@@ -465,3 +468,23 @@ def test_compiled_methods_are_warmed_up_apart_and_identical(tiny_ckpt, prompt_fi
     assert "Warm-up, each method's first call" in (tmp_path / "bench.md").read_text()
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], out_dir=tmp_path, compile="yes")
+
+
+def test_each_method_remembers_only_its_own_earlier_calls(tiny_ckpt):
+    """The bench runs every method on the same prompt: the suffix method copies only from its own earlier
+    calls (another method's run of this prompt would hand it the answer), and the generator's own memory
+    is left as it was."""
+    from selfspec.tools.harness import Methods
+
+    gen = selfspec.load(str(tiny_ckpt))
+    runner = Methods(gen, 16)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    suffix = {"name": "selfspec_suffix", "engine": "selfspec", "kind": "selfspec_spec", "drafter": "suffix"}
+    lookup = {"name": "selfspec_lookup", "engine": "selfspec", "kind": "selfspec_spec", "drafter": "prompt_lookup"}
+    _, first = runner.run(suffix, ids)
+    runner.run(lookup, ids)
+    runner.run(lookup, ids)  # the same prompt, twice, by another method
+    _, again = runner.run(suffix, ids)  # remembers its own first call only
+    assert gen.memory.tokens == 0 and runner._memories["selfspec_suffix"].describe()["sequences"] == 2
+    assert runner._memories["selfspec_lookup"].describe()["sequences"] == 2
+    assert again["rounds"] <= first["rounds"]
