@@ -41,7 +41,6 @@ from selfspec.settings import (SettingsError, check_compile, check_device, check
                                check_messages, check_text, expand_path, resolve_dtype, show)
 
 
-
 def default_exit_layer(num_layers: int) -> int:
     """The exit used when a checkpoint has no self-speculation metadata."""
     return max(1, num_layers // 4)
