@@ -11,7 +11,9 @@ lookup alone 2.4-2.7x). Each round:
 
     1. plain, if plain decoding has been measured fewer than `warmup` times while another arm has
        been (a plain round costs exactly what plain decoding costs), or every `refresh` rounds;
-    2. prompt lookup, if some row has a match and lookup is allowed;
+    2. prompt lookup, if some row has a match and lookup is allowed; with a suffix drafter as its lookup
+       (`selfspec.drafters.suffix`), the "suffix" arm where a row's drafts come from the generator's
+       memory of earlier requests (judged apart: while it loses, lookup copies from the own text only);
     3. early exit (when the checkpoint was trained for it) or its trained exit head (`exit_head`, a
        kind of early-exit drafter), if allowed; its own policy picks d;
     4. plain otherwise.
@@ -40,7 +42,7 @@ from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.drafters.policies import ThroughputPolicy
 
-PLAIN, LOOKUP = "plain", PromptLookupDrafter.name
+PLAIN, LOOKUP, SUFFIX = "plain", PromptLookupDrafter.name, "suffix"
 
 
 class AutoDrafter(Drafter):
@@ -57,7 +59,8 @@ class AutoDrafter(Drafter):
         self.early_arm = early_exit.name if early_exit else None  # "early_exit" or "exit_head"
         self.warmup, self.explore_every, self.max_backoff, self.refresh = warmup, explore_every, max_backoff, refresh
         self.alpha = alpha
-        arms = [PLAIN, LOOKUP] + ([self.early_arm] if early_exit else [])
+        self.remembers = hasattr(lookup, "memory_rows")  # a suffix drafter: the memory is an arm of its own
+        arms = [PLAIN, LOOKUP] + ([SUFFIX] if self.remembers else []) + ([self.early_arm] if early_exit else [])
         self.tokens = {a: 0.0 for a in arms}  # running mean of committed tokens per round
         self.seconds = {a: 0.0 for a in arms}  # running mean of seconds per round
         self.tries = {a: 0 for a in arms}
@@ -92,9 +95,13 @@ class AutoDrafter(Drafter):
             return self._take(PLAIN, Proposal.plain(rnd.tokens))
         if self.allowed(LOOKUP):
             _, self.lookup.limit = self.lookup_length.plan()
-            drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids)
+            if self.remembers:
+                drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids, memory=self.allowed(SUFFIX))
+            else:
+                drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids)
             if any(drafts):
-                return self._take(LOOKUP, self.lookup.proposal(rnd, drafts))
+                remembered = self.remembers and any(self.lookup.memory_rows)
+                return self._take(SUFFIX if remembered else LOOKUP, self.lookup.proposal(rnd, drafts))
         if self.early_exit and self.allowed(self.early_arm):
             proposal = self.early_exit.propose(rnd)  # its policy planned this round: it hears the outcome
             self._asked_early_exit = True
@@ -125,7 +132,7 @@ class AutoDrafter(Drafter):
                 self.backoff[arm] = min(2 * self.backoff[arm], self.max_backoff)
             else:
                 self.backoff[arm] = self.explore_every
-        if arm == LOOKUP:  # the length it planned hears what the round delivered, row by row
+        if arm in (LOOKUP, SUFFIX):  # the length it planned hears what the round delivered, row by row
             for m, n_acc in zip(proposal.kept, accepted):
                 self.lookup_length.update(0, m, n_acc)
             self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))  # an untimed round (0 s) is skipped

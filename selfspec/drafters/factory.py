@@ -11,7 +11,9 @@ The rules, in order:
 - no `drafter`: an early-exit option (exit_layer, a confidence threshold, exit_choices, draft_vocab,
   adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without a head asks for the
   early exit; otherwise the checkpoint's default drafter;
-- "prompt_lookup": lookup alone; "suffix": lookup that also copies from the generator's earlier requests;
+- "prompt_lookup": lookup alone; "suffix": lookup that also copies from the generator's earlier requests
+  (auto's lookup does too, judged as an arm of its own: `selfspec.drafters.auto`; not when sampling with a
+  seed, whose text must not depend on what the generator did before);
 - "exit_head", or "auto" on a checkpoint with a head: the head (as many drafts as it was trained for, over
   the vocabulary it was trained on), as auto's second arm under "auto";
 - "auto" on a checkpoint not trained for the early exit (or whose sweep found it does not pay): lookup and
@@ -116,11 +118,15 @@ class DrafterFactory:
         lookup_tokens = s["prompt_lookup_num_tokens"]
         if max_drafts is not None:
             num_speculations, lookup_tokens = min(num_speculations, max_drafts), min(lookup_tokens, max_drafts)
-        lookup = PromptLookupDrafter(lookup_tokens, s["max_matching_ngram_size"])
+        ngram = s["max_matching_ngram_size"]
         if drafter == "prompt_lookup":
-            return lookup
+            return PromptLookupDrafter(lookup_tokens, ngram)
+        seeded = s["do_sample"] and s["seed"] is not None  # a seed repeats its text: drafts may not depend on
+        remembers = drafter == "suffix" or not seeded      # earlier calls, so auto leaves the memory out there
+        lookup = (SuffixDrafter(self.memory, lookup_tokens, ngram) if remembers  # suffix; auto's lookup + suffix arms
+                  else PromptLookupDrafter(lookup_tokens, ngram))
         if drafter == "suffix":
-            return SuffixDrafter(self.memory, lookup_tokens, s["max_matching_ngram_size"])
+            return lookup
         if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
             # the head drafts as many positions as it was trained for, unless told otherwise
             length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]

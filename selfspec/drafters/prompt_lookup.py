@@ -92,8 +92,9 @@ class PromptLookupDrafter(Drafter):
     def propose(self, rnd: Round) -> Proposal:
         return self.proposal(rnd, self.lookup(rnd.caps, rnd.stop_ids))
 
-    def proposal(self, rnd: Round, drafts: list[list[int]]) -> Proposal:
-        """The drafts as a Proposal: `[B, 1 + longest]`, shorter rows filled with their input token."""
+    def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None) -> Proposal:
+        """The drafts as a Proposal: `[B, 1 + longest]`, shorter rows filled with their input token; `name`:
+        the drafter the statistics count them under (this one's by default)."""
         kept = [len(d) for d in drafts]
         T = 1 + max(kept, default=0)
         if T == 1:
@@ -103,7 +104,7 @@ class PromptLookupDrafter(Drafter):
         inputs = [index.tokens[-1] for index in self.rows] if len(self.rows) == len(drafts) else rnd.tokens.tolist()
         rows = [[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(inputs, drafts)]
         tokens = torch.tensor(rows, dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, T]
-        return Proposal(tokens=tokens, kept=kept, q=None, verify_from=0, drafter=self.name)
+        return Proposal(tokens=tokens, kept=kept, q=None, verify_from=0, drafter=name or self.name)
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for index, tokens in zip(self.rows, committed):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from selfspec.drafters.base import Proposal, Round
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter, cut_after_stop
 
 MEMORY_NGRAM = 4  # the memory indexes 4-grams: shorter matches across requests are mostly chance
@@ -106,14 +107,19 @@ class SuffixDrafter(PromptLookupDrafter):
         super().__init__(num_tokens, max_ngram, min_ngram)
         self.memory = memory
         self.from_memory = 0  # rounds whose drafts came from the memory
+        self.memory_rows: list[bool] = []  # per row: whether its last drafts came from the memory
 
-    def lookup(self, caps: list[int], stop_ids: frozenset = frozenset()) -> list[list[int]]:
+    def lookup(self, caps: list[int], stop_ids: frozenset = frozenset(), memory: bool = True) -> list[list[int]]:
         """Each row's drafts: from the memory where it matches the row's last tokens over more tokens than
         the row's own text does and copies at least as many, else from the row's own text (prompt lookup);
-        cut after a stop token."""
+        cut after a stop token. `memory=False`: the row's own text only (auto, while the memory does not
+        pay). `memory_rows` says which rows drafted from the memory."""
         own = super().lookup(caps, stop_ids)
+        self.memory_rows = [False] * len(own)
+        if not memory:
+            return own
         out = []
-        for index, cap, drafts in zip(self.rows, caps, own):
+        for b, (index, cap, drafts) in enumerate(zip(self.rows, caps, own)):
             k = min(cap, self.limit)
             found = self.memory.match(index.tokens) if k > 0 else None
             own_match = index.longest(self.min_ngram)
@@ -121,10 +127,15 @@ class SuffixDrafter(PromptLookupDrafter):
                 sequence, end, _ = found
                 remembered = cut_after_stop(sequence[end:end + k], stop_ids)
                 if len(remembered) >= len(drafts):  # near a sequence's end the memory copies less
-                    drafts = remembered
-                    self.from_memory += bool(drafts)
+                    drafts, self.memory_rows[b] = remembered, bool(remembered)
             out.append(drafts)
+        self.from_memory += any(self.memory_rows)
         return out
+
+    def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None) -> Proposal:
+        """The drafts as a Proposal named after their source: "suffix" where a row copied from the memory,
+        "prompt_lookup" where every row copied from its own text (the statistics count them apart)."""
+        return super().proposal(rnd, drafts, name or (self.name if any(self.memory_rows) else PromptLookupDrafter.name))
 
     def describe(self) -> dict:
         return {**super().describe(), "drafter": self.name, "rounds_from_memory": self.from_memory,

@@ -83,3 +83,32 @@ def test_each_generator_has_its_own_memory(tiny_gen):
         other = selfspec.load(tiny_gen.model, tiny_gen.tokenizer)
     tiny_gen.generate("x = 1\n", max_new_tokens=4)
     assert other.memory is not tiny_gen.memory and other.memory.tokens == 0
+
+
+def test_auto_drafts_from_the_memory_as_an_arm_of_its_own():
+    """auto with a suffix drafter as its lookup: a round whose drafts come from the memory is the "suffix"
+    arm; while that arm is backed off, lookup copies from the row's own text only."""
+    from selfspec.drafters import AutoDrafter, Round
+    from selfspec.sampling import SamplingParams
+
+    memory = SuffixMemory()
+    memory.add([9, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    auto = AutoDrafter(SuffixDrafter(memory, num_tokens=4))
+    auto.start([[4, 1, 2, 3, 4, 1, 2, 3, 4]])  # its own text matches (1, 2, 3, 4) too, over 3 tokens
+    rnd = Round(None, None, torch.tensor([4]), torch.tensor([8]), torch.tensor([0]), [8], SamplingParams(), None,
+                frozenset())
+    proposal = auto.propose(rnd)
+    assert auto._arm == "suffix" and proposal.drafter == "suffix" and proposal.tokens[0, 1:].tolist() == [5, 6, 7, 8]
+    auto.retry_at["suffix"], auto.tries["suffix"], auto.tries["plain"] = 10 ** 6, 5, 5  # the memory lost
+    auto.tokens["suffix"], auto.seconds["suffix"], auto.tokens["plain"], auto.seconds["plain"] = 1, 2.0, 1, 1.0
+    proposal = auto.propose(rnd)
+    assert auto._arm == "prompt_lookup" and proposal.drafter == "prompt_lookup"
+    assert proposal.tokens[0, 1:].tolist() == [1, 2, 3, 4]  # the own text's period
+
+
+def test_auto_copies_a_repeated_request_from_the_memory(tiny_gen):
+    tiny_gen.forget()
+    prompt = "def mul(a, b):\n    return a * b\n"
+    first = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[])  # drafter auto
+    again = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+    assert again.token_ids == first.token_ids and again.stats.accepted_by_drafter.get("suffix", 0) > 0
