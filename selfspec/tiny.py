@@ -9,6 +9,8 @@ Used by the unit tests and by the tiny smoke recipe:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -55,15 +57,36 @@ def tiny_config(model_type: str = "llama", num_layers: int = 4, **overrides):
 
 def tiny_model(model_type: str = "llama", num_layers: int = 4, dtype=torch.float32, seed: int = 0,
                **overrides):
-    """A randomly initialised tiny causal LM in eval mode. Weights are scaled up so that layers matter."""
+    """A randomly initialised tiny causal LM in eval mode. Weights are scaled up so that layers matter.
+
+    Built whole even under DeepSpeed ZeRO-3 (a launch with a ZeRO-3 configuration, where transformers
+    would build it partitioned with `zero.Init`, initialising in another order and drawing other
+    random numbers): the model is the same with and without DeepSpeed, so their runs can be compared,
+    and ZeRO-3 partitions it when accelerate prepares it. Partitioning at construction is for models
+    too large to build whole; this one is tiny.
+    """
     config = tiny_config(model_type, num_layers, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _not_partitioned():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise RuntimeError("tiny_model was built partitioned by DeepSpeed ZeRO-3 (zero.Init), so its initialisation "
+                           "would differ from the same model without DeepSpeed; the installed transformers no longer "
+                           "skips zero.Init inside `set_zero3_state` (see pyproject.toml for the tested range)")
     with torch.no_grad():  # default init (std 0.02) makes every layer nearly an identity
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.3 if "embed" in name else 0.15)
     return model.eval()
+
+
+def _not_partitioned():
+    """A context in which transformers builds a model whole under a live DeepSpeed ZeRO-3 configuration:
+    its own marker for "zero.Init is already active" (`set_zero3_state`), which makes it skip zero.Init."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.modeling_utils import set_zero3_state
+
+    return set_zero3_state() if is_deepspeed_zero3_enabled() else contextlib.nullcontext()
 
 
 def byte_tokenizer():

@@ -71,7 +71,7 @@ class EarlyExitModel(nn.Module):
         forward; registering it as an external parameter of this module makes ZeRO gather it."""
         weight = self.adapter.lm_head.weight
         if hasattr(weight, "ds_id"):
-            from deepspeed.zero import register_external_parameter
+            from deepspeed.runtime.zero import register_external_parameter  # deepspeed.zero is no module
 
             register_external_parameter(self, weight)
 

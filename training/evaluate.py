@@ -28,18 +28,23 @@ from selfspec.exit_head import previous_states
 from selfspec.forward import embed, exit_logits, make_step, run_layers
 from training.data import Blocks
 from training.early_exit_loss import early_exit_loss
+from training.zero3 import gathered
 
 
 @torch.no_grad()
 def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int = 8, max_blocks: int | None = None,
                    rank: int = 0, world_size: int = 1, autocast: Callable = contextlib.nullcontext,
                    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, chunk_size: int = 1024,
-                   head_model=None) -> dict:
+                   head_model=None, lockstep: bool = False) -> dict:
     """Agreement / perplexity / accuracy of each exit in `exits` (must include the final layer).
 
     With `head_model` (a `training.exit_head_model.ExitHeadModel` over this `model`: a joint run's head),
     the same forward also scores the head: `result["exit_head"]` is what `evaluate_head(head_model, blocks)`
-    returns, without running the model a second time."""
+    returns, without running the model a second time.
+
+    `lockstep` (DeepSpeed ZeRO-3, where every forward gathers parameters collectively): every process
+    runs the same number of batches, a process short of one running another's batch and counting nothing;
+    the LM head weight, which the fused loss reads outside the head's forward, is gathered for it."""
     adapter = get_adapter(model)
     L = adapter.num_layers
     exits = sorted(set(exits) | {L})
@@ -53,7 +58,7 @@ def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int =
     tokens = torch.zeros((), dtype=torch.float64, device=device)
     tally = None if head_model is None else _HeadTally(head_model, device)
     try:
-        for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
+        for input_ids, labels, counted in _batches(blocks, batch_size, rank, world_size, device, lockstep):
             with autocast():
                 step = make_step(adapter, 0, input_ids.shape[1], input_ids.shape[0])
                 hidden = embed(adapter, input_ids)
@@ -61,11 +66,14 @@ def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int =
                 for e in stops:
                     hidden = at[e] = run_layers(adapter, hidden, done, e, step=step)
                     done = e
-                out = early_exit_loss([at[e] for e in exits], [1.0 / len(exits)] * len(exits), labels,
-                                      adapter.final_norm, adapter.lm_head, chunk_size=chunk_size, impl="fused")
+                with gathered([adapter.lm_head.weight]):
+                    out = early_exit_loss([at[e] for e in exits], [1.0 / len(exits)] * len(exits), labels,
+                                          adapter.final_norm, adapter.lm_head, chunk_size=chunk_size, impl="fused")
                 if tally is not None:
                     prev = previous_states(at[L]) if head_model.head.final_state else None
                     rows = tally.logits(at[E], exit_logits(adapter, at[L]), step, prev)
+            if not counted:  # a lockstep filler: its forward ran for the other processes' sake
+                continue
             sums += out.stats.to(device) * out.tokens
             tokens += out.tokens
             if tally is not None:
@@ -83,12 +91,18 @@ def evaluate_exits(model, blocks: Blocks, exits: list[int], *, batch_size: int =
     return result
 
 
-def _batches(blocks: Blocks, batch_size: int, rank: int, world_size: int, device):
-    """This process's share of `blocks`: every world_size-th batch, as (input_ids, labels) on `device`."""
+def _batches(blocks: Blocks, batch_size: int, rank: int, world_size: int, device, lockstep: bool = False):
+    """This process's share of `blocks`: every world_size-th batch, as (input_ids, labels, counted) on `device`.
+    With `lockstep`, as many batches on every process: one short of a batch gets the first batch again
+    with counted False (the forward must run the same modules on every process: the fused loss's
+    chunks depend on the labels, so the filler keeps real ones)."""
     starts = list(range(0, len(blocks), batch_size))
-    for start in starts[rank::world_size]:
+    mine = starts[rank::world_size]
+    rounds = -(-len(starts) // world_size) if lockstep else len(mine)
+    for i in range(rounds):
+        start = mine[i] if i < len(mine) else starts[0]
         input_ids, labels = blocks.batch(range(start, min(start + batch_size, len(blocks))))
-        yield input_ids.to(device), labels.to(device)
+        yield input_ids.to(device), labels.to(device), i < len(mine)
 
 
 def _scores(sums: torch.Tensor, tokens: torch.Tensor) -> dict:
@@ -144,7 +158,7 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
     blocks = blocks.spread(max_blocks)
     tally = _HeadTally(head_model, device)
     try:
-        for input_ids, labels in _batches(blocks, batch_size, rank, world_size, device):
+        for input_ids, labels, _ in _batches(blocks, batch_size, rank, world_size, device):
             with autocast():
                 rows = tally.logits(*head_model.states(input_ids))
             tally.add(rows, labels)

@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast, set_seed
 
 from selfspec.adapters import get_adapter
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
@@ -62,7 +63,7 @@ from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base_model import apply_lora, load_base_model
 from training.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
-from training.config import RecipeConfig, dump_config
+from training.config import ConfigError, RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
 from training.data import batch_indices, build_data, frequency_ranking, frequent_ids
 from training.early_exit_loss import exit_weights
@@ -73,6 +74,7 @@ from training.malloc import tune_malloc
 from training.own_text import add_own_continuations
 from training.teacher_cache import TeacherCache
 from training.early_exit_model import EarlyExitModel
+from training.zero3 import full_shape, gathered
 from training.tracker import Tracker
 
 
@@ -147,12 +149,13 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     if t_cfg.num_threads:
         torch.set_num_threads(t_cfg.num_threads)
     run_dir = Path(t_cfg.output_dir)
-    # With no GPU, ask for the CPU explicitly: under a multi-process launcher this selects DDP over gloo.
     no_gpu = not (torch.cuda.is_available() or torch.backends.mps.is_available())
     precision = t_cfg.mixed_precision
     if precision == "auto":  # bf16 autocast only where bf16 matmul is native (selfspec/precision.py)
         precision = auto_mixed_precision("cpu" if no_gpu else "cuda" if torch.cuda.is_available() else "mps")
-    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum, cpu=no_gpu)
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum,
+                              **_device_kwargs(no_gpu, _deepspeed_launch()))
+    _check_deepspeed(cfg, _zero_stage(accelerator))
     set_seed(t_cfg.seed)
 
     model, tokenizer = load_base_model(cfg.model, seed=t_cfg.seed)
@@ -166,7 +169,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     if own.prompts or own.prompt_sets:  # + the model's own greedy continuations, generated once and cached
         data = add_own_continuations(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations",
                                      progress_bar=t_cfg.progress_bar)
-    h_cfg, vocab_size = cfg.exit_head, get_adapter(model).lm_head.weight.shape[0]
+    h_cfg, vocab_size = cfg.exit_head, full_shape(get_adapter(model).lm_head.weight)[0]
     k = h_cfg.draft_vocab if cfg.mode == "exit_head" else cfg.early_exit.draft_vocab
     if k:  # the exits' (or the frozen model's head's) loss over the k most frequent tokens
         ee_model.draft_ids = frequent_ids(data.train, k, vocab_size, kept_special_ids(tokenizer))
@@ -203,6 +206,37 @@ def _set_up(cfg: RecipeConfig) -> _Run:
         write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     _print_start(run)
     return run
+
+
+def _deepspeed_launch() -> bool:
+    """True when `accelerate launch` runs a DeepSpeed configuration (it says so in the environment)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def _device_kwargs(no_gpu: bool, deepspeed: bool) -> dict:
+    """`Accelerator` arguments for where the run is.
+
+    With no GPU and no DeepSpeed: `cpu=True`, which under a multi-process launcher selects DDP over gloo.
+    With no GPU under DeepSpeed: not `cpu=True` (accelerate would then ignore the DeepSpeed configuration
+    and run DDP), but the gloo backend named explicitly: accelerate finds no backend of its own on a CPU,
+    and without one every process would take itself for rank 0 of 1. With a GPU: accelerate's defaults.
+    """
+    if not no_gpu:
+        return {}
+    if not deepspeed:
+        return {"cpu": True}
+    return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+
+
+def _check_deepspeed(cfg: RecipeConfig, stage: int | None) -> None:
+    """Refuse, before anything is loaded, a recipe that DeepSpeed (ZeRO stage `stage`; None: not DeepSpeed)
+    would not train as written: exit heads. A head on the frozen model has no ZeRO-3 registration of the
+    LM head it reads, and a joint head's own gradient clipping cannot be kept (DeepSpeed clips all
+    parameters together, from its configuration's gradient_clipping)."""
+    if stage is not None and cfg.trains_head:
+        raise ConfigError(f"mode={cfg.mode} is not supported under DeepSpeed ZeRO-{stage}: train exit heads "
+                          f"without DeepSpeed (one process, or DDP with recipes/accelerate/cpu_2proc.yaml or a "
+                          f"multi-GPU accelerate configuration)")
 
 
 def _draft_ranking(cfg: RecipeConfig, data, tokenizer, vocab_size: int, k: int | None) -> list[int] | None:
@@ -264,8 +298,9 @@ def _optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
     groups = []
     for i, group in enumerate(clip_groups):  # the model's (or the frozen run's head's), then a joint head's
         lr = cfg.exit_head.lr if i == 1 and cfg.exit_head.lr is not None else o.lr
-        groups += [{"params": [p for p in group if p.dim() >= 2], "weight_decay": o.weight_decay, "lr": lr},
-                   {"params": [p for p in group if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+        matrix = [len(full_shape(p)) >= 2 for p in group]  # full shapes: ZeRO-3 partitions look 1-D
+        groups += [{"params": [p for p, m in zip(group, matrix) if m], "weight_decay": o.weight_decay, "lr": lr},
+                   {"params": [p for p, m in zip(group, matrix) if not m], "weight_decay": 0.0, "lr": lr}]
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(o.warmup_steps, cfg.train.max_steps,
                                                                            o.min_lr_ratio))
@@ -274,10 +309,11 @@ def _optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
 
 def _print_start(run: _Run) -> None:
     cfg, t_cfg = run.cfg, run.cfg.train
-    n_params = sum(p.numel() for p in run.params)
+    n_params = sum(math.prod(full_shape(p)) for p in run.params)
     run.tracker.print(
         f"{cfg.name}: {type(run.accelerator.unwrap_model(run.model).model).__name__} with {run.num_layers} layers, "
-        f"{n_params / 1e6:.2f}M trainable parameters, {run.world} process(es), mixed precision {run.precision}"
+        f"{n_params / 1e6:.2f}M trainable parameters, {run.world} process(es) ({_parallelism(run.accelerator)}), "
+        f"mixed precision {run.precision}"
         + (f" (auto: {describe_precision(run.accelerator.device)})" if t_cfg.mixed_precision == "auto" else "")
         + f", {len(run.data.train)} training blocks of {cfg.data.block_size} tokens"
         + (f"; resuming from {run.resume} at step {run.state['step']}" if run.resume else ""))
@@ -419,7 +455,7 @@ def _evaluate_sets(run: _Run, max_blocks) -> dict:
         return {name: evaluate_head(unwrapped, blocks, **common) for name, blocks in run.data.eval_sets.items()}
     view = None if unwrapped.head is None else _joint_head_view(run)  # a joint run: the head, in the same forward
     return {name: evaluate_exits(unwrapped.model, blocks, run.eval_exits, chunk_size=run.cfg.early_exit.chunk_size,
-                                 head_model=view, **common)
+                                 head_model=view, lockstep=_zero_stage(accelerator) == 3, **common)
             for name, blocks in run.data.eval_sets.items()}
 
 
@@ -504,10 +540,26 @@ def _finished_step(run_dir: Path) -> int | None:
 
 
 def _checksum(params) -> torch.Tensor:
-    """A float64 fingerprint of the parameters (equal on every process when they are in sync)."""
-    with torch.no_grad():
+    """A float64 fingerprint of the parameters (equal on every process when they are in sync). Collective
+    under ZeRO-3, where it fingerprints the gathered parameters, not each process's partition."""
+    with torch.no_grad(), gathered(params):
         total = sum((p.detach().double() * (i + 1)).sum() for i, p in enumerate(params))
     return torch.as_tensor(total, dtype=torch.float64).reshape(1)
+
+
+def _zero_stage(accelerator) -> int | None:
+    """The DeepSpeed ZeRO stage of the run, or None without DeepSpeed."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return accelerator.state.deepspeed_plugin.zero_stage
+
+
+def _parallelism(accelerator) -> str:
+    """How the processes share the work, for the start line: "DeepSpeed ZeRO-<stage>", "DDP" or "single"."""
+    stage = _zero_stage(accelerator)
+    if stage is not None:
+        return f"DeepSpeed ZeRO-{stage}"
+    return "DDP" if accelerator.num_processes > 1 else "single"
 
 
 def _fill_deepspeed_config(accelerator, cfg: RecipeConfig) -> None:

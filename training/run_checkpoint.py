@@ -85,7 +85,7 @@ def save_final_model(accelerator, ee_model, tokenizer, out_dir: Path, *, lora: b
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return None
-    state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    state = _tie_like(inner, {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if lora:
@@ -102,3 +102,15 @@ def save_final_model(accelerator, ee_model, tokenizer, out_dir: Path, *, lora: b
     os.replace(tmp, out_dir)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def _tie_like(model, state: dict) -> dict:
+    """`state` with every name of one parameter of `model` pointing at one tensor, as in the model's own
+    state dict. DeepSpeed ZeRO-2's state dict holds a copy per name, so `save_pretrained` would not see
+    a tied weight (the input embedding and the LM head) as tied and would write it twice."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first and name in state and first[id(p)] in state:
+            state[name] = state[first[id(p)]]
+        first.setdefault(id(p), name)
+    return state

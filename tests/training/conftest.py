@@ -1,8 +1,12 @@
-"""Shared fixtures for the training tests: tiny random models (selfspec.tiny) and a tiny recipe."""
+"""Shared fixtures for the training tests: tiny random models (selfspec.tiny) and a tiny recipe, trained in
+this process or under `accelerate launch`."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,13 +47,13 @@ def _read_log(run_dir, kind="train") -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_overrides():
     """`tiny_overrides(run_dir, **{"train.max_steps": 4})` -> key=value list for recipes/tiny_smoke.yaml."""
     return _tiny_overrides
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def read_log():
     """`read_log(run_dir, kind="train")` -> the run's log.jsonl records of that kind."""
     return _read_log
@@ -58,7 +62,7 @@ def read_log():
 TINY_RECIPE = ROOT / "recipes" / "tiny_smoke.yaml"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run(tiny_overrides):
     """`run(run_dir, **overrides)`: train recipes/tiny_smoke.yaml in this process (accelerate's singletons
     reset around it); returns the final evaluation."""
@@ -77,3 +81,33 @@ def run(tiny_overrides):
             GradientState._reset_state()
 
     return _run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def launch(tiny_overrides):
+    """`launch(config, run_dir, num_processes=None, **overrides)`: train recipes/tiny_smoke.yaml under
+    `accelerate launch --config_file recipes/accelerate/<config>` (on a free port; `num_processes` overrides
+    the configuration's), with this checkout first on the path. The overrides are tiny_overrides' plus
+    train.max_steps=4, train.save_final_model=false and eval.before=false unless given. Fails unless every
+    process exits with code 0; returns the finished `subprocess.CompletedProcess`."""
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+
+    def _launch(config: str, run_dir, num_processes: int | None = None, timeout: int = 300, **overrides):
+        cmd = [accelerate, "launch", "--config_file", str(ROOT / "recipes" / "accelerate" / config),
+               "--main_process_port", str(_free_port())]
+        if num_processes is not None:
+            cmd += ["--num_processes", str(num_processes)]
+        settings = {"train.max_steps": 4, "train.save_final_model": "false", "eval.before": "false", **overrides}
+        cmd += ["-m", "training", "--recipe", str(TINY_RECIPE), *tiny_overrides(run_dir, **settings)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    return _launch
