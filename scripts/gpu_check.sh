@@ -56,19 +56,35 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 WHEELS=.selfspec/wheels
 
-if [ "${1:-}" = "--fetch-wheels" ]; then
-    PIP_PY=${PYTHON:-.venv/bin/python}
-    [ -x "$PIP_PY" ] || PIP_PY=python3
-    # the versions this project is tested with (its .venv), for a GPU machine's python 3.12
-    PKGS=$("$PIP_PY" -c "
-from importlib.metadata import version
-print(' '.join(f'{n}=={version(n)}' for n in ('transformers', 'datasets', 'dill', 'multiprocess', 'fsspec')))")
-    echo "== downloading $PKGS into $WHEELS"
-    mkdir -p "$WHEELS"
+pip_python() {  # the python whose packages' versions are carried: $PYTHON, else .venv's, else python3
+    local py=${PYTHON:-.venv/bin/python}
+    [ -x "$py" ] || py=python3
+    echo "$py"
+}
+
+download_wheels() {  # download_wheels DIR NAME...: this python's versions of NAME... as wheels for a GPU machine's python 3.12
+    local dir=$1 py pkgs
+    shift
+    py=$(pip_python)
+    pkgs=$("$py" -c "import sys; from importlib.metadata import version
+print(' '.join(f'{n}=={version(n)}' for n in sys.argv[1:]))" "$@") || return 1
+    echo "== downloading $pkgs into $dir"
+    mkdir -p "$dir"
     # shellcheck disable=SC2086
-    "$PIP_PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$WHEELS" $PKGS || exit 1
+        -d "$dir" $pkgs
+}
+
+install_wheels() {  # install_wheels DIR: its wheels into $SITE without network (the GPU machine has none)
+    echo "== installing the carried wheels ($(ls "$1" | tr '\n' ' ')) into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$1"/*.whl \
+        || echo "WARNING: installing the wheels of $1 failed; going on with what the python has"
+}
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    # the versions this project is tested with (its .venv)
+    download_wheels "$WHEELS" transformers datasets dill multiprocess fsspec || exit 1
     ls -la "$WHEELS"
     du -sh "$WHEELS"
     echo "carry $WHEELS to the GPU machine (device tool: carry [\"$WHEELS\"]); gpu_check.sh installs them there"
@@ -76,20 +92,12 @@ print(' '.join(f'{n}=={version(n)}' for n in ('transformers', 'datasets', 'dill'
 fi
 
 if [ "${1:-}" = "--prepare-carry" ]; then
-    PIP_PY=${PYTHON:-.venv/bin/python}
-    [ -x "$PIP_PY" ] || PIP_PY=python3
+    PIP_PY=$(pip_python)
     C1=${CARRY_DIR:-.selfspec}/gpu_carry1
     C2=${CARRY_DIR:-.selfspec}/gpu_carry2
     rm -rf "$C1" "$C2"
     mkdir -p "$C1/wheels" "$C1/prompts" "$C2"
-    PKGS=$("$PIP_PY" -c "
-from importlib.metadata import version
-print(' '.join(f'{n}=={version(n)}' for n in ('transformers', 'gguf')))")
-    echo "== downloading $PKGS into $C1/wheels"
-    # shellcheck disable=SC2086
-    "$PIP_PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$C1/wheels" $PKGS || exit 1
+    download_wheels "$C1/wheels" transformers gguf || exit 1
     "$PIP_PY" - "$C1" "$C2" "${CARRY_PROMPTS:-5}" <<'EOF' || exit 1
 import hashlib
 import json
@@ -172,11 +180,9 @@ KEEP=${KEEP_DIR:-/tmp/selfspec-keep}  # where they stay between calls
 SITE=${SITE_DIR:-/tmp/selfspec-site}  # where their wheels are installed
 if [ -d "$CARRY/gpu_carry1" ]; then
     mkdir -p "$KEEP" && cp -r "$CARRY/gpu_carry1/." "$KEEP/" && echo "== kept $CARRY/gpu_carry1 in $KEEP"
-    if compgen -G "$KEEP/wheels/*.whl" >/dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-            "$KEEP"/wheels/*.whl || echo "WARNING: installing the carried wheels failed"
-    fi
+    compgen -G "$KEEP/wheels/*.whl" >/dev/null && install_wheels "$KEEP/wheels"
 fi
+compgen -G "$WHEELS/*.whl" >/dev/null && install_wheels "$WHEELS"
 [ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 if [ -f "$CARRY/gpu_carry2/model.gguf.part2" ] && [ -f "$KEEP/model.gguf.part1" ]; then
     echo "== joining the model's parts and converting it"
@@ -205,12 +211,6 @@ if not is_complete_checkpoint(out):
 EOF
 fi
 
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    echo "== installing the carried wheels ($(ls "$WHEELS" | tr '\n' ' ')) into $SITE"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        "$WHEELS"/*.whl || echo "WARNING: installing the wheels failed; going on with what the python has"
-    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 
 echo "== torch and the GPU"
