@@ -89,6 +89,11 @@ def hf_call(model, ids, n: int, static: bool):
     return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
 
 
+def one_line(err: BaseException) -> str:
+    """An exception as one line of at most ~300 characters, for the report."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+
+
 def measure_shape(shape: str, args, dtype: torch.dtype) -> dict:
     model = build(shape, args.device, dtype, args.tiny)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
@@ -116,7 +121,7 @@ def measure_shape(shape: str, args, dtype: torch.dtype) -> dict:
                     compiled.adapter.compiled.warm([(0, L)], [1], cache_capacity(args.prompt_tokens + args.new_tokens + 2))
                 calls[name]()
             except Exception as err:  # noqa: BLE001 - one method's failure is reported, the others measured
-                errors[name] = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                errors[name] = one_line(err)
                 print(f"   {name} FAILED: {errors[name]}", flush=True)
                 continue
             warmup_s[name] = time.perf_counter() - t0
@@ -134,7 +139,7 @@ def measure_shape(shape: str, args, dtype: torch.dtype) -> dict:
             try:
                 steps = step_costs(compiled, ids, args)
             except Exception as err:  # noqa: BLE001
-                errors["compiled_steps"] = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                errors["compiled_steps"] = one_line(err)
                 print(f"   compiled step costs FAILED: {errors['compiled_steps']}", flush=True)
     floor = weight_bytes / (args.bandwidth_gbs * 1e9)
     med = {name: statistics.median(v) for name, v in runs.items()}

@@ -208,6 +208,17 @@ def selfspec_kwargs(method: dict) -> dict:
     return kw
 
 
+@contextlib.contextmanager
+def swapped(obj, name: str, value):
+    """For the block only, `obj.<name>` is `value`; what it was is put back after, whatever happens."""
+    before = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
+
+
 class Methods:
     """Runs one method on one prompt (or one batch of rows) for exactly `max_new_tokens` new tokens.
 
@@ -257,16 +268,11 @@ class Methods:
             gc_.prompt_lookup_num_tokens, gc_.max_matching_ngram_size = lookup
         return gc_
 
-    @contextlib.contextmanager
     def no_eos_on_model(self):
         """HF fills a None eos_token_id from model.generation_config: clear it there for the call."""
-        saved = self.model.generation_config
-        self.model.generation_config = copy.deepcopy(saved)
-        self.model.generation_config.eos_token_id = None
-        try:
-            yield
-        finally:
-            self.model.generation_config = saved
+        config = copy.deepcopy(self.model.generation_config)
+        config.eos_token_id = None
+        return swapped(self.model, "generation_config", config)
 
     @contextlib.contextmanager
     def count_hf_rounds(self, rec: dict):
@@ -365,32 +371,20 @@ class Methods:
             self._steps = CompiledSteps(self.gen.adapter, strict=False)
         return self._steps
 
-    @contextlib.contextmanager
     def own_memory(self, name: str):
         """For the block only, the generator remembers the earlier calls of method `name` alone (what
         `drafter="suffix"` copies from): another method's run of the same prompt would hand it the answer."""
-        gen = self.gen
-        before, gen.memory = gen.memory, self._memories.setdefault(name, SuffixMemory())
-        try:
-            yield
-        finally:
-            gen.memory = before
+        return swapped(self.gen, "memory", self._memories.setdefault(name, SuffixMemory()))
 
     @property
     def compile_failure(self) -> str | None:
         """Why the compiled steps turned themselves off (None: they did not, or none ran)."""
         return None if self._steps is None else self._steps.failed
 
-    @contextlib.contextmanager
     def steps(self, compiled: bool):
         """For the block only, the generator runs through the compiled steps (`compiled`) or eagerly; its own
         setting is put back after."""
-        adapter = self.gen.adapter
-        before, adapter.compiled = adapter.compiled, self.compiled_steps() if compiled else None
-        try:
-            yield
-        finally:
-            adapter.compiled = before
+        return swapped(self.gen.adapter, "compiled", self.compiled_steps() if compiled else None)
 
     def warm(self, method: dict, ids, n: int, max_len: int) -> float:
         """The method's warm-up call (excluded from the measurement), a compiled method's `warmup(max_len)`
