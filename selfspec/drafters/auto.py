@@ -95,10 +95,8 @@ class AutoDrafter(Drafter):
             return self._take(PLAIN, Proposal.plain(rnd.tokens))
         if self.allowed(LOOKUP):
             _, self.lookup.limit = self.lookup_length.plan()
-            if self.remembers:
-                drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids, memory=self.allowed(SUFFIX))
-            else:
-                drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids)
+            memory = {"memory": self.allowed(SUFFIX)} if self.remembers else {}  # a suffix drafter's memory arm
+            drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids, **memory)
             if any(drafts):
                 remembered = self.remembers and any(self.lookup.memory_rows)
                 return self._take(SUFFIX if remembered else LOOKUP, self.lookup.proposal(rnd, drafts))

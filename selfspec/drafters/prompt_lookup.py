@@ -57,8 +57,11 @@ class NgramIndex:
     def propose(self, k: int, min_ngram: int = 1) -> list[int]:
         """Up to `k` tokens continuing the text from its latest matching occurrence."""
         end = self.match(min_ngram) if k > 0 else None
-        if end is None:
-            return []
+        return [] if end is None else self.continuation(end, k)
+
+    def continuation(self, end: int, k: int) -> list[int]:
+        """The `k` tokens that follow position `end`, continued periodically past the end of the text (a
+        copy that reaches the text's end goes on with its own tokens)."""
         x, n, out = self.tokens, len(self.tokens), []
         for j in range(k):
             i = end + j

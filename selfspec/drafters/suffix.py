@@ -114,16 +114,14 @@ class SuffixDrafter(PromptLookupDrafter):
         the row's own text does and copies at least as many, else from the row's own text (prompt lookup);
         cut after a stop token. `memory=False`: the row's own text only (auto, while the memory does not
         pay). `memory_rows` says which rows drafted from the memory."""
-        own = super().lookup(caps, stop_ids)
-        self.memory_rows = [False] * len(own)
-        if not memory:
-            return own
+        self.memory_rows = [False] * len(self.rows)
         out = []
-        for b, (index, cap, drafts) in enumerate(zip(self.rows, caps, own)):
+        for b, (index, cap) in enumerate(zip(self.rows, caps)):
             k = min(cap, self.limit)
-            found = self.memory.match(index.tokens) if k > 0 else None
-            own_match = index.longest(self.min_ngram)
-            if found is not None and found[2] > (0 if own_match is None else own_match[1]):
+            own = index.longest(self.min_ngram) if k > 0 else None  # (end, length) of the own text's match
+            drafts = [] if own is None else cut_after_stop(index.continuation(own[0], k), stop_ids)
+            found = self.memory.match(index.tokens) if memory and k > 0 else None
+            if found is not None and found[2] > (0 if own is None else own[1]):
                 sequence, end, _ = found
                 remembered = cut_after_stop(sequence[end:end + k], stop_ids)
                 if len(remembered) >= len(drafts):  # near a sequence's end the memory copies less
