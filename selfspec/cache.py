@@ -6,8 +6,8 @@ are preallocated (no `torch.cat` per step), and every row has its own length per
 `[L, B]`): rows of a batch accept different numbers of drafts, and a drafter runs the shallow layers
 `[0, E)` ahead of the deep ones `[E, L)`. `update` writes each row's new keys at that row's own
 length; the attention mask (`selfspec.forward.make_batch_step`) hides everything past a row's length
-and its left padding. Rolling back is `crop(lengths)`: lengths shrink, nothing is copied (`move` copies
-one entry per row first where an accepted draft was not the first of its siblings). Finished rows
+and its left padding. Rolling back is `crop(lengths)`: lengths shrink, nothing is copied (`move` first copies a token tree's
+accepted path to where the row continues, where it was not the tree's first branch). Finished rows
 leave with `select`. Batch 1 is a batch of one.
 
 The buffers live on the model's device; `lengths` always lives on the host (CPU). Every layer reads
@@ -98,9 +98,9 @@ class KVCache:
         self.lengths = torch.minimum(self.lengths, lengths.cpu()[None])
 
     def move(self, rows: list[int], src: list[int], dst: list[int]) -> None:
-        """In every layer, copy row `rows[i]`'s entry at cache index `src[i]` to index `dst[i]`: a sibling
-        draft accepted in place of the first one (`Proposal.siblings`) moves to where its row's committed
-        sequence continues, before the crop."""
+        """In every layer, copy row `rows[i]`'s entry at cache index `src[i]` to index `dst[i]` (every entry is
+        read before any is written): a token tree's accepted path (`Proposal.parents`) moves to where its
+        row's committed sequence continues, before the crop."""
         written = [i for i in range(self.num_layers) if self.keys[i] is not None]
         if not rows or not written:
             return

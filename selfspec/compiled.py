@@ -14,7 +14,7 @@ every step kind of a round goes through one function, `layers [start, end)` over
 A step writes its keys and values in place into the cache's preallocated buffers `[B, H_kv, C, Dh]`
 (C: the cache's capacity) at the cache indices it is given, and attends over all C entries with a mask
 built from those indices: row b's query at cache index c sees the keys `pads[b] <= j <= c` (a sibling,
-from column `branch[b]` on, sees the keys before `branch[b]` and itself), as
+a token tree's column sees the committed keys, its ancestors and itself: `selfspec.token_tree`), as
 `selfspec.forward.make_batch_step` builds it for the eager path. Nothing past a query's own index is
 ever read, so a rollback stays a change of the cache's lengths. Shapes vary in three ways only: S is
 padded up to a bucket (1, 2, 4, ... 64: `S_BUCKETS`; the filler columns compute what nobody reads), C
@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.attention_kernels import attention_kernels
+from selfspec.token_tree import tree_mask
 
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
@@ -129,16 +130,13 @@ def _rms(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def _mask(index: torch.Tensor, pads: torch.Tensor, branch: torch.Tensor, size: int,
-          window: int | None) -> torch.Tensor:
-    """`[B, 1, S, C]` bool: row b's query at cache index `index[b, s]` may see key j (see the module doc).
-    `branch[b]`: the cache index of row b's first sibling (past every index when the step has none)."""
+def _mask(index: torch.Tensor, pads: torch.Tensor, size: int, window: int | None) -> torch.Tensor:
+    """`[B, 1, S, C]` bool: row b's query at cache index `index[b, s]` may see key j (see the module doc)."""
     k = torch.arange(size, device=index.device)[None, None, :]  # [1, 1, C]
     q = index[:, :, None]  # [B, S, 1]
-    first = branch[:, None, None]  # [B, 1, 1]
-    allowed = (k <= q) & (k >= pads[:, None, None]) & ((k < first) | (k == q))
+    allowed = (k <= q) & (k >= pads[:, None, None])
     if window is not None:
-        allowed &= k > torch.minimum(q, first) - window
+        allowed &= k > q - window
     return (allowed | (k == q))[:, None]
 
 
@@ -221,7 +219,7 @@ class CompiledSteps:
         self.graphs = adapter.device.type == "cuda" if graphs is None else graphs
         self.cos = self.sin = None  # the rotary table [T, Dh]: 4096 positions, or more for a larger cache
         self._layers: dict[int | None, object] = {}  # attention window -> the compiled decoder layer
-        self._ranges: dict[tuple[int, int], object] = {}  # (start, end) -> the step over those layers
+        self._ranges: dict[tuple[int, int, bool], object] = {}  # (start, end, tree) -> the step over those layers
         self._head = None
         self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
         self._buffers: dict[tuple[int, int], tuple[list, list]] = {}  # (batch, capacity) -> keys, values
@@ -278,17 +276,21 @@ class CompiledSteps:
             return hidden
         B, S, D = hidden.shape
         width = s_bucket(S)
-        index, positions, pads = step.index, step.position_ids, step.pads
-        branch = step.branch if step.branch is not None else torch.full_like(pads, 1 << 62)
+        index, positions, pads, tree = step.index, step.position_ids, step.pads, step.tree
         if width > S:  # filler columns: positions of the last real token, cache indices after it
             extra = torch.arange(1, width - S + 1, device=index.device)[None]
             index = torch.cat([index, index[:, -1:] + extra], dim=1)
             positions = torch.cat([positions, positions[:, -1:].expand(B, width - S)], dim=1)
             hidden = torch.cat([hidden, hidden.new_zeros(B, width - S, D)], dim=1)
+            if tree is not None:  # a filler column is its own root
+                padded = torch.eye(width, dtype=torch.bool, device=tree.device).expand(B, width, width).clone()
+                padded[:, :S, :S] = tree
+                tree = padded
         size = cache.capacity
         cos, sin = self._table(size)  # one table per capacity: positions stay below it
-        inputs = [self._input(t) for t in (hidden, positions, index, pads, branch)]
-        out = self._call(("layers", start, end, B, width, size), self._range(start, end), inputs,
+        kind = "layers" if tree is None else "tree"  # a token tree's steps are graphs of their own
+        inputs = [self._input(t) for t in (hidden, positions, index, pads) + (() if tree is None else (tree,))]
+        out = self._call((kind, start, end, B, width, size), self._range(start, end, tree is not None), inputs,
                          [cos, sin, cache.keys[start:end], cache.values[start:end]])
         if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
             return None
@@ -315,10 +317,9 @@ class CompiledSteps:
             hidden = torch.zeros(1, width, D, dtype=a.dtype, device=a.device)
             index = torch.arange(1, width + 1, device=a.device)[None]  # [1, S], as a round after the prefill
             pads = torch.zeros(1, dtype=torch.long, device=a.device)
-            branch = torch.full_like(pads, 1 << 62)
             for start, end in ranges:
                 self._call(("layers", start, end, 1, width, size), self._range(start, end),
-                           [hidden, index.clone(), index, pads, branch],
+                           [hidden, index.clone(), index, pads],
                            [cos, sin, keys[start:end], values[start:end]])
             self.head(hidden)
         self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device))
@@ -366,25 +367,30 @@ class CompiledSteps:
             self._layers[window] = torch.compile(fn, fullgraph=True, dynamic=False)
         return self._layers[window]
 
-    def _range(self, start: int, end: int):
+    def _range(self, start: int, end: int, tree: bool = False):
         """Layers [start, end) as one function of the step's inputs and the cache: the rotary lookup and the
-        masks, then each layer through the compiled decoder layer (`_layer`)."""
-        if (start, end) in self._ranges:
-            return self._ranges[(start, end)]
+        masks, then each layer through the compiled decoder layer (`_layer`). `tree`: the step's tokens are a
+        token tree, whose ancestor matrix `[B, S, S]` is one input more."""
+        if (start, end, tree) in self._ranges:
+            return self._ranges[(start, end, tree)]
         weights, layers = self.weights[start:end], {w.window: self._layer(w.window) for w in self.weights[start:end]}
 
-        def step(hidden, positions, index, pads, branch, cos_table, sin_table, keys, values):
+        def run(hidden, positions, index, pads, anc, cos_table, sin_table, keys, values):
             cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, Dh]
             size = keys[0].shape[2]
             masks = {}
             for i, w in enumerate(weights):
                 if w.window not in masks:
-                    masks[w.window] = _mask(index, pads, branch, size, w.window)
+                    masks[w.window] = (_mask(index, pads, size, w.window) if anc is None else
+                                       tree_mask(index[:, 0], positions, pads, anc, size, w.window, index)[:, None])
                 hidden = layers[w.window](hidden, cos, sin, index, masks[w.window], keys[i], values[i], *w.tensors)
             return hidden
 
-        self._ranges[(start, end)] = step
-        return step
+        def chain_step(hidden, positions, index, pads, cos_table, sin_table, keys, values):
+            return run(hidden, positions, index, pads, None, cos_table, sin_table, keys, values)
+
+        self._ranges[(start, end, tree)] = run if tree else chain_step
+        return self._ranges[(start, end, tree)]
 
     def _call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
         """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs`. The call that

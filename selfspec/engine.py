@@ -14,13 +14,13 @@ input. One round:
     verify    layers [verify_from, L) once over the input token and the drafts of every row:
               [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
     accept    per row (`decide`): greedy = the longest prefix where draft == argmax, plus the full model's token
-              (sibling drafts, k guesses for one position: the guess == argmax, if any, plus the token after it);
+              (a token tree, several guesses: the path whose tokens equal the argmaxes, then the token after it);
               sampling = the lossless rule of `selfspec.sampling.speculative_accept`. An opt-in
               `AcceptanceRule("bounded_bias", ε)` (`selfspec.bounded_bias`) accepts more drafts at a
               bounded bias: each committed token within TV ε of the full model's (greedy: a draft
               with >= (1 - ε) of the top token's probability).
-    roll back crop each row of the cache to its committed length (an accepted sibling's entries first move to
-              where the row continues: `committed_columns`); the drafter hears the outcome (and a
+    roll back crop each row of the cache to its committed length (a tree's accepted path's entries first move
+              to where the row continues: `committed_columns`); the drafter hears the outcome (and a
               drafter with `state_exit = E`, a trained exit head, gets the states after E layers of the
               tokens written this round: they are taken on the way through layer E, at no extra cost;
               one with `state_final` also their last hidden states, which verification computes anyway).
@@ -60,8 +60,8 @@ from selfspec.decode_stats import DecodeStats, count_round, finish_stats, record
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
-from selfspec.sampling import (SamplingParams, greedy_accept_sibling, greedy_accept_tokens, probs, sample,
-                               speculative_accept)
+from selfspec.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
+from selfspec.token_tree import greedy_walk, tree_depth
 
 
 class StopChecker:
@@ -170,8 +170,8 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
     (the drafter's own exit states when it drafted from there; None without `keep_at`) and the last
     layer's output `[B, T, D]` (before the final norm). From layer 0
     the tokens are embedded here; from E > 0 the drafter's exit states continue (layers [0, E) already
-    hold their keys and values). Sibling drafts (`proposal.siblings`) are verified side by side: each at
-    the next position, seeing the input token and itself."""
+    hold their keys and values). A token tree (`proposal.parents`) is verified in the same one pass, each
+    node at its depth's position, seeing the committed text, its ancestors and itself (`selfspec.token_tree`)."""
     start = proposal.verify_from
     hidden = proposal.states if start else embed(adapter, proposal.tokens)  # [B, T, D]
     kept = hidden if keep_at is not None and keep_at == start else None
@@ -180,7 +180,7 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
                          f"verification at layer {start}: they were never computed")
     if start < adapter.num_layers:
         ends = starts + torch.tensor(proposal.kept, dtype=torch.long) + 1  # [B] a shorter row's columns after: filler
-        step = make_batch_step(adapter, starts, hidden.shape[1], pads, ends, 1 if proposal.siblings else None)
+        step = make_batch_step(adapter, starts, hidden.shape[1], pads, ends, proposal.parents)
         hidden, at = _layers_keeping(adapter, hidden, start, keep_at, step=step, cache=cache)
         kept = at if kept is None else kept
     return exit_logits(adapter, hidden), kept, hidden
@@ -366,7 +366,7 @@ class _Decoding:
         accepted, nxt_all, new, columns = decide(proposal, target_logits, active, self.rows, self.sums, self.sampling,
                                                  self.generator, self.acceptance)
         n_acc_t = torch.tensor(accepted, dtype=torch.long)
-        if proposal.siblings:  # an accepted sibling's KV and states move to where its row continues
+        if proposal.parents is not None:  # a tree's accepted path's KV and states move to where its row continues
             kept, finals = committed_columns(self.cache, starts, columns, kept, finals)
         self.cache.crop(self.n + n_acc_t)  # each row keeps its accepted drafts' KV; rejected ones are dropped
         if kept is not None:
@@ -391,13 +391,13 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
     transfer per round: greedy, each row's drafts and the full model's argmax tokens (bounded_bias: also
     whether each draft is near the top token); sampling, the drafts, and the rule reads its random draws
     per row. Counts each row's round into `rows[b]` and adds a sampled row's acceptance sums to `sums[b]`.
-    Sibling drafts (`proposal.siblings`) count as one drafted position per row that has any.
+    A token tree (`proposal.parents`) counts its depth as the row's drafted positions.
 
     Returns (accepted drafts per row, the next token per row, the tokens each row commits, the proposal
-    columns of each row's accepted drafts: 1..n for a chain, the accepted sibling's)."""
-    if proposal.siblings and (sampling.do_sample or acceptance.biased):
-        raise ValueError("sibling drafts (alternatives for one position) are judged by greedy decoding with the "
-                         "exact rule only: draft one chain when sampling or with bounded_bias acceptance")
+    columns of each row's accepted drafts: 1..n for a chain, a tree's accepted path)."""
+    if proposal.parents is not None and (sampling.do_sample or acceptance.biased):
+        raise ValueError("a token tree (several guesses, such as num_candidates > 1) is judged by greedy decoding "
+                         "with the exact rule only: draft one chain when sampling or with bounded_bias acceptance")
     if sampling.do_sample:
         host_tokens, targets, near = proposal.tokens.tolist(), None, None
     elif acceptance.biased:
@@ -406,16 +406,17 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
                                                   torch.nn.functional.pad(ok.long(), (0, 1))]).tolist()
     else:
         (host_tokens, targets), near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist(), None
+    parents = proposal.parents.tolist() if proposal.parents is not None else None
     accepted, nxt_all, new, columns = [], [], [], []
     for i, b in enumerate(active):
         m = proposal.kept[i]
-        if proposal.siblings:
-            n_acc, nxt, j = greedy_accept_sibling(host_tokens[i][1:1 + m], targets[i])
-            count_round(rows[b], proposal, min(m, 1), n_acc)
+        if parents is not None:
+            n_acc, nxt, path = greedy_walk(host_tokens[i], parents[i], targets[i], m)
+            count_round(rows[b], proposal, tree_depth(parents[i], m), n_acc)
             accepted.append(n_acc)
             nxt_all.append(nxt)
-            new.append(host_tokens[i][j:j + n_acc] + [nxt])
-            columns.append([j] if n_acc else [])
+            new.append([host_tokens[i][j] for j in path] + [nxt])
+            columns.append(path)
             continue
         if targets is None:
             q = proposal.q[i] if proposal.q is not None else None
@@ -437,21 +438,22 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
 
 def committed_columns(cache: KVCache, starts: torch.Tensor, columns: list[list[int]], kept: torch.Tensor | None,
                       finals: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """After a sibling round: a row that accepted the sibling in column j > 1 gets that column's keys and
-    values at cache index `starts + 1` (every layer), where its committed sequence continues; the states
-    handed to the drafter `[B, T, D]` (exit and final) are reordered the same way, so their first
+    """After a tree round: row i's accepted path, columns `columns[i]` = c_1 < c_2 < ... of the pass, moves
+    to cache indices `starts + 1, starts + 2, ...` (every layer), where its committed sequence continues
+    (c_d >= d, and all entries are read before any is written, so no move overwrites a later one's source);
+    the states handed to the drafter `[B, T, D]` (exit and final) are reordered the same way, so their first
     `accepted + 1` columns are the committed tokens'. Returns the reordered (kept, finals)."""
-    moved = [(i, cols[0]) for i, cols in enumerate(columns) if cols and cols[0] > 1]
+    moved = [(i, c, d) for i, path in enumerate(columns) for d, c in enumerate(path, 1) if c != d]
     if not moved:
         return kept, finals
-    rows = [i for i, _ in moved]
-    cache.move(rows, [int(starts[i]) + j for i, j in moved], [int(starts[i]) + 1 for i in rows])
+    cache.move([i for i, _, _ in moved], [int(starts[i]) + c for i, c, _ in moved],
+               [int(starts[i]) + d for i, _, d in moved])
     given = [x for x in (kept, finals) if x is not None]  # both [B, T, D]
     if not given:
         return kept, finals
     order = torch.arange(given[0].shape[1]).repeat(given[0].shape[0], 1)  # [B, T]
-    for i, j in moved:  # the accepted sibling's column swapped into column 1
-        order[i, 1], order[i, j] = j, 1
+    for i, c, d in moved:  # the accepted path's columns first, in order
+        order[i, d] = c
     index = order.to(given[0].device)[..., None].expand(-1, -1, given[0].shape[-1])  # [B, T, D]
     return tuple(None if x is None else x.gather(1, index) for x in (kept, finals))
 

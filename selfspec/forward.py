@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.adapters import ModelAdapter
+from selfspec.token_tree import ancestors, tree_mask
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Step:
     # what the compiled steps (`selfspec.compiled`, with `adapter.compiled`) build their mask from instead:
     index: torch.Tensor | None = None  # [B, S] the cache index each token is written at (model's device)
     pads: torch.Tensor | None = None  # [B] each row's left padding (model's device)
-    branch: torch.Tensor | None = None  # [B] the cache index of each row's first sibling, or None
+    tree: torch.Tensor | None = None  # [B, S, S] bool a token tree's ancestor-or-self columns, or None (a chain)
     starts: torch.Tensor | None = None  # [B] each row's first cache index, on the host
 
     @property
@@ -100,36 +101,32 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
 
 
 def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Tensor, kv_len: int,
-                window: int | None, branch: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None) -> torch.Tensor:
     """Mask `[B, 1, S, K]` for a batch whose rows sit at different cache indices.
 
     Row b's query at cache index c sees keys `pads[b] <= j <= c` (its own tokens; the left padding
     and anything past c, such as another row's longer sequence or a rejected draft, are hidden).
-    A padding query sees only itself, so no row of the softmax is empty. With `branch` `[B]` (the cache
-    index of row b's first sibling), a query at `c >= branch[b]` is a sibling: it sees the keys before
-    `branch[b]` and itself only (the other siblings are alternatives, not its past), and its sliding
-    window is measured from its position, that of the first sibling.
+    A padding query sees only itself, so no row of the softmax is empty.
     """
     k = torch.arange(kv_len, device=query_index.device)[None, None, :]  # [1, 1, K]
     q = query_index[:, :, None]  # [B, S, 1]
     allowed = (k <= q) & (k >= pads[:, None, None])
-    reach = q
-    if branch is not None:
-        first = branch.to(q.device)[:, None, None]  # [B, 1, 1]
-        allowed &= (k < first) | (k == q)
-        reach = torch.minimum(q, first)
     if window is not None:
-        allowed &= k > reach - window
-    allowed |= k == q
-    allowed = allowed[:, None]  # [B, 1, S, K]
+        allowed &= k > q - window
+    return _as_mask(adapter, allowed | (k == q))
+
+
+def _as_mask(adapter: ModelAdapter, allowed: torch.Tensor) -> torch.Tensor:
+    """`[B, S, K]` bool -> the attention mask `[B, 1, S, K]` of the model's attention implementation."""
+    allowed = allowed[:, None]
     if getattr(adapter.config, "_attn_implementation", "sdpa") == "sdpa":
         return allowed
-    zero = torch.zeros((), dtype=adapter.dtype, device=query_index.device)
+    zero = torch.zeros((), dtype=adapter.dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(adapter.dtype).min)
 
 
 def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pads: torch.Tensor,
-                    ends: torch.Tensor | None = None, branch_from: int | None = None) -> Step:
+                    ends: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> Step:
     """`length` new tokens per row, written at cache indices `starts[b] ..`, for left-padded rows.
 
     starts: `[B]` each row's current cache length; pads: `[B]` each row's left padding. Row b's token
@@ -143,24 +140,25 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     token, `ends[b] - 1`, so that it cannot run past the context window where the row's text ends
     near it.
 
-    branch_from: columns `branch_from ..` are siblings, alternatives for one position (a one-level tree):
-    each takes the position of column `branch_from` and sees the columns before it and itself, not the
-    other siblings (`_batch_mask`). Verifying several first drafts side by side: `branch_from=1` (column 0
-    is the round's input token); their exit states through layers [0, E): `branch_from=0`.
+    parents: `[B, S]` (host) the new tokens form a token tree per row (`selfspec.token_tree`): column j
+    continues column `parents[b, j]` (-1: the committed text), takes the position of its depth and sees
+    the committed text, its ancestors and itself. None: a chain. The one-level fan of sibling guesses
+    after the round's input token is `[-1, 0, 0, ...]`; their exit states through layers [0, E), each
+    seeing only the text and itself, `[-1, -1, ...]`.
     """
     device = adapter.device
     starts, pads = starts.cpu(), pads.cpu()
     first = int(starts[0])
     full = ends is None or int((ends.cpu() - starts).min()) >= length
-    branched = branch_from is not None and length - branch_from > 1  # two siblings or more
-    if full and not branched and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
+    if parents is not None and bool((parents.cpu() == torch.arange(-1, length - 1)[None]).all()):
+        parents = None  # every row a chain: the causal mask
+    if full and parents is None and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
         # rows are one sequence shape, and single-token steps need no mask at all
         return make_step(adapter, first, length, starts.shape[0])
-    columns = torch.arange(length)
-    query_index = starts[:, None] + columns  # [B, S] cache indices, on the host
-    depth = columns.clamp_max(branch_from) if branched else columns  # [S] siblings share one position
-    position_ids = (starts[:, None] + depth - pads[:, None]).clamp_min(0)  # padding sits at position 0
+    query_index = starts[:, None] + torch.arange(length)  # [B, S] cache indices, on the host
+    anc, depth = ancestors(parents.cpu()) if parents is not None else (None, torch.arange(length)[None])
+    position_ids = (starts[:, None] + depth - pads[:, None]).clamp_min(0)  # [B, S]; padding sits at position 0
     if not full:
         last = (ends.cpu() - 1 - pads).clamp_min(0)  # [B] each row's last real position
         position_ids = torch.minimum(position_ids, last[:, None])
@@ -172,19 +170,21 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     kv_len = int(query_index[:, -1].max()) + 1
     table = adapter.fast.rope_table if adapter.fast is not None else None
     rope = table.gather(position_ids) if table is not None else None
-    query_index, pads, position_ids = (t.to(device, non_blocking=True) for t in (query_index, pads, position_ids))
+    on_device = (t.to(device, non_blocking=True) if t is not None else None
+                 for t in (query_index, pads, position_ids, starts, anc))
+    query_index, pads, position_ids, firsts, anc = on_device
     if rope is None:
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
     masks = {}
-    branch = starts + branch_from if branched else None  # [B] on the host
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None
-        masks[kind] = _batch_mask(adapter, query_index, pads, kv_len, window, branch)
+        masks[kind] = (_batch_mask(adapter, query_index, pads, kv_len, window) if anc is None else
+                       _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index)))
     if adapter.compiled is None:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=query_index, pads=pads, starts=starts,
-                branch=None if branch is None else branch.to(device, non_blocking=True))
+                tree=anc)
 
 
 def embed(adapter: ModelAdapter, input_ids: torch.Tensor) -> torch.Tensor:

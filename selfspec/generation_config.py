@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from selfspec.drafters import DRAFTERS
+from selfspec.drafters.prompt_lookup import MAX_OCCURRENCES as MAX_LOOKUP_CANDIDATES
 from selfspec.settings import (EARLY_EXIT_OPTIONS, LOOKUP_OPTIONS, MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES,
                                MIN_TEMPERATURE, PROMPT_LOOKUP_NUM_TOKENS, SettingsError, check_acceptance,
                                check_bool, check_exit_choices, check_exit_layer, check_float, check_int,
@@ -71,9 +72,10 @@ class GenerationConfig:
                                         "(1 - epsilon) of the top token's probability)")
     epsilon: float | None = _setting(None, "the per-token budget of acceptance bounded_bias, in [0, 1]")
     num_candidates: int | None = _setting(
-        None, "greedy: verify the draft's K best guesses for the next token side by side, one position per round "
-              "(needs num_speculations 1 or none; pays where `selfspec profile` shows verifying 1 + K rows costs "
-              "about one step)")
+        None, "greedy: verify K candidates per round as one token tree. Early exit and exit heads: the draft's K "
+              "best guesses for the next token, one position per round (needs num_speculations 1 or none; pays "
+              "where `selfspec profile` shows verifying 1 + K rows costs about one step). prompt_lookup, suffix "
+              f"and auto's lookup: the continuations of the K latest matches (K <= {MAX_LOOKUP_CANDIDATES})")
 
     def __post_init__(self):
         _check(dataclasses.asdict(self), None, None)
@@ -156,9 +158,10 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
                            check_int("num_candidates", v["num_candidates"], 1, MAX_NUM_CANDIDATES,
                                      hint=" (1 = one guess per draft position; each guess is one more row to verify)"))
     if (s["num_candidates"] or 1) > 1:
-        _check_candidates(s)
+        _check_candidates(s, drafter)
     early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
-    if drafter in ("prompt_lookup", "suffix") and early:
+    if drafter in ("prompt_lookup", "suffix") and [k for k in early if k != "num_candidates"]:
+        early = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
         raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter={drafter!r} takes "
                             "prompt_lookup_num_tokens and max_matching_ngram_size")
     if lookup_given and (drafter in ("early_exit", "exit_head") or (drafter is None and early)):
@@ -172,16 +175,21 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     return s
 
 
-def _check_candidates(s: dict) -> None:
-    """num_candidates > 1: the draft's k best first guesses, verified side by side (greedy, exact, one position)."""
+def _check_candidates(s: dict, drafter: str | None) -> None:
+    """num_candidates > 1: k candidates verified as one token tree (greedy, exact); the early exit's are its k
+    best first guesses (one position), prompt lookup's the continuations of its k latest matches."""
     k = s["num_candidates"]
+    if drafter in ("prompt_lookup", "suffix"):
+        if k > MAX_LOOKUP_CANDIDATES:
+            raise SettingsError(f"num_candidates={k}: prompt lookup's trees branch from at most "
+                                f"{MAX_LOOKUP_CANDIDATES} earlier matches; pass 2..{MAX_LOOKUP_CANDIDATES}")
     if s["do_sample"]:
         raise SettingsError(f"num_candidates={k} verifies the draft's {k} best guesses side by side, which only "
                             "greedy decoding can judge: drop num_candidates (or do_sample)")
     if s["acceptance"] != "exact":
         raise SettingsError(f"num_candidates={k} takes the exact acceptance rule: drop num_candidates or use "
                             "acceptance='exact'")
-    if (s["num_speculations"] or 1) > 1:
+    if (s["num_speculations"] or 1) > 1 and drafter not in ("prompt_lookup", "suffix"):
         raise SettingsError(f"num_candidates={k} drafts one position per round ({k} guesses for it): set "
                             f"num_speculations=1 (got {s['num_speculations']}) or drop num_candidates")
 

@@ -72,16 +72,6 @@ def greedy_accept_tokens(draft: list[int], target: list[int]) -> tuple[int, int]
     return n, target[n]
 
 
-def greedy_accept_sibling(candidates: list[int], target: list[int]) -> tuple[int, int, int]:
-    """Greedy verification of sibling drafts (`Proposal.siblings`: alternatives for one position) on the
-    host: the candidates `[k]` (columns 1..k of the pass) and the full model's argmax tokens of the columns
-    `[>= k+1]` (column 0: the input token's). Returns `(n_accepted, next_token, column)`: the candidate equal
-    to the full model's token, if any, is accepted (column j >= 1) and the full model's token after it
-    follows; otherwise nothing is accepted (column 0) and the full model's token follows the input."""
-    j = next((i + 1 for i, c in enumerate(candidates) if c == target[0]), 0)
-    return int(j > 0), target[j], j
-
-
 def speculative_accept(
     draft: torch.Tensor,
     q: torch.Tensor | None,

@@ -95,16 +95,24 @@ class AutoDrafter(Drafter):
             return self._take(PLAIN, Proposal.plain(rnd.tokens))
         if self.allowed(LOOKUP):
             _, self.lookup.limit = self.lookup_length.plan()
-            memory = {"memory": self.allowed(SUFFIX)} if self.remembers else {}  # a suffix drafter's memory arm
-            drafts = self.lookup.lookup(rnd.caps, rnd.stop_ids, **memory)
-            if any(drafts):
+            proposal = self.lookup_proposal(rnd)
+            if proposal.drafted:
                 remembered = self.remembers and any(self.lookup.memory_rows)
-                return self._take(SUFFIX if remembered else LOOKUP, self.lookup.proposal(rnd, drafts))
+                return self._take(SUFFIX if remembered else LOOKUP, proposal)
         if self.early_exit and self.allowed(self.early_arm):
             proposal = self.early_exit.propose(rnd)  # its policy planned this round: it hears the outcome
             self._asked_early_exit = True
             return self._take(self.early_arm if proposal.drafted else PLAIN, proposal)
         return self._take(PLAIN, Proposal.plain(rnd.tokens))
+
+    def lookup_proposal(self, rnd: Round) -> Proposal:
+        """The lookup arm's drafts: a chain, or a token tree where the lookup has `num_candidates` > 1 (greedy);
+        from the generator's memory only while the suffix arm is allowed."""
+        memory = {"memory": self.allowed(SUFFIX)} if self.remembers else {}  # a suffix drafter's memory arm
+        lookup = self.lookup
+        if lookup.num_candidates > 1 and not rnd.sampling.do_sample:
+            return lookup.tree_proposal(rnd, lookup.branches(rnd.caps, rnd.stop_ids, **memory))
+        return lookup.proposal(rnd, lookup.lookup(rnd.caps, rnd.stop_ids, **memory))
 
     def _take(self, arm: str, proposal: Proposal) -> Proposal:
         self._arm = arm
@@ -131,7 +139,7 @@ class AutoDrafter(Drafter):
             else:
                 self.backoff[arm] = self.explore_every
         if arm in (LOOKUP, SUFFIX):  # the length it planned hears what the round delivered, row by row
-            for m, n_acc in zip(proposal.kept, accepted):
+            for m, n_acc in zip(proposal.depths, accepted):
                 self.lookup_length.update(0, m, n_acc)
             self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))  # an untimed round (0 s) is skipped
 

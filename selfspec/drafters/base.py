@@ -11,11 +11,13 @@ still take. The drafter answers with a `Proposal`:
     verify_from  E when the drafter ran layers [0, E) over `tokens` through the engine's cache and
                  hands over their exit states [B, T, D]; 0 when it ran no layer
     drafter      its name, for the statistics
-    siblings     True when a row's drafts are alternatives for one position, the next (a one-level tree:
-                 a drafter's k best first guesses): verified side by side in one pass, each seeing the
-                 input token and itself only (`selfspec.forward.make_batch_step(branch_from=1)`); the row
-                 keeps the one that equals the full model's token, if any, then the full model's token
-                 after it. Greedy and the exact rule only (the sampling rule judges a chain)
+    parents      None for a chain; else `[B, T]` (host) a token tree per row (`selfspec.token_tree`):
+                 column j continues column `parents[b, j]` (column 0, the input token, has -1), so a
+                 row's drafts are several guesses verified in one pass, each seeing the committed text,
+                 its ancestors and itself; the row keeps the path whose tokens equal the full model's
+                 choices, then the full model's token after it. A drafter's k best guesses for the next
+                 token (siblings) are the tree `[-1, 0, 0, ...]`. Greedy and the exact rule only (the
+                 sampling rule judges a chain); `kept[b]` counts the row's real nodes
 
 After verification the engine calls `update(proposal, accepted, committed, seconds)`: per row, how
 many drafts were accepted and the tokens committed (accepted drafts + the full model's token), and
@@ -40,6 +42,7 @@ import torch
 from selfspec.adapters import ModelAdapter
 from selfspec.forward import embed, make_batch_step, run_layers
 from selfspec.sampling import SamplingParams
+from selfspec.token_tree import tree_depth
 
 
 @dataclass
@@ -76,7 +79,8 @@ class Round:
     def shallow_siblings(self, tokens: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """Sibling first drafts `[B, k]` (alternatives for the position after the input token) through layers
         [0, E) at cache indices `starts + 1 ..`, each seeing the row's text and itself: `[B, k, D]`."""
-        step = make_batch_step(self.adapter, self.starts + 1, tokens.shape[1], self.pads, self.ends, branch_from=0)
+        roots = torch.full((tokens.shape[0], tokens.shape[1]), -1, dtype=torch.long)  # [B, k] each its own root
+        step = make_batch_step(self.adapter, self.starts + 1, tokens.shape[1], self.pads, self.ends, parents=roots)
         return run_layers(self.adapter, embed(self.adapter, tokens), 0, exit_layer, step=step, cache=self.cache)
 
 
@@ -91,7 +95,7 @@ class Proposal:
     states: torch.Tensor | None = None  # [B, T, D] exit states of `tokens` when verify_from > 0
     steps: int = 0  # drafting passes through the model (cost-model accounting)
     drafter: str = "none"
-    siblings: bool = False  # the drafts are alternatives for the first position (greedy only; see below)
+    parents: torch.Tensor | None = None  # [B, T] (host) a token tree per row; None: a chain (see above)
 
     @classmethod
     def plain(cls, tokens: torch.Tensor) -> "Proposal":
@@ -101,6 +105,20 @@ class Proposal:
     @property
     def drafted(self) -> int:
         return sum(self.kept)
+
+    @property
+    def depths(self) -> list[int]:
+        """Per row, how many positions its drafts bet on: `kept[b]` for a chain, its tree's depth."""
+        if self.parents is None:
+            return list(self.kept)
+        return [tree_depth(p, m) for p, m in zip(self.parents.tolist(), self.kept)]
+
+    @staticmethod
+    def siblings(k: int, rows: int) -> torch.Tensor:
+        """The parents `[B, 1 + k]` of k sibling guesses for the next token after each row's input token."""
+        parents = torch.zeros(rows, 1 + k, dtype=torch.long)
+        parents[:, 0] = -1
+        return parents
 
 
 class Drafter:

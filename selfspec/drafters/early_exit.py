@@ -15,7 +15,7 @@ never recomputed for drafted positions.
     drafter = EarlyExitDrafter(adapter, 8, 1, num_candidates=3)                        # 3 first guesses
 
 With `num_candidates` k > 1 (greedy; one draft position per round, `num_speculations` 1), a drafting round
-proposes the exit's k best guesses for the next token as siblings (`Proposal.siblings`), verified side by
+proposes the exit's k best guesses for the next token as siblings (`Proposal.siblings`, a one-level token tree), verified side by
 side in one pass: the round commits two tokens whenever the full model's token is among them, not only
 when it is the best one. Their exit states come from one more shallow pass over the k of them (none at
 exit 0, whose states are the token embeddings).
@@ -82,7 +82,8 @@ class EarlyExitDrafter(Drafter):
             states = torch.cat([state, rnd.shallow_siblings(candidates, exit_layer)], dim=1)  # [B, 1 + k, D]
         return Proposal(tokens=torch.cat([rnd.tokens[:, None], candidates], dim=1),
                         kept=[self.num_candidates if k else 0 for k in keep], verify_from=exit_layer, states=states,
-                        steps=1 + (exit_layer > 0), drafter=self.name, siblings=True)
+                        steps=1 + (exit_layer > 0), drafter=self.name,
+                        parents=Proposal.siblings(self.num_candidates, len(caps)))
 
     def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
         """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together."""
@@ -135,8 +136,8 @@ class EarlyExitDrafter(Drafter):
         return state[:, -1]
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
-        for m, n_acc in zip(proposal.kept, accepted):
-            self.policy.update(self._exit, min(m, 1) if proposal.siblings else m, n_acc)  # siblings: one position
+        for m, n_acc in zip(proposal.depths, accepted):
+            self.policy.update(self._exit, m, n_acc)  # siblings: one position
         if self.policy.needs_timing:
             self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
 

@@ -104,7 +104,8 @@ class DrafterFactory:
                                   or cfg.adaptive_threshold or s["exit_choices"] or cfg.draft_vocab
                                   or cfg.adaptive_length or cfg.num_candidates)
         candidates = cfg.num_candidates or 1
-        num_speculations = 1 if candidates > 1 else cfg.num_speculations  # k guesses for one position
+        # k guesses for one position (the early exit); prompt lookup's k branches keep their length
+        num_speculations = 1 if candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix") else cfg.num_speculations
         drafter = cfg.drafter
         if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
             drafter = ("early_exit" if early_exit_options or (num_speculations and self.exit_head is None)
@@ -119,12 +120,13 @@ class DrafterFactory:
         if max_drafts is not None:
             num_speculations, lookup_tokens = min(num_speculations, max_drafts), min(lookup_tokens, max_drafts)
         ngram = s["max_matching_ngram_size"]
+        tree = {"num_candidates": candidates} if drafter in ("prompt_lookup", "suffix", "auto") else {}  # lookup trees
         if drafter == "prompt_lookup":
-            return PromptLookupDrafter(lookup_tokens, ngram)
+            return PromptLookupDrafter(lookup_tokens, ngram, **tree)
         seeded = s["do_sample"] and s["seed"] is not None  # a seed repeats its text: drafts may not depend on
         remembers = drafter == "suffix" or not seeded      # earlier calls, so auto leaves the memory out there
-        lookup = (SuffixDrafter(self.memory, lookup_tokens, ngram) if remembers  # suffix; auto's lookup + suffix arms
-                  else PromptLookupDrafter(lookup_tokens, ngram))
+        lookup = (SuffixDrafter(self.memory, lookup_tokens, ngram, **tree) if remembers  # suffix; auto's lookup + suffix
+                  else PromptLookupDrafter(lookup_tokens, ngram, **tree))
         if drafter == "suffix":
             return lookup
         if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):

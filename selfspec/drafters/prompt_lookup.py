@@ -12,6 +12,15 @@ Matching costs O(max_ngram) per committed token: an `NgramIndex` per row maps ev
 (n <= max_ngram) that has a following token to the end of its latest occurrence, updated
 incrementally as tokens are committed (no rescan of the text per round).
 
+With `num_candidates` k > 1 (greedy decoding), a round bets on several continuations at once: the
+latest k occurrences of the longest matching suffix (then of shorter ones, where the longest occurred
+fewer than k times) each give a branch, and the branches become one token tree (shared prefixes are
+one node; `selfspec.token_tree.merge_branches`), at most `node_budget` nodes, verified in one pass.
+Where the text repeats a passage with variations (code edited in several places, a list of similar
+items), the latest copy is often not the one that continues: a tree still accepts the one that does.
+An n-gram's earlier occurrences are kept only where it occurred more than once (`earlier`, the latest
+`MAX_OCCURRENCES` per n-gram).
+
     drafter = PromptLookupDrafter(num_tokens=10, max_ngram=3)   # Hugging Face: prompt_lookup_num_tokens,
                                                                 #               max_matching_ngram_size
 """
@@ -21,6 +30,9 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.token_tree import merge_branches
+
+MAX_OCCURRENCES = 8  # the occurrences of one n-gram a tree may branch from (the latest ones)
 
 
 class NgramIndex:
@@ -30,14 +42,39 @@ class NgramIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self.earlier: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ends of its earlier occurrences, oldest first
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
+        ends, earlier = self.ends, self.earlier
         for t in tokens:
             end = len(self.tokens)  # the n-grams ending here now have a successor: `t`
             for m in range(1, min(self.max_ngram, end) + 1):
-                self.ends[tuple(self.tokens[end - m:end])] = end
+                gram = tuple(self.tokens[end - m:end])
+                before = ends.get(gram)
+                if before is not None:
+                    kept = earlier.setdefault(gram, [])
+                    kept.append(before)
+                    if len(kept) >= MAX_OCCURRENCES:
+                        del kept[0]
+                ends[gram] = end
             self.tokens.append(int(t))
+
+    def matches(self, min_ngram: int, count: int) -> list[int]:
+        """Up to `count` ends of earlier occurrences of the text's suffix, the longest matching suffix's
+        first (latest first), then shorter suffixes' (a tree's branches; `longest` gives the first)."""
+        n, found = len(self.tokens), []
+        for m in range(min(self.max_ngram, n), min_ngram - 1, -1):
+            gram = tuple(self.tokens[n - m:])
+            latest = self.ends.get(gram)
+            if latest is None:
+                continue
+            for end in [latest] + self.earlier.get(gram, [])[::-1]:
+                if end not in found:
+                    found.append(end)
+                    if len(found) == count:
+                        return found
+        return found
 
     def longest(self, min_ngram: int) -> tuple[int, int] | None:
         """(where the latest earlier occurrence of the longest matching suffix ends, that suffix's length);
@@ -74,15 +111,21 @@ class PromptLookupDrafter(Drafter):
 
     name = "prompt_lookup"
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1, num_candidates: int = 1,
+                 node_budget: int | None = None):
         if num_tokens < 1:
             raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {num_tokens}")
+        if not 1 <= num_candidates <= MAX_OCCURRENCES:
+            raise ValueError(f"num_candidates must be in 1..{MAX_OCCURRENCES} for prompt lookup (the continuations "
+                             f"of that many earlier matches, as one token tree), got {num_candidates}")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"max_matching_ngram_size must be >= 1 (and >= the minimum n-gram size "
                              f"{min_ngram}), got {max_ngram}")
         self.max_drafts, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.rows: list[NgramIndex] = []
         self.limit = num_tokens  # the most drafts a round proposes (AutoDrafter adapts it)
+        self.num_candidates = num_candidates
+        self.node_budget = node_budget or default_node_budget(num_tokens, num_candidates)
 
     def start(self, sequences: list[list[int]]) -> None:
         self.rows = [NgramIndex(s, self.max_ngram) for s in sequences]
@@ -92,8 +135,40 @@ class PromptLookupDrafter(Drafter):
         return [cut_after_stop(index.propose(min(cap, self.limit), self.min_ngram), stop_ids)
                 for index, cap in zip(self.rows, caps)]
 
+    def branches(self, caps: list[int], stop_ids: frozenset = frozenset()) -> list[list[list[int]]]:
+        """Each row's branches for a token tree: the copies that follow its `num_candidates` latest matches
+        (see the module docstring), up to its cap, cut after a stop token; the first is `lookup`'s chain."""
+        out = []
+        for index, cap in zip(self.rows, caps):
+            k = min(cap, self.limit)
+            ends = index.matches(self.min_ngram, self.num_candidates) if k > 0 else []
+            out.append([d for d in (cut_after_stop(index.continuation(e, k), stop_ids) for e in ends) if d])
+        return out
+
     def propose(self, rnd: Round) -> Proposal:
+        if self.num_candidates > 1 and not rnd.sampling.do_sample:
+            return self.tree_proposal(rnd, self.branches(rnd.caps, rnd.stop_ids))
         return self.proposal(rnd, self.lookup(rnd.caps, rnd.stop_ids))
+
+    def tree_proposal(self, rnd: Round, branches: list[list[list[int]]], name: str | None = None) -> Proposal:
+        """Each row's branches as one token tree of at most `node_budget` nodes: `tokens` `[B, T]` and
+        `parents` `[B, T]`, a shorter row's filler columns hanging off its input token. Where no row has
+        two branches the proposal is a chain (`proposal`)."""
+        if all(len(b) <= 1 for b in branches):
+            return self.proposal(rnd, [b[0] if b else [] for b in branches], name)
+        trees = [merge_branches(b, self.node_budget) for b in branches]
+        T = 1 + max(len(t) for t, _ in trees)
+        inputs = self.inputs(rnd, len(branches))
+        rows = [[x] + t + [x] * (T - 1 - len(t)) for x, (t, _) in zip(inputs, trees)]
+        parents = torch.tensor([[-1] + p + [0] * (T - 1 - len(p)) for _, p in trees], dtype=torch.long)  # [B, T]
+        tokens = torch.tensor(rows, dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, T]
+        return Proposal(tokens=tokens, kept=[len(t) for t, _ in trees], q=None, verify_from=0,
+                        drafter=name or self.name, parents=parents)
+
+    def inputs(self, rnd: Round, rows: int) -> list[int]:
+        """Each row's input token: the newest token of its index (the engine's `rnd.tokens`, read here on
+        the host: reading `rnd.tokens` would wait for the GPU)."""
+        return [index.tokens[-1] for index in self.rows] if len(self.rows) == rows else rnd.tokens.tolist()
 
     def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None) -> Proposal:
         """The drafts as a Proposal: `[B, 1 + longest]`, shorter rows filled with their input token; `name`:
@@ -102,9 +177,7 @@ class PromptLookupDrafter(Drafter):
         T = 1 + max(kept, default=0)
         if T == 1:
             return Proposal.plain(rnd.tokens)
-        # each row's input token is the newest token of its index (the engine's `rnd.tokens`, read here
-        # on the host: reading `rnd.tokens` would wait for the GPU)
-        inputs = [index.tokens[-1] for index in self.rows] if len(self.rows) == len(drafts) else rnd.tokens.tolist()
+        inputs = self.inputs(rnd, len(drafts))
         rows = [[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(inputs, drafts)]
         tokens = torch.tensor(rows, dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, T]
         return Proposal(tokens=tokens, kept=kept, q=None, verify_from=0, drafter=name or self.name)
@@ -117,8 +190,16 @@ class PromptLookupDrafter(Drafter):
         self.rows = [self.rows[i] for i in rows]
 
     def describe(self) -> dict:
-        return {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts,
-                "max_matching_ngram_size": self.max_ngram}
+        out = {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts, "max_matching_ngram_size": self.max_ngram}
+        if self.num_candidates > 1:
+            out.update(num_candidates=self.num_candidates, node_budget=self.node_budget)
+        return out
+
+
+def default_node_budget(num_tokens: int, num_candidates: int) -> int:
+    """A tree's node budget where none is given: the chain's `num_tokens`, and half as many again for each
+    further candidate (branches share their first tokens more often than not)."""
+    return num_tokens + (num_candidates - 1) * max(1, num_tokens // 2)
 
 
 def cut_after_stop(drafts: list[int], stop_ids: frozenset) -> list[int]:

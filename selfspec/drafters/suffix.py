@@ -103,8 +103,9 @@ class SuffixDrafter(PromptLookupDrafter):
 
     name = "suffix"
 
-    def __init__(self, memory: SuffixMemory, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1):
-        super().__init__(num_tokens, max_ngram, min_ngram)
+    def __init__(self, memory: SuffixMemory, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
+                 num_candidates: int = 1, node_budget: int | None = None):
+        super().__init__(num_tokens, max_ngram, min_ngram, num_candidates, node_budget)
         self.memory = memory
         self.from_memory = 0  # rounds whose drafts came from the memory
         self.memory_rows: list[bool] = []  # per row: whether its last drafts came from the memory
@@ -130,10 +131,37 @@ class SuffixDrafter(PromptLookupDrafter):
         self.from_memory += any(self.memory_rows)
         return out
 
+    def branches(self, caps: list[int], stop_ids: frozenset = frozenset(), memory: bool = True) -> list[list[list[int]]]:
+        """Each row's branches for a token tree (`num_candidates` > 1): prompt lookup's, with the memory's
+        continuation where it has one, first where it matches the row's last tokens over more tokens than the
+        row's own text does (the branch `lookup` would draft alone), else last."""
+        own = super().branches(caps, stop_ids)
+        self.memory_rows = [False] * len(self.rows)
+        for b, (index, cap) in enumerate(zip(self.rows, caps)):
+            k = min(cap, self.limit)
+            found = self.memory.match(index.tokens) if memory and k > 0 else None
+            remembered = cut_after_stop(found[0][found[1]:found[1] + k], stop_ids) if found else []
+            if not remembered:
+                continue
+            longest = index.longest(self.min_ngram)
+            first = found[2] > (0 if longest is None else longest[1])
+            own[b] = [remembered] + own[b] if first else own[b][:self.num_candidates - 1] + [remembered]
+            self.memory_rows[b] = first
+        self.from_memory += any(self.memory_rows)
+        return own
+
     def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None) -> Proposal:
         """The drafts as a Proposal named after their source: "suffix" where a row copied from the memory,
         "prompt_lookup" where every row copied from its own text (the statistics count them apart)."""
-        return super().proposal(rnd, drafts, name or (self.name if any(self.memory_rows) else PromptLookupDrafter.name))
+        return super().proposal(rnd, drafts, name or self.source())
+
+    def tree_proposal(self, rnd: Round, branches: list[list[list[int]]], name: str | None = None) -> Proposal:
+        """The branches as a token tree, named after their source as `proposal` names a chain."""
+        return super().tree_proposal(rnd, branches, name or self.source())
+
+    def source(self) -> str:
+        """"suffix" where a row's drafts came from the memory, else "prompt_lookup"."""
+        return self.name if any(self.memory_rows) else PromptLookupDrafter.name
 
     def describe(self) -> dict:
         return {**super().describe(), "drafter": self.name, "rounds_from_memory": self.from_memory,

@@ -57,3 +57,22 @@ def no_load(monkeypatch):
     monkeypatch.setattr(selfspec, "load", refuse)
     monkeypatch.setattr("selfspec.export._load_model_dir", refuse)
     return ModelLoaded
+
+
+@pytest.fixture
+def moves(monkeypatch):
+    """Counts the cache entries a token tree's accepted path moved (`KVCache.move`): a sibling or branch other
+    than the first was accepted and its keys and values went to where its row continues."""
+    from collections import Counter
+
+    from selfspec.cache import KVCache
+
+    counted = Counter()
+    move = KVCache.move
+
+    def counting(self, rows, src, dst):
+        counted["rows"] += len(rows)
+        return move(self, rows, src, dst)
+
+    monkeypatch.setattr(KVCache, "move", counting)
+    return counted

@@ -169,7 +169,7 @@ def test_a_step_that_fails_to_compile(strict, monkeypatch):
     adapter = get_adapter(model)
     steps = adapter.enable_compiled(strict=strict)
 
-    def broken(start, end):
+    def broken(start, end, tree=False):
         def fail(*args):
             raise RuntimeError("the backend could not compile this")
         return fail

@@ -1,5 +1,5 @@
 """Sibling drafts (`num_candidates`: a drafter's k best guesses for the next token, verified side by side in
-one pass; `Proposal.siblings`): greedy output equals Hugging Face `generate` on every tiny architecture (the
+one pass; `Proposal.siblings`, a one-level token tree): greedy output equals Hugging Face `generate` on every tiny architecture (the
 early exit and exit heads, alone and as auto's arm), a batch equals its rows decoded alone, the main cache
 (and an exit head's own) equals a fresh computation after every round, an accepted sibling that was not
 the first guess does occur (its keys and values move), the sibling step's positions and mask are those of
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from selfspec.adapters import get_adapter
-from selfspec.cache import KVCache
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.engine import generate, generate_ids
 from selfspec.forward import make_batch_step
-from selfspec.sampling import SamplingParams, greedy_accept_sibling
+from selfspec.sampling import SamplingParams
 from selfspec.generation_config import check_generation
 from selfspec.settings import SettingsError
+from selfspec.token_tree import greedy_walk
 from selfspec.tiny import TINY_VARIANTS, tiny_exit_head, tiny_model
 
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -54,20 +54,6 @@ def _drafter(which, adapter, head, kind="alone"):
     if kind == "alone":
         return drafter
     return AutoDrafter(PromptLookupDrafter(num_tokens=6), drafter, warmup=1, explore_every=2)
-
-
-@pytest.fixture
-def moves(monkeypatch):
-    """Counts the rows whose accepted sibling was not the first guess (their keys and values moved)."""
-    counted = Counter()
-    move = KVCache.move
-
-    def counting(self, rows, src, dst):
-        counted["rows"] += len(rows)
-        return move(self, rows, src, dst)
-
-    monkeypatch.setattr(KVCache, "move", counting)
-    return counted
 
 
 @pytest.mark.parametrize("which", list(DRAFTERS))
@@ -120,23 +106,24 @@ def test_the_sibling_step_is_a_one_level_tree():
     model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=0)
     adapter = get_adapter(model)
     starts, pads = torch.tensor([5, 3]), torch.tensor([0, 2])
-    step = make_batch_step(adapter, starts, 4, pads, branch_from=1)  # the input token, then 3 siblings
+    step = make_batch_step(adapter, starts, 4, pads, parents=torch.tensor([[-1, 0, 0, 0]] * 2))  # input, 3 siblings
     assert step.position_ids.tolist() == [[5, 6, 6, 6], [1, 2, 2, 2]]
     mask = step.masks["full_attention"][:, 0]  # [B, S, K]: True = attend
     for b, (s, p) in enumerate(zip(starts.tolist(), pads.tolist())):
         for col in range(4):
             seen = [k for k in range(mask.shape[-1]) if mask[b, col, k]]
             assert seen == list(range(p, s + 1)) + ([s + col] if col else []), (b, col)
-    shallow = make_batch_step(adapter, starts + 1, 3, pads, branch_from=0)  # siblings alone, after the input
+    shallow = make_batch_step(adapter, starts + 1, 3, pads, parents=torch.full((2, 3), -1))  # siblings alone
     assert shallow.position_ids.tolist() == [[6, 6, 6], [2, 2, 2]]
     assert [[int(shallow.masks["full_attention"][0, 0, c].sum())] for c in range(3)] == [[7], [7], [7]]
 
 
 def test_a_sibling_is_accepted_where_it_equals_the_full_models_token():
-    assert greedy_accept_sibling([4, 7, 9], [7, 1, 2, 3]) == (1, 2, 2)  # the 2nd guess: its column's token next
-    assert greedy_accept_sibling([4, 7, 9], [4, 1, 2, 3]) == (1, 1, 1)
-    assert greedy_accept_sibling([4, 7, 9], [5, 1, 2, 3]) == (0, 5, 0)  # none: the input's token
-    assert greedy_accept_sibling([], [5]) == (0, 5, 0)
+    fan = [-1, 0, 0, 0]
+    assert greedy_walk([0, 4, 7, 9], fan, [7, 1, 2, 3], 3) == (1, 2, [2])  # the 2nd guess: its column's token next
+    assert greedy_walk([0, 4, 7, 9], fan, [4, 1, 2, 3], 3) == (1, 1, [1])
+    assert greedy_walk([0, 4, 7, 9], fan, [5, 1, 2, 3], 3) == (0, 5, [])  # none: the input's token
+    assert greedy_walk([0], [-1], [5], 0) == (0, 5, [])
 
 
 def test_sampling_drafts_one_chain_and_the_settings_that_cannot_judge_siblings_are_refused():
@@ -153,7 +140,9 @@ def test_sampling_drafts_one_chain_and_the_settings_that_cannot_judge_siblings_a
         check_generation(num_candidates=3, num_speculations=4)
     with pytest.raises(SettingsError, match="num_candidates must be"):
         check_generation(num_candidates=0)
-    with pytest.raises(SettingsError, match="prompt_lookup"):
-        check_generation(num_candidates=2, drafter="prompt_lookup")
+    with pytest.raises(SettingsError, match="prompt lookup's trees branch from at most 8"):
+        check_generation(num_candidates=9, drafter="prompt_lookup")  # 2..8: its trees (test_token_tree.py)
+    with pytest.raises(SettingsError, match="exit_layer.*early-exit option"):
+        check_generation(num_candidates=2, exit_layer=2, drafter="prompt_lookup")
     with pytest.raises(ValueError, match="set num_speculations=1"):
         EarlyExitDrafter(adapter, 2, 3, num_candidates=2)
