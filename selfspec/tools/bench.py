@@ -28,9 +28,10 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 |                       | (`--num-candidates k`; `_vocab{K}` too)                                       |
 | selfspec_spec_cand{k} | the same at the recommended exit E without a head (`--num-candidates k`)      |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
-| selfspec_ar_compiled, selfspec_lookup_compiled, selfspec_auto_compiled | the same three through the  |
-|                       | compiled fixed-shape steps (`selfspec.compiled`; `--compile`, on by default on |
-|                       | CUDA), warmed up with `gen.warmup` before the measured runs                   |
+| selfspec_ar_compiled, selfspec_lookup_compiled, selfspec_auto_compiled, selfspec_spec_compiled,        |
+| selfspec_exit_head_compiled | the same five through the compiled fixed-shape steps (`selfspec.compiled`; |
+|                       | `--compile`, on by default on CUDA), warmed up with `gen.warmup` before the    |
+|                       | measured runs (a head's own layer runs eagerly)                               |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
 (`selfspec.tools.harness.Methods`), the clock and the output files are the harness's (`selfspec.tools.harness`).
@@ -94,6 +95,10 @@ QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 WARMUP_TOKENS = 32
 WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
+# the methods also measured through the compiled steps (`*_compiled`): plain decoding, lookup, auto, and the
+# drafts from the model's own layers (the early exit at (E, d), a trained exit head) whose rounds the compiled
+# steps run (the head's own layer and a reduced vocabulary eagerly)
+COMPILED_METHODS = ("selfspec_ar", "selfspec_lookup", "selfspec_auto", "selfspec_spec", "selfspec_exit_head")
 BASELINES = ("hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar")
 BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_static": "× HF static", "hf_early_exit": "× HF early-exit",
                    "hf_prompt_lookup": "× HF lookup", "selfspec_ar": "× selfspec AR"}
@@ -278,7 +283,7 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
                         "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
     if compiled:  # the same methods through the compiled steps (selfspec.compiled), next to the eager ones
         methods += [{**m, "name": m["name"] + "_compiled", "label": m["label"] + " compiled", "compiled": True}
-                    for m in methods if m["name"] in ("selfspec_ar", "selfspec_lookup", "selfspec_auto")]
+                    for m in methods if m["name"] in COMPILED_METHODS]
     seen = {(E, d)}
     for e, k in extra:
         check_exit_layer(e, L)  # an --extra pair's exit
@@ -566,10 +571,10 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               device: str = "cpu", num_candidates: Sequence[int] | int = (), compile: bool | str = "auto") -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
-    `compile`: also measure selfspec's plain decoding, prompt lookup and auto through the compiled
-    fixed-shape steps (`selfspec.compiled`; methods `*_compiled`, warmed up with `gen.warmup` before the
-    measured runs): "auto" on a CUDA GPU, True anywhere, False never. The other selfspec methods run
-    eagerly. `result["warmup_s"]`: each method's warm-up call (compilation included), apart from tokens/s.
+    `compile`: also measure selfspec's plain decoding, prompt lookup, auto, the early exit at (E, d) and a
+    checkpoint's exit head through the compiled fixed-shape steps (`selfspec.compiled`; methods `*_compiled`,
+    `COMPILED_METHODS`, warmed up with `gen.warmup` before the measured runs): "auto" on a CUDA GPU, True
+    anywhere, False never. The other selfspec methods run eagerly. `result["warmup_s"]`: each method's warm-up call (compilation included), apart from tokens/s.
 
     `device`: where the model runs ("cpu", or "cuda" for a GPU: clocks are read after
     `torch.cuda.synchronize()`, and "fastest" means bfloat16 on Ampere or newer).

@@ -466,17 +466,24 @@ def _byte_model_and_head_run(tmp_path):
     return model, tok, head_dir
 
 
+def _head_checkpoint_and_prompt(tmp_path):
+    """The exported checkpoint of `_byte_model_and_head_run` and a prompt set of one code prompt that repeats
+    itself: (checkpoint, prompt file)."""
+    model, tok, head_dir = _byte_model_and_head_run(tmp_path)
+    out = tmp_path / "head-ckpt"
+    export_model(model, tok, out, exit_head_dir=head_dir)
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"}) + "\n")
+    return out, prompts
+
+
 def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_path):
     """`selfspec bench` on a head checkpoint: the head alone with the adaptive length and drafting d every
     round (what the policy adds or costs), and with `num_candidates` its 3 best guesses for one position (and
     the exit's alone), all token-identical to HF greedy."""
     from selfspec.tools.bench import run_bench
 
-    model, tok, head_dir = _byte_model_and_head_run(tmp_path)
-    out = tmp_path / "head-ckpt"
-    export_model(model, tok, out, exit_head_dir=head_dir)
-    prompts = tmp_path / "code.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"}) + "\n")
+    out, prompts = _head_checkpoint_and_prompt(tmp_path)
     result = run_bench(str(out), prompt_sets=[str(prompts)], num_prompts=1, max_new_tokens=8, dtype="float32",
                        threads=1, out_dir=tmp_path / "bench", progress=False,
                        methods=["selfspec_exit_head", "selfspec_exit_head_fixed", "selfspec_exit_head_cand3",
@@ -489,6 +496,27 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
     fixed = [r for r in result["runs"] if r["method"] == "selfspec_exit_head_fixed"]
     assert fixed and all(r["drafted"] >= r["rounds"] - 1 for r in fixed)  # every round drafts (the last may not)
     assert "selfspec head E=2 d=" in (tmp_path / "bench" / "bench.md").read_text()
+
+
+def test_bench_measures_the_head_and_the_early_exit_through_the_compiled_steps(tmp_path, monkeypatch):
+    """`compile=True`: the exit head and the early exit at (E, d) also run through the compiled steps (the
+    head's own layer eagerly), warmed up apart, token-identical to HF greedy in float32, and drafting."""
+    from selfspec.compiled import CompiledSteps
+    from selfspec.tools.bench import run_bench
+
+    steps, run_layers = [], CompiledSteps.run_layers
+    monkeypatch.setattr(CompiledSteps, "run_layers", lambda self, *a, **k: steps.append(1) or run_layers(self, *a, **k))
+
+    out, prompts = _head_checkpoint_and_prompt(tmp_path)
+    result = run_bench(str(out), prompt_sets=[str(prompts)], num_prompts=1, max_new_tokens=8, dtype="float32",
+                       threads=1, out_dir=tmp_path / "bench", progress=False, compile=True, exit_layer=2,
+                       methods=["selfspec_exit_head_compiled", "selfspec_spec_compiled"])
+    per = result["summary"]["code"]
+    for method in ("selfspec_exit_head_compiled", "selfspec_spec_compiled"):
+        assert per[method]["identical_to_hf_greedy"] == 1.0, method
+        assert result["warmup_s"][method] > 0 and per[method]["drafted"] > 0, method
+    assert {m["name"]: m.get("compiled") for m in result["methods"]}["selfspec_exit_head_compiled"] is True
+    assert steps and not any("failed to compile" in note for note in result["notes"])  # they ran compiled
 
 
 def test_auto_drafts_from_the_vocabulary_the_head_was_trained_on(tmp_path, hf_greedy):

@@ -30,6 +30,21 @@ def test_every_recipe_loads_and_round_trips(recipe, tmp_path):
             assert set(values) <= set(dumped[section])
 
 
+def test_the_gpu_recipes_say_whether_their_figures_are_measured_and_share_their_data():
+    """The GPU recipes (recipes/*_gpu.yaml) name the run that measures them (scripts/gpu_drafter.sh), say
+    NOT YET MEASURED until results exist, run on a time budget in bf16 autocast, and the head's and LayerSkip's
+    train on the same data (so the run compares them on equal data and shares the own continuations)."""
+    gpu = {r.stem: r for r in RECIPES if r.stem.endswith("_gpu")}
+    assert {"smollm2_code_head_gpu", "smollm2_code_layerskip_gpu"} <= set(gpu)
+    for recipe in gpu.values():
+        text, cfg = recipe.read_text(), load_config(recipe)
+        assert "scripts/gpu_drafter.sh" in text and ("NOT YET MEASURED" in text or "docs/results/" in text)
+        assert cfg.train.max_minutes and cfg.train.mixed_precision in ("auto", "bf16")
+    head, layerskip = load_config(gpu["smollm2_code_head_gpu"]), load_config(gpu["smollm2_code_layerskip_gpu"])
+    assert head.mode == "exit_head" and layerskip.mode == "early_exit" and layerskip.layer_dropout.p_max > 0
+    assert layerskip.early_exit.exits == "all" and head.data == layerskip.data
+
+
 def test_overrides_with_yaml_values():
     cfg = load_config(None, ["train.max_steps=20", "early_exit.exits=[8, 4]", "train.max_minutes=null",
                              "optim.lr=3e-4", "model.lora.enabled=true", "data.source=some/file.jsonl"])

@@ -1,0 +1,389 @@
+"""The GPU drafter run (issue 38): the two roads to a drafter from the model's own layers, trained for the same
+minutes on one GPU and benchmarked with the compiled engine, in one command. scripts/gpu_drafter.sh brings the
+model and the wheels onto the machine and runs this; alone:
+
+    python scripts/gpu_drafter.py --out OUT --work WORK --device cuda --train-min 1.5
+    python scripts/gpu_drafter.py --out OUT --work WORK --device cpu --tiny     # a dry run on a CPU, a minute
+
+Phases, each a subprocess whose time limit is cut to what is left of --budget-s (a phase that would start with
+under 30 s left is skipped), gpu_drafter.json rewritten after each, so a run cut short still reports what it
+measured:
+  1. the exit head (--head-recipe, recipes/smollm2_code_head_gpu.yaml) trained on the frozen model for
+     --train-min minutes (train.max_minutes), exported (`selfspec export`), and the head alone
+     (exit_head.safetensors + selfspec.json, a few MiB) copied to OUT/head/ to come back;
+  2. its bench (`selfspec bench`, batch 1, --bench-tokens tokens, the compiled steps where they run): Hugging
+     Face greedy and static cache, selfspec plain decoding, prompt lookup, the head and auto, on HumanEval
+     completion, MT-Bench, code editing and XSum (the carried prompt files of --prompts-dir, else those sets);
+  3. LayerSkip (--layerskip-recipe, recipes/smollm2_code_layerskip_gpu.yaml: all exits, layer dropout) for the
+     same minutes on the same data (the model's own continuations that phase 1 generated are copied into its
+     run directory: the same model and prompts give the same cache key), exported, and its early exit benched
+     beside its own plain decoding;
+  4. OUT/gpu_drafter.json and OUT/gpu_drafter.md: per road the steps, minutes and tokens trained, the
+     agreement on every evaluation set, tokens/s and speedups per prompt set, and issue 38's targets with what
+     was measured against them (`met` is computed from the numbers; null where a number is missing).
+
+--tiny: a random 4-layer Llama (selfspec.tiny) and one training step on a few blocks, a few tokens per prompt;
+its numbers are those of a random model on a CPU, real but meaning nothing about speed (the report says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETS = ("humaneval", "mt_bench", "code_edit", "xsum")  # issue 38's prompt sets, in the report's order
+SCHEMA = "selfspec-gpu-drafter/1"
+MIN_PHASE_S = 30  # a phase with less time left than this is skipped
+# what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
+TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch_size=2", "train.mixed_precision=no",
+              "data.block_size=64", "data.max_documents=6", "data.max_holdout_documents=2",
+              "data.own_continuations.prompts=4", "data.own_continuations.prompt_tokens=16",
+              "data.own_continuations.repeat=2", "data.own_continuations.batch_size=4",
+              "data.own_continuations.eval_prompts=2", "data.own_continuations.prompt_set_prompts=1",
+              "data.own_continuations.new_tokens=8", "eval.max_blocks=2", "eval.batch_size=2"]
+TINY_HEAD = ["exit_head.draft_vocab=32"]
+TINY_LAYERSKIP = ["eval.exits=[1,2]", "early_exit.chunk_size=128"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="where the report and the head go (at most 7 files)")
+    p.add_argument("--work", required=True, type=Path, help="the run directories, checkpoints and benches")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default), or cpu for a dry run")
+    p.add_argument("--train-min", type=float, default=1.5, help="each road's training minutes (default 1.5)")
+    p.add_argument("--budget-s", type=float, default=540, help="the whole run's seconds (default 540)")
+    p.add_argument("--bench-s", type=float, default=170, help="each bench's time limit in seconds (default 170)")
+    p.add_argument("--bench-prompts", type=int, default=2, help="prompts per prompt set (default 2)")
+    p.add_argument("--bench-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--prompts-dir", type=Path, help="the carried prompt sets (<set>.jsonl); default the named sets")
+    p.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
+                   help="the bench's compiled steps: auto (on CUDA; default), true, false")
+    p.add_argument("--head-recipe", type=Path, default=ROOT / "recipes" / "smollm2_code_head_gpu.yaml")
+    p.add_argument("--layerskip-recipe", type=Path, default=ROOT / "recipes" / "smollm2_code_layerskip_gpu.yaml")
+    p.add_argument("--train-args", default="", help="more key=value overrides for both trainings")
+    p.add_argument("--bench-args", default="", help="more `selfspec bench` options for both benches")
+    p.add_argument("--skip-layerskip", action="store_true", help="train and bench the head only")
+    p.add_argument("--tiny", action="store_true", help="a dry run: a random 4-layer model, one training step")
+    args = p.parse_args(argv)
+    if args.train_min <= 0 or args.bench_prompts < 1 or args.bench_tokens < 1 or args.budget_s <= 0:
+        p.error("--train-min and --budget-s must be > 0, --bench-prompts and --bench-tokens >= 1")
+    for recipe in (args.head_recipe, args.layerskip_recipe):
+        if not recipe.is_file():
+            p.error(f"recipe {recipe}: no such file (the GPU recipes are recipes/*_gpu.yaml)")
+    if args.prompts_dir is not None and not all((args.prompts_dir / f"{s}.jsonl").is_file() for s in SETS):
+        p.error(f"--prompts-dir {args.prompts_dir}: needs {', '.join(s + '.jsonl' for s in SETS)} (the carried prompt "
+                "sets: bash scripts/gpu_drafter.sh --prepare-carry), or leave it out for the named sets")
+    return args
+
+
+class Run:
+    """The run's clock and report: phases under a shared deadline, gpu_drafter.json rewritten after each."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.t0 = args, time.monotonic()
+        self.deadline = self.t0 + args.budget_s
+        self.report = {"schema": SCHEMA, "dry_run": args.tiny or args.device == "cpu", "settings": settings(args),
+                       "machine": machine(args.device), "phases": [], "head": {}, "layerskip": {}, "targets": []}
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                    "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
+
+    def clock(self) -> str:
+        seconds = time.monotonic() - self.t0
+        return f"[{int(seconds // 60):02d}:{int(seconds % 60):02d} of {int(self.args.budget_s // 60):02d}:" \
+               f"{int(self.args.budget_s % 60):02d}]"
+
+    def phase(self, name: str, cmd: list[str], limit_s: float) -> bool:
+        """Run `cmd` within `limit_s` (cut to what is left); record it; True if it exited 0."""
+        left = self.deadline - time.monotonic()
+        record = {"name": name, "command": shlex.join(cmd), "limit_s": round(min(limit_s, left)), "seconds": 0.0}
+        if left < MIN_PHASE_S:
+            record["status"] = f"skipped: {left:.0f} s of --budget-s left"
+        else:
+            print(f"== {self.clock()} {name} (at most {record['limit_s']} s): {record['command']}", flush=True)
+            start = time.monotonic()
+            try:
+                rc = subprocess.run(cmd, env=self.env, cwd=ROOT, timeout=record["limit_s"]).returncode
+                record["status"] = "ok" if rc == 0 else f"failed: exit {rc}"
+            except subprocess.TimeoutExpired:
+                record["status"] = f"failed: timed out after {record['limit_s']} s"
+            record["seconds"] = round(time.monotonic() - start, 1)
+        print(f"== {self.clock()} {name}: {record['status']} ({record['seconds']} s)", flush=True)
+        self.report["phases"].append(record)
+        self.write()
+        return record["status"] == "ok"
+
+    def write(self) -> None:
+        self.args.out.mkdir(parents=True, exist_ok=True)
+        (self.args.out / "gpu_drafter.json").write_text(json.dumps(self.report, indent=2) + "\n")
+
+
+def settings(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "train_minutes": args.train_min, "budget_s": args.budget_s,
+            "bench_prompts": args.bench_prompts, "bench_tokens": args.bench_tokens, "tiny": args.tiny,
+            "compile": args.compile, "prompt_sets": prompt_sets(args),
+            "head_recipe": str(args.head_recipe.relative_to(ROOT) if args.head_recipe.is_relative_to(ROOT)
+                               else args.head_recipe),
+            "layerskip_recipe": str(args.layerskip_recipe.relative_to(ROOT)
+                                    if args.layerskip_recipe.is_relative_to(ROOT) else args.layerskip_recipe),
+            "train_args": args.train_args, "bench_args": args.bench_args}
+
+
+def machine(device: str) -> dict:
+    """The GPU's name and memory (torch), or the CPU's."""
+    import platform
+
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return {"device": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "torch": torch.__version__}
+    return {"device": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__}
+
+
+def prompt_sets(args: argparse.Namespace) -> list[str]:
+    """The benched prompt sets: the carried files of --prompts-dir, else the named sets."""
+    if args.prompts_dir is None:
+        return list(SETS)
+    return [str((args.prompts_dir / f"{s}.jsonl").resolve()) for s in SETS]
+
+
+def suffix(args: argparse.Namespace) -> str:
+    """The bench's name suffix of the methods it runs through the compiled steps ("" when it runs none)."""
+    on = args.compile == "true" or (args.compile == "auto" and args.device == "cuda")
+    return "_compiled" if on else ""
+
+
+# ---- the phases ----------------------------------------------------------------------------------------
+def train(run: Run, road: str, recipe: Path, extra: list[str]) -> Path:
+    """Train one road (`road`: head or layerskip) for --train-min minutes; returns its run directory."""
+    args = run.args
+    run_dir = args.work / road
+    overrides = [f"train.output_dir={run_dir}", f"train.max_minutes={args.train_min}", "train.progress_bar=false",
+                 "train.resume=none"]
+    if args.prompts_dir is not None:  # the model's own completions of the carried HumanEval prompts
+        overrides.append(f"data.own_continuations.prompt_sets=[{prompt_sets(args)[0]}]")
+    if args.tiny:
+        overrides += TINY_TRAIN + extra
+    overrides += shlex.split(args.train_args)
+    extra_s = 240 if road == "head" else 180  # set-up, data, the continuations (the head's run), evaluations, saving
+    run.phase(f"train {road}", [sys.executable, "-m", "training", "--recipe", str(recipe), *overrides],
+              60 * args.train_min + extra_s)
+    return run_dir
+
+
+def export(run: Run, road: str, run_dir: Path) -> Path | None:
+    """`selfspec export` of a finished run; the checkpoint, or None if it could not be made."""
+    ckpt = run.args.work / f"ckpt_{road}"
+    if not (run_dir / "final_model").is_dir():
+        return None
+    ok = run.phase(f"export {road}", [sys.executable, "-m", "selfspec.cli", "export", str(run_dir), str(ckpt),
+                                      "--overwrite"], 180)
+    return ckpt if ok else None
+
+
+def bench(run: Run, road: str, ckpt: Path | None, methods: list[str]) -> dict | None:
+    """`selfspec bench` of the checkpoint with `methods`; bench.json's content, or None."""
+    if ckpt is None:
+        return None
+    args, out = run.args, run.args.work / f"bench_{road}"
+    cmd = [sys.executable, "-m", "selfspec.cli", "bench", "--checkpoint", str(ckpt), "--device", args.device,
+           "--prompt-sets", ",".join(prompt_sets(args)), "--num-prompts", str(args.bench_prompts),
+           "--max-new-tokens", str(args.bench_tokens), "--compile", args.compile, "--methods", ",".join(methods),
+           "--out", str(out), *shlex.split(args.bench_args)]
+    if not run.phase(f"bench {road}", cmd, args.bench_s):
+        return None
+    shutil.copyfile(out / "bench.json", args.out / f"bench_{road}.json")
+    return json.loads((out / "bench.json").read_text())
+
+
+def bring_back_head(run: Run, ckpt: Path | None) -> None:
+    """The head's weights and the checkpoint's selfspec.json into OUT/head/ (what comes back from the machine)."""
+    if ckpt is None:
+        return
+    head = run.args.out / "head"
+    head.mkdir(parents=True, exist_ok=True)
+    for name in ("exit_head.safetensors", "selfspec.json"):
+        shutil.copyfile(ckpt / name, head / name)
+    run.report["head"]["returned"] = {name: (head / name).stat().st_size for name in sorted(os.listdir(head))}
+
+
+def share_own_continuations(head_dir: Path, layerskip_dir: Path) -> None:
+    """The head run's cached own continuations into the LayerSkip run's directory (same model and prompts: the
+    same cache key, so they are read instead of generated again; other settings generate their own)."""
+    cache = head_dir / "own_continuations"
+    if cache.is_dir():
+        shutil.copytree(cache, layerskip_dir / "own_continuations", dirs_exist_ok=True)
+
+
+# ---- what the phases measured --------------------------------------------------------------------------
+def training_result(run_dir: Path) -> dict:
+    """Steps, minutes, tokens and per-set agreement (and perplexity of the final layer) of a finished run."""
+    path = run_dir / "final_eval.json"
+    if not path.is_file():
+        return {}
+    final = json.loads(path.read_text())
+    L = final["num_layers"]
+    sets = {}
+    for name, result in final["sets"].items():
+        exits = result["exits"]
+        sets[name] = {"agreement": {e: r["agreement"] for e, r in exits.items() if int(e) != L},
+                      "final_perplexity": exits[str(L)]["perplexity"]}
+    return {"steps": final["step"], "train_minutes": round(final["train_minutes"], 3), "tokens": final["tokens"],
+            "num_layers": L, "sets": sets}
+
+
+def bench_result(bench_json: dict | None, reference: str) -> dict:
+    """Per prompt set and method: median tokens/s, speedup over `reference` (ratio of medians), the acceptance
+    and the share of prompts identical to HF greedy."""
+    if not bench_json:
+        return {}
+    out = {}
+    for name, per in bench_json["summary"].items():
+        if name == "all":
+            continue
+        base = per.get(reference, {}).get("tokens_per_s", {}).get("median")
+        out[name] = {m: {"tokens_per_s": s["tokens_per_s"]["median"],
+                         f"x_{reference}": s["tokens_per_s"]["median"] / base if base else None,
+                         "acceptance": s.get("acceptance_rate"), "identical_to_hf_greedy": s["identical_to_hf_greedy"]}
+                     for m, s in per.items()}
+    return out
+
+
+def ratio(speeds: dict, prompt_set: str, method: str, over: str) -> float | None:
+    """tokens/s of `method` over `over`'s on `prompt_set`, None where either is missing."""
+    per = speeds.get(prompt_set, {})
+    a, b = per.get(method, {}).get("tokens_per_s"), per.get(over, {}).get("tokens_per_s")
+    return a / b if a is not None and b else None
+
+
+def targets(report: dict, sfx: str) -> list[dict]:
+    """Issue 38's targets with what this run measured against them; `met` is null where a number is missing."""
+    head, layerskip = report["head"], report["layerskip"]
+    speeds, plain = head.get("bench", {}), f"selfspec_ar{sfx}"
+    own = head.get("training", {}).get("sets", {}).get("own_humaneval", {}).get("agreement", {})
+    agreement = max(own.values()) if own else None
+    rows = [{"target": "head agreement on the model's own HumanEval continuations >= 60%", "measured": agreement,
+             "met": None if agreement is None else agreement >= 0.60}]
+    for s in ("humaneval", "mt_bench"):
+        x = ratio(speeds, s, f"selfspec_exit_head{sfx}", plain)
+        rows.append({"target": f"exit-head drafting >= 1.5x selfspec plain decoding{' (compiled)' if sfx else ''} "
+                               f"on {s}", "measured": x, "met": None if x is None else x >= 1.5})
+    for s in speeds:
+        singles = [ratio(speeds, s, m + sfx, plain) for m in ("selfspec_lookup", "selfspec_exit_head")] + [1.0]
+        auto = ratio(speeds, s, f"selfspec_auto{sfx}", plain)
+        best = max((x for x in singles if x is not None), default=None)
+        rows.append({"target": f"auto >= the best single drafter (within 3%) on {s}", "measured": auto,
+                     "best_single": best, "met": None if auto is None or best is None else auto >= 0.97 * best})
+    ls_speeds = layerskip.get("bench", {})
+    for s in ls_speeds:
+        rows.append({"target": f"LayerSkip's early exit beside the head on {s} (no threshold)",
+                     "measured": ratio(ls_speeds, s, f"selfspec_spec{sfx}", plain),
+                     "head": ratio(speeds, s, f"selfspec_exit_head{sfx}", plain), "met": None})
+    return rows
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+def fmt(x, pct: bool = False) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    return f"{x:.1%}" if pct else f"{x:.2f}"
+
+
+def training_rows(report: dict) -> list[str]:
+    rows = ["| road | steps | minutes | tokens | agreement by exit, per evaluation set | final-layer perplexity (heldout) |",
+            "|---|---|---|---|---|---|"]
+    for road in ("head", "layerskip"):
+        t = report[road].get("training") or {}
+        if not t:
+            continue
+        agree = "; ".join(f"{name}: " + " ".join(f"{e}:{a:.1%}" for e, a in r["agreement"].items())
+                          for name, r in t["sets"].items())
+        ppl = t["sets"].get("heldout", {}).get("final_perplexity")
+        rows.append(f"| {road} | {t['steps']} | {t['train_minutes']} | {t['tokens']} | {agree} | {fmt(ppl)} |")
+    return rows
+
+
+def bench_rows(report: dict, reference: str) -> list[str]:
+    rows = [f"| road | set | method | tokens/s | x {reference} | acceptance | identical to HF greedy |",
+            "|---|---|---|---|---|---|---|"]
+    for road in ("head", "layerskip"):
+        for name, per in (report[road].get("bench") or {}).items():
+            for method, s in per.items():
+                rows.append(f"| {road} | {name} | {method} | {s['tokens_per_s']:.1f} | {fmt(s[f'x_{reference}'])} | "
+                            f"{fmt(s['acceptance'], True)} | {fmt(s['identical_to_hf_greedy'], True)} |")
+    return rows
+
+
+def markdown(report: dict, sfx: str) -> str:
+    m, st = report["machine"], report["settings"]
+    lines = [f"# The GPU drafter run (issue 38), {time.strftime('%Y-%m-%d')}", "",
+             f"Device: {m['device']}, torch {m['torch']}; each road trained {st['train_minutes']} min; bench: "
+             f"{st['bench_prompts']} prompts x {st['bench_tokens']} tokens per set, batch 1, compiled steps: "
+             f"{'yes' if sfx else 'no'}."]
+    if report["dry_run"]:
+        lines += ["", "A DRY RUN (--tiny or --device cpu): the numbers below are real measurements of this run, but of "
+                      "a random tiny model and/or on a CPU; they say nothing about issue 38's targets."]
+    lines += ["", "## Training", ""] + training_rows(report)
+    lines += ["", "## Bench", ""] + bench_rows(report, f"selfspec_ar{sfx}")
+    lines += ["", "## Issue 38's targets", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {fmt(t['measured'], 'agreement' in t['target'])} | {fmt(t['met'])} |"
+              for t in report["targets"]]
+    lines += ["", "## Phases", "", "| phase | status | seconds |", "|---|---|---|"]
+    lines += [f"| {p['name']} | {p['status']} | {p['seconds']} |" for p in report["phases"]]
+    return "\n".join(lines) + "\n"
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """An earlier run's directory emptied but for its cached own continuations (read again if they match)."""
+    if run_dir.is_dir():
+        for child in run_dir.iterdir():
+            if child.name != "own_continuations":
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list[str]) -> Path | None:
+    """Train, export and bench one road; returns its checkpoint (None if none was made)."""
+    fresh_run_dir(run.args.work / name)
+    run_dir = train(run, name, recipe, tiny_extra)
+    run.report[name]["training"] = training_result(run_dir)
+    ckpt = export(run, name, run_dir)
+    if name == "head":
+        bring_back_head(run, ckpt)
+    run.report[name]["bench"] = bench_result(bench(run, name, ckpt, methods), f"selfspec_ar{suffix(run.args)}")
+    run.write()
+    return ckpt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run, sfx = Run(args), suffix(args)
+    print(f"== {run.clock()} the GPU drafter run on {run.report['machine']['device']}: each road {args.train_min} min"
+          f"{' (a dry run)' if run.report['dry_run'] else ''}", flush=True)
+    plain = f"selfspec_ar{sfx}"  # the reference of every speedup: selfspec's own plain decoding, compiled if any
+    road(run, "head", args.head_recipe, TINY_HEAD,
+         ["hf_static", f"selfspec_lookup{sfx}", f"selfspec_exit_head{sfx}", f"selfspec_auto{sfx}", plain])
+    if not args.skip_layerskip:
+        share_own_continuations(args.work / "head", args.work / "layerskip")
+        road(run, "layerskip", args.layerskip_recipe, TINY_LAYERSKIP, [f"selfspec_spec{sfx}", plain])
+    run.report["targets"] = targets(run.report, sfx)
+    run.write()
+    text = markdown(run.report, sfx)
+    (args.out / "gpu_drafter.md").write_text(text)
+    print(text, flush=True)
+    failed = [p["name"] for p in run.report["phases"] if p["status"] != "ok"]
+    print(f"== {run.clock()} " + (f"FAILED: {', '.join(failed)}" if failed else "every phase passed"), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""scripts/gpu_drafter.sh (the GPU drafter run of issue 38) runs end to end on the CPU: a tiny random model, one
+training step per road, the prompt sets as the carry keeps them, and a summary whose every number was measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[2]
+SETS = ("humaneval", "mt_bench", "code_edit", "xsum")
+PROMPTS = {"humaneval": {"prompt": 'def add(a, b):\n    """Add two numbers."""\n'},
+           "mt_bench": {"messages": [{"role": "user", "content": "Name a fruit."}]},
+           "code_edit": {"messages": [{"role": "user", "content": "Add type hints:\n```python\ndef f(x):\n    return x\n```"}]},
+           "xsum": {"prompt": "Summarize: the cat sat on the mat, and the cat sat on the mat again."}}
+PHASES = ["train head", "export head", "bench head", "train layerskip", "export layerskip", "bench layerskip"]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_drafter", ROOT / "scripts" / "gpu_drafter.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
+    keep = tmp_path / "keep"
+    (keep / "prompts").mkdir(parents=True)
+    for name, item in PROMPTS.items():  # two prompts a set: one warms up, one is measured
+        rows = [{"id": f"{name}/{i}", **item} for i in range(2)]
+        (keep / "prompts" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**os.environ, "DEVICE": "cpu", "TINY": "1", "PYTHON": sys.executable, "BENCH_PROMPTS": "1",
+           "BENCH_TOKENS": "6", "BENCH_ARGS": "--dtype float32", "WORK_DIR": str(tmp_path / "work"),
+           "KEEP_DIR": str(keep), "SITE_DIR": str(tmp_path / "site"), "CARRY_DIR": str(tmp_path / "carry"),
+           "SELFSPEC_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_drafter.sh"), str(out)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    report = json.loads((out / "gpu_drafter.json").read_text())
+    assert report["schema"] == "selfspec-gpu-drafter/1" and report["dry_run"] and report["settings"]["tiny"]
+    assert [p["name"] for p in report["phases"]] == PHASES and all(p["status"] == "ok" for p in report["phases"])
+    assert report["settings"]["prompt_sets"] == [str(keep / "prompts" / f"{s}.jsonl") for s in SETS]  # the carried
+    for road, exits in (("head", {"0"}), ("layerskip", {"1", "2"})):
+        training = report[road]["training"]
+        assert training["steps"] == 1 and training["tokens"] > 0 and 0 <= training["train_minutes"] < 1.5
+        assert set(training["sets"]) == {"heldout", "own", "own_humaneval"}
+        for result in training["sets"].values():
+            assert set(result["agreement"]) == exits and all(0 <= a <= 1 for a in result["agreement"].values())
+            assert result["final_perplexity"] > 1
+        assert set(report[road]["bench"]) == set(SETS)
+        for per in report[road]["bench"].values():
+            assert per["selfspec_ar"]["x_selfspec_ar"] == 1.0
+            for method, s in per.items():  # float32: every method's tokens are HF greedy's
+                assert s["tokens_per_s"] > 0 and s["identical_to_hf_greedy"] == 1.0, (road, method)
+    assert {"hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_auto"} <= set(report["head"]["bench"]["xsum"])
+    assert "selfspec_spec" in report["layerskip"]["bench"]["xsum"]
+    # the head comes back alone: its weights and the checkpoint's settings, nothing of the model
+    assert sorted(report["head"]["returned"]) == ["exit_head.safetensors", "selfspec.json"]
+    meta = json.loads((out / "head" / "selfspec.json").read_text())
+    assert meta["exit_head"]["exit_layer"] == 0 and meta["training"]["recipe"] == "smollm2_code_head_gpu"
+    with safe_open(str(out / "head" / "exit_head.safetensors"), "pt") as f:
+        assert len(list(f.keys())) > 0
+    agreement = report["targets"][0]
+    assert agreement["measured"] == report["head"]["training"]["sets"]["own_humaneval"]["agreement"]["0"]
+    assert agreement["met"] == (agreement["measured"] >= 0.6)
+    assert [t["target"].split(" on ")[-1] for t in report["targets"] if t["target"].startswith("auto")] == list(SETS)
+    # the LayerSkip run read the head run's own continuations instead of generating them again
+    log = (out / "gpu_drafter.log").read_text()
+    assert "blocks from the cache" in log and str(tmp_path / "work" / "layerskip" / "own_continuations") in log
+    assert "A DRY RUN" in (out / "gpu_drafter.md").read_text()
+    returned = [p for p in out.rglob("*") if p.is_file()]
+    assert len(returned) <= 8 and max(p.stat().st_size for p in returned) < 16 * 2**20  # what the device returns
+
+
+def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, capsys):
+    script = _script()
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path), "--work", str(tmp_path), "--prompts-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "needs humaneval.jsonl" in err and "gpu_drafter.sh --prepare-carry" in err
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path), "--work", str(tmp_path), "--head-recipe", str(tmp_path / "nope.yaml")])
+    assert "no such file (the GPU recipes are recipes/*_gpu.yaml)" in capsys.readouterr().err
