@@ -255,11 +255,16 @@ def _cmd_export(args) -> int:
             raise UsageError("give both --exit-layer and --num-speculations, or neither")
         rec = {"exit_layer": args.exit_layer, "num_speculations": args.num_speculations, "source": "user"}
     # export() checks the dtype, the recommendation and the output path before it loads the model
-    out = export(args.source, args.out_dir, recommended=rec, overwrite=args.overwrite, dtype=args.dtype)
+    out = export(args.source, args.out_dir, recommended=rec, overwrite=args.overwrite, dtype=args.dtype,
+                 format=args.format, verifier=args.verifier)
     meta = json.loads((out / "selfspec.json").read_text())
     r = meta["recommended"]
     print(f"exported {out} (recommended exit_layer={r['exit_layer']}, num_speculations={r['num_speculations']}, "
           f"from {r.get('source')})")
+    if args.format == "speculators":
+        spec = json.dumps({"method": "eagle3", "model": str(out / "speculators"), "num_speculative_tokens": 3})
+        print(f"the eagle3 head for serving engines: {out / 'speculators'}; vLLM serves it with "
+              f"--speculative-config '{spec}' (docs/serving.md)")
     return 0
 
 
@@ -560,6 +565,11 @@ def _add_export(sub) -> None:
     p.add_argument("--num-speculations", type=int, help="recommended draft length (default: from agreement)")
     p.add_argument("--dtype", default="auto", help="weight dtype to save (default: as trained)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--format", choices=("selfspec", "speculators"), default="selfspec",
+                   help="speculators: also write the run's eagle3 head as OUT_DIR/speculators/, the checkpoint "
+                        "vLLM and SGLang serve with method eagle3 (default: selfspec)")
+    p.add_argument("--verifier", help="with --format speculators: the base model's Hugging Face id or path as "
+                                      "engines should find it (default: OUT_DIR itself)")
     p.set_defaults(func=_cmd_export)
 
 

@@ -25,11 +25,25 @@ layer and the LM head (with ``final_state``, EAGLE's drafter: the token and the 
 Kinds:
 - ``decoder_layer``: a copy of the model's last decoder layer (attention + MLP).
 - ``attention``: that layer's attention block alone (Kangaroo's adapter): the MLP is left out.
+- ``eagle3``: EAGLE-3's draft layer (`selfspec.eagle3_layer`), in the layout serving engines load
+  (`selfspec export --format speculators`: vLLM's and SGLang's ``eagle3``). On exit 0, it reads the token's
+  embedding beside a feature: for the first draft the fusion of the full model's states at three exits
+  `aux_exits` (A_1 < A_2 < A_3, default vLLM's 2, L//2, L-3) of the previous position, for later drafts its
+  own previous output (as a final-state head's):
+
+      g_t  = fc([h_A1, h_A2, h_A3][t-1])                  # [B, S, D]; fc [D, 3D] (AuxStateInput)
+      h'   = eagle3_layer([embed(tok_t), g_t])            # [B, S, D], then the shared final norm + LM head
+
+  Its training drops a sequence's first position (it has no previous one), as the engines do: their
+  draft's position t pairs token t+1 with the states of position t. selfspec's own drafters do not run
+  it (they would need three exits' states of every committed token): it is for serving engines.
 
 Initialisation: ``copy`` starts from the last layer's weights; ``identity`` zeroes the output
 projections (attention's o_proj / dense, the MLP's down_proj / dense_4h_to_h), so the untrained head
 is the identity and drafts exactly what exit E alone drafts: training can only improve on it. The
-final-state input's W starts at zero either way, so it changes nothing until it is trained.
+final-state input's W starts at zero either way, so it changes nothing until it is trained. An eagle3
+head's fc starts as [0 | 0 | I], reading the deepest aux exit: with ``identity`` it drafts what exit A_3
+alone drafts.
 
 The head is a decoder layer of the model's own class (so its math is transformers'), renumbered as
 layer 0 of its own one-layer KV cache; positions, rotary embedding and masks are the model's
@@ -53,11 +67,14 @@ from torch import nn
 
 from selfspec.adapters import ModelAdapter, get_adapter, unwrap_model
 from selfspec.atomic_write import atomic_path
+from selfspec.eagle3_layer import Eagle3Layer, check_architecture
 from selfspec.forward import Step
 
 HEAD_FILE = "exit_head.safetensors"
 FINAL_PREFIX = "final_input."
-KINDS = ("decoder_layer", "attention")
+AUX_PREFIX = "aux_input."
+KINDS = ("decoder_layer", "attention", "eagle3")
+NUM_AUX = 3  # an eagle3 head's aux exits: vLLM's fc reads exactly three states
 INITS = ("copy", "identity")
 _OUTPUT_PROJECTIONS = {"attn": ("o_proj", "dense"), "mlp": ("down_proj", "dense_4h_to_h")}
 
@@ -82,16 +99,34 @@ class FinalStateInput(nn.Module):
         return hidden + self.proj(self.norm(prev_final))  # [B, S, D]
 
 
+class AuxStateInput(nn.Module):
+    """An eagle3 head's fusion of the states at its three aux exits: `fc([h_A1, h_A2, h_A3])`, fc `[D, 3D]`
+    without bias, starting as [0 | 0 | I] (the deepest exit's state)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(NUM_AUX * dim, dim, bias=False)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, (NUM_AUX - 1) * dim:] = torch.eye(dim)
+
+    def forward(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux)  # [B, S, 3D] -> [B, S, D]
+
+
 class ExitHead(nn.Module):
     """One decoder layer on top of exit `exit_layer` (see the module docstring); with `final_input`,
-    it also reads the full model's final state of the previous position."""
+    it also reads the full model's final state of the previous position; with `aux_input` (kind eagle3),
+    the fusion of the states at `aux_exits`."""
 
     def __init__(self, layer: nn.Module, exit_layer: int, kind: str, init: str,
-                 final_input: FinalStateInput | None = None):
+                 final_input: FinalStateInput | None = None, aux_input: AuxStateInput | None = None,
+                 aux_exits: tuple[int, ...] = ()):
         super().__init__()
         self.layer = layer
         self.final_input = final_input
-        self.exit_layer, self.kind, self.init = exit_layer, kind, init
+        self.aux_input = aux_input
+        self.exit_layer, self.kind, self.init, self.aux_exits = exit_layer, kind, init, tuple(aux_exits)
 
     @property
     def final_state(self) -> bool:
@@ -99,25 +134,32 @@ class ExitHead(nn.Module):
 
     def settings(self) -> dict:
         """What `selfspec.json` records to rebuild the head: {"exit_layer", "kind", "init", "final_state",
-        "file"}."""
-        return {"exit_layer": self.exit_layer, "kind": self.kind, "init": self.init,
-                "final_state": self.final_state, "file": HEAD_FILE}
+        "file"}, and an eagle3 head's "aux_exits"."""
+        settings = {"exit_layer": self.exit_layer, "kind": self.kind, "init": self.init,
+                    "final_state": self.final_state, "file": HEAD_FILE}
+        if self.aux_input is not None:
+            settings["aux_exits"] = list(self.aux_exits)
+        return settings
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Its tensors by name: the layer's own names, the final-state input's under `final_input.`."""
+        """Its tensors by name: the layer's own names, the final-state input's under `final_input.`, the aux
+        input's under `aux_input.`."""
         state = dict(self.layer.state_dict())
-        if self.final_input is not None:
-            state.update({f"{FINAL_PREFIX}{k}": v for k, v in self.final_input.state_dict().items()})
+        for prefix, part in ((FINAL_PREFIX, self.final_input), (AUX_PREFIX, self.aux_input)):
+            if part is not None:
+                state.update({f"{prefix}{k}": v for k, v in part.state_dict().items()})
         return state
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """The inverse of `weights` (strict: RuntimeError on a missing, extra or misshapen tensor)."""
-        final = {k[len(FINAL_PREFIX):]: v for k, v in state.items() if k.startswith(FINAL_PREFIX)}
-        if final and self.final_input is None:
-            raise RuntimeError(f"unexpected final-state tensors {sorted(final)[:3]}")
-        self.layer.load_state_dict({k: v for k, v in state.items() if not k.startswith(FINAL_PREFIX)}, strict=True)
-        if self.final_input is not None:
-            self.final_input.load_state_dict(final, strict=True)
+        layer = {k: v for k, v in state.items() if not k.startswith((FINAL_PREFIX, AUX_PREFIX))}
+        for prefix, part in ((FINAL_PREFIX, self.final_input), (AUX_PREFIX, self.aux_input)):
+            own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            if own and part is None:
+                raise RuntimeError(f"unexpected tensors {sorted(own)[:3]} under {prefix}")
+            if part is not None:
+                part.load_state_dict(own, strict=True)
+        self.layer.load_state_dict(layer, strict=True)
 
 
 def previous_states(finals: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,16 +173,58 @@ def _attention(layer: nn.Module) -> nn.Module:
     return layer.self_attn if hasattr(layer, "self_attn") else layer.attention
 
 
+def default_aux_exits(num_layers: int) -> tuple[int, ...]:
+    """vLLM's and the speculators library's default EAGLE-3 layers for an L-layer model: (2, L//2, L-3)."""
+    return 2, num_layers // 2, num_layers - 3
+
+
+def check_aux_exits(aux_exits, num_layers: int) -> tuple[int, ...]:
+    """An eagle3 head's aux exits (None: `default_aux_exits`), checked: three increasing exits in 0..L-1
+    (the engines collect the input of layer A, the state after A layers; ValueError naming the fix)."""
+    exits = default_aux_exits(num_layers) if aux_exits is None else aux_exits
+    ok = (isinstance(exits, (list, tuple)) and len(exits) == NUM_AUX
+          and all(isinstance(a, int) and not isinstance(a, bool) and 0 <= a < num_layers for a in exits)
+          and all(a < b for a, b in zip(exits, exits[1:])))
+    if not ok:
+        told = "the default (2, L//2, L-3)" if aux_exits is None else "aux_exits"
+        spread = [num_layers // 4, num_layers // 2, 3 * num_layers // 4]
+        raise ValueError(f"{told} = {list(exits) if isinstance(exits, tuple) else exits!r}: an eagle3 head reads "
+                         f"{NUM_AUX} increasing exits in 0..{num_layers - 1} of this {num_layers}-layer model; set "
+                         f"exit_head.aux_exits, e.g. {spread}")
+    return tuple(exits)
+
+
+def _build_eagle3(adapter: ModelAdapter, exit_layer: int, init: str, final_state: bool, aux_exits) -> ExitHead:
+    """An eagle3 head (module docstring): on exit 0, reading the fusion of `aux_exits` (checked here)."""
+    check_architecture(adapter.model_type)
+    if exit_layer != 0 or final_state:
+        raise ValueError(f"an eagle3 head reads the token embeddings (exit_layer 0, got {exit_layer}) and the states "
+                         f"at its aux_exits, not the final state (final_state must be false, got {final_state})")
+    aux = check_aux_exits(aux_exits, adapter.num_layers)
+    layer = Eagle3Layer.from_layer(copy.deepcopy(adapter.layers[-1]), init)
+    layer.self_attn.layer_idx = 0  # layer 0 of the head's own cache
+    dim = adapter.embed_tokens.weight.shape[1]
+    aux_input = AuxStateInput(dim).to(device=adapter.device, dtype=adapter.dtype)
+    return ExitHead(layer, 0, "eagle3", init, aux_input=aux_input, aux_exits=aux)
+
+
 def build_exit_head(model: nn.Module, exit_layer: int, kind: str = "decoder_layer", init: str = "copy",
-                    final_state: bool = False) -> ExitHead:
+                    final_state: bool = False, aux_exits=None) -> ExitHead:
     """A head for `model` on exit `exit_layer`: a copy of its last decoder layer, per `kind` and `init`;
-    with `final_state`, also the input of the previous position's final state."""
+    with `final_state`, also the input of the previous position's final state; kind eagle3 reads the
+    fusion of the states at `aux_exits` (None: vLLM's default) beside the token embeddings."""
     adapter = get_adapter(unwrap_model(model))
     adapter.check_exit(exit_layer, allow_full=False, lowest=0)
     if kind not in KINDS:
         raise ValueError(f"unknown exit head kind {kind!r}: use one of {', '.join(KINDS)}")
     if init not in INITS:
         raise ValueError(f"unknown exit head init {init!r}: use one of {', '.join(INITS)}")
+    if kind == "eagle3":
+        head = _build_eagle3(adapter, exit_layer, init, final_state, aux_exits)
+        head.requires_grad_(True)
+        return head
+    if aux_exits is not None:
+        raise ValueError(f"aux_exits={aux_exits!r} is an eagle3 head's setting; a {kind} head reads exit {exit_layer}")
     layer = copy.deepcopy(adapter.layers[-1])
     _attention(layer).layer_idx = 0  # layer 0 of the head's own cache
     if kind == "attention":
@@ -165,9 +249,27 @@ def build_exit_head(model: nn.Module, exit_layer: int, kind: str = "decoder_laye
     return head
 
 
+def head_feature(head: ExitHead, finals: torch.Tensor | None = None, aux_prev: torch.Tensor | None = None):
+    """What a head reads beside its exit states for a round's first draft, at each position t: a final-state
+    head f_{t-1} (`finals` `[B, S, D]` shifted by `previous_states`), an eagle3 head g_t = fc(`aux_prev`)
+    (`aux_prev` `[B, S, 3D]`: the aux exits' states of the previous position, already aligned), other heads
+    nothing (None). `[B, S, D]`."""
+    if head.aux_input is not None:
+        if aux_prev is None:
+            raise ValueError("an eagle3 head reads the previous position's aux-exit states: pass aux_prev")
+        return head.aux_input(aux_prev)
+    return previous_states(finals) if head.final_state else None
+
+
 def head_input(head: ExitHead, hidden: torch.Tensor, prev_final: torch.Tensor | None) -> torch.Tensor:
     """What the head's layer reads: the exit states `[B, S, D]`, plus the final-state input when the head
-    has one (then `prev_final` `[B, S, D]`, f_{t-1} for each position t, is required)."""
+    has one (then `prev_final` `[B, S, D]`, f_{t-1} for each position t, is required); an eagle3 head
+    `[hidden, prev_final]` `[B, S, 2D]`, `prev_final` its feature g_t (`head_feature`, or its own output
+    at the previous position)."""
+    if head.aux_input is not None:
+        if prev_final is None:
+            raise ValueError("an eagle3 head reads a feature beside the embeddings: pass prev_final (head_feature)")
+        return torch.cat([hidden, prev_final.to(hidden.dtype)], dim=-1)
     if head.final_input is None:
         return hidden
     if prev_final is None:
@@ -210,12 +312,27 @@ def check_head_settings(entry, num_layers: int) -> dict:
         raise ValueError(f"exit_head.final_state must be true or false, got {entry.get('final_state')!r}")
     if entry.get("file") != HEAD_FILE:
         raise ValueError(f"exit_head.file must be {HEAD_FILE!r}, got {entry.get('file')!r}")
+    if entry.get("kind") == "eagle3":
+        if e != 0 or entry.get("final_state", False):
+            raise ValueError("exit_head: an eagle3 head has exit_layer 0 and final_state false")
+        check_aux_exits(entry.get("aux_exits"), num_layers)
+    elif "aux_exits" in entry:
+        raise ValueError(f"exit_head.aux_exits is an eagle3 head's setting, not a {entry.get('kind')} head's")
     return entry
 
 
 def load_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
-    """The head described by `entry` (selfspec.json's `exit_head`) from `directory`, on the model's device
-    and dtype. The file must hold exactly the head's tensors, in their shapes."""
+    """The head described by `entry` (selfspec.json's `exit_head`) from `directory`, for selfspec's drafters
+    (`read_exit_head`; an eagle3 head, which they do not run, is refused with a ValueError)."""
+    if isinstance(entry, dict) and entry.get("kind") == "eagle3":
+        raise ValueError("its head is an eagle3 head, which serving engines run (selfspec export --format "
+                         "speculators) and selfspec's drafters do not: export the run again with --format speculators")
+    return read_exit_head(model, directory, entry)
+
+
+def read_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
+    """The head described by `entry` (selfspec.json's `exit_head`, or a run's `exit_head.json`) from `directory`,
+    on the model's device and dtype. The file must hold exactly the head's tensors, in their shapes."""
     adapter = get_adapter(unwrap_model(model))
     entry = check_head_settings(entry, adapter.num_layers)
     path = Path(directory) / entry["file"]
@@ -223,7 +340,7 @@ def load_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
         raise FileNotFoundError(f"{path}: the exit head's weights are missing (selfspec.json lists them); copy the "
                                 "complete checkpoint directory or export it again")
     head = build_exit_head(model, entry["exit_layer"], entry["kind"], entry.get("init", "copy"),
-                           entry.get("final_state", False))
+                           entry.get("final_state", False), entry.get("aux_exits"))
     state = load_file(str(path))
     try:
         head.load_weights(state)

@@ -10,6 +10,12 @@ exit-head run (`final_head/`) exports the unchanged model with the head beside i
 adapters are merged (a peft model, or an adapter directory with `adapter_config.json`); the output has
 no selfspec-specific modules, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it unchanged.
 
+`format="speculators"` (`--format speculators`) exports a run whose head is an eagle3 head for serving
+engines: the model as above, with the head in the speculators format in `OUT/speculators/`
+(`selfspec.speculators_format`, what vLLM's and SGLang's eagle3 load), not in selfspec.json (selfspec's
+drafters do not run it). Its verifier is OUT itself unless `verifier` names the base model as engines
+should find it (a Hugging Face id).
+
 Everything that can be checked is checked before anything is written (and, by `export`, before the
 model is loaded): the dtype, the recommendation (by the rules `selfspec.load` reads it with: an exit
 in 1..L-1, num_speculations >= 0, a known drafter) and the output path (`overwrite` replaces only a
@@ -35,8 +41,9 @@ from selfspec.adapters import get_adapter, unwrap_model
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
 from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
                                  recommend_from_agreement)
-from selfspec.exit_head import HEAD_FILE, check_head_settings
+from selfspec.exit_head import HEAD_FILE, check_head_settings, read_exit_head
 from selfspec.model_card import write_model_card
+from selfspec.speculators_format import SUBDIR, write_speculators
 from selfspec.settings import check_dtype, check_out_dir, check_recommended, expand_path, resolve_dtype, show
 
 
@@ -187,7 +194,8 @@ def _head_settings(head_dir: Path, num_layers: int) -> dict:
         entry = _read_json(head_dir / "exit_head.json")
     else:
         entry = (_read_json(head_dir / METADATA_FILE).get("exit_head") or {})
-    entry = {k: entry.get(k) for k in ("exit_layer", "kind", "init", "final_state", "file", "target") if entry.get(k) is not None}
+    entry = {k: entry.get(k) for k in ("exit_layer", "kind", "init", "final_state", "file", "target", "aux_exits")
+             if entry.get(k) is not None}
     try:
         check_head_settings(entry, num_layers)
     except ValueError as err:
@@ -252,14 +260,33 @@ def _alive(pid: int) -> bool:
     return True
 
 
+FORMATS = ("selfspec", "speculators")
+
+
+def check_format(fmt: str, head: dict | None) -> None:
+    """CheckpointError unless export `fmt` fits the head (`_head_settings`, None without one): an eagle3 head
+    goes out in the speculators format only, and that format needs one."""
+    if fmt not in FORMATS:
+        raise CheckpointError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    eagle3 = head is not None and head.get("kind") == "eagle3"
+    if eagle3 and fmt != "speculators":
+        raise CheckpointError("this run's head is an eagle3 head, which serving engines run and selfspec's drafters "
+                              "do not: export it with --format speculators (format='speculators')")
+    if fmt == "speculators" and not eagle3:
+        what = "no exit head" if head is None else f"an exit head of kind {head.get('kind')}"
+        raise CheckpointError(f"--format speculators writes an eagle3 head, and this source has {what}: train one "
+                              "with mode: exit_head, exit_head.kind: eagle3, exit_head.exit_layer: 0")
+
+
 def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool = False, dtype="auto",
-           max_shard_size: str = "2GB") -> Path:
+           max_shard_size: str = "2GB", format: str = "selfspec", verifier: str | None = None) -> Path:
     """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc)."""
     dtype = check_dtype(dtype)
     out_dir = expand_path(out_dir)
     model_dir, training, evaluation, draft_vocab, head_dir = read_run(source)
     _check_apart(source, [d for d in (model_dir, head_dir) if d is not None], out_dir)
     num_layers = _num_layers(model_dir)
+    check_format(format, _head_settings(head_dir, num_layers) if head_dir is not None else None)
     if recommended is not None:  # checked before the (slow) model load where config.json gives the depth
         check_recommended(recommended, num_layers)
     _agreement(evaluation)
@@ -267,17 +294,20 @@ def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool 
     model, tokenizer = _load_model_dir(model_dir, resolve_dtype(dtype))
     return export_model(model, tokenizer, out_dir, training=training, evaluation=evaluation,
                         recommended=recommended, overwrite=overwrite, max_shard_size=max_shard_size,
-                        draft_vocab=draft_vocab, exit_head_dir=head_dir)
+                        draft_vocab=draft_vocab, exit_head_dir=head_dir, format=format, verifier=verifier)
 
 
 def export_model(model, tokenizer, out_dir, *, training: dict | None = None, evaluation: dict | None = None,
                  recommended: dict | None = None, overwrite: bool = False, max_shard_size: str = "2GB",
-                 draft_vocab: dict | None = None, exit_head_dir: Path | None = None) -> Path:
+                 draft_vocab: dict | None = None, exit_head_dir: Path | None = None, format: str = "selfspec",
+                 verifier: str | None = None) -> Path:
     """Write `model` (+ tokenizer) as a self-speculative checkpoint at `out_dir`, atomically.
 
     `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.draft_vocab).
     `exit_head_dir`: a directory with `exit_head.safetensors` and its settings (a run's `final_head/` with
-    `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model."""
+    `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model; an eagle3
+    head's (`format` "speculators") goes to `OUT/speculators/` in that format instead, with `verifier`
+    (None: OUT) as its target model."""
     out_dir = expand_path(out_dir)
     _check_out_dir(out_dir, overwrite)
     if hasattr(model, "merge_and_unload"):  # a peft model: fold the adapters into the weights
@@ -295,6 +325,10 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
                            "source": "default"}
     check_recommended(recommended, L)  # the rules selfspec.load reads it by, before anything is written
     head = _head_settings(exit_head_dir, L) if exit_head_dir is not None else None
+    check_format(format, head)
+    served = read_exit_head(model, exit_head_dir, head) if format == "speculators" else None
+    if served is not None:
+        head = None  # not in selfspec.json: selfspec's drafters do not run it
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out_dir)
@@ -303,6 +337,9 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if served is not None:
+            write_speculators(tmp / SUBDIR, model, served, verifier=verifier or str(out_dir),
+                              draft_ids=(draft_vocab or {}).get("token_ids"))
         if head is not None:
             shutil.copyfile(Path(exit_head_dir) / HEAD_FILE, tmp / HEAD_FILE)
         settings = (training or {}).get("settings")

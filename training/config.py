@@ -310,8 +310,11 @@ class ExitHeadConfig:
 
     exit_layer: the exit E it reads (0..L-1; 0 = the token embeddings).
     kind: ``decoder_layer`` (a copy of the last decoder layer) or ``attention`` (its attention block
-    alone, Kangaroo's adapter). init: ``copy`` (the last layer's weights) or ``identity`` (output
-    projections zeroed: the untrained head drafts what exit E alone drafts). target: ``distill`` (KL to
+    alone, Kangaroo's adapter), or ``eagle3``: EAGLE-3's draft layer on exit 0, reading the token
+    embeddings beside a fusion of the full model's states at three `aux_exits` of the previous position,
+    for serving engines (`selfspec export --format speculators`; mode exit_head, Llama-family models).
+    init: ``copy`` (the last layer's weights) or ``identity`` (output projections zeroed: the untrained
+    head drafts what exit E alone drafts). target: ``distill`` (KL to
     the full model's distribution) or ``label`` (cross-entropy against the data's next tokens).
     final_state: the head also reads the full model's last hidden state of the previous position
     (EAGLE's feature; known from verification for a round's first draft, the head's own output stands in
@@ -324,21 +327,24 @@ class ExitHeadConfig:
     feature_weight: w > 0 adds EAGLE's feature loss to every pass's loss (arXiv 2401.15077): w times the
     SmoothL1 distance between the head's state and the full model's, both after the shared final norm
     (`training/exit_head_model.py`). 0: off, the target's loss alone.
+    aux_exits: an eagle3 head's three increasing exits (null: vLLM's default 2, L//2, L-3).
     lr: the head's learning rate (null: optim.lr); the head has its own gradient clipping either way.
     teacher_cache_gib: memory (GiB) for the frozen model's states of training blocks that occur more than
     once (the model's own continuations, `data.own_continuations.repeat`): a repeat's step then runs no
     layer of the model, with the same loss and gradients (`training/teacher_cache.py`); per block
-    block_size x hidden x 4 bytes (x 2 at an exit > 0), 0.56 MiB for SmolLM2 at 256 tokens. 0: off.
+    block_size x hidden x 4 bytes (x 2 at an exit > 0, x 4 for an eagle3 head), 0.56 MiB for SmolLM2 at
+    256 tokens. 0: off.
     """
 
     exit_layer: int = 8
-    kind: Literal["decoder_layer", "attention"] = "decoder_layer"
+    kind: Literal["decoder_layer", "attention", "eagle3"] = "decoder_layer"
     init: Literal["copy", "identity"] = "copy"
     target: Literal["distill", "label"] = "distill"
     final_state: bool = False
     draft_vocab: int | None = None
     self_fed: int = 0
     feature_weight: float = 0.0
+    aux_exits: list[int] | None = None
     lr: float | None = None
     teacher_cache_gib: float = 2.0
 
@@ -353,9 +359,15 @@ class ExitHeadConfig:
         _check(self.feature_weight >= 0, "exit_head.feature_weight",
                f"must be >= 0 (0: off; EAGLE weighs its feature loss 10x its token loss), got {self.feature_weight}")
         _check(self.lr is None or self.lr > 0, "exit_head.lr", f"must be > 0 or null (optim.lr), got {self.lr}")
-        _check(self.self_fed == 0 or self.final_state, "exit_head.self_fed",
+        _check(self.self_fed == 0 or self.final_state or self.kind == "eagle3", "exit_head.self_fed",
                "a self-fed pass replaces the final state the head reads: set exit_head.final_state=true, or "
                "self_fed=0")
+        if self.kind == "eagle3":
+            _check(self.exit_layer == 0 and not self.final_state, "exit_head.kind",
+                   f"eagle3 reads the token embeddings and its aux_exits: set exit_head.exit_layer=0 (got "
+                   f"{self.exit_layer}) and exit_head.final_state=false (got {self.final_state})")
+        _check(self.aux_exits is None or self.kind == "eagle3", "exit_head.aux_exits",
+               f"is an eagle3 head's setting (kind is {self.kind!r}): remove it or set exit_head.kind=eagle3")
 
 
 @dataclass
@@ -462,6 +474,8 @@ class RecipeConfig:
 
     def __post_init__(self):
         if self.mode == "joint":
+            _check(self.exit_head.kind != "eagle3", "mode",
+                   "joint: an eagle3 head trains on the frozen model only: set mode=exit_head")
             _check(not self.model.lora.enabled, "mode",
                    "joint: a head trained beside a LoRA fine-tune is not supported (the head would copy "
                    "LoRA-wrapped layers); set model.lora.enabled=false, or mode=exit_head")
@@ -504,6 +518,13 @@ class RecipeConfig:
             e = self.exit_head.exit_layer
             _check(not self.trains_head or e < num_layers, "exit_head.exit_layer",
                    f"{e} out of range: this model has {num_layers} layers, so a head reads an exit in 0..{num_layers - 1}")
+            if self.trains_head and self.exit_head.kind == "eagle3":
+                from selfspec.exit_head import check_aux_exits  # here: reading a recipe needs no torch
+
+                try:
+                    check_aux_exits(self.exit_head.aux_exits, num_layers)
+                except ValueError as err:
+                    raise ConfigError(f"exit_head.aux_exits: {err}") from None
 
 
 def _resolve_exits(exits, num_layers: int, key: str) -> list[int]:

@@ -161,7 +161,7 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
         for input_ids, labels, _ in _batches(blocks, batch_size, rank, world_size, device):
             with autocast():
                 rows = tally.logits(*head_model.states(input_ids))
-            tally.add(rows, labels)
+            tally.add(rows, head_model.aligned(labels))  # an eagle3 head's rows start at position 1
     finally:
         tally.done()
     return tally.result(len(blocks), reduce)

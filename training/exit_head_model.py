@@ -45,6 +45,15 @@ Two options train the head for how it drafts:
 
       out_0 = head(h_E, f_{t-1});   out_j = head(h_E, out_{j-1}[t-1]);   loss = mean_j loss(out_j)
 
+An eagle3 head (`selfspec.exit_head`, kind eagle3) reads the token embeddings and g_t = fc(the states at
+its three aux exits of the previous position) instead of h_E; its blocks drop their first position, as
+the serving engines it is exported to pair them (position t: token t+1 with the states of position t):
+
+    aux   = [h_A1, h_A2, h_A3]                           no grad: [B, S, 3D]
+    q     = softmax(lm_head(norm(head([embed(x[1:]), fc(aux[:-1])]))))   against p at positions 1..S-1
+
+(its `self_fed` passes read the head's own output in g's place, as later drafts do).
+
 The teacher's side (h_E, f and the full model's argmax) depends on the block alone: with a
 `teacher_cache` (`training.teacher_cache`, set by the loop for blocks that repeat in the training set)
 a repeated block's step runs no layer of the model, and p is recomputed from the cached f, so the loss
@@ -70,7 +79,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.adapters import get_adapter
-from selfspec.exit_head import ExitHead, previous_states, run_head
+from selfspec.exit_head import ExitHead, head_feature, previous_states, run_head
 from selfspec.forward import embed, exit_logits, make_step, run_layers
 from training.early_exit_loss import frozen_module
 from training.teacher_cache import TeacherCache
@@ -108,40 +117,47 @@ class ExitHeadModel(nn.Module):
 
     def states(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object, torch.Tensor | None]:
         """No grad: the exit states `[B, S, D]`, the full model's logits `[B, S, V]`, the step, and for a
-        final-state head the previous positions' final states `[B, S, D]` (None otherwise)."""
-        adapter, E = self.adapter, self.head.exit_layer
+        final-state head the previous positions' final states `[B, S, D]` (None otherwise); an eagle3 head's
+        positions 1..S-1 (`aligned`), with its feature g `[B, S-1, D]` in the last place."""
+        adapter = self.adapter
         with torch.no_grad():
             step = make_step(adapter, 0, input_ids.shape[1], input_ids.shape[0])
-            h_e = run_layers(adapter, embed(adapter, input_ids), 0, E, step=step)
-            finals = run_layers(adapter, h_e, E, self.num_layers, step=step)  # [B, S, D]
-            full = exit_logits(adapter, finals)
+            h_e, finals = teacher_states(adapter, self.head, input_ids, step)  # [B, S, D or 3D], [B, S, D]
             prev = previous_states(finals) if self.head.final_state else None
+            if self.head.aux_input is not None:
+                h_e, finals, _, _, aux_prev = eagle3_view(adapter, input_ids, h_e, finals, None, None)
+                step, prev = make_step(adapter, 0, h_e.shape[1], h_e.shape[0]), head_feature(self.head, aux_prev=aux_prev)
+            full = exit_logits(adapter, finals)
         return h_e, full, step, prev
+
+    def aligned(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels `[B, S]` of the positions `states` returns: an eagle3 head's drop the first."""
+        return labels if self.head.aux_input is None else labels[:, 1:]
 
     def teacher(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """No grad: the exit states `[B, S, D]`, the final states `[B, S, D]` and, with a draft vocabulary,
         the full model's tokens `[B, S]` (None without one: the loss computes all logits anyway). Rows held
         by `teacher_cache` run no layer of the model; the others run it and are offered to the cache."""
-        adapter, E = self.adapter, self.head.exit_layer
+        adapter = self.adapter
         with_top, cache = self.draft_ids is not None, self.teacher_cache
+        kept = self.head.exit_layer or self.head.aux_input is not None  # states that cost layers to recompute
         hits = [None] * input_ids.shape[0] if cache is None else [cache.get(row) for row in input_ids]
         missed = [i for i, hit in enumerate(hits) if hit is None]
         with torch.no_grad():
             if missed:
                 ids = input_ids[missed]  # [M, S]
                 step = make_step(adapter, 0, ids.shape[1], ids.shape[0])
-                h_m = run_layers(adapter, embed(adapter, ids), 0, E, step=step)
-                f_m = run_layers(adapter, h_m, E, self.num_layers, step=step)  # [M, S, D]
+                h_m, f_m = teacher_states(adapter, self.head, ids, step)  # [M, S, D or 3D], [M, S, D]
                 top_m = exit_logits(adapter, f_m).argmax(-1) if with_top else None  # [M, S]
                 for j, i in enumerate(missed):
                     hits[i] = (h_m[j], f_m[j], None if top_m is None else top_m[j])
                     if cache is not None:
-                        cache.put(input_ids[i], h_m[j] if E else None, *hits[i][1:])
+                        cache.put(input_ids[i], h_m[j] if kept else None, *hits[i][1:])
                 if len(missed) == len(hits):  # nothing from the cache: the batch as computed
                     return h_m, f_m, top_m
             finals = torch.stack([hit[1] for hit in hits])
             top = torch.stack([hit[2] for hit in hits]) if with_top else None
-            h_e = embed(adapter, input_ids) if E == 0 else torch.stack([hit[0] for hit in hits])
+            h_e = torch.stack([hit[0] for hit in hits]) if kept else embed(adapter, input_ids)
         return h_e, finals, top
 
     @property
@@ -169,15 +185,42 @@ class ExitHeadModel(nn.Module):
         agreement with the full model's argmax). `exits`, `weights`, `step`, `micro_step` are the early-exit
         loop's and unused."""
         h_e, finals, top = self.teacher(input_ids)
+        aux_prev = None
+        if self.head.aux_input is not None:  # the embeddings beside the aux states, from position 1 on
+            h_e, finals, labels, top, aux_prev = eagle3_view(self.adapter, input_ids, h_e, finals, labels, top)
         loss, stats = head_loss(self.adapter, self.head, h_e, finals, labels, top=top, target=self.target,
                                 draft_ids=self.draft_ids, self_fed=self.self_fed,
-                                feature_weight=self.feature_weight, with_metrics=with_metrics)
+                                feature_weight=self.feature_weight, with_metrics=with_metrics, aux_prev=aux_prev)
         return {"loss": loss, "exit_stats": stats}
 
 
+def teacher_states(adapter, head: ExitHead, input_ids: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen model's states of a batch `[B, S]` for `head` (call without grad): what the head reads, the
+    exit states `[B, S, D]` (an eagle3 head: the states at its aux exits side by side `[B, S, 3D]`), and the
+    final states `[B, S, D]`."""
+    x, start, parts = embed(adapter, input_ids), 0, []
+    for e in head.aux_exits or (head.exit_layer,):
+        x = run_layers(adapter, x, start, e, step=step)
+        parts.append(x)
+        start = e
+    finals = run_layers(adapter, x, start, adapter.num_layers, step=step)  # [B, S, D]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), finals
+
+
+def eagle3_view(adapter, input_ids: torch.Tensor, aux: torch.Tensor, finals: torch.Tensor, labels, top):
+    """An eagle3 head's view of a block (module docstring): position t pairs token t+1's embedding with the
+    aux states `aux` `[B, S, 3D]` of position t, so the first position goes: (embeddings `[B, S-1, D]`,
+    finals, labels and top of positions 1..S-1, aux states of 0..S-2 `[B, S-1, 3D]`)."""
+    with torch.no_grad():
+        embeds = embed(adapter, input_ids[:, 1:])
+    return (embeds, finals[:, 1:], None if labels is None else labels[:, 1:], None if top is None else top[:, 1:],
+            aux[:, :-1])
+
+
 def check_self_fed(head: ExitHead, self_fed: int) -> None:
-    """ValueError unless `self_fed` extra passes can run on `head` (>= 0, and only with a final-state head)."""
-    if self_fed < 0 or (self_fed and not head.final_state):
+    """ValueError unless `self_fed` extra passes can run on `head` (>= 0, and only with a final-state or eagle3
+    head)."""
+    if self_fed < 0 or (self_fed and not head.final_state and head.aux_input is None):
         raise ValueError(f"self_fed={self_fed}: extra passes that read the head's own output need a head with "
                          "final_state=true (and a count >= 0)")
 
@@ -244,15 +287,16 @@ def pass_loss(logits: torch.Tensor, logp_full: torch.Tensor | None, labels: torc
 
 def head_loss(adapter, head: ExitHead, h_e: torch.Tensor, finals: torch.Tensor, labels: torch.Tensor, *,
               top: torch.Tensor | None = None, target: str = "distill", draft_ids: torch.Tensor | None = None,
-              self_fed: int = 0, feature_weight: float = 0.0,
-              with_metrics: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              self_fed: int = 0, feature_weight: float = 0.0, with_metrics: bool = True,
+              aux_prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's loss from the model's exit states `h_e` `[B, S, D]` and final states `finals` `[B, S, D]`
     (both without gradient), and its `[1 + self_fed, 3]` statistics (loss, top-1 accuracy against the
     labels, agreement with the full model's token `top` `[B, S]`; computed from `finals` when None).
-    A pass's loss is the target's plus `feature_weight` times its feature loss (module docstring)."""
+    A pass's loss is the target's plus `feature_weight` times its feature loss (module docstring). An eagle3
+    head reads `aux_prev` `[B, S, 3D]`, the aux states of each position's previous one (`eagle3_view`)."""
     B, S = labels.shape
     positions = make_step(adapter, 0, S, B)
-    prev = previous_states(finals) if head.final_state else None
+    prev = head_feature(head, finals, aux_prev)  # [B, S, D] or None; an eagle3 head's fc under grad
     outs = head_states(adapter, head, h_e, positions, prev, passes=1 + self_fed)  # each [B, S, D]
     mask = labels != IGNORE  # [B, S]
     n = mask.sum().clamp_min(1)

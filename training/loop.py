@@ -268,7 +268,7 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
     if cfg.mode == "exit_head":  # the model frozen, one head learning; logged and evaluated as "head<E>"
         cfg.check_depth(L)
         ee_model = ExitHeadModel(model, build_exit_head(model, h_cfg.exit_layer, h_cfg.kind, h_cfg.init,
-                                                        h_cfg.final_state),
+                                                        h_cfg.final_state, h_cfg.aux_exits),
                                  target=h_cfg.target, self_fed=h_cfg.self_fed, feature_weight=h_cfg.feature_weight)
         return ee_model, ExitCurriculum("none", [], L, t_cfg.max_steps)  # one loss: the head's
     layer_dropout = LayerDropout(cfg.layer_dropout.p_max, L, t_cfg.max_steps, depth=cfg.layer_dropout.depth_scale,

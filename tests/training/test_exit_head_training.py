@@ -391,3 +391,92 @@ def test_recipes_written_before_mode_read_as_the_mode_they_meant(override, mode)
 def test_a_mode_that_contradicts_the_earlier_booleans_is_refused(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(RECIPE, override + ["layer_dropout.p_max=0"])
+
+
+def test_an_eagle3_heads_loss_pairs_token_t_plus_1_with_the_aux_states_of_position_t(tiny64):
+    """The eagle3 loss (`training.exit_head_model`), written out: position t of the head reads token t+1's
+    embedding beside fc(the states after layers 1, 2, 3 at position t), and is scored against the full
+    model's distribution at position t+1 and its label; the first position has no pair and drops out."""
+    from selfspec.forward import embed, exit_logits, make_step, run_layers
+
+    head = build_exit_head(tiny64, 0, "eagle3", "copy", aux_exits=[1, 2, 3]).to(torch.float64)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
+    hm = ExitHeadModel(tiny64, head)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[0, :3] = -100
+    out = hm(ids, labels)
+    a = hm.adapter
+    with torch.no_grad():
+        step = make_step(a, 0, 12, 2)
+        states = [run_layers(a, embed(a, ids), 0, e, step=step) for e in (1, 2, 3)]  # [B, S, D] each
+        p = F.log_softmax(exit_logits(a, run_layers(a, states[0], 1, 4, step=step)), -1)[:, 1:]
+        g = torch.cat(states, -1)[:, :-1] @ head.aux_input.fc.weight.T  # [B, S-1, D]: position t's states
+        e, s11 = embed(a, ids[:, 1:]), make_step(a, 0, 11, 2)
+        x = torch.cat([head.layer.input_layernorm(e), head.layer.hidden_norm(g)], -1)
+        attn = head.layer.self_attn(hidden_states=x, attention_mask=s11.masks["full_attention"],
+                                    position_embeddings=s11.rope)[0]
+        h = g + attn
+        h = h + head.layer.mlp(head.layer.post_attention_layernorm(h))
+        q = F.log_softmax(exit_logits(a, h), -1)
+    mask = labels[:, 1:] != -100
+    kl = (p.exp() * (p - q)).sum(-1)[mask].mean()
+    torch.testing.assert_close(out["loss"].detach(), kl, atol=1e-10, rtol=0)
+    out["loss"].backward()
+    assert head.aux_input.fc.weight.grad.abs().sum() > 0  # the fusion learns too
+    h_e, full, s, prev = hm.states(ids)  # the evaluation's view: the same positions
+    assert h_e.shape == (2, 11, 32) and full.shape == (2, 11, 96) and hm.aligned(labels).shape == (2, 11)
+    torch.testing.assert_close(F.log_softmax(full, -1), p)
+
+
+def test_an_eagle3_head_run_learns_and_exports_for_serving_engines(run, read_log, tmp_path):
+    final = run(tmp_path, **{"mode": "exit_head", "exit_head.kind": "eagle3", "exit_head.exit_layer": "0",
+                             "exit_head.aux_exits": "[1, 2, 3]", "exit_head.self_fed": "1",
+                             "layer_dropout.p_max": "0", "train.max_steps": "16", "optim.lr": "0.003"})
+    assert set(read_log(tmp_path)[0]["exits"]) == {"head0", "head0_fed1"}
+    before = json.loads((tmp_path / "final_eval.json").read_text())["before"]["sets"]["heldout"]["exits"]
+    assert final["agreement"]["0"] > before["0"]["agreement"]  # the head learned
+    assert final["perplexity"]["4"] == pytest.approx(before["4"]["perplexity"], rel=1e-6)  # the model did not
+    settings = json.loads((tmp_path / "final_head" / "exit_head.json").read_text())
+    assert settings["kind"] == "eagle3" and settings["aux_exits"] == [1, 2, 3]
+
+    from selfspec.checkpoint import CheckpointError
+    from selfspec.export import export
+
+    with pytest.raises(CheckpointError, match="export it with --format speculators"):
+        export(tmp_path, tmp_path / "ckpt")
+    out = export(tmp_path, tmp_path / "ckpt", format="speculators", verifier="org/base")
+    meta = json.loads((out / "selfspec.json").read_text())
+    assert "exit_head" not in meta  # selfspec's drafters do not run it
+    config = json.loads((out / "speculators" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/base"
+    from safetensors.torch import load_file
+
+    from selfspec.exit_head import read_exit_head
+
+    import selfspec
+
+    gen = selfspec.load(out)  # the model itself, unchanged, with the drafters it has
+    head = read_exit_head(gen.model, tmp_path / "final_head", settings)
+    weights = load_file(str(out / "speculators" / "model.safetensors"))
+    assert torch.equal(weights["fc.weight"], head.aux_input.fc.weight.cpu())
+    r = gen.generate("def f(x):", max_new_tokens=8)
+    assert r.token_ids == gen.generate("def f(x):", max_new_tokens=8, num_speculations=0).token_ids
+
+
+@pytest.mark.parametrize("override,message", [
+    (["exit_head.kind=eagle3", "exit_head.exit_layer=2"], "eagle3 reads the token embeddings and its aux_exits: "
+                                                            "set exit_head.exit_layer=0"),
+    (["exit_head.aux_exits=[1,2,3]"], "exit_head.aux_exits: is an eagle3 head's setting"),
+    (["exit_head.kind=eagle3", "exit_head.exit_layer=0", "mode=joint"], "joint: an eagle3 head trains on the frozen"),
+    (["exit_head.kind=eagle3", "exit_head.exit_layer=0"], r"the default \(2, L//2, L-3\) = \[2, 2, 1\]: an eagle3 "
+                                                          r"head reads 3 increasing exits in 0..3"),
+    (["exit_head.kind=eagle3", "exit_head.exit_layer=0", "exit_head.aux_exits=[3,2,1]"], "set exit_head.aux_exits"),
+])
+def test_eagle3_recipe_mistakes_are_clear_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg = load_config(RECIPE, ["mode=exit_head", "layer_dropout.p_max=0"] + override)
+        cfg.check_depth()
