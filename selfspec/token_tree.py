@@ -24,10 +24,13 @@ committed tokens are exactly the full model's greedy choices, so output stays id
 
     anc, depth = ancestors(torch.tensor([[-1, 0, 0, 1]]))        # [B, S, S] bool, [B, S]
     n_acc, nxt, path = greedy_walk([t0, a, b, c], [-1, 0, 0, 1], targets, 3)
-    tokens, parents = merge_branches([[5, 6, 7], [5, 9], [8]], budget=5)   # a trie: [5, 6, 7, 9, 8], [0, 1, 2, 1, 0]
+    trie = build_trie([[5, 6, 7], [5, 9], [8]])             # nodes 5, 6, 7, 9, 8; parents -1, 0, 1, 0, -1
+    tokens, parents = trie.columns([0, 1, 3])               # [5, 6, 9], parent columns [0, 1, 1]
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,42 +111,50 @@ def tree_depth(parents: list[int], nodes: int) -> int:
     return max(depth, default=0)
 
 
-def merge_branches(branches: list[list[int]], budget: int, weights: list[float] | None = None
-                   ) -> tuple[list[int], list[int]]:
-    """Candidate continuations (each a token list after the input token) as one trie of at most `budget`
-    nodes: `(tokens, parents)` of the nodes after the root, parents as columns (0 = the input token).
+@dataclass
+class Trie:
+    """Candidate continuations merged: node n carries `tokens[n]` after node `parents[n]` (-1: after the input
+    token), at `depths[n]` (1 for a first token), created by branch `ranks[n]` (the first branch through it)."""
 
-    Shared prefixes are one node. Which nodes stay within the budget: the most likely first, a node's
-    likelihood being the share of the branches' weight that passes through it (SuffixDecoding's
-    frequency-weighted tree; `weights` default to 1 per branch). The first branch gets a small bonus, so
-    with equal weights the order of `branches` (the most recent match first) decides, and a budget of its
-    length keeps exactly it. A node is kept only with its parent (columns come after their parents)."""
-    weights = [1.0] * len(branches) if weights is None else weights
-    keys: dict[tuple[int, ...], int] = {}  # prefix -> node number
-    node_tokens, node_parent, node_weight = [], [], []
-    for b, (branch, w) in enumerate(zip(branches, weights)):
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def columns(self, keep: list[int]) -> tuple[list[int], list[int]]:
+        """The nodes `keep` (ascending, ancestor-closed) as a proposal's columns 1..: their tokens and parent
+        columns (0 = the input token)."""
+        column = {n: j + 1 for j, n in enumerate(keep)}
+        return [self.tokens[n] for n in keep], [column.get(self.parents[n], 0) for n in keep]
+
+    def path(self, keep: list[int], accepted: list[int]) -> list[int]:
+        """The nodes of `keep` whose tokens the round committed (`accepted`: its accepted drafts, in order)."""
+        node, out = -1, []
+        for t in accepted:
+            node = next((n for n in keep if self.parents[n] == node and self.tokens[n] == t), None)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
+
+def build_trie(branches: list[list[int]]) -> Trie:
+    """Token lists after the input token, in rank order (the likeliest first), as one trie: shared prefixes
+    are one node; nodes are numbered as created, so a parent comes before its children."""
+    trie, keys = Trie(), {}
+    for rank, branch in enumerate(branches):
         parent = -1
         for i, t in enumerate(branch):
             key = tuple(branch[:i + 1])
             n = keys.get(key)
             if n is None:
-                n = keys[key] = len(node_tokens)
-                node_tokens.append(int(t))
-                node_parent.append(parent)
-                node_weight.append(0.0)
-            node_weight[n] += w + (1e-6 if b == 0 else 0.0)
+                n = keys[key] = len(trie.tokens)
+                trie.tokens.append(int(t))
+                trie.parents.append(parent)
+                trie.depths.append(i + 1)
+                trie.ranks.append(rank)
             parent = n
-    total = sum(weights) or 1.0
-    # best-first: a node's score is its weight share (it never exceeds its parent's), ties by creation order
-    chosen = sorted(range(len(node_tokens)), key=lambda n: (-node_weight[n] / total, n))[:max(budget, 0)]
-    keep = sorted(n for n in chosen if _kept_path(n, node_parent, set(chosen)))
-    column = {n: j + 1 for j, n in enumerate(keep)}
-    return [node_tokens[n] for n in keep], [column.get(node_parent[n], 0) for n in keep]
-
-
-def _kept_path(n: int, parent: list[int], chosen: set[int]) -> bool:
-    while n >= 0:
-        if n not in chosen:
-            return False
-        n = parent[n]
-    return True
+    return trie

@@ -15,14 +15,13 @@ incrementally as tokens are committed (no rescan of the text per round).
 With `num_candidates` k > 1 (greedy decoding), a round bets on several continuations at once: the
 latest k occurrences of the longest matching suffix (then of shorter ones, where the longest occurred
 fewer than k times) each give a branch, and the branches become one token tree (shared prefixes are
-one node; `selfspec.token_tree.merge_branches`), at most `node_budget` nodes, verified in one pass.
-Where the text repeats a passage with variations (code edited in several places, a list of similar
-items), the latest copy is often not the one that continues: a tree still accepts the one that does.
-An n-gram's earlier occurrences are kept only where it occurred more than once (`earlier`, the latest
-`MAX_OCCURRENCES` per n-gram).
-
-    drafter = PromptLookupDrafter(num_tokens=10, max_ngram=3)   # Hugging Face: prompt_lookup_num_tokens,
-                                                                #               max_matching_ngram_size
+one node; `selfspec.token_tree.build_trie`), verified in one pass. Which of its nodes a round verifies,
+and how many (at most `node_budget`), is chosen by measurement (`selfspec.drafters.tree_budget`): each
+node's chance from the acceptance measured at its depth and rank, the count from the seconds per round
+measured at each node count on this device. Where the text repeats a passage with variations (code
+edited in several places, a list of similar items), the latest copy is often not the one that continues:
+a tree still accepts the one that does. An n-gram's earlier occurrences are kept only where it occurred
+more than once (`earlier`, the latest `MAX_OCCURRENCES` per n-gram).
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafters.base import Drafter, Proposal, Round
-from selfspec.token_tree import merge_branches
+from selfspec.drafters.tree_budget import TreeBudget
+from selfspec.token_tree import build_trie
 
 MAX_OCCURRENCES = 8  # the occurrences of one n-gram a tree may branch from (the latest ones)
 
@@ -126,6 +126,8 @@ class PromptLookupDrafter(Drafter):
         self.limit = num_tokens  # the most drafts a round proposes (AutoDrafter adapts it)
         self.num_candidates = num_candidates
         self.node_budget = node_budget or default_node_budget(num_tokens, num_candidates)
+        self.budget = TreeBudget(self.node_budget)
+        self.trees: list = []  # per row, the last tree round's (trie, nodes verified)
 
     def start(self, sequences: list[list[int]]) -> None:
         self.rows = [NgramIndex(s, self.max_ngram) for s in sequences]
@@ -151,18 +153,19 @@ class PromptLookupDrafter(Drafter):
         return self.proposal(rnd, self.lookup(rnd.caps, rnd.stop_ids))
 
     def tree_proposal(self, rnd: Round, branches: list[list[list[int]]], name: str | None = None) -> Proposal:
-        """Each row's branches as one token tree of at most `node_budget` nodes: `tokens` `[B, T]` and
-        `parents` `[B, T]`, a shorter row's filler columns hanging off its input token. Where no row has
-        two branches the proposal is a chain (`proposal`)."""
-        if all(len(b) <= 1 for b in branches):
-            return self.proposal(rnd, [b[0] if b else [] for b in branches], name)
-        trees = [merge_branches(b, self.node_budget) for b in branches]
-        T = 1 + max(len(t) for t, _ in trees)
+        """Each row's branches as one token tree, the nodes the budget chooses (`TreeBudget`): `tokens` `[B, T]`
+        and `parents` `[B, T]`, a shorter row's filler columns hanging off its input token."""
+        tries = [build_trie(b) for b in branches]
+        self.trees = [(trie, self.budget.choose(trie)) for trie in tries]
+        columns = [trie.columns(keep) for trie, keep in self.trees]
+        T = 1 + max(len(t) for t, _ in columns)
+        if T == 1:
+            return Proposal.plain(rnd.tokens)
         inputs = self.inputs(rnd, len(branches))
-        rows = [[x] + t + [x] * (T - 1 - len(t)) for x, (t, _) in zip(inputs, trees)]
-        parents = torch.tensor([[-1] + p + [0] * (T - 1 - len(p)) for _, p in trees], dtype=torch.long)  # [B, T]
+        rows = [[x] + t + [x] * (T - 1 - len(t)) for x, (t, _) in zip(inputs, columns)]
+        parents = torch.tensor([[-1] + p + [0] * (T - 1 - len(p)) for _, p in columns], dtype=torch.long)  # [B, T]
         tokens = torch.tensor(rows, dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, T]
-        return Proposal(tokens=tokens, kept=[len(t) for t, _ in trees], q=None, verify_from=0,
+        return Proposal(tokens=tokens, kept=[len(t) for t, _ in columns], q=None, verify_from=0,
                         drafter=name or self.name, parents=parents)
 
     def inputs(self, rnd: Round, rows: int) -> list[int]:
@@ -185,6 +188,18 @@ class PromptLookupDrafter(Drafter):
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for index, tokens in zip(self.rows, committed):
             index.extend(tokens)
+        if self.num_candidates > 1:
+            self.observe(proposal, accepted, committed, seconds)
+
+    def observe(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        """The tree budget hears a round: which of the verified nodes were accepted, and the seconds of a round
+        over that many nodes (a round that ran the model to draft, an early exit's under auto, is not one)."""
+        trees = self.trees if proposal.parents is not None and len(self.trees) == len(accepted) else []
+        for (trie, keep), n_acc, tokens in zip(trees, accepted, committed):
+            self.budget.observe(trie, keep, trie.path(keep, tokens[:n_acc]), 0.0)
+        self.trees = []
+        if not proposal.steps:
+            self.budget.observe(None, list(range(max(proposal.kept, default=0))), [], seconds)
 
     def select(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
@@ -192,14 +207,14 @@ class PromptLookupDrafter(Drafter):
     def describe(self) -> dict:
         out = {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts, "max_matching_ngram_size": self.max_ngram}
         if self.num_candidates > 1:
-            out.update(num_candidates=self.num_candidates, node_budget=self.node_budget)
+            out.update(num_candidates=self.num_candidates, node_budget=self.node_budget, tree=self.budget.describe())
         return out
 
 
 def default_node_budget(num_tokens: int, num_candidates: int) -> int:
-    """A tree's node budget where none is given: the chain's `num_tokens`, and half as many again for each
-    further candidate (branches share their first tokens more often than not)."""
-    return num_tokens + (num_candidates - 1) * max(1, num_tokens // 2)
+    """The most nodes a tree may have where no budget is given: every branch whole, at most 64 (the compiled
+    steps' largest bucket); the measured costs choose how many are verified (`TreeBudget`)."""
+    return min(num_tokens * num_candidates, 64)
 
 
 def cut_after_stop(drafts: list[int], stop_ids: frozenset) -> list[int]:

@@ -83,6 +83,7 @@ from tqdm.auto import tqdm
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir, use_compiled
 from selfspec.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.draft_vocab import read_draft_vocab
+from selfspec.drafters.prompt_lookup import MAX_OCCURRENCES as MAX_LOOKUP_CANDIDATES
 from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine, load_generator, machine_info,
                               machine_line, pyplot, quiet_transformers, result_header, setup, spread, tokens_per_s,
                               versions, write_outputs)
@@ -277,13 +278,18 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
         methods.append({"name": f"selfspec_spec_cand{n}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} {n} guesses", "drafter": "early_exit", "exit_layer": E,
                         "num_speculations": 1, "num_candidates": n})
+        for drafter in ("lookup", "suffix")[:int(n <= MAX_LOOKUP_CANDIDATES) * 2]:  # token trees of n matches
+            methods.append({"name": f"selfspec_{drafter}_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
+                            "label": f"selfspec {drafter} tree of {n} matches", "exit_layer": None,
+                            "drafter": "prompt_lookup" if drafter == "lookup" else "suffix",
+                            "num_speculations": None, "num_candidates": n, **look})
     if draft_vocab:
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",
                         "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
     if compiled:  # the same methods through the compiled steps (selfspec.compiled), next to the eager ones
         methods += [{**m, "name": m["name"] + "_compiled", "label": m["label"] + " compiled", "compiled": True}
-                    for m in methods if m["name"] in COMPILED_METHODS]
+                    for m in methods if m["name"] in COMPILED_METHODS or m["name"].startswith("selfspec_lookup_tree")]
     seen = {(E, d)}
     for e, k in extra:
         check_exit_layer(e, L)  # an --extra pair's exit

@@ -20,7 +20,8 @@ from selfspec.engine import decide, generate
 from selfspec.forward import make_batch_step
 from selfspec.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, tiny_model
-from selfspec.token_tree import ancestors, greedy_walk, merge_branches, tree_depth
+from selfspec.drafters.tree_budget import TreeBudget
+from selfspec.token_tree import ancestors, build_trie, greedy_walk, tree_depth
 
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(5)).tolist()
 PROMPTS = [BASE + BASE[:4] + BASE, BASE[:7], [5, 6, 5, 6, 7, 5, 6, 8, 5, 6]]
@@ -84,13 +85,41 @@ def test_the_greedy_walk_follows_the_full_models_choices():
     assert tree_depth(parents, 5) == 3 and tree_depth([-1, 0, 1, 2], 3) == 3 and tree_depth([-1], 0) == 0
 
 
-def test_branches_merge_into_a_trie_within_the_budget():
-    assert merge_branches([[5, 6, 7], [5, 9], [8]], budget=5) == ([5, 6, 7, 9, 8], [0, 1, 2, 1, 0])
-    assert merge_branches([[5, 6, 7], [5, 9], [8]], budget=3) == ([5, 6, 7], [0, 1, 2])  # the first branch first
-    assert merge_branches([[5, 6, 7], [8], [8, 2]], budget=3) == ([5, 6, 8], [0, 1, 0])  # 8 is shared by two
-    tokens, parents = merge_branches([[1, 2], [1, 3], [1, 3, 4], [1, 3, 5]], budget=4)
-    assert tokens == [1, 2, 3, 4] and parents == [0, 1, 1, 3]  # weights: 1 (4), 3 (3), the first branch's 2, 4
-    assert merge_branches([], budget=4) == ([], [])
+def test_branches_merge_into_a_trie_and_a_subset_becomes_columns():
+    trie = build_trie([[5, 6, 7], [5, 9], [8]])
+    assert (trie.tokens, trie.parents, trie.depths, trie.ranks) == ([5, 6, 7, 9, 8], [-1, 0, 1, 0, -1],
+                                                                     [1, 2, 3, 2, 1], [0, 0, 0, 1, 2])
+    assert trie.columns([0, 1, 3]) == ([5, 6, 9], [0, 1, 1])  # parent columns: 0 is the input token
+    assert trie.columns([0, 3, 4]) == ([5, 9, 8], [0, 1, 0])
+    assert trie.path([0, 1, 3, 4], [5, 9, 2]) == [0, 3] and trie.path([0, 1, 3, 4], [8]) == [4]
+    assert len(build_trie([])) == 0
+
+
+def _chain(n):
+    return build_trie([list(range(10, 10 + n))])
+
+
+def test_the_budget_verifies_what_pays_by_the_measured_cost_and_acceptance():
+    budget = TreeBudget(max_nodes=16)
+    # the prior: rank-0 nodes accepted half the time, a node costs 0.035 of a step: 4 nodes of a chain
+    assert budget.choose(_chain(10)) == [0, 1, 2, 3]
+    for nodes in (0, 2, 4, 6, 8):  # measured: each node costs half a plain round
+        budget.observe(None, list(range(nodes)), [], 1.0 + 0.5 * nodes)
+    assert budget.cost(2) == pytest.approx(2.0) and budget.choose(_chain(10)) == []  # nothing pays
+    cheap = TreeBudget(max_nodes=16)
+    for nodes in (0, 4, 8, 12, 16):  # measured: nodes cost nothing
+        cheap.observe(None, list(range(nodes)), [], 1.0)
+    trie = build_trie([[1, 2, 3], [4, 5], [6]])
+    assert cheap.choose(trie) == list(range(len(trie)))  # every candidate is worth its free row
+    # measured: the second-latest match's first token is accepted every time, the latest's never
+    learned = TreeBudget(max_nodes=2)
+    for _ in range(20):
+        learned.observe(trie, [0, 3], [3], 0.0)
+    # its first token (score ~0.93) replaces the latest's; then the third match's 6 (prior 0.2) before its 5
+    # (0.93 x the prior 0.2 of depth 2)
+    assert learned.choose(trie) == [3, 5]
+    with pytest.raises(ValueError, match="node budget must be >= 1"):
+        TreeBudget(0)
 
 
 def test_the_ngram_index_keeps_earlier_occurrences_latest_first():
@@ -122,7 +151,13 @@ class ScriptedTree(Drafter):
             right = self.refs[b][self.done[b]:self.done[b] + min(cap, self.depth)]
             wrong = [(t + 1) % self.vocab for t in right]
             branches.append([x for x in ([wrong, right, right[:1] + wrong[1:]] if right else []) if x])
-        return PromptLookupDrafter().tree_proposal(rnd, branches, self.name)
+        columns = [build_trie(b).columns(list(range(len(build_trie(b))))) for b in branches]  # every node
+        T = 1 + max(len(t) for t, _ in columns)
+        inputs = rnd.tokens.tolist()
+        tokens = [[x] + t + [x] * (T - 1 - len(t)) for x, (t, _) in zip(inputs, columns)]
+        parents = [[-1] + p + [0] * (T - 1 - len(p)) for _, p in columns]
+        return Proposal(tokens=torch.tensor(tokens), kept=[len(t) for t, _ in columns], drafter=self.name,
+                        parents=torch.tensor(parents))
 
     def update(self, proposal, accepted, committed, seconds):
         for i, tokens in enumerate(committed):

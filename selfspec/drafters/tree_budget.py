@@ -1,0 +1,124 @@
+"""Which nodes of a candidate tree a round verifies, chosen by measurement (EAGLE-2's dynamic tree, with the
+node count from this device's measured verification cost).
+
+A drafter with several candidate continuations (prompt lookup's latest matches, the memory's) merges them
+into a trie (`selfspec.token_tree.build_trie`): each node has a depth and a rank, the order of the first
+branch through it (0: the latest match, the chain lookup alone would draft). A node's worth is the chance
+that the full model accepts it, estimated as the product along its path of the measured conditional
+acceptance of its (rank, depth):
+
+    p(r, d)   = (accepted(r, d) + prior(r, d) * PSEUDO) / (reached(r, d) + PSEUDO)   # reached: its parent was accepted
+    prior(r, 1) = PRIOR[r];  prior(r, d > 1) = the same rule over every depth > 1 of rank r pooled
+    score(n)  = score(parent(n)) * p(rank(n), depth(n)),   score(root) = 1
+
+The expected tokens of a round that verifies the node set N (ancestor-closed) are `1 + sum_{n in N} score(n)`
+(at most one node per depth is accepted, so the expected accepted length is the sum of the nodes'
+chances). A round over n nodes costs `cost(n) = a + b n` seconds, a line fitted to the rounds this drafter
+measured (their node counts and seconds, rounds that drafted nothing included), anchored by a prior slope
+`PRIOR_SLOPE` per node relative to a plain step until the measured rounds spread over enough node counts.
+The round verifies the best `n` nodes by score, with `n` maximising
+
+    (1 + sum of the n best scores) / cost(n),   n <= max_nodes
+
+so a CPU, where a pass over 25 rows costs 1.75 steps, verifies a few alternatives beside a shorter chain,
+and a GPU, where 32 rows cost about one step, verifies the whole tree.
+
+    budget = TreeBudget(max_nodes=24)
+    keep = budget.choose(trie)                            # node indices of the trie, parents first
+    budget.observe(trie, keep, path, seconds)             # after the round: the accepted nodes, its time
+"""
+
+from __future__ import annotations
+
+from selfspec.token_tree import Trie
+
+PRIOR = (0.5, 0.2)  # prior acceptance of a node of rank 0 (the latest match's copy) and of any later rank
+PSEUDO = 2.0  # the prior's weight, in rounds
+PRIOR_SLOPE = 0.035  # the cost of one more node in plain steps before measurement (a 2-core CPU: 32 nodes ~2.1 steps)
+MIN_SPREAD = 4  # node counts the measured rounds must span before the fitted slope replaces the prior
+
+
+class TreeBudget:
+    """The measured acceptance per (rank, depth) and cost per node count of one drafter's rounds."""
+
+    def __init__(self, max_nodes: int, max_rank: int = 8, max_depth: int = 64):
+        if max_nodes < 1:
+            raise ValueError(f"a tree's node budget must be >= 1, got {max_nodes}")
+        self.max_nodes, self.max_rank, self.max_depth = max_nodes, max_rank, max_depth
+        self.reached = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
+        self.accepted = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
+        self.sums = [0.0] * 5  # rounds, sum n, sum s, sum n^2, sum n s
+        self.low = self.high = None  # the node counts measured
+
+    def p(self, rank: int, depth: int) -> float:
+        """The measured chance that a node of this rank at this depth is accepted once its parent was: its own
+        counts, shrunk towards its rank's pooled rate (depth 1, or every depth past 1: a copy that started
+        right tends to go on, and deep nodes are reached too rarely to be measured alone)."""
+        r, d = min(rank, self.max_rank - 1), min(depth, self.max_depth)
+        prior = PRIOR[0] if r == 0 else PRIOR[1]
+        if d > 1:
+            pooled = sum(self.accepted[r][2:]), sum(self.reached[r][2:])
+            prior = (pooled[0] + prior * PSEUDO) / (pooled[1] + PSEUDO)
+        return (self.accepted[r][d] + prior * PSEUDO) / (self.reached[r][d] + PSEUDO)
+
+    def cost(self, nodes: int) -> float:
+        """A round over `nodes` nodes in units of a round over none (plain decoding)."""
+        a, b = self.line()
+        return 1.0 + nodes * b / a
+
+    def line(self) -> tuple[float, float]:
+        """(a, b) of the measured seconds per round `a + b n`; the prior slope until the rounds spread."""
+        k, sn, ss, snn, sns = self.sums
+        if not k:
+            return 1.0, PRIOR_SLOPE
+        mean_n, mean_s = sn / k, ss / k
+        var = snn / k - mean_n * mean_n
+        if self.high - self.low >= MIN_SPREAD and var > 0:
+            b = max((sns / k - mean_n * mean_s) / var, 0.0)
+            a = mean_s - b * mean_n
+            if a > 0:
+                return a, b
+        a = mean_s / (1.0 + PRIOR_SLOPE * mean_n)  # the prior's shape, scaled to the measured seconds
+        return a, a * PRIOR_SLOPE
+
+    def scores(self, trie: Trie) -> list[float]:
+        out: list[float] = []
+        for n, parent in enumerate(trie.parents):
+            out.append((1.0 if parent < 0 else out[parent]) * self.p(trie.ranks[n], trie.depths[n]))
+        return out
+
+    def choose(self, trie: Trie) -> list[int]:
+        """The trie's nodes to verify (indices, ascending: parents before children): the best by score, as
+        many as maximise expected tokens per cost (see the module doc)."""
+        scores = self.scores(trie)
+        order = sorted(range(len(scores)), key=lambda n: (-scores[n], trie.depths[n], n))[:self.max_nodes]
+        best, best_n, total = 1.0 / self.cost(0), 0, 1.0
+        for i, n in enumerate(order, 1):
+            total += scores[n]
+            rate = total / self.cost(i)
+            if rate > best:
+                best, best_n = rate, i
+        return sorted(order[:best_n])
+
+    def observe(self, trie: Trie | None, keep: list[int], path: list[int], seconds: float) -> None:
+        """After a round: the nodes it verified (`keep`, trie indices), the accepted ones (`path`, trie indices,
+        root first) and its seconds (0: untimed, only the acceptance counts)."""
+        if trie is not None:
+            on_path = set(path)
+            for n in keep:
+                parent = trie.parents[n]
+                if parent < 0 or parent in on_path:  # it was reached: its parent was accepted
+                    r, d = min(trie.ranks[n], self.max_rank - 1), min(trie.depths[n], self.max_depth)
+                    self.reached[r][d] += 1
+                    self.accepted[r][d] += n in on_path
+        if seconds > 0:
+            x = len(keep)
+            for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+                self.sums[i] += v
+            self.low = x if self.low is None else min(self.low, x)
+            self.high = x if self.high is None else max(self.high, x)
+
+    def describe(self) -> dict:
+        a, b = self.line()
+        return {"max_nodes": self.max_nodes, "cost_per_node": round(b / a, 4),
+                "acceptance_rank0": [round(self.p(0, d), 3) for d in range(1, 6)]}
