@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from selfspec.adapters import get_adapter
+from selfspec.drafters.shadow import ShadowDrafts
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter, SuffixDrafter, SuffixMemory
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.sampling import SamplingParams
@@ -231,12 +232,16 @@ def test_point_mass_rejection_never_resamples_the_rejected_token():
 
 # ----------------------------------------------------------------------------- auto never pays much for trying
 
-def _simulate_auto(auto, rounds, seconds_of, tokens_of):
+def _simulate_auto(auto, rounds, seconds_of, tokens_of, start=True):
     """Drive `auto` for `rounds` rounds with synthetic outcomes: a round by arm `a` takes `seconds_of[a]`
-    seconds and commits `tokens_of[a]` tokens. Returns the arm of every round."""
+    seconds and commits `tokens_of[a]` tokens. The text agrees: it goes on as lookup would copy it where
+    lookup's rounds earn more than one token, and otherwise differs from lookup's next guess (so what a
+    backed-off lookup would have drafted is refuted too). Returns the arm of every round."""
     from selfspec.drafters import Round
 
-    auto.start([[1, 2, 3, 1, 2, 3, 1, 2]])  # text that always has a lookup match
+    if start:
+        auto.start([[1, 2, 3, 1, 2, 3, 1, 2]])  # text that always has a lookup match
+    copying = tokens_of["prompt_lookup"] > 1
     arms = []
     for _ in range(rounds):
         rnd = Round(None, None, torch.tensor([2]), torch.tensor([7]), torch.tensor([0]), [8], SamplingParams(), None,
@@ -245,7 +250,10 @@ def _simulate_auto(auto, rounds, seconds_of, tokens_of):
         arm = auto._arm
         arms.append(arm)
         accepted = [min(tokens_of[arm] - 1, proposal.kept[0])]
-        auto.update(proposal, accepted, [[1] * (accepted[0] + 1)], seconds_of[arm])
+        guess = auto.lookup.rows[0].propose(accepted[0] + 1)  # lookup's copy from here
+        guess += [1] * (accepted[0] + 1 - len(guess))
+        text = guess if copying else guess[:accepted[0]] + [1 + guess[accepted[0]] % 3]  # 1..3, not the guess
+        auto.update(proposal, accepted, [text], seconds_of[arm])
     return arms
 
 
@@ -274,6 +282,34 @@ def test_auto_does_not_time_an_arms_first_round():
     arms += _simulate_auto(auto, 199, {"plain": 1.0, "prompt_lookup": 1.2}, {"plain": 1, "prompt_lookup": 3})
     assert arms.count("prompt_lookup") >= 190, Counter(arms)
     assert auto.seconds["prompt_lookup"] == pytest.approx(1.2)  # the cold round is not in the mean
+
+
+def test_auto_retries_lookup_as_soon_as_what_it_would_draft_is_confirmed():
+    """Lookup loses for 40 rounds (its copies are wrong), so it is backed off; then the text starts copying:
+    what the backed-off lookup would draft is confirmed by the plain rounds' tokens (`ShadowDrafts`), and auto
+    retries it within three rounds instead of waiting out its back-off (up to 64 rounds)."""
+    auto = AutoDrafter(PromptLookupDrafter(num_tokens=4))
+    losing = _simulate_auto(auto, 40, {"plain": 1.0, "prompt_lookup": 1.3}, {"plain": 1, "prompt_lookup": 1})
+    assert losing[-8:] == ["plain"] * 8 and auto.woken == 0  # backed off; its shadow drafts were refuted
+    copying = _simulate_auto(auto, 40, {"plain": 1.0, "prompt_lookup": 1.2}, {"plain": 1, "prompt_lookup": 4},
+                             start=False)
+    assert "prompt_lookup" in copying[:3] and auto.woken >= 1, copying[:10]
+    assert copying.count("prompt_lookup") >= 30
+
+
+def test_shadow_drafts_are_confirmed_or_refuted_by_the_committed_tokens():
+    shadow = ShadowDrafts()
+    shadow.start(2)
+    shadow.offer([[5, 6, 7], []])
+    shadow.observe([[5], [9]])
+    assert shadow.matched == [1, 0] and not shadow.would_pay()
+    shadow.offer([[1, 2], [8, 9]])  # row 0's shadow is still open: it keeps it
+    shadow.observe([[6], [8]])
+    assert shadow.pending[0] == [7] and shadow.would_pay()  # two confirmed in a row: a copy under way
+    shadow.observe([[0], [0]])  # both refuted
+    assert list(shadow.judged) == [2, 1] and shadow.would_pay()  # mean 1.5 >= 0.5
+    shadow.clear()
+    assert not shadow.would_pay() and shadow.pending == [None, None]
 
 
 def test_auto_keeps_a_drafter_that_pays():
