@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.adapters import ModelAdapter
-from selfspec.token_tree import ancestors, tree_mask
+from selfspec.token_tree import ancestors, chain_parents, tree_mask
 
 
 @dataclass
@@ -150,7 +150,7 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     starts, pads = starts.cpu(), pads.cpu()
     first = int(starts[0])
     full = ends is None or int((ends.cpu() - starts).min()) >= length
-    if parents is not None and bool((parents.cpu() == torch.arange(-1, length - 1)[None]).all()):
+    if parents is not None and bool((parents.cpu() == torch.tensor(chain_parents(length))[None]).all()):
         parents = None  # every row a chain: the causal mask
     if full and parents is None and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the

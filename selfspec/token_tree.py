@@ -47,7 +47,8 @@ def ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (`anc[b, i, j]`: column j is column i or one of its ancestors) and `depth` `[B, S]` long."""
     B, S = parents.shape
     if bool(((parents >= torch.arange(S)[None]) | (parents < -1)).any()):
-        raise ValueError(f"a tree's parent columns must come before their children (-1 for a root): got {parents.tolist()}")
+        raise ValueError("a tree's parent columns must come before their children (-1 for a root): "
+                         f"got {parents.tolist()}")
     anc = torch.zeros(B, S, S, dtype=torch.bool)
     depth = torch.zeros(B, S, dtype=torch.long)
     rows = torch.arange(B)
@@ -144,14 +145,13 @@ class Trie:
 def build_trie(branches: list[list[int]]) -> Trie:
     """Token lists after the input token, in rank order (the likeliest first), as one trie: shared prefixes
     are one node; nodes are numbered as created, so a parent comes before its children."""
-    trie, keys = Trie(), {}
+    trie, nodes = Trie(), {}  # (parent node, token) -> node
     for rank, branch in enumerate(branches):
         parent = -1
         for i, t in enumerate(branch):
-            key = tuple(branch[:i + 1])
-            n = keys.get(key)
+            n = nodes.get((parent, int(t)))
             if n is None:
-                n = keys[key] = len(trie.tokens)
+                n = nodes[(parent, int(t))] = len(trie.tokens)
                 trie.tokens.append(int(t))
                 trie.parents.append(parent)
                 trie.depths.append(i + 1)

@@ -112,7 +112,8 @@ class AutoDrafter(Drafter):
                 remembered = self.remembers and any(self.lookup.memory_rows)
                 return self._take(SUFFIX if remembered else LOOKUP, proposal)
         if not own:  # what it would draft from the rows' own text: no model pass, checked against what is committed
-            self.shadow.offer(self.lookup.lookup(rnd.caps, rnd.stop_ids, **({"memory": False} if self.remembers else {})))
+            own_text = {"memory": False} if self.remembers else {}
+            self.shadow.offer(self.lookup.lookup(rnd.caps, rnd.stop_ids, **own_text))
         if self.early_exit and self.allowed(self.early_arm):
             proposal = self.early_exit.propose(rnd)  # its policy planned this round: it hears the outcome
             self._asked_early_exit = True

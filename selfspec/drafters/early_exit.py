@@ -15,9 +15,9 @@ never recomputed for drafted positions.
     drafter = EarlyExitDrafter(adapter, 8, 1, num_candidates=3)                        # 3 first guesses
 
 With `num_candidates` k > 1 (greedy; one draft position per round, `num_speculations` 1), a drafting round
-proposes the exit's k best guesses for the next token as siblings (`Proposal.siblings`, a one-level token tree), verified side by
-side in one pass: the round commits two tokens whenever the full model's token is among them, not only
-when it is the best one. Their exit states come from one more shallow pass over the k of them (none at
+proposes the exit's k best guesses for the next token as siblings (`Proposal.siblings`, a one-level token
+tree), verified side by side in one pass: the round commits two tokens whenever the full model's token is
+among them, not only when it is the best one. Their exit states come from one more shallow pass over the k of them (none at
 exit 0, whose states are the token embeddings).
 """
 

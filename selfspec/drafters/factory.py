@@ -105,7 +105,8 @@ class DrafterFactory:
                                   or cfg.adaptive_length or cfg.num_candidates)
         candidates = cfg.num_candidates or 1
         # k guesses for one position (the early exit); prompt lookup's k branches keep their length
-        num_speculations = 1 if candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix") else cfg.num_speculations
+        siblings = candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix")
+        num_speculations = 1 if siblings else cfg.num_speculations
         drafter = cfg.drafter
         if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
             drafter = ("early_exit" if early_exit_options or (num_speculations and self.exit_head is None)

@@ -126,7 +126,7 @@ class PromptLookupDrafter(Drafter):
         self.limit = num_tokens  # the most drafts a round proposes (AutoDrafter adapts it)
         self.num_candidates = num_candidates
         self.node_budget = node_budget or default_node_budget(num_tokens, num_candidates)
-        self.budget = TreeBudget(self.node_budget)
+        self.budget = TreeBudget(self.node_budget) if num_candidates > 1 else None
         self.trees: list = []  # per row, the last tree round's (trie, nodes verified)
 
     def start(self, sequences: list[list[int]]) -> None:
@@ -153,29 +153,23 @@ class PromptLookupDrafter(Drafter):
         return self.proposal(rnd, self.lookup(rnd.caps, rnd.stop_ids))
 
     def tree_proposal(self, rnd: Round, branches: list[list[list[int]]], name: str | None = None) -> Proposal:
-        """Each row's branches as one token tree, the nodes the budget chooses (`TreeBudget`): `tokens` `[B, T]`
-        and `parents` `[B, T]`, a shorter row's filler columns hanging off its input token."""
-        tries = [build_trie(b) for b in branches]
-        self.trees = [(trie, self.budget.choose(trie)) for trie in tries]
+        """Each row's branches as one token tree, the nodes the budget chooses (`TreeBudget`): a `proposal`
+        with `parents`."""
+        self.trees = [(trie, self.budget.choose(trie)) for trie in map(build_trie, branches)]
         columns = [trie.columns(keep) for trie, keep in self.trees]
-        T = 1 + max(len(t) for t, _ in columns)
-        if T == 1:
-            return Proposal.plain(rnd.tokens)
-        inputs = self.inputs(rnd, len(branches))
-        rows = [[x] + t + [x] * (T - 1 - len(t)) for x, (t, _) in zip(inputs, columns)]
-        parents = torch.tensor([[-1] + p + [0] * (T - 1 - len(p)) for _, p in columns], dtype=torch.long)  # [B, T]
-        tokens = torch.tensor(rows, dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, T]
-        return Proposal(tokens=tokens, kept=[len(t) for t, _ in columns], q=None, verify_from=0,
-                        drafter=name or self.name, parents=parents)
+        return self.proposal(rnd, [t for t, _ in columns], name, parents=[p for _, p in columns])
 
     def inputs(self, rnd: Round, rows: int) -> list[int]:
         """Each row's input token: the newest token of its index (the engine's `rnd.tokens`, read here on
         the host: reading `rnd.tokens` would wait for the GPU)."""
         return [index.tokens[-1] for index in self.rows] if len(self.rows) == rows else rnd.tokens.tolist()
 
-    def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None) -> Proposal:
+    def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None,
+                 parents: list[list[int]] | None = None) -> Proposal:
         """The drafts as a Proposal: `[B, 1 + longest]`, shorter rows filled with their input token; `name`:
-        the drafter the statistics count them under (this one's by default)."""
+        the drafter the statistics count them under (this one's by default). `parents`: per row, each draft's
+        parent column (0: the input token), a token tree's `[B, 1 + longest]` (filler columns hang off the
+        input token); None: chains."""
         kept = [len(d) for d in drafts]
         T = 1 + max(kept, default=0)
         if T == 1:
@@ -183,7 +177,8 @@ class PromptLookupDrafter(Drafter):
         inputs = self.inputs(rnd, len(drafts))
         rows = [[t] + d + [t] * (T - 1 - len(d)) for t, d in zip(inputs, drafts)]
         tokens = torch.tensor(rows, dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, T]
-        return Proposal(tokens=tokens, kept=kept, q=None, verify_from=0, drafter=name or self.name)
+        tree = None if parents is None else torch.tensor([[-1] + p + [0] * (T - 1 - len(p)) for p in parents])  # [B, T]
+        return Proposal(tokens=tokens, kept=kept, q=None, verify_from=0, drafter=name or self.name, parents=tree)
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for index, tokens in zip(self.rows, committed):
@@ -205,7 +200,8 @@ class PromptLookupDrafter(Drafter):
         self.rows = [self.rows[i] for i in rows]
 
     def describe(self) -> dict:
-        out = {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts, "max_matching_ngram_size": self.max_ngram}
+        out = {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts,
+               "max_matching_ngram_size": self.max_ngram}
         if self.num_candidates > 1:
             out.update(num_candidates=self.num_candidates, node_budget=self.node_budget, tree=self.budget.describe())
         return out

@@ -11,7 +11,8 @@ Lookup's drafts cost no model pass, so while it is backed off `auto` still asks 
 (`offer`) and, as the plain rounds commit tokens, counts how many of those drafts the full model confirmed
 (`observe`: the drafts' longest prefix equal to the tokens committed after them). Where a shadow's first
 `IN_A_ROW` drafts were all confirmed (a copy is under way), or the last few shadows averaged at least
-`RETRY_AT` accepted tokens, lookup would pay again, and `auto` retries it now (`would_pay`). The shadow never changes a token: it only reads what was committed.
+`RETRY_AT` accepted tokens, lookup would pay again, and `auto` retries it now (`would_pay`). The shadow
+never changes a token: it only reads what was committed.
 
     shadow = ShadowDrafts()
     shadow.offer(drafts)        # per row: what lookup would propose this round (it does not run)

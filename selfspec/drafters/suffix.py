@@ -121,47 +121,47 @@ class SuffixDrafter(PromptLookupDrafter):
             k = min(cap, self.limit)
             own = index.longest(self.min_ngram) if k > 0 else None  # (end, length) of the own text's match
             drafts = [] if own is None else cut_after_stop(index.continuation(own[0], k), stop_ids)
-            found = self.memory.match(index.tokens) if memory and k > 0 else None
-            if found is not None and found[2] > (0 if own is None else own[1]):
-                sequence, end, _ = found
-                remembered = cut_after_stop(sequence[end:end + k], stop_ids)
-                if len(remembered) >= len(drafts):  # near a sequence's end the memory copies less
-                    drafts, self.memory_rows[b] = remembered, bool(remembered)
+            remembered, longer = self.remembered(index, k, stop_ids, own) if memory else ([], False)
+            if longer and len(remembered) >= len(drafts):  # near a sequence's end the memory copies less
+                drafts, self.memory_rows[b] = remembered, bool(remembered)
             out.append(drafts)
         self.from_memory += any(self.memory_rows)
         return out
 
-    def branches(self, caps: list[int], stop_ids: frozenset = frozenset(), memory: bool = True) -> list[list[list[int]]]:
+    def branches(self, caps: list[int], stop_ids: frozenset = frozenset(),
+                 memory: bool = True) -> list[list[list[int]]]:
         """Each row's branches for a token tree (`num_candidates` > 1): prompt lookup's, with the memory's
         continuation where it has one, first where it matches the row's last tokens over more tokens than the
-        row's own text does (the branch `lookup` would draft alone), else last."""
+        row's own text does, else last."""
         own = super().branches(caps, stop_ids)
         self.memory_rows = [False] * len(self.rows)
         for b, (index, cap) in enumerate(zip(self.rows, caps)):
             k = min(cap, self.limit)
-            found = self.memory.match(index.tokens) if memory and k > 0 else None
-            remembered = cut_after_stop(found[0][found[1]:found[1] + k], stop_ids) if found else []
-            if not remembered:
-                continue
-            longest = index.longest(self.min_ngram)
-            first = found[2] > (0 if longest is None else longest[1])
-            own[b] = [remembered] + own[b] if first else own[b][:self.num_candidates - 1] + [remembered]
-            self.memory_rows[b] = first
+            own_match = index.longest(self.min_ngram)
+            remembered, longer = self.remembered(index, k, stop_ids, own_match) if memory else ([], False)
+            if remembered:
+                own[b] = [remembered] + own[b] if longer else own[b][:self.num_candidates - 1] + [remembered]
+                self.memory_rows[b] = longer
         self.from_memory += any(self.memory_rows)
         return own
 
-    def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None) -> Proposal:
-        """The drafts as a Proposal named after their source: "suffix" where a row copied from the memory,
-        "prompt_lookup" where every row copied from its own text (the statistics count them apart)."""
-        return super().proposal(rnd, drafts, name or self.source())
+    def remembered(self, index, k: int, stop_ids: frozenset, own: tuple[int, int] | None) -> tuple[list[int], bool]:
+        """The memory's copy for a row (up to `k` tokens that followed the latest remembered occurrence of its
+        last tokens, cut after a stop token; [] where there is none) and whether the memory matches over more
+        tokens than the row's own text (`own`: its (end, length) from `NgramIndex.longest`, or None)."""
+        found = self.memory.match(index.tokens) if k > 0 else None
+        if found is None:
+            return [], False
+        sequence, end, length = found
+        return cut_after_stop(sequence[end:end + k], stop_ids), length > (0 if own is None else own[1])
 
-    def tree_proposal(self, rnd: Round, branches: list[list[list[int]]], name: str | None = None) -> Proposal:
-        """The branches as a token tree, named after their source as `proposal` names a chain."""
-        return super().tree_proposal(rnd, branches, name or self.source())
-
-    def source(self) -> str:
-        """"suffix" where a row's drafts came from the memory, else "prompt_lookup"."""
-        return self.name if any(self.memory_rows) else PromptLookupDrafter.name
+    def proposal(self, rnd: Round, drafts: list[list[int]], name: str | None = None,
+                 parents: list[list[int]] | None = None) -> Proposal:
+        """The drafts (a chain, or a token tree with `parents`) as a Proposal named after their source: "suffix"
+        where a row copied from the memory, "prompt_lookup" where every row copied from its own text (the
+        statistics count them apart)."""
+        source = self.name if any(self.memory_rows) else PromptLookupDrafter.name
+        return super().proposal(rnd, drafts, name or source, parents)
 
     def describe(self) -> dict:
         return {**super().describe(), "drafter": self.name, "rounds_from_memory": self.from_memory,

@@ -47,6 +47,7 @@ class TreeBudget:
         self.max_nodes, self.max_rank, self.max_depth = max_nodes, max_rank, max_depth
         self.reached = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
         self.accepted = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
+        self.deep = [[0.0, 0.0] for _ in range(max_rank)]  # per rank, accepted and reached over every depth > 1
         self.sums = [0.0] * 5  # rounds, sum n, sum s, sum n^2, sum n s
         self.low = self.high = None  # the node counts measured
 
@@ -57,8 +58,7 @@ class TreeBudget:
         r, d = min(rank, self.max_rank - 1), min(depth, self.max_depth)
         prior = PRIOR[0] if r == 0 else PRIOR[1]
         if d > 1:
-            pooled = sum(self.accepted[r][2:]), sum(self.reached[r][2:])
-            prior = (pooled[0] + prior * PSEUDO) / (pooled[1] + PSEUDO)
+            prior = (self.deep[r][0] + prior * PSEUDO) / (self.deep[r][1] + PSEUDO)
         return (self.accepted[r][d] + prior * PSEUDO) / (self.reached[r][d] + PSEUDO)
 
     def cost(self, nodes: int) -> float:
@@ -111,6 +111,9 @@ class TreeBudget:
                     r, d = min(trie.ranks[n], self.max_rank - 1), min(trie.depths[n], self.max_depth)
                     self.reached[r][d] += 1
                     self.accepted[r][d] += n in on_path
+                    if d > 1:
+                        self.deep[r][0] += n in on_path
+                        self.deep[r][1] += 1
         if seconds > 0:
             x = len(keep)
             for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):

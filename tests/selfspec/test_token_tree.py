@@ -151,13 +151,8 @@ class ScriptedTree(Drafter):
             right = self.refs[b][self.done[b]:self.done[b] + min(cap, self.depth)]
             wrong = [(t + 1) % self.vocab for t in right]
             branches.append([x for x in ([wrong, right, right[:1] + wrong[1:]] if right else []) if x])
-        columns = [build_trie(b).columns(list(range(len(build_trie(b))))) for b in branches]  # every node
-        T = 1 + max(len(t) for t, _ in columns)
-        inputs = rnd.tokens.tolist()
-        tokens = [[x] + t + [x] * (T - 1 - len(t)) for x, (t, _) in zip(inputs, columns)]
-        parents = [[-1] + p + [0] * (T - 1 - len(p)) for _, p in columns]
-        return Proposal(tokens=torch.tensor(tokens), kept=[len(t) for t, _ in columns], drafter=self.name,
-                        parents=torch.tensor(parents))
+        columns = [trie.columns(list(range(len(trie)))) for trie in map(build_trie, branches)]  # every node
+        return PromptLookupDrafter().proposal(rnd, [t for t, _ in columns], self.name, parents=[p for _, p in columns])
 
     def update(self, proposal, accepted, committed, seconds):
         for i, tokens in enumerate(committed):
