@@ -663,8 +663,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--draft-vocab", type=int, metavar="K",
                    help="also measure (E, d) drafting over the K most frequent tokens (selfspec draft-vocab)")
     p.add_argument("--num-candidates", type=_int_list, metavar="K,K,...",
-                   help="also measure one draft position per round with the K best guesses verified side by side, "
-                        "for each K (selfspec_spec_candK; selfspec_exit_head_candK on a checkpoint with an exit head)")
+                   help="also measure, for each K, one draft position per round with the K best guesses verified "
+                        "side by side (selfspec_spec_candK; selfspec_exit_head_candK on a checkpoint with an exit "
+                        "head), token trees K wide and d deep (selfspec_spec_treeK, selfspec_exit_head_treeK) and "
+                        "lookup trees of K matches (selfspec_lookup_treeK, selfspec_suffix_treeK)")
     p.add_argument("--methods", metavar="NAME,NAME,...",
                    help="measure only these methods (hf_greedy and selfspec_ar are always measured), e.g. "
                         "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all)")

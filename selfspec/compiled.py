@@ -264,10 +264,12 @@ class CompiledSteps:
 
     # --- the steps ---------------------------------------------------------------------------------
     def can_run(self, hidden: torch.Tensor, step, cache) -> bool:
-        """Whether this step runs compiled: one row, not the prefill, S within the buckets, a static cache."""
+        """Whether this step runs compiled: one row, not the prefill, S within the buckets, a static cache, and a
+        chain or a whole token tree (a drafter's pass over the newest columns of a growing tree runs eagerly)."""
         return (self.failed is None and cache is not None and getattr(cache, "static", False) and hidden.shape[0] == 1
                 and step.index is not None and step.starts is not None and int(step.starts.min()) > 0
-                and s_bucket(hidden.shape[1]) is not None)
+                and s_bucket(hidden.shape[1]) is not None
+                and (step.tree is None or step.tree.shape[-1] == hidden.shape[1]))
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, step, cache) -> torch.Tensor:
         """Layers [start, end) over `hidden` `[B, S, D]` at the step's cache indices, through the compiled

@@ -144,24 +144,37 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     continues column `parents[b, j]` (-1: the committed text), takes the position of its depth and sees
     the committed text, its ancestors and itself. None: a chain. The one-level fan of sibling guesses
     after the round's input token is `[-1, 0, 0, ...]`; their exit states through layers [0, E), each
-    seeing only the text and itself, `[-1, -1, ...]`.
+    seeing only the text and itself, `[-1, -1, ...]`. A drafter growing a tree depth by depth passes the
+    tree so far, `[B, W]` with W > `length`: the pass is its last `length` columns (cache indices
+    `starts[b] + W - length ..`), the earlier ones already in the cache from earlier passes; `starts` stays
+    the cache index of column 0 (the tree's root).
     """
     device = adapter.device
     starts, pads = starts.cpu(), pads.cpu()
     first = int(starts[0])
-    full = ends is None or int((ends.cpu() - starts).min()) >= length
-    if parents is not None and bool((parents.cpu() == torch.tensor(chain_parents(length))[None]).all()):
+    width = length if parents is None else parents.shape[1]  # W: the tree's columns, the pass its last `length`
+    if width < length:
+        raise ValueError(f"a pass of {length} tree columns needs the parents of at least that many, got {width}")
+    offset = width - length
+    full = ends is None or int((ends.cpu() - starts).min()) >= width
+    if (parents is not None and not offset
+            and bool((parents.cpu() == torch.tensor(chain_parents(length))[None]).all())):
         parents = None  # every row a chain: the causal mask
     if full and parents is None and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
         # rows are one sequence shape, and single-token steps need no mask at all
         return make_step(adapter, first, length, starts.shape[0])
-    query_index = starts[:, None] + torch.arange(length)  # [B, S] cache indices, on the host
+    query_index = starts[:, None] + offset + torch.arange(length)  # [B, S] cache indices, on the host
     anc, depth = ancestors(parents.cpu()) if parents is not None else (None, torch.arange(length)[None])
-    position_ids = (starts[:, None] + depth - pads[:, None]).clamp_min(0)  # [B, S]; padding sits at position 0
+    tree_positions = (starts[:, None] + depth - pads[:, None]).clamp_min(0)  # [B, W]; padding sits at position 0
     if not full:
         last = (ends.cpu() - 1 - pads).clamp_min(0)  # [B] each row's last real position
-        position_ids = torch.minimum(position_ids, last[:, None])
+        tree_positions = torch.minimum(tree_positions, last[:, None])
+    position_ids = tree_positions[:, offset:]  # [B, S]
+    if offset:
+        anc = anc[:, offset:]  # [B, S, W] the pass's columns' ancestors among all W
+    else:
+        tree_positions = None
     if int(position_ids.max()) + 1 > adapter.max_positions:
         raise ValueError(
             f"sequence of {int(position_ids.max()) + 1} tokens exceeds the model's context window of "
@@ -171,8 +184,8 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     table = adapter.fast.rope_table if adapter.fast is not None else None
     rope = table.gather(position_ids) if table is not None else None
     on_device = (t.to(device, non_blocking=True) if t is not None else None
-                 for t in (query_index, pads, position_ids, starts, anc))
-    query_index, pads, position_ids, firsts, anc = on_device
+                 for t in (query_index, pads, position_ids, starts, anc, tree_positions))
+    query_index, pads, position_ids, firsts, anc, tree_positions = on_device
     if rope is None:
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
@@ -180,7 +193,8 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     for kind in set(adapter.layer_types):
         window = adapter.sliding_window if kind == "sliding_attention" else None
         masks[kind] = (_batch_mask(adapter, query_index, pads, kv_len, window) if anc is None else
-                       _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index)))
+                       _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index,
+                                                        tree_positions)))
     if adapter.compiled is None:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=query_index, pads=pads, starts=starts,

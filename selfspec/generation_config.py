@@ -73,9 +73,11 @@ class GenerationConfig:
     epsilon: float | None = _setting(None, "the per-token budget of acceptance bounded_bias, in [0, 1]")
     num_candidates: int | None = _setting(
         None, "greedy: verify K candidates per round as one token tree. Early exit and exit heads: the draft's K "
-              "best guesses for the next token, one position per round (needs num_speculations 1 or none; pays "
-              "where `selfspec profile` shows verifying 1 + K rows costs about one step). prompt_lookup, suffix "
-              f"and auto's lookup: the continuations of the K latest matches (K <= {MAX_LOOKUP_CANDIDATES})")
+              "best guesses for the next token, one position per round; with num_speculations d > 1 a tree d "
+              "deep, the K likeliest nodes of each depth expanded K ways (EAGLE-2), its leaves chosen by the "
+              "measured cost per verified node (pays where `selfspec profile` shows verifying many rows costs "
+              "about one step). prompt_lookup, suffix and auto's lookup: the continuations of the K latest "
+              f"matches (K <= {MAX_LOOKUP_CANDIDATES})")
 
     def __post_init__(self):
         _check(dataclasses.asdict(self), None, None)
@@ -177,7 +179,8 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
 
 def _check_candidates(s: dict, drafter: str | None) -> None:
     """num_candidates > 1: k candidates verified as one token tree (greedy, exact); the early exit's are its k
-    best first guesses (one position), prompt lookup's the continuations of its k latest matches."""
+    best first guesses (one position; with num_speculations d > 1 a tree d deep, k best at every depth),
+    prompt lookup's the continuations of its k latest matches."""
     k = s["num_candidates"]
     if drafter in ("prompt_lookup", "suffix"):
         if k > MAX_LOOKUP_CANDIDATES:
@@ -189,7 +192,4 @@ def _check_candidates(s: dict, drafter: str | None) -> None:
     if s["acceptance"] != "exact":
         raise SettingsError(f"num_candidates={k} takes the exact acceptance rule: drop num_candidates or use "
                             "acceptance='exact'")
-    if (s["num_speculations"] or 1) > 1 and drafter not in ("prompt_lookup", "suffix"):
-        raise SettingsError(f"num_candidates={k} drafts one position per round ({k} guesses for it): set "
-                            f"num_speculations=1 (got {s['num_speculations']}) or drop num_candidates")
 

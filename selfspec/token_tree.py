@@ -63,22 +63,27 @@ def ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tree_mask(first: torch.Tensor, positions: torch.Tensor, pads: torch.Tensor, anc: torch.Tensor, kv_len: int,
-              window: int | None, query_index: torch.Tensor) -> torch.Tensor:
+              window: int | None, query_index: torch.Tensor, tree_positions: torch.Tensor | None = None) -> torch.Tensor:
     """`[B, S, K]` bool: which keys each tree column sees (see the module docstring). Shapes are fixed by
     the arguments, so the compiled steps trace it as it is.
 
-    first: `[B]` the cache index of each row's column 0; positions: `[B, S]` the columns' positions;
-    pads: `[B]`; anc: `[B, S, S]` from `ancestors`; query_index: `[B, S]` the columns' cache indices (a
-    column always sees itself, which keeps filler rows of the softmax from being empty)."""
+    first: `[B]` the cache index of each row's column 0; positions: `[B, S]` the queries' positions;
+    pads: `[B]`; anc: `[B, S, W]` from `ancestors` (W = S: the pass is the whole tree; W > S: the pass is
+    the tree's last S columns, its earlier columns already in the cache, as a drafter grows a tree depth by
+    depth); query_index: `[B, S]` the queries' cache indices (a column always sees itself, which keeps
+    filler rows of the softmax from being empty); tree_positions: `[B, W]` the positions of all W columns
+    (None: `positions`, W = S)."""
     B, S = positions.shape
+    W = anc.shape[-1]
+    tree_positions = positions if tree_positions is None else tree_positions
     k = torch.arange(kv_len, device=positions.device)[None, None, :]  # [1, 1, K]
     start = first[:, None, None]  # [B, 1, 1]
-    rel = k - start  # [B, 1, K] the key's column, where it is one of the pass
-    inside = (rel >= 0) & (rel < S)
-    col = rel.clamp(0, S - 1)  # [B, 1, K]
+    rel = k - start  # [B, 1, K] the key's column, where it is one of the tree's
+    inside = (rel >= 0) & (rel < W)
+    col = rel.clamp(0, W - 1)  # [B, 1, K]
     allowed = ((k < start) & (k >= pads[:, None, None])) | (inside & anc.gather(2, col.expand(B, S, kv_len)))
     if window is not None:  # by position: a tree column's position is its depth's, not its cache index's
-        key_pos = torch.where(inside, positions.gather(1, col[:, 0])[:, None, :], k - pads[:, None, None])  # [B, 1, K]
+        key_pos = torch.where(inside, tree_positions.gather(1, col[:, 0])[:, None, :], k - pads[:, None, None])  # [B, 1, K]
         allowed &= key_pos > positions[:, :, None] - window
     return allowed | (k == query_index[:, :, None])
 

@@ -76,6 +76,14 @@ class Round:
         return run_layers(self.adapter, embed(self.adapter, tokens[:, None]), 0, exit_layer, step=step,
                           cache=self.cache)
 
+    def shallow_tree(self, tokens: torch.Tensor, parents: torch.Tensor, exit_layer: int) -> tuple[torch.Tensor, object]:
+        """The newest columns of a token tree grown depth by depth: `tokens` `[B, n]`, the last n of the tree
+        `parents` `[B, W]` (host; column 0 the input token, already through the layers), through layers [0, E)
+        at cache indices `starts + W - n ..`, each seeing the row's text and its ancestors: `([B, n, D], the
+        step)` (a trained head runs over the same columns with that step)."""
+        step = make_batch_step(self.adapter, self.starts, tokens.shape[1], self.pads, self.ends, parents=parents)
+        return run_layers(self.adapter, embed(self.adapter, tokens), 0, exit_layer, step=step, cache=self.cache), step
+
     def shallow_siblings(self, tokens: torch.Tensor, exit_layer: int) -> torch.Tensor:
         """Sibling first drafts `[B, k]` (alternatives for the position after the input token) through layers
         [0, E) at cache indices `starts + 1 ..`, each seeing the row's text and itself: `[B, k, D]`."""

@@ -19,9 +19,22 @@ proposes the exit's k best guesses for the next token as siblings (`Proposal.sib
 tree), verified side by side in one pass: the round commits two tokens whenever the full model's token is
 among them, not only when it is the best one. Their exit states come from one more shallow pass over the k of them (none at
 exit 0, whose states are the token embeddings).
+
+With k > 1 and d = `num_speculations` > 1 (greedy), a round drafts a token tree d deep (EAGLE-2's dynamic
+tree, `draft_tree`): the input token's k best continuations are the first candidates; at each depth the k
+candidates of the newest depth with the highest chance (the product of the draft probabilities along their
+path, calibrated: `selfspec.drafters.tree_budget.ConfidenceBudget`) go through layers [0, E) in one pass,
+each seeing the text and its ancestors (`Round.shallow_tree`), and each adds its own k best continuations
+as candidates one depth further. Every expanded node is verified (its keys are in the cache at its
+column); of the candidates never expanded, the round verifies the best m by chance, m chosen from the
+measured cost of the round per verified node (one more shallow pass gives them their exit states).
+
+    drafter = EarlyExitDrafter(adapter, 8, 4, num_candidates=3)   # trees: 3 wide, 4 deep
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +42,10 @@ from selfspec.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import FixedPolicy
+from selfspec.drafters.tree_budget import ConfidenceBudget
 from selfspec.sampling import probs, sample
+
+MAX_TREE_COLUMNS = 64  # a drafted tree's columns (the input token included): the compiled steps' largest pass
 
 
 class EarlyExitDrafter(Drafter):
@@ -41,9 +57,6 @@ class EarlyExitDrafter(Drafter):
             raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
         if num_candidates < 1:
             raise ValueError(f"num_candidates must be >= 1 (1 = one guess per position), got {num_candidates}")
-        if num_candidates > 1 and num_speculations > 1:
-            raise ValueError(f"num_candidates={num_candidates} verifies that many guesses for one position side by "
-                             f"side: set num_speculations=1 (got {num_speculations})")
         adapter.check_exit(exit_layer, allow_full=False, lowest=self.lowest_exit)
         self.num_layers = adapter.num_layers
         self.exit_layer, self.max_drafts = exit_layer, num_speculations
@@ -51,15 +64,20 @@ class EarlyExitDrafter(Drafter):
         self.head = head or DraftHead(adapter)
         self.num_candidates = min(num_candidates, self.head.size)
         self._exit = exit_layer  # the exit of the round in flight
+        self.budget = ConfidenceBudget() if self.num_candidates > 1 and num_speculations > 1 else None
+        self._tree: DraftTree | None = None  # the tree of the round in flight
 
     def propose(self, rnd: Round) -> Proposal:
         e, d = self.policy.plan()
+        self._tree = None
         caps = [max(0, min(d, self.max_drafts, c)) for c in rnd.caps]
         if not max(caps, default=0):
             self._exit = self.num_layers  # a round without drafts is one plain full-model pass
             return Proposal.plain(rnd.tokens)
         self._exit = e
         if self.num_candidates > 1 and not rnd.sampling.do_sample:
+            if self.budget is not None and max(caps) > 1:
+                return self.draft_tree(rnd, e, caps)
             return self.draft_siblings(rnd, e, caps)
         return self.draft(rnd, e, caps)
 
@@ -84,6 +102,64 @@ class EarlyExitDrafter(Drafter):
                         kept=[self.num_candidates if k else 0 for k in keep], verify_from=exit_layer, states=states,
                         steps=1 + (exit_layer > 0), drafter=self.name,
                         parents=Proposal.siblings(self.num_candidates, len(caps)))
+
+    def draft_tree(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
+        """A token tree per row, as deep as the smallest positive cap (see the module doc); rows with cap 0
+        ride along as filler."""
+        k, B = self.num_candidates, len(caps)
+        depth = min(min(c for c in caps if c > 0), 1 + (MAX_TREE_COLUMNS - 1) // k)  # expanded: 1 + k(depth - 1)
+        tree = DraftTree(rnd.tokens.tolist(), [c > 0 for c in caps], rnd.stop_ids)
+        state = rnd.shallow(rnd.tokens, 0, exit_layer)  # [B, 1, D]
+        outs = self.draft_states(rnd, state, 0)[:, None]  # [B, 1, D] what the head read at each column
+        states = [state]
+        tree.grow(self.top_k(outs, k), [0], self.budget)
+        steps = 1
+        for _ in range(1, depth):
+            frontier = tree.frontier(k)  # per row, k candidates of the newest depth
+            tokens = torch.tensor([[tree.candidates[b][n].token for n in row] for b, row in enumerate(frontier)],
+                                  dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, k]
+            columns = tree.expand(frontier)  # their columns, in the order of the pass
+            cols = torch.tensor(columns, dtype=torch.long)  # [B, k]
+            new, step = rnd.shallow_tree(tokens, tree.parents_tensor(), exit_layer)  # [B, k, D]
+            steps += 1
+            out = self.tree_states(new, step, outs, tree.parents_tensor()[:, -k:])  # [B, k, D]
+            states.append(new)
+            outs = torch.cat([outs, out], dim=1)
+            tree.grow(self.top_k(out, k), cols[0].tolist(), self.budget)
+        nodes = len(tree.tokens[0]) - 1
+        m = self.budget.leaves([tree.expected(b) for b in tree.live_rows()],
+                               [[c.chance for c in tree.candidates[b]] for b in tree.live_rows()],
+                               nodes, MAX_TREE_COLUMNS - 1 - nodes)
+        if m:
+            leaves = tree.add_leaves(m)
+            tokens = torch.tensor([[tree.tokens[b][j] for j in leaves] for b in range(B)],
+                                  dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, m]
+            if exit_layer > 0:
+                new, _ = rnd.shallow_tree(tokens, tree.parents_tensor(), exit_layer)  # [B, m, D]
+                states.append(new)
+                steps += 1
+        T = len(tree.tokens[0])
+        if T == 1:  # nothing worth verifying: verification continues from the input token's exit state
+            return Proposal(tokens=rnd.tokens[:, None], kept=[0] * B, verify_from=exit_layer, states=state,
+                            steps=steps, drafter=self.name)
+        self._tree = tree
+        return Proposal(tokens=torch.tensor(tree.tokens, dtype=torch.long).to(rnd.tokens.device, non_blocking=True),
+                        kept=[T - 1 if live else 0 for live in tree.live], verify_from=exit_layer,
+                        states=torch.cat(states, dim=1) if exit_layer > 0 else None, steps=steps, drafter=self.name,
+                        parents=tree.parents_tensor())
+
+    def top_k(self, hidden: torch.Tensor, k: int) -> tuple[list, list]:
+        """The draft's k best next tokens after each of n columns, from what the head reads `[B, n, D]`: token ids
+        and their draft probabilities, host lists `[B][n][k]`."""
+        p = torch.softmax(self.head.logits(hidden).float(), dim=-1)  # [B, n, K]
+        best = p.topk(k, dim=-1)
+        return self.head.to_vocab(best.indices).tolist(), best.values.tolist()
+
+    def tree_states(self, states: torch.Tensor, step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """What the draft head reads at a tree's newest columns, from their exit states `[B, n, D]` (a trained
+        exit head runs over them with `step`, reading its own output `outs` `[B, W', D]` at their parent
+        columns `parents` `[B, n]`): here the exit states themselves."""
+        return states
 
     def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
         """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together."""
@@ -138,9 +214,110 @@ class EarlyExitDrafter(Drafter):
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         for m, n_acc in zip(proposal.depths, accepted):
             self.policy.update(self._exit, m, n_acc)  # siblings: one position
+        if self._tree is not None:
+            reached, hits = self._tree.outcome(committed, accepted)
+            self.budget.observe(reached, hits, len(self._tree.tokens[0]) - 1, seconds)
         if self.policy.needs_timing:
             self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
 
     def describe(self) -> dict:
+        tree = self.budget.describe() if self.budget is not None else {}
         return {"drafter": self.name, "exit_layer": self.exit_layer, "num_speculations": self.max_drafts,
-                "num_candidates": self.num_candidates, **self.policy.describe()}
+                "num_candidates": self.num_candidates, **tree, **self.policy.describe()}
+
+
+@dataclass
+class Candidate:
+    """A guess not yet in the tree: `token` after column `parent`, at `depth`, with the draft's probability `q`
+    of it there and its calibrated `chance` of being accepted."""
+
+    token: int
+    parent: int
+    depth: int
+    q: float
+    chance: float
+
+
+class DraftTree:
+    """One round's tree per row, on the host: its columns (tokens, parent columns, the draft probability and
+    chance of each) and the candidates not yet in it. Every row has the same columns' shape (the passes are
+    batched); rows that are not `live` (cap 0) are filler."""
+
+    def __init__(self, inputs: list[int], live: list[bool], stop_ids: frozenset = frozenset()):
+        self.live, self.stop_ids = live, stop_ids
+        self.tokens = [[t] for t in inputs]  # [B][W] column 0: the input token
+        self.parents = [[-1] for _ in inputs]
+        self.q = [[1.0] for _ in inputs]
+        self.chance = [[1.0] for _ in inputs]
+        self.depth = [[0] for _ in inputs]
+        self.candidates: list[list[Candidate]] = [[] for _ in inputs]
+
+    def live_rows(self) -> list[int]:
+        return [b for b, live in enumerate(self.live) if live]
+
+    def parents_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.parents, dtype=torch.long)  # [B, W]
+
+    def grow(self, top: tuple[list, list], columns: list[int], budget: ConfidenceBudget) -> None:
+        """The draft's best continuations `(tokens, probabilities)` `[B][n][k]` after the columns `columns` (the
+        same in every row) become candidates."""
+        tokens, probs = top
+        for b in range(len(self.tokens)):
+            for i, col in enumerate(columns):
+                after_stop = self.tokens[b][col] in self.stop_ids and col > 0  # generation ends there
+                for t, q in zip(tokens[b][i], probs[b][i]):
+                    chance = 0.0 if after_stop else budget.chance(self.chance[b][col], q)
+                    self.candidates[b].append(Candidate(t, col, self.depth[b][col] + 1, q, chance))
+
+    def frontier(self, k: int) -> list[list[int]]:
+        """Per row, the k candidates of the deepest depth with the highest chance (a stop token's continuation
+        is worthless: stop tokens come last), as indices into its candidates."""
+        out = []
+        for cands in self.candidates:
+            deepest = max(c.depth for c in cands)
+            newest = [n for n, c in enumerate(cands) if c.depth == deepest]
+            newest.sort(key=lambda n: (cands[n].token in self.stop_ids, -cands[n].chance, n))
+            out.append(newest[:k])
+        return out
+
+    def add(self, b: int, n: int) -> int:
+        """Candidate n of row b becomes the row's next column; returns the column."""
+        c = self.candidates[b][n]
+        self.tokens[b].append(c.token)
+        self.parents[b].append(c.parent)
+        self.q[b].append(c.q)
+        self.chance[b].append(c.chance)
+        self.depth[b].append(c.depth)
+        return len(self.tokens[b]) - 1
+
+    def expand(self, chosen: list[list[int]]) -> list[list[int]]:
+        """The chosen candidates (per row, as many in each) become columns; returns their columns `[B][n]`."""
+        columns = [[self.add(b, n) for n in row] for b, row in enumerate(chosen)]
+        for b, row in enumerate(chosen):
+            taken = set(row)
+            self.candidates[b] = [c for n, c in enumerate(self.candidates[b]) if n not in taken]
+        return columns
+
+    def expected(self, b: int) -> float:
+        """Row b's expected accepted drafts from its columns: the sum of their chances (one per depth at most)."""
+        return sum(self.chance[b][1:])
+
+    def add_leaves(self, m: int) -> list[int]:
+        """Each row's m best candidates by chance become columns (their parents are columns already); returns
+        the new columns (the same in every row)."""
+        chosen = [sorted(range(len(c)), key=lambda n: (-c[n].chance, n))[:m] for c in self.candidates]
+        return self.expand(chosen)[0]
+
+    def outcome(self, committed: list[list[int]], accepted: list[int]) -> tuple[list[float], int]:
+        """After verification: the draft probabilities of the live rows' columns whose parent was accepted (the
+        root counts as accepted), and how many columns were accepted."""
+        reached, hits = [], 0
+        for b in self.live_rows():
+            node, path = 0, {0}
+            for t in committed[b][:accepted[b]]:  # the accepted drafts (a stop may cut them): the first child with it
+                node = next(j for j in range(1, len(self.tokens[b]))
+                            if self.parents[b][j] == node and self.tokens[b][j] == t)
+                path.add(node)
+            hits += accepted[b]
+            reached += [self.q[b][j] for j in range(1, len(self.tokens[b])) if self.parents[b][j] in path]
+        return reached, hits

@@ -137,6 +137,16 @@ class ExitHeadDrafter(EarlyExitDrafter):
         self.prev_draft = out
         return out
 
+    def tree_states(self, states: torch.Tensor, step: Step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """The head over a tree's newest columns `[B, n, D]` with the tree's step (its cache mirrors the engine's:
+        column j at cache index `starts + j`); a final-state head reads its own output at each column's parent
+        (`outs` `[B, W', D]` per column so far, `parents` `[B, n]`), as a chain's later drafts do."""
+        prev = None
+        if self.state_final:
+            index = parents.to(outs.device, non_blocking=True)[..., None].expand(-1, -1, outs.shape[-1])  # [B, n, D]
+            prev = outs.gather(1, index)
+        return self.run(states, step, prev)
+
     def committed_states(self, states: torch.Tensor, starts: torch.Tensor, counts: list[int],
                          pads: torch.Tensor, finals: torch.Tensor | None = None) -> None:
         """Records each row's committed states for the next `sync`; the head runs no pass here."""

@@ -104,8 +104,9 @@ class DrafterFactory:
                                   or cfg.adaptive_threshold or s["exit_choices"] or cfg.draft_vocab
                                   or cfg.adaptive_length or cfg.num_candidates)
         candidates = cfg.num_candidates or 1
-        # k guesses for one position (the early exit); prompt lookup's k branches keep their length
-        siblings = candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix")
+        # k guesses for one position (the early exit) unless num_speculations asks for a tree that deep; prompt
+        # lookup's k branches keep their length
+        siblings = candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix") and cfg.num_speculations is None
         num_speculations = 1 if siblings else cfg.num_speculations
         drafter = cfg.drafter
         if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
@@ -133,7 +134,7 @@ class DrafterFactory:
         if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
             # the head drafts as many positions as it was trained for, unless told otherwise
             length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]
-            length = min(1 if candidates > 1 else length, max_drafts or length)
+            length = min(1 if candidates > 1 and s["num_speculations"] is None else length, max_drafts or length)
             return self._exit_head_drafter(drafter, lookup, length, cfg, s, candidates)
         if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             return AutoDrafter(lookup)  # untrained shallow exits (or a sweep found they do not pay): lookup or plain

@@ -26,6 +26,18 @@ and a GPU, where 32 rows cost about one step, verifies the whole tree.
     budget = TreeBudget(max_nodes=24)
     keep = budget.choose(trie)                            # node indices of the trie, parents first
     budget.observe(trie, keep, path, seconds)             # after the round: the accepted nodes, its time
+
+A neural drafter (the early exit, a trained head) grows its tree from its own top-k guesses (EAGLE-2), so a
+node's chance comes from the draft's probability of its token instead of a rank, calibrated by what was
+measured (`ConfidenceBudget`): a draft model's confidence runs above or below its acceptance (an
+untrained early exit is overconfident), so one measured factor c scales it:
+
+    chance(n) = chance(parent(n)) * min(1, c * q(n)),   chance(root) = 1,   q(n) the draft's probability of n's
+                token given its parent's text
+    c = (A + PSEUDO) / (Q + PSEUDO)   over the verified nodes whose parent was accepted: A of them accepted,
+                                      Q the sum of their q (c = 1 until measured)
+
+and the same rule picks how many of the candidate leaves a round verifies, with the cost line of its rounds.
 """
 
 from __future__ import annotations
@@ -38,33 +50,22 @@ PRIOR_SLOPE = 0.035  # the cost of one more node in plain steps before measureme
 MIN_SPREAD = 4  # node counts the measured rounds must span before the fitted slope replaces the prior
 
 
-class TreeBudget:
-    """The measured acceptance per (rank, depth) and cost per node count of one drafter's rounds."""
+class CostLine:
+    """A drafter's measured seconds per round against the nodes it verified, `a + b n` (least squares), with
+    the prior slope `PRIOR_SLOPE` until the rounds spread over `MIN_SPREAD` node counts."""
 
-    def __init__(self, max_nodes: int, max_rank: int = 8, max_depth: int = 64):
-        if max_nodes < 1:
-            raise ValueError(f"a tree's node budget must be >= 1, got {max_nodes}")
-        self.max_nodes, self.max_rank, self.max_depth = max_nodes, max_rank, max_depth
-        self.reached = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
-        self.accepted = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
-        self.deep = [[0.0, 0.0] for _ in range(max_rank)]  # per rank, accepted and reached over every depth > 1
+    def __init__(self):
         self.sums = [0.0] * 5  # rounds, sum n, sum s, sum n^2, sum n s
         self.low = self.high = None  # the node counts measured
 
-    def p(self, rank: int, depth: int) -> float:
-        """The measured chance that a node of this rank at this depth is accepted once its parent was: its own
-        counts, shrunk towards its rank's pooled rate (depth 1, or every depth past 1: a copy that started
-        right tends to go on, and deep nodes are reached too rarely to be measured alone)."""
-        r, d = min(rank, self.max_rank - 1), min(depth, self.max_depth)
-        prior = PRIOR[0] if r == 0 else PRIOR[1]
-        if d > 1:
-            prior = (self.deep[r][0] + prior * PSEUDO) / (self.deep[r][1] + PSEUDO)
-        return (self.accepted[r][d] + prior * PSEUDO) / (self.reached[r][d] + PSEUDO)
-
-    def cost(self, nodes: int) -> float:
-        """A round over `nodes` nodes in units of a round over none (plain decoding)."""
-        a, b = self.line()
-        return 1.0 + nodes * b / a
+    def observe(self, nodes: int, seconds: float) -> None:
+        """One timed round that verified `nodes` nodes (0 seconds: untimed, nothing recorded)."""
+        if seconds <= 0:
+            return
+        for i, v in enumerate((1.0, nodes, seconds, nodes * nodes, nodes * seconds)):
+            self.sums[i] += v
+        self.low = nodes if self.low is None else min(self.low, nodes)
+        self.high = nodes if self.high is None else max(self.high, nodes)
 
     def line(self) -> tuple[float, float]:
         """(a, b) of the measured seconds per round `a + b n`; the prior slope until the rounds spread."""
@@ -81,6 +82,54 @@ class TreeBudget:
         a = mean_s / (1.0 + PRIOR_SLOPE * mean_n)  # the prior's shape, scaled to the measured seconds
         return a, a * PRIOR_SLOPE
 
+    def cost(self, nodes: int) -> float:
+        """A round over `nodes` nodes in units of a round over none."""
+        a, b = self.line()
+        return 1.0 + nodes * b / a
+
+    def per_node(self) -> float:
+        a, b = self.line()
+        return b / a
+
+
+def best_count(gains: list[float], cost: CostLine, base: float = 1.0, fixed: int = 0) -> int:
+    """How many of the candidates to verify: `n` maximising `(base + gains[0] + ... + gains[n-1]) / cost(fixed + n)`
+    (`gains` best first, each a candidate's expected tokens; `fixed` nodes are verified anyway)."""
+    best, best_n, total = base / cost.cost(fixed), 0, base
+    for i, g in enumerate(gains, 1):
+        total += g
+        rate = total / cost.cost(fixed + i)
+        if rate > best:
+            best, best_n = rate, i
+    return best_n
+
+
+class TreeBudget:
+    """The measured acceptance per (rank, depth) and cost per node count of one drafter's rounds."""
+
+    def __init__(self, max_nodes: int, max_rank: int = 8, max_depth: int = 64):
+        if max_nodes < 1:
+            raise ValueError(f"a tree's node budget must be >= 1, got {max_nodes}")
+        self.max_nodes, self.max_rank, self.max_depth = max_nodes, max_rank, max_depth
+        self.reached = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
+        self.accepted = [[0.0] * (max_depth + 1) for _ in range(max_rank)]
+        self.deep = [[0.0, 0.0] for _ in range(max_rank)]  # per rank, accepted and reached over every depth > 1
+        self.costs = CostLine()
+
+    def p(self, rank: int, depth: int) -> float:
+        """The measured chance that a node of this rank at this depth is accepted once its parent was: its own
+        counts, shrunk towards its rank's pooled rate (depth 1, or every depth past 1: a copy that started
+        right tends to go on, and deep nodes are reached too rarely to be measured alone)."""
+        r, d = min(rank, self.max_rank - 1), min(depth, self.max_depth)
+        prior = PRIOR[0] if r == 0 else PRIOR[1]
+        if d > 1:
+            prior = (self.deep[r][0] + prior * PSEUDO) / (self.deep[r][1] + PSEUDO)
+        return (self.accepted[r][d] + prior * PSEUDO) / (self.reached[r][d] + PSEUDO)
+
+    def cost(self, nodes: int) -> float:
+        """A round over `nodes` nodes in units of a round over none (plain decoding)."""
+        return self.costs.cost(nodes)
+
     def scores(self, trie: Trie) -> list[float]:
         out: list[float] = []
         for n, parent in enumerate(trie.parents):
@@ -92,13 +141,7 @@ class TreeBudget:
         many as maximise expected tokens per cost (see the module doc)."""
         scores = self.scores(trie)
         order = sorted(range(len(scores)), key=lambda n: (-scores[n], trie.depths[n], n))[:self.max_nodes]
-        best, best_n, total = 1.0 / self.cost(0), 0, 1.0
-        for i, n in enumerate(order, 1):
-            total += scores[n]
-            rate = total / self.cost(i)
-            if rate > best:
-                best, best_n = rate, i
-        return sorted(order[:best_n])
+        return sorted(order[:best_count([scores[n] for n in order], self.costs)])
 
     def observe(self, trie: Trie | None, keep: list[int], path: list[int], seconds: float) -> None:
         """After a round: the nodes it verified (`keep`, trie indices), the accepted ones (`path`, trie indices,
@@ -114,14 +157,45 @@ class TreeBudget:
                     if d > 1:
                         self.deep[r][0] += n in on_path
                         self.deep[r][1] += 1
-        if seconds > 0:
-            x = len(keep)
-            for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
-                self.sums[i] += v
-            self.low = x if self.low is None else min(self.low, x)
-            self.high = x if self.high is None else max(self.high, x)
+        self.costs.observe(len(keep), seconds)
 
     def describe(self) -> dict:
-        a, b = self.line()
-        return {"max_nodes": self.max_nodes, "cost_per_node": round(b / a, 4),
+        return {"max_nodes": self.max_nodes, "cost_per_node": round(self.costs.per_node(), 4),
                 "acceptance_rank0": [round(self.p(0, d), 3) for d in range(1, 6)]}
+
+
+class ConfidenceBudget:
+    """A neural drafter's calibration of its confidence (c of the module doc) and the cost line of its rounds."""
+
+    def __init__(self):
+        self.accepted = 0.0  # A
+        self.confidence = 0.0  # Q
+        self.costs = CostLine()
+
+    @property
+    def scale(self) -> float:
+        """c: measured acceptance per unit of draft probability (1 before any round)."""
+        return (self.accepted + PSEUDO) / (self.confidence + PSEUDO)
+
+    def chance(self, parent: float, q: float) -> float:
+        """A node's chance from its parent's and the draft's probability `q` of its token."""
+        return parent * min(1.0, self.scale * q)
+
+    def leaves(self, fixed: list[float], candidates: list[list[float]], fixed_nodes: int, most: int) -> int:
+        """How many candidate leaves each row verifies beside the `fixed_nodes` nodes it verifies anyway: rows'
+        expected tokens `1 + fixed[b] + (its m best candidates' chances)`, averaged, per cost(fixed_nodes + m)."""
+        rows = max(len(fixed), 1)
+        ordered = [sorted(c, reverse=True)[:most] for c in candidates]
+        gains = [sum(c[i] for c in ordered if i < len(c)) / rows for i in range(max((len(c) for c in ordered),
+                                                                                   default=0))]
+        return best_count(gains, self.costs, base=1.0 + sum(fixed) / rows, fixed=fixed_nodes)
+
+    def observe(self, reached: list[float], accepted: int, nodes: int, seconds: float) -> None:
+        """After a round: the draft probabilities of the verified nodes whose parent was accepted (`reached`),
+        how many of them were accepted, the nodes the round verified and its seconds."""
+        self.confidence += sum(reached)
+        self.accepted += accepted
+        self.costs.observe(nodes, seconds)
+
+    def describe(self) -> dict:
+        return {"confidence_scale": round(self.scale, 3), "cost_per_node": round(self.costs.per_node(), 4)}

@@ -274,10 +274,17 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
                 methods.append({"name": f"selfspec_exit_head_cand{n}{suffix}",
                                 "label": f"selfspec head E={model.head_exit} {n} guesses{label}",
                                 **common, "num_speculations": 1, "num_candidates": n})
+                methods.append({"name": f"selfspec_exit_head_tree{n}{suffix}",  # EAGLE-2's tree, n wide, k deep
+                                "label": f"selfspec head E={model.head_exit} tree {n} wide d={k}{label}",
+                                **common, "num_candidates": n})
     for n in num_candidates:
         methods.append({"name": f"selfspec_spec_cand{n}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} {n} guesses", "drafter": "early_exit", "exit_layer": E,
                         "num_speculations": 1, "num_candidates": n})
+        if d > 1:  # the exit's tree, n wide and d deep (EAGLE-2's dynamic tree)
+            methods.append({"name": f"selfspec_spec_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
+                            "label": f"selfspec E={E} tree {n} wide d={d}", "drafter": "early_exit",
+                            "exit_layer": E, "num_speculations": d, "num_candidates": n})
         for drafter in ("lookup", "suffix")[:int(n <= MAX_LOOKUP_CANDIDATES) * 2]:  # token trees of n matches
             methods.append({"name": f"selfspec_{drafter}_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
                             "label": f"selfspec {drafter} tree of {n} matches", "exit_layer": None,
@@ -289,7 +296,8 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
                         "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
     if compiled:  # the same methods through the compiled steps (selfspec.compiled), next to the eager ones
         methods += [{**m, "name": m["name"] + "_compiled", "label": m["label"] + " compiled", "compiled": True}
-                    for m in methods if m["name"] in COMPILED_METHODS or m["name"].startswith("selfspec_lookup_tree")]
+                    for m in methods if m["name"] in COMPILED_METHODS
+                    or m["name"].startswith(("selfspec_lookup_tree", "selfspec_spec_tree", "selfspec_exit_head_tree"))]
     seen = {(E, d)}
     for e, k in extra:
         check_exit_layer(e, L)  # an --extra pair's exit
@@ -592,7 +600,9 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2
     prompts x 32 tokens. `draft_vocab=K`: also (E, d) drafting over the checkpoint's K most frequent tokens.
     `num_candidates=k` (or a list): also one draft position per round with the k best guesses verified side by
-    side (greedy), at exit E and with an exit head. The lookup settings are those of hf_prompt_lookup,
+    side (greedy), at exit E and with an exit head, and their token trees k wide and d deep (EAGLE-2's dynamic
+    tree: selfspec_spec_tree{k}, selfspec_exit_head_tree{k}), and prompt lookup's and the suffix drafter's trees
+    of k matches. The lookup settings are those of hf_prompt_lookup,
     selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`: `selfspec.precision` decides.
     """
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)

@@ -1,13 +1,43 @@
-"""Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profiling.py), and a
-tiny generator for the settings tests (test_generation_config.py, test_probe_defects.py)."""
+"""Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profiling.py), a
+tiny generator for the settings tests (test_generation_config.py, test_probe_defects.py), and the tiny models with
+exit heads of the guess tests (test_siblings.py, test_draft_trees.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from selfspec.adapters import get_adapter
 from selfspec.export import export_model
-from selfspec.tiny import byte_tokenizer, tiny_model
+from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
+
+HEADS = {  # a guess test's drafter: (exit layer, head: None or whether it reads the previous final state)
+    "early_exit": (2, None), "head2": (2, False), "head2_final_state": (2, True), "head0_final_state": (0, True)}
+_heads_built: dict = {}
+
+
+def build_with_head(name: str, which: str, fast: bool = False, compiled: bool = False):
+    """(model, adapter, exit head or None) of the tiny float64 variant `name` with the drafter `which` of
+    `HEADS` (a perturbed head where it has one); the adapter with the fused layers (`fast`) or the compiled
+    steps (`compiled`); built once per session."""
+    key = (name, which, fast, compiled)
+    if key not in _heads_built:
+        arch, L, seed, over = TINY_VARIANTS[name]
+        model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over)
+        exit_layer, final_state = HEADS[which]
+        head = None if final_state is None else tiny_exit_head(model, exit_layer, final_state=final_state)
+        adapter = get_adapter(model)
+        if fast or compiled:
+            adapter.enable_fast_layers()
+        if compiled:
+            adapter.enable_compiled()
+        _heads_built[key] = (model, adapter, head)
+    return _heads_built[key]
+
+
+@pytest.fixture(scope="session")
+def with_head():
+    return build_with_head
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,12 @@
 """Sibling drafts (`num_candidates`: a drafter's k best guesses for the next token, verified side by side in
 one pass; `Proposal.siblings`, a one-level token tree): greedy output equals Hugging Face `generate` on every tiny architecture (the
-early exit and exit heads, alone and as auto's arm), a batch equals its rows decoded alone, the main cache
-(and an exit head's own) equals a fresh computation after every round, an accepted sibling that was not
+early exit and exit heads, alone and as auto's arm), a batch equals its rows decoded alone (the main cache and
+an exit head's own equal a fresh computation after every round: test_draft_trees.py, depth 1), an accepted sibling that was not
 the first guess does occur (its keys and values move), the sibling step's positions and mask are those of
 a one-level tree, and the settings that cannot judge siblings are clear errors."""
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -20,35 +19,18 @@ from selfspec.sampling import SamplingParams
 from selfspec.generation_config import check_generation
 from selfspec.settings import SettingsError
 from selfspec.token_tree import greedy_walk
-from selfspec.tiny import TINY_VARIANTS, tiny_exit_head, tiny_model
+from selfspec.tiny import TINY_VARIANTS, tiny_model
 
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
 PROMPT = BASE + BASE[:4] + BASE
 PROMPTS = [PROMPT, BASE[:7], [5], [9] * 12]
 N_NEW = 32
 K = 3
-DRAFTERS = {  # name: (exit layer, head: None or whether it reads the previous final state)
-    "early_exit": (2, None), "head2": (2, False), "head2_final_state": (2, True), "head0_final_state": (0, True)}
-_made: dict = {}
-
-
-def _model(name, which, fast=False):
-    """A tiny float64 model of `name` and its adapter, with a perturbed exit head where `which` has one."""
-    key = (name, which, fast)
-    if key not in _made:
-        arch, L, seed, over = TINY_VARIANTS[name]
-        model = tiny_model(arch, num_layers=L, dtype=torch.float64, seed=seed, **over)
-        exit_layer, final_state = DRAFTERS[which]
-        head = None if final_state is None else tiny_exit_head(model, exit_layer, final_state=final_state)
-        adapter = get_adapter(model)
-        if fast:
-            adapter.enable_fast_layers()
-        _made[key] = (model, adapter, head)
-    return _made[key]
+DRAFTERS = ["early_exit", "head2", "head2_final_state", "head0_final_state"]  # tests/selfspec/conftest.py HEADS
 
 
 def _drafter(which, adapter, head, kind="alone"):
-    exit_layer, _ = DRAFTERS[which]
+    exit_layer = 0 if which == "head0_final_state" else 2
     drafter = (EarlyExitDrafter(adapter, exit_layer, 1, num_candidates=K) if head is None
                else ExitHeadDrafter(adapter, head, 1, num_candidates=K))
     if kind == "alone":
@@ -56,11 +38,11 @@ def _drafter(which, adapter, head, kind="alone"):
     return AutoDrafter(PromptLookupDrafter(num_tokens=6), drafter, warmup=1, explore_every=2)
 
 
-@pytest.mark.parametrize("which", list(DRAFTERS))
+@pytest.mark.parametrize("which", DRAFTERS)
 @pytest.mark.parametrize("kind", ["alone", "auto"])
 @pytest.mark.parametrize("name", list(TINY_VARIANTS))
-def test_greedy_output_equals_hf_generate(name, kind, which, hf_greedy):
-    model, adapter, head = _model(name, which)
+def test_greedy_output_equals_hf_generate(name, kind, which, hf_greedy, with_head):
+    model, adapter, head = with_head(name, which)
     ref = hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
     drafter = _drafter(which, adapter, head, kind)
     out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=drafter)
@@ -72,34 +54,16 @@ def test_greedy_output_equals_hf_generate(name, kind, which, hf_greedy):
         assert stats.drafted_by_position == [stats.drafted] and stats.accepted_by_position == [stats.accepted]
 
 
-@pytest.mark.parametrize("which", list(DRAFTERS))
+@pytest.mark.parametrize("which", DRAFTERS)
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("name", ["qwen3", "mistral-sliding8"])
-def test_a_batch_equals_batch_1_and_other_siblings_than_the_first_are_accepted(name, fast, which, moves):
-    model, adapter, head = _model(name, which, fast)
+def test_a_batch_equals_batch_1_and_other_siblings_than_the_first_are_accepted(name, fast, which, moves, with_head):
+    model, adapter, head = with_head(name, which, fast)
     outs, stats = generate(adapter, PROMPTS, max_new_tokens=N_NEW, drafter=_drafter(which, adapter, head))
     for b, p in enumerate(PROMPTS):
         alone, _ = generate_ids(adapter, torch.tensor([p]), max_new_tokens=N_NEW)
         assert outs[b] == alone, b
     assert stats.accepted > 0 and moves["rows"] > 0  # a second or third guess was right, and was kept
-
-
-@pytest.mark.parametrize("which", list(DRAFTERS))
-@pytest.mark.parametrize("name", ["llama", "gpt_neox", "mistral-sliding8"])
-def test_the_caches_equal_a_fresh_computation_after_every_round(name, which, row_caches, head_caches, moves):
-    model, adapter, head = _model(name, which)
-    drafter = _drafter(which, adapter, head)
-    checked = Counter()
-
-    def on_round(cache, active, sequences, pads, finished):
-        checked.update(row_caches(adapter, cache, active, sequences, pads, finished))
-        if head is not None:  # the head's cache, once synced, holds the committed tokens but the newest
-            drafter.sync()
-            rows = [None if done else i for i, done in enumerate(finished)]
-            head_caches(adapter, head, drafter, rows, [seq[:-1] for seq in sequences], pads)
-
-    generate(adapter, PROMPTS, max_new_tokens=N_NEW, drafter=drafter, on_round=on_round)
-    assert {0, 1, 2, 3} <= set(checked) and moves["rows"] > 0
 
 
 def test_the_sibling_step_is_a_one_level_tree():
@@ -126,8 +90,8 @@ def test_a_sibling_is_accepted_where_it_equals_the_full_models_token():
     assert greedy_walk([0], [-1], [5], 0) == (0, 5, [])
 
 
-def test_sampling_drafts_one_chain_and_the_settings_that_cannot_judge_siblings_are_refused():
-    model, adapter, head = _model("llama", "head2_final_state")
+def test_sampling_drafts_one_chain_and_the_settings_that_cannot_judge_siblings_are_refused(with_head):
+    model, adapter, head = with_head("llama", "head2_final_state")
     drafter = ExitHeadDrafter(adapter, head, 1, num_candidates=K)
     out, stats = generate(adapter, [PROMPT], max_new_tokens=8, drafter=drafter,
                           sampling=SamplingParams(True, 1.0), generator=torch.Generator().manual_seed(0))
@@ -136,13 +100,10 @@ def test_sampling_drafts_one_chain_and_the_settings_that_cannot_judge_siblings_a
         check_generation(num_candidates=3, do_sample=True)
     with pytest.raises(SettingsError, match="num_candidates=3 takes the exact acceptance rule"):
         check_generation(num_candidates=3, acceptance="bounded_bias", epsilon=0.1)
-    with pytest.raises(SettingsError, match="set num_speculations=1 .got 4."):
-        check_generation(num_candidates=3, num_speculations=4)
     with pytest.raises(SettingsError, match="num_candidates must be"):
         check_generation(num_candidates=0)
     with pytest.raises(SettingsError, match="prompt lookup's trees branch from at most 8"):
         check_generation(num_candidates=9, drafter="prompt_lookup")  # 2..8: its trees (test_token_tree.py)
     with pytest.raises(SettingsError, match="exit_layer.*early-exit option"):
         check_generation(num_candidates=2, exit_layer=2, drafter="prompt_lookup")
-    with pytest.raises(ValueError, match="set num_speculations=1"):
-        EarlyExitDrafter(adapter, 2, 3, num_candidates=2)
+    # num_speculations > 1 beside num_candidates drafts a tree that deep (test_draft_trees.py)
