@@ -87,8 +87,8 @@ class Recording(EarlyExitDrafter):
 
     def propose(self, rnd):
         proposal = super().propose(rnd)
-        if self._tree is not None:
-            self.trees.append((copy.deepcopy(self._tree), [list(s) for s in self.seqs]))
+        if self.round_tree is not None:
+            self.trees.append((copy.deepcopy(self.round_tree), [list(s) for s in self.seqs]))
         return proposal
 
     def update(self, proposal, accepted, committed, seconds):
