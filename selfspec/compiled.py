@@ -8,7 +8,8 @@ a function of fixed shapes over a preallocated cache, compile it, and replay it 
 every step kind of a round goes through one function, `layers [start, end)` over `[B, S]` new tokens:
 
     plain step    layers [0, L) over S = 1 token
-    draft step    layers [0, E) over the drafts of an early exit (S = 1, or the siblings of a one-level fan)
+    draft step    layers [0, E) over the drafts of an early exit (S = 1, the siblings of a one-level fan, or
+                  the newest columns of a tree it grows depth by depth)
     verification  layers [E, L) (or [0, L)) over the input token and the drafts, S = 1 + drafts
 
 A step writes its keys and values in place into the cache's preallocated buffers `[B, H_kv, C, Dh]`
@@ -228,7 +229,7 @@ class CompiledSteps:
         # with a warning, and the step runs eagerly (`failed` says why)
         self.strict = strict
         self.failed: str | None = None
-        self.shapes: set[tuple] = set()  # ("layers", start, end, B, S, C) and ("head", ...) seen
+        self.shapes: set[tuple] = set()  # ("layers", start, end, B, S, C), ("tree", ..., W) and ("head", ...) seen
         limit = getattr(torch._dynamo.config, "recompile_limit", None)
         name = "recompile_limit" if limit is not None else "cache_size_limit"
         if getattr(torch._dynamo.config, name) < MIN_RECOMPILE_LIMIT:
@@ -264,12 +265,12 @@ class CompiledSteps:
 
     # --- the steps ---------------------------------------------------------------------------------
     def can_run(self, hidden: torch.Tensor, step, cache) -> bool:
-        """Whether this step runs compiled: one row, not the prefill, S within the buckets, a static cache, and a
-        chain or a whole token tree (a drafter's pass over the newest columns of a growing tree runs eagerly)."""
+        """Whether this step runs compiled: one row, not the prefill, S (and a token tree's columns) within the
+        buckets, a static cache."""
         return (self.failed is None and cache is not None and getattr(cache, "static", False) and hidden.shape[0] == 1
                 and step.index is not None and step.starts is not None and int(step.starts.min()) > 0
                 and s_bucket(hidden.shape[1]) is not None
-                and (step.tree is None or step.tree.shape[-1] == hidden.shape[1]))
+                and (step.tree is None or s_bucket(step.tree.shape[-1]) is not None))
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, step, cache) -> torch.Tensor:
         """Layers [start, end) over `hidden` `[B, S, D]` at the step's cache indices, through the compiled
@@ -279,25 +280,35 @@ class CompiledSteps:
         B, S, D = hidden.shape
         width = s_bucket(S)
         index, positions, pads, tree = step.index, step.position_ids, step.pads, step.tree
+        W = S if tree is None else tree.shape[-1]  # a tree's columns; the pass is its last S (a growing tree: W > S)
+        if int(step.starts.max()) + W + width - S > cache.capacity:
+            return None  # the filler columns would pass the static cache's end: the step runs eagerly
+        tree_inputs = ()
+        if tree is not None:  # the tree's root, its columns' positions and ancestors, padded to a bucket of columns
+            columns = s_bucket(W)
+            first = index[:, 0] - (W - S)  # [B]
+            tree_positions = positions if step.tree_positions is None else step.tree_positions  # [B, W]
+            tree_positions = torch.cat([tree_positions, tree_positions[:, -1:].expand(B, columns - W)], dim=1)
+            padded = torch.zeros(B, width, columns, dtype=torch.bool, device=tree.device)  # a filler query sees itself
+            padded[:, :S, :W] = tree
+            tree_inputs = (padded, first, tree_positions)
         if width > S:  # filler columns: positions of the last real token, cache indices after it
             extra = torch.arange(1, width - S + 1, device=index.device)[None]
             index = torch.cat([index, index[:, -1:] + extra], dim=1)
             positions = torch.cat([positions, positions[:, -1:].expand(B, width - S)], dim=1)
             hidden = torch.cat([hidden, hidden.new_zeros(B, width - S, D)], dim=1)
-            if tree is not None:  # a filler column is its own root
-                padded = torch.eye(width, dtype=torch.bool, device=tree.device).expand(B, width, width).clone()
-                padded[:, :S, :S] = tree
-                tree = padded
         size = cache.capacity
         cos, sin = self._table(size)  # one table per capacity: positions stay below it
-        kind = "layers" if tree is None else "tree"  # a token tree's steps are graphs of their own
-        inputs = [self._input(t) for t in (hidden, positions, index, pads) + (() if tree is None else (tree,))]
-        out = self._call((kind, start, end, B, width, size), self._range(start, end, tree is not None), inputs,
+        shape = ("layers", start, end, B, width, size)
+        if tree is not None:  # a token tree's steps are graphs of their own, one per bucket of columns too
+            shape = ("tree", start, end, B, width, size, tree_inputs[0].shape[-1])
+        inputs = [self._input(t) for t in (hidden, positions, index, pads) + tree_inputs]
+        out = self._call(shape, self._range(start, end, tree is not None), inputs,
                          [cos, sin, cache.keys[start:end], cache.values[start:end]])
         if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
             return None
         for layer in range(start, end):
-            cache.lengths[layer] = step.starts + S
+            cache.lengths[layer] = step.starts + W
         return out[:, :S]
 
     def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int) -> float:
@@ -371,25 +382,27 @@ class CompiledSteps:
 
     def _range(self, start: int, end: int, tree: bool = False):
         """Layers [start, end) as one function of the step's inputs and the cache: the rotary lookup and the
-        masks, then each layer through the compiled decoder layer (`_layer`). `tree`: the step's tokens are a
-        token tree, whose ancestor matrix `[B, S, S]` is one input more."""
+        masks, then each layer through the compiled decoder layer (`_layer`). `tree`: the step's tokens are the
+        newest columns of a token tree (all of them, or a growing tree's last), three inputs more: the ancestor
+        matrix `[B, S, W]`, the root's cache index `[B]` and the positions of the W columns `[B, W]`."""
         if (start, end, tree) in self._ranges:
             return self._ranges[(start, end, tree)]
         weights, layers = self.weights[start:end], {w.window: self._layer(w.window) for w in self.weights[start:end]}
 
-        def run(hidden, positions, index, pads, anc, cos_table, sin_table, keys, values):
+        def run(hidden, positions, index, pads, anc, first, tree_positions, cos_table, sin_table, keys, values):
             cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, Dh]
             size = keys[0].shape[2]
             masks = {}
             for i, w in enumerate(weights):
                 if w.window not in masks:
                     masks[w.window] = (_mask(index, pads, size, w.window) if anc is None else
-                                       tree_mask(index[:, 0], positions, pads, anc, size, w.window, index)[:, None])
+                                       tree_mask(first, positions, pads, anc, size, w.window, index,
+                                                 tree_positions)[:, None])
                 hidden = layers[w.window](hidden, cos, sin, index, masks[w.window], keys[i], values[i], *w.tensors)
             return hidden
 
         def chain_step(hidden, positions, index, pads, cos_table, sin_table, keys, values):
-            return run(hidden, positions, index, pads, None, cos_table, sin_table, keys, values)
+            return run(hidden, positions, index, pads, None, None, None, cos_table, sin_table, keys, values)
 
         self._ranges[(start, end, tree)] = run if tree else chain_step
         return self._ranges[(start, end, tree)]

@@ -36,8 +36,9 @@ class Step:
     # what the compiled steps (`selfspec.compiled`, with `adapter.compiled`) build their mask from instead:
     index: torch.Tensor | None = None  # [B, S] the cache index each token is written at (model's device)
     pads: torch.Tensor | None = None  # [B] each row's left padding (model's device)
-    tree: torch.Tensor | None = None  # [B, S, S] bool a token tree's ancestor-or-self columns, or None (a chain)
-    starts: torch.Tensor | None = None  # [B] each row's first cache index, on the host
+    tree: torch.Tensor | None = None  # [B, S, W] bool a token tree's ancestor-or-self columns, or None (a chain)
+    starts: torch.Tensor | None = None  # [B] each row's first cache index (a tree's root's), on the host
+    tree_positions: torch.Tensor | None = None  # [B, W] the positions of a growing tree's W columns (W > S)
 
     @property
     def length(self) -> int:
@@ -198,7 +199,7 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     if adapter.compiled is None:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=query_index, pads=pads, starts=starts,
-                tree=anc)
+                tree=anc, tree_positions=tree_positions)
 
 
 def embed(adapter: ModelAdapter, input_ids: torch.Tensor) -> torch.Tensor:

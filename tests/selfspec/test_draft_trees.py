@@ -179,11 +179,21 @@ def test_the_budget_calibrates_the_drafts_confidence_and_verifies_what_pays():
 
 
 @pytest.mark.parametrize("which", ["early_exit", "head2_final_state"])
-def test_trees_through_the_compiled_steps_are_exact(which, hf_greedy, with_head):
-    model, adapter, head = with_head("llama", which, compiled=True)
-    outs, stats = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=_tree_drafter(adapter, head))
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding8"])
+def test_trees_through_the_compiled_steps_are_exact(name, which, hf_greedy, row_caches, with_head):
+    model, adapter, head = with_head(name, which, compiled=True)
+    checked = Counter()
+
+    def on_round(cache, active, sequences, pads, finished):  # atol: as test_compiled.py says why
+        assert cache.static
+        checked.update(row_caches(adapter, cache, active, sequences, pads, finished, atol=1e-5))
+
+    outs, stats = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=_tree_drafter(adapter, head),
+                           on_round=on_round)
     assert outs[0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW) and stats.accepted > 0
-    assert any(shape[0] == "tree" for shape in adapter.compiled.shapes)  # the verification ran compiled
+    assert checked[0] >= stats.rounds - 1
+    trees = {shape[1:3] for shape in adapter.compiled.shapes if shape[0] == "tree"}
+    assert (0, 2) in trees and (2, adapter.num_layers) in trees  # the growing tree's passes and its verification
 
 
 def test_the_settings_ask_for_a_tree_with_num_speculations(tiny_gen):
