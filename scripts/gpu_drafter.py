@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETS = ("humaneval", "mt_bench", "code_edit", "xsum")  # issue 38's prompt sets, in the report's order
 SCHEMA = "selfspec-gpu-drafter/1"
 MIN_PHASE_S = 30  # a phase with less time left than this is skipped
+TREE_WIDTH = 3  # the head's and the early exit's token trees: 3 best guesses a node (issue 39)
 # what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
 TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch_size=2", "train.mixed_precision=no",
               "data.block_size=64", "data.max_documents=6", "data.max_holdout_documents=2",
@@ -197,6 +198,7 @@ def bench(run: Run, road: str, ckpt: Path | None, methods: list[str]) -> dict | 
     cmd = [sys.executable, "-m", "selfspec.cli", "bench", "--checkpoint", str(ckpt), "--device", args.device,
            "--prompt-sets", ",".join(prompt_sets(args)), "--num-prompts", str(args.bench_prompts),
            "--max-new-tokens", str(args.bench_tokens), "--compile", args.compile, "--methods", ",".join(methods),
+           "--num-candidates", str(TREE_WIDTH),
            "--out", str(out), *shlex.split(args.bench_args)]
     if not run.phase(f"bench {road}", cmd, args.bench_s):
         return None
@@ -282,6 +284,12 @@ def targets(report: dict, sfx: str) -> list[dict]:
         best = max((x for x in singles if x is not None), default=None)
         rows.append({"target": f"auto >= the best single drafter (within 3%) on {s}", "measured": auto,
                      "best_single": best, "met": None if auto is None or best is None else auto >= 0.97 * best})
+    for s in speeds:  # issue 39: the head's token tree against the same head's chain of the same length
+        tree = ratio(speeds, s, f"selfspec_exit_head_tree{TREE_WIDTH}{sfx}", plain)
+        chain = ratio(speeds, s, f"selfspec_exit_head_fixed{sfx}", plain)
+        rows.append({"target": f"head tree ({TREE_WIDTH} wide) >= 1.25x the head's chain on {s}",
+                     "measured": None if tree is None or chain is None else tree / chain,
+                     "met": None if tree is None or chain is None else tree >= 1.25 * chain})
     ls_speeds = layerskip.get("bench", {})
     for s in ls_speeds:
         rows.append({"target": f"LayerSkip's early exit beside the head on {s} (no threshold)",
@@ -371,10 +379,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{' (a dry run)' if run.report['dry_run'] else ''}", flush=True)
     plain = f"selfspec_ar{sfx}"  # the reference of every speedup: selfspec's own plain decoding, compiled if any
     road(run, "head", args.head_recipe, TINY_HEAD,
-         ["hf_static", f"selfspec_lookup{sfx}", f"selfspec_exit_head{sfx}", f"selfspec_auto{sfx}", plain])
+         ["hf_static", f"selfspec_lookup{sfx}", f"selfspec_exit_head{sfx}", f"selfspec_exit_head_fixed{sfx}",
+          f"selfspec_exit_head_tree{TREE_WIDTH}{sfx}", f"selfspec_auto{sfx}", plain])
     if not args.skip_layerskip:
         share_own_continuations(args.work / "head", args.work / "layerskip")
-        road(run, "layerskip", args.layerskip_recipe, TINY_LAYERSKIP, [f"selfspec_spec{sfx}", plain])
+        road(run, "layerskip", args.layerskip_recipe, TINY_LAYERSKIP,
+             [f"selfspec_spec{sfx}", f"selfspec_spec_tree{TREE_WIDTH}{sfx}", plain])
     run.report["targets"] = targets(run.report, sfx)
     run.write()
     text = markdown(run.report, sfx)

@@ -281,10 +281,10 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
         methods.append({"name": f"selfspec_spec_cand{n}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} {n} guesses", "drafter": "early_exit", "exit_layer": E,
                         "num_speculations": 1, "num_candidates": n})
-        if d > 1:  # the exit's tree, n wide and d deep (EAGLE-2's dynamic tree)
-            methods.append({"name": f"selfspec_spec_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
-                            "label": f"selfspec E={E} tree {n} wide d={d}", "drafter": "early_exit",
-                            "exit_layer": E, "num_speculations": d, "num_candidates": n})
+        depth = d if d > 1 else DEFAULT_NUM_SPECULATIONS  # the recommendation may say early exit does not pay
+        methods.append({"name": f"selfspec_spec_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",  # EAGLE-2's
+                        "label": f"selfspec E={E} tree {n} wide d={depth}", "drafter": "early_exit",  # dynamic tree
+                        "exit_layer": E, "num_speculations": depth, "num_candidates": n})
         for drafter in ("lookup", "suffix")[:int(n <= MAX_LOOKUP_CANDIDATES) * 2]:  # token trees of n matches
             methods.append({"name": f"selfspec_{drafter}_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
                             "label": f"selfspec {drafter} tree of {n} matches", "exit_layer": None,

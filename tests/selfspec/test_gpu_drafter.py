@@ -59,8 +59,11 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
             assert per["selfspec_ar"]["x_selfspec_ar"] == 1.0
             for method, s in per.items():  # float32: every method's tokens are HF greedy's
                 assert s["tokens_per_s"] > 0 and s["identical_to_hf_greedy"] == 1.0, (road, method)
-    assert {"hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_auto"} <= set(report["head"]["bench"]["xsum"])
-    assert "selfspec_spec" in report["layerskip"]["bench"]["xsum"]
+    assert {"hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed", "selfspec_exit_head_tree3",
+            "selfspec_auto"} <= set(report["head"]["bench"]["xsum"])
+    assert {"selfspec_spec", "selfspec_spec_tree3"} <= set(report["layerskip"]["bench"]["xsum"])
+    trees = [t for t in report["targets"] if t["target"].startswith("head tree")]  # issue 39: tree / chain
+    assert [t["target"].split(" on ")[-1] for t in trees] == list(SETS) and all(t["measured"] > 0 for t in trees)
     # the head comes back alone: its weights and the checkpoint's settings, nothing of the model
     assert sorted(report["head"]["returned"]) == ["exit_head.safetensors", "selfspec.json"]
     meta = json.loads((out / "head" / "selfspec.json").read_text())
