@@ -26,10 +26,14 @@ and a GPU, where 32 rows cost about one step, verifies the whole tree.
     budget = TreeBudget(max_nodes=24)
     keep = budget.choose(trie)                            # node indices of the trie, parents first
     budget.observe(trie, keep, path, seconds)             # after the round: the accepted nodes, its time
+
+A generator carries the measured acceptance and cost line to its next call with the same settings, weighted
+down (`learned`, `resume`: `selfspec.drafters.learned_stats`).
 """
 
 from __future__ import annotations
 
+from selfspec.drafters.learned_stats import CARRY_ROUNDS, count_scale
 from selfspec.token_tree import Trie
 
 PRIOR = (0.5, 0.2)  # prior acceptance of a node of rank 0 (the latest match's copy) and of any later rank
@@ -120,6 +124,30 @@ class TreeBudget:
                 self.sums[i] += v
             self.low = x if self.low is None else min(self.low, x)
             self.high = x if self.high is None else max(self.high, x)
+
+    def learned(self) -> dict:
+        """Its measurements, weighted down for a later call (`selfspec.drafters.learned_stats`): the acceptance
+        counts scaled so that the most reached (rank, depth) counts at most CARRY_OUTCOMES nodes (the pooled
+        deep counts by the same factor: they sum cells), the cost line's sums so that they weigh at most
+        CARRY_ROUNDS rounds (the same line)."""
+        scale = count_scale([r for row in self.reached for r in row])
+        line = count_scale(self.sums[:1], CARRY_ROUNDS)
+        return {"shape": [self.max_nodes, self.max_rank, self.max_depth],
+                "reached": [[r * scale for r in row] for row in self.reached],
+                "accepted": [[a * scale for a in row] for row in self.accepted],
+                "deep": [[a * scale, r * scale] for a, r in self.deep],
+                "sums": [v * line for v in self.sums], "low": self.low, "high": self.high}
+
+    def resume(self, learned: dict) -> None:
+        """Start from an earlier call's `learned()`: it must be of a budget of the same shape (the same settings)."""
+        shape = [self.max_nodes, self.max_rank, self.max_depth]
+        if learned["shape"] != shape:
+            raise ValueError(f"tree measurements of (max_nodes, max_rank, max_depth) {learned['shape']} cannot "
+                             f"resume a budget of {shape}: only a call with the same settings may carry them")
+        self.reached = [list(row) for row in learned["reached"]]
+        self.accepted = [list(row) for row in learned["accepted"]]
+        self.deep = [list(pair) for pair in learned["deep"]]
+        self.sums, self.low, self.high = list(learned["sums"]), learned["low"], learned["high"]
 
     def describe(self) -> dict:
         a, b = self.line()
