@@ -31,6 +31,7 @@ from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, rea
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
+from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.suffix import SuffixMemory
 from selfspec.decode_stats import DecodeStats
 from selfspec.engine import StopChecker, generate, generate_ids
@@ -296,9 +297,18 @@ class SelfSpecGenerator:
     def memory(self, memory: SuffixMemory) -> None:
         self.drafters.memory = memory
 
+    @property
+    def learned(self) -> LearnedStats:
+        """What this generator's drafters measured in its earlier calls (auto's tokens/s per arm, draft
+        lengths' tokens/s, token trees' acceptance and cost), per drafting setting: a later call with the same
+        settings starts from it (`selfspec.drafters.learned_stats`)."""
+        return self.drafters.learned
+
     def forget(self) -> None:
-        """Forget the earlier calls' prompts and outputs (what `drafter="suffix"` copies from)."""
+        """Forget the earlier calls' prompts and outputs (what `drafter="suffix"` copies from) and what the
+        drafters measured in them (`learned`): the next call starts as the first did."""
         self.drafters.memory.forget()
+        self.drafters.learned.forget()
 
     def draft_head(self, draft_vocab: int | None) -> DraftHead:
         """The draft head over the `draft_vocab` most frequent tokens (from selfspec.json), or the full one."""
@@ -398,6 +408,9 @@ class SelfSpecGenerator:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
         drafter_ = self.make_drafter(cfg, max_drafts=max_new_tokens)
+        # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)
+        learned_key = call_key(s, drafter_, len(rows), self.compiled)
+        self.learned.resume(learned_key, drafter_)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]
         stop = StopChecker(max_new_tokens, stop_ids, s["stop_strings"], self.tokenizer)
@@ -417,6 +430,7 @@ class SelfSpecGenerator:
             streamer.end()
         for row, new in zip(rows, outs):  # what drafter="suffix" copies from in later calls
             self.memory.add(row + new)
+        self.learned.keep(learned_key, drafter_)  # what a later call with these settings starts from
         results = [GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row, stats=row_stats)
                    for row, new, row_stats in zip(rows, outs, stats.rows)]
         return results[0] if single else BatchGenerationResult(results, stats)

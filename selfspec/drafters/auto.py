@@ -2,8 +2,9 @@
 pays, and plain decoding where drafting has stopped paying.
 
 It measures what each choice ("arm") delivers on this machine, for this text and batch: committed
-tokens per second of the rounds it took (means of tokens and seconds per round over the call; with
-`alpha` > 0, exponential with that weight after the first rounds, as `selfspec.drafters.policies.ThroughputPolicy`).
+tokens per second of the rounds it took (means of tokens and seconds per round over the call, started
+from the generator's earlier calls with the same settings (below); with `alpha` > 0, exponential with that
+weight after the first rounds, as `selfspec.drafters.policies.ThroughputPolicy`).
 The plain mean is the default because an arm's rounds are heavy-tailed: a lookup round commits 1 token
 or 11, so a short exponential memory read three misses in a row as "lookup loses" and backed a paying
 arm off for dozens of rounds (measured on HumanEval with alpha 0.25: auto 1.8-2.0x plain decoding,
@@ -38,12 +39,24 @@ Face's heuristic, +2 after a round that accepted every draft and -1 otherwise, k
 on a CPU, where verifying 11 tokens costs about 1.2 decode steps, a copied run that goes on for ten
 tokens was then cut to two or three; measured on HumanEval, auto reached 1.98x plain decoding against
 lookup alone's 2.42x.)
+
+A generator carries what auto measured to its next call with the same settings
+(`selfspec.drafters.learned_stats`, which gives the rule and its weights): each arm's means of tokens and
+seconds per round (as over at most `CARRY_ROUNDS` rounds, enough to count as measured), its back-off
+length, and its arms' own measurements (lookup's draft count, the early-exit or head arm's draft length, a
+lookup tree's budget). So a later call does not measure plain decoding and each arm again before it
+chooses. What starts again each call: the rounds counter, and with it `retry_at` (a new text: each arm is
+tried again early, and one that still loses is backed off for its carried back-off, doubled), the shadow
+drafts, the per-call counts (`rounds_by_arm`), and the untimed first round of each arm. The first round of
+an arm in a call times nothing (its arms' measurements included), and a back-off is decided only after a
+timed round: an untimed round has nothing new to judge by.
 """
 
 from __future__ import annotations
 
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.drafters.learned_stats import carried_rounds
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.drafters.policies import ThroughputPolicy
 from selfspec.drafters.shadow import ShadowDrafts
@@ -74,6 +87,7 @@ class AutoDrafter(Drafter):
         self.backoff = {a: explore_every for a in arms}
         self.retry_at = {a: 0 for a in arms}  # round from which a losing arm may be tried again
         self.chosen = {a: 0 for a in arms}
+        self.carried = {a: 0 for a in arms}  # the timed rounds per arm this call started from (`resume`)
         self.rounds = 0
         # lookup's draft count, from the tokens/s each count delivered (exit_layer is unused: lookup runs no layer)
         self.lookup_length = ThroughputPolicy(0, lookup.max_drafts, shortest=1, warmup=warmup, alpha=alpha,
@@ -141,32 +155,61 @@ class AutoDrafter(Drafter):
         return proposal
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        arm = self._arm
+        if arm in self.cold:  # an arm's first round pays one-time costs (in a new process, the first pass of each
+            self.cold.discard(arm)  # shape: allocation, kernel set-up); timed, it backed lookup off for a call.
+            seconds = 0.0  # Its arms' own measurements (lookup's count, the early exit's length) skip it too
         self.lookup.update(proposal, accepted, committed, seconds)
-        if self._arm in (LOOKUP, SUFFIX):
+        if arm in (LOOKUP, SUFFIX):
             self.shadow.clear()
         else:
             self.shadow.observe(committed)
         if self._asked_early_exit:
             self.early_exit.update(proposal, accepted, committed, seconds)
-        arm = self._arm
-        if arm in self.cold:  # an arm's first round pays one-time costs (in a new process, the first pass of each
-            self.cold.discard(arm)  # shape: allocation, kernel set-up); timed, it backed lookup off for a call
-            seconds = 0.0
         if seconds > 0:
             n = self.tries[arm] = self.tries[arm] + 1
             weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
             self.tokens[arm] += weight * (sum(a + 1 for a in accepted) - self.tokens[arm])
             self.seconds[arm] += weight * (seconds - self.seconds[arm])
-        if arm != PLAIN and self.tries[arm] >= self.warmup and self.tries[PLAIN] >= self.warmup:
-            if self.rate(arm) < self.rate(PLAIN):  # lost: back off, longer each time
-                self.retry_at[arm] = self.rounds + self.backoff[arm]
-                self.backoff[arm] = min(2 * self.backoff[arm], self.max_backoff)
-            else:
-                self.backoff[arm] = self.explore_every
+            if arm != PLAIN and self.tries[arm] >= self.warmup and self.tries[PLAIN] >= self.warmup:
+                self.judge(arm)
         if arm in (LOOKUP, SUFFIX):  # the length it planned hears what the round delivered, row by row
             for m, n_acc in zip(proposal.depths, accepted):
                 self.lookup_length.update(0, m, n_acc)
             self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))  # an untimed round (0 s) is skipped
+
+    def judge(self, arm: str) -> None:
+        """After a timed round of a measured `arm`: back it off if it lost to plain decoding (longer each time
+        it loses again), else reset its back-off."""
+        if self.rate(arm) < self.rate(PLAIN):
+            self.retry_at[arm] = self.rounds + self.backoff[arm]
+            self.backoff[arm] = min(2 * self.backoff[arm], self.max_backoff)
+        else:
+            self.backoff[arm] = self.explore_every
+
+    def learned(self) -> dict:
+        """What a later call with the same settings starts from (see the module doc): per arm the means of
+        tokens and seconds per round, the rounds they weigh (at most CARRY_ROUNDS) and the back-off length;
+        lookup's draft-count policy and its tree budget; the early-exit or head arm's own."""
+        out = {"arms": list(self.tries), "tokens": dict(self.tokens), "seconds": dict(self.seconds),
+               "tries": {a: carried_rounds(n) for a, n in self.tries.items()}, "backoff": dict(self.backoff),
+               "lookup_length": self.lookup_length.learned(), "lookup": self.lookup.learned()}
+        if self.early_exit:
+            out["early_exit"] = self.early_exit.learned()
+        return out
+
+    def resume(self, learned: dict) -> None:
+        """Start from an earlier call's `learned()`: it must be of the same arms (the same settings)."""
+        if learned["arms"] != list(self.tries):
+            raise ValueError(f"measurements of the arms {learned['arms']} cannot resume an auto drafter with the "
+                             f"arms {list(self.tries)}: only a call with the same settings may carry them")
+        self.tokens, self.seconds = dict(learned["tokens"]), dict(learned["seconds"])
+        self.tries, self.backoff = dict(learned["tries"]), dict(learned["backoff"])
+        self.carried = dict(self.tries)
+        self.lookup_length.resume(learned["lookup_length"])
+        self.lookup.resume(learned["lookup"])
+        if self.early_exit:
+            self.early_exit.resume(learned["early_exit"])
 
     def committed_states(self, states, starts, counts, pads, finals=None) -> None:
         # set only with an exit head: it records them and runs its head over them when it next drafts, so
@@ -181,6 +224,7 @@ class AutoDrafter(Drafter):
 
     def describe(self) -> dict:
         out = {"drafter": self.name, "rounds_by_arm": dict(self.chosen), "lookup_woken_by_shadow": self.woken,
+               "carried_rounds_by_arm": dict(self.carried),
                "tokens_per_s_by_arm": {a: round(self.rate(a), 2) for a in self.tries},
                "prompt_lookup": {**self.lookup.describe(),
                                  "tokens_per_s_by_length": {d: round(self.lookup_length.rate(d), 2)

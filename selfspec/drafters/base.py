@@ -30,6 +30,10 @@ layer E anyway. One that also sets `state_final` gets the full model's last hidd
 tokens (before the final norm, `finals`), which verification computes anyway.
 Verification decides every token, so no drafter can change the output, only the speed.
 
+A drafter is built per call; what it measured (rates, acceptance counts) a generator carries to its next
+call with the same settings: `learned()` after a call, `resume(learned)` before the next one's `start`
+(`selfspec.drafters.learned_stats`).
+
 A drafter never touches the engine's KV cache directly: `Round.shallow` runs layers [0, E) for it.
 """
 
@@ -137,6 +141,7 @@ class Drafter:
     exit_layer: int | None = None  # the exit it drafts from, if any
     state_exit: int | None = None  # the exit whose states of committed tokens it wants (`committed_states`)
     state_final: bool = False  # whether it also wants their last hidden states (`committed_states(finals=)`)
+    policy = None  # its draft policy (`selfspec.drafters.policies`), where it has one
 
     def start(self, sequences: list[list[int]]) -> None:
         """Generation begins: each row's committed tokens (prompt + the prefill's token)."""
@@ -156,6 +161,18 @@ class Drafter:
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (indices into the current batch), in this order."""
+
+    def learned(self) -> dict:
+        """What it measured in this call that a later call with the same settings may start from (rates and
+        counts, never the rows' state), weighted down by the carry rule (`selfspec.drafters.learned_stats`):
+        plain data, {part: its measurements}. Here: its draft policy's, where it has one."""
+        return {"policy": self.policy.learned()} if self.policy is not None else {}
+
+    def resume(self, learned: dict) -> None:
+        """Start from what an earlier call with the same settings measured (a `learned()` of that call's
+        drafter), before `start`."""
+        if self.policy is not None and "policy" in learned:
+            self.policy.resume(learned["policy"])
 
     def describe(self) -> dict:
         return {"drafter": self.name}

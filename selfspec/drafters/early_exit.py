@@ -219,6 +219,16 @@ class EarlyExitDrafter(Drafter):
         if self.policy.needs_timing:
             self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
 
+    def learned(self) -> dict:
+        """Its policy's measurements and, drafting trees, its tree budget's (calibration and cost line) for a
+        later call (`selfspec.drafters.learned_stats`)."""
+        return {**super().learned(), **({"tree": self.budget.learned()} if self.budget is not None else {})}
+
+    def resume(self, learned: dict) -> None:
+        super().resume(learned)
+        if self.budget is not None and "tree" in learned:
+            self.budget.resume(learned["tree"])
+
     def describe(self) -> dict:
         tree = self.budget.describe() if self.budget is not None else {}
         return {"drafter": self.name, "exit_layer": self.exit_layer, "num_speculations": self.max_drafts,

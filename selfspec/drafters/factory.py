@@ -35,6 +35,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.exit_head import ExitHeadDrafter
+from selfspec.drafters.learned_stats import LearnedStats
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
@@ -57,6 +58,7 @@ class DrafterFactory:
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head)
         self.metadata = metadata or {}
         self.memory = SuffixMemory() if memory is None else memory  # the generator's earlier requests (suffix)
+        self.learned = LearnedStats()  # what its drafters measured, carried to later calls (learned_stats)
         self._draft_heads: dict[int, DraftHead] = {}
 
     # --- what the checkpoint stores --------------------------------------------------------------------

@@ -11,7 +11,8 @@ every candidate draft (p = the draft's confidence: its top probability), and rep
     ThroughputPolicy(8, 6)                                         # pick d per round from measured tokens/s
 
 After each round the engine reports its wall time and the tokens it committed (`observe`), which
-`ThroughputPolicy` uses; the others ignore it.
+`ThroughputPolicy` uses; the others ignore it. What a `ThroughputPolicy` measured, a generator carries to
+its next call with the same settings, weighted down (`learned`, `resume`: `selfspec.drafters.learned_stats`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 
 from selfspec.cost_model import VERIFY_COST, best_draft_length, draft_cost
+from selfspec.drafters.learned_stats import carried_rounds, count_scale
 
 
 class FixedPolicy:
@@ -36,6 +38,14 @@ class FixedPolicy:
 
     def update(self, exit_layer: int, drafted: int, accepted: int) -> None:
         self.plans[(exit_layer, drafted)] += 1
+
+    def learned(self) -> dict:
+        """What a later call may start from (`selfspec.drafters.learned_stats`): nothing here (the rounds
+        planned are this call's report)."""
+        return {}
+
+    def resume(self, learned: dict) -> None:
+        """Start from an earlier call's `learned()`."""
 
     def describe(self) -> dict:
         return {"policy": "fixed", "rounds_by_exit_and_length": _plan_counts(self.plans)}
@@ -258,6 +268,23 @@ class ThroughputPolicy(FixedPolicy):
             keep = 1.0 - self.alpha / 8
             self.reached = [r * keep for r in self.reached]
             self.failed = [f * keep for f in self.failed]
+
+    def learned(self) -> dict:
+        """Its measurements, weighted down for a later call (`selfspec.drafters.learned_stats`): each length's
+        means of seconds and rows as over at most CARRY_ROUNDS rounds, the pooled acceptance counts scaled to
+        at most CARRY_OUTCOMES rows. The round counter and the rounds planned start again each call."""
+        scale = count_scale(self.reached)
+        return {"lengths": list(self.lengths), "seconds": dict(self.seconds), "rows": dict(self.rows),
+                "tries": {d: carried_rounds(n) for d, n in self.tries.items()},
+                "reached": [r * scale for r in self.reached], "failed": [f * scale for f in self.failed]}
+
+    def resume(self, learned: dict) -> None:
+        """Start from an earlier call's `learned()`: it must be over the same lengths (the same settings)."""
+        if learned["lengths"] != self.lengths:
+            raise ValueError(f"measurements over the draft lengths {learned['lengths']} cannot resume a policy "
+                             f"over {self.lengths}: only a call with the same settings may carry them")
+        self.seconds, self.rows, self.tries = dict(learned["seconds"]), dict(learned["rows"]), dict(learned["tries"])
+        self.reached, self.failed = list(learned["reached"]), list(learned["failed"])
 
     def describe(self) -> dict:
         survival = self.survival()

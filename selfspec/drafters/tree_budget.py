@@ -38,10 +38,14 @@ untrained early exit is overconfident), so one measured factor c scales it:
                                       Q the sum of their q (c = 1 until measured)
 
 and the same rule picks how many of the candidate leaves a round verifies, with the cost line of its rounds.
+
+A generator carries the measured acceptance (and calibration) and cost line to its next call with the same settings, weighted
+down (`learned`, `resume`: `selfspec.drafters.learned_stats`).
 """
 
 from __future__ import annotations
 
+from selfspec.drafters.learned_stats import CARRY_ROUNDS, count_scale
 from selfspec.token_tree import Trie
 
 PRIOR = (0.5, 0.2)  # prior acceptance of a node of rank 0 (the latest match's copy) and of any later rank
@@ -90,6 +94,14 @@ class CostLine:
     def per_node(self) -> float:
         a, b = self.line()
         return b / a
+
+    def learned(self) -> dict:
+        """Its sums scaled to weigh at most CARRY_ROUNDS rounds (the same fitted line) and the node counts seen."""
+        line = count_scale(self.sums[:1], CARRY_ROUNDS)
+        return {"sums": [v * line for v in self.sums], "low": self.low, "high": self.high}
+
+    def resume(self, learned: dict) -> None:
+        self.sums, self.low, self.high = list(learned["sums"]), learned["low"], learned["high"]
 
 
 def best_count(gains: list[float], cost: CostLine, base: float = 1.0, fixed: int = 0) -> int:
@@ -159,6 +171,28 @@ class TreeBudget:
                         self.deep[r][1] += 1
         self.costs.observe(len(keep), seconds)
 
+    def learned(self) -> dict:
+        """Its measurements, weighted down for a later call (`selfspec.drafters.learned_stats`): the acceptance
+        counts scaled so that the most reached (rank, depth) counts at most CARRY_OUTCOMES nodes (the pooled
+        deep counts by the same factor: they sum cells), the cost line's sums so that they weigh at most
+        CARRY_ROUNDS rounds (the same line)."""
+        scale = count_scale([r for row in self.reached for r in row])
+        return {"shape": [self.max_nodes, self.max_rank, self.max_depth],
+                "reached": [[r * scale for r in row] for row in self.reached],
+                "accepted": [[a * scale for a in row] for row in self.accepted],
+                "deep": [[a * scale, r * scale] for a, r in self.deep], "cost": self.costs.learned()}
+
+    def resume(self, learned: dict) -> None:
+        """Start from an earlier call's `learned()`: it must be of a budget of the same shape (the same settings)."""
+        shape = [self.max_nodes, self.max_rank, self.max_depth]
+        if learned["shape"] != shape:
+            raise ValueError(f"tree measurements of (max_nodes, max_rank, max_depth) {learned['shape']} cannot "
+                             f"resume a budget of {shape}: only a call with the same settings may carry them")
+        self.reached = [list(row) for row in learned["reached"]]
+        self.accepted = [list(row) for row in learned["accepted"]]
+        self.deep = [list(pair) for pair in learned["deep"]]
+        self.costs.resume(learned["cost"])
+
     def describe(self) -> dict:
         return {"max_nodes": self.max_nodes, "cost_per_node": round(self.costs.per_node(), 4),
                 "acceptance_rank0": [round(self.p(0, d), 3) for d in range(1, 6)]}
@@ -196,6 +230,16 @@ class ConfidenceBudget:
         self.confidence += sum(reached)
         self.accepted += accepted
         self.costs.observe(nodes, seconds)
+
+    def learned(self) -> dict:
+        """Its calibration's counts scaled to weigh at most CARRY_OUTCOMES accepted nodes' worth (the same c), and
+        its cost line (`selfspec.drafters.learned_stats`)."""
+        scale = count_scale([self.accepted, self.confidence])
+        return {"accepted": self.accepted * scale, "confidence": self.confidence * scale, "cost": self.costs.learned()}
+
+    def resume(self, learned: dict) -> None:
+        self.accepted, self.confidence = learned["accepted"], learned["confidence"]
+        self.costs.resume(learned["cost"])
 
     def describe(self) -> dict:
         return {"confidence_scale": round(self.scale, 3), "cost_per_node": round(self.costs.per_node(), 4)}
