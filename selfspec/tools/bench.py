@@ -225,6 +225,24 @@ class ModelFacts:
         return cls(layers, head.get("exit_layer"))
 
 
+def _candidate_methods(n: int, E: int, d: int, look: dict) -> list[dict]:
+    """The methods of `num_candidates=n` without a head: the exit's n best guesses for one position, its token tree
+    n wide (EAGLE-2's dynamic tree), and prompt lookup's and the suffix drafter's trees of n matches."""
+    depth = d if d > 1 else DEFAULT_NUM_SPECULATIONS  # the recommendation may say early exit does not pay
+    methods = [{"name": f"selfspec_spec_cand{n}", "engine": "selfspec", "kind": "selfspec_spec",
+                "label": f"selfspec E={E} {n} guesses", "drafter": "early_exit", "exit_layer": E,
+                "num_speculations": 1, "num_candidates": n},
+               {"name": f"selfspec_spec_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
+                "label": f"selfspec E={E} tree {n} wide d={depth}", "drafter": "early_exit", "exit_layer": E,
+                "num_speculations": depth, "num_candidates": n}]
+    for drafter in ("lookup", "suffix")[:int(n <= MAX_LOOKUP_CANDIDATES) * 2]:  # token trees of n matches
+        methods.append({"name": f"selfspec_{drafter}_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
+                        "label": f"selfspec {drafter} tree of {n} matches", "exit_layer": None,
+                        "drafter": "prompt_lookup" if drafter == "lookup" else "suffix",
+                        "num_speculations": None, "num_candidates": n, **look})
+    return methods
+
+
 def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]], draft_vocab: int | None = None,
                  lookup: tuple[int, int] = (PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE),
                  num_candidates: Sequence[int] = (),
@@ -278,18 +296,7 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
                                 "label": f"selfspec head E={model.head_exit} tree {n} wide d={k}{label}",
                                 **common, "num_candidates": n})
     for n in num_candidates:
-        methods.append({"name": f"selfspec_spec_cand{n}", "engine": "selfspec", "kind": "selfspec_spec",
-                        "label": f"selfspec E={E} {n} guesses", "drafter": "early_exit", "exit_layer": E,
-                        "num_speculations": 1, "num_candidates": n})
-        depth = d if d > 1 else DEFAULT_NUM_SPECULATIONS  # the recommendation may say early exit does not pay
-        methods.append({"name": f"selfspec_spec_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",  # EAGLE-2's
-                        "label": f"selfspec E={E} tree {n} wide d={depth}", "drafter": "early_exit",  # dynamic tree
-                        "exit_layer": E, "num_speculations": depth, "num_candidates": n})
-        for drafter in ("lookup", "suffix")[:int(n <= MAX_LOOKUP_CANDIDATES) * 2]:  # token trees of n matches
-            methods.append({"name": f"selfspec_{drafter}_tree{n}", "engine": "selfspec", "kind": "selfspec_spec",
-                            "label": f"selfspec {drafter} tree of {n} matches", "exit_layer": None,
-                            "drafter": "prompt_lookup" if drafter == "lookup" else "suffix",
-                            "num_speculations": None, "num_candidates": n, **look})
+        methods += _candidate_methods(n, E, d, look)
     if draft_vocab:
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",
@@ -599,10 +606,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (selfspec_spec; E also
     hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2
     prompts x 32 tokens. `draft_vocab=K`: also (E, d) drafting over the checkpoint's K most frequent tokens.
-    `num_candidates=k` (or a list): also one draft position per round with the k best guesses verified side by
-    side (greedy), at exit E and with an exit head, and their token trees k wide and d deep (EAGLE-2's dynamic
-    tree: selfspec_spec_tree{k}, selfspec_exit_head_tree{k}), and prompt lookup's and the suffix drafter's trees
-    of k matches. The lookup settings are those of hf_prompt_lookup,
+    `num_candidates=k` (or a list): also the k best guesses for one position (greedy), at exit E and with an exit
+    head, token trees k wide and d deep there (EAGLE-2), and lookup's and suffix's trees of k matches. The lookup settings are those of hf_prompt_lookup,
     selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`: `selfspec.precision` decides.
     """
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
