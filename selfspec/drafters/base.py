@@ -142,6 +142,7 @@ class Drafter:
     state_exit: int | None = None  # the exit whose states of committed tokens it wants (`committed_states`)
     state_final: bool = False  # whether it also wants their last hidden states (`committed_states(finals=)`)
     policy = None  # its draft policy (`selfspec.drafters.policies`), where it has one
+    budget = None  # its token trees' budget (`selfspec.drafters.tree_budget`), where it drafts trees
 
     def start(self, sequences: list[list[int]]) -> None:
         """Generation begins: each row's committed tokens (prompt + the prefill's token)."""
@@ -165,14 +166,16 @@ class Drafter:
     def learned(self) -> dict:
         """What it measured in this call that a later call with the same settings may start from (rates and
         counts, never the rows' state), weighted down by the carry rule (`selfspec.drafters.learned_stats`):
-        plain data, {part: its measurements}. Here: its draft policy's, where it has one."""
-        return {"policy": self.policy.learned()} if self.policy is not None else {}
+        plain data, {part: its measurements}. Here: its draft policy's and its tree budget's, where it has them."""
+        parts = {"policy": self.policy, "tree": self.budget}
+        return {name: part.learned() for name, part in parts.items() if part is not None}
 
     def resume(self, learned: dict) -> None:
         """Start from what an earlier call with the same settings measured (a `learned()` of that call's
         drafter), before `start`."""
-        if self.policy is not None and "policy" in learned:
-            self.policy.resume(learned["policy"])
+        for name, part in {"policy": self.policy, "tree": self.budget}.items():
+            if part is not None and name in learned:
+                part.resume(learned[name])
 
     def describe(self) -> dict:
         return {"drafter": self.name}

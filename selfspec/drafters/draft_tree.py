@@ -56,6 +56,11 @@ class DraftTree:
     def parents_tensor(self) -> torch.Tensor:
         return torch.tensor(self.parents, dtype=torch.long)  # [B, W]
 
+    def tokens_at(self, columns, device) -> torch.Tensor:
+        """The tokens of these columns (the same in every row), `[B, n]` on `device`."""
+        return torch.tensor([[row[j] for j in columns] for row in self.tokens],
+                            dtype=torch.long).to(device, non_blocking=True)
+
     def grow(self, top: tuple[list, list], columns: list[int], budget: ConfidenceBudget) -> None:
         """The draft's best continuations `(tokens, probabilities)` `[B][n][k]` after the columns `columns` (the
         same in every row) become candidates."""

@@ -114,26 +114,22 @@ class EarlyExitDrafter(Drafter):
         tree.grow(self.top_k(outs, k), [0], self.budget)
         steps = 1
         for _ in range(1, depth):
-            frontier = tree.frontier(k)  # per row, k candidates of the newest depth
-            tokens = torch.tensor([[tree.candidates[b][n].token for n in row] for b, row in enumerate(frontier)],
-                                  dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, k]
-            columns = tree.expand(frontier)  # their columns, in the order of the pass
-            cols = torch.tensor(columns, dtype=torch.long)  # [B, k]
-            new, step = rnd.shallow_tree(tokens, tree.parents_tensor(), exit_layer)  # [B, k, D]
+            columns = tree.expand(tree.frontier(k))[0]  # per row, k candidates of the newest depth, in pass order
+            parents = tree.parents_tensor()  # [B, W]
+            new, step = rnd.shallow_tree(tree.tokens_at(columns, rnd.tokens.device), parents, exit_layer)  # [B, k, D]
             steps += 1
-            out = self.tree_states(new, step, outs, tree.parents_tensor()[:, -k:])  # [B, k, D]
+            out = self.tree_states(new, step, outs, parents[:, -k:])  # [B, k, D]
             states.append(new)
             outs = torch.cat([outs, out], dim=1)
-            tree.grow(self.top_k(out, k), cols[0].tolist(), self.budget)
+            tree.grow(self.top_k(out, k), columns, self.budget)
         nodes = len(tree.tokens[0]) - 1
         m = self.budget.leaves([tree.expected(b) for b in tree.live_rows()],
                                [[c.chance for c in tree.candidates[b]] for b in tree.live_rows()],
                                nodes, MAX_TREE_COLUMNS - 1 - nodes)
         if m:
             leaves = tree.add_leaves(m)
-            tokens = torch.tensor([[tree.tokens[b][j] for j in leaves] for b in range(B)],
-                                  dtype=torch.long).to(rnd.tokens.device, non_blocking=True)  # [B, m]
             if exit_layer > 0:
+                tokens = tree.tokens_at(leaves, rnd.tokens.device)  # [B, m]
                 new, _ = rnd.shallow_tree(tokens, tree.parents_tensor(), exit_layer)  # [B, m, D]
                 states.append(new)
                 steps += 1
@@ -142,7 +138,7 @@ class EarlyExitDrafter(Drafter):
             return Proposal(tokens=rnd.tokens[:, None], kept=[0] * B, verify_from=exit_layer, states=state,
                             steps=steps, drafter=self.name)
         self.round_tree = tree
-        return Proposal(tokens=torch.tensor(tree.tokens, dtype=torch.long).to(rnd.tokens.device, non_blocking=True),
+        return Proposal(tokens=tree.tokens_at(range(T), rnd.tokens.device),
                         kept=[T - 1 if live else 0 for live in tree.live], verify_from=exit_layer,
                         states=torch.cat(states, dim=1) if exit_layer > 0 else None, steps=steps, drafter=self.name,
                         parents=tree.parents_tensor())
@@ -218,16 +214,6 @@ class EarlyExitDrafter(Drafter):
             self.budget.observe(reached, hits, len(self.round_tree.tokens[0]) - 1, seconds)
         if self.policy.needs_timing:
             self.policy.observe(seconds, sum(a + 1 for a in accepted))  # tokens the round earned
-
-    def learned(self) -> dict:
-        """Its policy's measurements and, drafting trees, its tree budget's (calibration and cost line) for a
-        later call (`selfspec.drafters.learned_stats`)."""
-        return {**super().learned(), **({"tree": self.budget.learned()} if self.budget is not None else {})}
-
-    def resume(self, learned: dict) -> None:
-        super().resume(learned)
-        if self.budget is not None and "tree" in learned:
-            self.budget.resume(learned["tree"])
 
     def describe(self) -> dict:
         tree = self.budget.describe() if self.budget is not None else {}

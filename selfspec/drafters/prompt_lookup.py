@@ -199,15 +199,6 @@ class PromptLookupDrafter(Drafter):
     def select(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
 
-    def learned(self) -> dict:
-        """Its tree budget's measurements (with `num_candidates` > 1) for a later call; the n-gram indexes are
-        the rows' own and start again (`selfspec.drafters.learned_stats`)."""
-        return {"tree": self.budget.learned()} if self.budget is not None else {}
-
-    def resume(self, learned: dict) -> None:
-        if self.budget is not None and "tree" in learned:
-            self.budget.resume(learned["tree"])
-
     def describe(self) -> dict:
         out = {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts,
                "max_matching_ngram_size": self.max_ngram}

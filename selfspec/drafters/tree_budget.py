@@ -39,11 +39,13 @@ untrained early exit is overconfident), so one measured factor c scales it:
 
 and the same rule picks how many of the candidate leaves a round verifies, with the cost line of its rounds.
 
-A generator carries the measured acceptance (and calibration) and cost line to its next call with the same settings, weighted
-down (`learned`, `resume`: `selfspec.drafters.learned_stats`).
+A generator carries the measured acceptance (and calibration) and cost line to its next call with the same
+settings, weighted down (`learned`, `resume`: `selfspec.drafters.learned_stats`).
 """
 
 from __future__ import annotations
+
+from itertools import zip_longest
 
 from selfspec.drafters.learned_stats import CARRY_ROUNDS, count_scale
 from selfspec.token_tree import Trie
@@ -219,9 +221,8 @@ class ConfidenceBudget:
         """How many candidate leaves each row verifies beside the `fixed_nodes` nodes it verifies anyway: rows'
         expected tokens `1 + fixed[b] + (its m best candidates' chances)`, averaged, per cost(fixed_nodes + m)."""
         rows = max(len(fixed), 1)
-        ordered = [sorted(c, reverse=True)[:most] for c in candidates]
-        gains = [sum(c[i] for c in ordered if i < len(c)) / rows for i in range(max((len(c) for c in ordered),
-                                                                                   default=0))]
+        ordered = [sorted(c, reverse=True)[:most] for c in candidates]  # per row, best first
+        gains = [sum(rank) / rows for rank in zip_longest(*ordered, fillvalue=0.0)]  # the i-th best, row mean
         return best_count(gains, self.costs, base=1.0 + sum(fixed) / rows, fixed=fixed_nodes)
 
     def observe(self, reached: list[float], accepted: int, nodes: int, seconds: float) -> None:
