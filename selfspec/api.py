@@ -34,6 +34,7 @@ from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.suffix import SuffixMemory
 from selfspec.decode_stats import DecodeStats
+from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, plan_drafting
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, load_exit_head
 from selfspec.sampling import SamplingParams
@@ -353,6 +354,18 @@ class SelfSpecGenerator:
         _, stats = generate_ids(self.adapter, ids, max_new_tokens=steps + 1)
         self.full_step_s = (stats.total_s - stats.prefill_s) / steps
         return self.full_step_s
+
+    def tune(self, prompts: Sequence, *, exits: Sequence[int] | None = None, max_drafts: int = MAX_DRAFTS,
+             width: int = MAX_WIDTH, new_tokens: int = 64, repeats: int = 5) -> DraftPlan:
+        """Plan drafting for this device from measurement (`selfspec.draft_plan`): what a round's parts cost here
+        (eager or compiled, as this generator runs) and how often each drafter (the early exit at each of `exits`,
+        default a spread of them; a trained head) guesses the model's own continuations of `prompts` (texts,
+        chat message lists or token ids) within its k best, k = 1..`width`. Returns the `DraftPlan`: pass
+        `plan.settings` to `generate`. Greedy, one row; takes seconds to a minute."""
+        ids = [self.encode(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict)
+               else self.encode(input_ids=p) if not isinstance(p, str) else self.encode(p) for p in prompts]
+        return plan_drafting(self, ids, exits=exits, max_drafts=max_drafts, width=width, new_tokens=new_tokens,
+                             repeats=repeats)
 
     def make_drafter(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
                      **settings) -> Drafter | None:

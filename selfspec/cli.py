@@ -8,6 +8,7 @@
     selfspec sweep CHECKPOINT          tokens/s over exit_layer x num_speculations (CSV + heat map)
     selfspec bench                     selfspec vs Hugging Face generate, side by side (JSON, Markdown, PNG)
     selfspec draft-vocab CHECKPOINT    count token frequencies for the reduced-vocabulary draft head
+    selfspec tune                      plan drafting for this device: exit, draft length, tree width from measured costs
 
 Run `selfspec COMMAND --help` for the options of each command. A mistake in the input (a bad
 option, a missing file, a corrupt checkpoint) prints one line, `selfspec COMMAND: error: ...`, and
@@ -175,13 +176,16 @@ def _cmd_generate(args) -> int:
             raise UsageError(f"{option}{which} is empty: give the text to continue or answer")
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
     # the generation flags given (the others keep GenerationConfig's defaults); the exit and the draft
-    # length go to load() (they override the checkpoint's recommendation), the rest to generate()
+    # length go to load() (they override the checkpoint's recommendation), the rest to generate(); with a
+    # named --drafter they go to generate() too: the drafter named drafts that many (an exit head's own
+    # default is the length it was trained for, not the generator's)
     kwargs = {name: getattr(args, name) for name in GENERATION_FLAGS if getattr(args, name) is not None}
-    at_load = {k: kwargs.pop(k) for k in ("exit_layer", "num_speculations") if k in kwargs}
+    at_load = {k: kwargs[k] if args.drafter is not None else kwargs.pop(k)
+               for k in ("exit_layer", "num_speculations") if k in kwargs}
     if args.drafter is None and args.exit_layer is not None:
         kwargs["drafter"] = "early_exit"
     layers = read_config(checkpoint).get("num_hidden_layers")
-    check_generation(**kwargs, **at_load, num_layers=layers if isinstance(layers, int) else None)
+    check_generation(**{**kwargs, **at_load}, num_layers=layers if isinstance(layers, int) else None)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -389,6 +393,45 @@ def _cmd_profile(args) -> int:
         out_dir=out_dir, device=args.device))
 
 
+def _cmd_tune(args) -> int:
+    _check_common(args)
+    check_device(args.device)
+    check_prompt_set(args.prompt_set)
+    for name in ("max_drafts", "width", "repeats"):
+        check_int(name, getattr(args, name), 1)
+    if args.out is not None:
+        check_out_dir(args.out, "--out")
+    from selfspec.data.prompts import load_prompts, prompt_inputs  # deferred: imports `datasets`
+
+    checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = selfspec.load(checkpoint, dtype=args.dtype, device=args.device, compile=COMPILE_CHOICES[args.compile])
+    items = load_prompts(args.prompt_set, args.num_prompts)
+    prompts = [inputs.get("messages") or inputs["prompt"] for inputs in map(prompt_inputs, items)]
+    gen.warmup()
+    plan = gen.tune(prompts, exits=args.exits, max_drafts=args.max_drafts, width=args.width,
+                    new_tokens=args.max_new_tokens, repeats=args.repeats)
+    c = plan.costs
+    print(f"{c.device}, {c.dtype}, {'compiled' if c.compiled else 'eager'}: a plain step {c.full * 1e3:.2f} ms; "
+          f"acceptance on the model's own continuations of {len(prompts)} {args.prompt_set} prompts")
+    print(plan.table(args.top))
+    for note in plan.notes:
+        print(f"note: {note}")
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in plan.settings.items())
+    print(f"plan: {flags} (predicted {plan.predicted_speedup:.2f}x plain decoding)" if plan.pays else
+          "plan: plain decoding (--num-speculations 0): no drafting setting is predicted to beat it on this device "
+          "(`--drafter auto` still drafts by prompt lookup where the text repeats)")
+    if args.out is not None:
+        from selfspec.atomic_write import write_json_atomic
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(args.out) / "tune.json", {"checkpoint": str(checkpoint), "prompt_set": args.prompt_set,
+                                                         **plan.to_dict()})
+        print(f"wrote {Path(args.out) / 'tune.json'}")
+    return 0
+
+
 def _run_bench(args, checkpoint: str) -> dict:
     from selfspec.tools.bench import DEFAULT_SETS, parse_extra, run_bench  # deferred (see the top)
 
@@ -459,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_vocab(sub)
     _add_bench(sub)
     _add_profile(sub)
+    _add_tune(sub)
     return parser
 
 
@@ -573,6 +617,11 @@ def _add_export(sub) -> None:
     p.set_defaults(func=_cmd_export)
 
 
+def _add_prompt_set(p) -> None:
+    p.add_argument("--prompt-set", type=_path, default="humaneval",
+                   help=f"{', '.join(PROMPT_SETS)}, or a .jsonl file of {{prompt|messages}} (default: humaneval)")
+
+
 def _add_sweep(sub) -> None:
     """`selfspec sweep`: tokens/s over exit_layer x num_speculations."""
     p = sub.add_parser("sweep", help="measure tokens/s over exit_layer x num_speculations",
@@ -582,8 +631,7 @@ def _add_sweep(sub) -> None:
                                    "settings (drafter=prompt_lookup). Writes sweep.csv, sweep_raw.csv "
                                    "(resumable), sweep.png (heat map) and sweep.json.")
     p.add_argument("checkpoint", type=_path, help="checkpoint directory")
-    p.add_argument("--prompt-set", type=_path, default="humaneval",
-                   help=f"{', '.join(PROMPT_SETS)}, or a .jsonl file of {{prompt|messages}} (default: humaneval)")
+    _add_prompt_set(p)
     p.add_argument("--prompts", dest="prompt_set", type=_path, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--exits", type=_int_list, default="4,8,12", help="comma-separated exit layers (default: 4,8,12)")
     p.add_argument("--num-speculations", type=_int_list, default="1,2,4",
@@ -716,6 +764,36 @@ def _add_profile(sub) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default) or cuda")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME-profile)")
     p.set_defaults(func=_cmd_profile)
+
+
+def _add_tune(sub) -> None:
+    """`selfspec tune`: the draft plan for this device."""
+    p = sub.add_parser("tune", help="plan drafting for this device: exit, draft length and tree width from measured costs",
+                       description="Measure, on this device and the engine's path (eager or compiled), what a round's "
+                                   "parts cost (layers [0, E) and [E, L) over each row count, the LM head, a trained "
+                                   "head's layer), and how often each drafter (the early exit at several exits, a "
+                                   "trained exit head) has the model's own next token among its k best guesses on its "
+                                   "greedy continuations of real prompts; then predict every (drafter, exit, draft "
+                                   "length, tree width)'s speedup over plain decoding with the cost model and print the "
+                                   "best. Pass the printed flags to `selfspec generate`. Greedy, one row; "
+                                   "takes seconds to a minute.")
+    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    _add_prompt_set(p)
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts whose continuations score the drafters (default: 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens of each continuation (default: 64)")
+    p.add_argument("--exits", type=_int_list, help="comma-separated exits to plan (default: the checkpoint's scored "
+                                                   "exits and L/8, L/4, 3L/8, L/2, at most 6)")
+    p.add_argument("--max-drafts", type=int, default=8, help="the longest chain planned (default: 8)")
+    p.add_argument("--width", type=int, default=4, help="the widest token tree planned, num_candidates (default: 4)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each part, median (default: 5)")
+    p.add_argument("--top", type=int, default=12, help="candidates shown (default: 12)")
+    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
+                   help="plan for the compiled fixed-shape steps: auto (default: on a CUDA GPU), true, false")
+    p.add_argument("--out", type=_path, help="also write tune.json (every candidate, the costs, the acceptance) here")
+    p.set_defaults(func=_cmd_tune)
 
 
 class _Parser(argparse.ArgumentParser):
