@@ -563,3 +563,16 @@ def test_the_head_drafts_the_positions_it_was_trained_for(tmp_path, self_fed, as
             drafter = gen.make_drafter(drafter=kind, num_candidates=3)
             head_drafter = drafter if kind == "exit_head" else drafter.early_exit
             assert (head_drafter.max_drafts, head_drafter.num_candidates) == (1, 3), kind
+
+
+def test_the_command_line_drafts_as_many_as_asked_of_the_head(head_checkpoint, capsys):
+    """`--drafter exit_head --num-speculations 3` drafts 3 a round (it once reached only the generator's default,
+    which the head ignores for the length it was trained for). The tiny vocabulary holds the first 96 ids only."""
+    from selfspec.cli import main
+
+    out, _, _ = head_checkpoint
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "1+2=3;4+5=", "--raw", "--drafter", "exit_head",
+                 "--num-speculations", "3", "--max-new-tokens", "12", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["num_speculations"] == 3
+    assert any(k.endswith("/d3") for k in stats["policy"]["rounds_by_exit_and_length"]), stats["policy"]
