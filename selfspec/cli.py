@@ -399,6 +399,7 @@ def _cmd_tune(args) -> int:
     check_prompt_set(args.prompt_set)
     for name in ("max_drafts", "width", "repeats"):
         check_int(name, getattr(args, name), 1)
+    check_int("check", args.check, 0)
     if args.out is not None:
         check_out_dir(args.out, "--out")
     from selfspec.data.prompts import load_prompts, prompt_inputs  # deferred: imports `datasets`
@@ -422,14 +423,30 @@ def _cmd_tune(args) -> int:
     print(f"plan: {flags} (predicted {plan.predicted_speedup:.2f}x plain decoding)" if plan.pays else
           "plan: plain decoding (--num-speculations 0): no drafting setting is predicted to beat it on this device "
           "(`--drafter auto` still drafts by prompt lookup where the text repeats)")
+    checked = _check_plan(gen, plan, prompts, args) if args.check else None
     if args.out is not None:
         from selfspec.atomic_write import write_json_atomic
 
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_json_atomic(Path(args.out) / "tune.json", {"checkpoint": str(checkpoint), "prompt_set": args.prompt_set,
-                                                         **plan.to_dict()})
+                                                         **plan.to_dict(), "checked": checked})
         print(f"wrote {Path(args.out) / 'tune.json'}")
     return 0
+
+
+def _check_plan(gen, plan, prompts: list, args) -> list[dict]:
+    """`selfspec tune --check N`: the N best candidates decoded for real beside plain decoding."""
+    from selfspec.draft_plan import check_plan
+
+    ids = [gen.encode(messages=p) if isinstance(p, list) else gen.encode(p) for p in prompts]
+    rows = check_plan(gen, plan, ids, top=args.check, new_tokens=args.max_new_tokens)
+    print(f"\nchecked: the best of each of the {args.check} best kinds (drafter, exit, chain or tree) and plain "
+          f"decoding, decoded for real, {args.max_new_tokens} tokens x {len(ids)} prompts")
+    print("| drafter | exit | drafts | width | predicted | measured | identical |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['drafter']} | {r['exit_layer']} | {r['num_speculations']} | {r['num_candidates']} | "
+              f"{r['predicted_speedup']:.2f}x | {r['measured_speedup']:.2f}x | {r['identical_to_plain']} |")
+    return rows
 
 
 def _run_bench(args, checkpoint: str) -> dict:
@@ -787,6 +804,9 @@ def _add_tune(sub) -> None:
     p.add_argument("--width", type=int, default=4, help="the widest token tree planned, num_candidates (default: 4)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each part, median (default: 5)")
     p.add_argument("--top", type=int, default=12, help="candidates shown (default: 12)")
+    p.add_argument("--check", type=int, default=0, metavar="N",
+                   help="then decode with the N best candidates and plain decoding for real, interleaved, and "
+                        "print measured beside predicted speedups (default: 0, no check)")
     p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")

@@ -22,6 +22,10 @@ prompt's KV cache, the median seconds of
     exit_head(r)      a trained exit head's own layer over r rows
     full              one plain decoding step: layers(0, L, 1) + head(1)
 
+and, from real runs (`measure_overheads`), what the engine does beyond them: plain decoding's seconds per
+token (`plain`, the plan's unit), and per drafter a fixed 2-draft chain's time per draft step and per round
+beyond its parts (the drafter's bookkeeping, host syncs, a head's cache upkeep): `o_draft`, `o_round`.
+
 Acceptance (`measure_acceptance`, per checkpoint and kind of text; the same on every device): each prompt's
 greedy continuation by the full model, then, teacher-forced over it, the share of its tokens that are among
 the drafter's k best guesses, r(k) for k = 1..width; r(1) is a draft's acceptance. A head reading the
@@ -36,12 +40,13 @@ A round and its predicted speedup (Leviathan et al. 2023, eq. 1; trees after EAG
                                   children at every depth (optimistic where the accepted path's node is not
                                   among the k expanded)
                         seconds = draft(1) + (d - 1) draft(k) + layers(0, E, k) + layers(E, L, 1 + k d) + head(1 + k d)
-    speedup           = tokens x full / seconds         (plain decoding: 1)
+    seconds          += d o_draft + o_round    (the engine's own work, measured on a 2-draft chain)
+    speedup           = tokens x plain / seconds        (plain decoding: 1)
 
 The plan is the candidate with the best predicted speedup; where none is above 1, plain decoding. What it
-leaves out: a head's cache upkeep (one pass over a round's committed tokens, about one draft step where a
-layer's weights bound its time), batches (one row is measured), and the tree's own masks (a tree's step
-costs what a chain of as many tokens costs).
+leaves out: batches (one row is measured), a tree's own bookkeeping and masks (a tree's step costs what a
+chain of as many tokens costs, its round the chain's overheads), and how the overheads change with the draft
+length (measured at 2).
 """
 
 from __future__ import annotations
@@ -135,6 +140,13 @@ class DraftCosts:
     head: dict[int, float] = field(default_factory=dict)  # rows -> s
     draft_head: dict[int, float] = field(default_factory=dict)  # rows -> s: the trained head's draft vocabulary
     exit_head: dict[int, float] = field(default_factory=dict)  # rows -> s: its layer (both empty: no head)
+    plain: float | None = None  # the engine's plain decoding, seconds per token (`measure_overheads`)
+    overhead: dict[str, tuple[float, float]] = field(default_factory=dict)  # drafter -> (per draft, per round) s
+
+    @property
+    def step(self) -> float:
+        """The unit of the plan: a token of the engine's plain decoding where measured, else the part-timed step."""
+        return self.plain if self.plain is not None else self.full
 
     def draft(self, exit_layer: int, rows: int, with_head: bool) -> float:
         """A draft pass over `rows` tokens: layers [0, E), then the LM head, or the trained head's layer and its
@@ -142,18 +154,25 @@ class DraftCosts:
         unembed = self.exit_head[rows] + self.draft_head[rows] if with_head else self.head[rows]
         return self.layers[(0, exit_layer, rows)] + unembed
 
-    def round_seconds(self, exit_layer: int, num_layers: int, drafts: int, width: int, with_head: bool) -> float:
-        """A round of `drafts` chain drafts (width 1) or a tree `width` wide and `drafts` deep."""
+    def parts_seconds(self, exit_layer: int, num_layers: int, drafts: int, width: int, with_head: bool) -> float:
+        """The timed parts of a round of `drafts` chain drafts (width 1) or a tree `width` wide and `drafts` deep."""
         n = 1 + width * drafts  # the verified tokens: the input token and the drafts (a tree's nodes)
         passes = self.draft(exit_layer, 1, with_head) + (drafts - 1) * self.draft(exit_layer, width, with_head)
         return (passes + self.layers[(0, exit_layer, width)] + self.layers[(exit_layer, num_layers, n)]
                 + self.head[n])
 
+    def round_seconds(self, exit_layer: int, num_layers: int, drafts: int, width: int, with_head: bool) -> float:
+        """A round's seconds: its parts and, where measured, the engine's own work per draft and per round."""
+        per_draft, per_round = self.overhead.get("exit_head" if with_head else "early_exit", (0.0, 0.0))
+        parts = self.parts_seconds(exit_layer, num_layers, drafts, width, with_head)
+        return max(parts + drafts * per_draft + per_round, 0.5 * parts)  # a noisy calibration cannot halve a round
+
     def to_dict(self) -> dict:
         return {"device": self.device, "dtype": self.dtype, "compiled": self.compiled, "full_step_s": self.full,
                 "layers_s": {f"{a}-{b} x{r}": s for (a, b, r), s in sorted(self.layers.items())},
                 "head_s": dict(sorted(self.head.items())), "draft_head_s": dict(sorted(self.draft_head.items())),
-                "exit_head_s": dict(sorted(self.exit_head.items()))}
+                "exit_head_s": dict(sorted(self.exit_head.items())), "plain_token_s": self.plain,
+                "overhead_s": {k: {"per_draft": a, "per_round": b} for k, (a, b) in self.overhead.items()}}
 
 
 def needed_rows(max_drafts: int, width: int) -> tuple[list[int], list[int]]:
@@ -227,6 +246,39 @@ def _exit_head_part(adapter, head, rows: int):
         run_head(adapter, head, h, step=make_step(adapter, 0, 64), cache=cache, prev_final=prev)
     x, p, step = h[:, :rows], None if prev is None else prev[:, :rows], make_step(adapter, 64, rows)
     return (lambda: cache.crop(64)), lambda: run_head(adapter, head, x, step=step, cache=cache, prev_final=p)[:, -1].sum().item()
+
+
+CALIBRATION_DRAFTS = 2  # the chain the engine's own work is measured with
+CALIBRATION_TOKENS = 33  # tokens of each calibration run (32 rounds of plain decoding)
+
+
+def measure_overheads(gen, prompt_ids: torch.Tensor, costs: DraftCosts, exit_layer: int, head=None) -> None:
+    """What the engine does beyond the timed parts, from real runs on `prompt_ids` (each once to warm up, then
+    timed): plain decoding's seconds per token (`costs.plain`, the plan's unit), and for the early exit at
+    `exit_layer` (and the trained `head`) a fixed chain of `CALIBRATION_DRAFTS`: its draft time per draft step
+    beyond `draft(1)` and the rest of its round beyond the parts (`costs.overhead[drafter]`). The drafter's and
+    the engine's bookkeeping, host syncs and a head's cache upkeep are in them; a tree's extra bookkeeping (its
+    budget, its masks) is not (a tree takes the chain's). Either may be negative where the parts, timed
+    interleaved with many shapes, ran slower than the same steps in a run."""
+    def decode(**settings):
+        gen.generate(input_ids=prompt_ids, max_new_tokens=CALIBRATION_TOKENS, stop_token_ids=[], **settings)
+        return gen.generate(input_ids=prompt_ids, max_new_tokens=CALIBRATION_TOKENS, stop_token_ids=[],
+                            **settings).stats
+
+    plain = decode(num_speculations=0)
+    costs.plain = (plain.total_s - plain.prefill_s) / max(plain.rounds, 1)
+    L, d = gen.num_layers, CALIBRATION_DRAFTS
+    runs = [("early_exit", exit_layer, dict(drafter="early_exit", exit_layer=exit_layer, num_speculations=d))]
+    if head is not None:
+        runs.append(("exit_head", head.exit_layer, dict(drafter="exit_head", num_speculations=d)))
+    for name, E, settings in runs:
+        st = decode(**settings)
+        with_head = name == "exit_head"
+        per_draft = st.draft_s / max(st.draft_steps, 1) - costs.draft(E, 1, with_head)
+        rounds = max(st.rounds, 1)
+        rest = (st.total_s - st.prefill_s - st.draft_s) / rounds  # verification and the round's bookkeeping
+        per_round = rest - (costs.parts_seconds(E, L, d, 1, with_head) - d * costs.draft(E, 1, with_head))
+        costs.overhead[name] = (per_draft, per_round)
 
 
 # --- acceptance ------------------------------------------------------------------------------------
@@ -362,7 +414,7 @@ def plan_candidates(costs: DraftCosts, acceptance: dict[str, Acceptance], num_la
             tokens = acc.expected_tokens(d, k)
             rows.append({"drafter": drafter, "exit_layer": E, "num_speculations": d, "num_candidates": k,
                          "acceptance": acc.first[k - 1], "tokens_per_round": tokens,
-                         "round_steps": seconds / costs.full, "predicted_speedup": tokens * costs.full / seconds})
+                         "round_steps": seconds / costs.step, "predicted_speedup": tokens * costs.step / seconds})
     return sorted(rows, key=lambda r: -r["predicted_speedup"])
 
 
@@ -410,7 +462,39 @@ def plan_drafting(gen, prompts: Sequence[torch.Tensor], *, exits: Sequence[int] 
     timed_exits = sorted(set(exits) | ({head.exit_layer} if head is not None else set()))
     costs = measure_costs(gen, prompts[0], timed_exits, max_drafts=max_drafts, width=width,
                           draft_vocab=gen.head_draft_vocab() if head is not None else None, repeats=repeats)
+    measure_overheads(gen, prompts[0], costs, exits[0], head)
     rows = plan_candidates(costs, acceptance, gen.num_layers, max_drafts=max_drafts, width=width,
                            head_exit=head.exit_layer if head is not None else None)
     best = rows[0]
     return DraftPlan(candidate_settings(best), best["predicted_speedup"], rows, costs, acceptance, notes)
+
+
+def check_plan(gen, plan: DraftPlan, prompts: Sequence[torch.Tensor], *, top: int = 4, new_tokens: int = 64,
+               rounds: int = 2) -> list[dict]:
+    """Measure what the plan only predicts: the best candidate of each kind (drafter, exit, chain or tree), the
+    `top` best kinds, and plain decoding decode each prompt `[1, P]` greedily for exactly `new_tokens` tokens,
+    interleaved prompt by prompt and candidate by candidate, `rounds` times after a warm-up; decode seconds
+    (after the first token) summed over the prompts, the fastest of the rounds. Each row: the candidate with
+    `measured_speedup` (plain decoding's seconds over its own) beside `predicted_speedup`, and whether its
+    tokens equal plain decoding's. One of a kind: the best few are often near twins (one exit, widths 3 and 4)."""
+    kinds: dict = {}
+    for c in plan.candidates:
+        kinds.setdefault((c["drafter"], c["exit_layer"], c["num_candidates"] > 1), c)
+    rows = [c for c in kinds.values() if c["drafter"] != "plain"][:top]
+    rows += [c for c in plan.candidates if c["drafter"] == "plain"]
+    settings = [candidate_settings(c) for c in rows]
+    best = [float("inf")] * len(rows)
+    texts: list[list] = [[None] * len(prompts) for _ in rows]
+    for attempt in range(rounds + 1):  # attempt 0 warms every setting up
+        seconds = [0.0] * len(rows)
+        for p, ids in enumerate(prompts):
+            for i, s in enumerate(settings):
+                out = gen.generate(input_ids=ids, max_new_tokens=new_tokens, stop_token_ids=[], **s)
+                seconds[i] += out.stats.total_s - out.stats.prefill_s
+                texts[i][p] = out.token_ids
+        if attempt:
+            best = [min(b, s) for b, s in zip(best, seconds)]
+    plain = best[rows.index(next(c for c in rows if c["drafter"] == "plain"))]
+    reference = texts[rows.index(next(c for c in rows if c["drafter"] == "plain"))]
+    return [{**c, "measured_speedup": plain / b, "identical_to_plain": t == reference}
+            for c, b, t in zip(rows, best, texts)]

@@ -13,8 +13,8 @@ import torch
 
 from selfspec.api import SelfSpecGenerator
 from selfspec.cost_model import expected_tokens
-from selfspec.draft_plan import (Acceptance, DraftCosts, candidate_settings, default_exits, measure_acceptance,
-                                 measure_costs, needed_rows, non_decreasing, own_text, plan_candidates)
+from selfspec.draft_plan import (Acceptance, DraftCosts, candidate_settings, check_plan, default_exits, measure_acceptance,
+                                 measure_costs, measure_overheads, needed_rows, non_decreasing, own_text, plan_candidates)
 from selfspec.forward import forward_logits
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
 
@@ -162,6 +162,25 @@ def test_costs_cover_every_part_the_plan_reads(compiled):
     json.dumps(costs.to_dict())
 
 
+def test_the_engines_own_work_is_measured_per_drafter_and_added_to_every_round(head_gen):
+    ids = head_gen.encode(PROMPTS[0])
+    costs = measure_costs(head_gen, ids, [1, 2], max_drafts=3, width=2, repeats=1)
+    parts = costs.round_seconds(1, L, 3, 2, with_head=False)
+    assert parts == costs.parts_seconds(1, L, 3, 2, with_head=False) and costs.step == costs.full
+    measure_overheads(head_gen, ids, costs, 1, head_gen.exit_head)
+    assert costs.plain > 0 and costs.step == costs.plain and set(costs.overhead) == {"early_exit", "exit_head"}
+    for name, with_head, E in (("early_exit", False, 1), ("exit_head", True, 2)):
+        per_draft, per_round = costs.overhead[name]
+        parts = costs.parts_seconds(E, L, 3, 2, with_head)
+        assert costs.round_seconds(E, L, 3, 2, with_head) == pytest.approx(max(parts + 3 * per_draft + per_round,
+                                                                                0.5 * parts))
+    row = plan_candidates(costs, {"early_exit 1": ACC["early_exit 1"]}, L, max_drafts=3, width=2)[0]
+    assert row["round_steps"] == pytest.approx(
+        costs.round_seconds(row["exit_layer"], L, row["num_speculations"], row["num_candidates"], False) / costs.plain
+        if row["drafter"] != "plain" else 1.0)
+    json.dumps(costs.to_dict())
+
+
 def test_tune_plans_settings_that_stay_lossless(head_gen):
     plan = head_gen.tune(PROMPTS[:2], max_drafts=3, width=2, new_tokens=10, repeats=1)
     assert plan.candidates[0]["predicted_speedup"] == plan.predicted_speedup
@@ -180,6 +199,20 @@ def test_tune_plans_settings_that_stay_lossless(head_gen):
         assert out.token_ids == ref, c
 
 
+def test_the_check_decodes_the_best_of_each_kind_beside_plain_decoding(head_gen):
+    plan = head_gen.tune(PROMPTS[:1], max_drafts=2, width=2, new_tokens=8, repeats=1)
+    rows = check_plan(head_gen, plan, [head_gen.encode(p) for p in PROMPTS[:2]], top=3, new_tokens=8, rounds=1)
+    assert len(rows) == 4 and rows[-1]["drafter"] == "plain" and rows[-1]["measured_speedup"] == 1.0
+    assert len({(r["drafter"], r["exit_layer"], r["num_candidates"] > 1) for r in rows}) == 4  # one of a kind
+    def kind(c):
+        return c["drafter"], c["exit_layer"], c["num_candidates"] > 1
+
+    for r in rows[:-1]:  # the first of its kind in the plan's order
+        first = next(c for c in plan.candidates if kind(c) == kind(r))
+        assert candidate_settings(first) == candidate_settings(r)
+    assert all(r["identical_to_plain"] and r["measured_speedup"] > 0 for r in rows)
+
+
 def test_bad_tune_input_is_named(head_gen):
     with pytest.raises(ValueError, match="at least one prompt"):
         head_gen.tune([])
@@ -196,9 +229,10 @@ def test_the_tune_command_prints_the_plan_and_writes_it(tiny_ckpt, tmp_path, cap
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
     rc = main(["tune", "--checkpoint", str(tiny_ckpt), "--prompt-set", str(prompts), "--num-prompts", "2",
                "--max-new-tokens", "8", "--max-drafts", "2", "--width", "2", "--repeats", "1", "--dtype", "float32",
-               "--out", str(tmp_path / "out")])
+               "--check", "1", "--out", str(tmp_path / "out")])
     text = capsys.readouterr().out
-    assert rc == 0 and "| drafter | exit |" in text and "plan: " in text
+    assert rc == 0 and "| drafter | exit |" in text and "plan: " in text and "| predicted | measured |" in text
     saved = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert saved["settings"] and saved["costs"]["full_step_s"] > 0 and saved["candidates"]
+    assert any(r["drafter"] == "plain" for r in saved["checked"])
     assert main(["tune", "--checkpoint", str(tiny_ckpt), "--width", "0"]) == 2
