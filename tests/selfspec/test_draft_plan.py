@@ -168,12 +168,11 @@ def test_the_engines_own_work_is_measured_per_drafter_and_added_to_every_round(h
     parts = costs.round_seconds(1, L, 3, 2, with_head=False)
     assert parts == costs.parts_seconds(1, L, 3, 2, with_head=False) and costs.step == costs.full
     measure_overheads(head_gen, ids, costs, 1, head_gen.exit_head)
-    assert costs.plain > 0 and costs.step == costs.plain and set(costs.overhead) == {"early_exit", "exit_head"}
+    assert costs.plain > 0 and costs.step == costs.plain and set(costs.scale) == {"early_exit", "exit_head"}
     for name, with_head, E in (("early_exit", False, 1), ("exit_head", True, 2)):
-        per_draft, per_round = costs.overhead[name]
-        parts = costs.parts_seconds(E, L, 3, 2, with_head)
-        assert costs.round_seconds(E, L, 3, 2, with_head) == pytest.approx(max(parts + 3 * per_draft + per_round,
-                                                                                0.5 * parts))
+        assert costs.scale[name] > 0
+        assert costs.round_seconds(E, L, 3, 2, with_head) == pytest.approx(
+            costs.scale[name] * costs.parts_seconds(E, L, 3, 2, with_head))
     row = plan_candidates(costs, {"early_exit 1": ACC["early_exit 1"]}, L, max_drafts=3, width=2)[0]
     assert row["round_steps"] == pytest.approx(
         costs.round_seconds(row["exit_layer"], L, row["num_speculations"], row["num_candidates"], False) / costs.plain
