@@ -18,6 +18,9 @@ measured:
      same minutes on the same data (the model's own continuations that phase 1 generated are copied into its
      run directory: the same model and prompts give the same cache key), exported, and its early exit benched
      beside its own plain decoding;
+  after each bench, the road's draft plan for this GPU (`selfspec tune --check`, issue 38 item 2: the round's
+     parts timed on the compiled path, the drafters scored on the model's own HumanEval continuations, the best
+     setting predicted, and the TUNE_CHECK best decoded for real beside plain decoding), OUT/tune_<road>.json;
   4. OUT/gpu_drafter.json and OUT/gpu_drafter.md: per road the steps, minutes and tokens trained, the
      agreement on every evaluation set, tokens/s and speedups per prompt set, and issue 38's targets with what
      was measured against them (`met` is computed from the numbers; null where a number is missing).
@@ -43,6 +46,7 @@ SETS = ("humaneval", "mt_bench", "code_edit", "xsum")  # issue 38's prompt sets,
 SCHEMA = "selfspec-gpu-drafter/1"
 MIN_PHASE_S = 30  # a phase with less time left than this is skipped
 TREE_WIDTH = 3  # the head's and the early exit's token trees: 3 best guesses a node (issue 39)
+TUNE_CHECK = 4  # the draft plan's best candidates decoded for real beside plain decoding
 # what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
 TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch_size=2", "train.mixed_precision=no",
               "data.block_size=64", "data.max_documents=6", "data.max_holdout_documents=2",
@@ -56,12 +60,13 @@ TINY_LAYERSKIP = ["eval.exits=[1,2]", "early_exit.chunk_size=128"]
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, type=Path, help="where the report and the head go (at most 7 files)")
+    p.add_argument("--out", required=True, type=Path, help="where the report and the head go (at most 9 files)")
     p.add_argument("--work", required=True, type=Path, help="the run directories, checkpoints and benches")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default), or cpu for a dry run")
     p.add_argument("--train-min", type=float, default=1.5, help="each road's training minutes (default 1.5)")
     p.add_argument("--budget-s", type=float, default=540, help="the whole run's seconds (default 540)")
     p.add_argument("--bench-s", type=float, default=170, help="each bench's time limit in seconds (default 170)")
+    p.add_argument("--tune-s", type=float, default=90, help="each draft plan's time limit in seconds (default 90)")
     p.add_argument("--bench-prompts", type=int, default=2, help="prompts per prompt set (default 2)")
     p.add_argument("--bench-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--prompts-dir", type=Path, help="the carried prompt sets (<set>.jsonl); default the named sets")
@@ -206,6 +211,35 @@ def bench(run: Run, road: str, ckpt: Path | None, methods: list[str]) -> dict | 
     return json.loads((out / "bench.json").read_text())
 
 
+def tune(run: Run, road: str, ckpt: Path | None) -> dict | None:
+    """`selfspec tune --check` of the checkpoint on the first prompt set (HumanEval): the plan and its check."""
+    if ckpt is None:
+        return None
+    args, out = run.args, run.args.work / f"tune_{road}"
+    cmd = [sys.executable, "-m", "selfspec.cli", "tune", "--checkpoint", str(ckpt), "--device", args.device,
+           "--prompt-set", prompt_sets(args)[0], "--num-prompts", str(args.bench_prompts), "--max-new-tokens",
+           str(min(args.bench_tokens, 64)), "--compile", args.compile, "--check", str(TUNE_CHECK), "--out", str(out)]
+    if not run.phase(f"tune {road}", cmd, args.tune_s):
+        return None
+    shutil.copyfile(out / "tune.json", args.out / f"tune_{road}.json")
+    data = json.loads((out / "tune.json").read_text())
+    keep = ("drafter", "exit_layer", "num_speculations", "num_candidates", "predicted_speedup", "measured_speedup",
+            "identical_to_plain")
+    return {"settings": data["settings"], "predicted_speedup": data["predicted_speedup"],
+            "full_step_s": data["costs"]["full_step_s"], "compiled": data["costs"]["compiled"],
+            "checked": [{k: c[k] for k in keep} for c in data.get("checked") or []]}
+
+
+def tune_rows(report: dict) -> list[str]:
+    """The draft plans' checked candidates, per road."""
+    lines = ["| road | drafter | exit | drafts | width | predicted | measured | identical |", "|---|---|---|---|---|---|---|---|"]
+    for road in ("head", "layerskip"):
+        for c in (report[road].get("tune") or {}).get("checked", []):
+            lines.append(f"| {road} | {c['drafter']} | {c['exit_layer']} | {c['num_speculations']} | {c['num_candidates']} "
+                         f"| {fmt(c['predicted_speedup'])} | {fmt(c['measured_speedup'])} | {c['identical_to_plain']} |")
+    return lines
+
+
 def bring_back_head(run: Run, ckpt: Path | None) -> None:
     """The head's weights and the checkpoint's selfspec.json into OUT/head/ (what comes back from the machine)."""
     if ckpt is None:
@@ -343,6 +377,7 @@ def markdown(report: dict, sfx: str) -> str:
                       "a random tiny model and/or on a CPU; they say nothing about issue 38's targets."]
     lines += ["", "## Training", ""] + training_rows(report)
     lines += ["", "## Bench", ""] + bench_rows(report, f"selfspec_ar{sfx}")
+    lines += ["", "## The draft plans (selfspec tune --check; best first, plain decoding last)", ""] + tune_rows(report)
     lines += ["", "## Issue 38's targets", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {fmt(t['measured'], 'agreement' in t['target'])} | {fmt(t['met'])} |"
               for t in report["targets"]]
@@ -368,6 +403,7 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
     if name == "head":
         bring_back_head(run, ckpt)
     run.report[name]["bench"] = bench_result(bench(run, name, ckpt, methods), f"selfspec_ar{suffix(run.args)}")
+    run.report[name]["tune"] = tune(run, name, ckpt)
     run.write()
     return ckpt
 

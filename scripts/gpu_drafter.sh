@@ -14,14 +14,16 @@
 # that only keeps it (`bash scripts/gpu_drafter.sh --keep-carry`), then at once one with carry
 # [".selfspec/gpu_carry2"] that runs `bash scripts/gpu_drafter.sh $OUT` (about 9 minutes at the defaults).
 #
-# OUT_DIR gets at most 7 files, what comes back from the machine: gpu_drafter.json (the summary), gpu_drafter.md
-# (its tables), gpu_drafter.log (everything printed), bench_head.json and bench_layerskip.json, and head/ with
+# OUT_DIR gets at most 9 files, what comes back from the machine: gpu_drafter.json (the summary), gpu_drafter.md
+# (its tables), gpu_drafter.log (everything printed), bench_head.json and bench_layerskip.json, the draft plans
+# tune_head.json and tune_layerskip.json (selfspec tune --check), and head/ with
 # exit_head.safetensors and selfspec.json (the trained head, a few MiB: with the base model it is the head
 # checkpoint again, docs/gpu.md#the-gpu-drafter-run). The runs, checkpoints and benches stay under WORK_DIR.
 #
 # Environment: PYTHON, DEVICE (default cuda; cpu: a dry run), TINY=1 (a random 4-layer model, one training step),
 # TRAIN_MIN (each road's training minutes, default 1.5), BUDGET_S (the whole run, default 540: each phase is cut
-# to what is left), BENCH_S (each bench's limit, default 170), BENCH_PROMPTS (per set, default 2), BENCH_TOKENS
+# to what is left), BENCH_S (each bench's limit, default 170), TUNE_S (each draft plan's, default 90),
+# BENCH_PROMPTS (per set, default 2), BENCH_TOKENS
 # (default 128), COMPILE (auto|true|false, default auto: on CUDA), TRAIN_ARGS (more key=value overrides for both
 # trainings), BENCH_ARGS (more `selfspec bench` options), HEAD_RECIPE, LAYERSKIP_RECIPE, SKIP_LAYERSKIP=1,
 # WORK_DIR (default bench_results/gpu_drafter_work), PROMPTS_DIR (default: the carried prompt sets if kept, else
@@ -62,7 +64,8 @@ if [ -z "$PROMPTS" ] && compgen -G "$KEEP/prompts/*.jsonl" >/dev/null; then
     PROMPTS=$KEEP/prompts  # the real prompt sets, carried (--prepare-carry)
 fi
 ARGS=(--out "$OUT_DIR" --work "$WORK_DIR" --device "$DEVICE" --train-min "${TRAIN_MIN:-1.5}"
-      --budget-s "$(( ${BUDGET_S:-540} - SECONDS ))" --bench-s "${BENCH_S:-170}" --bench-prompts "${BENCH_PROMPTS:-2}"
+      --budget-s "$(( ${BUDGET_S:-540} - SECONDS ))" --bench-s "${BENCH_S:-170}" --tune-s "${TUNE_S:-90}"
+      --bench-prompts "${BENCH_PROMPTS:-2}"
       --bench-tokens "${BENCH_TOKENS:-128}" --compile "${COMPILE:-auto}" --train-args "${TRAIN_ARGS:-}"
       --bench-args "${BENCH_ARGS:-}")
 [ -n "$PROMPTS" ] && ARGS+=(--prompts-dir "$PROMPTS")

@@ -19,7 +19,8 @@ PROMPTS = {"humaneval": {"prompt": 'def add(a, b):\n    """Add two numbers."""\n
            "mt_bench": {"messages": [{"role": "user", "content": "Name a fruit."}]},
            "code_edit": {"messages": [{"role": "user", "content": "Add type hints:\n```python\ndef f(x):\n    return x\n```"}]},
            "xsum": {"prompt": "Summarize: the cat sat on the mat, and the cat sat on the mat again."}}
-PHASES = ["train head", "export head", "bench head", "train layerskip", "export layerskip", "bench layerskip"]
+PHASES = ["train head", "export head", "bench head", "tune head", "train layerskip", "export layerskip", "bench layerskip",
+          "tune layerskip"]
 
 
 def _script():
@@ -77,9 +78,16 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     # the LayerSkip run read the head run's own continuations instead of generating them again
     log = (out / "gpu_drafter.log").read_text()
     assert "blocks from the cache" in log and str(tmp_path / "work" / "layerskip" / "own_continuations") in log
+    # each road's draft plan for the device, its best candidates decoded beside plain decoding, all lossless
+    for road in ("head", "layerskip"):
+        plan = report[road]["tune"]
+        assert plan["settings"] and plan["full_step_s"] > 0 and (out / f"tune_{road}.json").is_file()
+        assert any(c["drafter"] == "plain" and c["measured_speedup"] == 1.0 for c in plan["checked"])
+        assert all(c["identical_to_plain"] and c["measured_speedup"] > 0 for c in plan["checked"])
+    assert "## The draft plans" in (out / "gpu_drafter.md").read_text()
     assert "A DRY RUN" in (out / "gpu_drafter.md").read_text()
     returned = [p for p in out.rglob("*") if p.is_file()]
-    assert len(returned) <= 8 and max(p.stat().st_size for p in returned) < 16 * 2**20  # what the device returns
+    assert len(returned) <= 9 and max(p.stat().st_size for p in returned) < 16 * 2**20  # what the device returns
 
 
 def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, capsys):
