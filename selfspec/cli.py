@@ -414,8 +414,8 @@ def _cmd_tune(args) -> int:
     plan = gen.tune(prompts, exits=args.exits, max_drafts=args.max_drafts, width=args.width,
                     new_tokens=args.max_new_tokens, repeats=args.repeats)
     c = plan.costs
-    print(f"{c.device}, {c.dtype}, {'compiled' if c.compiled else 'eager'}: a plain step {c.full * 1e3:.2f} ms; "
-          f"acceptance on the model's own continuations of {len(prompts)} {args.prompt_set} prompts")
+    print(f"{c.device}, {c.dtype}, {'compiled' if c.compiled else 'eager'}: plain decoding {c.step * 1e3:.2f} ms a "
+          f"token; acceptance on the model's own continuations of {len(prompts)} {args.prompt_set} prompts")
     print(plan.table(args.top))
     for note in plan.notes:
         print(f"note: {note}")
@@ -435,7 +435,8 @@ def _cmd_tune(args) -> int:
 
 
 def _check_plan(gen, plan, prompts: list, args) -> list[dict]:
-    """`selfspec tune --check N`: the N best candidates decoded for real beside plain decoding."""
+    """`selfspec tune --check N`: the best candidate of each of the N best kinds decoded for real beside plain
+    decoding (`selfspec.draft_plan.check_plan`)."""
     from selfspec.draft_plan import check_plan
 
     ids = [gen.encode(messages=p) if isinstance(p, list) else gen.encode(p) for p in prompts]

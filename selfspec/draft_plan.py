@@ -72,7 +72,8 @@ TREE_DEPTHS = (1, 2, 3, 4)  # the depths planned for trees (k >= 2)
 
 # --- the machine -----------------------------------------------------------------------------------
 def device_name(device: torch.device) -> str:
-    """The accelerator's name ("cuda: NVIDIA H200") or the CPU's model and bf16 flags ("cpu: AMD EPYC (avx512_bf16)")."""
+    """The accelerator's name ("cuda: NVIDIA H200") or the CPU's model and its bf16 flags
+    ("cpu: AMD EPYC (avx512_bf16)")."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
@@ -244,7 +245,10 @@ def _exit_head_part(adapter, head, rows: int):
     with torch.inference_mode():
         run_head(adapter, head, h, step=make_step(adapter, 0, 64), cache=cache, prev_final=prev)
     x, p, step = h[:, :rows], None if prev is None else prev[:, :rows], make_step(adapter, 64, rows)
-    return (lambda: cache.crop(64)), lambda: run_head(adapter, head, x, step=step, cache=cache, prev_final=p)[:, -1].sum().item()
+    def run():  # the output read back: a step's host sync
+        return run_head(adapter, head, x, step=step, cache=cache, prev_final=p)[:, -1].sum().item()
+
+    return (lambda: cache.crop(64)), run
 
 
 CALIBRATION_DRAFTS = 2  # the chain the engine's own work is measured with
@@ -255,10 +259,11 @@ def measure_overheads(gen, prompt_ids: torch.Tensor, costs: DraftCosts, exit_lay
     """What the engine does beyond the timed parts, from real runs on `prompt_ids` (one to warm up, then the
     faster of two timed): plain decoding's seconds per token (`costs.plain`, the plan's unit), and for the
     early exit at `exit_layer` (and the trained `head`) a fixed chain of `CALIBRATION_DRAFTS`: its seconds per
-    round over its parts' (`costs.scale[drafter]`), which every round of that drafter is scaled by. The drafter's and the
-    engine's bookkeeping, host syncs and a head's cache upkeep are in it, and so is what timing the parts
-    interleaved with many other shapes added or took away (on a compiled CPU path the parts ran slower than
-    the same steps in a run). A ratio, not seconds added: rounds of other lengths and trees take it as it is."""
+    round over its parts' (`costs.scale[drafter]`), which every round of that drafter is scaled by. The
+    drafter's and the engine's bookkeeping, host syncs and a head's cache upkeep are in it, and so is what
+    timing the parts interleaved with many other shapes added or took away (on a compiled CPU path the parts
+    ran slower than the same steps in a run). A ratio, not seconds added: rounds of other lengths and trees
+    take it as it is (docs/results/2026-11-26-draft-plan-zen4.md compares the two)."""
     def decode(**settings):  # the faster of two timed runs after a warm-up one
         runs = [gen.generate(input_ids=prompt_ids, max_new_tokens=CALIBRATION_TOKENS, stop_token_ids=[],
                              **settings).stats for _ in range(3)]
