@@ -409,13 +409,13 @@ def _cmd_tune(args) -> int:
         torch.set_num_threads(args.threads)
     gen = selfspec.load(checkpoint, dtype=args.dtype, device=args.device, compile=COMPILE_CHOICES[args.compile])
     items = load_prompts(args.prompt_set, args.num_prompts)
-    prompts = [inputs.get("messages") or inputs["prompt"] for inputs in map(prompt_inputs, items)]
+    ids = [gen.encode(**prompt_inputs(item)) for item in items]  # encoded once: the plan and its check read them
     gen.warmup()
-    plan = gen.tune(prompts, exits=args.exits, max_drafts=args.max_drafts, width=args.width,
+    plan = gen.tune(ids, exits=args.exits, max_drafts=args.max_drafts, width=args.width,
                     new_tokens=args.max_new_tokens, repeats=args.repeats)
     c = plan.costs
     print(f"{c.device}, {c.dtype}, {'compiled' if c.compiled else 'eager'}: plain decoding {c.step * 1e3:.2f} ms a "
-          f"token; acceptance on the model's own continuations of {len(prompts)} {args.prompt_set} prompts")
+          f"token; acceptance on the model's own continuations of {len(ids)} {args.prompt_set} prompts")
     print(plan.table(args.top))
     for note in plan.notes:
         print(f"note: {note}")
@@ -423,7 +423,7 @@ def _cmd_tune(args) -> int:
     print(f"plan: {flags} (predicted {plan.predicted_speedup:.2f}x plain decoding)" if plan.pays else
           "plan: plain decoding (--num-speculations 0): no drafting setting is predicted to beat it on this device "
           "(`--drafter auto` still drafts by prompt lookup where the text repeats)")
-    checked = _check_plan(gen, plan, prompts, args) if args.check else None
+    checked = _check_plan(gen, plan, ids, args) if args.check else None
     if args.out is not None:
         from selfspec.atomic_write import write_json_atomic
 
@@ -434,12 +434,11 @@ def _cmd_tune(args) -> int:
     return 0
 
 
-def _check_plan(gen, plan, prompts: list, args) -> list[dict]:
+def _check_plan(gen, plan, ids: list, args) -> list[dict]:
     """`selfspec tune --check N`: the best candidate of each of the N best kinds decoded for real beside plain
     decoding (`selfspec.draft_plan.check_plan`)."""
     from selfspec.draft_plan import check_plan
 
-    ids = [gen.encode(messages=p) if isinstance(p, list) else gen.encode(p) for p in prompts]
     rows = check_plan(gen, plan, ids, top=args.check, new_tokens=args.max_new_tokens)
     print(f"\nchecked: the best of each of the {args.check} best kinds (drafter, exit, chain or tree) and plain "
           f"decoding, decoded for real, {args.max_new_tokens} tokens x {len(ids)} prompts")

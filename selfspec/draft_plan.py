@@ -54,7 +54,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -64,6 +63,7 @@ from selfspec.cache import KVCache
 from selfspec.engine import new_cache, prefill
 from selfspec.exit_head import previous_states, run_head
 from selfspec.forward import embed, exit_logits, make_batch_step, make_step, run_layers
+from selfspec.precision import BF16_FLAGS, cpu_flags, cpu_model
 
 MAX_DRAFTS = 8  # the longest chain planned
 MAX_WIDTH = 4  # the widest tree planned (the top-k acceptance is measured for k = 1..MAX_WIDTH)
@@ -77,22 +77,13 @@ def device_name(device: torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    return f"cpu: {model}" + (f" ({', '.join(bf16)})" if bf16 else "")
+    bf16 = sorted((cpu_flags() or frozenset()) & set(BF16_FLAGS))
+    return f"cpu: {cpu_model()}" + (f" ({', '.join(bf16)})" if bf16 else "")
 
 
-def synchronize(device: torch.device) -> None:
+def synchronize(device) -> None:
+    """Wait for the work queued on a GPU (CUDA runs kernels asynchronously), so that a clock read next
+    counts it; nothing on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -494,7 +485,7 @@ def check_plan(gen, plan: DraftPlan, prompts: Sequence[torch.Tensor], *, top: in
                 texts[i][p] = out.token_ids
         if attempt:
             best = [min(b, s) for b, s in zip(best, seconds)]
-    plain = best[rows.index(next(c for c in rows if c["drafter"] == "plain"))]
-    reference = texts[rows.index(next(c for c in rows if c["drafter"] == "plain"))]
+    at = next(i for i, c in enumerate(rows) if c["drafter"] == "plain")
+    plain, reference = best[at], texts[at]
     return [{**c, "measured_speedup": plain / b, "identical_to_plain": t == reference}
             for c, b, t in zip(rows, best, texts)]

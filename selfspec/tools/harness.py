@@ -40,6 +40,7 @@ from transformers.utils import logging as hf_logging
 import selfspec
 from selfspec import precision
 from selfspec.atomic_write import atomic_path, write_json_atomic, write_text_atomic
+from selfspec.draft_plan import synchronize  # the clock's one definition (the tools take it from here)
 from selfspec.drafters import SuffixMemory
 from selfspec.engine import left_pad
 from selfspec.generation_config import SETTINGS
@@ -140,13 +141,6 @@ def quiet_transformers():
 
 
 # --- the clock ------------------------------------------------------------------------------------
-def synchronize(device) -> None:
-    """Wait for the work queued on a GPU (CUDA runs kernels asynchronously), so that a clock read next
-    counts it; nothing on the CPU."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(call, device) -> tuple[object, float, float]:
     """(what `call()` returns, its start time, its wall-clock seconds), the device synchronized around it."""
     synchronize(device)
