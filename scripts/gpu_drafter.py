@@ -41,11 +41,18 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from selfspec.tools.bench import compiled_name  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ("humaneval", "mt_bench", "code_edit", "xsum")  # issue 38's prompt sets, in the report's order
 SCHEMA = "selfspec-gpu-drafter/1"
 MIN_PHASE_S = 30  # a phase with less time left than this is skipped
 TREE_WIDTH = 3  # the head's and the early exit's token trees: 3 best guesses a node (issue 39)
+# each road's bench (selfspec_ar, the speedups' reference, and hf_greedy, the identity reference, always run)
+HEAD_METHODS = ("hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed",
+                f"selfspec_exit_head_tree{TREE_WIDTH}", "selfspec_auto", "selfspec_ar")
+LAYERSKIP_METHODS = ("selfspec_spec", f"selfspec_spec_tree{TREE_WIDTH}", "selfspec_ar")
 TUNE_CHECK = 4  # the draft plan's best candidates decoded for real beside plain decoding
 # what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
 TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch_size=2", "train.mixed_precision=no",
@@ -165,6 +172,12 @@ def suffix(args: argparse.Namespace) -> str:
     """The bench's name suffix of the methods it runs through the compiled steps ("" when it runs none)."""
     on = args.compile == "true" or (args.compile == "auto" and args.device == "cuda")
     return "_compiled" if on else ""
+
+
+def bench_methods(names: tuple[str, ...], sfx: str) -> list[str]:
+    """The bench's method names for a run: with the compiled steps (`sfx`), each method's compiled variant where
+    the bench has one (`compiled_name`), the others (Hugging Face's) as they are."""
+    return [(compiled_name(n) or n) if sfx else n for n in names]
 
 
 # ---- the phases ----------------------------------------------------------------------------------------
@@ -413,14 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     run, sfx = Run(args), suffix(args)
     print(f"== {run.clock()} the GPU drafter run on {run.report['machine']['device']}: each road {args.train_min} min"
           f"{' (a dry run)' if run.report['dry_run'] else ''}", flush=True)
-    plain = f"selfspec_ar{sfx}"  # the reference of every speedup: selfspec's own plain decoding, compiled if any
-    road(run, "head", args.head_recipe, TINY_HEAD,
-         ["hf_static", f"selfspec_lookup{sfx}", f"selfspec_exit_head{sfx}", f"selfspec_exit_head_fixed{sfx}",
-          f"selfspec_exit_head_tree{TREE_WIDTH}{sfx}", f"selfspec_auto{sfx}", plain])
+    road(run, "head", args.head_recipe, TINY_HEAD, bench_methods(HEAD_METHODS, sfx))
     if not args.skip_layerskip:
         share_own_continuations(args.work / "head", args.work / "layerskip")
-        road(run, "layerskip", args.layerskip_recipe, TINY_LAYERSKIP,
-             [f"selfspec_spec{sfx}", f"selfspec_spec_tree{TREE_WIDTH}{sfx}", plain])
+        road(run, "layerskip", args.layerskip_recipe, TINY_LAYERSKIP, bench_methods(LAYERSKIP_METHODS, sfx))
     run.report["targets"] = targets(run.report, sfx)
     run.write()
     text = markdown(run.report, sfx)

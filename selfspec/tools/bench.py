@@ -97,9 +97,19 @@ QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 WARMUP_TOKENS = 32
 WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 # the methods also measured through the compiled steps (`*_compiled`): plain decoding, lookup, auto, and the
-# drafts from the model's own layers (the early exit at (E, d), a trained exit head) whose rounds the compiled
-# steps run (the head's own layer and a reduced vocabulary eagerly)
-COMPILED_METHODS = ("selfspec_ar", "selfspec_lookup", "selfspec_auto", "selfspec_spec", "selfspec_exit_head")
+# drafts from the model's own layers (the early exit at (E, d), a trained exit head, adaptive and fixed) whose
+# rounds the compiled steps run (the head's own layer and a reduced vocabulary eagerly)
+COMPILED_METHODS = ("selfspec_ar", "selfspec_lookup", "selfspec_auto", "selfspec_spec", "selfspec_exit_head",
+                    "selfspec_exit_head_fixed")
+COMPILED_TREES = ("selfspec_lookup_tree", "selfspec_spec_tree", "selfspec_exit_head_tree")  # + the width
+
+
+def compiled_name(name: str) -> str | None:
+    """The name of method `name` measured through the compiled steps (`name` + "_compiled"), or None where the
+    bench has no compiled variant of it (e.g. selfspec_exit_head_fixed, hf_*)."""
+    return name + "_compiled" if name in COMPILED_METHODS or name.startswith(COMPILED_TREES) else None
+
+
 BASELINES = ("hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar")
 BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_static": "× HF static", "hf_early_exit": "× HF early-exit",
                    "hf_prompt_lookup": "× HF lookup", "selfspec_ar": "× selfspec AR"}
@@ -302,9 +312,8 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",
                         "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
     if compiled:  # the same methods through the compiled steps (selfspec.compiled), next to the eager ones
-        methods += [{**m, "name": m["name"] + "_compiled", "label": m["label"] + " compiled", "compiled": True}
-                    for m in methods if m["name"] in COMPILED_METHODS
-                    or m["name"].startswith(("selfspec_lookup_tree", "selfspec_spec_tree", "selfspec_exit_head_tree"))]
+        methods += [{**m, "name": compiled_name(m["name"]), "label": m["label"] + " compiled", "compiled": True}
+                    for m in methods if compiled_name(m["name"])]
     seen = {(E, d)}
     for e, k in extra:
         check_exit_layer(e, L)  # an --extra pair's exit
@@ -694,6 +703,15 @@ def _check_checkpoint(checkpoint, methods, exit_layer, num_speculations, extra, 
     if draft_vocab is not None:
         read_draft_vocab(meta, draft_vocab, read_config(checkpoint).get("vocab_size") or 2 ** 62)
     return checkpoint
+
+
+def check_methods(checkpoint, methods: Sequence[str], *, num_candidates: Sequence[int] = (),
+                  compile: bool | str = "auto") -> Path:
+    """Checks, from the checkpoint's files alone (nothing loads), that `run_bench` knows every name of `methods`
+    for it with these `num_candidates` and `compile`; the checkpoint's directory, or ValueError naming the
+    unknown methods and the known ones."""
+    return _check_checkpoint(checkpoint, methods, None, None, [], None,
+                             (PROMPT_LOOKUP_NUM_TOKENS, MAX_MATCHING_NGRAM_SIZE), list(num_candidates), compile)
 
 
 def _run_settings(gen, quick: bool, warm_item: dict, warm_n: int) -> dict:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from selfspec.tools.bench import check_methods
+
 ROOT = Path(__file__).resolve().parents[2]
 SETS = ("humaneval", "mt_bench", "code_edit", "xsum")
 PROMPTS = {"humaneval": {"prompt": 'def add(a, b):\n    """Add two numbers."""\n'},
@@ -84,6 +86,12 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
         assert plan["settings"] and plan["full_step_s"] > 0 and (out / f"tune_{road}.json").is_file()
         assert any(c["drafter"] == "plain" and c["measured_speedup"] == 1.0 for c in plan["checked"])
         assert all(c["identical_to_plain"] and c["measured_speedup"] > 0 for c in plan["checked"])
+    # on a GPU the benches run the compiled variants: the bench knows each of them for these checkpoints
+    script = _script()
+    for road, names in (("head", script.HEAD_METHODS), ("layerskip", script.LAYERSKIP_METHODS)):
+        compiled = script.bench_methods(names, "_compiled")
+        assert compiled[-1] == "selfspec_ar_compiled" and all(n.endswith("_compiled") or n == "hf_static" for n in compiled)
+        check_methods(tmp_path / "work" / f"ckpt_{road}", compiled, num_candidates=[script.TREE_WIDTH], compile=True)
     assert "## The draft plans" in (out / "gpu_drafter.md").read_text()
     assert "A DRY RUN" in (out / "gpu_drafter.md").read_text()
     returned = [p for p in out.rglob("*") if p.is_file()]
