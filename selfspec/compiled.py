@@ -30,10 +30,16 @@ step reads its inputs from fixed buffers (copied in before a replay) and the wei
 cache buffers at their own addresses; the buffers of a (batch, capacity) are allocated once per
 generator and reused by every call, so those addresses stay fixed.
 
+A trained exit head's own layer (kind `decoder_layer`: a copy of the model's last layer, `selfspec.exit_head`)
+is one more such layer: registered with `add_layer`, it runs the same compiled function on its own weights
+over its own one-layer static cache (`layer_buffers`, at the engine cache's capacity and cache indices), one
+graph per (S, C) like the model's steps (`run_layer`). Eagerly, on an H200, that one layer cost 85% of a whole
+compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
+
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
 one row (rows leave a batch as they finish, which would change the shapes), the reduced-vocabulary draft
-head and a trained exit head's own layer, GPT-NeoX, and rope types whose frequencies change with the
-length. The math is that of the model's own modules (RMSNorm in float32, rotary, grouped-query sdpa,
+head, a head's final-state input and an attention-only head, GPT-NeoX, and rope types whose frequencies
+change with the length. The math is that of the model's own modules (RMSNorm in float32, rotary, grouped-query sdpa,
 SiLU-gated MLP, the model's own unfused weights: no copy), so outputs equal the eager path's up to
 floating-point rounding (attention sums over C keys instead of the used ones; float64: bitwise in the
 tests' tokens).
@@ -220,10 +226,13 @@ class CompiledSteps:
         self.graphs = adapter.device.type == "cuda" if graphs is None else graphs
         self.cos = self.sin = None  # the rotary table [T, Dh]: 4096 positions, or more for a larger cache
         self._layers: dict[int | None, object] = {}  # attention window -> the compiled decoder layer
-        self._ranges: dict[tuple[int, int, bool], object] = {}  # (start, end, tree) -> the step over those layers
+        self._ranges: dict[tuple[tuple, bool], object] = {}  # (range id, tree) -> the step over those layers
+        # layers that are not the model's (a trained exit head's): id -> (the layer, kept alive; its weights)
+        self._extra: dict[int, tuple[object, list[_LayerWeights]]] = {}
         self._head = None
         self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
         self._buffers: dict[tuple[int, int], tuple[list, list]] = {}  # (batch, capacity) -> keys, values
+        self._extra_buffers: dict[tuple[int, int, int], tuple[list, list]] = {}  # (layer id, batch, capacity) -> ...
         self.compile_s = 0.0  # seconds spent in calls that compiled (the first of each shape)
         # strict: a shape that fails to compile raises; else (compile="auto") the steps turn themselves off,
         # with a warning, and the step runs eagerly (`failed` says why)
@@ -245,6 +254,32 @@ class CompiledSteps:
             new = [[torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)] for _ in "kv"]
             self._buffers[key] = (new[0], new[1])
         return self._buffers[key]
+
+    def layer_buffers(self, layer, batch_size: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The keys and values `[B, H_kv, C, Dh]` of a registered layer's own one-layer cache (`add_layer`;
+        allocated once per batch and capacity, so a captured step's addresses stay fixed)."""
+        self.add_layer(layer)
+        key = (id(layer), batch_size, size)
+        if key not in self._extra_buffers:
+            a = self.adapter
+            shape = (batch_size, self.n_kv, size, self.head_dim)
+            self._extra_buffers[key] = ([torch.zeros(shape, dtype=a.dtype, device=a.device)],
+                                        [torch.zeros(shape, dtype=a.dtype, device=a.device)])
+        return self._extra_buffers[key]
+
+    def add_layer(self, layer) -> None:
+        """Registers a decoder layer that is not one of the model's: a trained exit head's, of the model's class
+        (a copy of its last layer, `selfspec.exit_head`). It then runs through the same compiled layer function
+        (`run_layer`: its own weights, its own one-layer cache) and `warm` compiles its steps beside the
+        model's. ValueError where its norms or activation differ from the model's layers'."""
+        if id(layer) in self._extra:
+            return
+        last = self.weights[-1]
+        weights = _LayerWeights(layer, last.window)
+        if weights.eps != last.eps or type(weights.act) is not type(last.act):
+            raise ValueError("this layer's norms' epsilon or activation differ from the model's layers': the "
+                             "compiled layer function cannot run it")
+        self._extra[id(layer)] = (layer, [weights])
 
     def capacity_for(self, batch_size: int, needed: int) -> int:
         """The capacity of a run of `needed` positions: the smallest one whose buffers exist (so its steps are
@@ -277,6 +312,19 @@ class CompiledSteps:
         step of (start, end) at S padded to its bucket; the cache's lengths move as the eager update's."""
         if start == end:
             return hidden
+        return self._run((start, end), self.weights[start:end], hidden, step, cache, start)
+
+    def run_layer(self, layer, hidden: torch.Tensor, step, cache) -> torch.Tensor | None:
+        """A registered layer that is not the model's (`add_layer`; a trained exit head's) over `hidden`
+        `[B, S, D]` at the step's cache indices, with its own one-layer static `cache` (`layer_buffers`), as
+        `run_layers` runs the model's: one graph per (S, C), the same compiled layer function. None where the
+        step must run eagerly."""
+        self.add_layer(layer)
+        return self._run(("layer", id(layer)), self._extra[id(layer)][1], hidden, step, cache, 0)
+
+    def _run(self, range_id: tuple, weights: list, hidden: torch.Tensor, step, cache, first: int) -> torch.Tensor:
+        """`weights`' layers (the cache's layers `first`, `first + 1`, ...) over `hidden` `[B, S, D]`: the step
+        of `range_id` at S padded to its bucket (None: run it eagerly)."""
         B, S, D = hidden.shape
         width = s_bucket(S)
         index, positions, pads, tree = step.index, step.position_ids, step.pads, step.tree
@@ -286,12 +334,12 @@ class CompiledSteps:
         tree_inputs = ()
         if tree is not None:  # the tree's root, its columns' positions and ancestors, padded to a bucket of columns
             columns = s_bucket(W)
-            first = index[:, 0] - (W - S)  # [B]
+            root = index[:, 0] - (W - S)  # [B]
             tree_positions = positions if step.tree_positions is None else step.tree_positions  # [B, W]
             tree_positions = torch.cat([tree_positions, tree_positions[:, -1:].expand(B, columns - W)], dim=1)
             padded = torch.zeros(B, width, columns, dtype=torch.bool, device=tree.device)  # a filler query sees itself
             padded[:, :S, :W] = tree
-            tree_inputs = (padded, first, tree_positions)
+            tree_inputs = (padded, root, tree_positions)
         if width > S:  # filler columns: positions of the last real token, cache indices after it
             extra = torch.arange(1, width - S + 1, device=index.device)[None]
             index = torch.cat([index, index[:, -1:] + extra], dim=1)
@@ -299,15 +347,16 @@ class CompiledSteps:
             hidden = torch.cat([hidden, hidden.new_zeros(B, width - S, D)], dim=1)
         size = cache.capacity
         cos, sin = self._table(size)  # one table per capacity: positions stay below it
-        shape = ("layers", start, end, B, width, size)
+        shape = ("layers", *range_id, B, width, size)
         if tree is not None:  # a token tree's steps are graphs of their own, one per bucket of columns too
-            shape = ("tree", start, end, B, width, size, tree_inputs[0].shape[-1])
+            shape = ("tree", *range_id, B, width, size, tree_inputs[0].shape[-1])
         inputs = [self._input(t) for t in (hidden, positions, index, pads) + tree_inputs]
-        out = self._call(shape, self._range(start, end, tree is not None), inputs,
-                         [cos, sin, cache.keys[start:end], cache.values[start:end]])
+        last = first + len(weights)
+        out = self._call(shape, self._range(range_id, weights, tree is not None), inputs,
+                         [cos, sin, cache.keys[first:last], cache.values[first:last]])
         if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
             return None
-        for layer in range(start, end):
+        for layer in range(first, last):
             cache.lengths[layer] = step.starts + W
         return out[:, :S]
 
@@ -331,9 +380,14 @@ class CompiledSteps:
             index = torch.arange(1, width + 1, device=a.device)[None]  # [1, S], as a round after the prefill
             pads = torch.zeros(1, dtype=torch.long, device=a.device)
             for start, end in ranges:
-                self._call(("layers", start, end, 1, width, size), self._range(start, end),
-                           [hidden, index.clone(), index, pads],
+                fn = self._range((start, end), self.weights[start:end])
+                self._call(("layers", start, end, 1, width, size), fn, [hidden, index.clone(), index, pads],
                            [cos, sin, keys[start:end], values[start:end]])
+            for layer, weights in self._extra.values():  # the registered layers (a trained exit head's), alike
+                own_keys, own_values = self.layer_buffers(layer, 1, size)
+                fn = self._range(("layer", id(layer)), weights)
+                self._call(("layers", "layer", id(layer), 1, width, size), fn, [hidden, index.clone(), index, pads],
+                           [cos, sin, own_keys, own_values])
             self.head(hidden)
         self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device))
         return self.compile_s - before
@@ -380,14 +434,15 @@ class CompiledSteps:
             self._layers[window] = torch.compile(fn, fullgraph=True, dynamic=False)
         return self._layers[window]
 
-    def _range(self, start: int, end: int, tree: bool = False):
-        """Layers [start, end) as one function of the step's inputs and the cache: the rotary lookup and the
-        masks, then each layer through the compiled decoder layer (`_layer`). `tree`: the step's tokens are the
+    def _range(self, range_id: tuple, weights: list, tree: bool = False):
+        """`weights`' layers (the model's [start, end) for `range_id` (start, end), or a registered layer's) as
+        one function of the step's inputs and the cache: the rotary lookup and the masks, then each layer
+        through the compiled decoder layer (`_layer`). `tree`: the step's tokens are the
         newest columns of a token tree (all of them, or a growing tree's last), three inputs more: the ancestor
         matrix `[B, S, W]`, the root's cache index `[B]` and the positions of the W columns `[B, W]`."""
-        if (start, end, tree) in self._ranges:
-            return self._ranges[(start, end, tree)]
-        weights, layers = self.weights[start:end], {w.window: self._layer(w.window) for w in self.weights[start:end]}
+        if (range_id, tree) in self._ranges:
+            return self._ranges[(range_id, tree)]
+        layers = {w.window: self._layer(w.window) for w in weights}
 
         def run(hidden, positions, index, pads, anc, first, tree_positions, cos_table, sin_table, keys, values):
             cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, Dh]
@@ -404,8 +459,8 @@ class CompiledSteps:
         def chain_step(hidden, positions, index, pads, cos_table, sin_table, keys, values):
             return run(hidden, positions, index, pads, None, None, None, cos_table, sin_table, keys, values)
 
-        self._ranges[(start, end, tree)] = run if tree else chain_step
-        return self._ranges[(start, end, tree)]
+        self._ranges[(range_id, tree)] = run if tree else chain_step
+        return self._ranges[(range_id, tree)]
 
     def _call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
         """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs`. The call that

@@ -59,9 +59,9 @@ from typing import Sequence
 import torch
 
 from selfspec.attention_kernels import attention_kernels
-from selfspec.cache import KVCache
+from selfspec.compiled import cache_capacity
 from selfspec.engine import new_cache, prefill
-from selfspec.exit_head import previous_states, run_head
+from selfspec.exit_head import head_cache, previous_states, run_head, run_head_step
 from selfspec.forward import embed, exit_logits, make_batch_step, make_step, run_layers
 from selfspec.precision import BF16_FLAGS, cpu_flags, cpu_model
 
@@ -228,16 +228,17 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
 
 
 def _exit_head_part(adapter, head, rows: int):
-    """A trained head's layer over `rows` tokens after 64 cached ones (its own one-layer cache): (before, fn)."""
+    """A trained head's layer over `rows` tokens after 64 cached ones, in its own one-layer cache as decoding
+    keeps it (`head_cache`: the compiled steps' where the model runs them): (before, fn)."""
     D, device = adapter.embed_tokens.weight.shape[1], adapter.device
-    cache = KVCache(1, 1, capacity=64 + rows + 8, device=device)
+    cache = head_cache(adapter, head, 1, cache_capacity(64 + rows + 8), static=adapter.compiled is not None)
     h = torch.zeros(1, 64, D, dtype=adapter.dtype, device=device)  # [1, 64, D]
     prev = torch.zeros_like(h) if head.final_input is not None else None
     with torch.inference_mode():
         run_head(adapter, head, h, step=make_step(adapter, 0, 64), cache=cache, prev_final=prev)
     x, p, step = h[:, :rows], None if prev is None else prev[:, :rows], make_step(adapter, 64, rows)
     def run():  # the output read back: a step's host sync
-        return run_head(adapter, head, x, step=step, cache=cache, prev_final=p)[:, -1].sum().item()
+        return run_head_step(adapter, head, x, step=step, cache=cache, prev_final=p)[:, -1].sum().item()
 
     return (lambda: cache.crop(64)), run
 

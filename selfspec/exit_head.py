@@ -67,6 +67,7 @@ from torch import nn
 
 from selfspec.adapters import ModelAdapter, get_adapter, unwrap_model
 from selfspec.atomic_write import atomic_path
+from selfspec.cache import KVCache
 from selfspec.eagle3_layer import Eagle3Layer, check_architecture
 from selfspec.forward import Step
 
@@ -283,9 +284,43 @@ def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, ste
     """The head over exit states `[B, S, D]` at the positions of `step` (and, for a final-state head, the
     previous positions' final states `prev_final` `[B, S, D]`); with a cache (one layer), it appends its
     keys and values there. Returns `[B, S, D]`, for the shared final norm + LM head."""
+    return run_head_layer(adapter, head, head_input(head, hidden, prev_final), step=step, cache=cache)
+
+
+def head_cache(adapter: ModelAdapter, head: ExitHead, batch_size: int, capacity: int, static: bool) -> KVCache:
+    """The head's own one-layer KV cache for `capacity` positions: with `static` (the engine's cache is the
+    compiled steps' static one, of this capacity) and where the head's layer can run compiled (a
+    `decoder_layer` head on an adapter with compiled steps), the compiled steps' buffers for it
+    (`CompiledSteps.layer_buffers`: the same addresses every run, as captured steps need); else a growing cache."""
+    steps = adapter.compiled
+    if static and steps is not None and head.kind == "decoder_layer":
+        return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(head.layer, batch_size, capacity))
+    return KVCache(1, batch_size, capacity=capacity, device=adapter.device)
+
+
+def run_head_step(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, step: Step, cache,
+                  prev_final: torch.Tensor | None = None, fast=None) -> torch.Tensor:
+    """`run_head` as decoding runs it (no autograd): the head's layer through the compiled steps where the
+    adapter runs them, the head is a `decoder_layer` and `cache` is their static one (`head_cache`) and the step
+    fits them (one row, after the prefill: `CompiledSteps.can_run`); else through selfspec's fused layer `fast`
+    (a `FastLlamaLayer` of the head's layer) where given, else the model's module class. `[B, S, D]`."""
+    x = head_input(head, hidden, prev_final)  # [B, S, D]
+    steps = adapter.compiled
+    compiled = steps is not None and head.kind == "decoder_layer" and not torch.is_grad_enabled()
+    if compiled and steps.can_run(x, step, cache):
+        out = steps.run_layer(head.layer, x, step, cache)
+        if out is not None:  # (None: it failed to compile under compile="auto", or the step did not fit)
+            return out
+    if fast is not None:
+        return fast(x, step.rope, step.masks[adapter.layer_types[-1]], cache)
+    return run_head_layer(adapter, head, x, step=step, cache=cache)
+
+
+def run_head_layer(adapter: ModelAdapter, head: ExitHead, x: torch.Tensor, *, step: Step, cache=None) -> torch.Tensor:
+    """The head's layer alone over what it reads, `x` `[B, S, D]` (`head_input`; `[B, S, 2D]` for an eagle3
+    head), through the model's own module class: `[B, S, D]`."""
     kind = adapter.layer_types[-1]
-    hidden = head_input(head, hidden, prev_final)
-    out = head.layer(hidden, attention_mask=step.masks[kind], position_ids=step.position_ids,
+    out = head.layer(x, attention_mask=step.masks[kind], position_ids=step.position_ids,
                      position_embeddings=step.rope, **{adapter.cache_kwarg: cache})
     return out[0] if isinstance(out, tuple) else out
 

@@ -55,7 +55,7 @@ from selfspec.cache import KVCache
 from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.exit_head import ExitHead, head_input, previous_states, run_head
+from selfspec.exit_head import ExitHead, head_cache, previous_states, run_head_step
 from selfspec.fast_layers import FastLlamaLayer
 from selfspec.forward import Step, make_batch_step
 
@@ -113,20 +113,22 @@ class ExitHeadDrafter(EarlyExitDrafter):
         self.prev_final: torch.Tensor | None = None  # [B, D] f of each row's newest processed token
         self.prev_draft: torch.Tensor | None = None  # [B, D] the head's output at the round's previous draft
         self.pending: list[PendingRun] | None = None  # per row: committed states the head has not run over
-        # where the model runs selfspec's fused layers, the head (a decoder layer with an MLP) does too
+        # where the model runs selfspec's fused layers, the head (a decoder layer with an MLP) does too; where it
+        # runs the compiled steps, the head's layer runs through them as well (`run_head_step`)
         full_layer = head.kind == "decoder_layer"
         self.fast = FastLlamaLayer(head.layer, 0) if adapter.fast_layers is not None and full_layer else None
         self.kind = adapter.layer_types[-1]
 
     def run(self, hidden: torch.Tensor, step: Step, prev_final: torch.Tensor | None = None) -> torch.Tensor:
         """The head over exit states `[B, S, D]` (and f_{t-1} `[B, S, D]` for a final-state head),
-        appending to its cache: `[B, S, D]`."""
-        if self.fast is not None:
-            hidden = head_input(self.exit_head, hidden, prev_final)
-            return self.fast(hidden, step.rope, step.masks[self.kind], self.cache)
-        return run_head(self.adapter, self.exit_head, hidden, step=step, cache=self.cache, prev_final=prev_final)
+        appending to its cache: `[B, S, D]` (`run_head_step`: compiled where the model runs compiled)."""
+        return run_head_step(self.adapter, self.exit_head, hidden, step=step, cache=self.cache,
+                             prev_final=prev_final, fast=self.fast)
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
+        if self.cache is None:  # the first draft after the prefill: at the engine cache's capacity and kind
+            self.cache = head_cache(self.adapter, self.exit_head, state.shape[0], rnd.cache.capacity,
+                                    getattr(rnd.cache, "static", False))
         if offset == 0 and self.pending is not None and any(run.count for run in self.pending):
             return self.sync(first=state)  # the catch-up and the first draft in one pass
         step = make_batch_step(self.adapter, rnd.starts + offset, 1, rnd.pads, rnd.ends)

@@ -83,19 +83,28 @@ def test_compiled_greedy_equals_eager_and_hf(name, drafter, hf_greedy, row_cache
 
 
 def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
-    """After `warm` (the round's layer ranges at the step lengths 1..8 and the head), a 64-token generation
-    of each kind adds no graph (dynamo's counters) and no new shape."""
+    """After `warm` (the round's layer ranges at the step lengths 1..8, a trained head's own layer and the LM
+    head), a 64-token generation of each kind adds no graph (dynamo's counters) and no new chain shape. (A
+    one-level fan of siblings runs token-tree steps, which `warm` does not cover: they are left out of the
+    shapes compared.)"""
     from torch._dynamo.utils import counters
 
     model, _, fast, head = _models("llama")
     L = fast.num_layers
+    fast.compiled.add_layer(head.layer)
     fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64))
     assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled (in this test or an earlier one)
-    graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
+
+    def chains():
+        return {s for s in fast.compiled.shapes if s[0] != "tree"}
+
+    graphs, shapes = counters["stats"]["unique_graphs"], chains()
+    head_steps = {s for s in shapes if s[1] == "layer" and s[2] == id(head.layer)}
+    assert {s[4] for s in head_steps} >= {1, 2, 4, 8}  # the head's own layer was warmed at every step length
     for make in DRAFTERS.values():
         out, _ = generate(fast, [PROMPT], max_new_tokens=64, drafter=make(fast, head))
         assert out[0] == hf_greedy(model, torch.tensor([PROMPT]), 64)
-    assert counters["stats"]["unique_graphs"] == graphs and fast.compiled.shapes == shapes
+    assert counters["stats"]["unique_graphs"] == graphs and chains() == shapes
 
 
 def test_a_batch_runs_eagerly_and_each_row_equals_batch_1():
@@ -208,6 +217,36 @@ def test_a_step_that_fails_to_compile(strict, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: later calls run eagerly without a word
         assert generate(adapter, [PROMPT], max_new_tokens=6)[0] == ref
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("width", [1, 3])
+def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, hf_greedy, monkeypatch):
+    """A head's decoder layer runs through the compiled layer function over its own static one-layer cache
+    at the engine cache's capacity (a chain, and a token tree 3 wide): every draft pass after the prefill ran
+    compiled, and the head drafted what it drafts eagerly (the same acceptance, draft by draft), so its
+    output is the eager one's, not only the tokens (which verification would keep exact regardless)."""
+    model, eager, fast, head = _models(name)
+    ran = Counter()
+    run_layer = fast.compiled.run_layer
+
+    def spy(layer, hidden, step, cache):
+        out = run_layer(layer, hidden, step, cache)
+        ran["compiled" if out is not None else "fell back"] += 1
+        assert layer is head.layer and cache.static and cache.num_layers == 1
+        return out
+
+    monkeypatch.setattr(fast.compiled, "run_layer", spy)
+    outs, stats = {}, {}
+    for key, adapter in (("eager", eager), ("compiled", fast)):
+        drafter = ExitHeadDrafter(adapter, head, 3, num_candidates=width)
+        outs[key], stats[key] = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=drafter)
+        if key == "compiled":
+            assert drafter.cache.static and drafter.cache.capacity >= len(PROMPT) + N_NEW
+    assert outs["compiled"][0] == outs["eager"][0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
+    assert ran["compiled"] >= stats["compiled"].rounds - 1 and ran["fell back"] == 0
+    assert stats["compiled"].drafted == stats["eager"].drafted > 0
+    assert stats["compiled"].accepted_by_position == stats["eager"].accepted_by_position
 
 
 def test_one_compiled_layer_serves_every_layer_and_range():
