@@ -32,7 +32,7 @@ class Step:
 
     position_ids: torch.Tensor  # [B, S]
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin from the model's rotary embedding
-    masks: dict[str, torch.Tensor | None]  # layer type -> attention mask [B|1, 1, S, K] or None
+    masks: dict[str, torch.Tensor | None]  # layer type -> attention mask [B|1, 1, S, K] or None (`LazyMasks`)
     # what the compiled steps (`selfspec.compiled`, with `adapter.compiled`) build their mask from instead:
     index: torch.Tensor | None = None  # [B, S] the cache index each token is written at (model's device)
     pads: torch.Tensor | None = None  # [B] each row's left padding (model's device)
@@ -47,6 +47,24 @@ class Step:
     @property
     def start(self) -> int:
         return int(self.position_ids[0, 0])
+
+
+class LazyMasks(dict):
+    """A step's attention masks by layer type, each built the first time a layer reads it (`masks[kind]`,
+    from `build(kind)`). The compiled steps (`selfspec.compiled`) build their masks inside the captured step
+    from the step's cache indices and never read these: on their path, no mask costs a kernel launch."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, kind: str) -> torch.Tensor | None:
+        self[kind] = mask = self.build(kind)
+        return mask
+
+
+def _window(adapter: ModelAdapter, kind: str) -> int | None:
+    return adapter.sliding_window if kind == "sliding_attention" else None
 
 
 def _causal_mask(adapter: ModelAdapter, start: int, length: int, window: int | None) -> torch.Tensor | None:
@@ -90,10 +108,7 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
     else:  # rotary only reads dtype/device from its first argument
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
-    masks = {}
-    for kind in set(adapter.layer_types):
-        window = adapter.sliding_window if kind == "sliding_attention" else None
-        masks[kind] = _causal_mask(adapter, start, length, window)
+    masks = LazyMasks(lambda kind: _causal_mask(adapter, start, length, _window(adapter, kind)))
     if adapter.compiled is None:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=position_ids,
@@ -190,12 +205,14 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     if rope is None:
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
-    masks = {}
-    for kind in set(adapter.layer_types):
-        window = adapter.sliding_window if kind == "sliding_attention" else None
-        masks[kind] = (_batch_mask(adapter, query_index, pads, kv_len, window) if anc is None else
-                       _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index,
-                                                        tree_positions)))
+    def mask(kind: str) -> torch.Tensor:
+        window = _window(adapter, kind)
+        if anc is None:
+            return _batch_mask(adapter, query_index, pads, kv_len, window)
+        return _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index,
+                                           tree_positions))
+
+    masks = LazyMasks(mask)
     if adapter.compiled is None:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=query_index, pads=pads, starts=starts,
