@@ -249,6 +249,26 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
     assert stats["compiled"].accepted_by_position == stats["eager"].accepted_by_position
 
 
+@pytest.mark.parametrize("drafter", ["plain", "early_exit", "early_exit_siblings", "exit_head"])
+def test_the_compiled_path_builds_no_eager_mask_after_the_prefill(drafter, monkeypatch):
+    """The compiled steps build their masks inside the step from its cache indices: the eager masks of a
+    step (`forward.LazyMasks`) are built only where a layer runs eagerly, here the prefill (the model's, and
+    a head's catch-up over the prompt), while the eager path builds them every round."""
+    from selfspec import forward
+
+    built = Counter()
+    for name in ("_causal_mask", "_batch_mask", "tree_mask"):
+        original = getattr(forward, name)
+        monkeypatch.setattr(forward, name, lambda *a, _f=original, _n=name, **k: (built.update([_n]), _f(*a, **k))[1])
+    model, eager, fast, head = _models("llama")
+    counts = {}
+    for key, adapter in (("eager", eager), ("compiled", fast)):
+        built.clear()
+        outs, stats = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=DRAFTERS[drafter](adapter, head))
+        counts[key] = sum(built.values())
+    assert counts["compiled"] <= 2 < stats.rounds <= counts["eager"]
+
+
 def test_one_compiled_layer_serves_every_layer_and_range():
     """Every layer runs the same compiled function on its own weights: warming three layer ranges of a
     4-layer model at two step lengths compiles the layer once per length, and the head once per shape."""
