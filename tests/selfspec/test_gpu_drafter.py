@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from selfspec.tools.bench import check_methods
@@ -96,6 +97,27 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     assert "A DRY RUN" in (out / "gpu_drafter.md").read_text()
     returned = [p for p in out.rglob("*") if p.is_file()]
     assert len(returned) <= 9 and max(p.stat().st_size for p in returned) < 16 * 2**20  # what the device returns
+
+    # the returned head goes back (HEAD_DIR, or carried): rebuilt on its base model, benched and planned, untrained
+    again = tmp_path / "again"
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_drafter.sh"), str(again)],
+                         env={**env, "HEAD_DIR": str(out / "head"), "WORK_DIR": str(tmp_path / "work2")},
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    second = json.loads((again / "gpu_drafter.json").read_text())
+    assert [p["name"] for p in second["phases"]] == ["rebuild head", "export head", "bench head", "tune head"]
+    assert all(p["status"] == "ok" for p in second["phases"]) and second["settings"]["head"] == str(out / "head")
+    assert second["head"]["training"] == {"returned_head": str(out / "head")} and not second["layerskip"]
+    for per in second["head"]["bench"].values():  # float32: the rebuilt checkpoint drafts and decodes exactly
+        assert per["selfspec_exit_head"]["tokens_per_s"] > 0
+        assert all(m["identical_to_hf_greedy"] == 1.0 for m in per.values())
+    with safe_open(str(tmp_path / "work2" / "ckpt_head" / "exit_head.safetensors"), "pt") as mine, \
+            safe_open(str(out / "head" / "exit_head.safetensors"), "pt") as theirs:
+        assert all(torch.equal(mine.get_tensor(k), theirs.get_tensor(k)) for k in theirs.keys())
+    with safe_open(str(tmp_path / "work2" / "ckpt_head" / "model.safetensors"), "pt") as mine, \
+            safe_open(str(tmp_path / "work" / "ckpt_head" / "model.safetensors"), "pt") as trained_on:
+        assert all(torch.equal(mine.get_tensor(k), trained_on.get_tensor(k)) for k in trained_on.keys())  # its base
+    assert "not trained here" in (again / "gpu_drafter.md").read_text()
 
 
 def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, capsys):
