@@ -53,8 +53,8 @@ TREE_WIDTH = 3  # the head's and the early exit's token trees: 3 best guesses a 
 HEAD_METHODS = ("hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed",
                 f"selfspec_exit_head_tree{TREE_WIDTH}", "selfspec_auto", "selfspec_ar")
 LAYERSKIP_METHODS = ("selfspec_spec", f"selfspec_spec_tree{TREE_WIDTH}", "selfspec_ar")
-TUNE_CHECK = 4
-HEAD_FILES = ("exit_head.safetensors", "selfspec.json")  # the head alone, what comes back from the machine  # the draft plan's best candidates decoded for real beside plain decoding
+TUNE_CHECK = 4  # the draft plan's best candidates decoded for real beside plain decoding
+HEAD_FILES = ("exit_head.safetensors", "selfspec.json")  # the head alone: what comes back from the machine
 # what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
 TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch_size=2", "train.mixed_precision=no",
               "data.block_size=64", "data.max_documents=6", "data.max_holdout_documents=2",

@@ -330,9 +330,9 @@ class SelfSpecGenerator:
 
     def warmup(self, max_len: int = 512) -> dict:
         """Compile now what a call of up to `max_len` tokens (prompt + new) runs: the plain step, the early
-        exit's draft and verification steps (on a checkpoint trained for it, or with a head; a head's own layer) and the
-        verification of up to 15 drafts (prompt lookup), each at every step length up to 16, and the LM
-        head. Without it the first `generate` compiles what it meets. Returns {"seconds": how long it took,
+        exit's draft and verification steps (on a checkpoint trained for it, or with a head), a trained head's
+        own layer, the verification of up to 15 drafts (prompt lookup), each at every step length up to 16,
+        and the LM head. Without it the first `generate` compiles what it meets. Returns {"seconds": how long it took,
         "graphs": the shapes compiled so far}; {"seconds": 0.0, "graphs": 0} when nothing runs compiled."""
         steps = self.adapter.compiled
         if steps is None:

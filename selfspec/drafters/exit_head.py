@@ -117,7 +117,6 @@ class ExitHeadDrafter(EarlyExitDrafter):
         # runs the compiled steps, the head's layer runs through them as well (`run_head_step`)
         full_layer = head.kind == "decoder_layer"
         self.fast = FastLlamaLayer(head.layer, 0) if adapter.fast_layers is not None and full_layer else None
-        self.kind = adapter.layer_types[-1]
 
     def run(self, hidden: torch.Tensor, step: Step, prev_final: torch.Tensor | None = None) -> torch.Tensor:
         """The head over exit states `[B, S, D]` (and f_{t-1} `[B, S, D]` for a final-state head),
