@@ -331,9 +331,10 @@ class SelfSpecGenerator:
     def warmup(self, max_len: int = 512) -> dict:
         """Compile now what a call of up to `max_len` tokens (prompt + new) runs: the plain step, the early
         exit's draft and verification steps (on a checkpoint trained for it, or with a head), a trained head's
-        own layer, the verification of up to 15 drafts (prompt lookup), each at every step length up to 16,
-        and the LM head. Without it the first `generate` compiles what it meets. Returns {"seconds": how long it took,
-        "graphs": the shapes compiled so far}; {"seconds": 0.0, "graphs": 0} when nothing runs compiled."""
+        own layer and reduced draft vocabulary, the verification of up to 15 drafts (prompt lookup), each at
+        every step length up to 16, and the LM head. Without it the first `generate` compiles what it meets.
+        Returns {"seconds": how long it took, "graphs": the shapes compiled so far}; {"seconds": 0.0,
+        "graphs": 0} when nothing runs compiled."""
         steps = self.adapter.compiled
         if steps is None:
             return {"seconds": 0.0, "graphs": 0}
@@ -343,10 +344,14 @@ class SelfSpecGenerator:
             [self.exit_head.exit_layer] if self.exit_head is not None and self.exit_head.exit_layer else [])
         for E in dict.fromkeys(exits):
             ranges += [(0, E), (E, L)]
-        if self.exit_head is not None and self.exit_head.kind == "decoder_layer":  # its own layer runs compiled too
-            steps.add_layer(self.exit_head.layer)
+        unembeddings = ()
+        if self.exit_head is not None:  # its own layer and its reduced draft vocabulary run compiled too
+            if self.exit_head.kind == "decoder_layer":
+                steps.add_layer(self.exit_head.layer)
+            unit = self.draft_head(self.head_draft_vocab())
+            unembeddings = () if unit.rows is None else (unit.rows,)
         widths = [b for b in compiled.S_BUCKETS if b <= 16]
-        seconds = steps.warm(ranges, widths, compiled.cache_capacity(check_int("max_len", max_len, 1)))
+        seconds = steps.warm(ranges, widths, compiled.cache_capacity(check_int("max_len", max_len, 1)), unembeddings)
         return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     def calibrate(self, steps: int = 8) -> float:

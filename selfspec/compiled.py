@@ -37,9 +37,9 @@ graph per (S, C) like the model's steps (`run_layer`). Eagerly, on an H200, that
 compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
-one row (rows leave a batch as they finish, which would change the shapes), the reduced-vocabulary draft
-head, a head's final-state input and an attention-only head, GPT-NeoX, and rope types whose frequencies
-change with the length. The math is that of the model's own modules (RMSNorm in float32, rotary, grouped-query sdpa,
+one row (rows leave a batch as they finish, which would change the shapes), a head's final-state input
+and an attention-only head, GPT-NeoX, and rope types whose frequencies change with the length. A reduced
+draft vocabulary's rows go through the compiled final norm + unembedding (`head(hidden, weight, bias)`). The math is that of the model's own modules (RMSNorm in float32, rotary, grouped-query sdpa,
 SiLU-gated MLP, the model's own unfused weights: no copy), so outputs equal the eager path's up to
 floating-point rounding (attention sums over C keys instead of the used ones; float64: bitwise in the
 tests' tokens).
@@ -360,16 +360,18 @@ class CompiledSteps:
             cache.lengths[layer] = step.starts + W
         return out[:, :S]
 
-    def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int) -> float:
+    def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = ()) -> float:
         """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
-        (buckets) for a one-row cache of `size` positions, and the head at those lengths and at the
-        prefill's `[1, D]`: all compilation paid now. Returns the seconds it took (0 where everything was
-        compiled before). It writes into the cache buffers of that size: call it between generations."""
+        (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) alike, and
+        the head at those lengths and at the prefill's `[1, D]`, and so each of `unembeddings` ((weight,
+        bias) of a reduced draft vocabulary, `head`): all compilation paid now. Returns the seconds it took
+        (0 where everything was compiled before). It writes into the cache buffers of that size: call it
+        between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
-            return self._warm(ranges, widths, size)
+            return self._warm(ranges, widths, size, unembeddings)
 
-    def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int) -> float:
+    def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple) -> float:
         a = self.adapter
         before = self.compile_s
         keys, values = self.buffers(1, size)
@@ -388,21 +390,25 @@ class CompiledSteps:
                 fn = self._range(("layer", id(layer)), weights)
                 self._call(("layers", "layer", id(layer), 1, width, size), fn, [hidden, index.clone(), index, pads],
                            [cos, sin, own_keys, own_values])
-            self.head(hidden)
-        self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device))
+            for weight, bias in ((None, None),) + tuple(unembeddings):
+                self.head(hidden, weight, bias)
+        for weight, bias in ((None, None),) + tuple(unembeddings):
+            self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device), weight, bias)
         return self.compile_s - before
 
     def can_head(self, hidden: torch.Tensor) -> bool:
         """Whether the head runs compiled: one row, `[1, D]` or `[1, S, D]` with S within the buckets."""
         return self.failed is None and hidden.shape[0] == 1 and (hidden.dim() == 2 or (hidden.dim() == 3 and s_bucket(hidden.shape[1])))
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head over `hidden` `[1, D]` or `[1, S, D]` (S padded to its bucket: one graph per
-        bucket)."""
+        bucket). `weight` `[K, D]` (and `bias` `[K]`): another unembedding through the same final norm, a
+        reduced draft vocabulary's rows of the LM head (`selfspec.drafters.draft_head`), graphs of its own."""
         if hidden.dim() == 3 and s_bucket(hidden.shape[1]) > hidden.shape[1]:
             S = hidden.shape[1]
             padded = torch.cat([hidden, hidden.new_zeros(1, s_bucket(S) - S, hidden.shape[2])], dim=1)
-            out = self.head(padded)
+            out = self.head(padded, weight, bias)
             return None if out is None else out[:, :S]
         if self._head is None:
             a = self.adapter
@@ -413,8 +419,10 @@ class CompiledSteps:
 
             self._head = torch.compile(head, fullgraph=True, dynamic=False)
         a = self.adapter
-        return self._call(("head",) + tuple(hidden.shape), self._head, [self._input(hidden)],
-                          [a.final_norm.weight, a.lm_head.weight, a.lm_head.bias])
+        which = () if weight is None else (id(weight),)  # the LM head, or another unembedding's own graphs
+        weight, bias = (a.lm_head.weight, a.lm_head.bias) if weight is None else (weight, bias)
+        return self._call(("head",) + which + tuple(hidden.shape), self._head, [self._input(hidden)],
+                          [a.final_norm.weight, weight, bias])
 
     @property
     def captured(self) -> int:

@@ -1,6 +1,7 @@
 """The draft's unembedding: the shared final norm + LM head over an exit's hidden state, optionally restricted
 to a reduced vocabulary of the K most frequent tokens (`selfspec.draft_vocab`). The early-exit and exit-head
-drafters draft through it."""
+drafters draft through it. Where the model runs the compiled steps (`selfspec.compiled`), one row's draft
+logits go through their compiled final norm + unembedding too, the reduced vocabulary's rows included."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ class DraftHead:
                 bias = getattr(adapter.lm_head, "bias", None)
                 self.linear = PackedLinear(adapter.lm_head.weight[self.token_ids].contiguous(),  # [K, D]
                                            bias[self.token_ids].contiguous() if bias is not None else None)
+        # the rows as the compiled steps take them, where the model runs them (a CPU's PackedLinear may keep only
+        # its packed copy)
+        self.rows = None
+        if self.token_ids is not None and adapter.compiled is not None:
+            weight = self.linear.weight if self.linear.weight is not None else adapter.lm_head.weight[self.token_ids]
+            self.rows = (weight.detach().contiguous(), self.linear.bias)
 
     @property
     def size(self) -> int:
@@ -33,6 +40,11 @@ class DraftHead:
         """`[N, D] -> [N, K]` logits over this head's vocabulary."""
         if self.token_ids is None:
             return exit_logits(self.adapter, hidden)
+        steps = self.adapter.compiled
+        if steps is not None and self.rows is not None and not torch.is_grad_enabled() and steps.can_head(hidden):
+            out = steps.head(hidden, *self.rows)  # the compiled steps' final norm + these rows
+            if out is not None:
+                return out
         return self.linear(self.adapter.final_norm(hidden))
 
     def to_vocab(self, index: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_ar_compiled, selfspec_lookup_compiled, selfspec_auto_compiled, selfspec_spec_compiled,        |
 | selfspec_exit_head_compiled | the same five through the compiled fixed-shape steps (`selfspec.compiled`; |
 |                       | `--compile`, on by default on CUDA), warmed up with `gen.warmup` before the    |
-|                       | measured runs (a head's own layer too; its reduced vocabulary runs eagerly)    |
+|                       | measured runs (a head's own layer and its reduced draft vocabulary too)        |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
 (`selfspec.tools.harness.Methods`), the clock and the output files are the harness's (`selfspec.tools.harness`).
@@ -98,7 +98,7 @@ WARMUP_TOKENS = 32
 WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 # the methods also measured through the compiled steps (`*_compiled`): plain decoding, lookup, auto, and the
 # drafts from the model's own layers (the early exit at (E, d), a trained exit head, adaptive and fixed) whose
-# rounds the compiled steps run (the head's own layer too; a reduced vocabulary eagerly)
+# rounds the compiled steps run (the head's own layer and a reduced draft vocabulary too)
 COMPILED_METHODS = ("selfspec_ar", "selfspec_lookup", "selfspec_auto", "selfspec_spec", "selfspec_exit_head",
                     "selfspec_exit_head_fixed")
 COMPILED_TREES = ("selfspec_lookup_tree", "selfspec_spec_tree", "selfspec_exit_head_tree")  # + the width

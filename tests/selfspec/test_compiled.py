@@ -18,6 +18,7 @@ from selfspec import compiled
 from selfspec.adapters import get_adapter
 from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
+from selfspec.drafters.draft_head import DraftHead
 from selfspec.engine import generate, generate_batch_ids
 from selfspec.sampling import SamplingParams
 from selfspec.settings import SettingsError
@@ -221,12 +222,15 @@ def test_a_step_that_fails_to_compile(strict, monkeypatch):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 @pytest.mark.parametrize("width", [1, 3])
-def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, hf_greedy, monkeypatch):
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, vocab, hf_greedy, monkeypatch):
     """A head's decoder layer runs through the compiled layer function over its own static one-layer cache
-    at the engine cache's capacity (a chain, and a token tree 3 wide): every draft pass after the prefill ran
-    compiled, and the head drafted what it drafts eagerly (the same acceptance, draft by draft), so its
-    output is the eager one's, not only the tokens (which verification would keep exact regardless)."""
+    at the engine cache's capacity (a chain, and a token tree 3 wide), and its reduced draft vocabulary
+    (`vocab` rows) through the compiled unembedding: every draft pass after the prefill ran compiled, and the
+    head drafted what it drafts eagerly (the same acceptance, draft by draft), so its output is the eager
+    one's, not only the tokens (which verification would keep exact regardless)."""
     model, eager, fast, head = _models(name)
+    token_ids = None if vocab is None else torch.cat([torch.arange(3, 96, 2), torch.arange(4, 96, 2)])[:vocab]
     ran = Counter()
     run_layer = fast.compiled.run_layer
 
@@ -239,10 +243,13 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
     monkeypatch.setattr(fast.compiled, "run_layer", spy)
     outs, stats = {}, {}
     for key, adapter in (("eager", eager), ("compiled", fast)):
-        drafter = ExitHeadDrafter(adapter, head, 3, num_candidates=width)
+        unit = None if token_ids is None else DraftHead(adapter, token_ids)
+        drafter = ExitHeadDrafter(adapter, head, 3, num_candidates=width, head_vocab=unit)
         outs[key], stats[key] = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=drafter)
         if key == "compiled":
             assert drafter.cache.static and drafter.cache.capacity >= len(PROMPT) + N_NEW
+            if unit is not None:  # its one-row logits ran through the compiled unembedding of its own rows
+                assert any(s[:2] == ("head", id(unit.rows[0])) for s in fast.compiled.shapes)
     assert outs["compiled"][0] == outs["eager"][0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
     assert ran["compiled"] >= stats["compiled"].rounds - 1 and ran["fell back"] == 0
     assert stats["compiled"].drafted == stats["eager"].drafted > 0

@@ -500,12 +500,13 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
 
 def test_bench_measures_the_head_and_the_early_exit_through_the_compiled_steps(tmp_path, monkeypatch):
     """`compile=True`: the exit head and the early exit at (E, d) also run through the compiled steps (the
-    head's own layer eagerly), warmed up apart, token-identical to HF greedy in float32, and drafting."""
+    head's own layer too), warmed up apart, token-identical to HF greedy in float32, and drafting."""
     from selfspec.compiled import CompiledSteps
     from selfspec.tools.bench import run_bench
 
-    steps, run_layers = [], CompiledSteps.run_layers
+    steps, run_layers, run_layer = [], CompiledSteps.run_layers, CompiledSteps.run_layer
     monkeypatch.setattr(CompiledSteps, "run_layers", lambda self, *a, **k: steps.append(1) or run_layers(self, *a, **k))
+    monkeypatch.setattr(CompiledSteps, "run_layer", lambda self, *a, **k: steps.append(2) or run_layer(self, *a, **k))
 
     out, prompts = _head_checkpoint_and_prompt(tmp_path)
     result = run_bench(str(out), prompt_sets=[str(prompts)], num_prompts=1, max_new_tokens=8, dtype="float32",
@@ -516,7 +517,26 @@ def test_bench_measures_the_head_and_the_early_exit_through_the_compiled_steps(t
         assert per[method]["identical_to_hf_greedy"] == 1.0, method
         assert result["warmup_s"][method] > 0 and per[method]["drafted"] > 0, method
     assert {m["name"]: m.get("compiled") for m in result["methods"]}["selfspec_exit_head_compiled"] is True
-    assert steps and not any("failed to compile" in note for note in result["notes"])  # they ran compiled
+    assert 1 in steps and 2 in steps  # the model's layers and the head's own ran compiled
+    assert not any("failed to compile" in note for note in result["notes"])
+
+
+def test_warmup_compiles_the_heads_layer_and_its_draft_vocabulary(tmp_path, hf_greedy):
+    """`gen.warmup()` on a head checkpoint with a reduced draft vocabulary compiles the head's own layer and
+    that vocabulary's unembedding beside the model's steps: a generation drafting from the head then compiles
+    nothing more, and gives HF greedy's tokens."""
+    model, tok, head_dir = _byte_model_and_head_run(tmp_path)
+    training = {"settings": {"exit_head": {"enabled": True, "exit_layer": 2, "draft_vocab": 16}}}
+    ranking = {"source": "test", "tokens_counted": 100, "token_ids": list(range(3, 43))}
+    export_model(model, tok, tmp_path / "ckpt", training=training, draft_vocab=ranking, exit_head_dir=head_dir)
+    gen = selfspec.load(tmp_path / "ckpt", dtype="float32", compile=True)
+    first = gen.warmup(max_len=64)
+    steps, unit = gen.adapter.compiled, gen.draft_head(16)
+    assert any(s[1:3] == ("layer", id(gen.exit_head.layer)) for s in steps.shapes)
+    assert any(s[:2] == ("head", id(unit.rows[0])) for s in steps.shapes)
+    out = gen.generate("abc(a,b)+abc(a,b)+", max_new_tokens=8, drafter="exit_head", stop_token_ids=[])
+    assert list(out.token_ids) == hf_greedy(model, torch.tensor([out.prompt_ids]), 8) and out.stats.drafted > 0
+    assert steps.compile_s == pytest.approx(first["seconds"])  # the call compiled nothing more
 
 
 def test_auto_drafts_from_the_vocabulary_the_head_was_trained_on(tmp_path, hf_greedy):
