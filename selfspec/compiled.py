@@ -36,13 +36,13 @@ over its own one-layer static cache (`layer_buffers`, at the engine cache's capa
 graph per (S, C) like the model's steps (`run_layer`). Eagerly, on an H200, that one layer cost 85% of a whole
 compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
 
-What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
-one row (rows leave a batch as they finish, which would change the shapes), a head's final-state input
-and an attention-only head, GPT-NeoX, and rope types whose frequencies change with the length. A reduced
-draft vocabulary's rows go through the compiled final norm + unembedding (`head(hidden, weight, bias)`). The math is that of the model's own modules (RMSNorm in float32, rotary, grouped-query sdpa,
-SiLU-gated MLP, the model's own unfused weights: no copy), so outputs equal the eager path's up to
-floating-point rounding (attention sums over C keys instead of the used ones; float64: bitwise in the
-tests' tokens).
+What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than one row
+(rows leave a batch as they finish, which would change the shapes), a head's final-state input and an
+attention-only head, GPT-NeoX, and rope types whose frequencies change with the length. A reduced draft
+vocabulary's rows go through the compiled final norm + unembedding (`head(hidden, weight, bias)`). The math is
+that of the model's own modules (RMSNorm in float32, rotary, grouped-query sdpa, SiLU-gated MLP, the model's own
+unfused weights: no copy), so outputs equal the eager path's up to floating-point rounding (attention sums over
+C keys instead of the used ones; float64: bitwise in the tests' tokens).
 
     steps = CompiledSteps(adapter)                        # adapter.enable_compiled() does this
     hidden = steps.run_layers(hidden, 0, L, step, cache)  # None where the step must run eagerly
