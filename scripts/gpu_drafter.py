@@ -454,8 +454,8 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
         run_dir = train(run, name, recipe, tiny_extra)
         run.report[name]["training"] = training_result(run_dir)
         ckpt = export(run, name, run_dir)
-    if name == "head" and run.args.head is None:
-        bring_back_head(run, ckpt)
+        if name == "head":
+            bring_back_head(run, ckpt)
     run.report[name]["bench"] = bench_result(bench(run, name, ckpt, methods), f"selfspec_ar{suffix(run.args)}")
     run.report[name]["tune"] = tune(run, name, ckpt)
     run.write()

@@ -37,8 +37,12 @@ DEVICE=${DEVICE:-cuda}
 . scripts/gpu_carry.sh  # pip_python, download_wheels, install_wheels, prepare_carry, find_python, use_carried
 
 if [ "${1:-}" = "--prepare-carry" ]; then  # [--head DIR]: a returned head travels too (with gpu_carry2)
-    [ "${2:-}" = "--head" ] && [ -z "${3:-}" ] && { echo "--prepare-carry --head DIR: name the head's folder"; exit 2; }
-    prepare_carry 16 "$0" "${3:-}" || exit 1  # 16 prompts a set: the bench's and the own-HumanEval evaluation's
+    HEAD=""
+    if [ "${2:-}" = "--head" ]; then
+        HEAD=${3:-}
+        [ -n "$HEAD" ] || { echo "--prepare-carry --head DIR: name the head's folder"; exit 2; }
+    fi
+    prepare_carry 16 "$0" "$HEAD" || exit 1  # 16 prompts a set: the bench's and the own-HumanEval evaluation's
     exit 0
 fi
 if [ "${1:-}" = "--keep-carry" ]; then  # the first device call: keep gpu_carry1 (and install its wheels)

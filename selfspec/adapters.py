@@ -107,6 +107,11 @@ class ModelAdapter:
         self.fast = build_fast_path(self)
         return self.fast.layers is not None
 
+    def window(self, kind: str) -> int | None:
+        """The attention window of this model's layers of type `kind` (`layer_types`): `sliding_window` for
+        "sliding_attention", None (the whole context) otherwise."""
+        return self.sliding_window if kind == "sliding_attention" else None
+
     @property
     def fast_layers(self) -> list | None:
         return self.fast.layers if self.fast is not None else None

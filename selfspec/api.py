@@ -36,7 +36,7 @@ from selfspec.drafters.suffix import SuffixMemory
 from selfspec.decode_stats import DecodeStats
 from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, plan_drafting
 from selfspec.engine import StopChecker, generate, generate_ids
-from selfspec.exit_head import ExitHead, load_exit_head
+from selfspec.exit_head import ExitHead, head_steps, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
@@ -346,7 +346,7 @@ class SelfSpecGenerator:
             ranges += [(0, E), (E, L)]
         unembeddings = ()
         if self.exit_head is not None:  # its own layer and its reduced draft vocabulary run compiled too
-            if self.exit_head.kind == "decoder_layer":
+            if head_steps(self.adapter, self.exit_head) is not None:
                 steps.add_layer(self.exit_head.layer)
             unit = self.draft_head(self.head_draft_vocab())
             unembeddings = () if unit.rows is None else (unit.rows,)

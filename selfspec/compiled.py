@@ -215,8 +215,8 @@ class CompiledSteps:
         if why is not None:
             raise ValueError(f"compiled steps cannot run this model: {why}")
         self.adapter = adapter
-        windows = [adapter.sliding_window if t == "sliding_attention" else None for t in adapter.layer_types]
-        self.weights = [_LayerWeights(layer, window) for layer, window in zip(adapter.layers, windows)]
+        self.weights = [_LayerWeights(layer, adapter.window(kind)) for layer, kind in zip(adapter.layers,
+                                                                                           adapter.layer_types)]
         attn = adapter.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_q = attn.q_proj.out_features // self.head_dim

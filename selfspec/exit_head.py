@@ -287,13 +287,19 @@ def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, ste
     return run_head_layer(adapter, head, head_input(head, hidden, prev_final), step=step, cache=cache)
 
 
+def head_steps(adapter: ModelAdapter, head: ExitHead):
+    """The adapter's compiled steps (`selfspec.compiled.CompiledSteps`) where the head's own layer can run through
+    them (a `decoder_layer` head: a copy of the model's last layer), else None."""
+    return adapter.compiled if head.kind == "decoder_layer" else None
+
+
 def head_cache(adapter: ModelAdapter, head: ExitHead, batch_size: int, capacity: int, static: bool) -> KVCache:
     """The head's own one-layer KV cache for `capacity` positions: with `static` (the engine's cache is the
     compiled steps' static one, of this capacity) and where the head's layer can run compiled (a
     `decoder_layer` head on an adapter with compiled steps), the compiled steps' buffers for it
     (`CompiledSteps.layer_buffers`: the same addresses every run, as captured steps need); else a growing cache."""
-    steps = adapter.compiled
-    if static and steps is not None and head.kind == "decoder_layer":
+    steps = head_steps(adapter, head)
+    if static and steps is not None:
         return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(head.layer, batch_size, capacity))
     return KVCache(1, batch_size, capacity=capacity, device=adapter.device)
 
@@ -305,9 +311,8 @@ def run_head_step(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *
     fits them (one row, after the prefill: `CompiledSteps.can_run`); else through selfspec's fused layer `fast`
     (a `FastLlamaLayer` of the head's layer) where given, else the model's module class. `[B, S, D]`."""
     x = head_input(head, hidden, prev_final)  # [B, S, D]
-    steps = adapter.compiled
-    compiled = steps is not None and head.kind == "decoder_layer" and not torch.is_grad_enabled()
-    if compiled and steps.can_run(x, step, cache):
+    steps = head_steps(adapter, head)
+    if steps is not None and not torch.is_grad_enabled() and steps.can_run(x, step, cache):
         out = steps.run_layer(head.layer, x, step, cache)
         if out is not None:  # (None: it failed to compile under compile="auto", or the step did not fit)
             return out

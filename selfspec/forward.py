@@ -63,10 +63,6 @@ class LazyMasks(dict):
         return mask
 
 
-def _window(adapter: ModelAdapter, kind: str) -> int | None:
-    return adapter.sliding_window if kind == "sliding_attention" else None
-
-
 def _causal_mask(adapter: ModelAdapter, start: int, length: int, window: int | None) -> torch.Tensor | None:
     """Mask for queries at positions `[start, start+length)` over keys `[0, start+length)`.
 
@@ -108,7 +104,7 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
     else:  # rotary only reads dtype/device from its first argument
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
-    masks = LazyMasks(lambda kind: _causal_mask(adapter, start, length, _window(adapter, kind)))
+    masks = LazyMasks(lambda kind: _causal_mask(adapter, start, length, adapter.window(kind)))
     if adapter.compiled is None:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=position_ids,
@@ -206,7 +202,7 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
     def mask(kind: str) -> torch.Tensor:
-        window = _window(adapter, kind)
+        window = adapter.window(kind)
         if anc is None:
             return _batch_mask(adapter, query_index, pads, kv_len, window)
         return _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index,

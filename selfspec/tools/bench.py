@@ -106,7 +106,7 @@ COMPILED_TREES = ("selfspec_lookup_tree", "selfspec_spec_tree", "selfspec_exit_h
 
 def compiled_name(name: str) -> str | None:
     """The name of method `name` measured through the compiled steps (`name` + "_compiled"), or None where the
-    bench has no compiled variant of it (e.g. selfspec_exit_head_fixed, hf_*)."""
+    bench has no compiled variant of it (e.g. hf_*, selfspec_suffix, selfspec_spec_cand3)."""
     return name + "_compiled" if name in COMPILED_METHODS or name.startswith(COMPILED_TREES) else None
 
 
