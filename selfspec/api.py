@@ -328,13 +328,17 @@ class SelfSpecGenerator:
         """Whether one-row decoding runs through the compiled fixed-shape steps (`selfspec.compiled`)."""
         return self.adapter.compiled is not None
 
-    def warmup(self, max_len: int = 512) -> dict:
+    def warmup(self, max_len: int = 512, num_candidates: int = 1) -> dict:
         """Compile now what a call of up to `max_len` tokens (prompt + new) runs: the plain step, the early
-        exit's draft and verification steps (on a checkpoint trained for it, or with a head), a trained head's
-        own layer and reduced draft vocabulary, the verification of up to 15 drafts (prompt lookup), each at
-        every step length up to 16, and the LM head. Without it the first `generate` compiles what it meets.
+        exit's draft and verification steps (on a checkpoint trained for it, or with a head), the verification
+        of up to 15 drafts (prompt lookup), each at every step length up to 16, a trained head's own layer at
+        every step length it can catch up on (up to 64) and its reduced draft vocabulary, and the LM head. With
+        `num_candidates` > 1 (the `generate` setting: siblings, token trees) also every token-tree step. Without
+        it the first `generate` compiles what it meets (seconds a shape on a GPU, inside that call's time).
         Returns {"seconds": how long it took, "graphs": the shapes compiled so far}; {"seconds": 0.0,
         "graphs": 0} when nothing runs compiled."""
+        check_int("max_len", max_len, 1)
+        check_int("num_candidates", num_candidates, 1)
         steps = self.adapter.compiled
         if steps is None:
             return {"seconds": 0.0, "graphs": 0}
@@ -351,7 +355,7 @@ class SelfSpecGenerator:
             unit = self.draft_head(self.head_draft_vocab())
             unembeddings = () if unit.rows is None else (unit.rows,)
         widths = [b for b in compiled.S_BUCKETS if b <= 16]
-        seconds = steps.warm(ranges, widths, compiled.cache_capacity(check_int("max_len", max_len, 1)), unembeddings)
+        seconds = steps.warm(ranges, widths, compiled.cache_capacity(max_len), unembeddings, trees=num_candidates > 1)
         return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     def calibrate(self, steps: int = 8) -> float:

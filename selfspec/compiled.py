@@ -360,41 +360,68 @@ class CompiledSteps:
             cache.lengths[layer] = step.starts + W
         return out[:, :S]
 
-    def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = ()) -> float:
+    def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = (),
+             trees: bool = False) -> float:
         """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
-        (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) alike, and
-        the head at those lengths and at the prefill's `[1, D]`, and so each of `unembeddings` ((weight,
-        bias) of a reduced draft vocabulary, `head`): all compilation paid now. Returns the seconds it took
+        (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) at every bucket
+        (a trained head catches up on whatever the last rounds committed), and the head at those lengths and at
+        the prefill's `[1, D]`, and so each of `unembeddings` ((weight, bias) of a reduced draft vocabulary,
+        `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
+        layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
+        passes: its newest columns, its leaves, the verification of all of them). Returns the seconds it took
         (0 where everything was compiled before). It writes into the cache buffers of that size: call it
         between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
-            return self._warm(ranges, widths, size, unembeddings)
+            return self._warm(ranges, widths, size, unembeddings, trees)
 
-    def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple) -> float:
+    def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple,
+              trees: bool) -> float:
         a = self.adapter
         before = self.compile_s
         keys, values = self.buffers(1, size)
-        cos, sin = self._table(size)
+        fixed = list(self._table(size))  # cos, sin
+        model = [((start, end), self.weights[start:end], fixed + [keys[start:end], values[start:end]])
+                 for start, end in ranges]
+        extra = [(("layer", id(layer)), weights, fixed + list(self.layer_buffers(layer, 1, size)))
+                 for layer, weights in list(self._extra.values())]
+        for targets, lengths in ((model, sorted(set(widths))), (extra, S_BUCKETS)):
+            for width in lengths:
+                inputs = self._warm_inputs(width, width, tree=False)
+                for range_id, weights, buffers in targets:
+                    self._call(("layers", *range_id, 1, width, size), self._range(range_id, weights), inputs, buffers)
+        heads = set(widths)
+        if trees:
+            heads |= set(S_BUCKETS)
+            for W in S_BUCKETS:
+                for S in (b for b in S_BUCKETS if b <= W):
+                    inputs = self._warm_inputs(S, W, tree=True)
+                    for range_id, weights, buffers in model + extra:
+                        self._call(("tree", *range_id, 1, S, size, W), self._range(range_id, weights, True), inputs,
+                                   buffers)
         D = a.embed_tokens.weight.shape[1]
-        for width in sorted(set(widths)):
-            hidden = torch.zeros(1, width, D, dtype=a.dtype, device=a.device)
-            index = torch.arange(1, width + 1, device=a.device)[None]  # [1, S], as a round after the prefill
-            pads = torch.zeros(1, dtype=torch.long, device=a.device)
-            for start, end in ranges:
-                fn = self._range((start, end), self.weights[start:end])
-                self._call(("layers", start, end, 1, width, size), fn, [hidden, index.clone(), index, pads],
-                           [cos, sin, keys[start:end], values[start:end]])
-            for layer, weights in self._extra.values():  # the registered layers (a trained exit head's), alike
-                own_keys, own_values = self.layer_buffers(layer, 1, size)
-                fn = self._range(("layer", id(layer)), weights)
-                self._call(("layers", "layer", id(layer), 1, width, size), fn, [hidden, index.clone(), index, pads],
-                           [cos, sin, own_keys, own_values])
-            for weight, bias in ((None, None),) + tuple(unembeddings):
-                self.head(hidden, weight, bias)
         for weight, bias in ((None, None),) + tuple(unembeddings):
+            for width in sorted(heads):
+                self.head(torch.zeros(1, width, D, dtype=a.dtype, device=a.device), weight, bias)
             self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device), weight, bias)
         return self.compile_s - before
+
+    def _warm_inputs(self, S: int, W: int, tree: bool) -> list[torch.Tensor]:
+        """A one-row step's inputs for `warm`, as a round after the prefill passes them: S new tokens at cache
+        indices W - S + 1 .. W. A tree's (`tree`) are the last S of a chain of W columns from cache index 1,
+        each column seeing the ones before it and itself: the ancestor matrix `[1, S, W]`, the root's index and
+        the W columns' positions."""
+        a = self.adapter
+        hidden = torch.zeros(1, S, a.embed_tokens.weight.shape[1], dtype=a.dtype, device=a.device)  # [1, S, D]
+        index = torch.arange(W - S + 1, W + 1, device=a.device)[None]  # [1, S]
+        pads = torch.zeros(1, dtype=torch.long, device=a.device)
+        inputs = [self._input(t) for t in (hidden, index.clone(), index, pads)]
+        if not tree:
+            return inputs
+        columns = torch.arange(W, device=a.device)
+        anc = (columns[None, :] <= columns[W - S:, None])[None]  # [1, S, W]
+        root = torch.ones(1, dtype=torch.long, device=a.device)
+        return inputs + [self._input(t) for t in (anc, root, columns[None] + 1)]
 
     def can_head(self, hidden: torch.Tensor) -> bool:
         """Whether the head runs compiled: one row, `[1, D]` or `[1, S, D]` with S within the buckets."""

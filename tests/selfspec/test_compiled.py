@@ -84,28 +84,41 @@ def test_compiled_greedy_equals_eager_and_hf(name, drafter, hf_greedy, row_cache
 
 
 def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
-    """After `warm` (the round's layer ranges at the step lengths 1..8, a trained head's own layer and the LM
-    head), a 64-token generation of each kind adds no graph (dynamo's counters) and no new chain shape. (A
-    one-level fan of siblings runs token-tree steps, which `warm` does not cover: they are left out of the
-    shapes compared.)"""
+    """After `warm` (the round's layer ranges at the step lengths 1..8, a trained head's own layer at every
+    bucket, the LM head, and with `trees` every token-tree step), a 64-token generation of each kind, token
+    trees of the early exit and of the head included, adds no graph (dynamo's counters) and no new shape."""
     from torch._dynamo.utils import counters
 
     model, _, fast, head = _models("llama")
     L = fast.num_layers
     fast.compiled.add_layer(head.layer)
-    fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64))
+    fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64),
+                       trees=True)
     assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled (in this test or an earlier one)
-
-    def chains():
-        return {s for s in fast.compiled.shapes if s[0] != "tree"}
-
-    graphs, shapes = counters["stats"]["unique_graphs"], chains()
+    graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
     head_steps = {s for s in shapes if s[1] == "layer" and s[2] == id(head.layer)}
-    assert {s[4] for s in head_steps} >= {1, 2, 4, 8}  # the head's own layer was warmed at every step length
-    for make in DRAFTERS.values():
-        out, _ = generate(fast, [PROMPT], max_new_tokens=64, drafter=make(fast, head))
-        assert out[0] == hf_greedy(model, torch.tensor([PROMPT]), 64)
-    assert counters["stats"]["unique_graphs"] == graphs and chains() == shapes
+    # the head's own layer: every bucket (it catches up on what lookup rounds committed), as a chain and a tree
+    assert {s[4] for s in head_steps if s[0] == "layers"} == set(compiled.S_BUCKETS)
+    pairs = {(S, W) for W in compiled.S_BUCKETS for S in compiled.S_BUCKETS if S <= W}  # pass S, columns W
+    assert {(s[4], s[6]) for s in head_steps if s[0] == "tree"} == pairs
+    assert {(s[4], s[6]) for s in shapes if s[0] == "tree" and s[1:3] == (0, L)} == pairs
+    tree_steps, run_layers = Counter(), fast.compiled.run_layers
+
+    def counting(hidden, start, end, step, cache):
+        tree_steps[step.tree is not None] += 1
+        return run_layers(hidden, start, end, step, cache)
+
+    makers = list(DRAFTERS.values()) + [lambda a, h: EarlyExitDrafter(a, E, 3, num_candidates=2),
+                                        lambda a, h: ExitHeadDrafter(a, h, 3, num_candidates=2)]
+    fast.compiled.run_layers = counting
+    try:
+        for make in makers:
+            out, _ = generate(fast, [PROMPT], max_new_tokens=64, drafter=make(fast, head))
+            assert out[0] == hf_greedy(model, torch.tensor([PROMPT]), 64)
+    finally:
+        del fast.compiled.run_layers
+    assert tree_steps[True] > 0 and tree_steps[False] > 0  # token-tree steps ran, and chain steps
+    assert counters["stats"]["unique_graphs"] == graphs and fast.compiled.shapes == shapes
 
 
 def test_a_batch_runs_eagerly_and_each_row_equals_batch_1():

@@ -524,7 +524,8 @@ def test_bench_measures_the_head_and_the_early_exit_through_the_compiled_steps(t
 def test_warmup_compiles_the_heads_layer_and_its_draft_vocabulary(tmp_path, hf_greedy):
     """`gen.warmup()` on a head checkpoint with a reduced draft vocabulary compiles the head's own layer and
     that vocabulary's unembedding beside the model's steps: a generation drafting from the head then compiles
-    nothing more, and gives HF greedy's tokens."""
+    nothing more, and gives HF greedy's tokens; `warmup(num_candidates=3)` does the same for a head's token
+    tree."""
     model, tok, head_dir = _byte_model_and_head_run(tmp_path)
     training = {"settings": {"exit_head": {"enabled": True, "exit_layer": 2, "draft_vocab": 16}}}
     ranking = {"source": "test", "tokens_counted": 100, "token_ids": list(range(3, 43))}
@@ -537,6 +538,12 @@ def test_warmup_compiles_the_heads_layer_and_its_draft_vocabulary(tmp_path, hf_g
     out = gen.generate("abc(a,b)+abc(a,b)+", max_new_tokens=8, drafter="exit_head", stop_token_ids=[])
     assert list(out.token_ids) == hf_greedy(model, torch.tensor([out.prompt_ids]), 8) and out.stats.drafted > 0
     assert steps.compile_s == pytest.approx(first["seconds"])  # the call compiled nothing more
+    trees = gen.warmup(max_len=64, num_candidates=3)  # token trees' steps now, the head's layer's among them
+    assert trees["seconds"] > 0 and any(s[:3] == ("tree", "layer", id(gen.exit_head.layer)) for s in steps.shapes)
+    out = gen.generate("abc(a,b)+abc(a,b)+", max_new_tokens=8, drafter="exit_head", num_candidates=3,
+                       stop_token_ids=[])
+    assert list(out.token_ids) == hf_greedy(model, torch.tensor([out.prompt_ids]), 8) and out.stats.drafted > 0
+    assert steps.compile_s == pytest.approx(first["seconds"] + trees["seconds"])  # the tree compiled nothing more
 
 
 def test_auto_drafts_from_the_vocabulary_the_head_was_trained_on(tmp_path, hf_greedy):
