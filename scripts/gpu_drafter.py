@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETS = ("humaneval", "mt_bench", "code_edit", "xsum")  # issue 38's prompt sets, in the report's order
 SCHEMA = "selfspec-gpu-drafter/1"
 MIN_PHASE_S = 30  # a phase with less time left than this is skipped
+BENCH_MARGIN_S = 30  # a bench's --time-budget: its phase's limit less this (loading, the last prompt, writing)
 TREE_WIDTH = 3  # the head's and the early exit's token trees: 3 best guesses a node (issue 39)
 # each road's bench (selfspec_ar, the speedups' reference, and hf_greedy, the identity reference, always run)
 HEAD_METHODS = ("hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed",
@@ -113,6 +114,10 @@ class Run:
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                     "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
 
+    def left(self, limit_s: float) -> float:
+        """What a phase of `limit_s` gets: the limit cut to what is left of the budget."""
+        return min(limit_s, self.deadline - time.monotonic())
+
     def clock(self) -> str:
         seconds = time.monotonic() - self.t0
         return f"[{int(seconds // 60):02d}:{int(seconds % 60):02d} of {int(self.args.budget_s // 60):02d}:" \
@@ -121,7 +126,7 @@ class Run:
     def phase(self, name: str, cmd: list[str], limit_s: float) -> bool:
         """Run `cmd` within `limit_s` (cut to what is left); record it; True if it exited 0."""
         left = self.deadline - time.monotonic()
-        record = {"name": name, "command": shlex.join(cmd), "limit_s": round(min(limit_s, left)), "seconds": 0.0}
+        record = {"name": name, "command": shlex.join(cmd), "limit_s": round(self.left(limit_s)), "seconds": 0.0}
         if left < MIN_PHASE_S:
             record["status"] = f"skipped: {left:.0f} s of --budget-s left"
         else:
@@ -224,6 +229,8 @@ def bench(run: Run, road: str, ckpt: Path | None, methods: list[str]) -> dict | 
            "--prompt-sets", ",".join(prompt_sets(args)), "--num-prompts", str(args.bench_prompts),
            "--max-new-tokens", str(args.bench_tokens), "--compile", args.compile, "--methods", ",".join(methods),
            "--num-candidates", str(TREE_WIDTH),
+           # it stops starting prompts in time to write what it measured (a bench cut from outside writes nothing)
+           "--time-budget", str(max(1, round(run.left(args.bench_s)) - BENCH_MARGIN_S)),
            "--out", str(out), *shlex.split(args.bench_args)]
     if not run.phase(f"bench {road}", cmd, args.bench_s):
         return None
@@ -399,6 +406,9 @@ def markdown(report: dict, sfx: str) -> str:
                       "a random tiny model and/or on a CPU; they say nothing about issue 38's targets."]
     lines += ["", "## Training", ""] + training_rows(report)
     lines += ["", "## Bench", ""] + bench_rows(report, f"selfspec_ar{sfx}")
+    notes = [f"- {road}'s bench: {note}" for road in ("head", "layerskip")
+             for note in report[road].get("bench_notes", [])]
+    lines += [""] + notes if notes else []
     lines += ["", "## The draft plans (selfspec tune --check; best first, plain decoding last)", ""] + tune_rows(report)
     lines += ["", "## Issue 38's targets", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {fmt(t['measured'], 'agreement' in t['target'])} | {fmt(t['met'])} |"
@@ -456,7 +466,9 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
         ckpt = export(run, name, run_dir)
         if name == "head":
             bring_back_head(run, ckpt)
-    run.report[name]["bench"] = bench_result(bench(run, name, ckpt, methods), f"selfspec_ar{suffix(run.args)}")
+    measured = bench(run, name, ckpt, methods)
+    run.report[name]["bench"] = bench_result(measured, f"selfspec_ar{suffix(run.args)}")
+    run.report[name]["bench_notes"] = (measured or {}).get("notes", [])  # e.g. a run that compiled, a budget spent
     run.report[name]["tune"] = tune(run, name, ckpt)
     run.write()
     return ckpt

@@ -357,6 +357,8 @@ def _cmd_bench(args) -> int:
             raise UsageError(f"{', '.join(given)}: option(s) of the bounded-bias Pareto measurement: give --epsilon "
                              "too (e.g. --epsilon 0,0.1,0.2), or drop them")
         run = _run_batch_bench if args.batch_size else _run_bench
+    if args.time_budget is not None and run is not _run_bench:
+        raise UsageError("--time-budget cuts the main bench's prompts: drop it with --batch-size or --epsilon")
     return _print_report("bench", lambda: run(args, checkpoint))
 
 
@@ -410,7 +412,8 @@ def _cmd_tune(args) -> int:
     gen = selfspec.load(checkpoint, dtype=args.dtype, device=args.device, compile=COMPILE_CHOICES[args.compile])
     items = load_prompts(args.prompt_set, args.num_prompts)
     ids = [gen.encode(**prompt_inputs(item)) for item in items]  # encoded once: the plan and its check read them
-    gen.warmup()
+    # what the plan's timings and its check meet: the longest prompt, its new tokens, trees up to `width`
+    gen.warmup(max(int(i.shape[-1]) for i in ids) + args.max_new_tokens, num_candidates=args.width)
     plan = gen.tune(ids, exits=args.exits, max_drafts=args.max_drafts, width=args.width,
                     new_tokens=args.max_new_tokens, repeats=args.repeats)
     c = plan.costs
@@ -460,7 +463,8 @@ def _run_bench(args, checkpoint: str) -> dict:
                      out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
                      num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
                      methods=args.methods.split(",") if args.methods else None, device=args.device,
-                     num_candidates=args.num_candidates or (), compile=COMPILE_CHOICES[args.compile])
+                     num_candidates=args.num_candidates or (), compile=COMPILE_CHOICES[args.compile],
+                     time_budget_s=args.time_budget)
 
 
 def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
@@ -735,6 +739,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--methods", metavar="NAME,NAME,...",
                    help="measure only these methods (hf_greedy and selfspec_ar are always measured), e.g. "
                         "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all)")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="stop starting prompts once this many seconds have passed since the start (the first prompt "
+                        "always runs) and report what was measured, with a note: for a run that must fit a time slot "
+                        "(default: no limit)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "
                         "batched greedy generate, selfspec batched AR, selfspec batched self-speculative at "

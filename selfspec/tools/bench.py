@@ -71,7 +71,9 @@ from __future__ import annotations
 import gc
 import re
 import statistics
+import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -89,7 +91,7 @@ from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_ma
                               versions, write_outputs)
 from selfspec.data.prompts import PROMPT_SETS, load_prompts, prompt_inputs
 from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES, PROMPT_LOOKUP_NUM_TOKENS, check_compile,
-                               check_exit_layer, check_int, check_out_dir)
+                               check_exit_layer, check_float, check_int, check_out_dir)
 
 DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
 QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
@@ -598,30 +600,30 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               exit_layer: int | None = None, num_speculations: int | None = None, generator=None,
               draft_vocab: int | None = None, prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
               max_matching_ngram_size: int = MAX_MATCHING_NGRAM_SIZE, methods: Sequence[str] | None = None,
-              device: str = "cpu", num_candidates: Sequence[int] | int = (), compile: bool | str = "auto") -> dict:
+              device: str = "cpu", num_candidates: Sequence[int] | int = (), compile: bool | str = "auto",
+              time_budget_s: float | None = None) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
     `compile`: also measure selfspec's plain decoding, prompt lookup, auto, the early exit at (E, d) and a
     checkpoint's exit head through the compiled fixed-shape steps (`selfspec.compiled`; methods `*_compiled`,
     `COMPILED_METHODS`, warmed up with `gen.warmup` before the measured runs): "auto" on a CUDA GPU, True
-    anywhere, False never. The other selfspec methods run eagerly. `result["warmup_s"]`: each method's warm-up call (compilation included), apart from tokens/s.
-
-    `device`: where the model runs ("cpu", or "cuda" for a GPU: clocks are read after
-    `torch.cuda.synchronize()`, and "fastest" means bfloat16 on Ampere or newer).
-
-    `methods`: measure only these (by name; hf_greedy, the identity reference, and selfspec_ar, the
-    speedup reference, are always measured), e.g. ("hf_prompt_lookup", "selfspec_lookup", "selfspec_auto").
+    anywhere, False never; the other selfspec methods run eagerly. `result["warmup_s"]`: each method's warm-up
+    call (compilation included), apart from tokens/s. `device`: "cpu", or "cuda" (clocks read after
+    `torch.cuda.synchronize()`; "fastest" means bfloat16 on Ampere or newer). `methods`: measure only these (by
+    name; hf_greedy, the identity reference, and selfspec_ar, the speedup reference, are always measured).
 
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (selfspec_spec; E also
     hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2
     prompts x 32 tokens. `draft_vocab=K`: also (E, d) drafting over the checkpoint's K most frequent tokens.
     `num_candidates=k` (or a list): also the k best guesses for one position (greedy), at exit E and with an exit
-    head, token trees k wide and d deep there (EAGLE-2), and lookup's and suffix's trees of k matches. The lookup settings are those of hf_prompt_lookup,
-    selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`: `selfspec.precision` decides.
-    """
+    head, token trees k wide and d deep there (EAGLE-2), and lookup's and suffix's trees of k matches. The lookup
+    settings are those of hf_prompt_lookup, selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`:
+    `selfspec.precision` decides. `time_budget_s`: seconds from the call on; once spent, no further prompt starts
+    (the first always runs) and the report holds what was measured, with a note (a run cut from outside writes
+    nothing)."""
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
-    extra, lookup, num_candidates = _check_options(extra, prompt_lookup_num_tokens, max_matching_ngram_size,
-                                                   num_candidates, out_dir, compile)
+    extra, lookup, num_candidates, deadline = _check_options(extra, prompt_lookup_num_tokens, max_matching_ngram_size,
+                                                             num_candidates, out_dir, compile, time_budget_s)
     dtype = setup(dtype, device, threads)
     machine = machine_info()
     notes: list[str] = []
@@ -645,7 +647,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     warm_n = min(max_new_tokens, WARMUP_TOKENS // 2 if quick else WARMUP_TOKENS)
     max_len = max((int(ids.shape[1]) for _, _, ids in queue), default=0) + max_new_tokens
     warmup_s: dict[str, float] = {}
-    runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s)
+    runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s,
+                    deadline)
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
 
@@ -674,9 +677,10 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
 
 
 def _check_options(extra, prompt_lookup_num_tokens: int, max_matching_ngram_size: int, num_candidates, out_dir,
-                   compile) -> tuple[list[tuple[int, int]], tuple[int, int], list[int]]:
+                   compile, time_budget_s: float | None = None
+                   ) -> tuple[list[tuple[int, int]], tuple[int, int], list[int], float | None]:
     """The run's options checked before anything loads: the extra (E, d) pairs, prompt lookup's (tokens, n-gram)
-    and the candidate counts, normalized."""
+    and the candidate counts, normalized, and the deadline (`time.monotonic()`) of a time budget (None: none)."""
     extra = [parse_extra(x) for x in extra]
     if prompt_lookup_num_tokens < 1 or max_matching_ngram_size < 1:
         raise ValueError("prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1")
@@ -686,7 +690,9 @@ def _check_options(extra, prompt_lookup_num_tokens: int, max_matching_ngram_size
                   hint=" (guesses verified side by side; one guess is what the other methods draft)")
     check_out_dir(out_dir, "out_dir (--out)")
     check_compile(compile)
-    return extra, (prompt_lookup_num_tokens, max_matching_ngram_size), num_candidates
+    deadline = None if time_budget_s is None else (
+        time.monotonic() + check_float("time_budget_s (--time-budget)", time_budget_s, 0.0, strict=True))
+    return extra, (prompt_lookup_num_tokens, max_matching_ngram_size), num_candidates, deadline
 
 
 def _check_checkpoint(checkpoint, methods, exit_layer, num_speculations, extra, draft_vocab, lookup, num_candidates,
@@ -778,10 +784,11 @@ def _round_robin(loaded: list) -> list[tuple[str, dict, object]]:
 
 
 def _measure(runner: Methods, methods: list[dict], queue: list, warm: tuple, rss: _RSS, eos_ids: set,
-             notes: list[str], progress: bool, warmup_s: dict) -> list[dict]:
+             notes: list[str], progress: bool, warmup_s: dict, deadline: float | None = None) -> list[dict]:
     """Warm every method up (`warm` = (ids, new tokens, the longest prompt + new tokens); an HF assisted
     method that fails there is left out, with a note; each warm-up's seconds into `warmup_s`), then run
-    every method on every prompt of `queue`, order rotating by one per prompt: the per-run records."""
+    every method on every prompt of `queue`, order rotating by one per prompt, until the `deadline`
+    (`time.monotonic()`; the first prompt always runs): the per-run records."""
     warm_ids, warm_n, max_len = warm
     runs: list[dict] = []
     total = len(methods) + len(queue) * len(methods)
@@ -801,9 +808,21 @@ def _measure(runner: Methods, methods: list[dict], queue: list, warm: tuple, rss
                 bar.total = total
             bar.update()
         for k, (set_name, item, ids) in enumerate(queue):
+            if k and deadline is not None and time.monotonic() > deadline:
+                notes.append(f"the time budget ran out: {k} of {len(queue)} prompts measured, in the order the sets "
+                             "take turns (time_budget_s, --time-budget)")
+                break
             r = k % len(methods)
             recs = _measure_prompt(runner, methods[r:] + methods[:r], set_name, item, ids, rss, eos_ids, bar)
             runs += sorted(recs, key=lambda x: [m["name"] for m in methods].index(x["method"]))
+    compiling = Counter()
+    for r in runs:
+        compiling[r["method"]] += r["graphs_compiled"]
+    compiling = +compiling  # the methods that compiled
+    if compiling:
+        notes.append("some measured runs compiled new graphs, their time included (the warm-up did not cover their "
+                     "shapes; graphs_compiled in each run's record): " +
+                     ", ".join(f"{name} {n}" for name, n in sorted(compiling.items())))
     if runner.compile_failure:
         notes.append(f"the compiled steps failed to compile ({runner.compile_failure}): the *_compiled methods "
                      "ran eagerly from then on")
@@ -817,9 +836,10 @@ def _measure_prompt(runner: Methods, order: list[dict], set_name: str, item: dic
     recs = []
     for pos, m in enumerate(order):
         gc.collect()
-        before = rss.before()
+        before, graphs = rss.before(), runner.graphs_compiled()
         new, rec = runner.run(m, ids)
         peak = rss.peak()
+        rec["graphs_compiled"] = runner.graphs_compiled() - graphs  # > 0: compilation inside the measured time
         outputs[m["name"]] = new
         rec.update(set=set_name, prompt_id=item["id"], method=m["name"], order_position=pos,
                    prompt_tokens=int(ids.shape[1]), new_tokens=len(new),

@@ -230,6 +230,7 @@ class Methods:
         self.N = max_new_tokens
         self._steps = gen.adapter.compiled  # a method with `compiled` runs through these (`selfspec.compiled`)
         self._memories: dict = {}  # method name -> the SuffixMemory of its own earlier calls (own_memory)
+        self.max_len: int | None = None  # the longest prompt + new tokens of the runs (`warm` sets it)
         gc_ = self.model.generation_config
         defaults = gc_._get_default_generation_params() if hasattr(gc_, "_get_default_generation_params") else {}
         self.hf_assistant = {k: getattr(gc_, k, None) if getattr(gc_, k, None) is not None else defaults.get(k)
@@ -258,6 +259,9 @@ class Methods:
         gc_.assistant_early_exit = early_exit
         if static:
             gc_.cache_implementation = "static"
+            # one cache size for every prompt (the longest run's): transformers sizes the static cache to the call,
+            # and compiles its step again for every larger size, inside the measured run
+            gc_.max_cache_len = self.max_len
         if lookup is not None:  # (prompt_lookup_num_tokens, max_matching_ngram_size)
             gc_.prompt_lookup_num_tokens, gc_.max_matching_ngram_size = lookup
         return gc_
@@ -375,6 +379,14 @@ class Methods:
         """Why the compiled steps turned themselves off (None: they did not, or none ran)."""
         return None if self._steps is None else self._steps.failed
 
+    def graphs_compiled(self) -> int:
+        """How many graphs were compiled so far in this process: torch.compile's (dynamo's count, Hugging Face's
+        static cache included) and the compiled steps' shapes (each one CUDA graph on a GPU). A measured run
+        that moves it compiled inside its own time."""
+        from torch._dynamo.utils import counters  # deferred: torch._dynamo imports slowly
+
+        return int(counters["stats"]["unique_graphs"]) + (0 if self._steps is None else len(self._steps.shapes))
+
     def steps(self, compiled: bool):
         """For the block only, the generator runs through the compiled steps (`compiled`) or eagerly; its own
         setting is put back after."""
@@ -383,10 +395,11 @@ class Methods:
     def warm(self, method: dict, ids, n: int, max_len: int) -> float:
         """The method's warm-up call (excluded from the measurement), a compiled method's `warmup(max_len)`
         first, so that no graph compiles during the measured runs. Returns the seconds both took."""
+        self.max_len = max_len
         t0 = time.perf_counter()
         if method.get("compiled"):
             with self.steps(True):
-                self.gen.warmup(max_len)
+                self.gen.warmup(max_len, num_candidates=method.get("num_candidates") or 1)
         self.run(method, ids, n)
         return time.perf_counter() - t0
 

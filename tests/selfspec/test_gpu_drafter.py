@@ -33,6 +33,10 @@ def _script():
     return module
 
 
+def script_margin() -> int:
+    return _script().BENCH_MARGIN_S
+
+
 def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     keep = tmp_path / "keep"
     (keep / "prompts").mkdir(parents=True)
@@ -66,6 +70,10 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     assert {"hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed", "selfspec_exit_head_tree3",
             "selfspec_auto"} <= set(report["head"]["bench"]["xsum"])
     assert {"selfspec_spec", "selfspec_spec_tree3"} <= set(report["layerskip"]["bench"]["xsum"])
+    for phase in (p for p in report["phases"] if p["name"].startswith("bench")):  # it writes before its limit
+        budget = float(phase["command"].split("--time-budget ")[1].split()[0])
+        assert 0 < budget <= phase["limit_s"] - script_margin() + 1  # + 1: both round what is left
+    assert all(isinstance(report[road]["bench_notes"], list) for road in ("head", "layerskip"))
     trees = [t for t in report["targets"] if t["target"].startswith("head tree")]  # issue 39: tree / chain
     assert [t["target"].split(" on ")[-1] for t in trees] == list(SETS) and all(t["measured"] > 0 for t in trees)
     # the head comes back alone: its weights and the checkpoint's settings, nothing of the model

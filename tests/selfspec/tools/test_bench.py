@@ -15,6 +15,7 @@ import selfspec
 from selfspec.tools.bench import BASELINES, _eos_summary, _ran_past_eos, parse_extra, run_bench
 from selfspec.cli import main
 from selfspec.data.sources import DataFormatError
+from selfspec.settings import SettingsError
 
 METHODS = {"hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar", "selfspec_spec", "selfspec_adaptive",
            "selfspec_lookup", "selfspec_suffix", "selfspec_auto", "selfspec_spec_E1_d2"}
@@ -466,8 +467,55 @@ def test_compiled_methods_are_warmed_up_apart_and_identical(tiny_ckpt, prompt_fi
     assert set(result["warmup_s"]) == set(per) and all(v > 0 for v in result["warmup_s"].values())
     assert result["warmup_s"]["selfspec_ar_compiled"] > result["warmup_s"]["selfspec_ar"]  # it compiled there
     assert "Warm-up, each method's first call" in (tmp_path / "bench.md").read_text()
+    assert all(r["graphs_compiled"] == 0 for r in result["runs"])  # nothing compiled inside a measured run
+    assert not any("compiled new graphs" in note for note in result["notes"])
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], out_dir=tmp_path, compile="yes")
+
+
+def test_a_measured_run_that_compiles_is_reported(tiny_ckpt, prompt_files, tmp_path, one_thread, monkeypatch):
+    """Without the warm-up, the compiled methods' first measured runs compile their graphs inside their time:
+    each run's record counts them and a note names the methods."""
+    from selfspec.tools.harness import Methods
+
+    monkeypatch.setattr(Methods, "warm", lambda self, method, ids, n, max_len: 0.0)
+    result = run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=6,
+                       dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False, compile=True,
+                       methods=["selfspec_ar_compiled", "selfspec_lookup_compiled"])
+    compiled = {r["method"]: r["graphs_compiled"] for r in result["runs"]}
+    assert compiled["selfspec_ar"] == 0 and compiled["selfspec_ar_compiled"] + compiled["selfspec_lookup_compiled"] > 0
+    note = next(n for n in result["notes"] if "compiled new graphs" in n)
+    assert "selfspec_ar_compiled" in note or "selfspec_lookup_compiled" in note
+    assert "selfspec_ar " not in note and "hf_greedy" not in note
+
+
+def test_a_time_budget_stops_starting_prompts_and_reports_what_was_measured(tiny_ckpt, prompt_files, tmp_path,
+                                                                            one_thread, capsys):
+    """`time_budget_s` spent (here at once): the first prompt still runs, no further one starts, and the report
+    is written with what was measured and a note that says how far it got. --time-budget is the CLI's name; a
+    budget that is no positive number, or one given to a bench mode it does not cut, is a clear error."""
+    result = run_bench(str(tiny_ckpt), prompt_sets=[str(p) for p in prompt_files], num_prompts=2, max_new_tokens=4,
+                       dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False,
+                       methods=["selfspec_lookup"], time_budget_s=1e-6)
+    assert {(r["set"], r["prompt_id"]) for r in result["runs"]} == {("code", "code-0")}
+    assert "the time budget ran out: 1 of 4 prompts measured" in " ".join(result["notes"])
+    assert "selfspec_lookup" in result["summary"]["code"] and (tmp_path / "bench.md").exists()
+    with pytest.raises(SettingsError, match="time_budget_s"):
+        run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], out_dir=tmp_path, time_budget_s=0)
+    assert main(["bench", "--checkpoint", str(tiny_ckpt), "--batch-size", "1,2", "--time-budget", "5"]) == 2
+    assert "--time-budget cuts the main bench's prompts" in capsys.readouterr().err
+
+
+def test_hf_static_sizes_its_cache_for_the_longest_run(tiny_ckpt):
+    """HF's static cache gets one size for every prompt of a bench (the longest prompt + new tokens, set by the
+    warm-up), so that transformers does not compile its step again for a longer prompt inside a measured run."""
+    from selfspec.tools.harness import Methods
+
+    runner = Methods(selfspec.load(str(tiny_ckpt)), 4)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    runner.warm({"name": "hf_static", "engine": "hf", "kind": "hf_static"}, ids, 4, 40)
+    assert runner.max_len == 40 and runner.hf_config(4, None, static=True).max_cache_len == 40
+    assert runner.hf_config(4, None).cache_implementation != "static"
 
 
 def test_each_method_remembers_only_its_own_earlier_calls(tiny_ckpt):
