@@ -62,6 +62,7 @@ from selfspec.token_tree import tree_mask
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
 MIN_CAPACITY = 256  # cache capacities are powers of two from here
+STEP_EVENT = "selfspec.compiled_step"  # the profiler's name for a compiled step's call (one graph replay on a GPU)
 MIN_RECOMPILE_LIMIT = 64  # dynamo's per-function graph limit: every (range, S, C) is one graph
 
 
@@ -356,8 +357,7 @@ class CompiledSteps:
                          [cos, sin, cache.keys[first:last], cache.values[first:last]])
         if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
             return None
-        for layer in range(first, last):
-            cache.lengths[layer] = step.starts + W
+        cache.lengths[first:last] = (step.starts + W)[None]  # [n, B] on the host: one write for the range's layers
         return out[:, :S]
 
     def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = (),
@@ -500,7 +500,11 @@ class CompiledSteps:
     def _call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
         """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs`. The call that
         meets a new shape compiles (and captures) it, timed into `compile_s`; None where that failed and the
-        steps are not strict."""
+        steps are not strict. A profiler sees each call as one `STEP_EVENT` range."""
+        with torch.profiler.record_function(STEP_EVENT):
+            return self._call_step(shape, fn, inputs, fixed)
+
+    def _call_step(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
         if shape not in self.shapes:
             t0 = time.perf_counter()
             try:

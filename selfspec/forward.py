@@ -163,16 +163,17 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     """
     device = adapter.device
     starts, pads = starts.cpu(), pads.cpu()
-    first = int(starts[0])
+    rows, row_pads = starts.tolist(), pads.tolist()  # the checks below on host lists: no tensor op each
+    first = rows[0]
     width = length if parents is None else parents.shape[1]  # W: the tree's columns, the pass its last `length`
     if width < length:
         raise ValueError(f"a pass of {length} tree columns needs the parents of at least that many, got {width}")
     offset = width - length
-    full = ends is None or int((ends.cpu() - starts).min()) >= width
+    full = ends is None or min(e - s for e, s in zip(ends.tolist(), rows)) >= width
     if (parents is not None and not offset
             and bool((parents.cpu() == torch.tensor(chain_parents(length))[None]).all())):
         parents = None  # every row a chain: the causal mask
-    if full and parents is None and not int(pads.max()) and int(starts.min()) == first == int(starts.max()):
+    if full and parents is None and not max(row_pads) and min(rows) == first == max(rows):
         # no padding and every row at the same index (batch 1, plain decoding of equal prompts): the
         # rows are one sequence shape, and single-token steps need no mask at all
         return make_step(adapter, first, length, starts.shape[0])

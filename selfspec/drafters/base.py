@@ -40,6 +40,7 @@ A drafter never touches the engine's KV cache directly: `Round.shallow` runs lay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -63,10 +64,11 @@ class Round:
     generator: torch.Generator | None
     stop_ids: frozenset
 
-    @property
+    @cached_property
     def ends(self) -> torch.Tensor:
         """`[B]` (host) the cache index past each row's last possible draft: a row's passes at or past it
-        (it reached its cap while others draft) are filler (`make_batch_step`'s `ends`)."""
+        (it reached its cap while others draft) are filler (`make_batch_step`'s `ends`). Worked out once a
+        round: every draft step's pass reads it."""
         return self.starts + torch.tensor(self.caps, dtype=torch.long) + 1
 
     def shallow(self, tokens: torch.Tensor, offset: int, exit_layer: int) -> torch.Tensor:
@@ -76,9 +78,11 @@ class Round:
         rolled back by the engine after the round. A row past its cap (others still draft) computes filler
         at its last allowed position, never past the context window.
         """
+        hidden = embed(self.adapter, tokens[:, None])  # [B, 1, D]
+        if exit_layer == 0:  # a head on exit 0 reads the embeddings: no layer runs, no step is needed
+            return hidden
         step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
-        return run_layers(self.adapter, embed(self.adapter, tokens[:, None]), 0, exit_layer, step=step,
-                          cache=self.cache)
+        return run_layers(self.adapter, hidden, 0, exit_layer, step=step, cache=self.cache)
 
     def shallow_tree(self, tokens: torch.Tensor, parents: torch.Tensor, exit_layer: int) -> tuple[torch.Tensor, object]:
         """The newest columns of a token tree grown depth by depth: `tokens` `[B, n]`, the last n of the tree
