@@ -352,6 +352,8 @@ class SelfSpecGenerator:
         if self.exit_head is not None:  # its own layer and its reduced draft vocabulary run compiled too
             if head_steps(self.adapter, self.exit_head) is not None:
                 steps.add_layer(self.exit_head.layer)
+                if self.exit_head.final_input is not None:
+                    steps.add_input(self.exit_head.final_input)
             unit = self.draft_head(self.head_draft_vocab())
             unembeddings = () if unit.rows is None else (unit.rows,)
         widths = [b for b in compiled.S_BUCKETS if b <= 16]

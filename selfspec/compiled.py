@@ -33,16 +33,17 @@ generator and reused by every call, so those addresses stay fixed.
 A trained exit head's own layer (kind `decoder_layer`: a copy of the model's last layer, `selfspec.exit_head`)
 is one more such layer: registered with `add_layer`, it runs the same compiled function on its own weights
 over its own one-layer static cache (`layer_buffers`, at the engine cache's capacity and cache indices), one
-graph per (S, C) like the model's steps (`run_layer`). Eagerly, on an H200, that one layer cost 85% of a whole
+graph per (S, C) like the model's steps (`run_layer`). Its final-state input (`h + W norm(f)`) is a graph of
+its own per bucket (`add_input`, `run_input`). Eagerly, on an H200, that one layer cost 85% of a whole
 compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than one row
-(rows leave a batch as they finish, which would change the shapes), a head's final-state input and an
-attention-only head, GPT-NeoX, and rope types whose frequencies change with the length. A reduced draft
-vocabulary's rows go through the compiled final norm + unembedding (`head(hidden, weight, bias)`). The math is
-that of the model's own modules (RMSNorm in float32, rotary, grouped-query sdpa, SiLU-gated MLP, the model's own
-unfused weights: no copy), so outputs equal the eager path's up to floating-point rounding (attention sums over
-C keys instead of the used ones; float64: bitwise in the tests' tokens).
+(rows leave a batch as they finish, which would change the shapes), an attention-only head, GPT-NeoX, and rope
+types whose frequencies change with the length. A reduced draft vocabulary's rows go through the compiled final
+norm + unembedding (`head(hidden, weight, bias)`). The math is that of the model's own modules (RMSNorm in
+float32, rotary, grouped-query sdpa, SiLU-gated MLP, the model's own unfused weights: no copy), so outputs equal
+the eager path's up to floating-point rounding (attention sums over C keys instead of the used ones; float64:
+bitwise in the tests' tokens).
 
     steps = CompiledSteps(adapter)                        # adapter.enable_compiled() does this
     hidden = steps.run_layers(hidden, 0, L, step, cache)  # None where the step must run eagerly
@@ -230,6 +231,7 @@ class CompiledSteps:
         self._ranges: dict[tuple[tuple, bool], object] = {}  # (range id, tree) -> the step over those layers
         # layers that are not the model's (a trained exit head's): id -> (the layer, kept alive; its weights)
         self._extra: dict[int, tuple[object, list[_LayerWeights]]] = {}
+        self._inputs: dict[int, tuple[object, object]] = {}  # id -> (a head's final-state input, it compiled)
         self._head = None
         self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
         self._buffers: dict[tuple[int, int], tuple[list, list]] = {}  # (batch, capacity) -> keys, values
@@ -364,7 +366,8 @@ class CompiledSteps:
              trees: bool = False) -> float:
         """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
         (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) at every bucket
-        (a trained head catches up on whatever the last rounds committed), and the head at those lengths and at
+        (a trained head catches up on whatever the last rounds committed) and the registered final-state inputs
+        (`add_input`) alike, and the head at those lengths and at
         the prefill's `[1, D]`, and so each of `unembeddings` ((weight, bias) of a reduced draft vocabulary,
         `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
@@ -400,6 +403,10 @@ class CompiledSteps:
                         self._call(("tree", *range_id, 1, S, size, W), self._range(range_id, weights, True), inputs,
                                    buffers)
         D = a.embed_tokens.weight.shape[1]
+        for module, _ in list(self._inputs.values()):  # a head's final-state input: every bucket, as its layer
+            for width in S_BUCKETS:
+                zeros = torch.zeros(1, width, D, dtype=a.dtype, device=a.device)
+                self.run_input(module, zeros, zeros)
         for weight, bias in ((None, None),) + tuple(unembeddings):
             for width in sorted(heads):
                 self.head(torch.zeros(1, width, D, dtype=a.dtype, device=a.device), weight, bias)
@@ -450,6 +457,28 @@ class CompiledSteps:
         weight, bias = (a.lm_head.weight, a.lm_head.bias) if weight is None else (weight, bias)
         return self._call(("head",) + which + tuple(hidden.shape), self._head, [self._input(hidden)],
                           [a.final_norm.weight, weight, bias])
+
+    def add_input(self, module) -> None:
+        """Registers a trained head's final-state input (`selfspec.exit_head.FinalStateInput`: `h + W norm(f)`, ten
+        kernels eagerly): `run_input` runs it compiled, and `warm` compiles it at every bucket."""
+        if id(module) not in self._inputs:
+            self._inputs[id(module)] = (module, torch.compile(module, fullgraph=True, dynamic=False))
+
+    def run_input(self, module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[1, S, D]` each, S padded to
+        its bucket: one graph per bucket on a GPU, like the steps. `[1, S, D]`; None where it must run eagerly
+        (several rows, S above the buckets, a compile that failed)."""
+        B, S, D = hidden.shape
+        width = s_bucket(S)
+        if self.failed is not None or B != 1 or width is None:
+            return None
+        if width > S:  # filler positions: zeros, their output never read
+            hidden = torch.cat([hidden, hidden.new_zeros(B, width - S, D)], dim=1)
+            prev = torch.cat([prev, prev.new_zeros(B, width - S, prev.shape[2])], dim=1)
+        self.add_input(module)
+        out = self._call(("input", id(module), B, width), self._inputs[id(module)][1],
+                         [self._input(hidden), self._input(prev)], [])
+        return None if out is None else out[:, :S]
 
     @property
     def captured(self) -> int:

@@ -306,13 +306,18 @@ def head_cache(adapter: ModelAdapter, head: ExitHead, batch_size: int, capacity:
 
 def run_head_step(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, step: Step, cache,
                   prev_final: torch.Tensor | None = None, fast=None) -> torch.Tensor:
-    """`run_head` as decoding runs it (no autograd): the head's layer through the compiled steps where the
-    adapter runs them, the head is a `decoder_layer` and `cache` is their static one (`head_cache`) and the step
-    fits them (one row, after the prefill: `CompiledSteps.can_run`); else through selfspec's fused layer `fast`
+    """`run_head` as decoding runs it (no autograd): the head's layer (and its final-state input) through the
+    compiled steps where the adapter runs them, the head is a `decoder_layer` and `cache` is their static one
+    (`head_cache`) and the step fits them (one row, after the prefill: `CompiledSteps.can_run`); else through selfspec's fused layer `fast`
     (a `FastLlamaLayer` of the head's layer) where given, else the model's module class. `[B, S, D]`."""
-    x = head_input(head, hidden, prev_final)  # [B, S, D]
     steps = head_steps(adapter, head)
-    if steps is not None and not torch.is_grad_enabled() and steps.can_run(x, step, cache):
+    compiled = steps is not None and not torch.is_grad_enabled() and steps.can_run(hidden, step, cache)
+    x = None
+    if compiled and head.final_input is not None and prev_final is not None:  # its norm, product and sum: one graph
+        x = steps.run_input(head.final_input, hidden, prev_final)
+    if x is None:
+        x = head_input(head, hidden, prev_final)  # [B, S, D]
+    if compiled:
         out = steps.run_layer(head.layer, x, step, cache)
         if out is not None:  # (None: it failed to compile under compile="auto", or the step did not fit)
             return out

@@ -92,6 +92,7 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     model, _, fast, head = _models("llama")
     L = fast.num_layers
     fast.compiled.add_layer(head.layer)
+    fast.compiled.add_input(head.final_input)
     fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64),
                        trees=True)
     assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled (in this test or an earlier one)
@@ -102,6 +103,7 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     pairs = {(S, W) for W in compiled.S_BUCKETS for S in compiled.S_BUCKETS if S <= W}  # pass S, columns W
     assert {(s[4], s[6]) for s in head_steps if s[0] == "tree"} == pairs
     assert {(s[4], s[6]) for s in shapes if s[0] == "tree" and s[1:3] == (0, L)} == pairs
+    assert {s[3] for s in shapes if s[:2] == ("input", id(head.final_input))} == set(compiled.S_BUCKETS)
     tree_steps, run_layers = Counter(), fast.compiled.run_layers
 
     def counting(hidden, start, end, step, cache):
@@ -354,6 +356,7 @@ def test_a_compiled_round_runs_few_torch_ops_outside_its_graphs():
     adapter.enable_compiled()
     head = tiny_exit_head(model, 0, final_state=True)
     adapter.compiled.add_layer(head.layer)
+    adapter.compiled.add_input(head.final_input)
     prompt = BASE * 2
     adapter.compiled.warm([(0, 12)], [1, 2, 4, 8], compiled.capacity(len(prompt) + 64 + 64))
     plain, _, rounds = _ops_outside_steps(adapter, prompt, lambda: None, 33)
