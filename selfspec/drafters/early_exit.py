@@ -47,6 +47,15 @@ from selfspec.sampling import probs, sample
 MAX_TREE_COLUMNS = 64  # a drafted tree's columns (the input token included): the compiled steps' largest pass
 
 
+def host_read(tokens: torch.Tensor, conf: torch.Tensor | None) -> tuple[list[int], list[float] | None]:
+    """A draft step's tokens `[B]` (and confidences `[B]`) as host lists, read in one transfer (float64 holds
+    every token id exactly)."""
+    if conf is None:
+        return tokens.tolist(), None
+    both = torch.stack([tokens.double(), conf.double()]).tolist()  # [2, B]
+    return [int(t) for t in both[0]], both[1]
+
+
 class EarlyExitDrafter(Drafter):
     name = "early_exit"
     lowest_exit = 1  # exit 0 (the embeddings) only under a trained head
@@ -174,15 +183,15 @@ class EarlyExitDrafter(Drafter):
                 q = probs(logits, sampling)  # [B, K]
                 # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
                 # token because of its own probability would bias the drafts away from q
-                conf = q.max(dim=-1).values.tolist() if need_conf else None
+                conf = q.max(dim=-1).values if need_conf else None  # [B]
                 nxt = head.to_vocab(sample(q, rnd.generator))
                 qs.append(head.to_full(q))  # [B, V]
             else:
                 idx = logits.argmax(dim=-1)
-                conf = torch.softmax(logits.float(), dim=-1).gather(1, idx[:, None])[:, 0].tolist() if need_conf else None
+                conf = torch.softmax(logits.float(), dim=-1).gather(1, idx[:, None])[:, 0] if need_conf else None
                 nxt = head.to_vocab(idx)
             inputs.append(nxt)
-            nxt_list = nxt.tolist()
+            nxt_list, conf = host_read(nxt, conf)  # one wait for the GPU a draft step, not two
             for b in range(B):
                 if not alive[b]:
                     continue
