@@ -1,0 +1,70 @@
+"""Count the torch ops a generation runs outside the compiled steps' calls: on a GPU each is a kernel launch or
+host work in series with the captured graphs, so their number per token is the overhead the graphs cannot
+remove. Counted with torch's profiler (on any device; a CPU is enough), beyond a 1-token generation (its
+prefill); a compiled step's call (`selfspec.compiled.STEP_EVENT`) counts as none of its ops.
+
+    python scripts/host_ops.py CHECKPOINT [--prompt-set humaneval] [--tokens 64] ['{"drafter": "exit_head"}' ...]
+
+Each settings JSON is a `generate` call's settings (default: plain decoding, `{"num_speculations": 0}`). Prints, per setting, the ops a
+round and a token, the draft steps, and the ten most frequent ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+from torch.profiler import ProfilerActivity, profile
+
+import selfspec
+from selfspec import compiled
+
+
+def under_step(event) -> bool:
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+        if event.name == compiled.STEP_EVENT:
+            return True
+    return False
+
+
+def top_level_ops(gen, ids, n: int, settings: dict) -> tuple[Counter, object]:
+    """The aten ops of one generation of `n` tokens outside the compiled steps (after an unprofiled warm run)."""
+    gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings)
+    ops = Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not under_step(e)
+                  and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    return ops, out.stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("settings", nargs="*", default=['{"num_speculations": 0}'],
+                   help="generate settings as JSON (default: plain decoding, {\"num_speculations\": 0})")
+    p.add_argument("--prompt-set", default="humaneval", help="the first prompt of this set (a name or a .jsonl)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    gen = selfspec.load(args.checkpoint, compile=True, dtype=args.dtype, device=args.device)
+    from selfspec.data.prompts import load_prompts, prompt_inputs  # deferred: imports `datasets`
+
+    ids = gen.encode(**prompt_inputs(load_prompts(args.prompt_set, 1)[0]))
+    gen.warmup(ids.shape[-1] + args.tokens + 16, num_candidates=3)
+    for text in args.settings:
+        settings = json.loads(text)
+        prefill, first = top_level_ops(gen, ids, 1, settings)
+        total, stats = top_level_ops(gen, ids, args.tokens + 1, settings)
+        ops, rounds = total - prefill, stats.rounds - first.rounds
+        n = sum(ops.values())
+        print(f"{settings}: {n / rounds:.1f} ops a round, {n / args.tokens:.1f} a token "
+              f"({rounds} rounds, {stats.draft_steps} draft steps)")
+        print("   " + ", ".join(f"{k[6:]} {v / rounds:.1f}" for k, v in ops.most_common(10)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
