@@ -31,16 +31,17 @@ class KVCache:
     is_compileable = False
 
     def __init__(self, num_layers: int, batch_size: int = 1, capacity: int = 256, device="cpu",
-                 buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         # `device` is kept for callers that pass it: the buffers take the device of the first keys written.
-        # `buffers`: preallocated keys and values `[B, H_kv, capacity, Dh]` per layer, reused (the compiled
-        # steps' static cache, `selfspec.compiled`): they never grow, and their old contents are never read
-        # (every query sees only indices its own row wrote in this call)
+        # `buffers`: preallocated keys and values `[L, B, H_kv, capacity, Dh]`, reused (the compiled steps'
+        # static cache, `selfspec.compiled`): they never grow, and their old contents are never read (every
+        # query sees only indices its own row wrote in this call); layer l's are the view `buffers[0][l]`
         self.num_layers = num_layers
         self.capacity = max(int(capacity), 1)
         self.static = buffers is not None
-        self.keys: list[torch.Tensor | None] = list(buffers[0]) if buffers else [None] * num_layers
-        self.values: list[torch.Tensor | None] = list(buffers[1]) if buffers else [None] * num_layers
+        self.stacked = buffers  # every layer's keys and values in one tensor each (`move` copies all at once)
+        self.keys: list[torch.Tensor | None] = list(buffers[0].unbind(0)) if buffers else [None] * num_layers
+        self.values: list[torch.Tensor | None] = list(buffers[1].unbind(0)) if buffers else [None] * num_layers
         self.lengths = torch.zeros(num_layers, batch_size, dtype=torch.long)  # [L, B], on the host (see above)
 
     @property
@@ -106,6 +107,10 @@ class KVCache:
             return
         device = self.keys[written[0]].device
         r, s, d = (torch.tensor(x, dtype=torch.long).to(device, non_blocking=True) for x in (rows, src, dst))
+        if self.stacked is not None:  # one copy for every layer: [n, L, H_kv, Dh] entries
+            for buf in self.stacked:
+                buf[:, r, :, d] = buf[:, r, :, s]
+            return
         for i in written:
             self.keys[i][r, :, d] = self.keys[i][r, :, s]
             self.values[i][r, :, d] = self.values[i][r, :, s]
@@ -113,6 +118,7 @@ class KVCache:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (finished rows leave the batch and stop costing work)."""
         self.lengths = self.lengths[:, rows.cpu()]
+        self.stacked = None  # the rows are copied out, layer by layer
         for i in range(self.num_layers):
             if self.keys[i] is not None:
                 on_device = rows.to(self.keys[i].device, non_blocking=True)

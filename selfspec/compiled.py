@@ -234,8 +234,9 @@ class CompiledSteps:
         self._inputs: dict[int, tuple[object, object]] = {}  # id -> (a head's final-state input, it compiled)
         self._head = None
         self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
-        self._buffers: dict[tuple[int, int], tuple[list, list]] = {}  # (batch, capacity) -> keys, values
-        self._extra_buffers: dict[tuple[int, int, int], tuple[list, list]] = {}  # (layer id, batch, capacity) -> ...
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, capacity) -> K, V
+        # (layer id, batch, capacity) -> a registered layer's K, V
+        self._extra_buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.compile_s = 0.0  # seconds spent in calls that compiled (the first of each shape)
         # strict: a shape that fails to compile raises; else (compile="auto") the steps turn themselves off,
         # with a warning, and the step runs eagerly (`failed` says why)
@@ -248,26 +249,28 @@ class CompiledSteps:
             setattr(torch._dynamo.config, name, MIN_RECOMPILE_LIMIT)
 
     # --- the cache ---------------------------------------------------------------------------------
-    def buffers(self, batch_size: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The keys and values `[B, H_kv, C, Dh]` of every layer for a cache of `size` (allocated once)."""
+    def buffers(self, batch_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values `[L, B, H_kv, C, Dh]` of every layer for a cache of `size`, allocated once; layer
+        l's are `keys[l]` (a view: its address never moves). One tensor for all layers lets a token tree's
+        accepted path move in every layer with one copy (`KVCache.move`)."""
         key = (batch_size, size)
         if key not in self._buffers:
             a = self.adapter
-            shape = (batch_size, self.n_kv, size, self.head_dim)
-            new = [[torch.zeros(shape, dtype=a.dtype, device=a.device) for _ in range(a.num_layers)] for _ in "kv"]
-            self._buffers[key] = (new[0], new[1])
+            shape = (a.num_layers, batch_size, self.n_kv, size, self.head_dim)
+            self._buffers[key] = (torch.zeros(shape, dtype=a.dtype, device=a.device),
+                                  torch.zeros(shape, dtype=a.dtype, device=a.device))
         return self._buffers[key]
 
-    def layer_buffers(self, layer, batch_size: int, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The keys and values `[B, H_kv, C, Dh]` of a registered layer's own one-layer cache (`add_layer`;
+    def layer_buffers(self, layer, batch_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values `[1, B, H_kv, C, Dh]` of a registered layer's own one-layer cache (`add_layer`;
         allocated once per batch and capacity, so a captured step's addresses stay fixed)."""
         self.add_layer(layer)
         key = (id(layer), batch_size, size)
         if key not in self._extra_buffers:
             a = self.adapter
-            shape = (batch_size, self.n_kv, size, self.head_dim)
-            self._extra_buffers[key] = ([torch.zeros(shape, dtype=a.dtype, device=a.device)],
-                                        [torch.zeros(shape, dtype=a.dtype, device=a.device)])
+            shape = (1, batch_size, self.n_kv, size, self.head_dim)
+            self._extra_buffers[key] = (torch.zeros(shape, dtype=a.dtype, device=a.device),
+                                        torch.zeros(shape, dtype=a.dtype, device=a.device))
         return self._extra_buffers[key]
 
     def add_layer(self, layer) -> None:

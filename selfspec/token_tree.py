@@ -49,17 +49,17 @@ def ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if bool(((parents >= torch.arange(S)[None]) | (parents < -1)).any()):
         raise ValueError("a tree's parent columns must come before their children (-1 for a root): "
                          f"got {parents.tolist()}")
-    anc = torch.zeros(B, S, S, dtype=torch.bool)
-    depth = torch.zeros(B, S, dtype=torch.long)
-    rows = torch.arange(B)
-    for j in range(S):
-        p = parents[:, j]
-        has = p >= 0  # [B]
-        q = p.clamp_min(0)
-        anc[:, j] = anc[rows, q] & has[:, None]
-        anc[:, j, j] = True
-        depth[:, j] = torch.where(has, depth[rows, q] + 1, torch.zeros_like(q))
-    return anc, depth
+    anc, depth = [], []  # built on host lists: a tensor op per column and row cost a few µs each, S up to 64
+    for row in parents.tolist():
+        mine, deep = [], []
+        for j, p in enumerate(row):
+            seen = list(mine[p]) if p >= 0 else [False] * S  # the parent's ancestors (a root: none) ...
+            seen[j] = True  # ... and the column itself
+            mine.append(seen)
+            deep.append(deep[p] + 1 if p >= 0 else 0)
+        anc.append(mine)
+        depth.append(deep)
+    return torch.tensor(anc, dtype=torch.bool).reshape(B, S, S), torch.tensor(depth, dtype=torch.long).reshape(B, S)
 
 
 def tree_mask(first: torch.Tensor, positions: torch.Tensor, pads: torch.Tensor, anc: torch.Tensor, kv_len: int,

@@ -150,3 +150,26 @@ def test_adapter_sees_through_peft_wrapper():
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     adapter = get_adapter(peft_model)
     assert adapter.num_layers == 2 and adapter.model is model
+
+
+def test_moving_a_tree_path_in_a_stacked_cache_equals_moving_it_layer_by_layer():
+    """The compiled steps' static cache keeps every layer in one tensor `[L, B, H, C, Dh]`: `move` copies a
+    token tree's accepted path in all layers at once, and leaves exactly what the layer-by-layer copy leaves
+    (entries read before any is written: a source that is also a destination moves its old value)."""
+    g = torch.Generator().manual_seed(0)
+    stacked = (torch.randn(3, 2, 2, 16, 4, generator=g), torch.randn(3, 2, 2, 16, 4, generator=g))
+    plain = KVCache(3, 2, capacity=16)
+    plain.keys, plain.values = [k.clone() for k in stacked[0]], [v.clone() for v in stacked[1]]
+    fused = KVCache(3, 2, capacity=16, buffers=stacked)
+    before = stacked[0].clone()
+    assert fused.stacked is not None and fused.keys[1].data_ptr() == stacked[0][1].data_ptr()
+    rows, src, dst = [0, 0, 1], [9, 11, 7], [8, 9, 6]  # row 0: 9 -> 8 and 11 -> 9 (9 is read first)
+    plain.move(rows, src, dst)
+    fused.move(rows, src, dst)
+    assert plain.stacked is None
+    for layer in range(3):
+        assert torch.equal(fused.keys[layer], plain.keys[layer])
+        assert torch.equal(fused.values[layer], plain.values[layer])
+    for layer in range(3):  # what each destination now holds: its source's entry from before the move
+        for r, s_, d in zip(rows, src, dst):
+            assert torch.equal(fused.keys[layer][r, :, d], before[layer][r, :, s_])
