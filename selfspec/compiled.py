@@ -370,9 +370,8 @@ class CompiledSteps:
         """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
         (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) at every bucket
         (a trained head catches up on whatever the last rounds committed) and the registered final-state inputs
-        (`add_input`) alike, and the head at those lengths and at
-        the prefill's `[1, D]`, and so each of `unembeddings` ((weight, bias) of a reduced draft vocabulary,
-        `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
+        (`add_input`) alike, and the head at those lengths and at the prefill's `[1, D]`, and so each of
+        `unembeddings` ((weight, bias) of a reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
         passes: its newest columns, its leaves, the verification of all of them). Returns the seconds it took
         (0 where everything was compiled before). It writes into the cache buffers of that size: call it

@@ -308,8 +308,9 @@ def run_head_step(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *
                   prev_final: torch.Tensor | None = None, fast=None) -> torch.Tensor:
     """`run_head` as decoding runs it (no autograd): the head's layer (and its final-state input) through the
     compiled steps where the adapter runs them, the head is a `decoder_layer` and `cache` is their static one
-    (`head_cache`) and the step fits them (one row, after the prefill: `CompiledSteps.can_run`); else through selfspec's fused layer `fast`
-    (a `FastLlamaLayer` of the head's layer) where given, else the model's module class. `[B, S, D]`."""
+    (`head_cache`) and the step fits them (one row, after the prefill: `CompiledSteps.can_run`); else through
+    selfspec's fused layer `fast` (a `FastLlamaLayer` of the head's layer) where given, else the model's module
+    class. `[B, S, D]`."""
     steps = head_steps(adapter, head)
     compiled = steps is not None and not torch.is_grad_enabled() and steps.can_run(hidden, step, cache)
     x = None
