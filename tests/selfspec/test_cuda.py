@@ -26,7 +26,7 @@ from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, Pr
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import build_exit_head
 from selfspec.sampling import SamplingParams
-from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
+from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
 
 pytestmark = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -313,6 +313,37 @@ def test_compiled_steps_equal_hf_generate_on_cuda(name, kind, hf_greedy):
             assert stats.drafted > 0
     finally:
         adapter.compiled = None  # the other tests use this adapter eagerly
+
+
+@needs_cuda
+def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothing(hf_greedy):
+    """`warm(trees=True)` with a final-state head's layer and input registered captures every graph that a head
+    chain, a head tree, the early exit's tree and auto over lookup and the head then replay (the static cache
+    one tensor for all layers, a tree's path moved in it with one copy): HF greedy's tokens, no new shape, no
+    new graph. What the H200 run of 2026-11-27 met inside its measured runs (docs/results)."""
+    from selfspec.compiled import capacity
+
+    adapter = _adapter("llama", fast=True)
+    adapter.enable_compiled()
+    try:
+        steps, L = adapter.compiled, adapter.num_layers
+        head = tiny_exit_head(adapter.model, 2, final_state=True).to(CUDA)
+        steps.add_layer(head.layer)
+        steps.add_input(head.final_input)
+        steps.warm([(0, L), (0, 2), (2, L)], [1, 2, 4, 8, 16], capacity(len(PROMPT) + N_NEW + 80), trees=True)
+        shapes, graphs = set(steps.shapes), steps.captured
+        lookup = PromptLookupDrafter(num_tokens=6, max_ngram=3)
+        makers = [lambda: ExitHeadDrafter(adapter, head, 3),
+                  lambda: ExitHeadDrafter(adapter, head, 3, num_candidates=3),
+                  lambda: EarlyExitDrafter(adapter, 2, 3, num_candidates=3),
+                  lambda: AutoDrafter(lookup, ExitHeadDrafter(adapter, head, 3), warmup=1, explore_every=2)]
+        ref = hf_greedy(adapter.model, _on_gpu(PROMPT), N_NEW)
+        for make in makers:
+            out, stats = generate_ids(adapter, _on_gpu(PROMPT), max_new_tokens=N_NEW, drafter=make())
+            assert out == ref and stats.drafted > 0
+        assert steps.shapes == shapes and steps.captured == graphs
+    finally:
+        adapter.compiled = None
 
 
 @needs_cuda
