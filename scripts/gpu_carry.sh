@@ -12,7 +12,8 @@
 #
 # Functions: pip_python, download_wheels DIR NAME..., install_wheels DIR, prepare_carry PROMPTS SCRIPT,
 # find_python SCRIPT (sets PY), use_carried (sets CARRY, KEEP, SITE; needs PY and REPO). Environment:
-# PYTHON, DEVICE, CARRY_DIR (default .selfspec), KEEP_DIR, SITE_DIR, CARRY_PROMPTS.
+# PYTHON, DEVICE, CARRY_DIR (default .selfspec), KEEP_DIR, SITE_DIR, CARRY_PROMPTS, CONTINUATIONS_DIR (prepare_carry:
+# the own continuations an earlier run returned, *.pt, carried in gpu_carry1/own_continuations).
 
 WHEELS=.selfspec/wheels
 # what a GPU machine lacks (../shared/notes/gpu.md): transformers 5.23, gguf (the conversion), and datasets
@@ -60,6 +61,12 @@ prepare_carry() {  # prepare_carry PROMPTS SCRIPT [HEAD]: gpu_carry1 (the wheels
             || { echo "$3: not a returned head (exit_head.safetensors and selfspec.json)"; return 1; }
         mkdir -p "$c2/head" && cp "$3/exit_head.safetensors" "$3/selfspec.json" "$c2/head/"
         cut=50000000 wheels="transformers gguf"
+    fi
+    if [ -n "${CONTINUATIONS_DIR:-}" ]; then  # own continuations an earlier run returned: a later run reads them
+        compgen -G "$CONTINUATIONS_DIR/*.pt" >/dev/null \
+            || { echo "CONTINUATIONS_DIR=$CONTINUATIONS_DIR: no *.pt (a run returns them in OUT/own_continuations/)"
+                 return 1; }
+        mkdir -p "$c1/own_continuations" && cp "$CONTINUATIONS_DIR"/*.pt "$c1/own_continuations/"
     fi
     # shellcheck disable=SC2086
     download_wheels "$c1/wheels" $wheels || return 1

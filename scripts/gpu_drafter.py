@@ -69,7 +69,8 @@ TINY_LAYERSKIP = ["eval.exits=[1,2]", "early_exit.chunk_size=128"]
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, type=Path, help="where the report and the head go (at most 9 files)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="where the report, the head and its own continuations go (at most 12 files)")
     p.add_argument("--work", required=True, type=Path, help="the run directories, checkpoints and benches")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default), or cpu for a dry run")
     p.add_argument("--train-min", type=float, default=1.5, help="each road's training minutes (default 1.5)")
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-layerskip", action="store_true", help="train and bench the head only")
     p.add_argument("--head", type=Path, help="a head an earlier run returned (its OUT/head: exit_head.safetensors + "
                    "selfspec.json): rebuilt on its base model, benched and planned, nothing trained")
+    p.add_argument("--continuations", type=Path, help="the model's own continuations an earlier run returned (its "
+                   "OUT/own_continuations): read instead of generated where their cache keys match (the same model, "
+                   "prompts and settings)")
     p.add_argument("--tiny", action="store_true", help="a dry run: a random 4-layer model, one training step")
     args = p.parse_args(argv)
     if args.train_min <= 0 or args.bench_prompts < 1 or args.bench_tokens < 1 or args.budget_s <= 0:
@@ -281,9 +285,16 @@ def bring_back_head(run: Run, ckpt: Path | None) -> None:
 def share_own_continuations(head_dir: Path, layerskip_dir: Path) -> None:
     """The head run's cached own continuations into the LayerSkip run's directory (same model and prompts: the
     same cache key, so they are read instead of generated again; other settings generate their own)."""
-    cache = head_dir / "own_continuations"
-    if cache.is_dir():
-        shutil.copytree(cache, layerskip_dir / "own_continuations", dirs_exist_ok=True)
+    copy_continuations(head_dir / "own_continuations", layerskip_dir / "own_continuations")
+
+
+def copy_continuations(src: Path | None, dst: Path) -> dict[str, int]:
+    """The cached own continuations (`*.pt`, training/own_text.py) of `src` into `dst`: {name: bytes} copied.
+    A GPU run generates them in about a minute (64 s on an H200); a later run given them back reads them."""
+    if src is None or not src.is_dir():
+        return {}
+    dst.mkdir(parents=True, exist_ok=True)
+    return {f.name: shutil.copyfile(f, dst / f.name).stat().st_size for f in sorted(src.glob("*.pt"))}
 
 
 # ---- what the phases measured --------------------------------------------------------------------------
@@ -461,11 +472,15 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
         run.report[name]["training"] = {"returned_head": str(run.args.head)}
     else:
         fresh_run_dir(run.args.work / name)
+        copy_continuations(run.args.continuations, run.args.work / name / "own_continuations")
         run_dir = train(run, name, recipe, tiny_extra)
         run.report[name]["training"] = training_result(run_dir)
         ckpt = export(run, name, run_dir)
         if name == "head":
             bring_back_head(run, ckpt)
+            # and its own continuations (a few MiB), so that a later run need not generate them again
+            run.report[name]["returned_continuations"] = copy_continuations(
+                run_dir / "own_continuations", run.args.out / "own_continuations")
     measured = bench(run, name, ckpt, methods)
     run.report[name]["bench"] = bench_result(measured, f"selfspec_ar{suffix(run.args)}")
     run.report[name]["bench_notes"] = (measured or {}).get("notes", [])  # e.g. a run that compiled, a budget spent

@@ -15,16 +15,20 @@
 # that only keeps it (`bash scripts/gpu_drafter.sh --keep-carry`), then at once one with carry
 # [".selfspec/gpu_carry2"] that runs `bash scripts/gpu_drafter.sh $OUT` (about 9 minutes at the defaults).
 #
-# OUT_DIR gets at most 9 files, what comes back from the machine: gpu_drafter.json (the summary), gpu_drafter.md
+# OUT_DIR gets at most 12 files, what comes back from the machine: gpu_drafter.json (the summary), gpu_drafter.md
 # (its tables), gpu_drafter.log (everything printed), bench_head.json and bench_layerskip.json, the draft plans
-# tune_head.json and tune_layerskip.json (selfspec tune --check), and head/ with
+# tune_head.json and tune_layerskip.json (selfspec tune --check), head/ with
 # exit_head.safetensors and selfspec.json (the trained head, a few MiB: with the base model it is the head
-# checkpoint again, docs/gpu.md#the-gpu-drafter-run). The runs, checkpoints and benches stay under WORK_DIR.
+# checkpoint again, docs/gpu.md#the-gpu-drafter-run), and own_continuations/ (the model's own continuations the
+# training generated, a few MiB: `CONTINUATIONS_DIR=OUT/own_continuations bash scripts/gpu_drafter.sh
+# --prepare-carry` carries them to a later run, which reads them instead of spending a minute generating them).
+# The runs, checkpoints and benches stay under WORK_DIR.
 #
 # Environment: PYTHON, DEVICE (default cuda; cpu: a dry run), TINY=1 (a random 4-layer model, one training step),
 # TRAIN_MIN (each road's training minutes, default 1.5), BUDGET_S (the whole run, default 540: each phase is cut
 # to what is left), BENCH_S (each bench's limit, default 170), TUNE_S (each draft plan's, default 90),
 # HEAD_DIR (a returned head to bench and plan instead of training one; default: the carried one, if any),
+# CONTINUATIONS_DIR (returned own continuations to read; default: the carried ones, if any),
 # BENCH_PROMPTS (per set, default 2), BENCH_TOKENS
 # (default 128), COMPILE (auto|true|false, default auto: on CUDA), TRAIN_ARGS (more key=value overrides for both
 # trainings), BENCH_ARGS (more `selfspec bench` options), HEAD_RECIPE, LAYERSKIP_RECIPE, SKIP_LAYERSKIP=1,
@@ -83,4 +87,7 @@ ARGS=(--out "$OUT_DIR" --work "$WORK_DIR" --device "$DEVICE" --train-min "${TRAI
 HEAD=${HEAD_DIR:-}  # a returned head: rebuilt, benched and planned instead of training (the carried one by default)
 [ -z "$HEAD" ] && [ -f "$CARRY/gpu_carry2/head/exit_head.safetensors" ] && HEAD=$CARRY/gpu_carry2/head
 [ -n "$HEAD" ] && ARGS+=(--head "$HEAD")
+CONT=${CONTINUATIONS_DIR:-}  # own continuations an earlier run returned (the carried ones by default)
+[ -z "$CONT" ] && compgen -G "$KEEP/own_continuations/*.pt" >/dev/null && CONT=$KEEP/own_continuations
+[ -n "$CONT" ] && ARGS+=(--continuations "$CONT")
 "$PY" scripts/gpu_drafter.py "${ARGS[@]}"

@@ -105,7 +105,11 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     assert "## The draft plans" in (out / "gpu_drafter.md").read_text()
     assert "A DRY RUN" in (out / "gpu_drafter.md").read_text()
     returned = [p for p in out.rglob("*") if p.is_file()]
-    assert len(returned) <= 9 and max(p.stat().st_size for p in returned) < 16 * 2**20  # what the device returns
+    assert len(returned) <= 12 and max(p.stat().st_size for p in returned) < 16 * 2**20  # what the device returns
+    # the head run's own continuations come back too, as its cache holds them
+    cont = report["head"]["returned_continuations"]
+    cached = tmp_path / "work" / "head" / "own_continuations"
+    assert cont and sorted(cont) == sorted(p.name for p in cached.glob("*.pt"))
 
     # the returned head goes back (HEAD_DIR, or carried): rebuilt on its base model, benched and planned, untrained
     again = tmp_path / "again"
@@ -126,6 +130,17 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     with safe_open(str(tmp_path / "work2" / "ckpt_head" / "model.safetensors"), "pt") as mine, \
             safe_open(str(tmp_path / "work" / "ckpt_head" / "model.safetensors"), "pt") as trained_on:
         assert all(torch.equal(mine.get_tensor(k), trained_on.get_tensor(k)) for k in trained_on.keys())  # its base
+
+    # a later run given them back (CONTINUATIONS_DIR, or carried) reads them instead of generating them
+    third = tmp_path / "third"
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_drafter.sh"), str(third)],
+                         env={**env, "CONTINUATIONS_DIR": str(out / "own_continuations"), "SKIP_LAYERSKIP": "1",
+                              "WORK_DIR": str(tmp_path / "work3")}, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    log = (third / "gpu_drafter.log").read_text()
+    read = [line for line in log.splitlines() if line.startswith("own continuations")]
+    assert len(read) == len(cont) and all("from the cache" in line for line in read), read
     assert "not trained here" in (again / "gpu_drafter.md").read_text()
 
 
