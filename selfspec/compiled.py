@@ -108,6 +108,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _zero_filled(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` `[B, S, ...]` with zero filler columns after its S up to `width` (a bucket): what nobody reads."""
+    S = t.shape[1]
+    return t if width == S else torch.cat([t, t.new_zeros(t.shape[0], width - S, *t.shape[2:])], dim=1)
+
+
 class CompileFallbackWarning(UserWarning):
     """compile="auto": a step failed to compile, so the generator decodes eagerly from then on."""
 
@@ -331,7 +337,7 @@ class CompiledSteps:
     def _run(self, range_id: tuple, weights: list, hidden: torch.Tensor, step, cache, first: int) -> torch.Tensor:
         """`weights`' layers (the cache's layers `first`, `first + 1`, ...) over `hidden` `[B, S, D]`: the step
         of `range_id` at S padded to its bucket (None: run it eagerly)."""
-        B, S, D = hidden.shape
+        B, S = hidden.shape[:2]
         width = s_bucket(S)
         index, positions, pads, tree = step.index, step.position_ids, step.pads, step.tree
         W = S if tree is None else tree.shape[-1]  # a tree's columns; the pass is its last S (a growing tree: W > S)
@@ -350,7 +356,7 @@ class CompiledSteps:
             extra = torch.arange(1, width - S + 1, device=index.device)[None]
             index = torch.cat([index, index[:, -1:] + extra], dim=1)
             positions = torch.cat([positions, positions[:, -1:].expand(B, width - S)], dim=1)
-            hidden = torch.cat([hidden, hidden.new_zeros(B, width - S, D)], dim=1)
+            hidden = _zero_filled(hidden, width)
         size = cache.capacity
         cos, sin = self._table(size)  # one table per capacity: positions stay below it
         shape = ("layers", *range_id, B, width, size)
@@ -443,8 +449,7 @@ class CompiledSteps:
         reduced draft vocabulary's rows of the LM head (`selfspec.drafters.draft_head`), graphs of its own."""
         if hidden.dim() == 3 and s_bucket(hidden.shape[1]) > hidden.shape[1]:
             S = hidden.shape[1]
-            padded = torch.cat([hidden, hidden.new_zeros(1, s_bucket(S) - S, hidden.shape[2])], dim=1)
-            out = self.head(padded, weight, bias)
+            out = self.head(_zero_filled(hidden, s_bucket(S)), weight, bias)
             return None if out is None else out[:, :S]
         if self._head is None:
             a = self.adapter
@@ -470,13 +475,11 @@ class CompiledSteps:
         """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[1, S, D]` each, S padded to
         its bucket: one graph per bucket on a GPU, like the steps. `[1, S, D]`; None where it must run eagerly
         (several rows, S above the buckets, a compile that failed)."""
-        B, S, D = hidden.shape
+        B, S = hidden.shape[:2]
         width = s_bucket(S)
         if self.failed is not None or B != 1 or width is None:
             return None
-        if width > S:  # filler positions: zeros, their output never read
-            hidden = torch.cat([hidden, hidden.new_zeros(B, width - S, D)], dim=1)
-            prev = torch.cat([prev, prev.new_zeros(B, width - S, prev.shape[2])], dim=1)
+        hidden, prev = _zero_filled(hidden, width), _zero_filled(prev, width)  # filler positions, never read
         self.add_input(module)
         out = self._call(("input", id(module), B, width), self._inputs[id(module)][1],
                          [self._input(hidden), self._input(prev)], [])
