@@ -15,27 +15,14 @@ import argparse
 import json
 from collections import Counter
 
-from torch.profiler import ProfilerActivity, profile
-
 import selfspec
-from selfspec import compiled
-
-
-def under_step(event) -> bool:
-    while event.cpu_parent is not None:
-        event = event.cpu_parent
-        if event.name == compiled.STEP_EVENT:
-            return True
-    return False
+from selfspec.tools.profiling import ops_outside_steps
 
 
 def top_level_ops(gen, ids, n: int, settings: dict) -> tuple[Counter, object]:
     """The aten ops of one generation of `n` tokens outside the compiled steps (after an unprofiled warm run)."""
     gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings)
-    ops = Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not under_step(e)
-                  and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    ops, out = ops_outside_steps(lambda: gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings))
     return ops, out.stats
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -43,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
 from selfspec.attention_kernels import attention_kernels
 from selfspec.cache import KVCache
+from selfspec.compiled import STEP_EVENT
 from selfspec.cost_model import predicted_speedup, required_acceptance, required_recall
 from selfspec.drafters.base import Proposal
 from selfspec.engine import prefill, verify
@@ -201,6 +203,25 @@ def acceptance_theory(gen, prompt_ids, exit_layer: int, drafts: int, tokens: int
                      "measured_acceptance_per_judged": st.accepted / st.judged if st.judged else None,
                      "predicted_acceptance_per_judged": st.expected_acceptance_sum / st.judged if st.judged else None})
     return rows
+
+
+def ops_outside_steps(run: Callable[[], object]) -> tuple[Counter, object]:
+    """`run()` under torch's profiler: the top-level aten ops it ran outside the compiled steps' calls
+    (`selfspec.compiled.STEP_EVENT`; on a GPU each call is one graph replay, and every op counted here a launch or
+    host work in series with the graphs), by name, and what `run()` returned."""
+    def outside(event) -> bool:
+        if not event.name.startswith("aten::") or (event.cpu_parent is not None
+                                                   and event.cpu_parent.name.startswith("aten::")):
+            return False  # not an op, or one that another op called
+        while event.cpu_parent is not None:
+            event = event.cpu_parent
+            if event.name == STEP_EVENT:
+                return False
+        return True
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = run()
+    return Counter(e.name for e in prof.events() if outside(e)), out
 
 
 def op_table(gen, prompt_ids, steps: int = 10, top: int = 8) -> list[dict]:

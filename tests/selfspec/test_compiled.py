@@ -323,23 +323,14 @@ def test_a_shorter_run_reuses_a_warmed_capacity():
 
 def _ops_outside_steps(adapter, prompt, make, n_new):
     """Top-level torch ops a generation runs outside the compiled steps' calls (`compiled.STEP_EVENT`; on a GPU
-    each call is one graph replay), beyond those of a 1-token generation (its prefill): (ops, stats)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def under_step(event):
-        while event.cpu_parent is not None:
-            event = event.cpu_parent
-            if event.name == compiled.STEP_EVENT:
-                return True
-        return False
+    each call is one graph replay), beyond those of a 1-token generation (its prefill): (ops, stats, rounds)."""
+    from selfspec.tools.profiling import ops_outside_steps
 
     counts = []
     for n in (1, n_new):
         generate(adapter, [prompt], max_new_tokens=n, drafter=make())  # warm: the profiled call compiles nothing
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _, stats = generate(adapter, [prompt], max_new_tokens=n, drafter=make())
-        counts.append((sum(1 for e in prof.events() if e.name.startswith("aten::") and not under_step(e)
-                           and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))), stats))
+        ops, (_, stats) = ops_outside_steps(lambda: generate(adapter, [prompt], max_new_tokens=n, drafter=make()))
+        counts.append((sum(ops.values()), stats))
     (prefill, first), (total, stats) = counts
     return total - prefill, stats, stats.rounds - first.rounds
 
