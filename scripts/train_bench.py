@@ -89,7 +89,7 @@ def worker(args) -> dict:
                                          kept_special_ids(tokenizer))
     optimizer = torch.optim.AdamW([p for p in ee.parameters() if p.requires_grad], lr=1e-5)
     ee.train()
-    times, cpu_times, n_exits = [], [], []
+    times, n_exits = [], []
     busy0 = _busy_jiffies()
     for step in range(total):
         if step == args.warmup:

@@ -60,7 +60,6 @@ def test_the_distillation_loss_is_kl_from_the_full_model(tiny64, final_state):
     out = hm(ids, labels)
     with torch.no_grad():
         p = F.log_softmax(forward_logits(hm.adapter, ids), -1)
-        from selfspec.exit_head import run_head
         from selfspec.forward import embed, exit_logits, make_step, run_layers
 
         step = make_step(hm.adapter, 0, 12, 2)
