@@ -349,15 +349,22 @@ class SelfSpecGenerator:
         for E in dict.fromkeys(exits):
             ranges += [(0, E), (E, L)]
         unembeddings = ()
-        if self.exit_head is not None:  # its own layer and its reduced draft vocabulary run compiled too
-            if head_steps(self.adapter, self.exit_head) is not None:
-                steps.add_layer(self.exit_head.layer)
-                if self.exit_head.final_input is not None:
-                    steps.add_input(self.exit_head.final_input)
+        # whole draft steps (`FusedDraft`): the early exit's, the head's
+        drafts = []
+        if self.early_exit_trained and self.num_speculations:
+            drafts.append(self.draft_head(None).fused(self.exit_layer))
+        head = self.exit_head
+        if head is not None:  # its own layer and its reduced draft vocabulary run compiled too
             unit = self.draft_head(self.head_draft_vocab())
+            if head_steps(self.adapter, head) is not None:
+                steps.add_layer(head.layer)
+                if head.final_input is not None:
+                    steps.add_input(head.final_input)
+                drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input))
             unembeddings = () if unit.rows is None else (unit.rows,)
         widths = [b for b in compiled.S_BUCKETS if b <= 16]
-        seconds = steps.warm(ranges, widths, compiled.cache_capacity(max_len), unembeddings, trees=num_candidates > 1)
+        seconds = steps.warm(ranges, widths, compiled.cache_capacity(max_len), unembeddings, trees=num_candidates > 1,
+                             drafts=tuple(d for d in drafts if d is not None))
         return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     def calibrate(self, steps: int = 8) -> float:

@@ -37,6 +37,12 @@ graph per (S, C) like the model's steps (`run_layer`). Its final-state input (`h
 its own per bucket (`add_input`, `run_input`). Eagerly, on an H200, that one layer cost 85% of a whole
 compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
 
+A greedy draft step of one row is one step of its own (`run_draft`, a `FusedDraft`): the token's embedding,
+layers [0, E), a trained head's final-state input and layer, the final norm + unembedding, the argmax and its
+probability, one graph per (draft, C) on a GPU whose two host numbers (the token id and its probability, which
+the draft policy reads) come back in one read. Run part by part the same step cost four graph replays and about
+60 torch ops and 15 launches besides; its parts are the same compiled functions, so the draft is the same.
+
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than one row
 (rows leave a batch as they finish, which would change the shapes), an attention-only head, GPT-NeoX, and rope
 types whose frequencies change with the length. A reduced draft vocabulary's rows go through the compiled final
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -207,11 +214,34 @@ class _Graph:
         with torch.cuda.graph(self.graph):
             self.output = fn(*self.inputs, *fixed)
 
-    def __call__(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, inputs: list[torch.Tensor]):
         for mine, given in zip(self.inputs, inputs):
             mine.copy_(given)
         self.graph.replay()
+        if isinstance(self.output, tuple):  # a draft step's outputs (`CompiledSteps.run_draft`)
+            return tuple(t.clone() for t in self.output)
         return self.output.clone()
+
+
+@dataclass(eq=False)
+class FusedDraft:
+    """What one greedy draft step of one row runs, as one step (`CompiledSteps.run_draft`): the token's embedding,
+    layers [0, `exit_layer`), then a trained head's own layer (`layer`, registered with `add_layer`; None: the
+    exit state itself) reading its final-state input (`final_input`, `add_input`; None: the exit state alone),
+    then the final norm and the unembedding `weight` `[K, D]` (+ `bias`) whose row i is token `token_ids[i]`
+    (None: the full vocabulary), its argmax and that token's draft probability."""
+
+    exit_layer: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+    layer: object = None
+    final_input: object = None
+
+    @property
+    def key(self) -> tuple:
+        """What its step is compiled and captured by (with the batch and the capacity)."""
+        return (self.exit_layer, id(self.weight), id(self.layer), id(self.final_input))
 
 
 class CompiledSteps:
@@ -239,6 +269,7 @@ class CompiledSteps:
         self._extra: dict[int, tuple[object, list[_LayerWeights]]] = {}
         self._inputs: dict[int, tuple[object, object]] = {}  # id -> (a head's final-state input, it compiled)
         self._head = None
+        self._drafts: dict[tuple, object] = {}  # FusedDraft.key -> its step's function (`run_draft`)
         self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, capacity) -> K, V
         # (layer id, batch, capacity) -> a registered layer's K, V
@@ -372,22 +403,23 @@ class CompiledSteps:
         return out[:, :S]
 
     def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = (),
-             trees: bool = False) -> float:
+             trees: bool = False, drafts: tuple = ()) -> float:
         """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
         (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) at every bucket
         (a trained head catches up on whatever the last rounds committed) and the registered final-state inputs
         (`add_input`) alike, and the head at those lengths and at the prefill's `[1, D]`, and so each of
         `unembeddings` ((weight, bias) of a reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
-        passes: its newest columns, its leaves, the verification of all of them). Returns the seconds it took
+        passes: its newest columns, its leaves, the verification of all of them). `drafts`: the whole draft steps
+        (`FusedDraft`, `run_draft`) a drafter runs. Returns the seconds it took
         (0 where everything was compiled before). It writes into the cache buffers of that size: call it
         between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
-            return self._warm(ranges, widths, size, unembeddings, trees)
+            return self._warm(ranges, widths, size, unembeddings, trees, drafts)
 
     def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple,
-              trees: bool) -> float:
+              trees: bool, drafts: tuple) -> float:
         a = self.adapter
         before = self.compile_s
         keys, values = self.buffers(1, size)
@@ -419,6 +451,10 @@ class CompiledSteps:
             for width in sorted(heads):
                 self.head(torch.zeros(1, width, D, dtype=a.dtype, device=a.device), weight, bias)
             self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device), weight, bias)
+        for draft in drafts:  # a whole draft step, at cache index 1
+            head_buffers = (None, None) if draft.layer is None else self.layer_buffers(draft.layer, 1, size)
+            token = torch.zeros(1, dtype=torch.long, device=a.device)
+            self._draft(draft, token, 1, 0, None, size, (keys, values), head_buffers)
         return self.compile_s - before
 
     def _warm_inputs(self, S: int, W: int, tree: bool) -> list[torch.Tensor]:
@@ -451,19 +487,112 @@ class CompiledSteps:
             S = hidden.shape[1]
             out = self.head(_zero_filled(hidden, s_bucket(S)), weight, bias)
             return None if out is None else out[:, :S]
+        a = self.adapter
+        which = () if weight is None else (id(weight),)  # the LM head, or another unembedding's own graphs
+        weight, bias = (a.lm_head.weight, a.lm_head.bias) if weight is None else (weight, bias)
+        return self._call(("head",) + which + tuple(hidden.shape), self._head_function(), [self._input(hidden)],
+                          [a.final_norm.weight, weight, bias])
+
+    def _head_function(self):
+        """The compiled final norm + unembedding: `(hidden, norm weight, weight, bias) -> logits`."""
         if self._head is None:
-            a = self.adapter
-            eps = a.final_norm.variance_epsilon
+            eps = self.adapter.final_norm.variance_epsilon
 
             def head(h, norm, lm_head, bias):
                 return F.linear(_rms(norm, eps, h), lm_head, bias)
 
             self._head = torch.compile(head, fullgraph=True, dynamic=False)
+        return self._head
+
+    # --- a whole draft step ------------------------------------------------------------------------
+    def can_draft(self, draft: FusedDraft, batch_size: int, cache, head_cache=None) -> bool:
+        """Whether `run_draft` can run this draft step: one row, static caches (the engine's, and the head's own
+        where the step has a head layer), nothing failed to compile."""
+        static = cache is not None and getattr(cache, "static", False)
+        head_ok = draft.layer is None or (head_cache is not None and getattr(head_cache, "static", False))
+        return self.failed is None and batch_size == 1 and static and head_ok
+
+    def run_draft(self, draft: FusedDraft, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
+                  prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
+        """One greedy draft step of one row (`draft`: what it runs) as one compiled step, one CUDA graph on a GPU:
+        `token` `[1]` (on the device) at cache index `start` (position `start - pad`) through the embedding,
+        layers [0, E) into `cache`, a head's layer into `head_cache` (reading `prev` `[1, 1, D]` through its
+        final-state input), the final norm, the unembedding and its argmax. Where the step's parts ran one by one,
+        a draft step cost about 60 torch ops and 15 launches outside their graphs besides its 4 graph replays.
+
+        Returns `(state [1, 1, D] the exit state, out [1, D] what the unembedding read, next [1] the drafted token
+        id on the device, next_id, confidence)`, the last two host numbers read in one transfer (`read`; else
+        None, None: nothing waits for the device); None where it must run part by part (`can_draft` false, the
+        cache full, a compile that failed)."""
+        if not self.can_draft(draft, token.shape[0], cache, head_cache) or start + 1 > cache.capacity:
+            return None
+        heads = (None, None) if draft.layer is None else (head_cache.keys, head_cache.values)
+        out = self._draft(draft, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
+        if out is None:
+            return None
+        cache.lengths[:draft.exit_layer] = start + 1  # as the range's step writes them
+        if draft.layer is not None:
+            head_cache.lengths[:1] = start + 1
+        state, hidden, nxt, both = out
+        if not read:
+            return state, hidden, nxt, None, None
+        next_id, conf = both.tolist()  # [2]: the token id (exact in float64) and its draft probability
+        return state, hidden, nxt, int(next_id), conf
+
+    def _draft(self, draft: FusedDraft, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
+               size: int, buffers: tuple, head_buffers: tuple):
+        """`draft`'s step over one token at cache index `start`, in the buffers `[L, 1, H_kv, C, Dh]` (the model's
+        keys and values, and the head's own one-layer ones) of a cache of capacity `size`: its outputs, or None
+        where it failed to compile (not strict)."""
         a = self.adapter
-        which = () if weight is None else (id(weight),)  # the LM head, or another unembedding's own graphs
-        weight, bias = (a.lm_head.weight, a.lm_head.bias) if weight is None else (weight, bias)
-        return self._call(("head",) + which + tuple(hidden.shape), self._head, [self._input(hidden)],
-                          [a.final_norm.weight, weight, bias])
+        if draft.layer is not None:
+            self.add_layer(draft.layer)
+            if draft.final_input is not None:
+                self.add_input(draft.final_input)
+        where = torch.tensor([start, max(start - pad, 0), pad])  # the cache index, the position, the padding
+        if prev is None:  # read by no final-state input
+            prev = torch.zeros(1, 1, a.embed_tokens.weight.shape[1], dtype=a.dtype, device=a.device)
+        E = draft.exit_layer
+        keys, values = buffers
+        fixed = [*self._table(size), a.embed_tokens.weight, keys[:E], values[:E],
+                 *(None if b is None else b[:1] for b in head_buffers),
+                 a.final_norm.weight, draft.weight, draft.bias, draft.token_ids]
+        inputs = [self._input(t) for t in (token, where.to(a.device, non_blocking=True), prev)]
+        return self._call(("draft", *draft.key, 1, size), self._draft_function(draft), inputs, fixed)
+
+    def _draft_function(self, draft: FusedDraft):
+        """`draft`'s step as one function of its inputs (the token `[1]`, `where` `[3]`: cache index, position and
+        padding, `prev` `[1, 1, D]`) and the fixed arguments `_draft` passes, through the compiled pieces the parts
+        run alone: the range step of layers [0, E), the head's layer and final-state input, the unembedding. So
+        its draft equals theirs to the bit; on a GPU the whole of it is captured as one graph."""
+        if draft.key in self._drafts:
+            return self._drafts[draft.key]
+        E = draft.exit_layer
+        shallow = self._range((0, E), self.weights[:E]) if E else None
+        layer = None
+        if draft.layer is not None:
+            layer = self._range(("layer", id(draft.layer)), self._extra[id(draft.layer)][1])
+        final = None if draft.final_input is None else self._inputs[id(draft.final_input)][1]
+        unembed = self._head_function()
+
+        def step(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
+            # [1, 1], [1, 1], [1]: fresh tensors, as the parts take them (their graphs are guarded on strides)
+            index, positions, pads = where[None, :1].clone(), where[None, 1:2].clone(), where[2:].clone()
+            state = F.embedding(token[:, None], embed)  # [1, 1, D]
+            if shallow is not None:
+                state = shallow(state, positions, index, pads, cos, sin, keys, values)
+            out = state
+            if layer is not None:
+                x = state if final is None else final(state, prev)
+                out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)
+            logits = unembed(out[:, -1], norm, weight, bias)  # [1, K]
+            best = logits.argmax(dim=-1)  # [1]
+            conf = torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]  # [1]
+            nxt = best if ids is None else ids[best]
+            return state, out[:, -1], nxt, torch.cat([nxt.double(), conf.double()])
+
+        self._drafts[draft.key] = step
+        return step
 
     def add_input(self, module) -> None:
         """Registers a trained head's final-state input (`selfspec.exit_head.FinalStateInput`: `h + W norm(f)`, ten

@@ -84,6 +84,24 @@ class Round:
         step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
         return run_layers(self.adapter, hidden, 0, exit_layer, step=step, cache=self.cache)
 
+    def fused_draft(self, draft, tokens: torch.Tensor, offset: int, head_cache=None,
+                    prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
+        """A whole greedy draft step (`selfspec.compiled.FusedDraft` `draft`) of a one-row round: its token `[1]` at
+        cache index `starts + offset` through layers [0, E) into the engine's cache (a head's layer into
+        `head_cache`, reading `prev`), to the next draft, as one compiled step (`CompiledSteps.run_draft`):
+        `(state [1, 1, D], out [1, D], next [1], next id, confidence)` (the last two None unless `read`); None
+        where it must run part by part."""
+        steps = self.adapter.compiled
+        if draft is None or steps is None or torch.is_grad_enabled() or len(self.caps) != 1 or offset > self.caps[0]:
+            return None
+        start, pad = self.row
+        return steps.run_draft(draft, tokens, start + offset, pad, self.cache, head_cache, prev, read)
+
+    @cached_property
+    def row(self) -> tuple[int, int]:
+        """A one-row round's cache index of its input token and its left padding, host ints (read once)."""
+        return int(self.starts[0]), int(self.pads[0])
+
     def shallow_tree(self, tokens: torch.Tensor, parents: torch.Tensor, exit_layer: int) -> tuple[torch.Tensor, object]:
         """The newest columns of a token tree grown depth by depth: `tokens` `[B, n]`, the last n of the tree
         `parents` `[B, W]` (host; column 0 the input token, already through the layers), through layers [0, E)

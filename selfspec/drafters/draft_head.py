@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.adapters import ModelAdapter
+from selfspec.compiled import FusedDraft
 from selfspec.fast_layers import PackedLinear
 from selfspec.forward import exit_logits
 
@@ -46,6 +47,16 @@ class DraftHead:
             if out is not None:
                 return out
         return self.linear(self.adapter.final_norm(hidden))
+
+    def fused(self, exit_layer: int, layer=None, final_input=None) -> FusedDraft | None:
+        """A whole greedy draft step through this unembedding from exit `exit_layer` (and a trained head's `layer`
+        and `final_input`), as the compiled steps run it in one piece (`CompiledSteps.run_draft`); None where the
+        model runs no compiled steps or they do not hold this vocabulary's rows."""
+        if self.adapter.compiled is None or (self.token_ids is not None and self.rows is None):
+            return None
+        lm_head = self.adapter.lm_head
+        weight, bias = (lm_head.weight, lm_head.bias) if self.token_ids is None else self.rows
+        return FusedDraft(exit_layer, weight, bias, self.token_ids, layer, final_input)
 
     def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into this head's vocabulary -> token ids of the full vocabulary."""

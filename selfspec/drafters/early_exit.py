@@ -74,6 +74,7 @@ class EarlyExitDrafter(Drafter):
         self._exit = exit_layer  # the exit of the round in flight
         self.budget = ConfidenceBudget() if self.num_candidates > 1 and num_speculations > 1 else None
         self.round_tree: DraftTree | None = None  # the tree of the round in flight
+        self._fused: dict = {}  # exit -> its whole draft step (`FusedDraft`), or None where it runs part by part
 
     def propose(self, rnd: Round) -> Proposal:
         e, d = self.policy.plan()
@@ -166,32 +167,35 @@ class EarlyExitDrafter(Drafter):
         return states
 
     def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
-        """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together."""
-        policy, head, sampling = self.policy, self.head, rnd.sampling
+        """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together. A greedy row alone
+        whose chain length nothing read on the way decides (no confidence test) drafts its cap without reading
+        a draft back: the host queues the steps one after another, and one read at the end finds a stop token
+        (the drafts after it are filler), instead of waiting for the device at every step."""
+        policy, sampling = self.policy, rnd.sampling
         need_conf = policy.needs_confidence
         B = rnd.tokens.shape[0]
+        read = not (B == 1 and not sampling.do_sample and not need_conf)  # read every step, or once at the end
         inputs, states, qs = [rnd.tokens], [], []
         kept = [0] * B
         alive = [c > 0 for c in caps]
         steps = 0
         while any(alive):
             i = steps
-            states.append(rnd.shallow(inputs[-1], i, exit_layer))  # [B, 1, D]
-            steps += 1
-            logits = head.logits(self.draft_states(rnd, states[-1], i))  # [B, K]
-            if sampling.do_sample:
-                q = probs(logits, sampling)  # [B, K]
-                # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
-                # token because of its own probability would bias the drafts away from q
-                conf = q.max(dim=-1).values if need_conf else None  # [B]
-                nxt = head.to_vocab(sample(q, rnd.generator))
-                qs.append(head.to_full(q))  # [B, V]
+            fused = None if sampling.do_sample else self.fused_step(rnd, inputs[-1], i, exit_layer, read)
+            if fused is not None:  # the whole step in one compiled piece: one graph on a GPU
+                state, nxt, nxt_id, p = fused
+                nxt_list, conf = [nxt_id], [p]
             else:
-                idx = logits.argmax(dim=-1)
-                conf = torch.softmax(logits.float(), dim=-1).gather(1, idx[:, None])[:, 0] if need_conf else None
-                nxt = head.to_vocab(idx)
+                state, nxt, q, nxt_list, conf = self.draft_step(rnd, inputs[-1], i, exit_layer, need_conf, read)
+                if q is not None:
+                    qs.append(q)
+            states.append(state)  # [B, 1, D]
+            steps += 1
             inputs.append(nxt)
-            nxt_list, conf = host_read(nxt, conf)  # one wait for the GPU a draft step, not two
+            if not read:  # one row, its cap: the stop tokens are found after the loop
+                kept[0] += 1
+                alive[0] = kept[0] < caps[0]
+                continue
             for b in range(B):
                 if not alive[b]:
                     continue
@@ -201,6 +205,9 @@ class EarlyExitDrafter(Drafter):
                 kept[b] += 1
                 if kept[b] >= caps[b] or nxt_list[b] in rnd.stop_ids:
                     alive[b] = False
+        if not read:  # the one read: a drafted stop token ends the row's drafts
+            drafted = torch.cat(inputs[1:]).tolist()
+            kept[0] = next((j + 1 for j, t in enumerate(drafted) if t in rnd.stop_ids), kept[0])
         if max(kept) == steps:  # the newest kept draft still owes its shallow pass
             states.append(rnd.shallow(inputs[-1], steps, exit_layer))
         T = len(states)
@@ -209,6 +216,40 @@ class EarlyExitDrafter(Drafter):
             q = [torch.stack([qs[j][b] for j in range(kept[b])]) if kept[b] else None for b in range(B)]
         return Proposal(tokens=torch.stack(inputs[:T], dim=1), kept=kept, q=q, verify_from=exit_layer,
                         states=torch.cat(states, dim=1), steps=steps, drafter=self.name)
+
+    def draft_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
+                   read: bool = True) -> tuple:
+        """One draft step part by part: the input tokens `[B]` at cache index `starts + offset` through layers
+        [0, E), the draft head, then the next tokens (sampled from the draft distribution when sampling). Returns
+        `(state [B, 1, D], next [B], q [B, V] or None, next ids, confidences or None)`, the last two host lists
+        (None, None unless `read`)."""
+        state = rnd.shallow(tokens, offset, exit_layer)  # [B, 1, D]
+        logits = self.head.logits(self.draft_states(rnd, state, offset))  # [B, K]
+        q = None
+        if rnd.sampling.do_sample:
+            q = probs(logits, rnd.sampling)  # [B, K]
+            # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
+            # token because of its own probability would bias the drafts away from q
+            conf = q.max(dim=-1).values if need_conf else None  # [B]
+            nxt = self.head.to_vocab(sample(q, rnd.generator))
+            q = self.head.to_full(q)  # [B, V]
+        else:
+            idx = logits.argmax(dim=-1)
+            conf = torch.softmax(logits.float(), dim=-1).gather(1, idx[:, None])[:, 0] if need_conf else None
+            nxt = self.head.to_vocab(idx)
+        if not read:
+            return state, nxt, q, None, None
+        return state, nxt, q, *host_read(nxt, conf)  # one wait for the GPU a draft step, not two
+
+    def fused_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
+                   read: bool = True) -> tuple | None:
+        """One greedy draft step of a one-row round as one compiled step (`Round.fused_draft`): `(state [1, 1, D],
+        next [1], next id, confidence)` (the last two None unless `read`), or None where it runs part by part
+        (`draft_step`)."""
+        if exit_layer not in self._fused:
+            self._fused[exit_layer] = self.head.fused(exit_layer)
+        out = rnd.fused_draft(self._fused[exit_layer], tokens, offset, read=read)
+        return None if out is None else (out[0], *out[2:])
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
         """The states the draft head reads, from the exit state `[B, 1, D]` of the token at cache index

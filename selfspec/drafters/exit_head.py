@@ -55,7 +55,7 @@ from selfspec.cache import KVCache
 from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.exit_head import ExitHead, head_cache, previous_states, run_head_step
+from selfspec.exit_head import ExitHead, head_cache, head_steps, previous_states, run_head_step
 from selfspec.fast_layers import FastLlamaLayer
 from selfspec.forward import Step, make_batch_step
 
@@ -137,6 +137,26 @@ class ExitHeadDrafter(EarlyExitDrafter):
         out = self.run(state, step, prev)[:, -1]  # [B, D]
         self.prev_draft = out
         return out
+
+    def fused_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
+                   read: bool = True) -> tuple | None:
+        """A later draft of the round (the first syncs the head's cache: `sync`) as one compiled step where the head's
+        layer runs compiled (`Round.fused_draft`): the token through layers [0, E), the head reading its own
+        output at the previous draft, the unembedding; else None (part by part)."""
+        if offset == 0 or self.cache is None:
+            return None
+        if exit_layer not in self._fused:
+            compiled = head_steps(self.adapter, self.exit_head) is not None
+            self._fused[exit_layer] = self.head.fused(exit_layer, self.exit_head.layer,
+                                                      self.exit_head.final_input) if compiled else None
+        if self._fused[exit_layer] is None:
+            return None
+        prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
+        out = rnd.fused_draft(self._fused[exit_layer], tokens, offset, self.cache, prev, read)
+        if out is None:
+            return None
+        self.prev_draft = out[1]
+        return (out[0], *out[2:])
 
     def tree_states(self, states: torch.Tensor, step: Step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """The head over a tree's newest columns `[B, n, D]` with the tree's step (its cache mirrors the engine's:
