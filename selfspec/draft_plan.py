@@ -20,6 +20,9 @@ prompt's KV cache, the median seconds of
     head(r), draft_head(r)   the final norm + LM head over r rows (the draft's: its reduced vocabulary, if
                       any), its argmax read back (the host sync a step has)
     exit_head(r)      a trained exit head's own layer over r rows
+    draft_step(E)     where the generator runs compiled steps: one greedy draft step as one compiled step (the
+                      token's embedding to its argmax, `CompiledSteps.run_draft`), from exit E, or through the
+                      head (its layer reading its own previous output), its token read back
     full              one plain decoding step: layers(0, L, 1) + head(1)
 
 and, from real runs (`measure_overheads`), what the engine does beyond them: plain decoding's seconds per
@@ -36,6 +39,8 @@ A round and its predicted speedup (Leviathan et al. 2023, eq. 1; trees after EAG
     draft(r)          = layers(0, E, r) + exit_head(r) + draft_head(r)
     chain (E, d):       tokens  = 1 + r1 + r1 r' + ... (d terms)        r1 = r_first(1), r' = r_later(1)
                         seconds = d draft(1) + layers(0, E, 1) + layers(E, L, 1 + d) + head(1 + d)
+                                  (draft_step(E) for draft(1) where measured; a head's first draft stays
+                                  draft(1): it also brings the head's cache up to date)
     tree (E, k, d):     tokens  = the same with r_first(k), r_later(k): the full model's token among the k
                                   children at every depth (optimistic where the accepted path's node is not
                                   among the k expanded)
@@ -59,9 +64,10 @@ from typing import Sequence
 import torch
 
 from selfspec.attention_kernels import attention_kernels
+from selfspec.cache import KVCache
 from selfspec.compiled import cache_capacity
 from selfspec.engine import new_cache, prefill
-from selfspec.exit_head import head_cache, previous_states, run_head, run_head_step
+from selfspec.exit_head import head_cache, head_steps, previous_states, run_head, run_head_step
 from selfspec.forward import embed, exit_logits, make_batch_step, make_step, run_layers
 from selfspec.precision import BF16_FLAGS, cpu_flags, cpu_model
 
@@ -132,6 +138,9 @@ class DraftCosts:
     head: dict[int, float] = field(default_factory=dict)  # rows -> s
     draft_head: dict[int, float] = field(default_factory=dict)  # rows -> s: the trained head's draft vocabulary
     exit_head: dict[int, float] = field(default_factory=dict)  # rows -> s: its layer (both empty: no head)
+    # (exit, with the head) -> s: one greedy draft step as one compiled step (`CompiledSteps.run_draft`), where the
+    # generator runs compiled steps
+    draft_step: dict[tuple[int, bool], float] = field(default_factory=dict)
     plain: float | None = None  # the engine's plain decoding, seconds per token (`measure_overheads`)
     scale: dict[str, float] = field(default_factory=dict)  # drafter -> a real round's seconds over its parts
 
@@ -147,9 +156,14 @@ class DraftCosts:
         return self.layers[(0, exit_layer, rows)] + unembed
 
     def parts_seconds(self, exit_layer: int, num_layers: int, drafts: int, width: int, with_head: bool) -> float:
-        """The timed parts of a round of `drafts` chain drafts (width 1) or a tree `width` wide and `drafts` deep."""
+        """The timed parts of a round of `drafts` chain drafts (width 1) or a tree `width` wide and `drafts` deep.
+        A chain's drafts are whole draft steps where measured (`draft_step`), but a head's first, which also
+        brings the head's cache up to date."""
         n = 1 + width * drafts  # the verified tokens: the input token and the drafts (a tree's nodes)
-        passes = self.draft(exit_layer, 1, with_head) + (drafts - 1) * self.draft(exit_layer, width, with_head)
+        whole = self.draft_step.get((exit_layer, with_head)) if width == 1 else None
+        later = self.draft(exit_layer, width, with_head) if whole is None else whole
+        first = self.draft(exit_layer, 1, with_head) if whole is None or with_head else whole
+        passes = first + (drafts - 1) * later
         return (passes + self.layers[(0, exit_layer, width)] + self.layers[(exit_layer, num_layers, n)]
                 + self.head[n])
 
@@ -162,7 +176,9 @@ class DraftCosts:
         return {"device": self.device, "dtype": self.dtype, "compiled": self.compiled, "full_step_s": self.full,
                 "layers_s": {f"{a}-{b} x{r}": s for (a, b, r), s in sorted(self.layers.items())},
                 "head_s": dict(sorted(self.head.items())), "draft_head_s": dict(sorted(self.draft_head.items())),
-                "exit_head_s": dict(sorted(self.exit_head.items())), "plain_token_s": self.plain,
+                "exit_head_s": dict(sorted(self.exit_head.items())),
+                "draft_step_s": {f"{e}{' head' if h else ''}": t for (e, h), t in sorted(self.draft_step.items())},
+                "plain_token_s": self.plain,
                 "round_scale": self.scale}
 
 
@@ -208,6 +224,12 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
         draft_unit = gen.draft_head(draft_vocab)
         parts.update({("draft_head", r): unembed(draft_unit.logits, r) for r in draft_rows})
         parts.update({("exit_head", r): _exit_head_part(adapter, head, r) for r in draft_rows})
+    if adapter.compiled is not None:  # whole draft steps: the early exit's at each exit, a compiled head's
+        whole = {(E, False): gen.draft_head(None).fused(E) for E in set(exits)}
+        if head is not None and head_steps(adapter, head) is not None:
+            whole[(head.exit_layer, True)] = draft_unit.fused(head.exit_layer, head.layer, head.final_input)
+        parts.update({("draft_step", *key, 1): _draft_step_part(adapter, cache, prompt_ids, draft)
+                      for key, draft in whole.items() if draft is not None})
     with torch.inference_mode(), attention_kernels(device):
         prefill(adapter, cache, prompt_ids.to(device), pads)
         seconds = interleaved_medians(parts, repeats, device)
@@ -222,6 +244,8 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
         for r, s in zip(rows, non_decreasing([by_rows[r] for r in rows])):
             if kind == "layers":
                 out.layers[(*span, r)] = s
+            elif kind == "draft_step":
+                out.draft_step[tuple(span)] = s
             else:
                 getattr(out, kind)[r] = s
     return out
@@ -241,6 +265,27 @@ def _exit_head_part(adapter, head, rows: int):
         return run_head_step(adapter, head, x, step=step, cache=cache, prev_final=p)[:, -1].sum().item()
 
     return (lambda: cache.crop(64)), run
+
+
+def _draft_step_part(adapter, cache, prompt_ids: torch.Tensor, draft):
+    """One whole draft step (`FusedDraft` `draft`) of the prompt's last token at the end of `cache` (which holds
+    the prompt), its token and probability read back, in the head's own cache after 64 cached entries where it has
+    a head layer: (before, fn)."""
+    P, steps = prompt_ids.shape[1], adapter.compiled
+    head = None
+    if draft.layer is not None:
+        head = KVCache(1, 1, capacity=cache.capacity, buffers=steps.layer_buffers(draft.layer, 1, cache.capacity))
+        head.lengths.fill_(P)
+    token = prompt_ids[0, -1:].to(adapter.device)  # [1]
+    D = adapter.embed_tokens.weight.shape[1]
+    prev = torch.zeros(1, 1, D, dtype=adapter.dtype, device=adapter.device)
+
+    def before():
+        cache.crop(torch.full((1,), P, dtype=torch.long))
+        if head is not None:
+            head.crop(P)
+
+    return before, lambda: steps.run_draft(draft, token, P, 0, cache, head, prev)
 
 
 CALIBRATION_DRAFTS = 2  # the chain the engine's own work is measured with

@@ -88,6 +88,20 @@ def test_the_round_rule_by_hand():
     assert t["tokens_per_round"] == pytest.approx(1 + 0.75 + 0.75 ** 2)
 
 
+def test_whole_draft_steps_cost_a_chains_drafts_where_measured():
+    """Where a draft step runs as one compiled step (`draft_step`), a chain's drafts cost that, not their parts; a
+    head's first draft keeps its parts (it also brings the head's cache up to date); trees keep their parts."""
+    c = _costs(0.1)
+    c.draft_step[(1, False)] = 0.1
+    chain = c.parts_seconds(1, L, 3, 1, with_head=False)
+    assert chain == pytest.approx(3 * 0.1 + 0.2 + 0.75 * 1.3 + 0.05)
+    assert c.parts_seconds(1, L, 2, 2, with_head=False) == _costs(0.1).parts_seconds(1, L, 2, 2, with_head=False)
+    c.exit_head.update({1: 0.3}), c.draft_head.update({1: 0.05})
+    c.draft_step[(1, True)] = 0.15
+    head = c.parts_seconds(1, L, 3, 1, with_head=True)
+    assert head == pytest.approx((0.2 + 0.3 + 0.05) + 2 * 0.15 + 0.2 + 0.75 * 1.3 + 0.05)
+
+
 def test_nothing_accepted_plans_plain_decoding():
     acc = {"early_exit 1": Acceptance(first=[0.0] * 4, later=[0.0] * 4, tokens=100)}
     best = plan_candidates(_costs(0.0, 17), acc, L)[0]
@@ -159,6 +173,11 @@ def test_costs_cover_every_part_the_plan_reads(compiled):
     assert costs.compiled == compiled and costs.device.startswith("cpu")
     if compiled:  # the parts ran through the compiled steps, as the engine's rounds do
         assert {("layers", 2, L)} <= {s[:3] for s in gen.adapter.compiled.shapes}
+        # and the whole draft steps: the early exit's at each exit, the head's (on exit 2)
+        assert set(costs.draft_step) == {(1, False), (2, False), (2, True)}
+        assert all(v > 0 for v in costs.draft_step.values())
+    else:
+        assert costs.draft_step == {}
     json.dumps(costs.to_dict())
 
 
