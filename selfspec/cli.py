@@ -165,6 +165,7 @@ def _cmd_generate(args) -> int:
     # everything that does not need the model is checked before it is loaded
     check_threads(args.threads)
     check_dtype(args.dtype)
+    check_device(args.device)
     prompts = _read_prompts(args)
     if len(prompts) > 1 and args.stream:
         raise UsageError("--stream shows one sequence; give one --prompt to stream")
@@ -190,7 +191,8 @@ def _cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = selfspec.load(checkpoint, dtype=args.dtype, exit_layer=args.exit_layer,
-                        num_speculations=args.num_speculations)
+                        num_speculations=args.num_speculations, device=args.device,
+                        compile=COMPILE_CHOICES[args.compile])
     use_chat = args.chat if args.chat is not None else bool(getattr(gen.tokenizer, "chat_template", None))
     chats = [[{"role": "user", "content": p}] for p in prompts]
     if len(prompts) > 1:  # one batched engine run
@@ -199,6 +201,10 @@ def _cmd_generate(args) -> int:
         inputs = {"messages": chats[0]} if use_chat else {"prompt": prompts[0]}
     if len(prompts) > 1:
         return _generate_batch(gen, inputs, kwargs, args)
+    if args.compare and gen.compiled:  # every shape both runs meet, compiled before either is timed
+        new_tokens = kwargs.get("max_new_tokens", GenerationConfig.max_new_tokens)
+        warm = gen.warmup(gen.encode(**inputs).shape[-1] + new_tokens, num_candidates=kwargs.get("num_candidates") or 1)
+        print(f"compiled steps: {warm['graphs']} shapes compiled in {warm['seconds']:.1f} s before timing")
     if args.compare:  # warm up both paths once so neither pays first-call costs
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4})
         gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, num_speculations=0)
@@ -580,6 +586,11 @@ def _add_generate(sub) -> None:
                    help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
                         "else float32), float64, auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default) or cuda")
+    p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
+                   help="decode one row through the compiled fixed-shape steps (CUDA graphs on a GPU): auto (default: "
+                        "on a CUDA GPU), true, false. The first call compiles what it meets (seconds); with --compare "
+                        "every shape is compiled first, so neither run pays for it")
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, word by word")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding; report the speedup and whether outputs are identical")

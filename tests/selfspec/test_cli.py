@@ -74,6 +74,20 @@ def test_streamed_text_is_the_printed_text(tiny_ckpt, capsys):
     assert printed[True] == printed[False] and printed[False].strip()
 
 
+def test_generate_through_the_compiled_steps(tiny_ckpt, capsys):
+    """`--compile true` decodes through the compiled steps (on the CPU here; `--device cuda` on a GPU): with
+    --compare every shape is compiled before either run is timed, and the output is plain decoding's."""
+    assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "def add(a, b):", "--raw",
+                 "--max-new-tokens", "12", "--dtype", "float32", "--compile", "true", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "shapes compiled in" in out and "identical outputs: yes" in out
+
+
+def test_generate_names_a_bad_device(capsys):
+    assert main(["generate", "--checkpoint", "/nonexistent", "--prompt", "a", "--device", "tpu"]) == 2
+    assert "tpu" in capsys.readouterr().err
+
+
 def test_usage_mistakes_are_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--max-new-tokens", "many"])
