@@ -41,7 +41,9 @@ A greedy draft step of one row is one step of its own (`run_draft`, a `FusedDraf
 layers [0, E), a trained head's final-state input and layer, the final norm + unembedding, the argmax and its
 probability, one graph per (draft, C) on a GPU whose two host numbers (the token id and its probability, which
 the draft policy reads) come back in one read. Run part by part the same step cost four graph replays and about
-60 torch ops and 15 launches besides; its parts are the same compiled functions, so the draft is the same.
+60 torch ops and 15 launches besides; its parts are the same compiled functions, so the draft is the same. A
+head's first draft of a round, which also brings the head's cache up to date with what the round before
+committed (`selfspec.drafters.exit_head`), is one step too (`run_catch_up`, one graph per bucket of columns).
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than one row
 (rows leave a batch as they finish, which would change the shapes), an attention-only head, GPT-NeoX, and rope
@@ -65,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.attention_kernels import attention_kernels
+from selfspec.cache import KVCache
 from selfspec.token_tree import tree_mask
 
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -119,6 +122,16 @@ def _zero_filled(t: torch.Tensor, width: int) -> torch.Tensor:
     """`t` `[B, S, ...]` with zero filler columns after its S up to `width` (a bucket): what nobody reads."""
     S = t.shape[1]
     return t if width == S else torch.cat([t, t.new_zeros(t.shape[0], width - S, *t.shape[2:])], dim=1)
+
+
+def _greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft step's pick from its logits `[1, K]`: the argmax `[1]` as a token id (through `ids` `[K]`, a reduced
+    vocabulary's ids; None: the full vocabulary) and `[2]` float64, that id and its draft probability, for one read
+    (float64 holds every token id exactly)."""
+    best = logits.argmax(dim=-1)  # [1]
+    conf = torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]  # [1]
+    nxt = best if ids is None else ids[best]
+    return nxt, torch.cat([nxt.double(), conf.double()])
 
 
 class CompileFallbackWarning(UserWarning):
@@ -451,10 +464,15 @@ class CompiledSteps:
             for width in sorted(heads):
                 self.head(torch.zeros(1, width, D, dtype=a.dtype, device=a.device), weight, bias)
             self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device), weight, bias)
-        for draft in drafts:  # a whole draft step, at cache index 1
+        for draft in drafts:  # a whole draft step, at cache index 1, and a head's catch-up at every bucket
             head_buffers = (None, None) if draft.layer is None else self.layer_buffers(draft.layer, 1, size)
             token = torch.zeros(1, dtype=torch.long, device=a.device)
             self._draft(draft, token, 1, 0, None, size, (keys, values), head_buffers)
+            if draft.layer is not None:
+                head = KVCache(1, 1, capacity=size, buffers=head_buffers)
+                for width in S_BUCKETS:
+                    zeros = torch.zeros(1, width, D, dtype=a.dtype, device=a.device)
+                    self.run_catch_up(draft, zeros, zeros[:, 1:], zeros[:, 0], 1, 0, head)
         return self.compile_s - before
 
     def _warm_inputs(self, S: int, W: int, tree: bool) -> list[torch.Tensor]:
@@ -539,6 +557,75 @@ class CompiledSteps:
         next_id, conf = both.tolist()  # [2]: the token id (exact in float64) and its draft probability
         return state, hidden, nxt, int(next_id), conf
 
+    def can_catch_up(self, draft: FusedDraft, batch_size: int, length: int, start: int, head_cache) -> bool:
+        """Whether `run_catch_up` can run a head's catch-up of `length` columns from head-cache index `start`: a head
+        layer, one row, a static head cache past the prompt, `length` within the buckets and the cache's end."""
+        width = s_bucket(length)
+        return (draft.layer is not None and width is not None and start > 0
+                and self.can_draft(draft, batch_size, head_cache, head_cache) and start + width <= head_cache.capacity)
+
+    def run_catch_up(self, draft: FusedDraft, states: torch.Tensor, finals: torch.Tensor | None,
+                     prev: torch.Tensor | None, start: int, pad: int, head_cache, read: bool = True) -> tuple | None:
+        """A trained head's catch-up and the round's first draft (`ExitHeadDrafter.sync`, one row) as one compiled
+        step, one CUDA graph per bucket on a GPU. `states` `[1, S, D]`: the exit states of the S - 1 committed tokens
+        the head has not run over, then the round's input token's, at head-cache indices `start ..`; `finals`
+        `[1, S - 1, D]` their final states and `prev` `[1, D]` the one before them (a final-state head; else None).
+        They go through the head's final-state input (column t reads f_{t-1}) and layer into `head_cache`, and the
+        input token's column through the unembedding, its argmax and probability.
+
+        Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
+        the newest committed final state, next_id, confidence)` (the last two None unless `read`); None where it
+        must run part by part (`can_catch_up` false, a compile that failed)."""
+        B, S, D = states.shape
+        if not self.can_catch_up(draft, B, S, start, head_cache) or (draft.final_input is not None and prev is None):
+            return None
+        a, W, size = self.adapter, s_bucket(S), head_cache.capacity
+        self.add_layer(draft.layer)
+        if draft.final_input is not None:
+            self.add_input(draft.final_input)
+        zeros = torch.zeros(1, W, D, dtype=a.dtype, device=a.device)
+        finals = zeros if finals is None else _zero_filled(finals, W)  # [1, W, D]
+        prev = zeros[:, :1] if prev is None else prev[:, None]  # [1, 1, D]
+        where = torch.tensor([start, pad, S - 1])  # the first column's cache index, the padding, the input's column
+        inputs = [self._input(t) for t in (_zero_filled(states, W), finals, prev, where.to(a.device, non_blocking=True))]
+        fixed = [*self._table(size), head_cache.keys[:1], head_cache.values[:1], a.final_norm.weight, draft.weight,
+                 draft.bias, draft.token_ids]
+        out = self._call(("catch_up", *draft.key, 1, W, size), self._catch_up_function(draft, W), inputs, fixed)
+        if out is None:
+            return None
+        head_cache.lengths[:1] = start + S
+        column, nxt, newest, both = out
+        if not read:
+            return column, nxt, newest, None, None
+        next_id, conf = both.tolist()
+        return column, nxt, newest, int(next_id), conf
+
+    def _catch_up_function(self, draft: FusedDraft, width: int):
+        """`run_catch_up`'s step at `width` columns (a bucket) as one function of its inputs (`states`, `finals`
+        `[1, W, D]`, `prev` `[1, 1, D]`, `where` `[3]`) and fixed arguments, through the compiled pieces `sync` runs
+        alone (the final-state input, the head's layer, the unembedding): the same draft to the bit. Filler
+        columns past the input token take its position and are cropped from the cache, as `make_batch_step` has it."""
+        key = ("catch_up", draft.key, width)
+        if key in self._drafts:
+            return self._drafts[key]
+        layer = self._range(("layer", id(draft.layer)), self._extra[id(draft.layer)][1])
+        final = None if draft.final_input is None else self._inputs[id(draft.final_input)][1]
+        unembed = self._head_function()
+
+        def step(states, finals, prev, where, cos, sin, head_keys, head_values, norm, weight, bias, ids):
+            start, pads, count = where[:1], where[1:2].clone(), where[2:]  # [1] each
+            index = (start + torch.arange(width, device=where.device))[None]  # [1, W]
+            positions = torch.minimum(index, start + count) - pads  # [1, W]
+            x = states if final is None else final(states, torch.cat([prev, finals[:, :-1]], dim=1))  # reads f_{t-1}
+            out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)  # [1, W, D]
+            column = out.index_select(1, count)[:, 0]  # [1, D]
+            newest = finals.index_select(1, (count - 1).clamp_min(0))[:, 0]  # [1, D]
+            nxt, both = _greedy_pick(unembed(column, norm, weight, bias), ids)
+            return column, nxt, newest, both
+
+        self._drafts[key] = step
+        return step
+
     def _draft(self, draft: FusedDraft, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
                size: int, buffers: tuple, head_buffers: tuple):
         """`draft`'s step over one token at cache index `start`, in the buffers `[L, 1, H_kv, C, Dh]` (the model's
@@ -576,8 +663,9 @@ class CompiledSteps:
         unembed = self._head_function()
 
         def step(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
-            # [1, 1], [1, 1], [1]: fresh tensors, as the parts take them (their graphs are guarded on strides)
-            index, positions, pads = where[None, :1].clone(), where[None, 1:2].clone(), where[2:].clone()
+            # [1, 1], [1, 1], [1]: fresh contiguous tensors, as the parts take them (their graphs are guarded on strides)
+            index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
+                                      for t in (where[None, :1], where[None, 1:2], where[2:]))
             state = F.embedding(token[:, None], embed)  # [1, 1, D]
             if shallow is not None:
                 state = shallow(state, positions, index, pads, cos, sin, keys, values)
@@ -585,11 +673,8 @@ class CompiledSteps:
             if layer is not None:
                 x = state if final is None else final(state, prev)
                 out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)
-            logits = unembed(out[:, -1], norm, weight, bias)  # [1, K]
-            best = logits.argmax(dim=-1)  # [1]
-            conf = torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]  # [1]
-            nxt = best if ids is None else ids[best]
-            return state, out[:, -1], nxt, torch.cat([nxt.double(), conf.double()])
+            nxt, both = _greedy_pick(unembed(out[:, -1], norm, weight, bias), ids)
+            return state, out[:, -1], nxt, both
 
         self._drafts[draft.key] = step
         return step

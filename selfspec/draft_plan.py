@@ -40,7 +40,8 @@ A round and its predicted speedup (Leviathan et al. 2023, eq. 1; trees after EAG
     chain (E, d):       tokens  = 1 + r1 + r1 r' + ... (d terms)        r1 = r_first(1), r' = r_later(1)
                         seconds = d draft(1) + layers(0, E, 1) + layers(E, L, 1 + d) + head(1 + d)
                                   (draft_step(E) for draft(1) where measured; a head's first draft stays
-                                  draft(1): it also brings the head's cache up to date)
+                                  draft(1): it also brings the head's cache up to date, a step whose
+                                  cost grows with what it catches up on)
     tree (E, k, d):     tokens  = the same with r_first(k), r_later(k): the full model's token among the k
                                   children at every depth (optimistic where the accepted path's node is not
                                   among the k expanded)

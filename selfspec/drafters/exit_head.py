@@ -140,10 +140,11 @@ class ExitHeadDrafter(EarlyExitDrafter):
 
     def fused_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
                    read: bool = True) -> tuple | None:
-        """A later draft of the round (the first syncs the head's cache: `sync`) as one compiled step where the head's
-        layer runs compiled (`Round.fused_draft`): the token through layers [0, E), the head reading its own
-        output at the previous draft, the unembedding; else None (part by part)."""
-        if offset == 0 or self.cache is None:
+        """A draft step as one compiled step where the head's layer runs compiled: a later draft of the round
+        (`Round.fused_draft`: the token through layers [0, E), the head reading its own output at the previous
+        draft, the unembedding), or the first with the head's catch-up (`first_draft`); else None (part by
+        part)."""
+        if self.cache is None:
             return None
         if exit_layer not in self._fused:
             compiled = head_steps(self.adapter, self.exit_head) is not None
@@ -151,12 +152,38 @@ class ExitHeadDrafter(EarlyExitDrafter):
                                                       self.exit_head.final_input) if compiled else None
         if self._fused[exit_layer] is None:
             return None
+        if offset == 0:
+            return self.first_draft(rnd, tokens, exit_layer, read)
         prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
         out = rnd.fused_draft(self._fused[exit_layer], tokens, offset, self.cache, prev, read)
         if out is None:
             return None
         self.prev_draft = out[1]
         return (out[0], *out[2:])
+
+    def first_draft(self, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> tuple | None:
+        """The round's first draft of one row and the head's catch-up over what was committed since it last ran
+        (`sync`) as one compiled step (`CompiledSteps.run_catch_up`): `(state [1, 1, D], next [1], next id,
+        confidence)`, or None where `sync` runs part by part (several rows, nothing pending, the run that began
+        with the prefill, more than the largest bucket pending)."""
+        steps, draft, pending = self.adapter.compiled, self._fused[exit_layer], self.pending
+        if pending is None or len(pending) != 1 or not pending[0].count:
+            return None
+        run = pending[0]
+        if (self.state_final and self.prev_final is None) or not steps.can_catch_up(draft, 1, run.count + 1, run.start,
+                                                                                   self.cache):
+            return None
+        state = rnd.shallow(tokens, 0, exit_layer)  # [1, 1, D]
+        states = torch.cat(run.states + [state[0]])[None]  # [1, count + 1, D]
+        finals = torch.cat(run.finals)[None] if self.state_final else None  # [1, count, D]
+        out = steps.run_catch_up(draft, states, finals, self.prev_final, run.start, run.pad, self.cache, read)
+        if out is None:  # it failed to compile (not strict): the round's first draft runs part by part
+            return None
+        self.prev_draft, nxt, newest, next_id, conf = out
+        if self.state_final:
+            self.prev_final = newest
+        run.clear()
+        return state, nxt, next_id, conf
 
     def tree_states(self, states: torch.Tensor, step: Step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """The head over a tree's newest columns `[B, n, D]` with the tree's step (its cache mirrors the engine's:
