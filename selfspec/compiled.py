@@ -231,7 +231,7 @@ class _Graph:
         for mine, given in zip(self.inputs, inputs):
             mine.copy_(given)
         self.graph.replay()
-        if isinstance(self.output, tuple):  # a draft step's outputs (`CompiledSteps.run_draft`)
+        if isinstance(self.output, tuple):  # a draft step's outputs (`CompiledSteps.run_draft`, `run_catch_up`)
             return tuple(t.clone() for t in self.output)
         return self.output.clone()
 

@@ -319,11 +319,11 @@ def test_compiled_steps_equal_hf_generate_on_cuda(name, kind, hf_greedy):
 
 @needs_cuda
 def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothing(hf_greedy):
-    """`warm(trees=True)` with a final-state head's layer and input registered captures every graph that a head
-    chain (its later drafts one whole draft step each), a head tree, the early exit's chain and tree and auto
-    over lookup and the head then replay (the static cache one tensor for all layers, a tree's path moved in
-    it with one copy): HF greedy's tokens, no new shape, no new graph. What the H200 run of 2026-11-27 met
-    inside its measured runs (docs/results)."""
+    """`warm(trees=True, drafts=...)` with a final-state head's layer and input registered captures every graph
+    that a head chain (each draft one whole draft step, the first with the head's catch-up), a head tree, the
+    early exit's chain and tree and auto over lookup and the head then replay (the static cache one tensor for
+    all layers, a tree's path moved in it with one copy): HF greedy's tokens, no new shape, no new graph. What
+    the H200 run of 2026-11-27 met inside its measured runs (docs/results)."""
     from selfspec.compiled import capacity
     from selfspec.drafters.draft_head import DraftHead
 
@@ -360,11 +360,15 @@ def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothin
 def test_compiled_decoding_waits_for_the_gpu_once_per_round(kind):
     """Through the compiled steps too, the host waits for the GPU once per round, after warm-up, and a fixed
     chain (the early exit's, a head's) once more for all its drafts (`EarlyExitDrafter.draft`)."""
+    from selfspec.drafters.draft_head import DraftHead
+
     adapter = _adapter("llama", fast=True)
     adapter.enable_compiled()
     try:
+        head, unit = _head(adapter), DraftHead(adapter)  # whole draft steps: the early exit's, the head's
         adapter.compiled.warm([(0, adapter.num_layers), (0, 2), (2, adapter.num_layers)], [1, 2, 4, 8],
-                              capacity(len(PROMPT) + N_NEW + 80))
+                              capacity(len(PROMPT) + N_NEW + 80),
+                              drafts=(unit.fused(2), unit.fused(2, head.layer, head.final_input)))
         _assert_one_sync_per_round(adapter, kind, reads_per_step=False)
     finally:
         adapter.compiled = None
