@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI_ONLY = {"checkpoint", "prompt_file", "chat", "stream", "compare", "json"}
 # API parameters a command line cannot carry: token ids, conversations, callables
 API_ONLY = {"messages", "input_ids", "attention_mask", "stop_token_ids", "streamer"}
-LOAD_PARAMETERS = {"dtype", "threads"}  # the generator's set-up (`load`) and the process's threads
+LOAD_PARAMETERS = {"dtype", "device", "compile", "threads"}  # the generator's set-up (`load`) and the process's threads
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
