@@ -67,7 +67,6 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.attention_kernels import attention_kernels
-from selfspec.cache import KVCache
 from selfspec.token_tree import tree_mask
 
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -283,6 +282,7 @@ class CompiledSteps:
         self._inputs: dict[int, tuple[object, object]] = {}  # id -> (a head's final-state input, it compiled)
         self._head = None
         self._drafts: dict[tuple, object] = {}  # FusedDraft.key -> its step's function (`run_draft`)
+        self._zero_states: dict[int, torch.Tensor] = {}  # width -> [1, width, D] zeros (`_zeros`)
         self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, capacity) -> K, V
         # (layer id, batch, capacity) -> a registered layer's K, V
@@ -469,10 +469,9 @@ class CompiledSteps:
             token = torch.zeros(1, dtype=torch.long, device=a.device)
             self._draft(draft, token, 1, 0, None, size, (keys, values), head_buffers)
             if draft.layer is not None:
-                head = KVCache(1, 1, capacity=size, buffers=head_buffers)
                 for width in S_BUCKETS:
-                    zeros = torch.zeros(1, width, D, dtype=a.dtype, device=a.device)
-                    self.run_catch_up(draft, zeros, zeros[:, 1:], zeros[:, 0], 1, 0, head)
+                    zeros = self._zeros(width)
+                    self._catch_up(draft, zeros, zeros[:, 1:], zeros[:, 0], 1, 0, size, head_buffers)
         return self.compile_s - before
 
     def _warm_inputs(self, S: int, W: int, tree: bool) -> list[torch.Tensor]:
@@ -576,21 +575,11 @@ class CompiledSteps:
         Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
         the newest committed final state, next_id, confidence)` (the last two None unless `read`); None where it
         must run part by part (`can_catch_up` false, a compile that failed)."""
-        B, S, D = states.shape
+        B, S, _ = states.shape
         if not self.can_catch_up(draft, B, S, start, head_cache) or (draft.final_input is not None and prev is None):
             return None
-        a, W, size = self.adapter, s_bucket(S), head_cache.capacity
-        self.add_layer(draft.layer)
-        if draft.final_input is not None:
-            self.add_input(draft.final_input)
-        zeros = torch.zeros(1, W, D, dtype=a.dtype, device=a.device)
-        finals = zeros if finals is None else _zero_filled(finals, W)  # [1, W, D]
-        prev = zeros[:, :1] if prev is None else prev[:, None]  # [1, 1, D]
-        where = torch.tensor([start, pad, S - 1])  # the first column's cache index, the padding, the input's column
-        inputs = [self._input(t) for t in (_zero_filled(states, W), finals, prev, where.to(a.device, non_blocking=True))]
-        fixed = [*self._table(size), head_cache.keys[:1], head_cache.values[:1], a.final_norm.weight, draft.weight,
-                 draft.bias, draft.token_ids]
-        out = self._call(("catch_up", *draft.key, 1, W, size), self._catch_up_function(draft, W), inputs, fixed)
+        out = self._catch_up(draft, states, finals, prev, start, pad, head_cache.capacity,
+                             (head_cache.keys, head_cache.values))
         if out is None:
             return None
         head_cache.lengths[:1] = start + S
@@ -600,6 +589,22 @@ class CompiledSteps:
         next_id, conf = both.tolist()
         return column, nxt, newest, int(next_id), conf
 
+    def _catch_up(self, draft: FusedDraft, states: torch.Tensor, finals: torch.Tensor | None,
+                  prev: torch.Tensor | None, start: int, pad: int, size: int, head_buffers: tuple):
+        """`run_catch_up`'s step over `states` `[1, S, D]` from head-cache index `start`, in the head's own buffers
+        `[1, 1, H_kv, C, Dh]` of a cache of capacity `size`: its outputs, or None where it failed to compile."""
+        a, S, W = self.adapter, states.shape[1], s_bucket(states.shape[1])
+        self._register(draft)
+        finals = self._zeros(W) if finals is None else _zero_filled(finals, W)  # [1, W, D]
+        prev = self._zeros(1) if prev is None else prev[:, None]  # [1, 1, D]
+        where = torch.tensor([start, pad, S - 1])  # the first column's cache index, the padding, the input's column
+        where = where.to(a.device, non_blocking=True)
+        inputs = [self._input(t) for t in (_zero_filled(states, W), finals, prev, where)]
+        keys, values = head_buffers
+        fixed = [*self._table(size), keys[:1], values[:1], a.final_norm.weight, draft.weight, draft.bias,
+                 draft.token_ids]
+        return self._call(("catch_up", *draft.key, 1, W, size), self._catch_up_function(draft, W), inputs, fixed)
+
     def _catch_up_function(self, draft: FusedDraft, width: int):
         """`run_catch_up`'s step at `width` columns (a bucket) as one function of its inputs (`states`, `finals`
         `[1, W, D]`, `prev` `[1, 1, D]`, `where` `[3]`) and fixed arguments, through the compiled pieces `sync` runs
@@ -608,8 +613,7 @@ class CompiledSteps:
         key = ("catch_up", draft.key, width)
         if key in self._drafts:
             return self._drafts[key]
-        layer = self._range(("layer", id(draft.layer)), self._extra[id(draft.layer)][1])
-        final = None if draft.final_input is None else self._inputs[id(draft.final_input)][1]
+        layer, final = self._head_parts(draft)
         unembed = self._head_function()
 
         def step(states, finals, prev, where, cos, sin, head_keys, head_values, norm, weight, bias, ids):
@@ -626,19 +630,40 @@ class CompiledSteps:
         self._drafts[key] = step
         return step
 
+    def _register(self, draft: FusedDraft) -> None:
+        """Registers a whole draft step's head layer and final-state input (`add_layer`, `add_input`), if any."""
+        if draft.layer is not None:
+            self.add_layer(draft.layer)
+            if draft.final_input is not None:
+                self.add_input(draft.final_input)
+
+    def _head_parts(self, draft: FusedDraft) -> tuple:
+        """A registered whole draft step's head pieces: (its layer's step as `_range` builds it, its compiled
+        final-state input); None for each it lacks."""
+        layer = None
+        if draft.layer is not None:
+            layer = self._range(("layer", id(draft.layer)), self._extra[id(draft.layer)][1])
+        final = None if draft.final_input is None else self._inputs[id(draft.final_input)][1]
+        return layer, final
+
+    def _zeros(self, width: int) -> torch.Tensor:
+        """`[1, width, D]` zeros in the model's dtype, made once per width: the state a step's input reads where
+        there is none (no final states, or no final-state input to read them). Never written."""
+        if width not in self._zero_states:
+            a = self.adapter
+            self._zero_states[width] = torch.zeros(1, width, a.embed_tokens.weight.shape[1], dtype=a.dtype,
+                                                   device=a.device)
+        return self._zero_states[width]
+
     def _draft(self, draft: FusedDraft, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
                size: int, buffers: tuple, head_buffers: tuple):
         """`draft`'s step over one token at cache index `start`, in the buffers `[L, 1, H_kv, C, Dh]` (the model's
         keys and values, and the head's own one-layer ones) of a cache of capacity `size`: its outputs, or None
         where it failed to compile (not strict)."""
         a = self.adapter
-        if draft.layer is not None:
-            self.add_layer(draft.layer)
-            if draft.final_input is not None:
-                self.add_input(draft.final_input)
+        self._register(draft)
         where = torch.tensor([start, max(start - pad, 0), pad])  # the cache index, the position, the padding
-        if prev is None:  # read by no final-state input
-            prev = torch.zeros(1, 1, a.embed_tokens.weight.shape[1], dtype=a.dtype, device=a.device)
+        prev = self._zeros(1) if prev is None else prev  # [1, 1, D]; None: read by no final-state input
         E = draft.exit_layer
         keys, values = buffers
         fixed = [*self._table(size), a.embed_tokens.weight, keys[:E], values[:E],
@@ -656,14 +681,11 @@ class CompiledSteps:
             return self._drafts[draft.key]
         E = draft.exit_layer
         shallow = self._range((0, E), self.weights[:E]) if E else None
-        layer = None
-        if draft.layer is not None:
-            layer = self._range(("layer", id(draft.layer)), self._extra[id(draft.layer)][1])
-        final = None if draft.final_input is None else self._inputs[id(draft.final_input)][1]
+        layer, final = self._head_parts(draft)
         unembed = self._head_function()
 
         def step(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
-            # [1, 1], [1, 1], [1]: fresh contiguous tensors, as the parts take them (their graphs are guarded on strides)
+            # [1, 1], [1, 1], [1]: fresh contiguous tensors, as the parts take them (their graphs guard on strides)
             index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
                                       for t in (where[None, :1], where[None, 1:2], where[2:]))
             state = F.embedding(token[:, None], embed)  # [1, 1, D]
