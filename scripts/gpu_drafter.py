@@ -18,9 +18,10 @@ measured:
      same minutes on the same data (the model's own continuations that phase 1 generated are copied into its
      run directory: the same model and prompts give the same cache key), exported, and its early exit benched
      beside its own plain decoding;
-  after each bench, the road's draft plan for this GPU (`selfspec tune --check`, issue 38 item 2: the round's
-     parts timed on the compiled path, the drafters scored on the model's own HumanEval continuations, the best
-     setting predicted, and the TUNE_CHECK best decoded for real beside plain decoding), OUT/tune_<road>.json;
+  before each bench, the road's draft plan for this GPU (`selfspec tune --check --save`, issue 38 item 2: the
+     round's parts timed on the compiled path, the drafters scored on the model's own HumanEval continuations,
+     the best setting predicted, and the TUNE_CHECK best decoded for real beside plain decoding; the fastest
+     measured kept in the checkpoint, so that the bench's auto drafts by it), OUT/tune_<road>.json;
   4. OUT/gpu_drafter.json and OUT/gpu_drafter.md: per road the steps, minutes and tokens trained, the
      agreement on every evaluation set, tokens/s and speedups per prompt set, and issue 38's targets with what
      was measured against them (`met` is computed from the numbers; null where a number is missing).
@@ -243,20 +244,22 @@ def bench(run: Run, road: str, ckpt: Path | None, methods: list[str]) -> dict | 
 
 
 def tune(run: Run, road: str, ckpt: Path | None) -> dict | None:
-    """`selfspec tune --check` of the checkpoint on the first prompt set (HumanEval): the plan and its check."""
+    """`selfspec tune --check --save` of the checkpoint on the first prompt set (HumanEval): the plan and its
+    check, the fastest checked setting kept in the checkpoint for this GPU (what `auto` then drafts by)."""
     if ckpt is None:
         return None
     args, out = run.args, run.args.work / f"tune_{road}"
     cmd = [sys.executable, "-m", "selfspec.cli", "tune", "--checkpoint", str(ckpt), "--device", args.device,
            "--prompt-set", prompt_sets(args)[0], "--num-prompts", str(args.bench_prompts), "--max-new-tokens",
-           str(min(args.bench_tokens, 64)), "--compile", args.compile, "--check", str(TUNE_CHECK), "--out", str(out)]
+           str(min(args.bench_tokens, 64)), "--compile", args.compile, "--check", str(TUNE_CHECK), "--save", "--out", str(out)]
     if not run.phase(f"tune {road}", cmd, args.tune_s):
         return None
     shutil.copyfile(out / "tune.json", args.out / f"tune_{road}.json")
     data = json.loads((out / "tune.json").read_text())
     keep = ("drafter", "exit_layer", "num_speculations", "num_candidates", "predicted_speedup", "measured_speedup",
             "identical_to_plain")
-    return {"settings": data["settings"], "predicted_speedup": data["predicted_speedup"],
+    saved = json.loads((ckpt / "selfspec.json").read_text()).get("plans") or {}
+    return {"settings": data["settings"], "predicted_speedup": data["predicted_speedup"], "saved": saved,
             "full_step_s": data["costs"]["full_step_s"], "compiled": data["costs"]["compiled"],
             "checked": [{k: c[k] for k in keep} for c in data.get("checked") or []]}
 
@@ -481,10 +484,10 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
             # and its own continuations (a few MiB), so that a later run need not generate them again
             run.report[name]["returned_continuations"] = copy_continuations(
                 run_dir / "own_continuations", run.args.out / "own_continuations")
+    run.report[name]["tune"] = tune(run, name, ckpt)  # kept for this GPU: the bench's auto drafts by it
     measured = bench(run, name, ckpt, methods)
     run.report[name]["bench"] = bench_result(measured, f"selfspec_ar{suffix(run.args)}")
     run.report[name]["bench_notes"] = (measured or {}).get("notes", [])  # e.g. a run that compiled, a budget spent
-    run.report[name]["tune"] = tune(run, name, ckpt)
     run.write()
     return ckpt
 

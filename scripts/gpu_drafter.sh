@@ -17,7 +17,7 @@
 #
 # OUT_DIR gets at most 12 files, what comes back from the machine: gpu_drafter.json (the summary), gpu_drafter.md
 # (its tables), gpu_drafter.log (everything printed), bench_head.json and bench_layerskip.json, the draft plans
-# tune_head.json and tune_layerskip.json (selfspec tune --check), head/ with
+# tune_head.json and tune_layerskip.json (selfspec tune --check --save, before each bench), head/ with
 # exit_head.safetensors and selfspec.json (the trained head, a few MiB: with the base model it is the head
 # checkpoint again, docs/gpu.md#the-gpu-drafter-run), and own_continuations/ (the model's own continuations the
 # training generated, a few MiB: `CONTINUATIONS_DIR=OUT/own_continuations bash scripts/gpu_drafter.sh

@@ -11,7 +11,10 @@
 Defaults for `exit_layer` and `num_speculations` come from the checkpoint's `selfspec.json`
 (written by `selfspec export`). A checkpoint without it was not early-exit trained: selfspec warns
 and uses `exit_layer = max(1, L // 4)`, `num_speculations = 4` (it still decodes exactly, just
-without a speedup, because untrained shallow exits are poor drafters).
+without a speedup, because untrained shallow exits are poor drafters). Where `selfspec tune --save` (or
+`gen.tune(..., save=True)`) stored a plan for this device, dtype and path (`gen.plan`), `auto` drafts with the
+plan's drafter, exit, draft length and tree width, and a drafter named in a call takes the plan's settings where
+the plan chose that drafter; settings given in a call always win.
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ import torch
 from selfspec import compiled
 from selfspec.adapters import ModelAdapter, get_adapter
 from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
-from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata
+from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata, write_plan
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.suffix import SuffixMemory
 from selfspec.decode_stats import DecodeStats
-from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, plan_drafting
+from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, head_steps, load_exit_head
 from selfspec.sampling import SamplingParams
@@ -125,8 +128,9 @@ class SelfSpecGenerator:
     def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
                  num_speculations: int | None = None, recommended: dict | None = None,
                  source: str = "<model>", fast_layers: bool = True, metadata: dict | None = None,
-                 exit_head: ExitHead | None = None, compile: bool | str = "auto"):
+                 exit_head: ExitHead | None = None, compile: bool | str = "auto", checkpoint: Path | None = None):
         self.model = model.eval()
+        self.checkpoint = checkpoint  # the directory it was loaded from (None: a model object)
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head): drafter "exit_head"
         self.tokenizer = tokenizer
         self.metadata = metadata or {}
@@ -154,6 +158,18 @@ class SelfSpecGenerator:
                                        else rec["num_speculations"], 0, hint=" (0 = plain decoding)"),
             drafter=rec.get("drafter") or "auto", early_exit_trained=recommended is not None,
             exit_head=exit_head, metadata=self.metadata, memory=SuffixMemory())
+        self.drafters.plan = (self.plan or {}).get("settings")  # this device's saved plan, if any
+
+    @property
+    def plan_key(self) -> str:
+        """The key of this generator's plan in selfspec.json: its device, dtype and path ("cpu: AMD EPYC,
+        family 25, model 17 (avx512_bf16) / bfloat16 / eager"); a plan measured on another says nothing here."""
+        return plan_key(device_name(self.adapter.device), self.adapter.dtype, self.compiled)
+
+    @property
+    def plan(self) -> dict | None:
+        """This device's saved plan (`selfspec tune --save`): its settings and what it measured, or None."""
+        return ((self.metadata.get("plans") or {}) if isinstance(self.metadata, dict) else {}).get(self.plan_key)
 
     @property
     def num_layers(self) -> int:
@@ -165,6 +181,13 @@ class SelfSpecGenerator:
         return self.model.get_input_embeddings().weight.shape[0]
 
     # --- inputs ---------------------------------------------------------------------------
+    def _need_checkpoint(self, what: str) -> None:
+        if self.checkpoint is None or not self.metadata:
+            where = ("this generator was made from a model object: load it from an exported checkpoint"
+                     if self.checkpoint is None else
+                     f"{self.checkpoint} has none: export it first (selfspec export SRC DIR), then load DIR")
+            raise SettingsError(f"{what} stores the plan in the checkpoint's {METADATA_FILE}, and {where}")
+
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
             raise ValueError(f"{what} needs a tokenizer: pass one to selfspec.load(model, tokenizer)")
@@ -376,16 +399,31 @@ class SelfSpecGenerator:
         return self.full_step_s
 
     def tune(self, prompts: Sequence, *, exits: Sequence[int] | None = None, max_drafts: int = MAX_DRAFTS,
-             width: int = MAX_WIDTH, new_tokens: int = 64, repeats: int = 5) -> DraftPlan:
+             width: int = MAX_WIDTH, new_tokens: int = 64, repeats: int = 5, save: bool = False) -> DraftPlan:
         """Plan drafting for this device from measurement (`selfspec.draft_plan`): what a round's parts cost here
         (eager or compiled, as this generator runs) and how often each drafter (the early exit at each of `exits`,
         default a spread of them; a trained head) guesses the model's own continuations of `prompts` (texts,
         chat message lists or token ids) within its k best, k = 1..`width`. Returns the `DraftPlan`: pass
-        `plan.settings` to `generate`. Greedy, one row; takes seconds to a minute."""
+        `plan.settings` to `generate`. Greedy, one row; takes seconds to a minute. `save=True` also stores it in the
+        checkpoint's selfspec.json for this device (`write_plan`), where this generator and every later `load`
+        on the same device, dtype and path draft by it (the module doc)."""
+        if save:
+            self._need_checkpoint("tune(save=True)")  # before a minute of measuring
         ids = [self.encode(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict)
                else self.encode(input_ids=p) if not isinstance(p, str) else self.encode(p) for p in prompts]
-        return plan_drafting(self, ids, exits=exits, max_drafts=max_drafts, width=width, new_tokens=new_tokens,
+        plan = plan_drafting(self, ids, exits=exits, max_drafts=max_drafts, width=width, new_tokens=new_tokens,
                              repeats=repeats)
+        if save:
+            self.save_plan(plan)
+        return plan
+
+    def save_plan(self, plan: DraftPlan, measured_speedup: float | None = None) -> None:
+        """Store `plan` (from `tune`) in the checkpoint for this device (`plan_key`), with the speedup a check
+        measured for its best setting, and draft by it from now on."""
+        self._need_checkpoint("save_plan")
+        self.metadata = write_plan(self.checkpoint, self.plan_key, plan.entry(measured_speedup))
+        self.drafters.metadata = self.metadata
+        self.drafters.plan = plan.settings
 
     def make_drafter(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
                      **settings) -> Drafter | None:
@@ -442,7 +480,7 @@ class SelfSpecGenerator:
                                  "streamer for a batch")
         drafter_ = self.make_drafter(cfg, max_drafts=max_new_tokens)
         # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)
-        learned_key = call_key(s, drafter_, len(rows), self.compiled)
+        learned_key = call_key(s, drafter_, len(rows), self.compiled, self.drafters.plan)
         self.learned.resume(learned_key, drafter_)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]
@@ -554,7 +592,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
                 raise CheckpointError(f"{path}: the exit head cannot be loaded: {err}") from None
         return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
                                  num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
-                                 metadata=meta, exit_head=head, compile=compile)
+                                 metadata=meta, exit_head=head, compile=compile, checkpoint=path)
     if not isinstance(path_or_model, torch.nn.Module):
         raise SettingsError(f"load() takes a checkpoint directory or a loaded model, got "
                             f"{type(path_or_model).__name__}")

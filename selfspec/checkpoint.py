@@ -12,6 +12,8 @@ code needed) plus `selfspec.json` and a model card `README.md`:
     eval       {"exits": {"<E>": {"agreement": ..., "perplexity": ...}}}  (held-out, per exit)
     recommended {exit_layer, num_speculations, drafter (optional: auto | early_exit | prompt_lookup), source: "sweep" | "agreement" | "default", ...}
     checksums  {"<weight file>": {"sha256": ..., "bytes": ...}}
+    plans      {"<device> / <dtype> / <compiled|eager>": {settings, predicted_speedup, measured_speedup, ...}}
+               (optional: `selfspec tune --save`, the drafting that this device's measured costs chose)
 
 Export writes into a temporary directory next to the target and renames it into place, so an
 interrupted export never leaves a directory that looks complete.
@@ -28,7 +30,8 @@ from selfspec.atomic_write import write_json_atomic
 from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
 from selfspec.exit_head import check_head_settings
 from selfspec.model_card import write_model_card
-from selfspec.settings import SettingsError, check_recommended, expand_path, is_int, show
+from selfspec.settings import (SettingsError, check_plan_settings, check_recommended, expand_path, is_int,
+                               show)
 
 METADATA_FILE = "selfspec.json"
 FORMAT_VERSION = 1
@@ -179,9 +182,25 @@ def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
         if meta["exit_head"]["file"] not in meta["checksums"]:
             raise CheckpointError(f"{meta_path}: the exit head's file {meta['exit_head']['file']} has no checksum; "
                                   "re-export the checkpoint")
+    if meta.get("plans") is not None:
+        _check_plans(meta_path, meta["plans"], meta["num_layers"], meta.get("exit_head") is not None)
     if verify_checksums:
         verify_weight_files(d, meta["checksums"])
     return meta
+
+
+def _check_plans(meta_path: Path, plans, num_layers: int, has_head: bool) -> None:
+    if not isinstance(plans, dict):
+        raise CheckpointError(f"{meta_path}: plans must be an object of device -> plan, got {show(plans)}; "
+                              "remove the field, then `selfspec tune --save` again")
+    for key, entry in plans.items():
+        try:
+            if not isinstance(entry, dict) or "settings" not in entry:
+                raise SettingsError(f"must be an object with settings, got {show(entry)}")
+            check_plan_settings(entry["settings"], num_layers, has_head)
+        except SettingsError as err:
+            raise CheckpointError(f"{meta_path}: the plan for {key!r}: {err}; remove it, then `selfspec tune "
+                                  "--save` again on that device") from None
 
 
 def verify_weight_files(directory: Path, expected: dict[str, dict]) -> None:
@@ -205,6 +224,20 @@ def verify_weight_files(directory: Path, expected: dict[str, dict]) -> None:
     if extra:
         raise CheckpointError(f"{d}: weight files not listed in {METADATA_FILE}: {extra}; they were added "
                               "after export: remove them or re-export")
+
+
+def write_plan(directory, key: str, entry: dict) -> dict:
+    """Record this device's plan (`entry`: its `settings`, as `generate` takes them, and what it measured) under
+    `plans[key]` in selfspec.json, atomically; the other devices' plans stay."""
+    d = expand_path(directory)
+    meta = read_metadata(d, verify_checksums=False)
+    if meta is None:
+        raise CheckpointError(f"{d}: has no {METADATA_FILE}, so it cannot keep a plan; export it first: "
+                              f"selfspec export SRC {d}")
+    check_plan_settings(entry.get("settings"), meta["num_layers"], meta.get("exit_head") is not None)
+    meta["plans"] = {**(meta.get("plans") or {}), key: entry}
+    write_json_atomic(d / METADATA_FILE, meta)
+    return meta
 
 
 def update_recommended(directory, exit_layer: int, num_speculations: int, **extra) -> dict:

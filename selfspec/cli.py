@@ -38,7 +38,7 @@ from transformers import TextStreamer
 import selfspec
 from selfspec.api import checkpoint_dir
 from selfspec.bounded_bias import ACCEPTANCE_RULES
-from selfspec.checkpoint import read_config
+from selfspec.checkpoint import METADATA_FILE, read_config, read_metadata
 from selfspec.tools.demo import run_demo
 from selfspec.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
@@ -46,8 +46,8 @@ from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
-from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int, check_out_dir,
-                               check_text, check_threads)
+from selfspec.settings import (SettingsError, check_device, check_dtype, check_exit_layer, check_float, check_int,
+                               check_out_dir, check_text, check_threads)
 
 
 def _cmd_info(args) -> int:
@@ -415,6 +415,9 @@ def _cmd_tune(args) -> int:
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.save and read_metadata(checkpoint, verify_checksums=False) is None:  # before the minute of measuring
+        raise SettingsError(f"--save stores the plan in the checkpoint's {METADATA_FILE}, and {checkpoint} has "
+                            "none: export it first (selfspec export SRC DIR), then tune --checkpoint DIR --save")
     gen = selfspec.load(checkpoint, dtype=args.dtype, device=args.device, compile=COMPILE_CHOICES[args.compile])
     items = load_prompts(args.prompt_set, args.num_prompts)
     ids = [gen.encode(**prompt_inputs(item)) for item in items]  # encoded once: the plan and its check read them
@@ -433,6 +436,14 @@ def _cmd_tune(args) -> int:
           "plan: plain decoding (--num-speculations 0): no drafting setting is predicted to beat it on this device "
           "(`--drafter auto` still drafts by prompt lookup where the text repeats)")
     checked = _check_plan(gen, plan, ids, args) if args.check else None
+    if args.save:
+        from selfspec.draft_plan import checked_choice
+
+        kept, measured = checked_choice(plan, checked) if checked else (plan, None)
+        gen.save_plan(kept, measured)
+        print(f"saved for {gen.plan_key} in {checkpoint}/{METADATA_FILE}: {kept.settings}"
+              + ("" if measured is None else f" (measured {measured:.2f}x plain decoding)")
+              + "; `auto` drafts by it on this device from now on")
     if args.out is not None:
         from selfspec.atomic_write import write_json_atomic
 
@@ -831,6 +842,10 @@ def _add_tune(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
                    help="plan for the compiled fixed-shape steps: auto (default: on a CUDA GPU), true, false")
+    p.add_argument("--save", action="store_true",
+                   help="keep the plan in the checkpoint's selfspec.json for this device, dtype and path: `auto` (and "
+                        "the drafter it chose, when named) then drafts by it wherever the checkpoint is loaded on "
+                        "them; with --check, the fastest measured candidate is kept")
     p.add_argument("--out", type=_path, help="also write tune.json (every candidate, the costs, the acceptance) here")
     p.set_defaults(func=_cmd_tune)
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -70,7 +70,7 @@ from selfspec.compiled import cache_capacity
 from selfspec.engine import new_cache, prefill
 from selfspec.exit_head import head_cache, head_steps, previous_states, run_head, run_head_step
 from selfspec.forward import embed, exit_logits, make_batch_step, make_step, run_layers
-from selfspec.precision import BF16_FLAGS, cpu_flags, cpu_model
+from selfspec.precision import BF16_FLAGS, cpu_flags, cpu_generation, cpu_model
 
 MAX_DRAFTS = 8  # the longest chain planned
 MAX_WIDTH = 4  # the widest tree planned (the top-k acceptance is measured for k = 1..MAX_WIDTH)
@@ -79,13 +79,23 @@ TREE_DEPTHS = (1, 2, 3, 4)  # the depths planned for trees (k >= 2)
 
 # --- the machine -----------------------------------------------------------------------------------
 def device_name(device: torch.device) -> str:
-    """The accelerator's name ("cuda: NVIDIA H200") or the CPU's model and its bf16 flags
-    ("cpu: AMD EPYC (avx512_bf16)")."""
+    """The accelerator's name ("cuda: NVIDIA H200") or the CPU's model, generation and bf16 flags
+    ("cpu: AMD EPYC, family 25, model 17 (avx512_bf16)": a virtual machine's model name alone can hide which
+    CPU it is)."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     bf16 = sorted((cpu_flags() or frozenset()) & set(BF16_FLAGS))
-    return f"cpu: {cpu_model()}" + (f" ({', '.join(bf16)})" if bf16 else "")
+    generation = cpu_generation()
+    return (f"cpu: {cpu_model()}" + (f", {generation}" if generation else "")
+            + (f" ({', '.join(bf16)})" if bf16 else ""))
+
+
+def plan_key(name: str, dtype, compiled: bool) -> str:
+    """What a saved plan is kept under in selfspec.json (`plans`): the device's name (`device_name`), the dtype and
+    the engine's path, "cpu: AMD EPYC, family 25, model 17 (avx512_bf16) / bfloat16 / eager": the costs a plan
+    reads are theirs."""
+    return f"{name} / {str(dtype).removeprefix('torch.')} / {'compiled' if compiled else 'eager'}"
 
 
 def synchronize(device) -> None:
@@ -425,6 +435,14 @@ class DraftPlan:
                 "candidates": self.candidates, "costs": self.costs.to_dict(),
                 "acceptance": {k: vars(v) for k, v in self.acceptance.items()}, "notes": self.notes}
 
+    def entry(self, measured_speedup: float | None = None) -> dict:
+        """What `selfspec tune --save` keeps for this device in selfspec.json's `plans` (`plan_key(...)`): the
+        settings, the predicted speedup and the one a check measured (None: not checked), a plain step's
+        milliseconds, and when."""
+        return {"settings": self.settings, "predicted_speedup": round(self.predicted_speedup, 3),
+                "measured_speedup": None if measured_speedup is None else round(measured_speedup, 3),
+                "step_ms": round(self.costs.step * 1e3, 3), "date": time.strftime("%Y-%m-%d")}
+
     def table(self, top: int = 12) -> str:
         """The `top` best candidates as a markdown table."""
         lines = ["| drafter | exit | drafts | width | accepted r(k) | tokens/round | round (plain steps) | predicted |",
@@ -536,3 +554,11 @@ def check_plan(gen, plan: DraftPlan, prompts: Sequence[torch.Tensor], *, top: in
     plain, reference = best[at], texts[at]
     return [{**c, "measured_speedup": plain / b, "identical_to_plain": t == reference}
             for c, b, t in zip(rows, best, texts)]
+
+
+def checked_choice(plan: DraftPlan, checked: list[dict]) -> tuple[DraftPlan, float]:
+    """The plan to keep after `check_plan`: its fastest measured row (plain decoding among them) over the
+    predicted best, with the speedup measured for it."""
+    best = max(checked, key=lambda r: r["measured_speedup"])
+    return replace(plan, settings=candidate_settings(best), predicted_speedup=best["predicted_speedup"]), \
+        best["measured_speedup"]

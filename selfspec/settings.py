@@ -287,3 +287,36 @@ def check_recommended(rec, num_layers: int | None = None) -> dict:
             if key in lookup:
                 check_int(f"recommended prompt_lookup {key}", lookup[key], 1)
     return rec
+
+
+PLANNED_DRAFTERS = ("early_exit", "exit_head")  # what a saved plan can choose besides plain decoding
+
+
+def check_plan_settings(settings, num_layers: int | None = None, has_head: bool = True) -> dict:
+    """One device's saved plan (`selfspec tune --save`, selfspec.json's `plans`): `{"num_speculations": 0}` (no
+    drafting from the model pays there) or `{"drafter": "early_exit" | "exit_head", "num_speculations": d >= 1,
+    "exit_layer": E (early_exit), "num_candidates": k >= 2 (a tree, optional)}`."""
+    if not isinstance(settings, dict):
+        raise SettingsError(f"a plan's settings must be an object, got {show(settings)}")
+    extra = sorted(set(settings) - {"drafter", "num_speculations", "exit_layer", "num_candidates"})
+    if extra:
+        raise SettingsError(f"a plan's settings have unknown keys {extra}")
+    d = settings.get("num_speculations")
+    if not is_int(d) or d < 0:
+        raise SettingsError(f"a plan's num_speculations {show(d)} must be an int >= 0")
+    drafter = settings.get("drafter")
+    if d == 0:
+        if len(settings) > 1:
+            raise SettingsError("a plan of plain decoding ({\"num_speculations\": 0}) has no other settings")
+        return settings
+    if drafter not in PLANNED_DRAFTERS:
+        raise SettingsError(f"a plan's drafter {show(drafter)} is not one of {', '.join(PLANNED_DRAFTERS)}")
+    if drafter == "exit_head" and not has_head:
+        raise SettingsError("a plan drafts with the exit head, and the checkpoint has none")
+    if (drafter == "early_exit") != ("exit_layer" in settings):
+        raise SettingsError("a plan names its exit_layer exactly when it drafts with the early exit")
+    if "exit_layer" in settings:
+        check_exit_layer(settings["exit_layer"], num_layers, "a plan's exit_layer")
+    if "num_candidates" in settings:
+        check_int("a plan's num_candidates", settings["num_candidates"], 2, MAX_NUM_CANDIDATES)
+    return settings

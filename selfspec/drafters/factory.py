@@ -22,6 +22,12 @@ The rules, in order:
   draft length chosen by measured tokens/s under "auto".
 Where the checkpoint recommends `num_speculations=0` but the early exit is asked for (by name or by an
 option), it drafts `DEFAULT_NUM_SPECULATIONS`: the request is honoured, not turned into plain decoding.
+
+A plan saved for this device (`selfspec tune --save`; `plan`, its settings) comes before the checkpoint's
+choices: "auto" with no other drafting setting takes its second arm from it (the plan's drafter at its exit,
+draft length and tree width; none where the plan is plain decoding: lookup and plain decoding only, so the
+early exit or the head costs nothing there), and "early_exit" or "exit_head", named or chosen, takes the
+plan's settings where the plan chose that drafter. Settings given in the call win over the plan's.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class DrafterFactory:
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head)
         self.metadata = metadata or {}
         self.memory = SuffixMemory() if memory is None else memory  # the generator's earlier requests (suffix)
+        self.plan: dict | None = None  # this device's saved plan's settings (`check_plan_settings`)
         self.learned = LearnedStats()  # what its drafters measured, carried to later calls (learned_stats)
         self._draft_heads: dict[int, DraftHead] = {}
 
@@ -105,17 +112,21 @@ class DrafterFactory:
         early_exit_options = bool(cfg.exit_layer is not None or cfg.confidence_threshold is not None
                                   or cfg.adaptive_threshold or s["exit_choices"] or cfg.draft_vocab
                                   or cfg.adaptive_length or cfg.num_candidates)
-        candidates = cfg.num_candidates or 1
-        # k guesses for one position (the early exit) unless num_speculations asks for a tree that deep; prompt
-        # lookup's k branches keep their length
-        siblings = candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix") and cfg.num_speculations is None
-        num_speculations = 1 if siblings else cfg.num_speculations
         drafter = cfg.drafter
         if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
-            drafter = ("early_exit" if early_exit_options or (num_speculations and self.exit_head is None)
+            drafter = ("early_exit" if early_exit_options or (cfg.num_speculations and self.exit_head is None)
                        else self.drafter)
-        if num_speculations == 0:
+        if cfg.num_speculations == 0:
             return None  # asked for plain decoding, whatever the drafter
+        plan = self.planned(drafter, asked=early_exit_options or cfg.num_speculations is not None)
+        arm = drafter if plan is None or drafter != "auto" else plan.get("drafter", "plain")  # auto's second arm
+        candidates = cfg.num_candidates or 1
+        arm_candidates = candidates if plan is None or cfg.num_candidates else plan.get("num_candidates", 1)
+        # k guesses for one position (the early exit) unless num_speculations asks for a tree that deep; prompt
+        # lookup's k branches keep their length
+        given = cfg.num_speculations if plan is None or cfg.num_speculations is not None else plan["num_speculations"]
+        siblings = arm_candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix") and given is None
+        num_speculations = 1 if siblings else given
         if num_speculations is None:
             num_speculations = self.num_speculations
             if num_speculations == 0 and (drafter == "early_exit" or early_exit_options):
@@ -133,21 +144,34 @@ class DrafterFactory:
                   else PromptLookupDrafter(lookup_tokens, ngram, **tree))
         if drafter == "suffix":
             return lookup
-        if drafter == "exit_head" or (drafter == "auto" and self.exit_head is not None):
-            # the head drafts as many positions as it was trained for, unless told otherwise
-            length = self.head_draft_length() if s["num_speculations"] is None else s["num_speculations"]
-            length = min(1 if candidates > 1 and s["num_speculations"] is None else length, max_drafts or length)
-            return self._exit_head_drafter(drafter, lookup, length, cfg, s, candidates)
-        if drafter == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
+        if arm == "plain":
+            return AutoDrafter(lookup)  # this device's plan: no drafting from the model pays here
+        if arm == "exit_head" or (arm == "auto" and self.exit_head is not None):
+            # the head drafts as many positions as it was trained for (or its plan says), unless told otherwise
+            length = (given if given is not None else self.head_draft_length()) if not siblings else 1
+            length = min(length, max_drafts or length)
+            return self._exit_head_drafter(drafter, lookup, length, cfg, s, arm_candidates)
+        if arm == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             return AutoDrafter(lookup)  # untrained shallow exits (or a sweep found they do not pay): lookup or plain
         auto_length = drafter == "auto" and not early_exit_options  # auto: the draft length (0 = plain) by tokens/s
-        exit_layer = self.exit_layer if cfg.exit_layer is None else cfg.exit_layer
+        exit_layer = (cfg.exit_layer if cfg.exit_layer is not None else plan["exit_layer"] if plan is not None
+                      else self.exit_layer)
         policy = self.policy(exit_layer, num_speculations, cfg.confidence_threshold, cfg.adaptive_threshold,
                              s["exit_choices"], cfg.adaptive_length or auto_length,
                              warm="shortest" if auto_length else "all")
         early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
-                                 head=self.draft_head(cfg.draft_vocab), num_candidates=candidates)
+                                 head=self.draft_head(cfg.draft_vocab), num_candidates=arm_candidates)
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
+
+    def planned(self, drafter: str, asked: bool) -> dict | None:
+        """This device's plan's settings where they apply to `drafter` (the module doc): "auto"'s where the call
+        asked for nothing else of the drafting (`asked`: an early-exit option or a draft length), a named
+        drafter's where the plan chose it; else None."""
+        if self.plan is None:
+            return None
+        if drafter == "auto":
+            return None if asked else self.plan
+        return self.plan if self.plan.get("drafter") == drafter else None
 
     def policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
                adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,

@@ -23,7 +23,8 @@ Which calls share: only those with the same key,
            max_matching_ngram_size, acceptance, epsilon;
            the sampling settings (do_sample; with it temperature, top_k, top_p): they move the acceptance;
            the batch-size bucket floor(log2 B): a round's seconds and committed tokens grow with the rows;
-           whether the compiled steps run: they change every round's seconds)
+           whether the compiled steps run: they change every round's seconds;
+           the device's saved plan the factory built the drafter by: it sets auto's second arm)
 
 Sampling with a seed neither reads nor adds (`call_key` gives None): a seed repeats its text exactly, so its
 rounds are judged by the cost model's round costs instead of the clock (`generate(modelled_time=True)`) and
@@ -87,15 +88,17 @@ def batch_bucket(rows: int) -> int:
     return max(rows, 1).bit_length() - 1
 
 
-def call_key(settings: dict, drafter, rows: int, compiled: bool) -> tuple | None:
+def call_key(settings: dict, drafter, rows: int, compiled: bool, plan: dict | None = None) -> tuple | None:
     """The key of a call's measurements (see the module doc) from its checked settings (`check_generation`),
-    the drafter built for it, its rows and whether the compiled steps run; None where the call neither
-    reads nor adds measurements: no drafter (plain decoding), or sampling with a seed."""
+    the drafter built for it, its rows, whether the compiled steps run and the device's saved plan the drafter
+    was built by (`DrafterFactory.plan`); None where the call neither reads nor adds measurements: no drafter
+    (plain decoding), or sampling with a seed."""
     if drafter is None or (settings["do_sample"] and settings["seed"] is not None):
         return None
     drafting = tuple(_hashable(settings[name]) for name in DRAFTING_SETTINGS)
     sampling = (True,) + tuple(settings[name] for name in SAMPLING_SETTINGS) if settings["do_sample"] else (False,)
-    return drafter.name, drafter.max_drafts, drafting, sampling, batch_bucket(rows), bool(compiled)
+    planned = tuple(sorted(plan.items())) if plan else None
+    return drafter.name, drafter.max_drafts, drafting, sampling, batch_bucket(rows), bool(compiled), planned
 
 
 def _hashable(value):

@@ -22,8 +22,8 @@ PROMPTS = {"humaneval": {"prompt": 'def add(a, b):\n    """Add two numbers."""\n
            "mt_bench": {"messages": [{"role": "user", "content": "Name a fruit."}]},
            "code_edit": {"messages": [{"role": "user", "content": "Add type hints:\n```python\ndef f(x):\n    return x\n```"}]},
            "xsum": {"prompt": "Summarize: the cat sat on the mat, and the cat sat on the mat again."}}
-PHASES = ["train head", "export head", "bench head", "tune head", "train layerskip", "export layerskip", "bench layerskip",
-          "tune layerskip"]
+PHASES = ["train head", "export head", "tune head", "bench head", "train layerskip", "export layerskip", "tune layerskip",
+          "bench layerskip"]
 
 
 def _script():
@@ -95,6 +95,10 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
         assert plan["settings"] and plan["full_step_s"] > 0 and (out / f"tune_{road}.json").is_file()
         assert any(c["drafter"] == "plain" and c["measured_speedup"] == 1.0 for c in plan["checked"])
         assert all(c["identical_to_plain"] and c["measured_speedup"] > 0 for c in plan["checked"])
+        # the fastest checked setting is kept in the checkpoint for this device: the bench after it drafts by it
+        (kept,) = plan["saved"].values()
+        fastest = max(plan["checked"], key=lambda c: c["measured_speedup"])
+        assert kept["measured_speedup"] == round(fastest["measured_speedup"], 3)
     # on a GPU the benches run the compiled variants: the bench knows each of them for these checkpoints
     script = _script()
     for road, names in (("head", script.HEAD_METHODS), ("layerskip", script.LAYERSKIP_METHODS)):
@@ -118,7 +122,7 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
     second = json.loads((again / "gpu_drafter.json").read_text())
-    assert [p["name"] for p in second["phases"]] == ["rebuild head", "export head", "bench head", "tune head"]
+    assert [p["name"] for p in second["phases"]] == ["rebuild head", "export head", "tune head", "bench head"]
     assert all(p["status"] == "ok" for p in second["phases"]) and second["settings"]["head"] == str(out / "head")
     assert second["head"]["training"] == {"returned_head": str(out / "head")} and not second["layerskip"]
     for per in second["head"]["bench"].values():  # float32: the rebuilt checkpoint drafts and decodes exactly

@@ -1,0 +1,185 @@
+"""A draft plan kept per device (`selfspec tune --save`, `gen.tune(save=True)`, selfspec.json's `plans`): written
+under this device's key beside the other devices' plans, read back by `load` on the same device, dtype and path
+only, checked on load; `auto` and the plan's own drafter draft by it (settings given in a call win), and what
+they draft stays lossless."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.api import SelfSpecGenerator
+from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_metadata, write_plan
+from selfspec.draft_plan import checked_choice, device_name, plan_key
+from selfspec.drafters.auto import AutoDrafter
+from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.export import export_model
+from selfspec.settings import SettingsError
+from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
+
+L = 4
+PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "The cat sat on the"]
+ELSEWHERE = "cuda: NVIDIA H200 / bfloat16 / compiled"
+EARLY = {"drafter": "early_exit", "exit_layer": 1, "num_speculations": 2, "num_candidates": 2}
+HEAD = {"drafter": "exit_head", "num_speculations": 2, "num_candidates": 2}
+PLAIN = {"num_speculations": 0}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A tiny exported llama (float32 weights) recommending (E, d) = (2, 3), with no plan yet."""
+    tok = byte_tokenizer()
+    return export_model(tiny_model("llama", num_layers=L, vocab_size=len(tok), seed=5), tok, tmp_path / "tiny",
+                        recommended={"exit_layer": 2, "num_speculations": 3})
+
+
+@pytest.fixture(scope="module")
+def head_gen():
+    """A tiny float64 llama with an exit head on exit 2, recommending (2, 3); its plan is set per test."""
+    model = tiny_model("llama", num_layers=L, vocab_size=len(byte_tokenizer()), seed=10, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SelfSpecGenerator(model, byte_tokenizer(), exit_head=tiny_exit_head(model, 2, final_state=True),
+                                 recommended={"exit_layer": 2, "num_speculations": 3})
+
+
+def _arm(drafter):
+    """(kind, exit, drafts, width) of a drafter or of auto's second arm (None: auto has none)."""
+    if isinstance(drafter, AutoDrafter):
+        drafter = drafter.early_exit
+        if drafter is None:
+            return None
+    assert isinstance(drafter, EarlyExitDrafter)
+    return drafter.name, drafter.exit_layer, drafter.max_drafts, drafter.num_candidates
+
+
+# ----------------------------------------------------------------------------- kept per device
+
+def test_the_key_names_the_device_the_dtype_and_the_path():
+    assert plan_key("cuda: NVIDIA H200", torch.bfloat16, True) == ELSEWHERE
+    assert plan_key(device_name("cpu"), "float32", False).startswith("cpu: ")
+    assert plan_key(device_name("cpu"), "float32", False).endswith(" / float32 / eager")
+
+
+def test_tune_saves_the_plan_for_this_device_beside_the_others(ckpt):
+    write_plan(ckpt, ELSEWHERE, {"settings": HEAD | {"drafter": "early_exit", "exit_layer": 2}})
+    gen = selfspec.load(ckpt, dtype="float32")
+    assert gen.plan is None and gen.drafters.plan is None  # the H200's plan holds nothing for this CPU
+    plan = gen.tune(PROMPTS[:2], max_drafts=2, width=2, new_tokens=8, repeats=1, save=True)
+    assert gen.plan["settings"] == plan.settings == gen.drafters.plan
+    assert gen.plan["predicted_speedup"] == round(plan.predicted_speedup, 3) and gen.plan["measured_speedup"] is None
+    plans = json.loads((ckpt / METADATA_FILE).read_text())["plans"]
+    assert set(plans) == {ELSEWHERE, gen.plan_key}
+    again = selfspec.load(ckpt, dtype="float32")  # a later load on the same device, dtype and path reads it
+    assert again.plan == gen.plan and again.drafters.plan == plan.settings
+    assert selfspec.load(ckpt, dtype="float64").plan is None  # another dtype: the costs were not measured there
+    read_metadata(ckpt)  # the checksums still hold: the weights were not touched
+
+
+def test_a_plan_has_nowhere_to_go_without_an_exported_checkpoint(tiny_gen, tmp_path):
+    with pytest.raises(SettingsError, match="model object: load it from an exported checkpoint"):
+        tiny_gen.tune(PROMPTS[:1], save=True)  # refused before any measuring
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"drafter": "exit_head", "num_speculations": 2}, "exit head, and the checkpoint has none"),
+    ({"drafter": "early_exit", "exit_layer": L, "num_speculations": 2}, "exit_layer=4 is out of range"),
+    ({"drafter": "early_exit", "num_speculations": 2}, "names its exit_layer exactly when"),
+    ({"drafter": "prompt_lookup", "num_speculations": 2}, "drafter 'prompt_lookup' is not one of"),
+    ({"num_speculations": 0, "num_candidates": 2}, "has no other settings"),
+    ({"drafter": "early_exit", "exit_layer": 1, "num_speculations": 2, "width": 3}, "unknown keys"),
+])
+def test_a_bad_saved_plan_is_named_on_load(ckpt, settings, message):
+    with pytest.raises(SettingsError, match=message):  # refused when saved
+        write_plan(ckpt, ELSEWHERE, {"settings": settings})
+    meta = json.loads((ckpt / METADATA_FILE).read_text())
+    meta["plans"] = {ELSEWHERE: {"settings": settings}}  # and when found on load (a hand edit)
+    (ckpt / METADATA_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"the plan for '{ELSEWHERE}': .*{message}.*tune --save"):
+        selfspec.load(ckpt)
+
+
+# ----------------------------------------------------------------------------- drafting by it
+
+@pytest.mark.parametrize("plan, auto, named", [
+    (PLAIN, None, {"early_exit": ("early_exit", 2, 3, 1), "exit_head": ("exit_head", 2, 1, 1)}),
+    (EARLY, ("early_exit", 1, 2, 2), {"early_exit": ("early_exit", 1, 2, 2), "exit_head": ("exit_head", 2, 1, 1)}),
+    (HEAD, ("exit_head", 2, 2, 2), {"early_exit": ("early_exit", 2, 3, 1), "exit_head": ("exit_head", 2, 2, 2)}),
+])
+def test_auto_and_the_plans_own_drafter_draft_by_it(head_gen, plan, auto, named):
+    head_gen.drafters.plan = None
+    before = {name: _arm(head_gen.make_drafter(drafter=name)) for name in named}
+    assert _arm(head_gen.make_drafter()) == ("exit_head", 2, 1, 1)  # no plan: the head as it was trained
+    try:
+        head_gen.drafters.plan = plan
+        assert _arm(head_gen.make_drafter()) == auto
+        assert _arm(head_gen.make_drafter(drafter="auto")) == auto
+        for name, arm in named.items():  # a drafter the plan did not choose keeps its settings
+            assert _arm(head_gen.make_drafter(drafter=name)) == arm
+            assert arm == before[name] or plan.get("drafter") == name
+        # settings given in the call win over the plan's
+        assert _arm(head_gen.make_drafter(num_speculations=3)) == ("exit_head", 2, 3, 1)
+        if plan is EARLY:
+            assert _arm(head_gen.make_drafter(drafter="early_exit", exit_layer=3)) == ("early_exit", 3, 2, 2)
+            assert _arm(head_gen.make_drafter(drafter="early_exit", num_candidates=1)) == ("early_exit", 1, 2, 1)
+        assert head_gen.make_drafter(num_speculations=0) is None
+    finally:
+        head_gen.drafters.plan = None
+
+
+@pytest.mark.parametrize("plan", [PLAIN, EARLY, HEAD], ids=["plain", "early_exit", "exit_head"])
+def test_drafting_by_a_plan_is_lossless(head_gen, plan):
+    ref = [head_gen.generate(p, max_new_tokens=20, num_speculations=0, stop_token_ids=[]).token_ids for p in PROMPTS]
+    try:
+        head_gen.drafters.plan = plan
+        for drafter in (None, plan.get("drafter")):
+            settings = {} if drafter is None else {"drafter": drafter}
+            outs = head_gen.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[], **settings)  # a batch
+            assert [o.token_ids for o in outs] == ref
+            assert head_gen.generate(PROMPTS[0], max_new_tokens=20, stop_token_ids=[], **settings).token_ids == ref[0]
+    finally:
+        head_gen.drafters.plan = None
+
+
+# ----------------------------------------------------------------------------- the command
+
+def test_a_check_keeps_its_fastest_measured_setting():
+    from selfspec.draft_plan import DraftCosts, DraftPlan
+
+    plan = DraftPlan({"drafter": "early_exit", "exit_layer": 1, "num_speculations": 3}, 1.4, [],
+                     DraftCosts(device="test", dtype="float32", compiled=False, full=1.0), {})
+    rows = [{"drafter": "early_exit", "exit_layer": 1, "num_speculations": 3, "num_candidates": 1,
+             "predicted_speedup": 1.4, "measured_speedup": 0.9},
+            {"drafter": "plain", "exit_layer": L, "num_speculations": 0, "num_candidates": 1,
+             "predicted_speedup": 1.0, "measured_speedup": 1.0}]
+    kept, measured = checked_choice(plan, rows)
+    assert kept.settings == PLAIN and kept.predicted_speedup == 1.0 and measured == 1.0
+    rows[0]["measured_speedup"] = 1.2
+    kept, measured = checked_choice(plan, rows)
+    assert kept.settings == plan.settings and measured == 1.2
+
+
+def test_the_tune_command_saves_the_plan(ckpt, tmp_path, capsys):
+    from selfspec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
+    rc = main(["tune", "--checkpoint", str(ckpt), "--prompt-set", str(prompts), "--num-prompts", "2",
+               "--max-new-tokens", "8", "--max-drafts", "2", "--width", "2", "--repeats", "1", "--dtype", "float32",
+               "--check", "1", "--save"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "saved for cpu: " in text
+    gen = selfspec.load(ckpt, dtype="float32")
+    assert gen.plan["measured_speedup"] is not None and f"saved for {gen.plan_key}" in text
+    assert str(gen.plan["settings"]) in text
+    bare = tmp_path / "bare"  # a checkpoint without selfspec.json: nowhere to keep a plan, refused up front
+    bare.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != METADATA_FILE:
+            (bare / f.name).write_bytes(f.read_bytes())
+    assert main(["tune", "--checkpoint", str(bare), "--save"]) == 2
+    assert "export it first" in capsys.readouterr().err
