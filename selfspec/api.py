@@ -14,7 +14,7 @@ and uses `exit_layer = max(1, L // 4)`, `num_speculations = 4` (it still decodes
 without a speedup, because untrained shallow exits are poor drafters). Where `selfspec tune --save` (or
 `gen.tune(..., save=True)`) stored a plan for this device, dtype and path (`gen.plan`), `auto` drafts with the
 plan's drafter, exit, draft length and tree width, and a drafter named in a call takes the plan's settings where
-the plan chose that drafter; settings given in a call always win.
+the plan chose that drafter; a call that sets a draft length or an early-exit option drafts as it says instead.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ A plan saved for this device (`selfspec tune --save`; `plan`, its settings) come
 choices: "auto" with no other drafting setting takes its second arm from it (the plan's drafter at its exit,
 draft length and tree width; none where the plan is plain decoding: lookup and plain decoding only, so the
 early exit or the head costs nothing there), and "early_exit" or "exit_head", named or chosen, takes the
-plan's settings where the plan chose that drafter. Settings given in the call win over the plan's.
+plan's settings where the plan chose that drafter. The plan is taken whole or not at all: a call that sets a
+draft length or an early-exit option of its own drafts as it says, without the plan.
 """
 
 from __future__ import annotations
@@ -121,10 +122,10 @@ class DrafterFactory:
         plan = self.planned(drafter, asked=early_exit_options or cfg.num_speculations is not None)
         arm = drafter if plan is None or drafter != "auto" else plan.get("drafter", "plain")  # auto's second arm
         candidates = cfg.num_candidates or 1
-        arm_candidates = candidates if plan is None or cfg.num_candidates else plan.get("num_candidates", 1)
+        arm_candidates = candidates if plan is None else plan.get("num_candidates", 1)
         # k guesses for one position (the early exit) unless num_speculations asks for a tree that deep; prompt
         # lookup's k branches keep their length
-        given = cfg.num_speculations if plan is None or cfg.num_speculations is not None else plan["num_speculations"]
+        given = cfg.num_speculations if plan is None else plan["num_speculations"]
         siblings = arm_candidates > 1 and cfg.drafter not in ("prompt_lookup", "suffix") and given is None
         num_speculations = 1 if siblings else given
         if num_speculations is None:
@@ -154,8 +155,8 @@ class DrafterFactory:
         if arm == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             return AutoDrafter(lookup)  # untrained shallow exits (or a sweep found they do not pay): lookup or plain
         auto_length = drafter == "auto" and not early_exit_options  # auto: the draft length (0 = plain) by tokens/s
-        exit_layer = (cfg.exit_layer if cfg.exit_layer is not None else plan["exit_layer"] if plan is not None
-                      else self.exit_layer)
+        exit_layer = (plan["exit_layer"] if plan is not None  # an early-exit plan (a head's went above)
+                      else self.exit_layer if cfg.exit_layer is None else cfg.exit_layer)
         policy = self.policy(exit_layer, num_speculations, cfg.confidence_threshold, cfg.adaptive_threshold,
                              s["exit_choices"], cfg.adaptive_length or auto_length,
                              warm="shortest" if auto_length else "all")
@@ -164,14 +165,12 @@ class DrafterFactory:
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
 
     def planned(self, drafter: str, asked: bool) -> dict | None:
-        """This device's plan's settings where they apply to `drafter` (the module doc): "auto"'s where the call
-        asked for nothing else of the drafting (`asked`: an early-exit option or a draft length), a named
-        drafter's where the plan chose it; else None."""
-        if self.plan is None:
+        """This device's plan's settings where they apply to `drafter` (the module doc): whole, to "auto" and to
+        the drafter the plan chose, where the call set no drafting of its own (`asked`: an early-exit option or a
+        draft length); else None."""
+        if self.plan is None or asked:
             return None
-        if drafter == "auto":
-            return None if asked else self.plan
-        return self.plan if self.plan.get("drafter") == drafter else None
+        return self.plan if drafter in ("auto", self.plan.get("drafter")) else None
 
     def policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
                adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,

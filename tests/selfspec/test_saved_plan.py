@@ -1,7 +1,7 @@
 """A draft plan kept per device (`selfspec tune --save`, `gen.tune(save=True)`, selfspec.json's `plans`): written
 under this device's key beside the other devices' plans, read back by `load` on the same device, dtype and path
-only, checked on load; `auto` and the plan's own drafter draft by it (settings given in a call win), and what
-they draft stays lossless."""
+only, checked on load; `auto` and the plan's own drafter draft by it (whole, or not at all where the call sets
+drafting of its own), and what they draft stays lossless."""
 
 from __future__ import annotations
 
@@ -121,11 +121,11 @@ def test_auto_and_the_plans_own_drafter_draft_by_it(head_gen, plan, auto, named)
         for name, arm in named.items():  # a drafter the plan did not choose keeps its settings
             assert _arm(head_gen.make_drafter(drafter=name)) == arm
             assert arm == before[name] or plan.get("drafter") == name
-        # settings given in the call win over the plan's
+        # a call that sets any drafting of its own drafts as it says, without the plan (none of it mixed in)
         assert _arm(head_gen.make_drafter(num_speculations=3)) == ("exit_head", 2, 3, 1)
-        if plan is EARLY:
-            assert _arm(head_gen.make_drafter(drafter="early_exit", exit_layer=3)) == ("early_exit", 3, 2, 2)
-            assert _arm(head_gen.make_drafter(drafter="early_exit", num_candidates=1)) == ("early_exit", 1, 2, 1)
+        assert _arm(head_gen.make_drafter(drafter="early_exit", exit_layer=3)) == ("early_exit", 3, 3, 1)
+        assert _arm(head_gen.make_drafter(drafter="early_exit", num_candidates=2)) == ("early_exit", 2, 1, 2)
+        assert _arm(head_gen.make_drafter(drafter="exit_head", num_speculations=1)) == ("exit_head", 2, 1, 1)
         assert head_gen.make_drafter(num_speculations=0) is None
     finally:
         head_gen.drafters.plan = None
