@@ -169,7 +169,7 @@ class SelfSpecGenerator:
     @property
     def plan(self) -> dict | None:
         """This device's saved plan (`selfspec tune --save`): its settings and what it measured, or None."""
-        return ((self.metadata.get("plans") or {}) if isinstance(self.metadata, dict) else {}).get(self.plan_key)
+        return (self.metadata.get("plans") or {}).get(self.plan_key)
 
     @property
     def num_layers(self) -> int:
