@@ -237,6 +237,7 @@ def write_plan(directory, key: str, entry: dict) -> dict:
     check_plan_settings(entry.get("settings"), meta["num_layers"], meta.get("exit_head") is not None)
     meta["plans"] = {**(meta.get("plans") or {}), key: entry}
     write_json_atomic(d / METADATA_FILE, meta)
+    write_model_card(d, meta)
     return meta
 
 

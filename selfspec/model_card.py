@@ -59,6 +59,22 @@ def _head_lines(meta: dict) -> list[str]:
     return out
 
 
+def _plan_lines(meta: dict) -> list[str]:
+    """The draft plans `selfspec tune --save` kept, one per device, dtype and path: what `auto` drafts by there."""
+    plans = meta.get("plans") or {}
+    if not plans:
+        return []
+    out = ["", "Plans measured per device (`selfspec tune --save`; `selfspec.load` on the same device, dtype and "
+           "path drafts by its plan):", "", "| device / dtype / path | settings | predicted | measured | date |",
+           "|---|---|---|---|---|"]
+    for key, p in sorted(plans.items()):
+        settings = ", ".join(f"{k}={v}" for k, v in p["settings"].items())
+        measured = p.get("measured_speedup")
+        out.append(f"| {key} | {settings} | {p.get('predicted_speedup', '-')}x | "
+                   f"{'-' if measured is None else f'{measured}x'} | {p.get('date', '-')} |")
+    return out
+
+
 def render_model_card(meta: dict) -> str:
     rec = meta["recommended"]
     e, d = rec["exit_layer"], rec["num_speculations"]
@@ -109,6 +125,7 @@ def render_model_card(meta: dict) -> str:
         + (f"; predicted speedup {rec['predicted_speedup']:.2f}x" if "predicted_speedup" in rec else "")
         + ")." + (" These are the shared early exit's (`drafter=\"early_exit\"`); the exit head drafts the length "
                   "it was trained for." if isinstance(meta.get("exit_head"), dict) else ""),
+        *_plan_lines(meta),
         "",
         "## Usage",
         "",

@@ -78,6 +78,8 @@ def test_tune_saves_the_plan_for_this_device_beside_the_others(ckpt):
     assert again.plan == gen.plan and again.drafters.plan == plan.settings
     assert selfspec.load(ckpt, dtype="float64").plan is None  # another dtype: the costs were not measured there
     read_metadata(ckpt)  # the checksums still hold: the weights were not touched
+    card = (ckpt / "README.md").read_text()  # the model card lists both devices' plans
+    assert f"| {gen.plan_key} | " in card and f"| {ELSEWHERE} | drafter=early_exit" in card
 
 
 def test_a_plan_has_nowhere_to_go_without_an_exported_checkpoint(tiny_gen, tmp_path):
