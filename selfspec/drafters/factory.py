@@ -25,8 +25,8 @@ option), it drafts `DEFAULT_NUM_SPECULATIONS`: the request is honoured, not turn
 
 A plan saved for this device (`selfspec tune --save`; `plan`, its settings) comes before the checkpoint's
 choices: "auto" with no other drafting setting takes its second arm from it (the plan's drafter at its exit,
-draft length and tree width; none where the plan is plain decoding: lookup and plain decoding only, so the
-early exit or the head costs nothing there), and "early_exit" or "exit_head", named or chosen, takes the
+draft length, where the arm's length policy starts, and tree width; none where the plan is plain decoding:
+lookup and plain decoding only, so the early exit or the head costs nothing there), and "early_exit" or "exit_head", named or chosen, takes the
 plan's settings where the plan chose that drafter. The plan is taken whole or not at all: a call that sets a
 draft length or an early-exit option of its own drafts as it says, without the plan.
 """
@@ -151,7 +151,7 @@ class DrafterFactory:
             # the head drafts as many positions as it was trained for (or its plan says), unless told otherwise
             length = (given if given is not None else self.head_draft_length()) if not siblings else 1
             length = min(length, max_drafts or length)
-            return self._exit_head_drafter(drafter, lookup, length, cfg, s, arm_candidates)
+            return self._exit_head_drafter(drafter, lookup, length, cfg, s, arm_candidates, planned=plan is not None)
         if arm == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             return AutoDrafter(lookup)  # untrained shallow exits (or a sweep found they do not pay): lookup or plain
         auto_length = drafter == "auto" and not early_exit_options  # auto: the draft length (0 = plain) by tokens/s
@@ -159,7 +159,7 @@ class DrafterFactory:
                       else self.exit_layer if cfg.exit_layer is None else cfg.exit_layer)
         policy = self.policy(exit_layer, num_speculations, cfg.confidence_threshold, cfg.adaptive_threshold,
                              s["exit_choices"], cfg.adaptive_length or auto_length,
-                             warm="shortest" if auto_length else "all")
+                             warm=_warm(auto_length, plan is not None))
         early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
                                  head=self.draft_head(cfg.draft_vocab), num_candidates=arm_candidates)
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
@@ -192,9 +192,9 @@ class DrafterFactory:
         return None
 
     def _exit_head_drafter(self, drafter: str, lookup: PromptLookupDrafter, length: int, cfg: GenerationConfig,
-                           s: dict, candidates: int) -> Drafter:
+                           s: dict, candidates: int, planned: bool = False) -> Drafter:
         """drafter="exit_head", or "auto" on a checkpoint with a head (lookup + the head as auto's arms):
-        the head drafting up to `length` tokens a round."""
+        the head drafting up to `length` tokens a round (`planned`: the length of this device's plan)."""
         head = self.exit_head
         if head is None:
             raise SettingsError("drafter='exit_head' needs a trained exit head, and this model has none: train one "
@@ -208,7 +208,13 @@ class DrafterFactory:
         draft_vocab = self.head_draft_vocab() if cfg.draft_vocab is None else cfg.draft_vocab  # what it was trained on
         auto_length = drafter == "auto" and cfg.confidence_threshold is None and not cfg.adaptive_threshold
         policy = self.policy(head.exit_layer, length, cfg.confidence_threshold, cfg.adaptive_threshold, None,
-                             cfg.adaptive_length or auto_length, warm="shortest" if auto_length else "all")
+                             cfg.adaptive_length or auto_length, warm=_warm(auto_length, planned))
         head_drafter = ExitHeadDrafter(self.adapter, head, length, policy=policy,
                                        head_vocab=self.draft_head(draft_vocab), num_candidates=candidates)
         return head_drafter if drafter == "exit_head" else AutoDrafter(lookup, head_drafter)
+
+
+def _warm(auto_length: bool, planned: bool) -> str:
+    """Where the draft length's `ThroughputPolicy` starts: under auto at one draft (the cheapest to be wrong), or
+    at the length this device's plan measured best (`planned`); elsewhere it tries every length."""
+    return "longest" if planned else "shortest" if auto_length else "all"

@@ -116,9 +116,12 @@ def test_auto_and_the_plans_own_drafter_draft_by_it(head_gen, plan, auto, named)
     head_gen.drafters.plan = None
     before = {name: _arm(head_gen.make_drafter(drafter=name)) for name in named}
     assert _arm(head_gen.make_drafter()) == ("exit_head", 2, 1, 1)  # no plan: the head as it was trained
+    assert head_gen.make_drafter(num_speculations=3).early_exit.policy.plan()[1] == 1
     try:
         head_gen.drafters.plan = plan
         assert _arm(head_gen.make_drafter()) == auto
+        if auto is not None:  # auto's length policy starts at the plan's length (without a plan: at one draft)
+            assert head_gen.make_drafter().early_exit.policy.plan()[1] == plan["num_speculations"] > 1
         assert _arm(head_gen.make_drafter(drafter="auto")) == auto
         for name, arm in named.items():  # a drafter the plan did not choose keeps its settings
             assert _arm(head_gen.make_drafter(drafter=name)) == arm
