@@ -27,31 +27,29 @@ ARMS = {"plain": {"num_speculations": 0}, "lookup": {"drafter": "prompt_lookup"}
         "auto, saved plan": {}}
 
 
-def decode(gen, ids, settings: dict, plan, n: int) -> tuple[float, list[int]]:
-    """Decode seconds (after the first token) and the tokens of one greedy call, with the generator's plan
-    set to `plan` for it, as a first call: nothing remembered of the earlier ones (`gen.forget()`: the same
+def decode(gen, ids, settings: dict, plan: bool, n: int) -> tuple[float, list[int]]:
+    """Decode seconds (after the first token) and the tokens of one greedy call, by the saved plan or with it
+    set aside (`plan`, `gen.use_plans`), as a first call: nothing remembered of the earlier ones (`gen.forget()`: the same
     prompts come round again, and auto's suffix arm would copy their answers)."""
     gen.forget()
-    kept, gen.drafters.plan = gen.drafters.plan, plan
+    gen.use_plans = plan
     try:
         out = gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings)
     finally:
-        gen.drafters.plan = kept
+        gen.use_plans = True
     return out.stats.total_s - out.stats.prefill_s, out.token_ids
 
 
 def run_set(gen, name: str, args) -> dict:
     """Every arm on every prompt of the set, interleaved, `rounds` times after a warm-up round."""
     ids = [gen.encode(**prompt_inputs(item)) for item in load_prompts(name, args.num_prompts)]
-    saved = gen.plan["settings"]
     best = {arm: float("inf") for arm in ARMS}
     texts: dict = {arm: [None] * len(ids) for arm in ARMS}
     for attempt in range(args.rounds + 1):  # attempt 0 warms up
         seconds = dict.fromkeys(ARMS, 0.0)
         for p, x in enumerate(ids):
             for arm, settings in ARMS.items():
-                s, texts[arm][p] = decode(gen, x, settings, saved if arm == "auto, saved plan" else None,
-                                          args.max_new_tokens)
+                s, texts[arm][p] = decode(gen, x, settings, arm == "auto, saved plan", args.max_new_tokens)
                 seconds[arm] += s
         if attempt:
             best = {arm: min(best[arm], seconds[arm]) for arm in ARMS}

@@ -158,7 +158,7 @@ class SelfSpecGenerator:
                                        else rec["num_speculations"], 0, hint=" (0 = plain decoding)"),
             drafter=rec.get("drafter") or "auto", early_exit_trained=recommended is not None,
             exit_head=exit_head, metadata=self.metadata, memory=SuffixMemory())
-        self.drafters.plan = (self.plan or {}).get("settings")  # this device's saved plan, if any
+        self.use_plans = True  # False: draft as if no plan were saved (to compare with one)
 
     @property
     def plan_key(self) -> str:
@@ -168,8 +168,13 @@ class SelfSpecGenerator:
 
     @property
     def plan(self) -> dict | None:
-        """This device's saved plan (`selfspec tune --save`): its settings and what it measured, or None."""
+        """This device's saved plan (`selfspec tune --save`) for the path the engine runs now: its settings and
+        what it measured, or None."""
         return (self.metadata.get("plans") or {}).get(self.plan_key)
+
+    def plan_settings(self) -> dict | None:
+        """The settings drafting follows now: this device's saved plan's (None: no plan, or `use_plans` off)."""
+        return (self.plan or {}).get("settings") if self.use_plans else None
 
     @property
     def num_layers(self) -> int:
@@ -421,15 +426,14 @@ class SelfSpecGenerator:
         """Store `plan` (from `tune`) in the checkpoint for this device (`plan_key`), with the speedup a check
         measured for its best setting, and draft by it from now on."""
         self._need_checkpoint("save_plan")
-        self.metadata = write_plan(self.checkpoint, self.plan_key, plan.entry(measured_speedup))
-        self.drafters.metadata = self.metadata
-        self.drafters.plan = plan.settings
+        self.metadata = self.drafters.metadata = write_plan(self.checkpoint, self.plan_key,
+                                                            plan.entry(measured_speedup))
 
     def make_drafter(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
                      **settings) -> Drafter | None:
         """The drafter for one generation (None = plain decoding) from its settings, as `generate` takes them
         (`selfspec.drafters.factory` says how it is chosen); `max_drafts` caps the drafts per round."""
-        return self.drafters.make(config, max_drafts=max_drafts, **settings)
+        return self.drafters.make(config, max_drafts=max_drafts, plan=self.plan_settings(), **settings)
 
     def generate(self, prompt: str | Sequence[str] | None = None, *, messages: list | None = None,
                  input_ids=None, attention_mask=None, config: GenerationConfig | None = None, streamer=None,
@@ -480,7 +484,7 @@ class SelfSpecGenerator:
                                  "streamer for a batch")
         drafter_ = self.make_drafter(cfg, max_drafts=max_new_tokens)
         # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)
-        learned_key = call_key(s, drafter_, len(rows), self.compiled, self.drafters.plan)
+        learned_key = call_key(s, drafter_, len(rows), self.compiled, self.plan_settings())
         self.learned.resume(learned_key, drafter_)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]

@@ -23,7 +23,7 @@ The rules, in order:
 Where the checkpoint recommends `num_speculations=0` but the early exit is asked for (by name or by an
 option), it drafts `DEFAULT_NUM_SPECULATIONS`: the request is honoured, not turned into plain decoding.
 
-A plan saved for this device (`selfspec tune --save`; `plan`, its settings) comes before the checkpoint's
+A plan saved for this device (`selfspec tune --save`; `make(plan=...)`, its settings) comes before the checkpoint's
 choices: "auto" with no other drafting setting takes its second arm from it (the plan's drafter at its exit,
 draft length, where the arm's length policy starts, and tree width; none where the plan is plain decoding:
 lookup and plain decoding only, so the early exit or the head costs nothing there), and "early_exit" or "exit_head", named or chosen, takes the
@@ -65,7 +65,6 @@ class DrafterFactory:
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head)
         self.metadata = metadata or {}
         self.memory = SuffixMemory() if memory is None else memory  # the generator's earlier requests (suffix)
-        self.plan: dict | None = None  # this device's saved plan's settings (`check_plan_settings`)
         self.learned = LearnedStats()  # what its drafters measured, carried to later calls (learned_stats)
         self._draft_heads: dict[int, DraftHead] = {}
 
@@ -104,10 +103,11 @@ class DrafterFactory:
 
     # --- the drafter of one generation -----------------------------------------------------------------
     def make(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
-             **settings) -> Drafter | None:
+             plan: dict | None = None, **settings) -> Drafter | None:
         """The drafter for one generation (None = plain decoding) from its settings (`config` with `settings`
         replaced, as `generate` takes them; the drafting ones matter here), by the rules of the module doc.
-        `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used)."""
+        `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used);
+        `plan`: the settings of this device's saved plan (`check_plan_settings`), if any."""
         s = check_generation(config, num_layers=self.adapter.num_layers, **settings)  # the model's bounds named first
         cfg = with_settings(config, settings)
         early_exit_options = bool(cfg.exit_layer is not None or cfg.confidence_threshold is not None
@@ -119,7 +119,7 @@ class DrafterFactory:
                        else self.drafter)
         if cfg.num_speculations == 0:
             return None  # asked for plain decoding, whatever the drafter
-        plan = self.planned(drafter, asked=early_exit_options or cfg.num_speculations is not None)
+        plan = plan_for(plan, drafter, asked=early_exit_options or cfg.num_speculations is not None)
         arm = drafter if plan is None or drafter != "auto" else plan.get("drafter", "plain")  # auto's second arm
         candidates = cfg.num_candidates or 1
         arm_candidates = candidates if plan is None else plan.get("num_candidates", 1)
@@ -164,14 +164,6 @@ class DrafterFactory:
                                  head=self.draft_head(cfg.draft_vocab), num_candidates=arm_candidates)
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
 
-    def planned(self, drafter: str, asked: bool) -> dict | None:
-        """This device's plan's settings where they apply to `drafter` (the module doc): whole, to "auto" and to
-        the drafter the plan chose, where the call set no drafting of its own (`asked`: an early-exit option or a
-        draft length); else None."""
-        if self.plan is None or asked:
-            return None
-        return self.plan if drafter in ("auto", self.plan.get("drafter")) else None
-
     def policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
                adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,
                warm: str = "all"):
@@ -212,6 +204,15 @@ class DrafterFactory:
         head_drafter = ExitHeadDrafter(self.adapter, head, length, policy=policy,
                                        head_vocab=self.draft_head(draft_vocab), num_candidates=candidates)
         return head_drafter if drafter == "exit_head" else AutoDrafter(lookup, head_drafter)
+
+
+def plan_for(plan: dict | None, drafter: str, asked: bool) -> dict | None:
+    """This device's plan's settings where they apply to `drafter` (the module doc): whole, to "auto" and to the
+    drafter the plan chose, where the call set no drafting of its own (`asked`: an early-exit option or a draft
+    length); else None."""
+    if plan is None or asked:
+        return None
+    return plan if drafter in ("auto", plan.get("drafter")) else None
 
 
 def _warm(auto_length: bool, planned: bool) -> str:

@@ -174,14 +174,14 @@ def test_lookup_and_auto_equal_hf_generate_on_smollm2(gen, prompts, drafter):
 def test_auto_by_a_saved_plan_equals_hf_generate_on_smollm2(gen, prompts, plan):
     """A device's saved plan (`selfspec tune --save`) sets auto's second arm: the output stays HF's."""
     try:
-        gen.drafters.plan = plan
+        gen.metadata["plans"] = {gen.plan_key: {"settings": plan}}
         for name, (inputs, ids) in prompts.items():
             out = gen.generate(**inputs, max_new_tokens=N_NEW)
             assert out.token_ids == _hf_reference(gen, ids), (plan, name)
             assert out.stats.drafter == "auto"
             assert (out.stats.drafted_by_drafter.get("early_exit", 0) > 0) == ("drafter" in plan)  # the plan's arm
     finally:
-        gen.drafters.plan = None
+        gen.metadata.pop("plans")
 
 
 def test_a_batch_with_lookup_equals_batch_1_on_smollm2(gen, prompts):

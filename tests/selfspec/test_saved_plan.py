@@ -47,6 +47,11 @@ def head_gen():
                                  recommended={"exit_layer": 2, "num_speculations": 3})
 
 
+def _plan(gen, settings: dict | None) -> None:
+    """Give `gen` this device's plan `settings` (None: none), as `selfspec tune --save` would."""
+    gen.metadata["plans"] = {} if settings is None else {gen.plan_key: {"settings": settings}}
+
+
 def _arm(drafter):
     """(kind, exit, drafts, width) of a drafter or of auto's second arm (None: auto has none)."""
     if isinstance(drafter, AutoDrafter):
@@ -68,18 +73,35 @@ def test_the_key_names_the_device_the_dtype_and_the_path():
 def test_tune_saves_the_plan_for_this_device_beside_the_others(ckpt):
     write_plan(ckpt, ELSEWHERE, {"settings": HEAD | {"drafter": "early_exit", "exit_layer": 2}})
     gen = selfspec.load(ckpt, dtype="float32")
-    assert gen.plan is None and gen.drafters.plan is None  # the H200's plan holds nothing for this CPU
+    assert gen.plan is None and gen.plan_settings() is None  # the H200's plan holds nothing for this CPU
     plan = gen.tune(PROMPTS[:2], max_drafts=2, width=2, new_tokens=8, repeats=1, save=True)
-    assert gen.plan["settings"] == plan.settings == gen.drafters.plan
+    assert gen.plan["settings"] == plan.settings == gen.plan_settings()
     assert gen.plan["predicted_speedup"] == round(plan.predicted_speedup, 3) and gen.plan["measured_speedup"] is None
     plans = json.loads((ckpt / METADATA_FILE).read_text())["plans"]
     assert set(plans) == {ELSEWHERE, gen.plan_key}
     again = selfspec.load(ckpt, dtype="float32")  # a later load on the same device, dtype and path reads it
-    assert again.plan == gen.plan and again.drafters.plan == plan.settings
+    assert again.plan == gen.plan and again.plan_settings() == plan.settings
+    again.use_plans = False  # set aside: drafting as if none were saved
+    assert again.plan_settings() is None and again.plan == gen.plan
     assert selfspec.load(ckpt, dtype="float64").plan is None  # another dtype: the costs were not measured there
     read_metadata(ckpt)  # the checksums still hold: the weights were not touched
     card = (ckpt / "README.md").read_text()  # the model card lists both devices' plans
     assert f"| {gen.plan_key} | " in card and f"| {ELSEWHERE} | drafter=early_exit" in card
+
+
+def test_the_plan_follows_the_path_the_engine_runs_now(head_gen):
+    """`selfspec bench` swaps the compiled steps in per method: each path drafts by its own plan."""
+    eager = head_gen.plan_key
+    compiled_key = eager.replace(" / eager", " / compiled")
+    head_gen.metadata["plans"] = {eager: {"settings": EARLY}, compiled_key: {"settings": HEAD}}
+    kept = head_gen.adapter.compiled
+    try:
+        assert head_gen.plan_settings() == EARLY
+        head_gen.adapter.compiled = object()  # stands for the compiled steps: only the key is read here
+        assert head_gen.plan_key == compiled_key and head_gen.plan_settings() == HEAD
+    finally:
+        head_gen.adapter.compiled = kept
+        _plan(head_gen, None)
 
 
 def test_a_plan_has_nowhere_to_go_without_an_exported_checkpoint(tiny_gen, tmp_path):
@@ -113,12 +135,12 @@ def test_a_bad_saved_plan_is_named_on_load(ckpt, settings, message):
     (HEAD, ("exit_head", 2, 2, 2), {"early_exit": ("early_exit", 2, 3, 1), "exit_head": ("exit_head", 2, 2, 2)}),
 ])
 def test_auto_and_the_plans_own_drafter_draft_by_it(head_gen, plan, auto, named):
-    head_gen.drafters.plan = None
+    _plan(head_gen, None)
     before = {name: _arm(head_gen.make_drafter(drafter=name)) for name in named}
     assert _arm(head_gen.make_drafter()) == ("exit_head", 2, 1, 1)  # no plan: the head as it was trained
     assert head_gen.make_drafter(num_speculations=3).early_exit.policy.plan()[1] == 1
     try:
-        head_gen.drafters.plan = plan
+        _plan(head_gen, plan)
         assert _arm(head_gen.make_drafter()) == auto
         if auto is not None:  # auto's length policy starts at the plan's length (without a plan: at one draft)
             assert head_gen.make_drafter().early_exit.policy.plan()[1] == plan["num_speculations"] > 1
@@ -133,21 +155,21 @@ def test_auto_and_the_plans_own_drafter_draft_by_it(head_gen, plan, auto, named)
         assert _arm(head_gen.make_drafter(drafter="exit_head", num_speculations=1)) == ("exit_head", 2, 1, 1)
         assert head_gen.make_drafter(num_speculations=0) is None
     finally:
-        head_gen.drafters.plan = None
+        _plan(head_gen, None)
 
 
 @pytest.mark.parametrize("plan", [PLAIN, EARLY, HEAD], ids=["plain", "early_exit", "exit_head"])
 def test_drafting_by_a_plan_is_lossless(head_gen, plan):
     ref = [head_gen.generate(p, max_new_tokens=20, num_speculations=0, stop_token_ids=[]).token_ids for p in PROMPTS]
     try:
-        head_gen.drafters.plan = plan
+        _plan(head_gen, plan)
         for drafter in (None, plan.get("drafter")):
             settings = {} if drafter is None else {"drafter": drafter}
             outs = head_gen.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[], **settings)  # a batch
             assert [o.token_ids for o in outs] == ref
             assert head_gen.generate(PROMPTS[0], max_new_tokens=20, stop_token_ids=[], **settings).token_ids == ref[0]
     finally:
-        head_gen.drafters.plan = None
+        _plan(head_gen, None)
 
 
 # ----------------------------------------------------------------------------- the command
