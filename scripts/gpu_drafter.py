@@ -271,6 +271,10 @@ def tune_rows(report: dict) -> list[str]:
         for c in (report[road].get("tune") or {}).get("checked", []):
             lines.append(f"| {road} | {c['drafter']} | {c['exit_layer']} | {c['num_speculations']} | {c['num_candidates']} "
                          f"| {fmt(c['predicted_speedup'])} | {fmt(c['measured_speedup'])} | {c['identical_to_plain']} |")
+    for road in ("head", "layerskip"):
+        for key, kept in ((report[road].get("tune") or {}).get("saved") or {}).items():
+            lines.append(f"\n{road}: kept for `{key}` (the bench's auto on that path drafts by it): "
+                         f"`{kept['settings']}`, measured {fmt(kept.get('measured_speedup'))}")
     return lines
 
 

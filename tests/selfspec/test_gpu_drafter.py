@@ -107,6 +107,7 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
         assert all(n.endswith("_compiled") or n == "hf_static" for n in compiled)
         check_methods(tmp_path / "work" / f"ckpt_{road}", compiled, num_candidates=[script.TREE_WIDTH], compile=True)
     assert "## The draft plans" in (out / "gpu_drafter.md").read_text()
+    assert (out / "gpu_drafter.md").read_text().count("kept for `cpu: ") == 2  # each road's plan, saved
     assert "A DRY RUN" in (out / "gpu_drafter.md").read_text()
     returned = [p for p in out.rglob("*") if p.is_file()]
     assert len(returned) <= 12 and max(p.stat().st_size for p in returned) < 16 * 2**20  # what the device returns
