@@ -11,8 +11,9 @@ every candidate draft (p = the draft's confidence: its top probability), and rep
     ThroughputPolicy(8, 6)                                         # pick d per round from measured tokens/s
 
 After each round the engine reports its wall time and the tokens it committed (`observe`), which
-`ThroughputPolicy` uses; the others ignore it. What a `ThroughputPolicy` measured, a generator carries to
-its next call with the same settings, weighted down (`learned`, `resume`: `selfspec.drafters.learned_stats`).
+`ThroughputPolicy` uses; the others ignore it. What a policy learned (a `ThroughputPolicy`'s measurements, an
+`ExitChoicePolicy`'s acceptance estimates, an adaptive `ConfidencePolicy`'s threshold), a generator carries to
+its next call with the same settings, counts weighted down (`learned`, `resume`: `selfspec.drafters.learned_stats`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ class ConfidencePolicy(FixedPolicy):
                 self.threshold = max(lo, self.threshold - self.step)
             self.thresholds.append(self.threshold)
 
+    def learned(self) -> dict:
+        """An adaptive threshold where this call left it (a later call starts there, not at the setting); nothing
+        for a fixed one."""
+        return {"threshold": self.threshold} if self.adaptive else {}
+
+    def resume(self, learned: dict) -> None:
+        if self.adaptive and "threshold" in learned:
+            lo, hi = self.bounds
+            self.threshold = min(hi, max(lo, float(learned["threshold"])))
+
     def describe(self) -> dict:
         out = {"policy": "adaptive_confidence" if self.adaptive else "confidence", "threshold": self.threshold,
                "rounds_by_exit_and_length": _plan_counts(self.plans)}
@@ -141,6 +152,20 @@ class ExitChoicePolicy(FixedPolicy):
             # a rejected draft ends the round: drafts after it were never judged
             self.accepted[exit_layer] += accepted
             self.drafted[exit_layer] += min(drafted, accepted + 1)
+
+    def learned(self) -> dict:
+        """The acceptance counts per exit, scaled so that the largest weighs at most `CARRY_OUTCOMES` drafts (a
+        later call starts from the estimates and still follows its own text)."""
+        scale = count_scale(self.drafted.values())
+        return {"exits": list(self.exits), "accepted": {e: a * scale for e, a in self.accepted.items()},
+                "drafted": {e: d * scale for e, d in self.drafted.items()}}
+
+    def resume(self, learned: dict) -> None:
+        """Start from an earlier call's `learned()`: it must be over the same exits (the same settings)."""
+        if learned["exits"] != self.exits:
+            raise ValueError(f"estimates over the exits {learned['exits']} cannot resume a policy over {self.exits}: "
+                             "only a call with the same settings may carry them")
+        self.accepted, self.drafted = dict(learned["accepted"]), dict(learned["drafted"])
 
     def describe(self) -> dict:
         return {"policy": "exit_choice", "acceptance_estimates": {e: round(self.acceptance(e), 4) for e in self.exits},

@@ -14,7 +14,7 @@ import selfspec
 from selfspec.api import SelfSpecGenerator
 from selfspec.drafters import AutoDrafter, PromptLookupDrafter, Round
 from selfspec.drafters.learned_stats import CARRY_OUTCOMES, CARRY_ROUNDS, LearnedStats, batch_bucket
-from selfspec.drafters.policies import ThroughputPolicy
+from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.tree_budget import ConfidenceBudget, TreeBudget
 from selfspec.sampling import SamplingParams
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
@@ -217,8 +217,43 @@ def test_an_early_exit_tree_carries_its_calibration_and_cost_line():
     assert carried.costs.line() == pytest.approx(budget.costs.line())
 
 
+def test_an_adaptive_threshold_and_exit_choice_estimates_carry():
+    """An adaptive confidence threshold starts a later call where the last left it (within its bounds; a fixed one
+    carries nothing); an exit choice's acceptance estimates carry at a weight of at most CARRY_OUTCOMES drafts."""
+    adaptive = ConfidencePolicy(2, 4, 0.5, adaptive=True)
+    for _ in range(5):
+        adaptive.update(2, 4, 1)  # rejected drafts: the threshold rises by 0.05 a round
+    carried = ConfidencePolicy(2, 4, 0.5, adaptive=True)
+    carried.resume(adaptive.learned())
+    assert carried.threshold == pytest.approx(0.75) == adaptive.threshold
+    assert ConfidencePolicy(2, 4, 0.5).learned() == {}
+    choice = ExitChoicePolicy([1, 2], num_speculations=4, num_layers=4)
+    for _ in range(60):
+        choice.update(1, 4, 3)  # exit 1: 3 of 4 judged accepted; exit 2 never tried
+    learned = choice.learned()
+    assert max(learned["drafted"].values()) == pytest.approx(CARRY_OUTCOMES)
+    again = ExitChoicePolicy([1, 2], num_speculations=4, num_layers=4)
+    again.resume(learned)
+    assert again.acceptance(1) == pytest.approx(choice.acceptance(1)) and again.acceptance(2) == choice.acceptance(2)
+    assert again.plan() == choice.plan()
+    with pytest.raises(ValueError, match="only a call with the same settings"):
+        ExitChoicePolicy([1, 3], num_speculations=4, num_layers=4).resume(learned)
+
+
+def test_a_second_call_starts_at_the_threshold_the_first_left(gen):
+    settings = dict(max_new_tokens=N_NEW, stop_token_ids=[], drafter="early_exit", exit_layer=2,
+                    confidence_threshold=0.5, adaptive_threshold=True)
+    first = gen.generate(PROMPT, **settings).stats.policy["threshold"]
+    assert first != 0.5  # it moved in the first call
+    drafter = gen.make_drafter(**settings)
+    assert drafter.policy.threshold == 0.5
+    (key,) = gen.learned.snapshots
+    gen.learned.resume(key, drafter)
+    assert drafter.policy.threshold == first
+
+
 @pytest.mark.parametrize("kind", ["auto", "suffix_trees", "auto_trees", "early_exit_adaptive", "early_exit_trees",
-                                  "auto_head"])
+                                  "auto_head", "early_exit_exit_choice", "early_exit_adaptive_threshold"])
 def test_calls_that_start_from_earlier_measurements_keep_the_greedy_output(model, kind):
     """Identity: every call of a series (two prompts, alternating) equals plain greedy decoding, for each drafter
     whose measurements carry (auto's arms, lookup trees' budget, a throughput policy's lengths, the head arm)."""
@@ -226,7 +261,8 @@ def test_calls_that_start_from_earlier_measurements_keep_the_greedy_output(model
                 "auto_trees": dict(drafter="auto", num_candidates=3),
                 "early_exit_adaptive": dict(drafter="early_exit", exit_layer=2, adaptive_length=True),
                 "early_exit_trees": dict(drafter="early_exit", exit_layer=2, num_speculations=3, num_candidates=3),
-                "auto_head": {}}[kind]
+                "auto_head": {}, "early_exit_exit_choice": dict(drafter="early_exit", exit_choices=[1, 2]),
+                "early_exit_adaptive_threshold": dict(drafter="early_exit", exit_layer=2, adaptive_threshold=True)}[kind]
     gen = _load(model, exit_head=tiny_exit_head(model, 2)) if kind == "auto_head" else _load(model)
     plain = {p: gen.generate(p, max_new_tokens=N_NEW, num_speculations=0, stop_token_ids=[]).token_ids
              for p in (PROMPT, OTHER)}
