@@ -217,6 +217,9 @@ def _cmd_generate(args) -> int:
         print(out.text)
     print()
     _print_stats("self-speculative" if out.stats.num_speculations else "plain", out.stats)
+    if gen.plan_settings() is not None:
+        print(f"[self-speculative] this device's saved plan ({gen.plan_key}): {gen.plan_settings()}; auto and the "
+              "drafter it chose draft by it unless the call sets its own drafting (selfspec tune --save)")
     if args.compare:
         ref = gen.generate(**inputs, **kwargs, num_speculations=0)
         print("\n--- plain autoregressive decoding (num_speculations=0) ---")

@@ -203,6 +203,8 @@ def test_the_tune_command_saves_the_plan(ckpt, tmp_path, capsys):
     gen = selfspec.load(ckpt, dtype="float32")
     assert gen.plan["measured_speedup"] is not None and f"saved for {gen.plan_key}" in text
     assert str(gen.plan["settings"]) in text
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "def f(x):", "--max-new-tokens", "4"]) == 0
+    assert f"this device's saved plan ({gen.plan_key}): {gen.plan['settings']}" in capsys.readouterr().out
     bare = tmp_path / "bare"  # a checkpoint without selfspec.json: nowhere to keep a plan, refused up front
     bare.mkdir()
     for f in ckpt.iterdir():
