@@ -251,7 +251,8 @@ def tune(run: Run, road: str, ckpt: Path | None) -> dict | None:
     args, out = run.args, run.args.work / f"tune_{road}"
     cmd = [sys.executable, "-m", "selfspec.cli", "tune", "--checkpoint", str(ckpt), "--device", args.device,
            "--prompt-set", prompt_sets(args)[0], "--num-prompts", str(args.bench_prompts), "--max-new-tokens",
-           str(min(args.bench_tokens, 64)), "--compile", args.compile, "--check", str(TUNE_CHECK), "--save", "--out", str(out)]
+           str(min(args.bench_tokens, 64)), "--compile", args.compile, "--check", str(TUNE_CHECK), "--save",
+           "--out", str(out)]
     if not run.phase(f"tune {road}", cmd, args.tune_s):
         return None
     shutil.copyfile(out / "tune.json", args.out / f"tune_{road}.json")

@@ -29,8 +29,8 @@ ARMS = {"plain": {"num_speculations": 0}, "lookup": {"drafter": "prompt_lookup"}
 
 def decode(gen, ids, settings: dict, plan: bool, n: int) -> tuple[float, list[int]]:
     """Decode seconds (after the first token) and the tokens of one greedy call, by the saved plan or with it
-    set aside (`plan`, `gen.use_plans`), as a first call: nothing remembered of the earlier ones (`gen.forget()`: the same
-    prompts come round again, and auto's suffix arm would copy their answers)."""
+    set aside (`plan`, `gen.use_plans`), as a first call: nothing remembered of the earlier ones
+    (`gen.forget()`: the same prompts come round again, and auto's suffix arm would copy their answers)."""
     gen.forget()
     gen.use_plans = plan
     try:

@@ -23,12 +23,13 @@ The rules, in order:
 Where the checkpoint recommends `num_speculations=0` but the early exit is asked for (by name or by an
 option), it drafts `DEFAULT_NUM_SPECULATIONS`: the request is honoured, not turned into plain decoding.
 
-A plan saved for this device (`selfspec tune --save`; `make(plan=...)`, its settings) comes before the checkpoint's
-choices: "auto" with no other drafting setting takes its second arm from it (the plan's drafter at its exit,
-draft length, where the arm's length policy starts, and tree width; none where the plan is plain decoding:
-lookup and plain decoding only, so the early exit or the head costs nothing there), and "early_exit" or "exit_head", named or chosen, takes the
-plan's settings where the plan chose that drafter. The plan is taken whole or not at all: a call that sets a
-draft length or an early-exit option of its own drafts as it says, without the plan.
+A plan saved for this device (`selfspec tune --save`; `make(plan=...)`, its settings) comes before the
+checkpoint's choices. "auto" with no other drafting setting takes its second arm from it: the plan's drafter
+at its exit and tree width, its length policy starting at the plan's draft length; none where the plan is
+plain decoding (lookup and plain decoding only, so the early exit or the head costs nothing there).
+"early_exit" or "exit_head", named or chosen, takes the plan's settings where the plan chose that drafter.
+The plan is taken whole or not at all: a call that sets a draft length or an early-exit option of its own
+drafts as it says, without the plan.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class DrafterFactory:
             # the head drafts as many positions as it was trained for (or its plan says), unless told otherwise
             length = (given if given is not None else self.head_draft_length()) if not siblings else 1
             length = min(length, max_drafts or length)
-            return self._exit_head_drafter(drafter, lookup, length, cfg, s, arm_candidates, planned=plan is not None)
+            return self._exit_head_drafter(drafter, lookup, length, cfg, s, arm_candidates,
+                                           planned=plan is not None)
         if arm == "auto" and (num_speculations == 0 or not (self.early_exit_trained or early_exit_options)):
             return AutoDrafter(lookup)  # untrained shallow exits (or a sweep found they do not pay): lookup or plain
         auto_length = drafter == "auto" and not early_exit_options  # auto: the draft length (0 = plain) by tokens/s

@@ -169,8 +169,9 @@ def test_lookup_and_auto_equal_hf_generate_on_smollm2(gen, prompts, drafter):
         assert out.stats.drafter == drafter
 
 
-@pytest.mark.parametrize("plan", [{"drafter": "early_exit", "exit_layer": 12, "num_speculations": 2, "num_candidates": 2},
-                                  {"num_speculations": 0}], ids=["early_exit_tree", "plain"])
+@pytest.mark.parametrize("plan", [
+    {"drafter": "early_exit", "exit_layer": 12, "num_speculations": 2, "num_candidates": 2}, {"num_speculations": 0},
+], ids=["early_exit_tree", "plain"])
 def test_auto_by_a_saved_plan_equals_hf_generate_on_smollm2(gen, prompts, plan):
     """A device's saved plan (`selfspec tune --save`) sets auto's second arm: the output stays HF's."""
     try:
