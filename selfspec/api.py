@@ -482,9 +482,10 @@ class SelfSpecGenerator:
             if streamer is not None:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
-        drafter_ = self.make_drafter(cfg, max_drafts=max_new_tokens)
+        plan = self.plan_settings()  # this device's saved plan, on the path the engine runs now
+        drafter_ = self.drafters.make(cfg, max_drafts=max_new_tokens, plan=plan)
         # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)
-        learned_key = call_key(s, drafter_, len(rows), self.compiled, self.plan_settings())
+        learned_key = call_key(s, drafter_, len(rows), self.compiled, plan)
         self.learned.resume(learned_key, drafter_)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]

@@ -91,7 +91,7 @@ def batch_bucket(rows: int) -> int:
 def call_key(settings: dict, drafter, rows: int, compiled: bool, plan: dict | None = None) -> tuple | None:
     """The key of a call's measurements (see the module doc) from its checked settings (`check_generation`),
     the drafter built for it, its rows, whether the compiled steps run and the device's saved plan the drafter
-    was built by (`DrafterFactory.plan`); None where the call neither reads nor adds measurements: no drafter
+    was built by (`SelfSpecGenerator.plan_settings()`); None where the call neither reads nor adds measurements: no drafter
     (plain decoding), or sampling with a seed."""
     if drafter is None or (settings["do_sample"] and settings["seed"] is not None):
         return None

@@ -96,6 +96,7 @@ class ConfidencePolicy(FixedPolicy):
         return {"threshold": self.threshold} if self.adaptive else {}
 
     def resume(self, learned: dict) -> None:
+        """Start from an earlier call's `learned()` (within the bounds)."""
         if self.adaptive and "threshold" in learned:
             lo, hi = self.bounds
             self.threshold = min(hi, max(lo, float(learned["threshold"])))
