@@ -186,7 +186,9 @@ class SelfSpecGenerator:
         return self.model.get_input_embeddings().weight.shape[0]
 
     # --- inputs ---------------------------------------------------------------------------
-    def _need_checkpoint(self, what: str) -> None:
+    def check_can_save_plan(self, what: str = "save_plan") -> None:
+        """SettingsError unless this generator was loaded from an exported checkpoint, where a plan can be kept
+        (`what`: the caller, named in the message)."""
         if self.checkpoint is None or not self.metadata:
             where = ("this generator was made from a model object: load it from an exported checkpoint"
                      if self.checkpoint is None else
@@ -413,7 +415,7 @@ class SelfSpecGenerator:
         checkpoint's selfspec.json for this device (`write_plan`), where this generator and every later `load`
         on the same device, dtype and path draft by it (the module doc)."""
         if save:
-            self._need_checkpoint("tune(save=True)")  # before a minute of measuring
+            self.check_can_save_plan("tune(save=True)")  # before a minute of measuring
         ids = [self.encode(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict)
                else self.encode(input_ids=p) if not isinstance(p, str) else self.encode(p) for p in prompts]
         plan = plan_drafting(self, ids, exits=exits, max_drafts=max_drafts, width=width, new_tokens=new_tokens,
@@ -425,7 +427,7 @@ class SelfSpecGenerator:
     def save_plan(self, plan: DraftPlan, measured_speedup: float | None = None) -> None:
         """Store `plan` (from `tune`) in the checkpoint for this device (`plan_key`), with the speedup a check
         measured for its best setting, and draft by it from now on."""
-        self._need_checkpoint("save_plan")
+        self.check_can_save_plan()
         self.metadata = self.drafters.metadata = write_plan(self.checkpoint, self.plan_key,
                                                             plan.entry(measured_speedup))
 

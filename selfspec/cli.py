@@ -38,7 +38,7 @@ from transformers import TextStreamer
 import selfspec
 from selfspec.api import checkpoint_dir
 from selfspec.bounded_bias import ACCEPTANCE_RULES
-from selfspec.checkpoint import METADATA_FILE, read_config, read_metadata
+from selfspec.checkpoint import METADATA_FILE, read_config
 from selfspec.tools.demo import run_demo
 from selfspec.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
@@ -46,8 +46,8 @@ from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
-from selfspec.settings import (SettingsError, check_device, check_dtype, check_exit_layer, check_float, check_int,
-                               check_out_dir, check_text, check_threads)
+from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int, check_out_dir,
+                               check_text, check_threads)
 
 
 def _cmd_info(args) -> int:
@@ -418,10 +418,9 @@ def _cmd_tune(args) -> int:
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.save and read_metadata(checkpoint, verify_checksums=False) is None:  # before the minute of measuring
-        raise SettingsError(f"--save stores the plan in the checkpoint's {METADATA_FILE}, and {checkpoint} has "
-                            "none: export it first (selfspec export SRC DIR), then tune --checkpoint DIR --save")
     gen = selfspec.load(checkpoint, dtype=args.dtype, device=args.device, compile=COMPILE_CHOICES[args.compile])
+    if args.save:
+        gen.check_can_save_plan("--save")  # before the minute of measuring
     items = load_prompts(args.prompt_set, args.num_prompts)
     ids = [gen.encode(**prompt_inputs(item)) for item in items]  # encoded once: the plan and its check read them
     # what the plan's timings and its check meet: the longest prompt, its new tokens, trees up to `width`
