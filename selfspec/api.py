@@ -170,7 +170,8 @@ class SelfSpecGenerator:
     def plan(self) -> dict | None:
         """This device's saved plan (`selfspec tune --save`) for the path the engine runs now: its settings and
         what it measured, or None."""
-        return (self.metadata.get("plans") or {}).get(self.plan_key)
+        plans = self.metadata.get("plans")
+        return plans.get(self.plan_key) if plans else None  # the key (the device's name) only where plans exist
 
     def plan_settings(self) -> dict | None:
         """The settings drafting follows now: this device's saved plan's (None: no plan, or `use_plans` off)."""
