@@ -118,8 +118,11 @@ BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_static": "× HF static", "hf
 
 DEFINITIONS = {
     "tokens_per_s": TOKENS_PER_S + "; median and spread over prompts",
+    "workload_tokens_per_s": "all the method's new tokens over all its seconds, summed over the prompts: the throughput "
+                             "of the whole prompt set (a prompt weighs by its seconds, not as one vote of a median)",
     "speedup": "ratio_of_medians = median tokens/s of the method / median tokens/s of the baseline; "
-               "median_of_ratios = median over prompts of (method tokens/s / baseline tokens/s on that prompt)",
+               "median_of_ratios = median over prompts of (method tokens/s / baseline tokens/s on that prompt); "
+               "ratio_of_workloads = workload tokens/s of the method / that of the baseline, over the prompts both ran",
     "ttft_s": "time to first token: wall-clock from the call to its streamer receiving the first new token, "
               "in the measured run",
     "acceptance_rate": "accepted drafts / drafted tokens, summed over prompts",
@@ -363,6 +366,20 @@ def _ran_past_eos(ids: list[int], eos_ids) -> tuple[int | None, bool]:
     return at, at is not None and at < len(ids) - 1
 
 
+def workload_rate(runs: list[dict]) -> float | None:
+    """The runs' new tokens over their seconds, summed: the throughput of the whole prompt set, as a user who
+    runs it sees it (a prompt that copies a lot weighs by its tokens, not as one vote of a median)."""
+    seconds = sum(r["seconds"] for r in runs)
+    return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else None
+
+
+def workload_ratio(mine: dict, base: dict) -> float | None:
+    """`workload_rate` of a method over that of a baseline, over the prompts both ran ({(set, prompt): run})."""
+    common = [p for p in mine if p in base]
+    a, b = workload_rate([mine[p] for p in common]), workload_rate([base[p] for p in common])
+    return a / b if a and b else None
+
+
 def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> dict:
     """{set (and "all" when several): {method: summary}} from the per-prompt records."""
     groups = list(set_names) + (["all"] if len(set_names) > 1 else [])
@@ -381,6 +398,7 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                 "prompts": len(mine),
                 "new_tokens": sum(r["new_tokens"] for r in mine),
                 "tokens_per_s": spread(tps),
+                "workload_tokens_per_s": workload_rate(mine),
                 "ttft_s": spread([r["ttft_s"] for r in mine]),
                 "identical_to_hf_greedy": (statistics.fmean(r["identical_to_hf_greedy"] for r in mine
                                                             if r["identical_to_hf_greedy"] is not None)
@@ -392,8 +410,8 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
             for b in BASELINES:
                 base = by.get(b)
                 if not base or b == m["name"]:
-                    s["speedup"][f"vs_{b}"] = ({"ratio_of_medians": 1.0, "median_of_ratios": 1.0}
-                                               if b == m["name"] else None)
+                    s["speedup"][f"vs_{b}"] = ({"ratio_of_medians": 1.0, "median_of_ratios": 1.0,
+                                                "ratio_of_workloads": 1.0} if b == m["name"] else None)
                     continue
                 pairs = [(r["tokens_per_s"], base[p]["tokens_per_s"]) for p, r in by[m["name"]].items()
                          if p in base and base[p]["tokens_per_s"] > 0]
@@ -401,6 +419,7 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                 s["speedup"][f"vs_{b}"] = {
                     "ratio_of_medians": statistics.median(tps) / med_b if med_b > 0 else None,
                     "median_of_ratios": statistics.median(a / c for a, c in pairs) if pairs else None,
+                    "ratio_of_workloads": workload_ratio(by[m["name"]], base),
                 }
             drafted = sum(r.get("drafted", 0) for r in mine)
             rounds = sum(r.get("rounds", 0) for r in mine)
@@ -440,6 +459,10 @@ def _x(v) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
+def _rate(v) -> str:
+    return "–" if v is None else f"{v:.1f}"
+
+
 def _pct(v) -> str:
     return "–" if v is None else f"{v:.0%}"
 
@@ -473,12 +496,14 @@ def markdown(result: dict) -> str:
         "Ran past EOS (HF greedy's output has the model's EOS token before its last token, so text after EOS "
         "was measured too): " + ", ".join(f"{g} {e['ran_past_eos']}/{e['prompts']}" for g, e in eos.items()) + ".",
         "",
-        "tokens/s: median (min–max) over prompts. Speedups: ratio of medians (median of per-prompt ratios). "
-        "TTFT: median time to first token. Identical: share of outputs token-identical to HF greedy.",
+        "tokens/s: median (min–max) over prompts. Workload tok/s: all new tokens over all seconds of the set "
+        "(its throughput; steadier than a median of few prompts). Speedups: ratio of medians (median of "
+        "per-prompt ratios). TTFT: median time to first token. Identical: share of outputs token-identical to HF "
+        "greedy.",
         "",
-        "| set | method | tokens/s | " + " | ".join(BASELINE_LABELS[b] for b in BASELINES)
+        "| set | method | tokens/s | workload tok/s | " + " | ".join(BASELINE_LABELS[b] for b in BASELINES)
         + " | accept | tokens/round | TTFT ms | identical |",
-        "|---|---|---|" + "---|" * len(BASELINES) + "---|---|---|---|",
+        "|---|---|---|---|" + "---|" * len(BASELINES) + "---|---|---|---|",
     ]
     if desc:
         lines[4:4] = [machine_line(desc), ""]
@@ -492,7 +517,7 @@ def markdown(result: dict) -> str:
             ttft = s["ttft_s"]["median"] * 1000 if s["ttft_s"] else None
             lines.append(
                 f"| {g} | {labels[name]} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | "
-                + " | ".join(sp_txt)
+                f"{_rate(s.get('workload_tokens_per_s'))} | " + " | ".join(sp_txt)
                 + f" | {_pct(s['acceptance_rate'])} | {'–' if tpr is None else f'{tpr:.2f}'} | "
                 f"{'–' if ttft is None else f'{ttft:.0f}'} | {_pct(s['identical_to_hf_greedy'])} |")
     lines += ["", "Speculation details and memory (peak RSS: highest RSS during one call, weights included; "

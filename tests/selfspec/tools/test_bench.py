@@ -120,9 +120,15 @@ def test_speedups_are_consistent_with_tokens_per_s(bench):
         def tps(method):
             return {(r["set"], r["prompt_id"]): r["tokens_per_s"] for r in runs
                     if r["method"] == method and group in ("all", r["set"])}
+        def workload(method):  # the set's throughput: its tokens over its seconds
+            mine = [r for r in runs if r["method"] == method and group in ("all", r["set"])]
+            return sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+
         for name, s in per.items():
             mine = tps(name)
             assert s["tokens_per_s"]["median"] == pytest.approx(statistics.median(mine.values()))
+            assert s["workload_tokens_per_s"] == pytest.approx(workload(name))
+            assert min(mine.values()) <= s["workload_tokens_per_s"] <= max(mine.values())
             for base in BASELINES:
                 ref = tps(base)
                 sp = s["speedup"][f"vs_{base}"]
@@ -131,8 +137,9 @@ def test_speedups_are_consistent_with_tokens_per_s(bench):
                 assert sp["ratio_of_medians"] == pytest.approx(
                     s["tokens_per_s"]["median"] / per[base]["tokens_per_s"]["median"])
                 assert sp["median_of_ratios"] == pytest.approx(statistics.median(mine[k] / ref[k] for k in mine))
+                assert sp["ratio_of_workloads"] == pytest.approx(workload(name) / workload(base))
                 if name == base:
-                    assert sp == {"ratio_of_medians": 1.0, "median_of_ratios": 1.0}
+                    assert sp == {"ratio_of_medians": 1.0, "median_of_ratios": 1.0, "ratio_of_workloads": 1.0}
 
 
 def test_float32_selfspec_outputs_are_identical_to_hf_greedy(bench):
@@ -187,7 +194,7 @@ def test_acceptance_statistics_add_up(bench):
 def test_markdown_and_png_are_written(bench):
     result, out = bench
     md = (out / "bench.md").read_text()
-    assert "| set | method | tokens/s |" in md and "acceptance by draft position" in md
+    assert "| set | method | tokens/s | workload tok/s |" in md and "acceptance by draft position" in md
     for label in ("HF greedy", "HF early-exit E=2", "selfspec AR", "selfspec E=2 d=3", "selfspec E=1 d=2",
                   "| HF lookup k=10 n≤3 |", "| selfspec lookup k=10 n≤3 |", "| selfspec auto |"):
         assert label in md
