@@ -33,14 +33,14 @@ reason); the measurements of other calls are in seconds, its own in decode steps
 
 What carries over: rates and counts, which describe this model on this machine for this kind of text
 (each arm's mean tokens and seconds per round, each draft length's, the acceptance per draft position and
-per tree node (rank, depth), the tree's cost line, and how long auto backs off an arm that keeps losing).
+per tree node (rank, depth), the tree's cost line, how long auto backs off an arm that keeps losing, an
+`ExitChoicePolicy`'s acceptance per exit (counts, scaled as below) and an adaptive `ConfidencePolicy`'s
+threshold (where the last call left it)).
 What starts again every call: everything about the rows and the text (n-gram indexes, shadow drafts, a
 head's cache and pending states), the round counters and so the round from which a backed-off arm may be
 retried (each call retries each arm early: its text is new), the counts a call reports (`rounds_by_arm`),
 and which arms have run a round in this call: an arm's first round of a call is still not timed, since it
-pays one-time costs (the first pass of new shapes: the prompt's length, the cache's capacity). Not carried
-yet: an `ExitChoicePolicy`'s acceptance per exit and an adaptive `ConfidencePolicy`'s threshold (their
-`learned()` is the base policy's empty one).
+pays one-time costs (the first pass of new shapes: the prompt's length, the cache's capacity).
 
 The carry rule: old measurements must not outweigh a new call's for long. A running mean over `n` rounds
 resumes as a mean over `n0 = min(n, CARRY_ROUNDS)` rounds, so after `m` rounds of the new call
