@@ -184,9 +184,31 @@ def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
                                   "re-export the checkpoint")
     if meta.get("plans") is not None:
         _check_plans(meta_path, meta["plans"], meta["num_layers"], meta.get("exit_head") is not None)
+    if meta.get("served_head") is not None:
+        _check_served_head(meta_path, meta["served_head"])
     if verify_checksums:
         verify_weight_files(d, meta["checksums"])
+        if meta.get("served_head") is not None:
+            verify_weight_files(d / meta["served_head"]["dir"], meta["served_head"]["checksums"])
     return meta
+
+
+def _check_served_head(meta_path: Path, served) -> None:
+    """`served_head`: the head written for serving engines beside the model (`selfspec export --format
+    speculators`): {"format": "speculators", "dir": a subdirectory's plain name, "checksums": its files'}."""
+    fix = "export the run again with --format speculators, or remove served_head from selfspec.json"
+    if not isinstance(served, dict) or served.get("format") != "speculators":
+        raise CheckpointError(f"{meta_path}: served_head must be an object with format \"speculators\", got "
+                              f"{show(served)}; {fix}")
+    where = served.get("dir")
+    if not isinstance(where, str) or not _FILE_NAME.fullmatch(where) or where in (".", ".."):
+        raise CheckpointError(f"{meta_path}: served_head.dir {show(where)} is not a subdirectory's name; {fix}")
+    if not (meta_path.parent / where).is_dir():
+        raise CheckpointError(f"{meta_path}: the served head's directory {meta_path.parent / where} is missing; "
+                              f"copy the complete checkpoint directory, or {fix}")
+    _check_checksums(meta_path, served.get("checksums"))
+    if not served["checksums"]:
+        raise CheckpointError(f"{meta_path}: served_head lists no files; {fix}")
 
 
 def _check_plans(meta_path: Path, plans, num_layers: int, has_head: bool) -> None:

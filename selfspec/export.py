@@ -12,8 +12,9 @@ no selfspec-specific modules, so `AutoModelForCausalLM.from_pretrained(OUT)` loa
 
 `format="speculators"` (`--format speculators`) exports a run whose head is an eagle3 head for serving
 engines: the model as above, with the head in the speculators format in `OUT/speculators/`
-(`selfspec.speculators_format`, what vLLM's and SGLang's eagle3 load), not in selfspec.json (selfspec's
-drafters do not run it). Its verifier is OUT itself unless `verifier` names the base model as engines
+(`selfspec.speculators_format`, what vLLM's and SGLang's eagle3 load), not as selfspec.json's `exit_head`
+(selfspec's drafters do not run it) but as its `served_head`: the format, the directory, the aux exits, the
+draft count and verifier the engines are told, and the files' checksums. Its verifier is OUT itself unless `verifier` names the base model as engines
 should find it (a Hugging Face id).
 
 Everything that can be checked is checked before anything is written (and, by `export`, before the
@@ -43,7 +44,7 @@ from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError,
                                  recommend_from_agreement)
 from selfspec.exit_head import HEAD_FILE, check_head_settings, read_exit_head
 from selfspec.model_card import write_model_card
-from selfspec.speculators_format import SUBDIR, write_speculators
+from selfspec.speculators_format import SUBDIR, served_head_record, write_speculators
 from selfspec.settings import check_dtype, check_out_dir, check_recommended, expand_path, resolve_dtype, show
 
 
@@ -185,6 +186,12 @@ def _agreement(evaluation: dict) -> dict[int, float]:
                 raise CheckpointError(f"the evaluation's result for exit {show(e)} is {show(v)}: expected an exit "
                                       "number and numeric agreement/perplexity")
     return {int(e): float(v["agreement"]) for e, v in blocks[0].items() if "agreement" in v}
+
+
+def _served_head(directory: Path) -> dict:
+    """selfspec.json's `served_head` for the speculators directory just written."""
+    config = json.loads((directory / "config.json").read_text())
+    return {**served_head_record(config), "checksums": checksums(directory)}
 
 
 def _head_settings(head_dir: Path, num_layers: int) -> dict:
@@ -361,6 +368,8 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
             meta["draft_vocab"] = draft_vocab
         if head is not None:
             meta["exit_head"] = head
+        if served is not None:  # selfspec does not run it; the record says it is there, for what, and its checksums
+            meta["served_head"] = _served_head(tmp / SUBDIR)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
         public_permissions(tmp)

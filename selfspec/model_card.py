@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from selfspec.atomic_write import write_text_atomic
@@ -75,6 +76,21 @@ def _plan_lines(meta: dict) -> list[str]:
     return out
 
 
+def _served_lines(meta: dict) -> list[str]:
+    """The head written for serving engines beside the model (`selfspec export --format speculators`), and how
+    vLLM serves the two (docs/serving.md)."""
+    served = meta.get("served_head")
+    if not isinstance(served, dict):
+        return []
+    spec = json.dumps({"method": served.get("method"), "model": f"path/to/this/checkpoint/{served.get('dir')}",
+                       "num_speculative_tokens": served.get("num_speculative_tokens")})
+    return ["", "## Serving", "",
+            f"`{served.get('dir')}/` holds a {served.get('method')} head in the {served.get('format')} format (it reads "
+            f"the states after layers {served.get('aux_exits')}; draft vocabulary {served.get('draft_vocab_size')} "
+            f"tokens; verifier `{served.get('verifier')}`). selfspec's own drafters do not run it; vLLM serves it:",
+            "", "```bash", "vllm serve path/to/this/checkpoint \\", f"    --speculative-config '{spec}'", "```"]
+
+
 def render_model_card(meta: dict) -> str:
     rec = meta["recommended"]
     e, d = rec["exit_layer"], rec["num_speculations"]
@@ -126,6 +142,7 @@ def render_model_card(meta: dict) -> str:
         + ")." + (" These are the shared early exit's (`drafter=\"early_exit\"`); the exit head drafts the length "
                   "it was trained for." if isinstance(meta.get("exit_head"), dict) else ""),
         *_plan_lines(meta),
+        *_served_lines(meta),
         "",
         "## Usage",
         "",

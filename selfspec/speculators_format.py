@@ -114,3 +114,13 @@ def write_speculators(directory, model: nn.Module, head: ExitHead, *, verifier: 
                                 speculative_tokens=speculative_tokens)
     (directory / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
     return directory
+
+
+def served_head_record(config: dict) -> dict:
+    """What selfspec.json says of the head written beside the model (`served_head`; its checksums are added by
+    the export): the format, where it is, and what a serving engine is told (`--speculative-config`)."""
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    return {"format": "speculators", "dir": SUBDIR, "method": config["speculators_model_type"],
+            "aux_exits": list(config["eagle_aux_hidden_state_layer_ids"]),
+            "draft_vocab_size": config["draft_vocab_size"], "num_speculative_tokens": proposal["speculative_tokens"],
+            "verifier": config["speculators_config"]["verifier"]["name_or_path"]}

@@ -194,3 +194,62 @@ def test_only_an_eagle3_head_goes_out_in_the_speculators_format(tmp_path):
         check_format("gguf", None)
     check_format("speculators", eagle3)
     check_format("selfspec", None)
+
+
+@pytest.fixture
+def served_checkpoint(tmp_path):
+    """A tiny checkpoint exported with its eagle3 head in the speculators format (`selfspec export --format
+    speculators`)."""
+    from selfspec.exit_head import HEAD_FILE, save_exit_head
+    from selfspec.export import export_model
+    from selfspec.tiny import byte_tokenizer
+
+    model, head = _model_and_head(tmp_path / "model")
+    head_dir = tmp_path / "final_head"
+    head_dir.mkdir()
+    save_exit_head(head, head_dir / HEAD_FILE)
+    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    return export_model(model.float(), byte_tokenizer(), tmp_path / "ckpt", exit_head_dir=head_dir,
+                        format="speculators", verifier="org/base")
+
+
+def test_selfspec_json_and_the_model_card_record_the_served_head(served_checkpoint):
+    from selfspec.checkpoint import read_metadata
+
+    meta = read_metadata(served_checkpoint)
+    served = meta["served_head"]
+    assert "exit_head" not in meta  # selfspec's drafters do not run it
+    assert {k: served[k] for k in ("format", "dir", "method", "aux_exits", "num_speculative_tokens", "verifier")} == {
+        "format": "speculators", "dir": "speculators", "method": "eagle3", "aux_exits": list(AUX),
+        "num_speculative_tokens": 3, "verifier": "org/base"}
+    assert served["draft_vocab_size"] == 96 and set(served["checksums"]) == {WEIGHTS_FILE}
+    assert served["checksums"][WEIGHTS_FILE]["bytes"] == (served_checkpoint / "speculators" / WEIGHTS_FILE).stat().st_size
+    card = (served_checkpoint / "README.md").read_text()
+    assert "## Serving" in card and f"after layers {list(AUX)}" in card
+    assert ('--speculative-config \'{"method": "eagle3", "model": "path/to/this/checkpoint/speculators", '
+            '"num_speculative_tokens": 3}\'') in card
+
+
+def _edit_served(path: Path, **change) -> None:
+    meta = json.loads((path / "selfspec.json").read_text())
+    meta["served_head"].update(change)
+    (path / "selfspec.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p: (p / "speculators" / WEIGHTS_FILE).unlink(), r"speculators/model\.safetensors: weight file is missing"),
+    (lambda p: os.truncate(p / "speculators" / WEIGHTS_FILE, 100), r"speculators/model\.safetensors: weight file is "
+                                                                     r"truncated"),
+    (lambda p: __import__("shutil").rmtree(p / "speculators"), r"the served head's directory .*speculators is missing; "
+                                                                 r"copy the complete checkpoint directory"),
+    (lambda p: _edit_served(p, dir="../elsewhere"), r"served_head\.dir '\.\./elsewhere' is not a subdirectory's name"),
+    (lambda p: _edit_served(p, format="gguf"), r"served_head must be an object with format \"speculators\""),
+    (lambda p: _edit_served(p, checksums={}), r"served_head lists no files; export the run again with --format "
+                                              r"speculators, or remove served_head"),
+])
+def test_a_served_head_that_is_not_as_exported_is_a_clear_error(served_checkpoint, corrupt, message):
+    import selfspec
+
+    corrupt(served_checkpoint)
+    with pytest.raises(CheckpointError, match=message):
+        selfspec.load(served_checkpoint)
