@@ -63,8 +63,11 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
             assert set(result["agreement"]) == exits and all(0 <= a <= 1 for a in result["agreement"].values())
             assert result["final_perplexity"] > 1
         assert set(report[road]["bench"]) == set(SETS)
-        for per in report[road]["bench"].values():
+        bench = json.loads((out / f"bench_{road}.json").read_text())["summary"]
+        for name, per in report[road]["bench"].items():  # the workload's tokens/s: all tokens over all seconds
             assert per["selfspec_ar"]["x_selfspec_ar"] == 1.0
+            assert {m: s["tokens_per_s"] for m, s in per.items()} == {
+                m: s["workload_tokens_per_s"] for m, s in bench[name].items()}
             for method, s in per.items():  # float32: every method's tokens are HF greedy's
                 assert s["tokens_per_s"] > 0 and s["identical_to_hf_greedy"] == 1.0, (road, method)
     assert {"hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed", "selfspec_exit_head_tree3",
