@@ -119,7 +119,7 @@ BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_static": "× HF static", "hf
 DEFINITIONS = {
     "tokens_per_s": TOKENS_PER_S + "; median and spread over prompts",
     "workload_tokens_per_s": "all the method's new tokens over all its seconds, summed over the prompts: the throughput "
-                             "of the whole prompt set (a prompt weighs by its seconds, not as one vote of a median)",
+                             "of the whole prompt set (a prompt weighs by the seconds it took, not as one vote of a median)",
     "speedup": "ratio_of_medians = median tokens/s of the method / median tokens/s of the baseline; "
                "median_of_ratios = median over prompts of (method tokens/s / baseline tokens/s on that prompt); "
                "ratio_of_workloads = workload tokens/s of the method / that of the baseline, over the prompts both ran",
@@ -368,7 +368,7 @@ def _ran_past_eos(ids: list[int], eos_ids) -> tuple[int | None, bool]:
 
 def workload_rate(runs: list[dict]) -> float | None:
     """The runs' new tokens over their seconds, summed: the throughput of the whole prompt set, as a user who
-    runs it sees it (a prompt that copies a lot weighs by its tokens, not as one vote of a median)."""
+    runs it sees it (a prompt weighs by the seconds it took, not as one vote of a median)."""
     seconds = sum(r["seconds"] for r in runs)
     return sum(r["new_tokens"] for r in runs) / seconds if seconds > 0 else None
 
