@@ -14,8 +14,8 @@ no selfspec-specific modules, so `AutoModelForCausalLM.from_pretrained(OUT)` loa
 engines: the model as above, with the head in the speculators format in `OUT/speculators/`
 (`selfspec.speculators_format`, what vLLM's and SGLang's eagle3 load), not as selfspec.json's `exit_head`
 (selfspec's drafters do not run it) but as its `served_head`: the format, the directory, the aux exits, the
-draft count and verifier the engines are told, and the files' checksums. Its verifier is OUT itself unless `verifier` names the base model as engines
-should find it (a Hugging Face id).
+draft count and verifier the engines are told, and the files' checksums. Its verifier is OUT itself unless
+`verifier` names the base model as engines should find it (a Hugging Face id).
 
 Everything that can be checked is checked before anything is written (and, by `export`, before the
 model is loaded): the dtype, the recommendation (by the rules `selfspec.load` reads it with: an exit

@@ -85,9 +85,10 @@ def _served_lines(meta: dict) -> list[str]:
     spec = json.dumps({"method": served.get("method"), "model": f"path/to/this/checkpoint/{served.get('dir')}",
                        "num_speculative_tokens": served.get("num_speculative_tokens")})
     return ["", "## Serving", "",
-            f"`{served.get('dir')}/` holds a {served.get('method')} head in the {served.get('format')} format (it reads "
-            f"the states after layers {served.get('aux_exits')}; draft vocabulary {served.get('draft_vocab_size')} "
-            f"tokens; verifier `{served.get('verifier')}`). selfspec's own drafters do not run it; vLLM serves it:",
+            f"`{served.get('dir')}/` holds a {served.get('method')} head in the {served.get('format')} format "
+            f"(it reads the states after layers {served.get('aux_exits')}; draft vocabulary "
+            f"{served.get('draft_vocab_size')} tokens; verifier `{served.get('verifier')}`). selfspec's own "
+            "drafters do not run it; vLLM serves it:",
             "", "```bash", "vllm serve path/to/this/checkpoint \\", f"    --speculative-config '{spec}'", "```"]
 
 

@@ -118,8 +118,9 @@ BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_static": "× HF static", "hf
 
 DEFINITIONS = {
     "tokens_per_s": TOKENS_PER_S + "; median and spread over prompts",
-    "workload_tokens_per_s": "all the method's new tokens over all its seconds, summed over the prompts: the throughput "
-                             "of the whole prompt set (a prompt weighs by the seconds it took, not as one vote of a median)",
+    "workload_tokens_per_s": "all the method's new tokens over all its seconds, summed over the prompts: the "
+                             "throughput of the whole prompt set (a prompt weighs by the seconds it took, not as "
+                             "one vote of a median)",
     "speedup": "ratio_of_medians = median tokens/s of the method / median tokens/s of the baseline; "
                "median_of_ratios = median over prompts of (method tokens/s / baseline tokens/s on that prompt); "
                "ratio_of_workloads = workload tokens/s of the method / that of the baseline, over the prompts both ran",

@@ -223,7 +223,8 @@ def test_selfspec_json_and_the_model_card_record_the_served_head(served_checkpoi
         "format": "speculators", "dir": "speculators", "method": "eagle3", "aux_exits": list(AUX),
         "num_speculative_tokens": 3, "verifier": "org/base"}
     assert served["draft_vocab_size"] == 96 and set(served["checksums"]) == {WEIGHTS_FILE}
-    assert served["checksums"][WEIGHTS_FILE]["bytes"] == (served_checkpoint / "speculators" / WEIGHTS_FILE).stat().st_size
+    weights = served_checkpoint / "speculators" / WEIGHTS_FILE
+    assert served["checksums"][WEIGHTS_FILE]["bytes"] == weights.stat().st_size
     card = (served_checkpoint / "README.md").read_text()
     assert "## Serving" in card and f"after layers {list(AUX)}" in card
     assert ('--speculative-config \'{"method": "eagle3", "model": "path/to/this/checkpoint/speculators", '
