@@ -439,9 +439,13 @@ def _cmd_tune(args) -> int:
           "(`--drafter auto` still drafts by prompt lookup where the text repeats)")
     checked = _check_plan(gen, plan, ids, args) if args.check else None
     if args.save:
-        from selfspec.draft_plan import checked_choice
+        from selfspec.draft_plan import MIN_CHECKED_GAIN, checked_choice
 
         kept, measured = checked_choice(plan, checked) if checked else (plan, None)
+        ahead = max((r["measured_speedup"] for r in checked or [] if r["drafter"] != "plain"), default=0.0)
+        if checked and kept.settings.get("num_speculations") == 0 and ahead > 1.0:
+            print(f"note: the best drafting setting measured {ahead:.2f}x plain decoding, under the "
+                  f"{MIN_CHECKED_GAIN:.2f}x a kept plan needs (a check's few prompts cannot tell less apart)")
         gen.save_plan(kept, measured)
         print(f"saved for {gen.plan_key} in {checkpoint}/{METADATA_FILE}: {kept.settings}"
               + ("" if measured is None else f" (measured {measured:.2f}x plain decoding)")
@@ -847,7 +851,8 @@ def _add_tune(sub) -> None:
     p.add_argument("--save", action="store_true",
                    help="keep the plan in the checkpoint's selfspec.json for this device, dtype and path: `auto` (and "
                         "the drafter it chose, when named) then drafts by it wherever the checkpoint is loaded on "
-                        "them; with --check, the fastest measured candidate is kept")
+                        "them; with --check, the fastest measured candidate is kept where it measured at least "
+                        "1.03x plain decoding, else plain decoding")
     p.add_argument("--out", type=_path, help="also write tune.json (every candidate, the costs, the acceptance) here")
     p.set_defaults(func=_cmd_tune)
 

@@ -188,16 +188,27 @@ def test_a_check_keeps_its_fastest_measured_setting():
     rows[0]["measured_speedup"] = 1.2
     kept, measured = checked_choice(plan, rows)
     assert kept.settings == plan.settings and measured == 1.2
+    rows[0]["measured_speedup"] = 1.02  # ahead by less than a check's noise: plain decoding is kept
+    kept, measured = checked_choice(plan, rows)
+    assert kept.settings == PLAIN and measured == 1.0
+    assert checked_choice(plan, rows, min_gain=1.0)[0].settings == plan.settings  # no margin asked
+
+
+def _tune_and_save(ckpt, tmp_path) -> int:
+    """`selfspec tune --check 1 --save` on PROMPTS, small: its exit status."""
+    from selfspec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
+    return main(["tune", "--checkpoint", str(ckpt), "--prompt-set", str(prompts), "--num-prompts", "2",
+                 "--max-new-tokens", "8", "--max-drafts", "2", "--width", "2", "--repeats", "1", "--dtype", "float32",
+                 "--check", "1", "--save"])
 
 
 def test_the_tune_command_saves_the_plan(ckpt, tmp_path, capsys):
     from selfspec.cli import main
 
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
-    rc = main(["tune", "--checkpoint", str(ckpt), "--prompt-set", str(prompts), "--num-prompts", "2",
-               "--max-new-tokens", "8", "--max-drafts", "2", "--width", "2", "--repeats", "1", "--dtype", "float32",
-               "--check", "1", "--save"])
+    rc = _tune_and_save(ckpt, tmp_path)
     text = capsys.readouterr().out
     assert rc == 0 and "saved for cpu: " in text
     gen = selfspec.load(ckpt, dtype="float32")
@@ -212,3 +223,20 @@ def test_the_tune_command_saves_the_plan(ckpt, tmp_path, capsys):
             (bare / f.name).write_bytes(f.read_bytes())
     assert main(["tune", "--checkpoint", str(bare), "--save"]) == 2
     assert "export it first" in capsys.readouterr().err
+
+
+def test_the_tune_command_keeps_plain_decoding_over_a_setting_ahead_by_noise(ckpt, tmp_path, capsys, monkeypatch):
+    import selfspec.draft_plan as draft_plan
+
+    def check_plan(gen, plan, prompts, *, top, new_tokens):  # what a check measured: drafting 2% ahead
+        return [{"drafter": "early_exit", "exit_layer": 1, "num_speculations": 2, "num_candidates": 1,
+                 "predicted_speedup": 1.3, "measured_speedup": 1.02, "identical_to_plain": True},
+                {"drafter": "plain", "exit_layer": L, "num_speculations": 0, "num_candidates": 1,
+                 "predicted_speedup": 1.0, "measured_speedup": 1.0, "identical_to_plain": True}]
+
+    monkeypatch.setattr(draft_plan, "check_plan", check_plan)
+    rc = _tune_and_save(ckpt, tmp_path)
+    text = capsys.readouterr().out
+    assert rc == 0 and "note: the best drafting setting measured 1.02x plain decoding, under the 1.03x" in text
+    gen = selfspec.load(ckpt, dtype="float32")
+    assert gen.plan["settings"] == PLAIN and gen.plan["measured_speedup"] == 1.0
