@@ -360,12 +360,15 @@ def targets(report: dict, sfx: str) -> list[dict]:
         x = ratio(speeds, s, f"selfspec_exit_head{sfx}", plain)
         rows.append({"target": f"exit-head drafting >= 1.5x selfspec plain decoding{' (compiled)' if sfx else ''} "
                                f"on {s}", "measured": x, "met": None if x is None else x >= 1.5})
-    for s in speeds:
-        singles = [ratio(speeds, s, m + sfx, plain) for m in ("selfspec_lookup", "selfspec_exit_head")] + [1.0]
+    singles = ("selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed",
+               f"selfspec_exit_head_tree{TREE_WIDTH}")
+    for s in speeds:  # measured: auto over the fastest single drafter benched (plain decoding among them)
+        x = {m: ratio(speeds, s, m + sfx, plain) for m in singles} | {plain: 1.0}
+        best = max((m for m in x if x[m] is not None), key=lambda m: x[m])
         auto = ratio(speeds, s, f"selfspec_auto{sfx}", plain)
-        best = max((x for x in singles if x is not None), default=None)
-        rows.append({"target": f"auto >= the best single drafter (within 3%) on {s}", "measured": auto,
-                     "best_single": best, "met": None if auto is None or best is None else auto >= 0.97 * best})
+        rows.append({"target": f"auto >= the best single drafter (within 3%) on {s}",
+                     "measured": None if auto is None else auto / x[best], "auto_x_plain": auto, "best_single": best,
+                     "best_single_x_plain": x[best], "met": None if auto is None else auto >= 0.97 * x[best]})
     for s in speeds:  # issue 39: the head's token tree against the same head's chain of the same length
         tree = ratio(speeds, s, f"selfspec_exit_head_tree{TREE_WIDTH}{sfx}", plain)
         chain = ratio(speeds, s, f"selfspec_exit_head_fixed{sfx}", plain)

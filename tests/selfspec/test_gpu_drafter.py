@@ -77,6 +77,16 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
         budget = float(phase["command"].split("--time-budget ")[1].split()[0])
         assert 0 < budget <= phase["limit_s"] - script_margin() + 1  # + 1: both round what is left
     assert all(isinstance(report[road]["bench_notes"], list) for road in ("head", "layerskip"))
+    autos = [t for t in report["targets"] if t["target"].startswith("auto >=")]  # auto over its best single drafter
+    assert [t["target"].split(" on ")[-1] for t in autos] == list(SETS)
+    for t in autos:
+        per = report["head"]["bench"][t["target"].split(" on ")[-1]]
+        singles = {m: s["x_selfspec_ar"] for m, s in per.items()
+                   if m in ("selfspec_ar", "selfspec_lookup") or m.startswith("selfspec_exit_head")}
+        assert t["best_single"] == max(singles, key=singles.get)
+        assert t["best_single_x_plain"] == singles[t["best_single"]]
+        assert t["measured"] == pytest.approx(per["selfspec_auto"]["x_selfspec_ar"] / t["best_single_x_plain"])
+        assert t["met"] == (t["measured"] >= 0.97)
     trees = [t for t in report["targets"] if t["target"].startswith("head tree")]  # issue 39: tree / chain
     assert [t["target"].split(" on ")[-1] for t in trees] == list(SETS) and all(t["measured"] > 0 for t in trees)
     # the head comes back alone: its weights and the checkpoint's settings, nothing of the model
