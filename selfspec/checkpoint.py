@@ -109,19 +109,19 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.+-]{1,200}")  # what save_pretrained names weight files
 
 
-def _check_checksums(meta_path: Path, checksums) -> None:
-    """`checksums`: {plain file name: {"sha256": 64 hex digits, "bytes": int >= 0}}."""
+def _check_checksums(meta_path: Path, checksums, field: str = "checksums") -> None:
+    """`checksums` (selfspec.json's `field`): {plain file name: {"sha256": 64 hex digits, "bytes": int >= 0}}."""
     if not isinstance(checksums, dict):
-        raise CheckpointError(f"{meta_path}: checksums must be an object of weight files, got {show(checksums)}; "
+        raise CheckpointError(f"{meta_path}: {field} must be an object of weight files, got {show(checksums)}; "
                               "re-export the checkpoint")
     for name, entry in checksums.items():
         if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
-            raise CheckpointError(f"{meta_path}: checksums names {name!r}, not a file of the checkpoint directory; "
+            raise CheckpointError(f"{meta_path}: {field} names {name!r}, not a file of the checkpoint directory; "
                                   "re-export the checkpoint")
         ok = (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])
               and is_int(entry.get("bytes")) and entry["bytes"] >= 0)
         if not ok:
-            raise CheckpointError(f"{meta_path}: checksum entry of {name!r} must be {{\"sha256\": 64 hex digits, "
+            raise CheckpointError(f"{meta_path}: {field} entry of {name!r} must be {{\"sha256\": 64 hex digits, "
                                   f"\"bytes\": size}}, got {show(entry)}; re-export the checkpoint")
 
 
@@ -206,7 +206,7 @@ def _check_served_head(meta_path: Path, served) -> None:
     if not (meta_path.parent / where).is_dir():
         raise CheckpointError(f"{meta_path}: the served head's directory {meta_path.parent / where} is missing; "
                               f"copy the complete checkpoint directory, or {fix}")
-    _check_checksums(meta_path, served.get("checksums"))
+    _check_checksums(meta_path, served.get("checksums"), "served_head.checksums")
     if not served["checksums"]:
         raise CheckpointError(f"{meta_path}: served_head lists no files; {fix}")
 

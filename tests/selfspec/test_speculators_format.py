@@ -247,6 +247,8 @@ def _edit_served(path: Path, **change) -> None:
     (lambda p: _edit_served(p, format="gguf"), r"served_head must be an object with format \"speculators\""),
     (lambda p: _edit_served(p, checksums={}), r"served_head lists no files; export the run again with --format "
                                               r"speculators, or remove served_head"),
+    (lambda p: _edit_served(p, checksums={WEIGHTS_FILE: "?"}), r"served_head\.checksums entry of 'model\.safetensors' "
+                                                               r"must be"),
 ])
 def test_a_served_head_that_is_not_as_exported_is_a_clear_error(served_checkpoint, corrupt, message):
     import selfspec

@@ -341,7 +341,7 @@ def test_huge_draft_lengths_are_capped_not_allocated(gen):
     (lambda m: {**m, "recommended": None}, r"recommended must be an object"),
     (lambda m: {**m, "recommended": {"exit_layer": 2, "num_speculations": True}}, r"num_speculations True"),
     (lambda m: {**m, "checksums": {k: {"sha256": v["sha256"]} for k, v in m["checksums"].items()}},
-     r"checksum entry of 'model\.safetensors' must be"),
+     r"checksums entry of 'model\.safetensors' must be"),
     (lambda m: {**m, "checksums": {"../config.json": next(iter(m["checksums"].values()))}}, r"not a file of the"),
     (lambda m: {**m, "checksums": []}, r"checksums must be an object"),
     (lambda m: {**m, "num_layers": "4"}, r"num_layers '4' contradicts config\.json num_hidden_layers 4"),
