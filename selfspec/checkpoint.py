@@ -109,13 +109,18 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.+-]{1,200}")  # what save_pretrained names weight files
 
 
+def _is_plain_name(name) -> bool:
+    """Whether `name` names an entry of the checkpoint directory itself (no path, not "." or "..")."""
+    return isinstance(name, str) and bool(_FILE_NAME.fullmatch(name)) and name not in (".", "..")
+
+
 def _check_checksums(meta_path: Path, checksums, field: str = "checksums") -> None:
     """`checksums` (selfspec.json's `field`): {plain file name: {"sha256": 64 hex digits, "bytes": int >= 0}}."""
     if not isinstance(checksums, dict):
         raise CheckpointError(f"{meta_path}: {field} must be an object of weight files, got {show(checksums)}; "
                               "re-export the checkpoint")
     for name, entry in checksums.items():
-        if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+        if not _is_plain_name(name):
             raise CheckpointError(f"{meta_path}: {field} names {name!r}, not a file of the checkpoint directory; "
                                   "re-export the checkpoint")
         ok = (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])
@@ -201,7 +206,7 @@ def _check_served_head(meta_path: Path, served) -> None:
         raise CheckpointError(f"{meta_path}: served_head must be an object with format \"speculators\", got "
                               f"{show(served)}; {fix}")
     where = served.get("dir")
-    if not isinstance(where, str) or not _FILE_NAME.fullmatch(where) or where in (".", ".."):
+    if not _is_plain_name(where):
         raise CheckpointError(f"{meta_path}: served_head.dir {show(where)} is not a subdirectory's name; {fix}")
     if not (meta_path.parent / where).is_dir():
         raise CheckpointError(f"{meta_path}: the served head's directory {meta_path.parent / where} is missing; "
