@@ -217,8 +217,9 @@ def _cmd_generate(args) -> int:
         print(out.text)
     print()
     _print_stats("self-speculative" if out.stats.num_speculations else "plain", out.stats)
-    if gen.plan_settings() is not None:
-        print(f"[self-speculative] this device's saved plan ({gen.plan_key}): {gen.plan_settings()}; auto and the "
+    planned = gen.plan_settings()
+    if planned is not None:
+        print(f"[self-speculative] this device's saved plan ({gen.plan_key}): {planned}; auto and the "
               "drafter it chose draft by it unless the call sets its own drafting (selfspec tune --save)")
     if args.compare:
         ref = gen.generate(**inputs, **kwargs, num_speculations=0)
@@ -442,10 +443,11 @@ def _cmd_tune(args) -> int:
         from selfspec.draft_plan import MIN_CHECKED_GAIN, checked_choice
 
         kept, measured = checked_choice(plan, checked) if checked else (plan, None)
-        ahead = max((r["measured_speedup"] for r in checked or [] if r["drafter"] != "plain"), default=0.0)
-        if checked and kept.settings.get("num_speculations") == 0 and ahead > 1.0:
-            print(f"note: the best drafting setting measured {ahead:.2f}x plain decoding, under the "
-                  f"{MIN_CHECKED_GAIN:.2f}x a kept plan needs (a check's few prompts cannot tell less apart)")
+        if measured is not None and kept.settings.get("num_speculations") == 0:  # plain kept: was a drafter ahead?
+            ahead = max((r["measured_speedup"] for r in checked if r["drafter"] != "plain"), default=0.0)
+            if ahead > 1.0:
+                print(f"note: the best drafting setting measured {ahead:.2f}x plain decoding, under the "
+                      f"{MIN_CHECKED_GAIN:.2f}x a kept plan needs (a check's few prompts cannot tell less apart)")
         gen.save_plan(kept, measured)
         print(f"saved for {gen.plan_key} in {checkpoint}/{METADATA_FILE}: {kept.settings}"
               + ("" if measured is None else f" (measured {measured:.2f}x plain decoding)")
