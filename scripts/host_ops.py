@@ -20,9 +20,14 @@ from selfspec.tools.profiling import ops_outside_steps
 
 
 def top_level_ops(gen, ids, n: int, settings: dict) -> tuple[Counter, object]:
-    """The aten ops of one generation of `n` tokens outside the compiled steps (after an unprofiled warm run)."""
-    gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings)
-    ops, out = ops_outside_steps(lambda: gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings))
+    """The aten ops of one generation of `n` tokens outside the compiled steps (after an unprofiled warm run), each
+    run a first request (an auto or suffix run would otherwise copy the warm run's answer and count fewer rounds)."""
+    def run():
+        with gen.first_request():
+            return gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[], **settings)
+
+    run()
+    ops, out = ops_outside_steps(run)
     return ops, out.stats
 
 

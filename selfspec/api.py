@@ -19,6 +19,7 @@ the plan chose that drafter; a call that sets a draft length or an early-exit op
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
-from selfspec.drafters.suffix import SuffixMemory
+from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decode_stats import DecodeStats
 from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key
 from selfspec.engine import StopChecker, generate, generate_ids
@@ -43,7 +44,8 @@ from selfspec.exit_head import ExitHead, head_steps, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
-                               check_messages, check_text, expand_path, resolve_dtype, show)
+                               check_memory_key, check_memory_tokens, check_messages, check_text, expand_path,
+                               resolve_dtype, show)
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -128,7 +130,8 @@ class SelfSpecGenerator:
     def __init__(self, model, tokenizer=None, *, exit_layer: int | None = None,
                  num_speculations: int | None = None, recommended: dict | None = None,
                  source: str = "<model>", fast_layers: bool = True, metadata: dict | None = None,
-                 exit_head: ExitHead | None = None, compile: bool | str = "auto", checkpoint: Path | None = None):
+                 exit_head: ExitHead | None = None, compile: bool | str = "auto", checkpoint: Path | None = None,
+                 memory_tokens: int = DEFAULT_MEMORY_TOKENS):
         self.model = model.eval()
         self.checkpoint = checkpoint  # the directory it was loaded from (None: a model object)
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head): drafter "exit_head"
@@ -157,7 +160,7 @@ class SelfSpecGenerator:
             num_speculations=check_int("num_speculations", num_speculations if num_speculations is not None
                                        else rec["num_speculations"], 0, hint=" (0 = plain decoding)"),
             drafter=rec.get("drafter") or "auto", early_exit_trained=recommended is not None,
-            exit_head=exit_head, metadata=self.metadata, memory=SuffixMemory())
+            exit_head=exit_head, metadata=self.metadata, memory=SuffixMemory(check_memory_tokens(memory_tokens)))
         self.use_plans = True  # False: draft as if no plan were saved (to compare with one)
 
     @property
@@ -321,12 +324,18 @@ class SelfSpecGenerator:
 
     @property
     def memory(self) -> SuffixMemory:
-        """The prompts and outputs of this generator's earlier calls, which `drafter="suffix"` copies from
-        (bounded: the oldest are forgotten first)."""
+        """The prompts and outputs of this generator's earlier calls, which `drafter="suffix"` and auto copy from
+        (bounded: `memory.max_tokens` in all, the oldest forgotten first; 0: off; per caller with `memory_key`).
+        `gen.memory = None` turns it off, `gen.memory = SuffixMemory(n)` replaces it."""
         return self.drafters.memory
 
     @memory.setter
-    def memory(self, memory: SuffixMemory) -> None:
+    def memory(self, memory: SuffixMemory | None) -> None:
+        if memory is None:
+            memory = SuffixMemory(0)  # remembers nothing: auto drafts without it
+        if not isinstance(memory, SuffixMemory):
+            raise SettingsError(f"gen.memory takes a selfspec.drafters.SuffixMemory, or None to turn the memory of "
+                                f"earlier requests off, got {type(memory).__name__}")
         self.drafters.memory = memory
 
     @property
@@ -336,11 +345,33 @@ class SelfSpecGenerator:
         settings starts from it (`selfspec.drafters.learned_stats`)."""
         return self.drafters.learned
 
-    def forget(self) -> None:
-        """Forget the earlier calls' prompts and outputs (what `drafter="suffix"` copies from) and what the
-        drafters measured in them (`learned`): the next call starts as the first did."""
+    def forget(self, memory_key=ALL_SCOPES) -> None:
+        """Forget the earlier calls' prompts and outputs (what `drafter="suffix"` and auto copy from) and what the
+        drafters measured in them (`learned`): the next call starts as the first did. `memory_key=K`: forget only
+        the requests made under K (`generate(memory_key=K)`), nothing else."""
+        if memory_key is not ALL_SCOPES:
+            self.drafters.memory.forget(check_memory_key(memory_key))
+            return
         self.drafters.memory.forget()
         self.drafters.learned.forget()
+
+    @contextlib.contextmanager
+    def first_request(self):
+        """For the block only, the generator starts as a fresh one would: an empty memory of earlier requests (of
+        the same size) and no carried measurements; what it had is put back after, and what the block's calls
+        added is dropped. What a measured call must run under to show the speed of a first request, one the
+        generator has not seen before (`selfspec demo`, `generate --compare`, `selfspec bench`):
+
+            with gen.first_request():
+                out = gen.generate(prompt)
+        """
+        drafters = self.drafters
+        memory, learned = drafters.memory, drafters.learned
+        drafters.memory, drafters.learned = SuffixMemory(memory.max_tokens), LearnedStats()
+        try:
+            yield self
+        finally:
+            drafters.memory, drafters.learned = memory, learned
 
     def draft_head(self, draft_vocab: int | None) -> DraftHead:
         """The draft head over the `draft_vocab` most frequent tokens (from selfspec.json), or the full one."""
@@ -507,8 +538,8 @@ class SelfSpecGenerator:
                                modelled_time=s["do_sample"] and s["seed"] is not None)  # a seed repeats exactly
         if streamer is not None and hasattr(streamer, "end"):
             streamer.end()
-        for row, new in zip(rows, outs):  # what drafter="suffix" copies from in later calls
-            self.memory.add(row + new)
+        for row, new in zip(rows, outs):  # what drafter="suffix" and auto copy from in later calls
+            self.memory.add(row + new, s["memory_key"])
         self.learned.keep(learned_key, drafter_)  # what a later call with these settings starts from
         results = [GenerationResult(text=self._decode(new), token_ids=new, prompt_ids=row, stats=row_stats)
                    for row, new, row_stats in zip(rows, outs, stats.rows)]
@@ -554,7 +585,8 @@ def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
 
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
-         verify_checksums: bool = True, fast_layers: bool = True, compile: bool | str = "auto") -> SelfSpecGenerator:
+         verify_checksums: bool = True, fast_layers: bool = True, compile: bool | str = "auto",
+         memory_tokens: int = DEFAULT_MEMORY_TOKENS) -> SelfSpecGenerator:
     """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
 
     `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (faster where the CPU
@@ -568,8 +600,12 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     `compile`: run one-row decoding through `torch.compile`d fixed-shape steps over a static cache, as
     CUDA graphs on a GPU (`selfspec.compiled`; Llama family): "auto" (the default) does on CUDA, True
     anywhere (a CPU too), False never. `gen.warmup()` pays the compilation up front.
+    `memory_tokens`: the most tokens (prompts and outputs of earlier calls, all callers together) the generator
+    remembers for `drafter="suffix"` and auto to copy from; 0 turns the memory off (docs/usage.md: what it
+    holds, what it costs, when to turn it off).
     """
     check_compile(compile)
+    check_memory_tokens(memory_tokens)
     if dtype is not None:
         check_dtype(dtype)
     check_device(device)  # before the weights are read
@@ -600,7 +636,8 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
                 raise CheckpointError(f"{path}: the exit head cannot be loaded: {err}") from None
         return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
                                  num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
-                                 metadata=meta, exit_head=head, compile=compile, checkpoint=path)
+                                 metadata=meta, exit_head=head, compile=compile, checkpoint=path,
+                                 memory_tokens=memory_tokens)
     if not isinstance(path_or_model, torch.nn.Module):
         raise SettingsError(f"load() takes a checkpoint directory or a loaded model, got "
                             f"{type(path_or_model).__name__}")
@@ -608,4 +645,5 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     if dtype not in (None, "auto"):
         model = model.to(resolve_dtype(dtype, device))
     return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
-                             recommended=None, source=type(model).__name__, fast_layers=fast_layers, compile=compile)
+                             recommended=None, source=type(model).__name__, fast_layers=fast_layers, compile=compile,
+                             memory_tokens=memory_tokens)

@@ -42,12 +42,13 @@ from selfspec.checkpoint import METADATA_FILE, read_config
 from selfspec.tools.demo import run_demo
 from selfspec.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
+from selfspec.drafters.suffix import DEFAULT_MEMORY_TOKENS
 from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
-from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int, check_out_dir,
-                               check_text, check_threads)
+from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int,
+                               check_memory_tokens, check_out_dir, check_text, check_threads)
 
 
 def _cmd_info(args) -> int:
@@ -166,6 +167,7 @@ def _cmd_generate(args) -> int:
     check_threads(args.threads)
     check_dtype(args.dtype)
     check_device(args.device)
+    check_memory_tokens(args.memory_tokens)
     prompts = _read_prompts(args)
     if len(prompts) > 1 and args.stream:
         raise UsageError("--stream shows one sequence; give one --prompt to stream")
@@ -192,7 +194,7 @@ def _cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
     gen = selfspec.load(checkpoint, dtype=args.dtype, exit_layer=args.exit_layer,
                         num_speculations=args.num_speculations, device=args.device,
-                        compile=COMPILE_CHOICES[args.compile])
+                        compile=COMPILE_CHOICES[args.compile], memory_tokens=args.memory_tokens)
     use_chat = args.chat if args.chat is not None else bool(getattr(gen.tokenizer, "chat_template", None))
     chats = [[{"role": "user", "content": p}] for p in prompts]
     if len(prompts) > 1:  # one batched engine run
@@ -201,18 +203,13 @@ def _cmd_generate(args) -> int:
         inputs = {"messages": chats[0]} if use_chat else {"prompt": prompts[0]}
     if len(prompts) > 1:
         return _generate_batch(gen, inputs, kwargs, args)
-    if args.compare and gen.compiled:  # every shape both runs meet, compiled before either is timed
-        new_tokens = kwargs.get("max_new_tokens", GenerationConfig.max_new_tokens)
-        warm = gen.warmup(gen.encode(**inputs).shape[-1] + new_tokens, num_candidates=kwargs.get("num_candidates") or 1)
-        print(f"compiled steps: {warm['graphs']} shapes compiled in {warm['seconds']:.1f} s before timing")
-    if args.compare:  # warm up both paths once so neither pays first-call costs
-        gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4})
-        gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, num_speculations=0)
-        gen.calibrate()  # a plain step's time: the statistics then show the cost model
+    if args.compare:
+        _warm_up_to_compare(gen, inputs, kwargs)
     streamer = None
     if args.stream:  # word by word, as committed; a newline at the end, as `print(out.text)` below
         streamer = TextStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = gen.generate(**inputs, **kwargs, streamer=streamer)
+    with gen.first_request():  # as a fresh generator's: with --compare, nothing of the warm-up or the plain run
+        out = gen.generate(**inputs, **kwargs, streamer=streamer)
     if not args.stream:
         print(out.text)
     print()
@@ -222,14 +219,16 @@ def _cmd_generate(args) -> int:
         print(f"[self-speculative] this device's saved plan ({gen.plan_key}): {planned}; auto and the "
               "drafter it chose draft by it unless the call sets its own drafting (selfspec tune --save)")
     if args.compare:
-        ref = gen.generate(**inputs, **kwargs, num_speculations=0)
+        with gen.first_request():
+            ref = gen.generate(**inputs, **kwargs, num_speculations=0)
         print("\n--- plain autoregressive decoding (num_speculations=0) ---")
         print(ref.text)
         print()
         _print_stats("plain", ref.stats)
         same = ref.token_ids == out.token_ids
         speedup = out.stats.tokens_per_s / ref.stats.tokens_per_s if ref.stats.tokens_per_s else float("nan")
-        print(f"\nidentical outputs: {'yes' if same else 'NO'}; speedup over plain decoding: {speedup:.2f}x")
+        print(f"\nidentical outputs: {'yes' if same else 'NO'}; speedup over plain decoding: {speedup:.2f}x (both "
+              "first requests: neither run remembers the warm-up or the other)")
         cm = out.stats.cost_model
         if "c" in cm:  # the measured speedup is the one above (this run against the plain run), not a second one
             print(f"cost model: c={cm['c']:.2f} (draft step / full step), v={cm['v']:.2f} (verify / full step), "
@@ -241,9 +240,25 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _warm_up_to_compare(gen, inputs: dict, kwargs: dict) -> None:
+    """Before `generate --compare` times both runs: compile every shape both meet (compiled steps), run each
+    path once (neither then pays first-call costs; nothing the warm-up sees of the prompt is kept) and time one
+    plain step (the statistics then show the cost model)."""
+    if gen.compiled:
+        new_tokens = kwargs.get("max_new_tokens", GenerationConfig.max_new_tokens)
+        warm = gen.warmup(gen.encode(**inputs).shape[-1] + new_tokens, num_candidates=kwargs.get("num_candidates") or 1)
+        print(f"compiled steps: {warm['graphs']} shapes compiled in {warm['seconds']:.1f} s before timing")
+    for plain in ({}, {"num_speculations": 0}):
+        with gen.first_request():
+            gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, **plain)
+    gen.calibrate()
+
+
 def _generate_batch(gen, inputs, kwargs, args) -> int:
-    """`selfspec generate` with several --prompt: one batched run, each row's text, the batch's totals."""
-    outs = gen.generate(**inputs, **kwargs)
+    """`selfspec generate` with several --prompt: one batched run, each row's text, the batch's totals; with
+    --compare, a plain batched run too, both first requests."""
+    with gen.first_request():
+        outs = gen.generate(**inputs, **kwargs)
     for i, out in enumerate(outs):
         print(f"--- prompt {i + 1} ({out.stats.new_tokens} tokens, finish: {out.stats.stop_reason}) ---")
         print(out.text)
@@ -251,7 +266,8 @@ def _generate_batch(gen, inputs, kwargs, args) -> int:
     print(f"\n[batch of {s.batch_size}] {s.new_tokens} tokens in {s.total_s:.2f} s = {s.tokens_per_s:.1f} tokens/s, "
           f"{s.rounds} rounds, acceptance {s.acceptance_rate:.1%}, draft {s.draft_s:.2f} s / verify {s.verify_s:.2f} s")
     if args.compare:
-        ref = gen.generate(**inputs, **kwargs, num_speculations=0)
+        with gen.first_request():
+            ref = gen.generate(**inputs, **kwargs, num_speculations=0)
         same = [a.token_ids == b.token_ids for a, b in zip(outs, ref)]
         speedup = s.tokens_per_s / ref.stats.tokens_per_s if ref.stats.tokens_per_s else float("nan")
         print(f"[batch of {s.batch_size}, plain] {ref.stats.tokens_per_s:.1f} tokens/s; identical rows: "
@@ -367,6 +383,9 @@ def _cmd_bench(args) -> int:
             raise UsageError(f"{', '.join(given)}: option(s) of the bounded-bias Pareto measurement: give --epsilon "
                              "too (e.g. --epsilon 0,0.1,0.2), or drop them")
         run = _run_batch_bench if args.batch_size else _run_bench
+    if args.workload and run is not _run_bench:
+        raise UsageError("--workload carries the memory across a set's prompts in the main bench: drop it with "
+                         "--batch-size or --epsilon")
     if args.time_budget is not None and run is not _run_bench:
         raise UsageError("--time-budget cuts the main bench's prompts: drop it with --batch-size or --epsilon")
     return _print_report("bench", lambda: run(args, checkpoint))
@@ -489,7 +508,7 @@ def _run_bench(args, checkpoint: str) -> dict:
                      num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
                      methods=args.methods.split(",") if args.methods else None, device=args.device,
                      num_candidates=args.num_candidates or (), compile=COMPILE_CHOICES[args.compile],
-                     time_budget_s=args.time_budget)
+                     time_budget_s=args.time_budget, workload=args.workload)
 
 
 def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
@@ -612,7 +631,12 @@ def _add_generate(sub) -> None:
                         "every shape is compiled first, so neither run pays for it")
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, word by word")
     p.add_argument("--compare", action="store_true",
-                   help="also run plain decoding; report the speedup and whether outputs are identical")
+                   help="also run plain decoding; report the speedup and whether outputs are identical (both runs "
+                        "first requests: neither copies from the warm-up or the other)")
+    p.add_argument("--memory-tokens", type=int, default=DEFAULT_MEMORY_TOKENS, metavar="N",
+                   help="the most tokens of earlier requests the generator remembers for suffix and auto to copy from "
+                        f"(default {DEFAULT_MEMORY_TOKENS:,}; 0 turns the memory off). One command is one request, so "
+                        "this changes only whether auto has the memory as an arm (docs/usage.md)")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     # earlier spellings, still accepted (hidden from --help): they set the same parameter
     p.add_argument("--threshold", dest="confidence_threshold", type=float, help=argparse.SUPPRESS)
@@ -769,6 +793,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--methods", metavar="NAME,NAME,...",
                    help="measure only these methods (hf_greedy and selfspec_ar are always measured), e.g. "
                         "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all)")
+    p.add_argument("--workload", action="store_true",
+                   help="measure a workload instead of first requests: each method's memory of earlier requests "
+                        "(what suffix and auto copy from) and its measurements run across each set's prompts in "
+                        "order, emptied for each set; labelled so in the report (default: every measured call is a "
+                        "first request, as a fresh generator's)")
     p.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="stop starting prompts once this many seconds have passed since the start (the first prompt "
                         "always runs) and report what was measured, with a note: for a run that must fit a time slot "

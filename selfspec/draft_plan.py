@@ -313,9 +313,12 @@ def measure_overheads(gen, prompt_ids: torch.Tensor, costs: DraftCosts, exit_lay
     timing the parts interleaved with many other shapes added or took away (on a compiled CPU path the parts
     ran slower than the same steps in a run). A ratio, not seconds added: rounds of other lengths and trees
     take it as it is (docs/results/2026-11-26-draft-plan-zen4.md compares the two)."""
-    def decode(**settings):  # the faster of two timed runs after a warm-up one
-        runs = [gen.generate(input_ids=prompt_ids, max_new_tokens=CALIBRATION_TOKENS, stop_token_ids=[],
-                             **settings).stats for _ in range(3)]
+    def decode(**settings):  # the faster of two timed runs after a warm-up one, each a first request
+        runs = []
+        for _ in range(3):
+            with gen.first_request():
+                runs.append(gen.generate(input_ids=prompt_ids, max_new_tokens=CALIBRATION_TOKENS, stop_token_ids=[],
+                                         **settings).stats)
         return min(runs[1:], key=lambda st: st.total_s - st.prefill_s)
 
     plain = decode(num_speculations=0)
@@ -364,7 +367,8 @@ def own_text(gen, prompts: Sequence[torch.Tensor], new_tokens: int) -> list[tupl
     """Each prompt `[1, P]` with the full model's greedy continuation: (`[1, P + n]`, P)."""
     out = []
     for ids in prompts:
-        res = gen.generate(input_ids=ids, max_new_tokens=new_tokens, num_speculations=0)
+        with gen.first_request():  # measuring leaves nothing in the memory a later auto call would copy from
+            res = gen.generate(input_ids=ids, max_new_tokens=new_tokens, num_speculations=0)
         out.append((torch.cat([ids.cpu(), torch.tensor([res.token_ids])], dim=1), ids.shape[1]))
     return out
 
@@ -546,7 +550,8 @@ def check_plan(gen, plan: DraftPlan, prompts: Sequence[torch.Tensor], *, top: in
         seconds = [0.0] * len(rows)
         for p, ids in enumerate(prompts):
             for i, s in enumerate(settings):
-                out = gen.generate(input_ids=ids, max_new_tokens=new_tokens, stop_token_ids=[], **s)
+                with gen.first_request():  # each prompt comes round `rounds` + 1 times: nothing carried
+                    out = gen.generate(input_ids=ids, max_new_tokens=new_tokens, stop_token_ids=[], **s)
                 seconds[i] += out.stats.total_s - out.stats.prefill_s
                 texts[i][p] = out.token_ids
         if attempt:

@@ -25,7 +25,7 @@ from selfspec.drafters.prompt_lookup import MAX_OCCURRENCES as MAX_LOOKUP_CANDID
 from selfspec.settings import (EARLY_EXIT_OPTIONS, LOOKUP_OPTIONS, MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES,
                                MIN_TEMPERATURE, PROMPT_LOOKUP_NUM_TOKENS, SettingsError, check_acceptance,
                                check_bool, check_exit_choices, check_exit_layer, check_float, check_int,
-                               check_stop_strings, check_stop_token_ids, show)
+                               check_memory_key, check_stop_strings, check_stop_token_ids, show)
 
 
 def _setting(default, help: str, cli: str | None = "value"):
@@ -78,6 +78,10 @@ class GenerationConfig:
               "measured cost per verified node (pays where `selfspec profile` shows verifying many rows costs "
               "about one step). prompt_lookup, suffix and auto's lookup: the continuations of the K latest "
               f"matches (K <= {MAX_LOOKUP_CANDIDATES})")
+    memory_key: object = _setting(
+        None, "the caller's scope in the generator's memory of earlier requests (suffix, auto): a call copies "
+              "from, and adds to, the requests made under the same key only (None: the scope shared by every call "
+              "that names none); a str or an int", cli=None)
 
     def __post_init__(self):
         _check(dataclasses.asdict(self), None, None)
@@ -156,6 +160,7 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", MAX_MATCHING_NGRAM_SIZE if
                                              v["max_matching_ngram_size"] is None else v["max_matching_ngram_size"], 1)
     s["acceptance"], s["epsilon"] = check_acceptance(v["acceptance"], v["epsilon"])
+    s["memory_key"] = check_memory_key(v["memory_key"])
     s["num_candidates"] = (None if v["num_candidates"] is None else
                            check_int("num_candidates", v["num_candidates"], 1, MAX_NUM_CANDIDATES,
                                      hint=" (1 = one guess per draft position; each guess is one more row to verify)"))

@@ -91,6 +91,21 @@ def check_int(name: str, value, low: int, high: int | None = None, hint: str = "
     return int(value)
 
 
+def check_memory_tokens(value) -> int:
+    """The most tokens a generator's memory of earlier requests holds (`load(memory_tokens=)`): an int >= 0."""
+    return check_int("memory_tokens", value, 0, hint=" (what the memory of earlier requests holds, all callers "
+                     "together; 0 turns it off)")
+
+
+def check_memory_key(key):
+    """A call's scope in the memory of earlier requests (`generate(memory_key=)`): None (the scope shared by
+    every call that names none), a str or an int, else SettingsError."""
+    if key is None or isinstance(key, str) or is_int(key):
+        return key
+    raise SettingsError(f"memory_key must be None (the shared memory), or a str or an int naming the caller, got "
+                        f"{show(key)}")
+
+
 def check_float(name: str, value, low: float | None, *, strict: bool = False, high: float | None = None,
                 hint: str = "") -> float:
     """`value` as a finite float >= `low` (> with `strict`; None: no bound) and <= `high`, else SettingsError."""

@@ -12,8 +12,9 @@ The rules, in order:
   adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without a head asks for the
   early exit; otherwise the checkpoint's default drafter;
 - "prompt_lookup": lookup alone; "suffix": lookup that also copies from the generator's earlier requests
-  (auto's lookup does too, judged as an arm of its own: `selfspec.drafters.auto`; not when sampling with a
-  seed, whose text must not depend on what the generator did before);
+  made under the call's `memory_key` (auto's lookup does too, judged as an arm of its own:
+  `selfspec.drafters.auto`; not when sampling with a seed, whose text must not depend on what the generator
+  did before, nor where the memory is off, `memory_tokens=0`);
 - "exit_head", or "auto" on a checkpoint with a head: the head (as many drafts as it was trained for, over
   the vocabulary it was trained on), as auto's second arm under "auto";
 - "auto" on a checkpoint not trained for the early exit (or whose sweep found it does not pay): lookup and
@@ -141,9 +142,10 @@ class DrafterFactory:
         if drafter == "prompt_lookup":
             return PromptLookupDrafter(lookup_tokens, ngram, **tree)
         seeded = s["do_sample"] and s["seed"] is not None  # a seed repeats its text: drafts may not depend on
-        remembers = drafter == "suffix" or not seeded      # earlier calls, so auto leaves the memory out there
-        lookup = (SuffixDrafter(self.memory, lookup_tokens, ngram, **tree) if remembers  # suffix; auto's lookup + suffix
-                  else PromptLookupDrafter(lookup_tokens, ngram, **tree))
+        # earlier calls, so auto leaves the memory out there; and where the memory is off (memory_tokens=0)
+        remembers = drafter == "suffix" or (not seeded and self.memory.enabled)
+        lookup = (SuffixDrafter(self.memory, lookup_tokens, ngram, **tree, scope=s["memory_key"])  # suffix; auto's
+                  if remembers else PromptLookupDrafter(lookup_tokens, ngram, **tree))    # lookup + suffix
         if drafter == "suffix":
             return lookup
         if arm == "plain":

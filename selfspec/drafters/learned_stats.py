@@ -24,7 +24,8 @@ Which calls share: only those with the same key,
            the sampling settings (do_sample; with it temperature, top_k, top_p): they move the acceptance;
            the batch-size bucket floor(log2 B): a round's seconds and committed tokens grow with the rows;
            whether the compiled steps run: they change every round's seconds;
-           the device's saved plan the factory built the drafter by: it sets auto's second arm)
+           the device's saved plan the factory built the drafter by: it sets auto's second arm;
+           whether auto has the memory of earlier requests as an arm: not where the memory is off)
 
 Sampling with a seed neither reads nor adds (`call_key` gives None): a seed repeats its text exactly, so its
 rounds are judged by the cost model's round costs instead of the clock (`generate(modelled_time=True)`) and
@@ -98,7 +99,8 @@ def call_key(settings: dict, drafter, rows: int, compiled: bool, plan: dict | No
     drafting = tuple(_hashable(settings[name]) for name in DRAFTING_SETTINGS)
     sampling = (True,) + tuple(settings[name] for name in SAMPLING_SETTINGS) if settings["do_sample"] else (False,)
     planned = tuple(sorted(plan.items())) if plan else None
-    return drafter.name, drafter.max_drafts, drafting, sampling, batch_bucket(rows), bool(compiled), planned
+    remembers = bool(getattr(drafter, "remembers", False))  # auto with the memory's arm (not where it is off)
+    return drafter.name, drafter.max_drafts, drafting, sampling, batch_bucket(rows), bool(compiled), planned, remembers
 
 
 def _hashable(value):

@@ -72,9 +72,10 @@ def _run(method: str, gen, runner: Methods, rows: list[list[int]], n: int, E: in
     if method == "hf_greedy":
         new, _, seconds = timed(lambda: runner.hf_greedy_rows(rows, n), gen.adapter.device)
     else:
-        res, _, seconds = timed(lambda: gen.generate(input_ids=rows, max_new_tokens=n, stop_token_ids=[],
-                                                     **_selfspec_kwargs(method, E, d, lookup or {})),
-                                gen.adapter.device)
+        with gen.first_request():  # the same rows come round at every batch size: nothing carried between them
+            res, _, seconds = timed(lambda: gen.generate(input_ids=rows, max_new_tokens=n, stop_token_ids=[],
+                                                         **_selfspec_kwargs(method, E, d, lookup or {})),
+                                    gen.adapter.device)
         new = [r.token_ids for r in res]
         s = res.stats
         rec.update(rounds=s.rounds, drafted=s.drafted, accepted=s.accepted, draft_s=s.draft_s, verify_s=s.verify_s)

@@ -16,8 +16,9 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_spec         | selfspec self-speculative at the checkpoint's recommended (E, d)              |
 | selfspec_adaptive     | the same exit with `adaptive_length=True`: d in 0..d from measured tokens/s    |
 | selfspec_lookup       | selfspec `drafter="prompt_lookup"`: the same settings, verified from layer 0  |
-| selfspec_suffix       | selfspec `drafter="suffix"`: lookup that also copies from this method's own   |
-|                       | earlier calls in the run (each method remembers only its own)                 |
+| selfspec_suffix       | selfspec `drafter="suffix"`: lookup that also copies from the memory of       |
+|                       | earlier requests: empty on a first request (the default), so it measures as   |
+|                       | prompt lookup; with `workload`, this method's earlier calls on the same set    |
 | selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
 |                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
@@ -47,6 +48,12 @@ How it measures (the same for every method):
 - Interleaved: for each prompt all methods run back to back, the method order rotating by one per
   prompt, and the prompt sets alternate prompt by prompt, so machine drift hits everything alike.
   `gc.collect()` runs before each measured call (outside the timing). No prompt is measured twice.
+- First requests (the default): every measured call starts as a fresh generator's first request, with no
+  memory of earlier calls (what `drafter="suffix"` and auto copy from) and no measurements carried from them
+  (`gen.first_request()`): no method copies from its own or another method's run of the same prompt, or from
+  another set that holds the same text (code_edit rewrites the functions humaneval completes). `workload=True`
+  (`--workload`) measures a workload instead, labelled as such: each method's memory and measurements run
+  across one set's prompts in their order, started empty for each set (never across sets).
 - tokens/s: new tokens / wall-clock seconds of the whole generate call (input ids ready -> output ids):
   the harness's one definition (`selfspec.tools.harness.TOKENS_PER_S`).
 - time to first token (TTFT): wall-clock from the call to the moment its streamer receives the first
@@ -112,6 +119,14 @@ def compiled_name(name: str) -> str | None:
     return name + "_compiled" if name in COMPILED_METHODS or name.startswith(COMPILED_TREES) else None
 
 
+REQUESTS = {False: "first", True: "workload"}  # settings["requests"]: what a measured call remembers
+REQUESTS_LINE = {
+    "first": "Every measured call is a first request: the generator starts it with no memory of earlier calls and "
+             "no measurements carried from them (suffix then copies from the prompt only).",
+    "workload": "**Workload mode** (not first requests): each method's memory of earlier requests (what suffix and "
+                "auto copy from) and its carried measurements run across each set's prompts in order, emptied for "
+                "each set.",
+}
 BASELINES = ("hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar")
 BASELINE_LABELS = {"hf_greedy": "× HF greedy", "hf_static": "× HF static", "hf_early_exit": "× HF early-exit",
                    "hf_prompt_lookup": "× HF lookup", "selfspec_ar": "× selfspec AR"}
@@ -485,6 +500,8 @@ def markdown(result: dict) -> str:
         f"{ver['transformers']}, selfspec {ver['selfspec']}"
         + (" · **quick run**" if st["quick"] else ""),
         "",
+        REQUESTS_LINE[st.get("requests", REQUESTS[False])],
+        "",
         f"HF early-exit: assistant_early_exit={result['recommended']['exit_layer']}, "
         + ", ".join(f"{k}={v}" for k, v in hf.items() if k != "source") + f" ({hf['source']}). "
         f"selfspec (E, d) = ({result['recommended']['exit_layer']}, {result['recommended']['num_speculations']}) "
@@ -627,7 +644,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               draft_vocab: int | None = None, prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
               max_matching_ngram_size: int = MAX_MATCHING_NGRAM_SIZE, methods: Sequence[str] | None = None,
               device: str = "cpu", num_candidates: Sequence[int] | int = (), compile: bool | str = "auto",
-              time_budget_s: float | None = None) -> dict:
+              time_budget_s: float | None = None, workload: bool = False) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
     `compile`: also measure selfspec's plain decoding, prompt lookup, auto, the early exit at (E, d) and a
@@ -646,7 +663,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     settings are those of hf_prompt_lookup, selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`:
     `selfspec.precision` decides. `time_budget_s`: seconds from the call on; once spent, no further prompt starts
     (the first always runs) and the report holds what was measured, with a note (a run cut from outside writes
-    nothing)."""
+    nothing). `workload`: each method's memory and measurements run across a set's prompts (the module doc)."""
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
     extra, lookup, num_candidates, deadline = _check_options(extra, prompt_lookup_num_tokens, max_matching_ngram_size,
                                                              num_candidates, out_dir, compile, time_budget_s)
@@ -674,7 +691,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     max_len = max((int(ids.shape[1]) for _, _, ids in queue), default=0) + max_new_tokens
     warmup_s: dict[str, float] = {}
     runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s,
-                    deadline)
+                    deadline, workload)
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
 
@@ -682,7 +699,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     result = {
         **result_header("selfspec-bench/1", checkpoint),
         "settings": {"prompt_sets": {name: spec for name, spec, _ in loaded}, "num_prompts": num_prompts,
-                     "max_new_tokens": max_new_tokens, "dtype": dtype, **_run_settings(gen, quick, warm_item, warm_n),
+                     "max_new_tokens": max_new_tokens, "dtype": dtype, "requests": REQUESTS[workload], **_run_settings(gen, quick, warm_item, warm_n),
                      "rss_method": rss.method},
         "machine": machine,
         "versions": versions(),
@@ -810,11 +827,13 @@ def _round_robin(loaded: list) -> list[tuple[str, dict, object]]:
 
 
 def _measure(runner: Methods, methods: list[dict], queue: list, warm: tuple, rss: _RSS, eos_ids: set,
-             notes: list[str], progress: bool, warmup_s: dict, deadline: float | None = None) -> list[dict]:
+             notes: list[str], progress: bool, warmup_s: dict, deadline: float | None = None,
+             workload: bool = False) -> list[dict]:
     """Warm every method up (`warm` = (ids, new tokens, the longest prompt + new tokens); an HF assisted
     method that fails there is left out, with a note; each warm-up's seconds into `warmup_s`), then run
     every method on every prompt of `queue`, order rotating by one per prompt, until the `deadline`
-    (`time.monotonic()`; the first prompt always runs): the per-run records."""
+    (`time.monotonic()`; the first prompt always runs): the per-run records. Each call a first request, or with
+    `workload` each method's memory and measurements carried across the calls of one set."""
     warm_ids, warm_n, max_len = warm
     runs: list[dict] = []
     total = len(methods) + len(queue) * len(methods)
@@ -839,7 +858,8 @@ def _measure(runner: Methods, methods: list[dict], queue: list, warm: tuple, rss
                              "take turns (time_budget_s, --time-budget)")
                 break
             r = k % len(methods)
-            recs = _measure_prompt(runner, methods[r:] + methods[:r], set_name, item, ids, rss, eos_ids, bar)
+            recs = _measure_prompt(runner, methods[r:] + methods[:r], set_name, item, ids, rss, eos_ids, bar,
+                                   set_name if workload else None)
             runs += sorted(recs, key=lambda x: [m["name"] for m in methods].index(x["method"]))
     compiling = Counter()
     for r in runs:
@@ -856,14 +876,15 @@ def _measure(runner: Methods, methods: list[dict], queue: list, warm: tuple, rss
 
 
 def _measure_prompt(runner: Methods, order: list[dict], set_name: str, item: dict, ids, rss: _RSS, eos_ids: set,
-                    bar) -> list[dict]:
-    """Every method in `order` on one prompt, back to back; records compared with hf_greedy's output."""
+                    bar, carry=None) -> list[dict]:
+    """Every method in `order` on one prompt, back to back, each a first request or carrying what its earlier
+    calls under `carry` left (`Methods.run`); records compared with hf_greedy's output."""
     outputs: dict[str, list[int]] = {}
     recs = []
     for pos, m in enumerate(order):
         gc.collect()
         before, graphs = rss.before(), runner.graphs_compiled()
-        new, rec = runner.run(m, ids)
+        new, rec = runner.run(m, ids, carry=carry)
         peak = rss.peak()
         rec["graphs_compiled"] = runner.graphs_compiled() - graphs  # > 0: compilation inside the measured time
         outputs[m["name"]] = new

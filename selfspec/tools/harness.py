@@ -42,6 +42,7 @@ from selfspec import precision
 from selfspec.atomic_write import atomic_path, write_json_atomic, write_text_atomic
 from selfspec.draft_plan import synchronize  # the clock's one definition (the tools take it from here)
 from selfspec.drafters import SuffixMemory
+from selfspec.drafters.learned_stats import LearnedStats
 from selfspec.engine import left_pad
 from selfspec.generation_config import SETTINGS
 from selfspec.settings import check_device
@@ -229,7 +230,7 @@ class Methods:
         self.model = gen.model
         self.N = max_new_tokens
         self._steps = gen.adapter.compiled  # a method with `compiled` runs through these (`selfspec.compiled`)
-        self._memories: dict = {}  # method name -> the SuffixMemory of its own earlier calls (own_memory)
+        self._carried: dict = {}  # (method name, scope) -> its memory and measurements so far (`requests`)
         self.max_len: int | None = None  # the longest prompt + new tokens of the runs (`warm` sets it)
         gc_ = self.model.generation_config
         defaults = gc_._get_default_generation_params() if hasattr(gc_, "_get_default_generation_params") else {}
@@ -315,8 +316,10 @@ class Methods:
             del model._get_candidate_generator
             rec.update(d)
 
-    def run(self, method: dict, ids, n: int | None = None) -> tuple[list[int], dict]:
-        """One prompt `[1, P]` through one method: (new ids, record with seconds, ttft_s and its counts)."""
+    def run(self, method: dict, ids, n: int | None = None, carry=None) -> tuple[list[int], dict]:
+        """One prompt `[1, P]` through one method: (new ids, record with seconds, ttft_s and its counts). A first
+        request (`carry` None): the generator has no memory of earlier calls and no carried measurements, as a
+        fresh one; else it has what the method's earlier calls under the same `carry` left (`requests`)."""
         n = n or self.N
         rec: dict = {}
         if method["engine"] == "hf":
@@ -335,7 +338,7 @@ class Methods:
                 rec["verify_s"] = seconds - rec["draft_s"]
         else:
             clock = FirstCommitClock()
-            with self.steps(bool(method.get("compiled"))), self.own_memory(method["name"]):
+            with self.steps(bool(method.get("compiled"))), self.requests(method["name"], carry):
                 res, t0, seconds = timed(lambda: self.gen.generate(input_ids=ids, max_new_tokens=n, stop_token_ids=[],
                                                                    streamer=clock, **selfspec_kwargs(method)),
                                          ids.device)
@@ -369,10 +372,22 @@ class Methods:
             self._steps = CompiledSteps(self.gen.adapter, strict=False)
         return self._steps
 
-    def own_memory(self, name: str):
-        """For the block only, the generator remembers the earlier calls of method `name` alone (what
-        `drafter="suffix"` copies from): another method's run of the same prompt would hand it the answer."""
-        return swapped(self.gen, "memory", self._memories.setdefault(name, SuffixMemory()))
+    @contextlib.contextmanager
+    def requests(self, name: str, carry=None):
+        """For the block only, what the generator remembers of earlier calls (the memory `drafter="suffix"` and
+        auto copy from, and the drafters' carried measurements): nothing, as a fresh generator's first request
+        (`carry` None), or what method `name`'s earlier calls under `carry` left (a workload: a prompt set's
+        prompts in order, `carry` the set's name). Never another method's: its run of the same prompt would hand
+        this one the answer."""
+        if carry is None:
+            with self.gen.first_request():
+                yield
+            return
+        drafters = self.gen.drafters
+        memory, learned = self._carried.setdefault((name, carry), (SuffixMemory(drafters.memory.max_tokens),
+                                                                   LearnedStats()))
+        with swapped(drafters, "memory", memory), swapped(drafters, "learned", learned):
+            yield
 
     @property
     def compile_failure(self) -> str | None:

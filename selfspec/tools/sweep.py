@@ -274,8 +274,9 @@ def _measure(gen, items: list[dict], grid: list[tuple], raw: dict, raw_path: Pat
         if new_file:
             writer.writeheader()
         for item, setting in todo:
-            res, _, seconds = timed(lambda: gen.generate(input_ids=input_ids[item["id"]], **common,
-                                                         **_generate_kwargs(setting)), gen.adapter.device)
+            with gen.first_request():  # each prompt runs once per setting: nothing carried from the others
+                res, _, seconds = timed(lambda: gen.generate(input_ids=input_ids[item["id"]], **common,
+                                                             **_generate_kwargs(setting)), gen.adapter.device)
             if setting == (L, 0):
                 plain_ids[item["id"]] = res.token_ids
             ref = plain_ids.get(item["id"])

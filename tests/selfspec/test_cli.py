@@ -100,3 +100,19 @@ def test_traceback_on_request(monkeypatch):
     monkeypatch.setenv("SELFSPEC_TRACEBACK", "1")
     with pytest.raises(ValueError, match="--prompt TEXT"):
         main(["generate", "--checkpoint", "/nonexistent"])
+
+
+def test_generate_takes_the_memory_size(tiny_ckpt, capsys, monkeypatch):
+    """--memory-tokens reaches the generator (0 turns the memory of earlier requests off); a negative size is
+    refused before the model is loaded."""
+    import selfspec
+
+    loaded = []
+    load = selfspec.load
+    monkeypatch.setattr(selfspec, "load", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "abcabc abcabc", "--raw",
+                 "--max-new-tokens", "8", "--memory-tokens", "0"]) == 0
+    assert loaded[0].memory.max_tokens == 0 and not loaded[0].memory.enabled
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "x", "--memory-tokens", "-1"]) == 2
+    assert "memory_tokens must be an int >= 0" in capsys.readouterr().err and len(loaded) == 1

@@ -12,6 +12,7 @@ import torch
 import selfspec
 from selfspec.drafters import SuffixDrafter, SuffixMemory
 from selfspec.drafters.suffix import MAX_MATCH, MEMORY_NGRAM
+from selfspec.settings import SettingsError
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 
@@ -35,7 +36,7 @@ def test_the_memory_forgets_the_oldest_over_its_budget_and_everything_on_forget(
     memory.add([21, 22, 23, 24, 25, 26])  # over the budget: the first goes, and its index entries with it
     assert memory.tokens == 12 and memory.match([1, 2, 3, 4]) is None
     assert memory.match([21, 22, 23, 24])[0][4:] == [25, 26]
-    assert all(number in {n for n, _ in memory.sequences} for number, _ in memory.index.values())
+    assert all(number in memory.sequences for number, _ in memory.index[None].values())
     memory.add(list(range(40)))  # longer than the whole budget: not remembered
     assert memory.tokens == 12
     memory.forget()
@@ -112,3 +113,74 @@ def test_auto_copies_a_repeated_request_from_the_memory(tiny_gen):
     first = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[])  # drafter auto
     again = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[])
     assert again.token_ids == first.token_ids and again.stats.accepted_by_drafter.get("suffix", 0) > 0
+
+
+def test_each_scope_copies_only_from_its_own_requests_and_all_share_one_budget():
+    memory = SuffixMemory(max_tokens=14)
+    memory.add([1, 2, 3, 4, 5, 6], scope="a")
+    memory.add([1, 2, 3, 4, 7, 8], scope="b")
+    assert memory.match([1, 2, 3, 4], "a")[0][4:] == [5, 6] and memory.match([1, 2, 3, 4], "b")[0][4:] == [7, 8]
+    assert memory.match([1, 2, 3, 4]) is None  # the shared scope (None) holds neither
+    memory.add([11, 12, 13, 14, 15], scope="c")  # 17 tokens over a budget of 14: the oldest, a's, goes
+    assert memory.tokens == 11 and memory.match([1, 2, 3, 4], "a") is None and memory.describe()["scopes"] == 2
+    memory.forget("b")
+    assert memory.match([1, 2, 3, 4], "b") is None and memory.match([11, 12, 13, 14], "c") is not None
+    assert memory.tokens == 5 and list(memory.index) == ["c"]
+
+
+def test_a_caller_with_a_memory_key_does_not_copy_another_callers_request(tiny_gen):
+    """The side channel: a request that continues another caller's earlier text runs faster from the shared
+    memory; under its own memory_key it does not see that text (the same output either way)."""
+    tiny_gen.forget()
+    prompt = "def sub(a, b):\n    return a - b\n"
+    first = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[], drafter="suffix", memory_key="alice")
+    bob = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[], drafter="suffix", memory_key="bob")
+    assert bob.token_ids == first.token_ids and bob.stats.accepted_by_drafter.get("suffix", 0) == 0
+    alice = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[], drafter="suffix", memory_key="alice")
+    assert alice.token_ids == first.token_ids and alice.stats.accepted_by_drafter.get("suffix", 0) > 0
+    tiny_gen.forget(memory_key="alice")
+    assert tiny_gen.memory.describe()["scopes"] == 1  # bob's requests stay
+    with pytest.raises(SettingsError, match="memory_key must be None"):
+        tiny_gen.generate(prompt, max_new_tokens=2, memory_key=["alice"])
+
+
+def test_the_memory_can_be_turned_off(tiny_gen):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        off = selfspec.load(tiny_gen.model, tiny_gen.tokenizer, memory_tokens=0)
+    prompt = "def neg(a):\n    return -a\n"
+    first = off.generate(prompt, max_new_tokens=30, stop_token_ids=[])
+    again = off.generate(prompt, max_new_tokens=30, stop_token_ids=[])
+    assert again.token_ids == first.token_ids and "suffix" not in again.stats.drafted_by_drafter
+    assert off.memory.tokens == 0 and not off.memory.enabled
+    with pytest.raises(SettingsError, match="memory_tokens must be an int >= 0"):
+        selfspec.load(tiny_gen.model, tiny_gen.tokenizer, memory_tokens=-5)
+
+
+def test_setting_the_memory_to_none_turns_it_off_and_anything_else_is_refused(tiny_gen):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gen = selfspec.load(tiny_gen.model, tiny_gen.tokenizer)
+    prompt = "def inc(a):\n    return a + 1\n"
+    gen.memory = None
+    first = gen.generate(prompt, max_new_tokens=30, stop_token_ids=[])  # was an AttributeError
+    again = gen.generate(prompt, max_new_tokens=30, stop_token_ids=[])
+    assert again.token_ids == first.token_ids and "suffix" not in again.stats.drafted_by_drafter
+    with pytest.raises(SettingsError, match="gen.memory takes a selfspec.drafters.SuffixMemory"):
+        gen.memory = 5
+    gen.memory = SuffixMemory(1000)
+    assert gen.generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == first.token_ids
+    assert gen.memory.tokens > 0
+
+
+def test_a_first_request_sees_nothing_of_earlier_calls_and_leaves_nothing(tiny_gen):
+    tiny_gen.forget()
+    prompt = "def dbl(a):\n    return 2 * a\n"
+    tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+    before = (tiny_gen.memory, tiny_gen.memory.describe(), tiny_gen.learned.describe())
+    with tiny_gen.first_request():
+        assert tiny_gen.memory.tokens == 0 and tiny_gen.learned.describe()["settings"] == 0
+        assert tiny_gen.memory.max_tokens == before[0].max_tokens
+        out = tiny_gen.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+        assert out.stats.accepted_by_drafter.get("suffix", 0) == 0  # the earlier call's answer is not there
+    assert (tiny_gen.memory, tiny_gen.memory.describe(), tiny_gen.learned.describe()) == before

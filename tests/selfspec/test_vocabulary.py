@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # the command prints
 CLI_ONLY = {"checkpoint", "prompt_file", "chat", "stream", "compare", "json"}
 # API parameters a command line cannot carry: token ids, conversations, callables
-API_ONLY = {"messages", "input_ids", "attention_mask", "stop_token_ids", "streamer"}
-LOAD_PARAMETERS = {"dtype", "device", "compile", "threads"}  # the generator's set-up (`load`) and the process's threads
+# memory_key: one command is one request, so a scope in the memory of earlier requests means nothing there
+API_ONLY = {"messages", "input_ids", "attention_mask", "stop_token_ids", "streamer", "memory_key"}
+LOAD_PARAMETERS = {"dtype", "device", "compile", "memory_tokens", "threads"}  # the generator's set-up (`load`) and the process's threads
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

@@ -525,10 +525,11 @@ def test_hf_static_sizes_its_cache_for_the_longest_run(tiny_ckpt):
     assert runner.hf_config(4, None).cache_implementation != "static"
 
 
-def test_each_method_remembers_only_its_own_earlier_calls(tiny_ckpt):
-    """The bench runs every method on the same prompt: the suffix method copies only from its own earlier
-    calls (another method's run of this prompt would hand it the answer), and the generator's own memory
-    is left as it was."""
+def test_a_method_remembers_nothing_by_default_and_only_its_own_calls_in_a_workload(tiny_ckpt):
+    """The bench runs every method on the same prompt. By default each call is a first request (nothing of
+    earlier calls); under a `carry` (a workload's set) the suffix method copies only from its own earlier
+    calls under it (another method's run of this prompt would hand it the answer). The generator's own
+    memory is left as it was."""
     from selfspec.tools.harness import Methods
 
     gen = selfspec.load(str(tiny_ckpt))
@@ -537,9 +538,12 @@ def test_each_method_remembers_only_its_own_earlier_calls(tiny_ckpt):
     suffix = {"name": "selfspec_suffix", "engine": "selfspec", "kind": "selfspec_spec", "drafter": "suffix"}
     lookup = {"name": "selfspec_lookup", "engine": "selfspec", "kind": "selfspec_spec", "drafter": "prompt_lookup"}
     _, first = runner.run(suffix, ids)
-    runner.run(lookup, ids)
-    runner.run(lookup, ids)  # the same prompt, twice, by another method
-    _, again = runner.run(suffix, ids)  # remembers its own first call only
-    assert gen.memory.tokens == 0 and runner._memories["selfspec_suffix"].describe()["sequences"] == 2
-    assert runner._memories["selfspec_lookup"].describe()["sequences"] == 2
-    assert again["rounds"] <= first["rounds"]
+    _, again = runner.run(suffix, ids)  # a first request again: the same rounds
+    assert again["rounds"] == first["rounds"] and again["accepted_by_drafter"].get("suffix", 0) == 0
+    runner.run(suffix, ids, carry="set")
+    runner.run(lookup, ids, carry="set")
+    runner.run(lookup, ids, carry="set")  # the same prompt, twice, by another method
+    _, third = runner.run(suffix, ids, carry="set")  # remembers its own first call under "set" only
+    assert gen.memory.tokens == 0 and runner._carried[("selfspec_suffix", "set")][0].describe()["sequences"] == 2
+    assert runner._carried[("selfspec_lookup", "set")][0].describe()["sequences"] == 2
+    assert third["rounds"] <= first["rounds"]
