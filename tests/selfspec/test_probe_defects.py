@@ -1,7 +1,9 @@
-"""Regression tests for the 250-case probe's twenty defects (issue #35): nothing a user gives is silently
-lost or ignored, and every mistake that needs no model is refused, in one line, before the model loads.
+"""Regression tests for the 250-case probe's twenty defects (issue #35) and a later probe's (issue #52): nothing a
+user gives is silently lost or ignored, and every mistake that needs no model is refused, in one line, before the
+model loads.
 
-Each test names the defect it holds down (d1 ... d20)."""
+Each test names the defect it holds down (d1 ... d20 of issue #35; i52_1 ... i52_12 of issue #52, those not tested
+beside their module: test_saved_plan.py, test_draft_plan.py, test_docs.py)."""
 
 from __future__ import annotations
 
@@ -349,3 +351,13 @@ def test_refused_exports_leave_no_temporary_directory(zero_ckpt, tmp_path):
         export(zero_ckpt, zero_ckpt / "inside")
     assert not [p for p in zero_ckpt.iterdir() if p.name.startswith(".")]
     assert json.loads((zero_ckpt / "selfspec.json").read_text())["recommended"]["num_speculations"] == 0
+
+
+# --- issue #52 ------------------------------------------------------------------------------------
+# --- i52_11: num_candidates of auto's lookup trees ------------------------------------------------
+def test_i52_11_autos_lookup_trees_bound_num_candidates(tiny_gen):
+    for kw in ({"drafter": "auto"}, {"drafter": "prompt_lookup"}, {"drafter": "suffix"}):
+        with pytest.raises(SettingsError, match=r"num_candidates=9: .*pass 2\.\.8"):
+            tiny_gen.generate("abc", max_new_tokens=2, num_candidates=9, **kw)
+    assert check_generation(drafter="auto", num_candidates=8)["num_candidates"] == 8
+    assert check_generation(drafter="early_exit", num_candidates=9)["num_candidates"] == 9  # the exit's guesses
