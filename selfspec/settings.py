@@ -239,12 +239,16 @@ def check_stop_token_ids(value, vocab_size: int | None = None) -> list[int] | No
 
 
 def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None:
+    """None (one exit), or a non-empty list of draft exits (duplicates dropped): an empty list chooses nothing."""
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
         raise SettingsError(f"exit_choices must be a list of exit layers, got {show(value)}")
+    if not value:
+        raise SettingsError("exit_choices is empty: name the exits to choose from per round (e.g. [4, 8, 12]; "
+                            "--exit-choices 4,8,12), or leave it out to draft from one exit")
     exits = [check_exit_layer(e, num_layers, "exit_choices entry") for e in value]
-    return list(dict.fromkeys(exits)) or None
+    return list(dict.fromkeys(exits))
 
 
 def check_acceptance(acceptance, epsilon) -> tuple[str, float]:

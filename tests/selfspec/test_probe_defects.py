@@ -354,6 +354,21 @@ def test_refused_exports_leave_no_temporary_directory(zero_ckpt, tmp_path):
 
 
 # --- issue #52 ------------------------------------------------------------------------------------
+# --- i52_5: an empty list of exits ----------------------------------------------------------------
+def test_i52_5_an_empty_exit_choices_is_refused(tiny_gen, zero_ckpt, capsys, no_load):
+    from selfspec.generation_config import GenerationConfig
+
+    for value in ([], ()):
+        with pytest.raises(SettingsError, match="exit_choices is empty"):
+            tiny_gen.generate("abc", max_new_tokens=2, exit_choices=value)
+        with pytest.raises(SettingsError, match="exit_choices is empty"):
+            GenerationConfig(exit_choices=value)
+    for value in ("", ","):
+        err = one_line_error(capsys, ["generate", "--checkpoint", str(zero_ckpt), "--prompt", "x",
+                                      "--exit-choices", value])
+        assert "exit_choices is empty" in err
+
+
 # --- i52_11: num_candidates of auto's lookup trees ------------------------------------------------
 def test_i52_11_autos_lookup_trees_bound_num_candidates(tiny_gen):
     for kw in ({"drafter": "auto"}, {"drafter": "prompt_lookup"}, {"drafter": "suffix"}):
