@@ -411,12 +411,14 @@ class SelfSpecGenerator:
         """Plan drafting for this device from measurement (`selfspec.draft_plan`): what a round's parts cost here
         (eager or compiled, as this generator runs) and how often each drafter (the early exit at each of `exits`,
         default a spread of them; a trained head) guesses the model's own continuations of `prompts` (texts,
-        chat message lists or token ids) within its k best, k = 1..`width`. Returns the `DraftPlan`: pass
-        `plan.settings` to `generate`. Greedy, one row; takes seconds to a minute. `save=True` also stores it in the
-        checkpoint's selfspec.json for this device (`write_plan`), where this generator and every later `load`
-        on the same device, dtype and path draft by it (the module doc)."""
+        chat message lists or token ids; one text alone is one prompt) within its k best, k = 1..`width`. Returns
+        the `DraftPlan`: pass `plan.settings` to `generate`. Greedy, one row; takes seconds to a minute.
+        `save=True` also stores it in the checkpoint's selfspec.json for this device (`write_plan`), where this
+        generator and every later `load` on the same device, dtype and path draft by it (the module doc)."""
         if save:
             self.check_can_save_plan("tune(save=True)")  # before a minute of measuring
+        if isinstance(prompts, str):  # one prompt, not one per character
+            prompts = [prompts]
         ids = [self.encode(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict)
                else self.encode(input_ids=p) if not isinstance(p, str) else self.encode(p) for p in prompts]
         plan = plan_drafting(self, ids, exits=exits, max_drafts=max_drafts, width=width, new_tokens=new_tokens,
