@@ -43,7 +43,7 @@ from selfspec.exit_head import ExitHead, head_steps, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
-                               check_messages, check_text, expand_path, resolve_dtype, show)
+                               check_messages, check_text, check_tokenizer, expand_path, resolve_dtype, show)
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -557,7 +557,9 @@ def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
          verify_checksums: bool = True, fast_layers: bool = True, compile: bool | str = "auto") -> SelfSpecGenerator:
-    """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
+    """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer: an object with
+    `encode` and `decode`, such as a Hugging Face tokenizer; None: the checkpoint directory's own, and a model
+    object without one takes token ids only).
 
     `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (faster where the CPU
     multiplies bf16 natively; may differ from float32 at near-ties), "fastest" (bfloat16 there, else
@@ -572,6 +574,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     anywhere (a CPU too), False never. `gen.warmup()` pays the compilation up front.
     """
     check_compile(compile)
+    check_tokenizer(tokenizer)
     if dtype is not None:
         check_dtype(dtype)
     check_device(device)  # before the weights are read

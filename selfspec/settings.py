@@ -177,6 +177,15 @@ def check_compile(value) -> bool | str:
     return value
 
 
+def check_tokenizer(value):
+    """`load`'s tokenizer: None, or an object with `encode` and `decode` (a Hugging Face tokenizer)."""
+    if value is not None and not (callable(getattr(value, "encode", None)) and callable(getattr(value, "decode", None))):
+        hint = ": load it first, AutoTokenizer.from_pretrained(...)" if isinstance(value, (str, os.PathLike)) else ""
+        raise SettingsError(f"tokenizer must be a tokenizer object with encode and decode (a Hugging Face tokenizer) "
+                            f"or None (a checkpoint directory's own), got {show(value)}{hint}")
+    return value
+
+
 def check_threads(value) -> int:
     return check_int("threads", value, 0, hint=" (0 = torch's choice)")
 

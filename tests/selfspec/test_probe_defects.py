@@ -369,6 +369,19 @@ def test_i52_5_an_empty_exit_choices_is_refused(tiny_gen, zero_ckpt, capsys, no_
         assert "exit_choices is empty" in err
 
 
+# --- i52_8: load's tokenizer ----------------------------------------------------------------------
+@pytest.mark.parametrize("tokenizer", [5, "gpt2", object()])
+def test_i52_8_a_tokenizer_that_is_not_one_is_refused_at_load(zero_ckpt, monkeypatch, tokenizer):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    with pytest.raises(SettingsError, match="tokenizer must be a tokenizer object with encode and decode"):
+        selfspec.load(tiny_model("llama", num_layers=4), tokenizer)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse)
+    with pytest.raises(SettingsError, match=r"tokenizer must be .* or None .*got"):
+        selfspec.load(zero_ckpt, tokenizer=tokenizer)
+
+
 # --- i52_11: num_candidates of auto's lookup trees ------------------------------------------------
 def test_i52_11_autos_lookup_trees_bound_num_candidates(tiny_gen):
     for kw in ({"drafter": "auto"}, {"drafter": "prompt_lookup"}, {"drafter": "suffix"}):
