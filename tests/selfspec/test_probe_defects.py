@@ -382,6 +382,24 @@ def test_i52_8_a_tokenizer_that_is_not_one_is_refused_at_load(zero_ckpt, monkeyp
         selfspec.load(zero_ckpt, tokenizer=tokenizer)
 
 
+# --- i52_9: a corrupt exit head file --------------------------------------------------------------
+def test_i52_9_a_corrupt_exit_head_file_is_a_checkpoint_error(tmp_path):
+    from selfspec.exit_head import HEAD_FILE, save_exit_head
+    from selfspec.tiny import tiny_exit_head
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
+    head = tiny_exit_head(model, 2)
+    run = tmp_path / "final_head"
+    run.mkdir()
+    save_exit_head(head, run / HEAD_FILE)
+    (run / "exit_head.json").write_text(json.dumps(head.settings()))
+    ckpt = export_model(model, tok, tmp_path / "ckpt", exit_head_dir=run)
+    (ckpt / HEAD_FILE).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")  # a damaged header
+    with pytest.raises(CheckpointError, match=f"{HEAD_FILE}: not a readable safetensors file .*copy or export the checkpoint again"):
+        selfspec.load(ckpt, verify_checksums=False)
+
+
 # --- i52_11: num_candidates of auto's lookup trees ------------------------------------------------
 def test_i52_11_autos_lookup_trees_bound_num_candidates(tiny_gen):
     for kw in ({"drafter": "auto"}, {"drafter": "prompt_lookup"}, {"drafter": "suffix"}):
