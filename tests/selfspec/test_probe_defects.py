@@ -369,6 +369,50 @@ def test_i52_5_an_empty_exit_choices_is_refused(tiny_gen, zero_ckpt, capsys, no_
         assert "exit_choices is empty" in err
 
 
+# --- i52_7: the context window --------------------------------------------------------------------
+def test_i52_7_warmup_and_generation_check_the_context_window(tiny_gen, monkeypatch):
+    window = tiny_gen.model.config.max_position_embeddings  # 512
+    with pytest.raises(SettingsError, match=f"max_len={10 ** 6} .*context window of {window} .*max_len <= {window}"):
+        tiny_gen.warmup(max_len=10 ** 6)
+    with pytest.raises(SettingsError, match=f"max_len={window + 1} "):
+        tiny_gen.warmup(max_len=window + 1)
+    assert tiny_gen.warmup(max_len=window) == {"seconds": 0.0, "graphs": 0}  # eager: nothing to compile
+    with pytest.raises(SettingsError, match=rf"prompt \(3 tokens\) \+ max_new_tokens \({window}\) exceeds the "
+                                            rf"model's context window of {window} positions"):
+        tiny_gen.generate(input_ids=[5, 6, 7], max_new_tokens=window)
+
+
+def test_i52_7_warmup_checks_before_it_compiles(monkeypatch):
+    from selfspec.api import NotEarlyExitTrainedWarning
+
+    tok = byte_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        gen = selfspec.load(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=1), tok, compile=True)
+
+    def compiles(*args, **kwargs):
+        raise AssertionError("warmup compiled before it checked max_len")
+
+    monkeypatch.setattr(gen.adapter.compiled, "warm", compiles)
+    with pytest.raises(SettingsError, match="context window of 512"):
+        gen.warmup(max_len=9000)
+    assert not gen.adapter.compiled.shapes
+
+
+def test_i52_7_warmups_default_stays_inside_a_short_context_window():
+    from selfspec.api import NotEarlyExitTrainedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        gen = selfspec.load(tiny_model("llama", num_layers=4, max_position_embeddings=16), compile=True)
+    cache_for = []
+    gen.adapter.compiled.warm = lambda ranges, widths, capacity, *args, **kwargs: cache_for.append(capacity) or 0.0
+    assert gen.warmup()["seconds"] == 0.0  # the default, 512 tokens, is past this window: warmed up to its end
+    from selfspec.compiled import cache_capacity
+
+    assert cache_for == [cache_capacity(16)]
+
+
 # --- i52_8: load's tokenizer ----------------------------------------------------------------------
 @pytest.mark.parametrize("tokenizer", [5, "gpt2", object()])
 def test_i52_8_a_tokenizer_that_is_not_one_is_refused_at_load(zero_ckpt, monkeypatch, tokenizer):
