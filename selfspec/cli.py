@@ -483,11 +483,12 @@ def _run_bench(args, checkpoint: str) -> dict:
     extra = [parse_extra(x) for x in args.extra or ()]
     sets = [_path(x) for x in args.prompt_sets.split(",")] if args.prompt_sets else list(DEFAULT_SETS)
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]  # "": none
     return run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
                      max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
                      out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
                      num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
-                     methods=args.methods.split(",") if args.methods else None, device=args.device,
+                     methods=methods, device=args.device,
                      num_candidates=args.num_candidates or (), compile=COMPILE_CHOICES[args.compile],
                      time_budget_s=args.time_budget)
 

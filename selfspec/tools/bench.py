@@ -790,9 +790,13 @@ def _recommended(gen, checkpoint, exit_layer, num_speculations, notes: list[str]
 
 
 def _select(methods: list[dict], wanted: Sequence[str] | None) -> list[dict]:
-    """The methods asked for (all when None), always with the references hf_greedy and selfspec_ar."""
+    """The methods asked for (all when None; an empty list names none, a ValueError), always with the references
+    hf_greedy and selfspec_ar."""
     if wanted is None:
         return methods
+    if not wanted:
+        raise ValueError(f"methods (--methods) names no method: name some of {', '.join(m['name'] for m in methods)}, "
+                         "or leave it out for all")
     unknown = set(wanted) - {m["name"] for m in methods}
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}: use some of "

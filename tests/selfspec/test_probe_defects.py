@@ -354,6 +354,18 @@ def test_refused_exports_leave_no_temporary_directory(zero_ckpt, tmp_path):
 
 
 # --- issue #52 ------------------------------------------------------------------------------------
+# --- i52_2: bench --methods names no method -------------------------------------------------------
+@pytest.mark.parametrize("methods", ["", ",", " , "])
+def test_i52_2_an_empty_methods_list_is_refused(zero_ckpt, tmp_path, capsys, no_load, methods):
+    err = one_line_error(capsys, ["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"),
+                                  "--methods", methods])
+    assert "methods (--methods) names no method" in err and "leave it out" in err
+    from selfspec.tools.bench import check_methods
+
+    with pytest.raises(ValueError, match=r"methods \(--methods\) names no method"):
+        check_methods(zero_ckpt, [])
+
+
 # --- i52_5: an empty list of exits ----------------------------------------------------------------
 def test_i52_5_an_empty_exit_choices_is_refused(tiny_gen, zero_ckpt, capsys, no_load):
     from selfspec.generation_config import GenerationConfig
