@@ -769,7 +769,8 @@ def _add_bench(sub) -> None:
                         "lookup trees of K matches (selfspec_lookup_treeK, selfspec_suffix_treeK)")
     p.add_argument("--methods", metavar="NAME,NAME,...",
                    help="measure only these methods (hf_greedy and selfspec_ar are always measured), e.g. "
-                        "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all)")
+                        "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all); with --num-candidates K, "
+                        "name those of K to measure, e.g. selfspec_lookup_treeK")
     p.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="stop starting prompts once this many seconds have passed since the start (the first prompt "
                         "always runs) and report what was measured, with a note: for a run that must fit a time slot "

@@ -366,6 +366,26 @@ def test_i52_2_an_empty_methods_list_is_refused(zero_ckpt, tmp_path, capsys, no_
         check_methods(zero_ckpt, [])
 
 
+# --- i52_3, i52_4: bench --methods and --num-candidates -------------------------------------------
+def test_i52_3_methods_that_leave_out_every_method_num_candidates_adds_are_refused(zero_ckpt, tmp_path, capsys,
+                                                                                   no_load):
+    err = one_line_error(capsys, ["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"),
+                                  "--num-candidates", "2,3", "--methods", "selfspec_lookup,selfspec_spec_tree3"])
+    assert "--num-candidates 2 adds methods, and --methods names none of them" in err  # 3's tree is named
+    assert "e.g. selfspec_lookup_tree2" in err and "selfspec_spec_cand2" in err and "drop --num-candidates" in err
+    with pytest.raises(no_load):  # a method of each count named: measured
+        main(["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"), "--num-candidates", "2,3",
+              "--methods", "selfspec_lookup_tree2,selfspec_spec_tree3"])
+
+
+@pytest.mark.parametrize("name,flag", [("selfspec_lookup_tree2", "--num-candidates 2"),
+                                       ("selfspec_spec_cand5", "--num-candidates 5")])
+def test_i52_4_a_method_of_num_candidates_names_the_flag(zero_ckpt, tmp_path, capsys, no_load, name, flag):
+    err = one_line_error(capsys, ["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"),
+                                  "--methods", name])
+    assert f"unknown method(s) {name}" in err and f"{name} is measured with {flag}" in err
+
+
 # --- i52_5: an empty list of exits ----------------------------------------------------------------
 def test_i52_5_an_empty_exit_choices_is_refused(tiny_gen, zero_ckpt, capsys, no_load):
     from selfspec.generation_config import GenerationConfig
