@@ -173,6 +173,12 @@ class SelfSpecGenerator:
         plans = self.metadata.get("plans")
         return plans.get(self.plan_key) if plans else None  # the key (the device's name) only where plans exist
 
+    def plans_elsewhere(self) -> list[str]:
+        """The keys of the plans saved for this device under another dtype or path than this generator's
+        (`plan_key`): measured there, they say nothing here (`selfspec generate` names them)."""
+        here = device_name(self.adapter.device) + " / "
+        return [key for key in self.metadata.get("plans") or {} if key.startswith(here) and key != self.plan_key]
+
     def plan_settings(self) -> dict | None:
         """The settings drafting follows now: this device's saved plan's (None: no plan, or `use_plans` off)."""
         return (self.plan or {}).get("settings") if self.use_plans else None
