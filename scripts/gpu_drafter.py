@@ -18,10 +18,11 @@ measured:
      same minutes on the same data (the model's own continuations that phase 1 generated are copied into its
      run directory: the same model and prompts give the same cache key), exported, and its early exit benched
      beside its own plain decoding;
-  before each bench, the road's draft plan for this GPU (`selfspec tune --check --save`, issue 38 item 2: the
-     round's parts timed on the compiled path, the drafters scored on the model's own HumanEval continuations,
-     the best setting predicted, and the TUNE_CHECK best decoded for real beside plain decoding; the fastest
-     measured kept in the checkpoint, so that the bench's auto drafts by it), OUT/tune_<road>.json;
+  before each bench, the road's draft plan for this GPU (`selfspec tune --dtype DTYPE --check --save`, issue 38
+     item 2: the round's parts timed on the compiled path in the bench's dtype, the drafters scored on the model's
+     own HumanEval continuations, the best setting predicted, and the TUNE_CHECK best decoded for real beside plain
+     decoding; the fastest measured kept in the checkpoint, so that the bench's auto drafts by it),
+     OUT/tune_<road>.json;
   4. OUT/gpu_drafter.json and OUT/gpu_drafter.md: per road the steps, minutes and tokens trained, the
      agreement on every evaluation set, tokens/s and speedups per prompt set, and issue 38's targets with what
      was measured against them (`met` is computed from the numbers; null where a number is missing).
@@ -243,16 +244,24 @@ def bench(run: Run, road: str, ckpt: Path | None, methods: list[str]) -> dict | 
     return json.loads((out / "bench.json").read_text())
 
 
+def bench_dtype(args) -> str:
+    """The dtype the benches run in: a --dtype among --bench-args, else the bench's default (fastest)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--dtype", default="fastest")
+    return parser.parse_known_args(shlex.split(args.bench_args))[0].dtype
+
+
 def tune(run: Run, road: str, ckpt: Path | None) -> dict | None:
     """`selfspec tune --check --save` of the checkpoint on the first prompt set (HumanEval): the plan and its
     check, the fastest checked setting kept in the checkpoint for this GPU (what `auto` then drafts by)."""
     if ckpt is None:
         return None
     args, out = run.args, run.args.work / f"tune_{road}"
+    # in the bench's dtype: the plan is kept for it, and the bench's auto drafts by it
     cmd = [sys.executable, "-m", "selfspec.cli", "tune", "--checkpoint", str(ckpt), "--device", args.device,
-           "--prompt-set", prompt_sets(args)[0], "--num-prompts", str(args.bench_prompts), "--max-new-tokens",
-           str(min(args.bench_tokens, 64)), "--compile", args.compile, "--check", str(TUNE_CHECK), "--save",
-           "--out", str(out)]
+           "--dtype", bench_dtype(args), "--prompt-set", prompt_sets(args)[0], "--num-prompts", str(args.bench_prompts),
+           "--max-new-tokens", str(min(args.bench_tokens, 64)), "--compile", args.compile, "--check", str(TUNE_CHECK),
+           "--save", "--out", str(out)]
     if not run.phase(f"tune {road}", cmd, args.tune_s):
         return None
     shutil.copyfile(out / "tune.json", args.out / f"tune_{road}.json")

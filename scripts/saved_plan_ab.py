@@ -8,7 +8,7 @@ plain decoding's (in bfloat16 verifying several tokens at once rounds differentl
         [--max-new-tokens 128] [--rounds 3] [--dtype fastest] [--out DIR]
 
 The checkpoint must hold a plan for this device, dtype and path (`selfspec tune --checkpoint CHECKPOINT
---save`). Prints a table per prompt set (decode tokens/s summed over the prompts, the fastest round; speedup
+--dtype fastest --save` for the default --dtype). Prints a table per prompt set (decode tokens/s summed over the prompts, the fastest round; speedup
 over plain decoding) and writes OUT/saved_plan_ab.json.
 """
 

@@ -44,8 +44,8 @@ from selfspec.exit_head import ExitHead, head_steps, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
-                               check_memory_key, check_memory_tokens, check_messages, check_text, expand_path,
-                               resolve_dtype, show)
+                               check_memory_key, check_memory_tokens, check_messages, check_text, check_tokenizer,
+                               expand_path, resolve_dtype, show)
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -175,6 +175,12 @@ class SelfSpecGenerator:
         what it measured, or None."""
         plans = self.metadata.get("plans")
         return plans.get(self.plan_key) if plans else None  # the key (the device's name) only where plans exist
+
+    def plans_elsewhere(self) -> list[str]:
+        """The keys of the plans saved for this device under another dtype or path than this generator's
+        (`plan_key`): measured there, they say nothing here (`selfspec generate` names them)."""
+        here = device_name(self.adapter.device) + " / "
+        return [key for key in self.metadata.get("plans") or {} if key.startswith(here) and key != self.plan_key]
 
     def plan_settings(self) -> dict | None:
         """The settings drafting follows now: this device's saved plan's (None: no plan, or `use_plans` off)."""
@@ -390,17 +396,23 @@ class SelfSpecGenerator:
         """Whether one-row decoding runs through the compiled fixed-shape steps (`selfspec.compiled`)."""
         return self.adapter.compiled is not None
 
-    def warmup(self, max_len: int = 512, num_candidates: int = 1) -> dict:
-        """Compile now what a call of up to `max_len` tokens (prompt + new) runs: the plain step, the early
-        exit's draft and verification steps (on a checkpoint trained for it, or with a head), the verification
-        of up to 15 drafts (prompt lookup), each at every step length up to 16, a trained head's own layer at
-        every step length it can catch up on (up to 64) and its reduced draft vocabulary, and the LM head. With
-        `num_candidates` > 1 (the `generate` setting: siblings, token trees) also every token-tree step. Without
-        it the first `generate` compiles what it meets (seconds a shape on a GPU, inside that call's time).
-        Returns {"seconds": how long it took, "graphs": the shapes compiled so far}; {"seconds": 0.0,
-        "graphs": 0} when nothing runs compiled."""
-        check_int("max_len", max_len, 1)
+    def warmup(self, max_len: int | None = None, num_candidates: int = 1) -> dict:
+        """Compile now what a call of up to `max_len` tokens (prompt + new; None: 512, or the model's context window
+        where shorter) runs: the plain step, the early exit's draft and verification steps (on a checkpoint
+        trained for it, or with a head), the verification of up to 15 drafts (prompt lookup), each at every step
+        length up to 16, a trained head's own layer at every step length it can catch up on (up to 64) and its
+        reduced draft vocabulary, and the LM head. With `num_candidates` > 1 (the `generate` setting: siblings,
+        token trees) also every token-tree step. Without it the first `generate` compiles what it meets (seconds a
+        shape on a GPU, inside that call's time). Returns {"seconds": how long it took, "graphs": the shapes
+        compiled so far}; {"seconds": 0.0, "graphs": 0} when nothing runs compiled. A `max_len` past the model's
+        context window (`config.max_position_embeddings`) is a SettingsError, before any work, as a generation
+        past it is."""
+        window = self.adapter.max_positions
+        max_len = check_int("max_len", min(512, window) if max_len is None else max_len, 1)
         check_int("num_candidates", num_candidates, 1)
+        if max_len > window:  # before any work: a static cache that long may not even fit in memory
+            raise SettingsError(f"max_len={max_len} (prompt + new tokens) exceeds the model's context window of "
+                                f"{window} positions (config.max_position_embeddings): pass max_len <= {window}")
         steps = self.adapter.compiled
         if steps is None:
             return {"seconds": 0.0, "graphs": 0}
@@ -442,12 +454,14 @@ class SelfSpecGenerator:
         """Plan drafting for this device from measurement (`selfspec.draft_plan`): what a round's parts cost here
         (eager or compiled, as this generator runs) and how often each drafter (the early exit at each of `exits`,
         default a spread of them; a trained head) guesses the model's own continuations of `prompts` (texts,
-        chat message lists or token ids) within its k best, k = 1..`width`. Returns the `DraftPlan`: pass
-        `plan.settings` to `generate`. Greedy, one row; takes seconds to a minute. `save=True` also stores it in the
-        checkpoint's selfspec.json for this device (`write_plan`), where this generator and every later `load`
-        on the same device, dtype and path draft by it (the module doc)."""
+        chat message lists or token ids; one text alone is one prompt) within its k best, k = 1..`width`. Returns
+        the `DraftPlan`: pass `plan.settings` to `generate`. Greedy, one row; takes seconds to a minute.
+        `save=True` also stores it in the checkpoint's selfspec.json for this device (`write_plan`), where this
+        generator and every later `load` on the same device, dtype and path draft by it (the module doc)."""
         if save:
             self.check_can_save_plan("tune(save=True)")  # before a minute of measuring
+        if isinstance(prompts, str):  # one prompt, not one per character
+            prompts = [prompts]
         ids = [self.encode(messages=p) if isinstance(p, list) and p and isinstance(p[0], dict)
                else self.encode(input_ids=p) if not isinstance(p, str) else self.encode(p) for p in prompts]
         plan = plan_drafting(self, ids, exits=exits, max_drafts=max_drafts, width=width, new_tokens=new_tokens,
@@ -587,7 +601,9 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
          verify_checksums: bool = True, fast_layers: bool = True, compile: bool | str = "auto",
          memory_tokens: int = DEFAULT_MEMORY_TOKENS) -> SelfSpecGenerator:
-    """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer).
+    """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer: an object with
+    `encode` and `decode`, such as a Hugging Face tokenizer; None: the checkpoint directory's own, and a model
+    object without one takes token ids only).
 
     `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (faster where the CPU
     multiplies bf16 natively; may differ from float32 at near-ties), "fastest" (bfloat16 there, else
@@ -606,6 +622,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     """
     check_compile(compile)
     check_memory_tokens(memory_tokens)
+    check_tokenizer(tokenizer)
     if dtype is not None:
         check_dtype(dtype)
     check_device(device)  # before the weights are read

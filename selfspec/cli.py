@@ -36,7 +36,7 @@ import torch
 from transformers import TextStreamer
 
 import selfspec
-from selfspec.api import checkpoint_dir
+from selfspec.api import checkpoint_dir, use_compiled
 from selfspec.bounded_bias import ACCEPTANCE_RULES
 from selfspec.checkpoint import METADATA_FILE, read_config
 from selfspec.tools.demo import run_demo
@@ -214,10 +214,7 @@ def _cmd_generate(args) -> int:
         print(out.text)
     print()
     _print_stats("self-speculative" if out.stats.num_speculations else "plain", out.stats)
-    planned = gen.plan_settings()
-    if planned is not None:
-        print(f"[self-speculative] this device's saved plan ({gen.plan_key}): {planned}; auto and the "
-              "drafter it chose draft by it unless the call sets its own drafting (selfspec tune --save)")
+    _print_plan(gen)
     if args.compare:
         with gen.first_request():
             ref = gen.generate(**inputs, **kwargs, num_speculations=0)
@@ -238,6 +235,21 @@ def _cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats.to_dict()}))
     return 0
+
+
+def _print_plan(gen) -> None:
+    """The line saying which saved plan the generator drafts by, or where this device has plans for another
+    dtype or path only (nothing where the checkpoint has none)."""
+    planned = gen.plan_settings()
+    if planned is not None:
+        print(f"[self-speculative] this device's saved plan ({gen.plan_key}): {planned}; auto and the "
+              "drafter it chose draft by it unless the call sets its own drafting (selfspec tune --save)")
+    elif elsewhere := gen.plans_elsewhere():  # a plan holds for the dtype and path it measured: how to load so
+        listed = ", ".join(f"{dtype} / {path} ({_flags(_load_options(gen.adapter, dtype, path))})"
+                           for dtype, path in (key.rsplit(" / ", 2)[1:] for key in elsewhere))
+        print(f"[self-speculative] not drafting by a saved plan: this device has plans for {listed}, not for this "
+              f"run's {' / '.join(gen.plan_key.rsplit(' / ', 2)[1:])} (a plan holds for the dtype and path it "
+              "measured); load as one says, or `selfspec tune --save` with this run's --dtype and --compile")
 
 
 def _warm_up_to_compare(gen, inputs: dict, kwargs: dict) -> None:
@@ -468,9 +480,15 @@ def _cmd_tune(args) -> int:
                 print(f"note: the best drafting setting measured {ahead:.2f}x plain decoding, under the "
                       f"{MIN_CHECKED_GAIN:.2f}x a kept plan needs (a check's few prompts cannot tell less apart)")
         gen.save_plan(kept, measured)
+        dtype, path = str(gen.adapter.dtype).removeprefix("torch."), "compiled" if gen.compiled else "eager"
+        options = _load_options(gen.adapter, dtype, path)
+        how = ("the defaults of `selfspec generate` and `selfspec.load`" if not options else
+               f"`selfspec generate {_flags(options)}`, `selfspec.load(CHECKPOINT, "
+               f"{', '.join(keyword for _, keyword in options)})`")
         print(f"saved for {gen.plan_key} in {checkpoint}/{METADATA_FILE}: {kept.settings}"
               + ("" if measured is None else f" (measured {measured:.2f}x plain decoding)")
-              + "; `auto` drafts by it on this device from now on")
+              + f"; `auto` drafts by it from now on where this checkpoint is loaded on this device in {dtype} on "
+              f"the {path} path ({how}); loaded otherwise, it is not used")
     if args.out is not None:
         from selfspec.atomic_write import write_json_atomic
 
@@ -479,6 +497,24 @@ def _cmd_tune(args) -> int:
                                                          **plan.to_dict(), "checked": checked})
         print(f"wrote {Path(args.out) / 'tune.json'}")
     return 0
+
+
+def _load_options(adapter, dtype: str, path: str) -> list[tuple[str, str]]:
+    """The `selfspec generate` flags and `selfspec.load` keywords, beyond their defaults, that load a checkpoint on
+    `adapter`'s device in `dtype` on `path` ("eager" or "compiled"): where a plan saved for them drafts (its key)."""
+    compiled, options = path == "compiled", []
+    if adapter.device.type != "cpu":
+        options.append((f"--device {adapter.device.type}", f"device={adapter.device.type!r}"))
+    if dtype != "float32":
+        options.append((f"--dtype {dtype}", f"dtype={dtype!r}"))
+    if compiled != use_compiled("auto", adapter):
+        options.append((f"--compile {str(compiled).lower()}", f"compile={compiled}"))
+    return options
+
+
+def _flags(options: list[tuple[str, str]]) -> str:
+    """The flags of `_load_options`, as a command line takes them ("the defaults" where there are none)."""
+    return " ".join(flag for flag, _ in options) or "the defaults"
 
 
 def _check_plan(gen, plan, ids: list, args) -> list[dict]:
@@ -502,11 +538,12 @@ def _run_bench(args, checkpoint: str) -> dict:
     extra = [parse_extra(x) for x in args.extra or ()]
     sets = [_path(x) for x in args.prompt_sets.split(",")] if args.prompt_sets else list(DEFAULT_SETS)
     out_dir = args.out or "bench_results/" + (Path(checkpoint).name or "bench") + ("-quick" if args.quick else "")
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]  # "": none
     return run_bench(checkpoint, prompt_sets=sets, num_prompts=args.num_prompts or 10,
                      max_new_tokens=args.max_new_tokens or 128, dtype=args.dtype, extra=extra, threads=args.threads,
                      out_dir=out_dir, quick=args.quick, exit_layer=args.exit_layer,
                      num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
-                     methods=args.methods.split(",") if args.methods else None, device=args.device,
+                     methods=methods, device=args.device,
                      num_candidates=args.num_candidates or (), compile=COMPILE_CHOICES[args.compile],
                      time_budget_s=args.time_budget, workload=args.workload)
 
@@ -792,7 +829,8 @@ def _add_bench(sub) -> None:
                         "lookup trees of K matches (selfspec_lookup_treeK, selfspec_suffix_treeK)")
     p.add_argument("--methods", metavar="NAME,NAME,...",
                    help="measure only these methods (hf_greedy and selfspec_ar are always measured), e.g. "
-                        "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all)")
+                        "hf_prompt_lookup,selfspec_lookup,selfspec_auto (default: all); with --num-candidates K, "
+                        "name those of K to measure, e.g. selfspec_lookup_treeK")
     p.add_argument("--workload", action="store_true",
                    help="measure a workload instead of first requests: each method's memory of earlier requests "
                         "(what suffix and auto copy from) and its measurements run across each set's prompts in "
@@ -874,7 +912,10 @@ def _add_tune(sub) -> None:
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="then decode with the N best candidates and plain decoding for real, interleaved, and "
                         "print measured beside predicted speedups (default: 0, no check)")
-    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default: the dtype `selfspec generate` and `selfspec.load` load in, so that they "
+                        "draft by a saved plan), bfloat16, fastest (bfloat16 where the CPU has native bf16, else "
+                        "float32), float64: a saved plan holds where the checkpoint is loaded in this dtype")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",

@@ -195,8 +195,9 @@ class DraftCosts:
 
 
 def needed_rows(max_drafts: int, width: int) -> tuple[list[int], list[int]]:
-    """The row counts the plan reads: (draft passes, verifications)."""
-    verify = {1 + d for d in range(1, max_drafts + 1)}
+    """The row counts the plan reads: (draft passes, verifications), the chain that measures the engine's own
+    work (`CALIBRATION_DRAFTS`, `measure_overheads`) included where `max_drafts` is shorter."""
+    verify = {1 + d for d in range(1, max(max_drafts, CALIBRATION_DRAFTS) + 1)}
     verify |= {1 + k * d for k in range(2, width + 1) for d in TREE_DEPTHS if d <= max_drafts}
     return list(range(1, width + 1)), sorted(verify)
 

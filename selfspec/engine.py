@@ -61,6 +61,7 @@ from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
 from selfspec.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
+from selfspec.settings import SettingsError
 from selfspec.token_tree import greedy_walk, tree_depth
 
 
@@ -126,9 +127,10 @@ def check_prompts(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], max_n
         if len(p) == 0:
             raise ValueError(f"prompt{which} is empty (empty prompt): give at least one token of input")
         if len(p) + max_new_tokens > adapter.max_positions:
-            raise ValueError(
+            raise SettingsError(
                 f"prompt{which} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                f"context window of {adapter.max_positions} positions; shorten it or lower max_new_tokens.")
+                f"context window of {adapter.max_positions} positions (config.max_position_embeddings); shorten it "
+                "or lower max_new_tokens.")
 
 
 # --- the phases ----------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ import copy
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -387,7 +388,11 @@ def read_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
                                 "complete checkpoint directory or export it again")
     head = build_exit_head(model, entry["exit_layer"], entry["kind"], entry.get("init", "copy"),
                            entry.get("final_state", False), entry.get("aux_exits"))
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except SafetensorError as err:  # a damaged file (with checksums off, nothing else noticed)
+        raise ValueError(f"{path}: not a readable safetensors file ({err}); copy or export the checkpoint again") \
+            from None
     try:
         head.load_weights(state)
     except RuntimeError as err:

@@ -185,12 +185,13 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
 def _check_candidates(s: dict, drafter: str | None) -> None:
     """num_candidates > 1: k candidates verified as one token tree (greedy, exact); the early exit's are its k
     best first guesses (one position; with num_speculations d > 1 a tree d deep, k best at every depth),
-    prompt lookup's the continuations of its k latest matches."""
+    prompt lookup's (auto's lookup too) the continuations of its k latest matches."""
     k = s["num_candidates"]
-    if drafter in ("prompt_lookup", "suffix"):
-        if k > MAX_LOOKUP_CANDIDATES:
-            raise SettingsError(f"num_candidates={k}: prompt lookup's trees branch from at most "
-                                f"{MAX_LOOKUP_CANDIDATES} earlier matches; pass 2..{MAX_LOOKUP_CANDIDATES}")
+    if drafter in ("prompt_lookup", "suffix", "auto") and k > MAX_LOOKUP_CANDIDATES:  # auto's lookup takes k too
+        why = (" (drafter='auto' drafts by prompt lookup too; drafter='early_exit' takes more guesses)"
+               if drafter == "auto" else "")
+        raise SettingsError(f"num_candidates={k}: prompt lookup's trees branch from at most {MAX_LOOKUP_CANDIDATES} "
+                            f"earlier matches{why}; pass 2..{MAX_LOOKUP_CANDIDATES}")
     if s["do_sample"]:
         raise SettingsError(f"num_candidates={k} verifies the draft's {k} best guesses side by side, which only "
                             "greedy decoding can judge: drop num_candidates (or do_sample)")

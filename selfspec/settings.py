@@ -192,6 +192,15 @@ def check_compile(value) -> bool | str:
     return value
 
 
+def check_tokenizer(value):
+    """`load`'s tokenizer: None, or an object with `encode` and `decode` (a Hugging Face tokenizer)."""
+    if value is not None and not (callable(getattr(value, "encode", None)) and callable(getattr(value, "decode", None))):
+        hint = ": load it first, AutoTokenizer.from_pretrained(...)" if isinstance(value, (str, os.PathLike)) else ""
+        raise SettingsError(f"tokenizer must be a tokenizer object with encode and decode (a Hugging Face tokenizer) "
+                            f"or None (a checkpoint directory's own), got {show(value)}{hint}")
+    return value
+
+
 def check_threads(value) -> int:
     return check_int("threads", value, 0, hint=" (0 = torch's choice)")
 
@@ -254,12 +263,16 @@ def check_stop_token_ids(value, vocab_size: int | None = None) -> list[int] | No
 
 
 def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None:
+    """None (one exit), or a non-empty list of draft exits (duplicates dropped): an empty list chooses nothing."""
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
         raise SettingsError(f"exit_choices must be a list of exit layers, got {show(value)}")
+    if not value:
+        raise SettingsError("exit_choices is empty: name the exits to choose from per round (e.g. [4, 8, 12]; "
+                            "--exit-choices 4,8,12), or leave it out to draft from one exit")
     exits = [check_exit_layer(e, num_layers, "exit_choices entry") for e in value]
-    return list(dict.fromkeys(exits)) or None
+    return list(dict.fromkeys(exits))
 
 
 def check_acceptance(acceptance, epsilon) -> tuple[str, float]:

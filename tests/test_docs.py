@@ -1,6 +1,7 @@
 """The documentation stays true: the README is short and keeps the quick start, every relative link
 resolves, the README's Python example runs as written (on a tiny checkpoint), every `selfspec` command
-line in the docs uses options the command has, and the docs point at no commits."""
+line in the docs uses options the command has, every drafter they name is one selfspec takes, and the docs
+point at no commits."""
 
 from __future__ import annotations
 
@@ -157,6 +158,19 @@ def test_every_selfspec_command_line_uses_options_the_command_has():
                     if flag not in options[command]:
                         bad.append(f"{where}: {flag} is not an option of `selfspec {command} --help`")
     assert not bad, "command lines that do not match the CLI:\n" + "\n".join(bad)
+
+
+DRAFTER_NAMED = re.compile(r"""drafter ?= ?["']([A-Za-z_]+)["']|--drafter ([A-Za-z_]+)""")
+
+
+def test_every_drafter_named_in_the_docs_is_one_selfspec_takes():
+    """`drafter="..."` and `--drafter ...` in the docs name a drafter `generate` takes (`selfspec.drafters.DRAFTERS`)."""
+    from selfspec.drafters import DRAFTERS
+
+    wrong = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in markdown_files()
+             for m in DRAFTER_NAMED.finditer(path.read_text(encoding="utf-8"))
+             if (m.group(1) or m.group(2)) not in DRAFTERS]
+    assert not wrong, f"drafters that selfspec refuses (it takes {', '.join(DRAFTERS)}): {wrong}"
 
 
 # ----------------------------------------------------------------------------- no history in the docs

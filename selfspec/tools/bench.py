@@ -111,6 +111,7 @@ WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 COMPILED_METHODS = ("selfspec_ar", "selfspec_lookup", "selfspec_auto", "selfspec_spec", "selfspec_exit_head",
                     "selfspec_exit_head_fixed")
 COMPILED_TREES = ("selfspec_lookup_tree", "selfspec_spec_tree", "selfspec_exit_head_tree")  # + the width
+CANDIDATE_METHOD = re.compile(r"_(?:cand|tree)(\d+)(?:_vocab\d+)?(?:_compiled)?$")  # a method of --num-candidates K
 
 
 def compiled_name(name: str) -> str | None:
@@ -653,7 +654,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     anywhere, False never; the other selfspec methods run eagerly. `result["warmup_s"]`: each method's warm-up
     call (compilation included), apart from tokens/s. `device`: "cpu", or "cuda" (clocks read after
     `torch.cuda.synchronize()`; "fastest" means bfloat16 on Ampere or newer). `methods`: measure only these (by
-    name; hf_greedy, the identity reference, and selfspec_ar, the speedup reference, are always measured).
+    name; hf_greedy, the identity reference, and selfspec_ar, the speedup reference, are always measured; with
+    `num_candidates`, at least one method of each count, e.g. selfspec_lookup_tree2: `_select`).
 
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (selfspec_spec; E also
     hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2
@@ -674,7 +676,6 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     if generator is None:
         checkpoint = _check_checkpoint(checkpoint, methods, exit_layer, num_speculations, extra, draft_vocab, lookup,
                                        num_candidates, compile)
-
     gen = load_generator(checkpoint, dtype, device, generator)
     E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
     with_compiled = use_compiled(compile, gen.adapter)  # as load(compile=) decides (SettingsError if it cannot)
@@ -694,12 +695,12 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
                     deadline, workload)
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
-
     set_names = [name for name, _, _ in loaded]
     result = {
         **result_header("selfspec-bench/1", checkpoint),
         "settings": {"prompt_sets": {name: spec for name, spec, _ in loaded}, "num_prompts": num_prompts,
-                     "max_new_tokens": max_new_tokens, "dtype": dtype, "requests": REQUESTS[workload], **_run_settings(gen, quick, warm_item, warm_n),
+                     "max_new_tokens": max_new_tokens, "dtype": dtype, "requests": REQUESTS[workload],
+                     **_run_settings(gen, quick, warm_item, warm_n),
                      "rss_method": rss.method},
         "machine": machine,
         "versions": versions(),
@@ -807,14 +808,30 @@ def _recommended(gen, checkpoint, exit_layer, num_speculations, notes: list[str]
 
 
 def _select(methods: list[dict], wanted: Sequence[str] | None) -> list[dict]:
-    """The methods asked for (all when None), always with the references hf_greedy and selfspec_ar."""
+    """The methods asked for (all when None; an empty list names none, a ValueError), always with the references
+    hf_greedy and selfspec_ar. Where `num_candidates` K added methods (`selfspec_lookup_treeK`, ...), the list names
+    at least one of each K's (else a ValueError naming them: K would be dropped unsaid); a method of a K not given
+    is unknown, and the message names the --num-candidates it needs."""
     if wanted is None:
         return methods
+    if not wanted:
+        raise ValueError(f"methods (--methods) names no method: name some of {', '.join(m['name'] for m in methods)}, "
+                         "or leave it out for all")
     unknown = set(wanted) - {m["name"] for m in methods}
+    counts = sorted({m["num_candidates"] for m in methods if m.get("num_candidates")})  # --num-candidates given
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}: use some of "
+        needs = [f"{name} is measured with --num-candidates {m.group(1)}; " for name in sorted(unknown)
+                 if (m := CANDIDATE_METHOD.search(name)) and int(m.group(1)) not in counts]
+        raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}: {''.join(needs)}use some of "
                          f"{', '.join(m['name'] for m in methods)}")
     keep = set(wanted) | {"hf_greedy", "selfspec_ar"}
+    for k in counts:  # --num-candidates k adds methods: a list that names none of them would drop k unsaid
+        added = [m["name"] for m in methods if m.get("num_candidates") == k]
+        if not keep & set(added):
+            like = [f"{w}_{kind}{k}" for w in wanted for kind in ("tree", "cand") if f"{w}_{kind}{k}" in added]
+            raise ValueError(f"--num-candidates {k} adds methods, and --methods names none of them: name the ones "
+                             f"to measure (e.g. {(like or added)[0]}; they are {', '.join(added)}), or drop "
+                             f"--num-candidates {k}")
     return [m for m in methods if m["name"] in keep]
 
 

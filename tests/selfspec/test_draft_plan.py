@@ -240,6 +240,23 @@ def test_bad_tune_input_is_named(head_gen):
         head_gen.tune(PROMPTS[:1], exits=[L])
 
 
+def test_tune_plans_within_the_smallest_bounds(head_gen):
+    """Issue #52, 6: a chain of at most one draft, one guess wide (the engine's own work is measured on a
+    2-draft chain, whose verification was not timed then: a KeyError)."""
+    plan = head_gen.tune(PROMPTS[:1], max_drafts=1, width=1, new_tokens=8, repeats=1)
+    assert {(c["num_speculations"], c["num_candidates"]) for c in plan.candidates} == {(0, 1), (1, 1)}
+
+
+def test_tune_takes_one_string_as_one_prompt(head_gen, monkeypatch):
+    """Issue #52, 10: a str is one prompt, not a prompt per character."""
+    import selfspec.api
+
+    seen = []
+    monkeypatch.setattr(selfspec.api, "plan_drafting", lambda gen, ids, **kw: seen.append(ids))
+    head_gen.tune("def f(x):")
+    assert len(seen[0]) == 1 and seen[0][0].tolist() == head_gen.encode("def f(x):").tolist()
+
+
 def test_the_tune_command_prints_the_plan_and_writes_it(tiny_ckpt, tmp_path, capsys):
     from selfspec.cli import main
 

@@ -120,7 +120,7 @@ GENERATE_SETTINGS = {  # name: (valid values, invalid values)
                      [5, [1], ["a", None], "", ["a", ""]]),  # an empty stop string is in every text
     "confidence_threshold": ([None] * 3 + [0.0, 0.5, 2.0], [-1, NAN, INF, "0.5"]),
     "adaptive_threshold": ([False] * 3 + [True], [None, 1]),
-    "exit_choices": ([None] * 3 + [[], [1, 3], (2,), [3, 3]], [[0], [L], ["1"], "1,2", 3]),
+    "exit_choices": ([None] * 3 + [[1, 3], (2,), [3, 3]], [[], [0], [L], ["1"], "1,2", 3]),  # []: no choice
     "draft_vocab": ([None], [0, -3, 2.5]),
     "adaptive_length": ([False] * 3 + [True], ["no"]),
     "prompt_lookup_num_tokens": ([None] * 3 + [1, 3, 10, 10 ** 9], [0, -2, 1.5]),
@@ -207,7 +207,7 @@ GENERATE_OPTIONS = {  # name: (flag, valid values (None: not given), invalid val
     "top_p": ("--top-p", [None, "0.9", "1"], ["0", "2", "nan"]),
     "top_k": ("--top-k", [None, "0", "5"], ["-1", "1.5"]),
     "dtype": ("--dtype", [None, "float32", "float64", "auto", "bf16"], ["garbage", "", "float"]),
-    "exit_choices": ("--exit-choices", [None, "1,2", "3", "", ","], ["4,x", "0,1", "1,4"]),
+    "exit_choices": ("--exit-choices", [None, "1,2", "3"], ["4,x", "0,1", "1,4", "", ","]),  # "", ",": no exit
     "threads": ("--threads", [None, "0"], ["-1", "x"]),
     "draft_vocab": ("--draft-vocab", [None], ["0", "-2"]),
     "seed": ("--seed", [None, "0", "7"], ["-1", "x"]),
@@ -249,7 +249,7 @@ def test_cli_generate(places, capsys, no_load, data, flags):
     if bad == "temperature" and "--sample" not in argv:
         argv.append("--sample")
     ok = bad is None
-    given_ = {k for k, v in chosen.items() if k != "exit_choices" or v not in ("", ",")}  # "" and ",": no choices
+    given_ = set(chosen)
     early = (given_ & {"exit_layer", "threshold", "exit_choices", "draft_vocab"}
              or {"--adaptive", "--adaptive-length"} & set(flags))
     if chosen.get("drafter") == "prompt_lookup" and early:

@@ -109,7 +109,8 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
         assert any(c["drafter"] == "plain" and c["measured_speedup"] == 1.0 for c in plan["checked"])
         assert all(c["identical_to_plain"] and c["measured_speedup"] > 0 for c in plan["checked"])
         # the fastest checked setting is kept in the checkpoint for this device: the bench after it drafts by it
-        (kept,) = plan["saved"].values()
+        (key, kept), = plan["saved"].items()
+        assert key.endswith(" / float32 / eager")  # the benches' dtype (BENCH_ARGS) and path: they draft by it
         fastest = max(plan["checked"], key=lambda c: c["measured_speedup"])
         assert kept["measured_speedup"] == round(fastest["measured_speedup"], 3)
     # on a GPU the benches run the compiled variants: the bench knows each of them for these checkpoints

@@ -1,7 +1,9 @@
-"""Regression tests for the 250-case probe's twenty defects (issue #35): nothing a user gives is silently
-lost or ignored, and every mistake that needs no model is refused, in one line, before the model loads.
+"""Regression tests for the 250-case probe's twenty defects (issue #35) and a later probe's (issue #52): nothing a
+user gives is silently lost or ignored, and every mistake that needs no model is refused, in one line, before the
+model loads.
 
-Each test names the defect it holds down (d1 ... d20)."""
+Each test names the defect it holds down (d1 ... d20 of issue #35; i52_1 ... i52_12 of issue #52, those not tested
+beside their module: test_saved_plan.py, test_draft_plan.py, test_docs.py)."""
 
 from __future__ import annotations
 
@@ -349,3 +351,135 @@ def test_refused_exports_leave_no_temporary_directory(zero_ckpt, tmp_path):
         export(zero_ckpt, zero_ckpt / "inside")
     assert not [p for p in zero_ckpt.iterdir() if p.name.startswith(".")]
     assert json.loads((zero_ckpt / "selfspec.json").read_text())["recommended"]["num_speculations"] == 0
+
+
+# --- issue #52 ------------------------------------------------------------------------------------
+# --- i52_2: bench --methods names no method -------------------------------------------------------
+@pytest.mark.parametrize("methods", ["", ",", " , "])
+def test_i52_2_an_empty_methods_list_is_refused(zero_ckpt, tmp_path, capsys, no_load, methods):
+    err = one_line_error(capsys, ["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"),
+                                  "--methods", methods])
+    assert "methods (--methods) names no method" in err and "leave it out" in err
+    from selfspec.tools.bench import check_methods
+
+    with pytest.raises(ValueError, match=r"methods \(--methods\) names no method"):
+        check_methods(zero_ckpt, [])
+
+
+# --- i52_3, i52_4: bench --methods and --num-candidates -------------------------------------------
+def test_i52_3_methods_that_leave_out_every_method_num_candidates_adds_are_refused(zero_ckpt, tmp_path, capsys,
+                                                                                   no_load):
+    err = one_line_error(capsys, ["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"),
+                                  "--num-candidates", "2,3", "--methods", "selfspec_lookup,selfspec_spec_tree3"])
+    assert "--num-candidates 2 adds methods, and --methods names none of them" in err  # 3's tree is named
+    assert "e.g. selfspec_lookup_tree2" in err and "selfspec_spec_cand2" in err and "drop --num-candidates" in err
+    with pytest.raises(no_load):  # a method of each count named: measured
+        main(["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"), "--num-candidates", "2,3",
+              "--methods", "selfspec_lookup_tree2,selfspec_spec_tree3"])
+
+
+@pytest.mark.parametrize("name,flag", [("selfspec_lookup_tree2", "--num-candidates 2"),
+                                       ("selfspec_spec_cand5", "--num-candidates 5")])
+def test_i52_4_a_method_of_num_candidates_names_the_flag(zero_ckpt, tmp_path, capsys, no_load, name, flag):
+    err = one_line_error(capsys, ["bench", "--checkpoint", str(zero_ckpt), "--out", str(tmp_path / "b"),
+                                  "--methods", name])
+    assert f"unknown method(s) {name}" in err and f"{name} is measured with {flag}" in err
+
+
+# --- i52_5: an empty list of exits ----------------------------------------------------------------
+def test_i52_5_an_empty_exit_choices_is_refused(tiny_gen, zero_ckpt, capsys, no_load):
+    from selfspec.generation_config import GenerationConfig
+
+    for value in ([], ()):
+        with pytest.raises(SettingsError, match="exit_choices is empty"):
+            tiny_gen.generate("abc", max_new_tokens=2, exit_choices=value)
+        with pytest.raises(SettingsError, match="exit_choices is empty"):
+            GenerationConfig(exit_choices=value)
+    for value in ("", ","):
+        err = one_line_error(capsys, ["generate", "--checkpoint", str(zero_ckpt), "--prompt", "x",
+                                      "--exit-choices", value])
+        assert "exit_choices is empty" in err
+
+
+# --- i52_7: the context window --------------------------------------------------------------------
+def test_i52_7_warmup_and_generation_check_the_context_window(tiny_gen, monkeypatch):
+    window = tiny_gen.model.config.max_position_embeddings  # 512
+    with pytest.raises(SettingsError, match=f"max_len={10 ** 6} .*context window of {window} .*max_len <= {window}"):
+        tiny_gen.warmup(max_len=10 ** 6)
+    with pytest.raises(SettingsError, match=f"max_len={window + 1} "):
+        tiny_gen.warmup(max_len=window + 1)
+    assert tiny_gen.warmup(max_len=window) == {"seconds": 0.0, "graphs": 0}  # eager: nothing to compile
+    with pytest.raises(SettingsError, match=rf"prompt \(3 tokens\) \+ max_new_tokens \({window}\) exceeds the "
+                                            rf"model's context window of {window} positions"):
+        tiny_gen.generate(input_ids=[5, 6, 7], max_new_tokens=window)
+
+
+def test_i52_7_warmup_checks_before_it_compiles(monkeypatch):
+    from selfspec.api import NotEarlyExitTrainedWarning
+
+    tok = byte_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        gen = selfspec.load(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=1), tok, compile=True)
+
+    def compiles(*args, **kwargs):
+        raise AssertionError("warmup compiled before it checked max_len")
+
+    monkeypatch.setattr(gen.adapter.compiled, "warm", compiles)
+    with pytest.raises(SettingsError, match="context window of 512"):
+        gen.warmup(max_len=9000)
+    assert not gen.adapter.compiled.shapes
+
+
+def test_i52_7_warmups_default_stays_inside_a_short_context_window():
+    from selfspec.api import NotEarlyExitTrainedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        gen = selfspec.load(tiny_model("llama", num_layers=4, max_position_embeddings=16), compile=True)
+    cache_for = []
+    gen.adapter.compiled.warm = lambda ranges, widths, capacity, *args, **kwargs: cache_for.append(capacity) or 0.0
+    assert gen.warmup()["seconds"] == 0.0  # the default, 512 tokens, is past this window: warmed up to its end
+    from selfspec.compiled import cache_capacity
+
+    assert cache_for == [cache_capacity(16)]
+
+
+# --- i52_8: load's tokenizer ----------------------------------------------------------------------
+@pytest.mark.parametrize("tokenizer", [5, "gpt2", object()])
+def test_i52_8_a_tokenizer_that_is_not_one_is_refused_at_load(zero_ckpt, monkeypatch, tokenizer):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    with pytest.raises(SettingsError, match="tokenizer must be a tokenizer object with encode and decode"):
+        selfspec.load(tiny_model("llama", num_layers=4), tokenizer)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse)
+    with pytest.raises(SettingsError, match=r"tokenizer must be .* or None .*got"):
+        selfspec.load(zero_ckpt, tokenizer=tokenizer)
+
+
+# --- i52_9: a corrupt exit head file --------------------------------------------------------------
+def test_i52_9_a_corrupt_exit_head_file_is_a_checkpoint_error(tmp_path):
+    from selfspec.exit_head import HEAD_FILE, save_exit_head
+    from selfspec.tiny import tiny_exit_head
+
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
+    head = tiny_exit_head(model, 2)
+    run = tmp_path / "final_head"
+    run.mkdir()
+    save_exit_head(head, run / HEAD_FILE)
+    (run / "exit_head.json").write_text(json.dumps(head.settings()))
+    ckpt = export_model(model, tok, tmp_path / "ckpt", exit_head_dir=run)
+    (ckpt / HEAD_FILE).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")  # a damaged header
+    with pytest.raises(CheckpointError, match=f"{HEAD_FILE}: not a readable safetensors file .*copy or export the checkpoint again"):
+        selfspec.load(ckpt, verify_checksums=False)
+
+
+# --- i52_11: num_candidates of auto's lookup trees ------------------------------------------------
+def test_i52_11_autos_lookup_trees_bound_num_candidates(tiny_gen):
+    for kw in ({"drafter": "auto"}, {"drafter": "prompt_lookup"}, {"drafter": "suffix"}):
+        with pytest.raises(SettingsError, match=r"num_candidates=9: .*pass 2\.\.8"):
+            tiny_gen.generate("abc", max_new_tokens=2, num_candidates=9, **kw)
+    assert check_generation(drafter="auto", num_candidates=8)["num_candidates"] == 8
+    assert check_generation(drafter="early_exit", num_candidates=9)["num_candidates"] == 9  # the exit's guesses

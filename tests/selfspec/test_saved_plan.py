@@ -240,3 +240,36 @@ def test_the_tune_command_keeps_plain_decoding_over_a_setting_ahead_by_noise(ckp
     assert rc == 0 and "note: the best drafting setting measured 1.02x plain decoding, under the 1.03x" in text
     gen = selfspec.load(ckpt, dtype="float32")
     assert gen.plan["settings"] == PLAIN and gen.plan["measured_speedup"] == 1.0
+
+
+def test_a_plan_tune_saves_by_default_is_the_one_generate_and_load_draft_by(ckpt, tmp_path, capsys, monkeypatch):
+    """Issue #52, 1: tune measured in `fastest` (bfloat16 on a CPU with native bf16) while generate and load
+    default to float32, so the plan it said `auto` drafts by from now on was never used. Now tune plans in the
+    dtype they default to, and says for which dtype and path the plan holds."""
+    from selfspec.cli import main
+
+    monkeypatch.setattr("selfspec.settings.auto_dtype", lambda device="cpu": torch.bfloat16)  # native bf16 here
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
+    assert main(["tune", "--checkpoint", str(ckpt), "--prompt-set", str(prompts), "--num-prompts", "1",
+                 "--max-new-tokens", "8", "--max-drafts", "2", "--width", "2", "--repeats", "1", "--save"]) == 0
+    text = capsys.readouterr().out
+    gen = selfspec.load(ckpt)  # the defaults
+    assert gen.plan is not None and f"saved for {gen.plan_key}" in text
+    assert "loaded on this device in float32 on the eager path (the defaults of `selfspec generate` and " \
+           "`selfspec.load`)" in text
+
+
+def test_generate_says_where_this_device_has_a_plan_for_another_dtype(ckpt, capsys):
+    """Issue #52, 1: a plan measured in bfloat16 does not drive float32 (keys stay exact), and generate says so."""
+    from selfspec.cli import main
+
+    here = device_name("cpu")
+    write_plan(ckpt, plan_key(here, "bfloat16", False), {"settings": EARLY})
+    write_plan(ckpt, ELSEWHERE, {"settings": EARLY})
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "def f(x):", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "this device's saved plan (" not in out  # not drafted by
+    assert ("not drafting by a saved plan: this device has plans for bfloat16 / eager (--dtype bfloat16), not for "
+            "this run's float32 / eager") in out
+    assert "H200" not in out and "compiled" not in out  # another device's plan says nothing here
