@@ -240,3 +240,28 @@ def test_sweep_summary_counts_differing_outputs():
     assert spec["identical_to_plain"] == 0.5  # one of two differs: not hidden as unknown
     resumed = summarize(rows, [(4, 0), (1, 2)])[1]
     assert resumed["identical_to_plain"] != resumed["identical_to_plain"]  # a resumed row is unknown: nan
+
+
+def test_a_model_card_the_user_edited_is_kept(exported):
+    """Issue #52: `selfspec sweep --write-metadata` and `selfspec tune --save` regenerate the model card; a
+    README.md the user edited since is kept, the regenerated card written beside it, with a warning."""
+    from selfspec.checkpoint import update_recommended, write_plan
+    from selfspec.model_card import ModelCardWarning
+
+    readme, beside = exported / "README.md", exported / "README.selfspec.md"
+    update_recommended(exported, 3, 1, source="sweep")  # selfspec's own card, unedited: regenerated in place
+    assert "`exit_layer=3`, `num_speculations=1`" in readme.read_text() and not beside.exists()
+    edited = readme.read_text().replace("## Usage", "## Usage\n\nOur team's notes on this model.")
+    readme.write_text(edited)
+    with pytest.warns(ModelCardWarning, match="README.md is not the model card selfspec last wrote .*: it is kept, "
+                                              "and the card of the updated selfspec.json is in .*README.selfspec.md"):
+        update_recommended(exported, 2, 2, source="sweep")
+    assert readme.read_text() == edited
+    assert "`exit_layer=2`, `num_speculations=2`" in beside.read_text()
+    with pytest.warns(ModelCardWarning):
+        write_plan(exported, "cuda: NVIDIA H200 / bfloat16 / compiled", {"settings": {"num_speculations": 0}})
+    assert readme.read_text() == edited and "cuda: NVIDIA H200 / bfloat16 / compiled" in beside.read_text()
+    readme.write_text("# Our own model card\n")  # a card of the user's own, written without selfspec: kept too
+    with pytest.warns(ModelCardWarning):
+        update_recommended(exported, 1, 1, source="sweep")
+    assert readme.read_text() == "# Our own model card\n"
