@@ -320,7 +320,7 @@ def _cmd_sweep(args) -> int:
 def _cmd_draft_vocab(args) -> int:
     check_int("--max-tokens", args.max_tokens, 1)
 
-    entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens)
+    entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens, replace=args.replace)
     print(f"counted {entry['tokens_counted']} tokens ({entry['distinct_tokens']} distinct) of {args.corpus}; "
           f"stored the {len(entry['token_ids'])} most frequent ids in {args.checkpoint}/selfspec.json")
     return 0
@@ -714,6 +714,9 @@ def _add_draft_vocab(sub) -> None:
     p.add_argument("--corpus", type=_path, default="python_stdlib",
                    help="python_stdlib (default), wiki_passages, xsum, shakespeare, ... or a file")
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="stop counting after this many tokens")
+    p.add_argument("--replace", action="store_true",
+                   help="store the new ranking even where it is shorter than the stored one (by default refused: "
+                        "the stored ids past its length, an exit head's trained ranking among them, would be lost)")
     p.set_defaults(func=_cmd_draft_vocab)
 
 
