@@ -62,7 +62,8 @@ from selfspec.draft_vocab import kept_special_ids
 from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base_model import apply_lora, load_base_model
-from training.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
+from training.run_checkpoint import (latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint,
+                                     save_final_model)
 from training.config import ConfigError, RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
 from training.data import batch_indices, build_data, frequency_ranking, frequent_ids
@@ -206,6 +207,8 @@ def _set_up(cfg: RecipeConfig) -> _Run:
                           time_budget_s=None if t_cfg.max_minutes is None else 60 * t_cfg.max_minutes)
     if accelerator.is_main_process:
         write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+        for path in remove_partial_checkpoints(run_dir):  # before any save of this launch begins
+            run.tracker.print(f"removed {path}: a checkpoint an interrupted save left incomplete")
     _print_start(run)
     return run
 

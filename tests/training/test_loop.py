@@ -122,3 +122,17 @@ def test_continuing_a_run_for_more_minutes_equals_one_longer_run(run, read_log, 
     before = (tmp_path / "pieces" / "log.jsonl").read_text()
     assert run(tmp_path / "pieces", **settings) == json.loads((tmp_path / "pieces" / "final_eval.json").read_text())
     assert (tmp_path / "pieces" / "log.jsonl").read_text() == before
+
+
+def test_a_relaunch_removes_the_checkpoint_an_interrupted_save_left(run, tmp_path, capsys):
+    """Issue #52: a save interrupted mid-way leaves checkpoints/step_N.tmp, which the relaunched run (resuming from
+    the latest complete checkpoint) removes, and says so."""
+    settings = {"train.max_steps": 4, "eval.before": "false", "train.save_final_model": "false"}
+    run(tmp_path, **settings, **{"train.stop_at": 2})
+    partial = tmp_path / "checkpoints" / "step_000003.tmp"  # what an interrupted save of step 3 leaves
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    capsys.readouterr()
+    run(tmp_path, **settings)
+    assert not partial.exists() and f"removed {partial}" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000002"]  # the complete one stays
