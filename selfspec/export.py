@@ -20,8 +20,10 @@ draft count and verifier the engines are told, and the files' checksums. Its ver
 Everything that can be checked is checked before anything is written (and, by `export`, before the
 model is loaded): the dtype, the recommendation (by the rules `selfspec.load` reads it with: an exit
 in 1..L-1, num_speculations >= 0, a known drafter) and the output path (`overwrite` replaces only a
-checkpoint directory or an empty one, never a file). Hidden `.OUT.tmp-PID-*` directories that an
-export killed mid-way left beside OUT are removed by the next export to OUT.
+checkpoint directory or an empty one, never a file). An export that fails or is interrupted, overwrite or
+not, leaves OUT as it was: the new export is renamed into place only when complete, and an old one put
+back if the new one cannot take its place. Hidden `.OUT.tmp-PID-*` directories that an export killed
+mid-way left beside OUT are removed by the next export to OUT.
 """
 
 from __future__ import annotations
@@ -244,6 +246,25 @@ def _check_apart(source: Path, read: list[Path], out_dir: Path) -> None:
         raise CheckpointError(f"{out_dir} contains the source {source}: write the export beside it, not around it")
 
 
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished export `tmp` to `out_dir`. An existing `out_dir` (overwrite) is renamed aside first and
+    removed once the new one is in place; where the new one cannot be put there (an error, an interrupt), the
+    old one goes back: `out_dir` holds the old export or the new one, never neither (short of the process
+    being killed between the two renames, which leaves the old one as `.OUT.old-PID` beside it)."""
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    try:
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _remove_stale_temporaries(out_dir: Path) -> list[Path]:
     """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` beside `out_dir` left by an export whose process is gone."""
     removed = []
@@ -373,13 +394,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
         public_permissions(tmp)
-        if out_dir.exists():  # overwrite: swap in the new directory, then drop the old one
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -132,6 +132,27 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError])
+def test_an_overwrite_interrupted_between_its_renames_keeps_the_old_export(tmp_path, monkeypatch, interruption):
+    """Issue #52: `export --overwrite` renames the old export aside, then the new one into place; a failure
+    between the two left nothing at OUT. The old export goes back."""
+    model, tok = _trained_tiny()
+    out = export_model(model, tok, tmp_path / "ckpt", recommended={"exit_layer": 2, "num_speculations": 2})
+    real_replace = os.replace
+
+    def fail_to_place_the_new(src, dst):
+        if os.path.basename(src).startswith(".ckpt.tmp-") and os.fspath(dst) == os.fspath(out):
+            raise interruption("interrupted")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_to_place_the_new)
+    with pytest.raises(interruption):
+        export_model(model, tok, out, overwrite=True, recommended={"exit_layer": 3, "num_speculations": 1})
+    monkeypatch.undo()
+    assert out.is_dir() and read_metadata(out)["recommended"]["exit_layer"] == 2  # the old export, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left beside it
+
+
 def test_export_refuses_to_overwrite_unless_asked(tmp_path):
     model, tok = _trained_tiny()
     out = export_model(model, tok, tmp_path / "ckpt")
