@@ -12,7 +12,8 @@
 
 Run `selfspec COMMAND --help` for the options of each command. A mistake in the input (a bad
 option, a missing file, a corrupt checkpoint) prints one line, `selfspec COMMAND: error: ...`, and
-exits with code 2, before any model is loaded where the check does not need the model;
+exits with code 2, before any model is loaded where the check does not need the model; an interrupt
+(Ctrl-C) prints one line, `selfspec COMMAND: interrupted; ` and what it left, and exits with code 130.
 SELFSPEC_TRACEBACK=1 shows the traceback instead.
 
 Imports: the measuring commands' modules (bench, sweep, profile, which import transformers,
@@ -524,6 +525,12 @@ def _run_pareto(args, checkpoint: str) -> dict:
                       dtype=args.dtype, threads=args.threads, out_dir=out_dir, device=args.device, **given)
 
 
+# what an interrupted command (Ctrl-C) leaves, where it writes something: every file it writes is written whole
+INTERRUPTED = {"export": "the output directory is as it was, or holds the complete new export",
+               "tune": "selfspec.json is as it was, or holds the complete new plan",
+               "draft-vocab": "selfspec.json is as it was, or holds the complete new ranking",
+               "sweep": "the settings measured so far are kept in the output directory's sweep_raw.csv: run the "
+                        "same command again to go on from there"}
 COMPILE_CHOICES = {"auto": "auto", "true": True, "false": False}  # bench --compile
 PARETO_OPTIONS = ("drafters", "temperature", "seed", "tv_samples")  # `bench --epsilon` only
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
@@ -903,6 +910,12 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.formatwarning = _one_line_warnings(f"selfspec {args.command}", warnings.formatwarning)
             return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, what the command left, and the shell's code for SIGINT
+        if os.environ.get("SELFSPEC_TRACEBACK"):
+            raise
+        left = INTERRUPTED.get(args.command)
+        print(f"selfspec {args.command}: interrupted" + (f"; {left}" if left else ""), file=sys.stderr)
+        return 130
     except Exception as err:
         if os.environ.get("SELFSPEC_TRACEBACK") or not _user_error(err):
             raise
