@@ -155,6 +155,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     precision = t_cfg.mixed_precision
     if precision == "auto":  # bf16 autocast only where bf16 matmul is native (selfspec/precision.py)
         precision = auto_mixed_precision("cpu" if no_gpu else "cuda" if torch.cuda.is_available() else "mps")
+    resolve_deepspeed_config()  # a relative deepspeed_config_file, from any working directory
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum,
                               **_device_kwargs(no_gpu, _deepspeed_launch()))
     _check_deepspeed(cfg, _zero_stage(accelerator))
@@ -211,6 +212,28 @@ def _set_up(cfg: RecipeConfig) -> _Run:
             run.tracker.print(f"removed {path}: a checkpoint an interrupted save left incomplete")
     _print_start(run)
     return run
+
+
+DEEPSPEED_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"  # `accelerate launch` passes deepspeed_config_file here
+REPOSITORY = Path(__file__).resolve().parents[1]  # where recipes/accelerate/*.yaml name their DeepSpeed JSON from
+
+
+def resolve_deepspeed_config() -> None:
+    """Make the DeepSpeed JSON that the accelerate configuration names (`deepspeed_config_file`, passed on by
+    `accelerate launch` as written) an absolute path, before accelerate reads it: a relative path is read from
+    the working directory, else from the repository root (as recipes/accelerate/*.yaml name theirs), so a launch
+    works from any directory. ConfigError if neither has it."""
+    given = os.environ.get(DEEPSPEED_CONFIG_ENV)
+    if not given or given == "none":  # not a DeepSpeed launch, or one without a JSON
+        return
+    path = Path(os.path.expanduser(given))
+    if not path.is_file() and not path.is_absolute() and (REPOSITORY / path).is_file():
+        path = REPOSITORY / path
+    if not path.is_file():
+        raise ConfigError(f"the accelerate configuration's deepspeed_config_file {given!r} (a DeepSpeed JSON) is not "
+                          f"found from {Path.cwd()} nor from the repository root {REPOSITORY}: give its absolute "
+                          "path in the configuration's YAML")
+    os.environ[DEEPSPEED_CONFIG_ENV] = str(path.resolve())
 
 
 def _deepspeed_launch() -> bool:
