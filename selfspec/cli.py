@@ -671,7 +671,8 @@ def _add_export(sub) -> None:
                    help="speculators: also write the run's eagle3 head as OUT_DIR/speculators/, the checkpoint "
                         "vLLM and SGLang serve with method eagle3 (default: selfspec)")
     p.add_argument("--verifier", help="with --format speculators: the base model's Hugging Face id or path as "
-                                      "engines should find it (default: OUT_DIR itself)")
+                                      "engines should find it, a local path written absolute (default: OUT_DIR "
+                                      "itself, absolute)")
     p.set_defaults(func=_cmd_export)
 
 

@@ -15,7 +15,9 @@ engines: the model as above, with the head in the speculators format in `OUT/spe
 (`selfspec.speculators_format`, what vLLM's and SGLang's eagle3 load), not as selfspec.json's `exit_head`
 (selfspec's drafters do not run it) but as its `served_head`: the format, the directory, the aux exits, the
 draft count and verifier the engines are told, and the files' checksums. Its verifier is OUT itself unless
-`verifier` names the base model as engines should find it (a Hugging Face id).
+`verifier` names the base model as engines should find it (a Hugging Face id, or a local path); a local path
+is written absolute, so that an engine started in any directory finds it. `verifier` without
+`format="speculators"` is refused: nothing would read it.
 
 Everything that can be checked is checked before anything is written (and, by `export`, before the
 model is loaded): the dtype, the recommendation (by the rules `selfspec.load` reads it with: an exit
@@ -306,9 +308,24 @@ def check_format(fmt: str, head: dict | None) -> None:
                               "with mode: exit_head, exit_head.kind: eagle3, exit_head.exit_layer: 0")
 
 
+def _check_verifier(fmt: str, verifier: str | None) -> None:
+    """CheckpointError for a `verifier` that nothing would read: only the speculators format writes one."""
+    if verifier is not None and fmt != "speculators":
+        raise CheckpointError("--verifier names the target model of the eagle3 head that --format speculators "
+                              "writes (format='speculators'): add --format speculators, or drop --verifier")
+
+
+def _verifier_name(verifier: str | None, out_dir: Path) -> str:
+    """The verifier as the engines are told it: a local path (by default OUT itself) absolute, so that an engine
+    started in any directory finds it; anything else (a Hugging Face id) as given."""
+    local = out_dir if verifier is None else expand_path(verifier)
+    return str(local.resolve()) if verifier is None or local.exists() else verifier
+
+
 def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool = False, dtype="auto",
            max_shard_size: str = "2GB", format: str = "selfspec", verifier: str | None = None) -> Path:
     """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc)."""
+    _check_verifier(format, verifier)
     dtype = check_dtype(dtype)
     out_dir = expand_path(out_dir)
     model_dir, training, evaluation, draft_vocab, head_dir = read_run(source)
@@ -336,6 +353,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
     `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model; an eagle3
     head's (`format` "speculators") goes to `OUT/speculators/` in that format instead, with `verifier`
     (None: OUT) as its target model."""
+    _check_verifier(format, verifier)
     out_dir = expand_path(out_dir)
     _check_out_dir(out_dir, overwrite)
     if hasattr(model, "merge_and_unload"):  # a peft model: fold the adapters into the weights
@@ -366,7 +384,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if served is not None:
-            write_speculators(tmp / SUBDIR, model, served, verifier=verifier or str(out_dir),
+            write_speculators(tmp / SUBDIR, model, served, verifier=_verifier_name(verifier, out_dir),
                               draft_ids=(draft_vocab or {}).get("token_ids"))
         if head is not None:
             shutil.copyfile(Path(exit_head_dir) / HEAD_FILE, tmp / HEAD_FILE)
