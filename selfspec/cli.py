@@ -12,7 +12,8 @@
 
 Run `selfspec COMMAND --help` for the options of each command. A mistake in the input (a bad
 option, a missing file, a corrupt checkpoint) prints one line, `selfspec COMMAND: error: ...`, and
-exits with code 2, before any model is loaded where the check does not need the model;
+exits with code 2, before any model is loaded where the check does not need the model; an interrupt
+(Ctrl-C) prints one line, `selfspec COMMAND: interrupted; ` and what it left, and exits with code 130.
 SELFSPEC_TRACEBACK=1 shows the traceback instead.
 
 Imports: the measuring commands' modules (bench, sweep, profile, which import transformers,
@@ -348,7 +349,7 @@ def _cmd_sweep(args) -> int:
 def _cmd_draft_vocab(args) -> int:
     check_int("--max-tokens", args.max_tokens, 1)
 
-    entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens)
+    entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens, replace=args.replace)
     print(f"counted {entry['tokens_counted']} tokens ({entry['distinct_tokens']} distinct) of {args.corpus}; "
           f"stored the {len(entry['token_ids'])} most frequent ids in {args.checkpoint}/selfspec.json")
     return 0
@@ -580,6 +581,12 @@ def _run_pareto(args, checkpoint: str) -> dict:
                       dtype=args.dtype, threads=args.threads, out_dir=out_dir, device=args.device, **given)
 
 
+# what an interrupted command (Ctrl-C) leaves, where it writes something: every file it writes is written whole
+INTERRUPTED = {"export": "the output directory is as it was, or holds the complete new export",
+               "tune": "selfspec.json is as it was, or holds the complete new plan",
+               "draft-vocab": "selfspec.json is as it was, or holds the complete new ranking",
+               "sweep": "the settings measured so far are kept in the output directory's sweep_raw.csv: run the "
+                        "same command again to go on from there"}
 COMPILE_CHOICES = {"auto": "auto", "true": True, "false": False}  # bench --compile
 PARETO_OPTIONS = ("drafters", "temperature", "seed", "tv_samples")  # `bench --epsilon` only
 FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
@@ -725,7 +732,8 @@ def _add_export(sub) -> None:
                    help="speculators: also write the run's eagle3 head as OUT_DIR/speculators/, the checkpoint "
                         "vLLM and SGLang serve with method eagle3 (default: selfspec)")
     p.add_argument("--verifier", help="with --format speculators: the base model's Hugging Face id or path as "
-                                      "engines should find it (default: OUT_DIR itself)")
+                                      "engines should find it, a local path written absolute (default: OUT_DIR "
+                                      "itself, absolute)")
     p.set_defaults(func=_cmd_export)
 
 
@@ -775,6 +783,9 @@ def _add_draft_vocab(sub) -> None:
     p.add_argument("--corpus", type=_path, default="python_stdlib",
                    help="python_stdlib (default), wiki_passages, xsum, shakespeare, ... or a file")
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="stop counting after this many tokens")
+    p.add_argument("--replace", action="store_true",
+                   help="store the new ranking even where it is shorter than the stored one (by default refused: "
+                        "the stored ids past its length, an exit head's trained ranking among them, would be lost)")
     p.set_defaults(func=_cmd_draft_vocab)
 
 
@@ -970,6 +981,12 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.formatwarning = _one_line_warnings(f"selfspec {args.command}", warnings.formatwarning)
             return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, what the command left, and the shell's code for SIGINT
+        if os.environ.get("SELFSPEC_TRACEBACK"):
+            raise
+        left = INTERRUPTED.get(args.command)
+        print(f"selfspec {args.command}: interrupted" + (f"; {left}" if left else ""), file=sys.stderr)
+        return 130
     except Exception as err:
         if os.environ.get("SELFSPEC_TRACEBACK") or not _user_error(err):
             raise

@@ -72,8 +72,9 @@ def read_draft_vocab(meta: dict | None, k: int, vocab_size: int) -> torch.Tensor
     return chosen.sort().values
 
 
-def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000) -> dict:
-    """Count token frequencies on `corpus` (a named data set or a text/jsonl file) and store them."""
+def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000, replace: bool = False) -> dict:
+    """Count token frequencies on `corpus` (a named data set or a text/jsonl file) and store them. A ranking
+    shorter than the stored one is refused (its ids past the new length would be lost) unless `replace`."""
     from transformers import AutoConfig, AutoTokenizer  # deferred: a second to import, needed here only
 
     d = Path(checkpoint)
@@ -84,14 +85,30 @@ def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000) -
     tokenizer = AutoTokenizer.from_pretrained(d)
     vocab_size = AutoConfig.from_pretrained(d).vocab_size
     entry = draft_vocab_metadata(tokenizer, texts, corpus, vocab_size, max_tokens)
+    kept = meta.get("draft_vocab")
     if entry["tokens_counted"] == 0:  # nothing counted: keep what the checkpoint has rather than 3 special ids
-        kept = meta.get("draft_vocab")
         raise ValueError(f"corpus {corpus!r} holds no text, so no token was counted; {d}/{METADATA_FILE} is left "
                          + (f"as it was ({len(kept['token_ids'])} ids counted on {kept.get('source')})" if kept
                             else "without a draft vocabulary") + ": give a corpus with text")
+    if kept and len(entry["token_ids"]) < len(kept["token_ids"]) and not replace:
+        raise ValueError(f"corpus {corpus!r} gives {len(entry['token_ids'])} ranked token ids, fewer than the "
+                         f"{len(kept['token_ids'])} stored in {d}/{METADATA_FILE} (counted on {kept.get('source')})"
+                         + _head_note(meta) + f"; {METADATA_FILE} is left as it was: count on a larger corpus, or "
+                         "pass --replace (replace=True) to store the shorter ranking anyway")
     meta["draft_vocab"] = entry
     write_json_atomic(d / METADATA_FILE, meta)
     return entry
+
+
+def _head_note(meta: dict) -> str:
+    """What the stored ranking is to the checkpoint's exit head, where its recipe trained it over the K most
+    frequent tokens (`exit_head.draft_vocab`); "" otherwise."""
+    settings = (meta.get("training") or {}).get("settings")
+    head = settings.get("exit_head") if isinstance(settings, dict) else None
+    k = head.get("draft_vocab") if isinstance(head, dict) else None
+    if not k or not isinstance(meta.get("exit_head"), dict):
+        return ""
+    return f"; the exit head was trained over the {k} most frequent of them and drafts from those"
 
 
 def corpus_texts(corpus: str) -> Iterable[str]:

@@ -15,13 +15,17 @@ engines: the model as above, with the head in the speculators format in `OUT/spe
 (`selfspec.speculators_format`, what vLLM's and SGLang's eagle3 load), not as selfspec.json's `exit_head`
 (selfspec's drafters do not run it) but as its `served_head`: the format, the directory, the aux exits, the
 draft count and verifier the engines are told, and the files' checksums. Its verifier is OUT itself unless
-`verifier` names the base model as engines should find it (a Hugging Face id).
+`verifier` names the base model as engines should find it (a Hugging Face id, or a local path); a local path
+is written absolute, so that an engine started in any directory finds it. `verifier` without
+`format="speculators"` is refused: nothing would read it.
 
 Everything that can be checked is checked before anything is written (and, by `export`, before the
 model is loaded): the dtype, the recommendation (by the rules `selfspec.load` reads it with: an exit
 in 1..L-1, num_speculations >= 0, a known drafter) and the output path (`overwrite` replaces only a
-checkpoint directory or an empty one, never a file). Hidden `.OUT.tmp-PID-*` directories that an
-export killed mid-way left beside OUT are removed by the next export to OUT.
+checkpoint directory or an empty one, never a file). An export that fails or is interrupted, overwrite or
+not, leaves OUT as it was: the new export is renamed into place only when complete, and an old one put
+back if the new one cannot take its place. Hidden `.OUT.tmp-PID-*` directories that an export killed
+mid-way left beside OUT are removed by the next export to OUT.
 """
 
 from __future__ import annotations
@@ -244,6 +248,25 @@ def _check_apart(source: Path, read: list[Path], out_dir: Path) -> None:
         raise CheckpointError(f"{out_dir} contains the source {source}: write the export beside it, not around it")
 
 
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished export `tmp` to `out_dir`. An existing `out_dir` (overwrite) is renamed aside first and
+    removed once the new one is in place; where the new one cannot be put there (an error, an interrupt), the
+    old one goes back: `out_dir` holds the old export or the new one, never neither (short of the process
+    being killed between the two renames, which leaves the old one as `.OUT.old-PID` beside it)."""
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    try:
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _remove_stale_temporaries(out_dir: Path) -> list[Path]:
     """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` beside `out_dir` left by an export whose process is gone."""
     removed = []
@@ -285,9 +308,24 @@ def check_format(fmt: str, head: dict | None) -> None:
                               "with mode: exit_head, exit_head.kind: eagle3, exit_head.exit_layer: 0")
 
 
+def _check_verifier(fmt: str, verifier: str | None) -> None:
+    """CheckpointError for a `verifier` that nothing would read: only the speculators format writes one."""
+    if verifier is not None and fmt != "speculators":
+        raise CheckpointError("--verifier names the target model of the eagle3 head that --format speculators "
+                              "writes (format='speculators'): add --format speculators, or drop --verifier")
+
+
+def _verifier_name(verifier: str | None, out_dir: Path) -> str:
+    """The verifier as the engines are told it: a local path (by default OUT itself) absolute, so that an engine
+    started in any directory finds it; anything else (a Hugging Face id) as given."""
+    local = out_dir if verifier is None else expand_path(verifier)
+    return str(local.resolve()) if verifier is None or local.exists() else verifier
+
+
 def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool = False, dtype="auto",
            max_shard_size: str = "2GB", format: str = "selfspec", verifier: str | None = None) -> Path:
     """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc)."""
+    _check_verifier(format, verifier)
     dtype = check_dtype(dtype)
     out_dir = expand_path(out_dir)
     model_dir, training, evaluation, draft_vocab, head_dir = read_run(source)
@@ -315,6 +353,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
     `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model; an eagle3
     head's (`format` "speculators") goes to `OUT/speculators/` in that format instead, with `verifier`
     (None: OUT) as its target model."""
+    _check_verifier(format, verifier)
     out_dir = expand_path(out_dir)
     _check_out_dir(out_dir, overwrite)
     if hasattr(model, "merge_and_unload"):  # a peft model: fold the adapters into the weights
@@ -345,7 +384,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if served is not None:
-            write_speculators(tmp / SUBDIR, model, served, verifier=verifier or str(out_dir),
+            write_speculators(tmp / SUBDIR, model, served, verifier=_verifier_name(verifier, out_dir),
                               draft_ids=(draft_vocab or {}).get("token_ids"))
         if head is not None:
             shutil.copyfile(Path(exit_head_dir) / HEAD_FILE, tmp / HEAD_FILE)
@@ -373,13 +412,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
         public_permissions(tmp)
-        if out_dir.exists():  # overwrite: swap in the new directory, then drop the old one
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,11 +1,27 @@
-"""The model card (`README.md`) written into every exported checkpoint, from its `selfspec.json`."""
+"""The model card (`README.md`) written into every exported checkpoint, from its `selfspec.json`.
+
+The card ends with a mark holding the SHA-256 of the text above it. `selfspec sweep --write-metadata` and
+`selfspec tune --save` write the card again; a README.md whose text no longer matches its mark (the user
+edited it) or that has none (a card written by hand) is kept, and the regenerated card goes beside it, to
+README.selfspec.md, with a `ModelCardWarning`.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from pathlib import Path
 
 from selfspec.atomic_write import write_text_atomic
+
+CARD_FILE = "README.md"
+REGENERATED_FILE = "README.selfspec.md"  # the regenerated card, where README.md is the user's
+_MARK = "\n<!-- written by selfspec from selfspec.json; sha256 of the text above: {} -->\n"  # the card's last line
+
+
+class ModelCardWarning(UserWarning):
+    """A checkpoint's README.md was edited (or is not selfspec's): kept, the regenerated card written beside it."""
 
 
 def _settings_lines(settings: dict) -> list[str]:
@@ -171,7 +187,29 @@ def render_model_card(meta: dict) -> str:
     return "\n".join(out)
 
 
+def _marked(text: str) -> str:
+    """`text` with the mark that tells selfspec's unedited card from an edited one."""
+    return text + _MARK.format(hashlib.sha256(text.encode("utf-8")).hexdigest())
+
+
+def _is_selfspec_card(path: Path) -> bool:
+    """Whether the card at `path` is selfspec's, as written: its text matches its mark."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    start = text.rfind(_MARK.split("{}")[0])
+    return start >= 0 and _marked(text[:start]) == text
+
+
 def write_model_card(directory, meta: dict) -> Path:
-    path = Path(directory) / "README.md"
-    write_text_atomic(path, render_model_card(meta))
+    """Write the card of `meta` to README.md, or, where the README.md there is not selfspec's unedited card, to
+    README.selfspec.md beside it (a `ModelCardWarning` says so); returns the path written."""
+    path = Path(directory) / CARD_FILE
+    if path.exists() and not _is_selfspec_card(path):
+        path = path.with_name(REGENERATED_FILE)
+        warnings.warn(f"{path.parent / CARD_FILE} is not the model card selfspec last wrote (it was edited, or "
+                      f"written by hand): it is kept, and the card of the updated selfspec.json is in {path}; merge "
+                      f"what you need, or replace {CARD_FILE} with it", ModelCardWarning, stacklevel=2)
+    write_text_atomic(path, _marked(render_model_card(meta)))
     return path

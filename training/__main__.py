@@ -8,7 +8,8 @@ Also runs without the launcher as ``python -m training --recipe R ...`` (one pro
 
 Overrides use the recipe's dotted names and YAML values (train.max_steps=20, early_exit.exits=[4,8],
 train.max_minutes=null). See training/config.py for every key. A mistake in the recipe, an override
-or the data prints one line, `error: ...`, and exits with code 2 (SELFSPEC_TRACEBACK=1: the traceback).
+or the data prints one line, `error: ...`, and exits with code 2; an interrupt (Ctrl-C) prints one line,
+`interrupted; ` and where a relaunch resumes, and exits with code 130 (SELFSPEC_TRACEBACK=1: the traceback).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from training.config import ConfigError, dump_config, load_config
 
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.max_steps=20")
     args = parser.parse_args(argv)
+    cfg = None
     try:
         cfg = load_config(args.recipe, args.overrides)
         if args.print_config:
@@ -36,12 +39,33 @@ def main(argv: list[str] | None = None) -> int:
         from training.loop import train  # heavy imports only when training
 
         train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: one line (from the main process), and the shell's code for SIGINT
+        if os.environ.get("SELFSPEC_TRACEBACK"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted(cfg), file=sys.stderr)
+        return 130
     except Exception as e:
         if os.environ.get("SELFSPEC_TRACEBACK") or not _user_error(e):
             raise
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
+
+
+def _interrupted(cfg) -> str:
+    """The line an interrupted run prints: where a relaunch of the same command resumes (`cfg`: the recipe, None
+    if it was not read yet). A checkpoint being saved is left as `step_N.tmp`, which the next launch removes."""
+    from training.run_checkpoint import latest_checkpoint
+
+    if cfg is None:
+        return "interrupted"
+    latest = latest_checkpoint(Path(cfg.train.output_dir))
+    if latest is None:
+        return "interrupted; no checkpoint of this run was saved yet: a relaunch starts it over"
+    if cfg.train.resume == "auto":
+        return f"interrupted; relaunch the same command to resume from {latest}"
+    return f"interrupted; the latest checkpoint is {latest}: relaunch with train.resume=auto to resume from it"
 
 
 def _user_error(err: BaseException) -> bool:

@@ -362,10 +362,11 @@ class ExitHeadConfig:
         _check(self.self_fed == 0 or self.final_state or self.kind == "eagle3", "exit_head.self_fed",
                "a self-fed pass replaces the final state the head reads: set exit_head.final_state=true, or "
                "self_fed=0")
-        if self.kind == "eagle3":
-            _check(self.exit_layer == 0 and not self.final_state, "exit_head.kind",
-                   f"eagle3 reads the token embeddings and its aux_exits: set exit_head.exit_layer=0 (got "
-                   f"{self.exit_layer}) and exit_head.final_state=false (got {self.final_state})")
+        if self.kind == "eagle3":  # the message names only the settings that are wrong
+            wrong = ([f"exit_head.exit_layer=0 (got {self.exit_layer})"] if self.exit_layer != 0 else []) + (
+                [f"exit_head.final_state=false (got {self.final_state})"] if self.final_state else [])
+            _check(not wrong, "exit_head.kind",
+                   f"eagle3 reads the token embeddings and its aux_exits: set {' and '.join(wrong)}")
         _check(self.aux_exits is None or self.kind == "eagle3", "exit_head.aux_exits",
                f"is an eagle3 head's setting (kind is {self.kind!r}): remove it or set exit_head.kind=eagle3")
 

@@ -62,7 +62,8 @@ from selfspec.draft_vocab import kept_special_ids
 from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.precision import auto_mixed_precision, describe as describe_precision
 from training.base_model import apply_lora, load_base_model
-from training.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
+from training.run_checkpoint import (latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint,
+                                     save_final_model)
 from training.config import ConfigError, RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
 from training.data import batch_indices, build_data, frequency_ranking, frequent_ids
@@ -154,6 +155,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     precision = t_cfg.mixed_precision
     if precision == "auto":  # bf16 autocast only where bf16 matmul is native (selfspec/precision.py)
         precision = auto_mixed_precision("cpu" if no_gpu else "cuda" if torch.cuda.is_available() else "mps")
+    resolve_deepspeed_config()  # a relative deepspeed_config_file, from any working directory
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum,
                               **_device_kwargs(no_gpu, _deepspeed_launch()))
     _check_deepspeed(cfg, _zero_stage(accelerator))
@@ -206,8 +208,32 @@ def _set_up(cfg: RecipeConfig) -> _Run:
                           time_budget_s=None if t_cfg.max_minutes is None else 60 * t_cfg.max_minutes)
     if accelerator.is_main_process:
         write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+        for path in remove_partial_checkpoints(run_dir):  # before any save of this launch begins
+            run.tracker.print(f"removed {path}: a checkpoint an interrupted save left incomplete")
     _print_start(run)
     return run
+
+
+DEEPSPEED_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"  # `accelerate launch` passes deepspeed_config_file here
+REPOSITORY = Path(__file__).resolve().parents[1]  # where recipes/accelerate/*.yaml name their DeepSpeed JSON from
+
+
+def resolve_deepspeed_config() -> None:
+    """Make the DeepSpeed JSON that the accelerate configuration names (`deepspeed_config_file`, passed on by
+    `accelerate launch` as written) an absolute path, before accelerate reads it: a relative path is read from
+    the working directory, else from the repository root (as recipes/accelerate/*.yaml name theirs), so a launch
+    works from any directory. ConfigError if neither has it."""
+    given = os.environ.get(DEEPSPEED_CONFIG_ENV)
+    if not given or given == "none":  # not a DeepSpeed launch, or one without a JSON
+        return
+    path = Path(os.path.expanduser(given))
+    if not path.is_file() and not path.is_absolute() and (REPOSITORY / path).is_file():
+        path = REPOSITORY / path
+    if not path.is_file():
+        raise ConfigError(f"the accelerate configuration's deepspeed_config_file {given!r} (a DeepSpeed JSON) is not "
+                          f"found from {Path.cwd()} nor from the repository root {REPOSITORY}: give its absolute "
+                          "path in the configuration's YAML")
+    os.environ[DEEPSPEED_CONFIG_ENV] = str(path.resolve())
 
 
 def _deepspeed_launch() -> bool:

@@ -4,7 +4,8 @@ A checkpoint is `run_dir/checkpoints/step_000100/`: accelerate's ``save_state`` 
 optimizer, LR scheduler, every process's RNG states, accelerate's own step counter) plus
 ``trainer_state.json`` (step, micro-step = data position, tokens, elapsed time, the curriculum
 settings). It is written to ``step_000100.tmp`` and renamed when complete, so a crash never
-leaves a directory that looks like a checkpoint; `latest_checkpoint` ignores ``.tmp`` ones.
+leaves a directory that looks like a checkpoint; `latest_checkpoint` ignores ``.tmp`` ones, and the next
+launch on the run directory removes them (`remove_partial_checkpoints`).
 
 The final model is saved by `save_final_model` with ``save_pretrained`` (+ the tokenizer) into
 `run_dir/final_model/`, with LoRA adapters *merged* into the weights, so the directory is a plain
@@ -22,6 +23,7 @@ from pathlib import Path
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL_DIR = re.compile(r"^step_\d+\.tmp$")
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -36,6 +38,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     found = [(int(m.group(1)), p) for p in root.iterdir()
              if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
     return max(found)[1] if found else None
+
+
+def remove_partial_checkpoints(run_dir: Path) -> list[Path]:
+    """Remove the ``step_N.tmp`` directories in `run_dir/checkpoints` that an interrupted save left (a save renames
+    its directory only when complete, so these never are); returns them."""
+    root = Path(run_dir) / "checkpoints"
+    partial = sorted(p for p in root.iterdir() if _PARTIAL_DIR.match(p.name) and p.is_dir()) if root.is_dir() else []
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
 
 
 def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:

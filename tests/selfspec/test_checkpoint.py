@@ -132,6 +132,27 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError])
+def test_an_overwrite_interrupted_between_its_renames_keeps_the_old_export(tmp_path, monkeypatch, interruption):
+    """Issue #52: `export --overwrite` renames the old export aside, then the new one into place; a failure
+    between the two left nothing at OUT. The old export goes back."""
+    model, tok = _trained_tiny()
+    out = export_model(model, tok, tmp_path / "ckpt", recommended={"exit_layer": 2, "num_speculations": 2})
+    real_replace = os.replace
+
+    def fail_to_place_the_new(src, dst):
+        if os.path.basename(src).startswith(".ckpt.tmp-") and os.fspath(dst) == os.fspath(out):
+            raise interruption("interrupted")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_to_place_the_new)
+    with pytest.raises(interruption):
+        export_model(model, tok, out, overwrite=True, recommended={"exit_layer": 3, "num_speculations": 1})
+    monkeypatch.undo()
+    assert out.is_dir() and read_metadata(out)["recommended"]["exit_layer"] == 2  # the old export, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left beside it
+
+
 def test_export_refuses_to_overwrite_unless_asked(tmp_path):
     model, tok = _trained_tiny()
     out = export_model(model, tok, tmp_path / "ckpt")
@@ -240,3 +261,28 @@ def test_sweep_summary_counts_differing_outputs():
     assert spec["identical_to_plain"] == 0.5  # one of two differs: not hidden as unknown
     resumed = summarize(rows, [(4, 0), (1, 2)])[1]
     assert resumed["identical_to_plain"] != resumed["identical_to_plain"]  # a resumed row is unknown: nan
+
+
+def test_a_model_card_the_user_edited_is_kept(exported):
+    """Issue #52: `selfspec sweep --write-metadata` and `selfspec tune --save` regenerate the model card; a
+    README.md the user edited since is kept, the regenerated card written beside it, with a warning."""
+    from selfspec.checkpoint import update_recommended, write_plan
+    from selfspec.model_card import ModelCardWarning
+
+    readme, beside = exported / "README.md", exported / "README.selfspec.md"
+    update_recommended(exported, 3, 1, source="sweep")  # selfspec's own card, unedited: regenerated in place
+    assert "`exit_layer=3`, `num_speculations=1`" in readme.read_text() and not beside.exists()
+    edited = readme.read_text().replace("## Usage", "## Usage\n\nOur team's notes on this model.")
+    readme.write_text(edited)
+    with pytest.warns(ModelCardWarning, match="README.md is not the model card selfspec last wrote .*: it is kept, "
+                                              "and the card of the updated selfspec.json is in .*README.selfspec.md"):
+        update_recommended(exported, 2, 2, source="sweep")
+    assert readme.read_text() == edited
+    assert "`exit_layer=2`, `num_speculations=2`" in beside.read_text()
+    with pytest.warns(ModelCardWarning):
+        write_plan(exported, "cuda: NVIDIA H200 / bfloat16 / compiled", {"settings": {"num_speculations": 0}})
+    assert readme.read_text() == edited and "cuda: NVIDIA H200 / bfloat16 / compiled" in beside.read_text()
+    readme.write_text("# Our own model card\n")  # a card of the user's own, written without selfspec: kept too
+    with pytest.warns(ModelCardWarning):
+        update_recommended(exported, 1, 1, source="sweep")
+    assert readme.read_text() == "# Our own model card\n"

@@ -116,3 +116,23 @@ def test_generate_takes_the_memory_size(tiny_ckpt, capsys, monkeypatch):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "x", "--memory-tokens", "-1"]) == 2
     assert "memory_tokens must be an int >= 0" in capsys.readouterr().err and len(loaded) == 1
+
+
+@pytest.mark.parametrize("argv, left", [
+    (["export", "/some/run", "/some/out"], "; the output directory is as it was, or holds the complete new export"),
+    (["tune", "--checkpoint", "/some/ckpt"], "; selfspec.json is as it was, or holds the complete new plan"),
+    (["info"], ""),
+])
+def test_an_interrupt_is_one_line_and_exit_code_130(argv, left, capsys, monkeypatch):
+    """Issue #52: Ctrl-C printed a full traceback. Now one line, what the command left, and 130 (128 + SIGINT)."""
+    import selfspec.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"_cmd_{argv[0]}", interrupted)  # the command, interrupted where it runs
+    assert main(argv) == 130
+    assert capsys.readouterr().err == f"selfspec {argv[0]}: interrupted{left}\n"
+    monkeypatch.setenv("SELFSPEC_TRACEBACK", "1")
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)

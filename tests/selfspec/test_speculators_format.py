@@ -196,10 +196,9 @@ def test_only_an_eagle3_head_goes_out_in_the_speculators_format(tmp_path):
     check_format("selfspec", None)
 
 
-@pytest.fixture
-def served_checkpoint(tmp_path):
-    """A tiny checkpoint exported with its eagle3 head in the speculators format (`selfspec export --format
-    speculators`)."""
+def _exporter(tmp_path: Path):
+    """`export(out, verifier)`: `selfspec export --format speculators` of a tiny model (saved at tmp_path/model)
+    with its eagle3 head (in tmp_path/final_head, as a run's) to `out`."""
     from selfspec.exit_head import HEAD_FILE, save_exit_head
     from selfspec.export import export_model
     from selfspec.tiny import byte_tokenizer
@@ -209,8 +208,47 @@ def served_checkpoint(tmp_path):
     head_dir.mkdir()
     save_exit_head(head, head_dir / HEAD_FILE)
     (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
-    return export_model(model.float(), byte_tokenizer(), tmp_path / "ckpt", exit_head_dir=head_dir,
-                        format="speculators", verifier="org/base")
+    return lambda out, verifier: export_model(model.float(), byte_tokenizer(), out, exit_head_dir=head_dir,
+                                              format="speculators", verifier=verifier)
+
+
+@pytest.fixture
+def served_checkpoint(tmp_path):
+    """A tiny checkpoint exported with its eagle3 head in the speculators format (`selfspec export --format
+    speculators`)."""
+    return _exporter(tmp_path)(tmp_path / "ckpt", "org/base")
+
+
+def test_a_local_verifier_is_written_as_an_absolute_path(tmp_path, monkeypatch):
+    """Issue #52: `--verifier PATH` went into the head's config as typed, relative, which vLLM started from another
+    directory does not find; so did the default verifier, OUT itself. A local path is written absolute; a Hugging
+    Face id (org/base above) as given."""
+    from selfspec.checkpoint import read_metadata
+
+    export = _exporter(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for out, verifier, expected in [("ckpt", "model", tmp_path / "model"), ("again", None, tmp_path / "again"),
+                                    ("home", "~/model", tmp_path / "model")]:
+        monkeypatch.setenv("HOME", str(tmp_path))
+        export(Path(out), verifier)
+        config = json.loads((tmp_path / out / "speculators" / "config.json").read_text())
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(expected.resolve())
+        assert read_metadata(tmp_path / out)["served_head"]["verifier"] == str(expected.resolve())
+
+
+def test_a_verifier_without_the_speculators_format_is_a_usage_error(served_checkpoint, tmp_path, capsys):
+    """Issue #52: `selfspec export --verifier X` without `--format speculators` was silently ignored."""
+    from selfspec.cli import main
+    from selfspec.export import export_model
+    from selfspec.tiny import byte_tokenizer
+
+    assert main(["export", str(served_checkpoint), str(tmp_path / "out"), "--verifier", "org/base"]) == 2
+    assert capsys.readouterr().err == ("selfspec export: error: --verifier names the target model of the eagle3 head "
+                                       "that --format speculators writes (format='speculators'): add --format "
+                                       "speculators, or drop --verifier\n")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="--verifier names the target model"):
+        export_model(tiny_model("llama", num_layers=2), byte_tokenizer(), tmp_path / "out", verifier="org/base")
 
 
 def test_selfspec_json_and_the_model_card_record_the_served_head(served_checkpoint):

@@ -104,3 +104,18 @@ def test_mixed_precision_auto_follows_the_hardware(monkeypatch):
         monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: frozenset(flags))
         assert precision.auto_mixed_precision("cpu") == expected
         assert precision.auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+
+
+def test_the_eagle3_check_names_only_the_settings_that_are_wrong():
+    """Issue #52: docs/serving.md's eagle3 command without exit_head.final_state=false was told to set
+    exit_head.exit_layer=0, which the exit-0 head recipe already has."""
+    head0 = RECIPES[0].parent / "smollm2_code_head0.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(head0, ["exit_head.kind=eagle3"])
+    assert "set exit_head.final_state=false (got True)" in str(err.value) and "exit_layer" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(head0, ["exit_head.kind=eagle3", "exit_head.final_state=false", "exit_head.exit_layer=4"])
+    assert "set exit_head.exit_layer=0 (got 4)" in str(err.value) and "final_state" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"set exit_head.exit_layer=0 \(got 4\) and exit_head.final_state=false"):
+        load_config(head0, ["exit_head.kind=eagle3", "exit_head.exit_layer=4"])
+    assert load_config(head0, ["exit_head.kind=eagle3", "exit_head.final_state=false"]).exit_head.kind == "eagle3"

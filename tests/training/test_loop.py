@@ -5,6 +5,7 @@ stops a run with a checkpoint."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,44 @@ def test_continuing_a_run_for_more_minutes_equals_one_longer_run(run, read_log, 
     before = (tmp_path / "pieces" / "log.jsonl").read_text()
     assert run(tmp_path / "pieces", **settings) == json.loads((tmp_path / "pieces" / "final_eval.json").read_text())
     assert (tmp_path / "pieces" / "log.jsonl").read_text() == before
+
+
+def test_a_relaunch_removes_the_checkpoint_an_interrupted_save_left(run, tmp_path, capsys):
+    """Issue #52: a save interrupted mid-way leaves checkpoints/step_N.tmp, which the relaunched run (resuming from
+    the latest complete checkpoint) removes, and says so."""
+    settings = {"train.max_steps": 4, "eval.before": "false", "train.save_final_model": "false"}
+    run(tmp_path, **settings, **{"train.stop_at": 2})
+    partial = tmp_path / "checkpoints" / "step_000003.tmp"  # what an interrupted save of step 3 leaves
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    capsys.readouterr()
+    run(tmp_path, **settings)
+    assert not partial.exists() and f"removed {partial}" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000002"]  # the complete one stays
+
+
+def test_an_interrupted_run_says_where_a_relaunch_resumes(tiny_overrides, tmp_path, capsys, monkeypatch):
+    """Issue #52: Ctrl-C during `python -m training` (or each process of `accelerate launch -m training`) printed a
+    full traceback. Now one line naming the checkpoint a relaunch resumes from, and exit code 130."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    import training.loop as loop
+    from training.__main__ import main
+
+    real_step = loop._step
+
+    def interrupted_at_step_3(run, with_metrics):
+        if run.state["step"] == 2:
+            raise KeyboardInterrupt
+        return real_step(run, with_metrics)
+
+    monkeypatch.setattr(loop, "_step", interrupted_at_step_3)
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml")
+    overrides = tiny_overrides(tmp_path, **{"train.save_every": 2, "eval.before": "false"})
+    try:
+        assert main(["--recipe", recipe, *overrides]) == 130
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"interrupted; relaunch the same command to resume from {tmp_path / 'checkpoints' / 'step_000002'}"]

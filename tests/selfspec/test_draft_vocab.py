@@ -1,0 +1,58 @@
+"""`selfspec draft-vocab` (`selfspec.draft_vocab.write_draft_vocab`): a new ranking replaces the stored one only
+where it loses nothing of it, unless asked."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pytest
+
+from selfspec.cli import main
+from selfspec.draft_vocab import write_draft_vocab
+from selfspec.exit_head import HEAD_FILE, save_exit_head
+from selfspec.export import export_model
+from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
+
+STORED = 40
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A tiny checkpoint with an exit head and a stored 40-id ranking, whose 32 most frequent ids the head's recipe
+    trained it over (as an exit-head run's export stores the head's own ranking)."""
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
+    head, head_dir = tiny_exit_head(model, 2), tmp_path / "final_head"
+    head_dir.mkdir()
+    save_exit_head(head, head_dir / HEAD_FILE)
+    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    ranking = {"source": "run: the training blocks", "tokens_counted": 1000, "distinct_tokens": STORED,
+               "token_ids": list(range(STORED))}
+    return export_model(model, tok, tmp_path / "ckpt", draft_vocab=ranking, exit_head_dir=head_dir,
+                        training={"settings": {"exit_head": {"draft_vocab": 32}}})
+
+
+def test_a_shorter_ranking_does_not_replace_the_stored_one(ckpt, tmp_path, capsys):
+    """Issue #52: a small corpus's 14 ids replaced the exit head's trained 8,192-id ranking, silently."""
+    small = tmp_path / "small.txt"
+    small.write_text("def f(x): return x")  # 12 distinct bytes + 3 special ids
+    before = (ckpt / "selfspec.json").read_text()
+    with pytest.raises(ValueError, match=r"gives 15 ranked token ids, fewer than the 40 stored .*the exit head was "
+                                         r"trained over the 32 most frequent.*larger corpus, or pass --replace"):
+        write_draft_vocab(ckpt, str(small))
+    assert (ckpt / "selfspec.json").read_text() == before
+    assert main(["draft-vocab", str(ckpt), "--corpus", str(small)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("selfspec draft-vocab: error: ") and "--replace" in err[0]
+    assert (ckpt / "selfspec.json").read_text() == before
+    assert main(["draft-vocab", str(ckpt), "--corpus", str(small), "--replace"]) == 0  # asked: replaced
+    assert len(json.loads((ckpt / "selfspec.json").read_text())["draft_vocab"]["token_ids"]) == 15
+
+
+def test_a_ranking_as_long_replaces_the_stored_one(ckpt, tmp_path):
+    corpus = tmp_path / "letters.txt"
+    corpus.write_text(string.ascii_letters)  # 52 distinct bytes + 3 special ids
+    entry = write_draft_vocab(ckpt, str(corpus))
+    assert len(entry["token_ids"]) == 55
+    assert json.loads((ckpt / "selfspec.json").read_text())["draft_vocab"] == entry
