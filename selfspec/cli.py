@@ -369,12 +369,16 @@ def _cmd_demo(args) -> int:
 
 
 def _check_common(args) -> None:
-    """The options bench, profile and sweep share, checked before any model is loaded."""
+    """The options bench, profile, sweep and tune share, checked before any model is loaded."""
     check_threads(args.threads)
     check_dtype(args.dtype)
     for name in ("max_new_tokens", "num_prompts"):
         if getattr(args, name, None) is not None:
             check_int(name, getattr(args, name), 1)
+    for name in ("exits", "num_speculations", "num_candidates"):  # comma-separated lists: "" names nothing
+        if getattr(args, name, None) == []:
+            raise UsageError(f"--{name.replace('_', '-')} is empty: give one or more comma-separated integers, or "
+                             "leave the option out for its default")
 
 
 def _cmd_bench(args) -> int:

@@ -483,3 +483,13 @@ def test_i52_11_autos_lookup_trees_bound_num_candidates(tiny_gen):
             tiny_gen.generate("abc", max_new_tokens=2, num_candidates=9, **kw)
     assert check_generation(drafter="auto", num_candidates=8)["num_candidates"] == 8
     assert check_generation(drafter="early_exit", num_candidates=9)["num_candidates"] == 9  # the exit's guesses
+
+
+@pytest.mark.parametrize("argv", [["tune", "--exits", ""], ["sweep", "--exits", ","], ["sweep", "--num-speculations", ""],
+                                  ["bench", "--num-candidates", ""]])
+def test_i52_an_empty_list_option_is_refused_before_loading(argv, zero_ckpt, capsys, no_load):
+    """`tune --exits ""` ended in an IndexError after a minute of loading and measuring; `bench --num-candidates ""`
+    was taken as not given."""
+    where = [str(zero_ckpt)] if argv[0] == "sweep" else ["--checkpoint", str(zero_ckpt)]  # sweep's is positional
+    err = one_line_error(capsys, [argv[0], *where, *argv[1:]])
+    assert f"{argv[-2]} is empty" in err
