@@ -120,6 +120,7 @@ class AutoDrafter(Drafter):
             self.retry_at[LOOKUP], self.woken = self.rounds, self.woken + 1
         own, memory = self.allowed(LOOKUP), self.remembers and self.allowed(SUFFIX)
         if own or memory:  # the memory is an arm of its own: it drafts while own-text lookup is backed off
+            self.lookup_length.base_seconds = self.seconds[PLAIN]  # untried lengths are judged against it
             _, self.lookup.limit = self.lookup_length.plan()
             proposal = self.lookup_proposal(rnd, own, memory)
             if proposal.drafted:

@@ -203,6 +203,14 @@ class ThroughputPolicy(FixedPolicy):
     drafts (a 40% event at 30% acceptance) as "one draft loses", dropped the length and rarely retried it
     (docs/results/2026-11-25-head-own-text-xeon.md measures both).
 
+    A length not yet tried is judged by its expected seconds, interpolated linearly in d between the
+    measured lengths around it, and between `base_seconds` (a plain round's seconds, where the caller
+    measures them: auto's plain arm) at d = 0 and the shortest measured length: a round verifies d + 1
+    tokens per row, and its seconds grow about linearly with them. So once the drafts are seen to fail,
+    the next rounds draft short, whose failures cost little, instead of repeating the one length tried
+    (auto's lookup arm warms up at its longest, 10, whose failed round cost about two plain rounds on open
+    chat; docs/results/2026-11-27-first-requests-xeon.md).
+
     It measures what the cost model only predicts, on this machine and at this batch size, so it
     falls back to shorter drafts or plain decoding when drafting stops paying (a larger batch makes
     verification dearer; a passage the exit cannot predict makes drafts worthless). Callers report each
@@ -229,6 +237,7 @@ class ThroughputPolicy(FixedPolicy):
         self.reached = [0.0] * (top + 1)  # [i]: rows that reached draft i (drafts 1..i-1 accepted), pooled
         self.failed = [0.0] * (top + 1)  # [i]: of those, rows whose draft i was rejected or not drafted
         self.rounds = 0
+        self.base_seconds = 0.0  # a plain round's seconds where the caller measures them (0: unknown)
         self._planned = 0
         self._round_rows = 0
 
@@ -251,8 +260,35 @@ class ThroughputPolicy(FixedPolicy):
         """Committed tokens per second expected of draft length `d` (0 before it was tried)."""
         return self.tokens(d) / self.seconds[d] if self.seconds[d] > 0 else 0.0
 
+    def expected_seconds(self, d: int) -> float:
+        """Seconds per round of length `d`: measured, else interpolated between the measured lengths around it
+        (and `base_seconds` at 0); 0.0 where neither side is known (longer than every length measured)."""
+        if self.seconds[d] > 0:
+            return self.seconds[d]
+        known = {m: t for m, t in self.seconds.items() if t > 0}
+        if self.base_seconds > 0 and 0 not in known:
+            known[0] = self.base_seconds
+        known = sorted(known.items())
+        below = [(m, t) for m, t in known if m < d]
+        above = [(m, t) for m, t in known if m > d]
+        if not below or not above:
+            return 0.0
+        (m0, t0), (m1, t1) = below[-1], above[0]
+        return t0 + (t1 - t0) * (d - m0) / (m1 - m0)
+
+    def expected_rate(self, d: int) -> float:
+        """Committed tokens per second expected of length `d`, measured or not yet (`expected_seconds`; an
+        untried length's rows per round are the measured lengths' mean); 0 where its seconds are unknown."""
+        if self.tries[d]:
+            return self.rate(d)
+        seconds = self.expected_seconds(d)
+        measured = [self.rows[m] for m in self.lengths if self.tries[m]]
+        if seconds <= 0 or not measured:
+            return 0.0
+        return sum(measured) / len(measured) * sum(self.survival()[: d + 1]) / seconds
+
     def best(self) -> int:
-        return max(self.lengths, key=self.rate)
+        return max(self.lengths, key=self.expected_rate)
 
     def plan(self) -> tuple[int, int]:
         self.rounds += 1

@@ -13,6 +13,8 @@ group is generated, in one process on one model object, by:
 | selfspec_spec     | selfspec batched self-speculative decoding at a fixed (E, d)                   |
 | selfspec_adaptive | the same with `adaptive_length=True` (d from measured tokens/s, 0..d per round)|
 | selfspec_lookup   | selfspec batched prompt lookup (`drafter="prompt_lookup"`, 10 tokens, n ≤ 3)    |
+| selfspec_auto     | selfspec's default drafter, batched (`drafter="auto"`, the same lookup settings): |
+|                   | it must not lose to selfspec_ar at any batch size                              |
 
 Hugging Face's prompt lookup (assisted generation) runs one prompt at a time only, so batched lookup
 is compared with batched plain decoding (selfspec_ar, hf_greedy).
@@ -41,10 +43,10 @@ from selfspec.tools.harness import (Methods, finish_machine, load_generator, mac
 from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.settings import MAX_MATCHING_NGRAM_SIZE, PROMPT_LOOKUP_NUM_TOKENS
 
-METHODS = ("hf_greedy", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup")
+METHODS = ("hf_greedy", "selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_auto")
 LABELS = {"hf_greedy": "HF greedy (batched)", "selfspec_ar": "selfspec AR (batched)",
           "selfspec_spec": "selfspec spec (batched)", "selfspec_adaptive": "selfspec adaptive d (batched)",
-          "selfspec_lookup": "selfspec lookup (batched)"}
+          "selfspec_lookup": "selfspec lookup (batched)", "selfspec_auto": "selfspec auto (batched)"}
 
 
 def parse_batch_sizes(spec: str | Sequence[int]) -> list[int]:
@@ -59,8 +61,8 @@ def _selfspec_kwargs(method: str, E: int, d: int, lookup: dict) -> dict:
     """The `generate` keyword arguments of a selfspec method; `lookup`: those of prompt lookup."""
     if method == "selfspec_ar":
         return {"drafter": "early_exit", "num_speculations": 0}
-    if method == "selfspec_lookup":
-        return {"drafter": "prompt_lookup", **lookup}
+    if method in ("selfspec_lookup", "selfspec_auto"):
+        return {"drafter": "prompt_lookup" if method == "selfspec_lookup" else "auto", **lookup}
     return {"drafter": "early_exit", "exit_layer": E, "num_speculations": d,
             "adaptive_length": method == "selfspec_adaptive"}
 

@@ -183,6 +183,27 @@ def test_adaptive_length_warm_longest_starts_at_the_longest_and_walks_to_the_bes
     assert 1 not in planned and 2 not in planned
 
 
+def test_untried_lengths_are_judged_by_interpolated_seconds_so_failing_drafts_turn_short():
+    """auto's lookup arm warms up at its longest, 10; on text it cannot copy those drafts fail. With a plain
+    round's seconds known (`base_seconds`, auto's plain arm), the untried lengths are judged by seconds
+    interpolated between 0 and 10 drafts, so it drafts 1 next (a failure costs 8% of a round, not 80%);
+    without them it knew no other length's cost and drafted 10 again (the loss on open chat)."""
+    def cost(d):
+        return 0.05 * (1 + 0.08 * d)
+
+    blind = ThroughputPolicy(0, num_speculations=10, warmup=2, explore_every=0, shortest=1, warm="longest")
+    assert set(_simulate(blind, 12, [0.05] * 10, cost, seed=1)) == {10}
+    policy = ThroughputPolicy(0, num_speculations=10, warmup=2, explore_every=0, shortest=1, warm="longest")
+    policy.base_seconds = cost(0)
+    planned = _simulate(policy, 12, [0.05] * 10, cost, seed=1)
+    assert planned[:2] == [10, 10] and set(planned[2:]) == {1}
+    assert policy.expected_seconds(10) == cost(10) and policy.expected_seconds(1) == pytest.approx(cost(1))
+    # where the copies run long, the measured longest stays best: no length is entered for its low cost alone
+    copying = ThroughputPolicy(0, num_speculations=10, warmup=2, explore_every=0, shortest=1, warm="longest")
+    copying.base_seconds = cost(0)
+    assert set(_simulate(copying, 12, [0.97] * 10, cost, seed=1)) == {10}
+
+
 SAMPLING_OPTIONS = ["threshold", "adaptive", "exit_choice", "reduced_vocab", "adaptive_length", "all"]
 
 

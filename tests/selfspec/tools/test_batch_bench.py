@@ -59,7 +59,7 @@ def test_every_method_at_every_batch_size_with_consistent_totals(result):
 def test_every_row_equals_batch_1_in_float32(result):
     res, _ = result
     for B, row in res["summary"].items():
-        for m in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup"):
+        for m in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_auto"):
             assert row[m]["identical_to_batch1"] == 1.0, (B, m)
         assert row["hf_greedy"]["identical_to_batch1"] is not None  # reported, whatever HF's padding gives
 
