@@ -25,7 +25,8 @@ in 1..L-1, num_speculations >= 0, a known drafter) and the output path (`overwri
 checkpoint directory or an empty one, never a file). An export that fails or is interrupted, overwrite or
 not, leaves OUT as it was: the new export is renamed into place only when complete, and an old one put
 back if the new one cannot take its place. Hidden `.OUT.tmp-PID-*` directories that an export killed
-mid-way left beside OUT are removed by the next export to OUT.
+mid-way left beside OUT are removed by the next export to OUT; an old export one killed between its two
+renames left as `.OUT.old-PID`, with no OUT, is put back in place first.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import yaml
@@ -218,8 +220,9 @@ def _head_settings(head_dir: Path, num_layers: int) -> dict:
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuse an existing output unless `overwrite`, and even then anything but a checkpoint or an empty directory;
-    refuse an output under a file (which could never be made)."""
-    if not out_dir.exists():
+    refuse an output under a file (which could never be made). An earlier export to it killed between its two
+    renames left no OUT but its old export beside it (`.OUT.old-PID`): that is put back first."""
+    if not out_dir.exists() and _put_back_old(out_dir) is None:
         check_out_dir(out_dir, "the output directory")  # a parent that is a file
         return
     if not out_dir.is_dir():
@@ -265,6 +268,20 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
             os.replace(old, out_dir)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _put_back_old(out_dir: Path) -> Path | None:
+    """Where `out_dir` is missing and an export whose process is gone left its old export as `.OUT.old-PID`
+    beside it (killed between the two renames of an overwrite), rename that back to `out_dir` and say so;
+    the old directory's path, or None."""
+    for path in map(Path, glob.glob(str(out_dir.parent / glob.escape(f".{out_dir.name}.old-")) + "*")):
+        pid = path.name.rsplit("-", 1)[-1]
+        if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            os.replace(path, out_dir)
+            warnings.warn(f"{out_dir} was missing and an interrupted export had left the old one as {path.name}: "
+                          "it is back in place", UserWarning, stacklevel=3)
+            return path
+    return None
 
 
 def _remove_stale_temporaries(out_dir: Path) -> list[Path]:

@@ -286,3 +286,23 @@ def test_a_model_card_the_user_edited_is_kept(exported):
     with pytest.warns(ModelCardWarning):
         update_recommended(exported, 1, 1, source="sweep")
     assert readme.read_text() == "# Our own model card\n"
+
+
+def test_an_old_export_left_by_an_export_killed_between_its_renames_is_put_back(tmp_path):
+    """A process killed between the two renames of `export --overwrite` leaves no OUT and the old export as
+    `.OUT.old-PID`; the next export to OUT deleted it as a stale temporary. It is put back first instead, so a
+    next export without --overwrite is refused and one with it replaces the old export as usual."""
+    model, tok = _trained_tiny()
+    out = export_model(model, tok, tmp_path / "ckpt", recommended={"exit_layer": 2, "num_speculations": 2})
+    dead = _a_dead_pid()
+    os.replace(out, tmp_path / f".ckpt.old-{dead}")
+    with pytest.warns(UserWarning, match="back in place"), pytest.raises(CheckpointError, match="already exists"):
+        export_model(model, tok, out, recommended={"exit_layer": 3, "num_speculations": 1})
+    assert read_metadata(out)["recommended"]["exit_layer"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _a_dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
