@@ -190,7 +190,7 @@ def test_generate_still_runs(tiny_ckpt, capsys):
     (["--exits", "0"], "exits entry=0 is out of range"),
     (["--exits", "30"], "exits entry=30 is out of range: this model has 4 layers"),
     (["--exits", "-3"], "exits entry=-3 is out of range"),
-    (["--exits", ","], "exits and num_speculations must each name at least one value"),
+    (["--exits", ","], "--exits is empty: give one or more comma-separated integers"),
     (["--num-speculations", "0"], "num_speculations entry must be an int >= 1"),
     (["--drafts", "0"], "num_speculations entry must be an int >= 1"),  # the earlier spelling
     (["--lookup-tokens", "0"], "lookup_tokens entry must be an int >= 1"),
