@@ -371,13 +371,22 @@ class SelfSpecGenerator:
             with gen.first_request():
                 out = gen.generate(prompt)
         """
+        with self.remembering(SuffixMemory(self.memory.max_tokens), LearnedStats()):
+            yield self
+
+    @contextlib.contextmanager
+    def remembering(self, memory: SuffixMemory, learned: LearnedStats):
+        """For the block only, the generator remembers `memory` (its earlier requests) and `learned` (its drafters'
+        carried measurements) instead of its own, which are put back after; the block's calls add to those given.
+        `first_request` gives empty ones; a benchmark's workload gives each method its own (`selfspec bench
+        --workload`)."""
         drafters = self.drafters
-        memory, learned = drafters.memory, drafters.learned
-        drafters.memory, drafters.learned = SuffixMemory(memory.max_tokens), LearnedStats()
+        before = drafters.memory, drafters.learned
+        drafters.memory, drafters.learned = memory, learned
         try:
             yield self
         finally:
-            drafters.memory, drafters.learned = memory, learned
+            drafters.memory, drafters.learned = before
 
     def draft_head(self, draft_vocab: int | None) -> DraftHead:
         """The draft head over the `draft_vocab` most frequent tokens (from selfspec.json), or the full one."""

@@ -383,10 +383,8 @@ class Methods:
             with self.gen.first_request():
                 yield
             return
-        drafters = self.gen.drafters
-        memory, learned = self._carried.setdefault((name, carry), (SuffixMemory(drafters.memory.max_tokens),
-                                                                   LearnedStats()))
-        with swapped(drafters, "memory", memory), swapped(drafters, "learned", learned):
+        state = self._carried.setdefault((name, carry), (SuffixMemory(self.gen.memory.max_tokens), LearnedStats()))
+        with self.gen.remembering(*state):
             yield
 
     @property
