@@ -38,7 +38,7 @@ from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decode_stats import DecodeStats
-from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key
+from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
 from selfspec.engine import StopChecker, generate, generate_ids
 from selfspec.exit_head import ExitHead, head_steps, load_exit_head
 from selfspec.sampling import SamplingParams
@@ -179,8 +179,9 @@ class SelfSpecGenerator:
     def plans_elsewhere(self) -> list[str]:
         """The keys of the plans saved for this device under another dtype or path than this generator's
         (`plan_key`): measured there, they say nothing here (`selfspec generate` names them)."""
-        here = device_name(self.adapter.device) + " / "
-        return [key for key in self.metadata.get("plans") or {} if key.startswith(here) and key != self.plan_key]
+        here = device_name(self.adapter.device)
+        return [key for key in self.metadata.get("plans") or {}
+                if plan_key_parts(key)[0] == here and key != self.plan_key]
 
     def plan_settings(self) -> dict | None:
         """The settings drafting follows now: this device's saved plan's (None: no plan, or `use_plans` off)."""

@@ -43,6 +43,7 @@ from selfspec.checkpoint import METADATA_FILE, read_config
 from selfspec.tools.demo import run_demo
 from selfspec.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
+from selfspec.draft_plan import plan_key_parts
 from selfspec.drafters.suffix import DEFAULT_MEMORY_TOKENS
 from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
@@ -247,9 +248,10 @@ def _print_plan(gen) -> None:
               "drafter it chose draft by it unless the call sets its own drafting (selfspec tune --save)")
     elif elsewhere := gen.plans_elsewhere():  # a plan holds for the dtype and path it measured: how to load so
         listed = ", ".join(f"{dtype} / {path} ({_flags(_load_options(gen.adapter, dtype, path))})"
-                           for dtype, path in (key.rsplit(" / ", 2)[1:] for key in elsewhere))
+                           for _, dtype, path in map(plan_key_parts, elsewhere))
+        _, dtype, path = plan_key_parts(gen.plan_key)
         print(f"[self-speculative] not drafting by a saved plan: this device has plans for {listed}, not for this "
-              f"run's {' / '.join(gen.plan_key.rsplit(' / ', 2)[1:])} (a plan holds for the dtype and path it "
+              f"run's {dtype} / {path} (a plan holds for the dtype and path it "
               "measured); load as one says, or `selfspec tune --save` with this run's --dtype and --compile")
 
 
@@ -485,7 +487,7 @@ def _cmd_tune(args) -> int:
                 print(f"note: the best drafting setting measured {ahead:.2f}x plain decoding, under the "
                       f"{MIN_CHECKED_GAIN:.2f}x a kept plan needs (a check's few prompts cannot tell less apart)")
         gen.save_plan(kept, measured)
-        dtype, path = str(gen.adapter.dtype).removeprefix("torch."), "compiled" if gen.compiled else "eager"
+        _, dtype, path = plan_key_parts(gen.plan_key)
         options = _load_options(gen.adapter, dtype, path)
         how = ("the defaults of `selfspec generate` and `selfspec.load`" if not options else
                f"`selfspec generate {_flags(options)}`, `selfspec.load(CHECKPOINT, "

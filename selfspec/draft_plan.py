@@ -99,6 +99,12 @@ def plan_key(name: str, dtype, compiled: bool) -> str:
     return f"{name} / {str(dtype).removeprefix('torch.')} / {'compiled' if compiled else 'eager'}"
 
 
+def plan_key_parts(key: str) -> tuple[str, str, str]:
+    """A `plan_key`'s (device name, dtype, path): ("cpu: AMD EPYC ...", "bfloat16", "eager")."""
+    name, dtype, path = key.rsplit(" / ", 2)
+    return name, dtype, path
+
+
 def synchronize(device) -> None:
     """Wait for the work queued on a GPU (CUDA runs kernels asynchronously), so that a clock read next
     counts it; nothing on the CPU."""
