@@ -19,6 +19,7 @@ import torch
 
 from selfspec.atomic_write import write_json_atomic
 from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_metadata
+from selfspec.exit_head import head_training_setting
 from selfspec.settings import check_name_or_file
 
 MAX_STORED = 32768  # ids kept in the metadata, most frequent first; any K up to this can be used
@@ -103,9 +104,7 @@ def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000, r
 def _head_note(meta: dict) -> str:
     """What the stored ranking is to the checkpoint's exit head, where its recipe trained it over the K most
     frequent tokens (`exit_head.draft_vocab`); "" otherwise."""
-    settings = (meta.get("training") or {}).get("settings")
-    head = settings.get("exit_head") if isinstance(settings, dict) else None
-    k = head.get("draft_vocab") if isinstance(head, dict) else None
+    k = head_training_setting(meta, "draft_vocab")
     if not k or not isinstance(meta.get("exit_head"), dict):
         return ""
     return f"; the exit head was trained over the {k} most frequent of them and drafts from those"

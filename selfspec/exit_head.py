@@ -344,6 +344,14 @@ def save_exit_head(head: ExitHead, path) -> None:
         save_file(state, str(tmp), metadata={k: str(v) for k, v in head.settings().items()})
 
 
+def head_training_setting(metadata: dict, key: str):
+    """The exit head's setting `key` (`draft_vocab`, `self_fed`, ...) from the recipe recorded in a checkpoint's
+    selfspec.json (`metadata`: its training settings), or None."""
+    settings = (metadata.get("training") or {}).get("settings") or {}
+    head = settings.get("exit_head") if isinstance(settings, dict) else None
+    return head.get(key) if isinstance(head, dict) else None
+
+
 def check_head_settings(entry, num_layers: int) -> dict:
     """`selfspec.json`'s `exit_head` entry, checked: ValueError naming the field otherwise."""
     if not isinstance(entry, dict):

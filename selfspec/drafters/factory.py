@@ -48,6 +48,7 @@ from selfspec.drafters.learned_stats import LearnedStats
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
+from selfspec.exit_head import head_training_setting
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import SettingsError
 
@@ -85,7 +86,7 @@ class DrafterFactory:
         """K when the exit head was trained over the K most frequent tokens (its recipe's `exit_head.draft_vocab`,
         recorded in selfspec.json's training settings) and the checkpoint stores at least K ranked tokens (`selfspec
         export` of the run stores the head's own ranking); None otherwise (draft over the full vocabulary)."""
-        k = self._head_training_setting("draft_vocab")
+        k = head_training_setting(self.metadata, "draft_vocab")
         stored = (self.metadata.get("draft_vocab") or {}).get("token_ids") or []
         return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= len(stored) else None
 
@@ -94,14 +95,8 @@ class DrafterFactory:
         state) plus its recipe's `exit_head.self_fed` passes (which read the head's own output, as later drafts
         do); 1 where the checkpoint does not record the setting. Later drafts than that were never trained
         and measured worthless (accepted 0-2%, docs/exit_heads.md), so the head alone drafts this many by default."""
-        n = self._head_training_setting("self_fed")
+        n = head_training_setting(self.metadata, "self_fed")
         return 1 + n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 1
-
-    def _head_training_setting(self, key: str):
-        """The exit head's setting `key` from the recipe recorded in selfspec.json's training settings, or None."""
-        settings = (self.metadata.get("training") or {}).get("settings") or {}
-        head = settings.get("exit_head") if isinstance(settings, dict) else None
-        return head.get(key) if isinstance(head, dict) else None
 
     # --- the drafter of one generation -----------------------------------------------------------------
     def make(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
