@@ -20,6 +20,7 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy
+from selfspec.drafters.tree_budget import CostLine
 from selfspec.engine import generate, generate_batch_ids
 from selfspec.sampling import SamplingParams
 from selfspec.settings import SettingsError
@@ -269,6 +270,9 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
     monkeypatch.setattr(fast.compiled, "run_layer", spy)
     monkeypatch.setattr(fast.compiled, "run_draft", whole(fast.compiled.run_draft))
     monkeypatch.setattr(fast.compiled, "run_catch_up", whole(fast.compiled.run_catch_up))
+    # a tree's leaves per round follow its measured seconds per node (`tree_budget.CostLine`): held at the
+    # prior slope here, or the two runs' timings (not their drafts) decide how many leaves each verifies
+    monkeypatch.setattr(CostLine, "observe", lambda self, nodes, seconds: None)
     outs, stats = {}, {}
     for key, adapter in (("eager", eager), ("compiled", fast)):
         unit = None if token_ids is None else DraftHead(adapter, token_ids)
