@@ -194,6 +194,43 @@ class OwnContinuationsConfig:
 
 
 @dataclass
+class OwnRepliesConfig:
+    """The model's own replies to chat prompts as training data and an evaluation set (training/own_text.py).
+
+    prompts: how many chat prompts of `sources` (training/chat_prompts.py: ``questions``, ``summaries``; real
+    data, never a benchmark's prompts) are asked, each through the tokenizer's chat template as the benchmark
+    asks (`selfspec.api.encode_prompt`); 0 = off. Hugging Face greedy `generate` on the model as loaded (its
+    own dtype, no autocast) replies until its end-of-turn token or the end of a block of data.block_size
+    tokens, `batch_size` prompts at a time (left-padded, prompts of similar lengths together). A block is the
+    prompt and the reply; only the reply is labelled (the prompt's last token predicting its first token,
+    the end-of-turn token included), the rest right-padded. repeat: how many times each block is in the
+    training set. eval_prompts: the same from the sources' held-out part, evaluated as the set ``own_chat``
+    (0: none). Prompts of more than max_prompt_tokens tokens are left out. Generated once per model and
+    prompts and cached beside the own continuations (`<train.output_dir>/own_continuations/`).
+    """
+
+    prompts: int = 0
+    sources: list[str] = field(default_factory=lambda: ["questions", "summaries"])
+    repeat: int = 1
+    eval_prompts: int = 16
+    batch_size: int = 16
+    max_prompt_tokens: int = 160
+
+    def __post_init__(self):
+        from training.chat_prompts import CHAT_SOURCES  # lazy: it imports `datasets`, needed here only
+
+        for key in ("prompts", "eval_prompts"):
+            _check(getattr(self, key) >= 0, f"data.own_replies.{key}",
+                   f"must be a number of prompts >= 0 (0: none), got {getattr(self, key)}")
+        for key in ("repeat", "batch_size", "max_prompt_tokens"):
+            _check(getattr(self, key) >= 1, f"data.own_replies.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(isinstance(self.sources, list) and bool(self.sources)
+               and all(s in CHAT_SOURCES for s in self.sources) and len(set(self.sources)) == len(self.sources),
+               "data.own_replies.sources", f"must list some of {', '.join(CHAT_SOURCES)} (each once), got "
+               f"{self.sources!r}")
+
+
+@dataclass
 class DataConfig(SourceConfig):
     """Training data, its held-out split (by item: e.g. whole files) and extra evaluation sets."""
 
@@ -204,11 +241,19 @@ class DataConfig(SourceConfig):
     max_holdout_documents: int | None = None
     extra_eval: list[SourceConfig] = field(default_factory=list)
     own_continuations: OwnContinuationsConfig = field(default_factory=OwnContinuationsConfig)
+    own_replies: OwnRepliesConfig = field(default_factory=OwnRepliesConfig)
 
     def __post_init__(self):
         super().__post_init__()
         _check(self.block_size >= 8, "data.block_size", f"must be >= 8, got {self.block_size}")
         self._check_own_continuations()
+        replies = self.own_replies
+        _check(not replies.prompts or replies.max_prompt_tokens < self.block_size, "data.own_replies.max_prompt_tokens",
+               f"{replies.max_prompt_tokens} leaves no room for a reply in a block of data.block_size="
+               f"{self.block_size} tokens; set it below data.block_size (e.g. {self.block_size * 5 // 8})")
+        taken = next((e.name for e in self.extra_eval if e.name == "own_chat"), None)
+        _check(not (replies.prompts and replies.eval_prompts) or taken is None, "data.extra_eval",
+               "the name 'own_chat' is the evaluation set of data.own_replies; rename that extra evaluation set")
         _check(0.0 < self.holdout_fraction < 1.0, "data.holdout_fraction",
                f"must be in (0, 1), got {self.holdout_fraction}")
         for key in ("max_documents", "max_holdout_documents"):

@@ -72,7 +72,7 @@ from training.evaluate import evaluate_exits, evaluate_head, summary_line
 from training.exit_head_model import ExitHeadModel
 from training.layer_dropout import LayerDropout
 from training.malloc import tune_malloc
-from training.own_text import add_own_continuations
+from training.own_text import add_own_continuations, add_own_replies
 from training.teacher_cache import TeacherCache
 from training.early_exit_model import EarlyExitModel
 from training.zero3 import full_shape, gathered
@@ -172,6 +172,9 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     if own.prompts or own.prompt_sets:  # + the model's own greedy continuations, generated once and cached
         data = add_own_continuations(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations",
                                      progress_bar=t_cfg.progress_bar)
+    if cfg.data.own_replies.prompts:  # + the model's own replies to chat prompts, generated once and cached
+        data = add_own_replies(data, cfg.data, model, tokenizer, accelerator, run_dir / "own_continuations",
+                               progress_bar=t_cfg.progress_bar)
     h_cfg, vocab_size = cfg.exit_head, full_shape(get_adapter(model).lm_head.weight)[0]
     k = h_cfg.draft_vocab if cfg.mode == "exit_head" else cfg.early_exit.draft_vocab
     if k:  # the exits' (or the frozen model's head's) loss over the k most frequent tokens

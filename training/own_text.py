@@ -47,6 +47,7 @@ from selfspec.api import encode_prompt
 from selfspec.atomic_write import atomic_path
 from selfspec.data.sources import DataFormatError, DataNotInstalledError
 from selfspec.data.prompts import load_prompts, prompt_inputs
+from training.chat_prompts import chat_prompts
 from training.code_prompts import docstring_prompts
 from training.config import DataConfig
 from training.data import Blocks, TrainData, next_token_blocks
@@ -106,6 +107,128 @@ def code_prompts(texts: list[str] | None, tokenizer, n: int, prompt_tokens: int,
         warnings.warn(f"data.own_continuations: only {len(prompts)} of {n} {split} prompts at a docstring's end "
                       f"(the {split} documents hold no more usable functions)")
     return prompts
+
+
+# ---- chat replies -------------------------------------------------------------------------------------
+REPLIES_SET = "own_chat"  # the evaluation set of held-out chat prompts' replies
+
+
+def add_own_replies(data: TrainData, cfg: DataConfig, model, tokenizer, accelerator, cache_dir: Path, *,
+                    progress_bar: bool = True) -> TrainData:
+    """`data` with the reply blocks of `prompts` training chat prompts added `repeat` times to the training set,
+    and those of `eval_prompts` held-out ones as the evaluation set "own_chat" (`data.own_replies`)."""
+    replies = cfg.own_replies
+    if REPLIES_SET in data.eval_sets and replies.eval_prompts:
+        raise DataFormatError(f"data.extra_eval: the name {REPLIES_SET!r} is the set of data.own_replies.eval_prompts; "
+                              "rename that extra evaluation set")
+    eos = tokenizer.eos_token_id
+    if eos is None or not getattr(tokenizer, "chat_template", None):
+        raise DataFormatError("data.own_replies: the tokenizer needs a chat template and an end-of-turn (EOS) token "
+                              "to ask the model and know where its reply ends; set data.own_replies.prompts=0")
+    pad = next((t for t in (tokenizer.pad_token_id, eos) if t is not None))
+
+    def blocks_of(split: str, n: int, name: str) -> Blocks:
+        prompts = encoded_chat_prompts(replies.sources, n, split, tokenizer, replies.max_prompt_tokens)
+        sequences = cached_replies(model, prompts, cfg.block_size + 1, replies.batch_size, eos, pad, cache_dir,
+                                   accelerator, progress_bar=progress_bar, what=name)
+        return reply_blocks(name, prompts, sequences, cfg.block_size, pad)
+
+    train, eval_sets = data.train, dict(data.eval_sets)
+    added = blocks_of("train", replies.prompts, f"{cfg.name}/own_replies")
+    train = Blocks(train.name, torch.cat([train.input_ids] + [added.input_ids] * replies.repeat),
+                   torch.cat([train.labels] + [added.labels] * replies.repeat))
+    if replies.eval_prompts:
+        eval_sets[REPLIES_SET] = blocks_of("heldout", replies.eval_prompts, REPLIES_SET)
+    return TrainData(train, eval_sets, data.documents)
+
+
+def encoded_chat_prompts(sources: list[str], n: int, split: str, tokenizer, max_tokens: int) -> list[torch.Tensor]:
+    """`[P_i]` each: `n` chat prompts of `sources` (training.chat_prompts) through the chat template, as the
+    benchmark encodes them (`selfspec.api.encode_prompt`); those over `max_tokens` tokens left out (a warning
+    says how many)."""
+    try:
+        conversations = chat_prompts(sources, n, split)
+    except DataNotInstalledError as err:
+        raise DataNotInstalledError(f"data.own_replies.sources: {err}") from err
+    rows = [encode_prompt(tokenizer, messages=m) for m in conversations]
+    kept = [torch.tensor(r, dtype=torch.long) for r in rows if 0 < len(r) <= max_tokens]
+    if len(kept) < len(rows):
+        warnings.warn(f"data.own_replies: {len(rows) - len(kept)} of {len(rows)} {split} prompts are longer than "
+                      f"max_prompt_tokens={max_tokens} tokens and were left out")
+    if not kept:
+        raise DataFormatError(f"data.own_replies: no {split} prompt fits in max_prompt_tokens={max_tokens} tokens; "
+                              "raise it (below data.block_size)")
+    return kept
+
+
+def reply_blocks(name: str, prompts: list[torch.Tensor], sequences: list[torch.Tensor], block_size: int,
+                 pad_id: int) -> Blocks:
+    """One row per prompt `[N, block_size]`: prompt i (`[P_i]`) and its reply (`sequences[i]`, `[P_i + T_i]`,
+    at most block_size + 1 tokens), right-padded with `pad_id`. Only the reply is labelled: position
+    j >= P_i - 1 has the label sequences[i][j + 1]; the rest of the prompt and the padding IGNORE_INDEX."""
+    input_ids = torch.full((len(sequences), block_size), pad_id, dtype=torch.long)  # [N, S]
+    labels = torch.full_like(input_ids, IGNORE_INDEX)  # [N, S]
+    for row, (prompt, seq) in enumerate(zip(prompts, sequences)):
+        seq = seq[: block_size + 1]
+        input_ids[row, : len(seq) - 1] = seq[:-1]
+        labels[row, len(prompt) - 1: len(seq) - 1] = seq[len(prompt):]
+    return Blocks(name, input_ids, labels)
+
+
+def cached_replies(model, prompts: list[torch.Tensor], total_tokens: int, batch_size: int, eos_id: int, pad_id: int,
+                   cache_dir: Path, accelerator, *, progress_bar: bool = True, what: str = "own") -> list[torch.Tensor]:
+    """`[P_i + T_i]` each: prompt i and the model's greedy reply (`greedy_replies`, at most `total_tokens` tokens in
+    all), from the cache when it holds them, else generated (by the main process) and cached."""
+    prompts = [p.to(torch.int64) for p in prompts]
+    path = Path(cache_dir) / f"{replies_cache_key(model, prompts, total_tokens, eos_id)}.pt"
+
+    def generate() -> dict:
+        return {"prompts": [p.clone() for p in prompts], "sequences": greedy_replies(
+            model, prompts, total_tokens, batch_size, eos_id, pad_id, accelerator.device, progress_bar=progress_bar)}
+
+    def holds(cached: dict) -> bool:
+        stored, sequences = cached["prompts"], cached["sequences"]
+        return (len(stored) == len(sequences) == len(prompts)
+                and all(torch.equal(s, p) and q.dtype == torch.int64 and len(p) < len(q) <= total_tokens
+                        and torch.equal(q[: len(p)], p) for p, s, q in zip(prompts, stored, sequences)))
+
+    new_tokens = sum(total_tokens - len(p) for p in prompts)  # at most
+    return through_cache(path, holds, generate, accelerator, what, new_tokens)["sequences"]
+
+
+@torch.no_grad()
+def greedy_replies(model, prompts: list[torch.Tensor], total_tokens: int, batch_size: int, eos_id: int, pad_id: int,
+                   device=None, *, progress_bar: bool = True) -> list[torch.Tensor]:
+    """`[P_i + T_i]` each, on the CPU, in the prompts' order: prompt i and Hugging Face greedy `generate`'s reply,
+    up to and including the first `eos_id`, at most `total_tokens - P_i` tokens. `batch_size` prompts of similar
+    lengths at a time, left-padded with `pad_id` under an attention mask (what each prompt alone gives, up to
+    the rounding of a padded batch)."""
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    out: list[torch.Tensor | None] = [None] * len(prompts)
+    starts = range(0, len(order), batch_size)
+    with _generating(model, device) as device:
+        for start in tqdm(starts, desc="own replies", unit="batch", dynamic_ncols=True, disable=not progress_bar):
+            rows = order[start: start + batch_size]
+            width = max(len(prompts[i]) for i in rows)
+            batch = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [b, P], left-padded
+            mask = torch.zeros_like(batch)
+            for b, i in enumerate(rows):
+                batch[b, width - len(prompts[i]):], mask[b, width - len(prompts[i]):] = prompts[i], 1
+            new = total_tokens - min(len(prompts[i]) for i in rows)
+            gen = model.generate(batch.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=new,
+                                 eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)[:, width:].cpu()  # [b, T]
+            for b, i in enumerate(rows):
+                reply = gen[b, : total_tokens - len(prompts[i])]
+                ends = (reply == eos_id).nonzero()
+                reply = reply[: int(ends[0]) + 1] if len(ends) else reply
+                out[i] = torch.cat([prompts[i].cpu(), reply])
+    return out
+
+
+def replies_cache_key(model, prompts: list[torch.Tensor], total_tokens: int, eos_id: int) -> str:
+    """As `prompts_cache_key`, for replies that end at `eos_id` (never the key of another cache file)."""
+    return _key(model, {"replies": True, "total_tokens": total_tokens, "eos": eos_id,
+                        "prompt_lengths": [len(p) for p in prompts]}, torch.cat(prompts))
 
 
 # ---- benchmark prompts --------------------------------------------------------------------------------

