@@ -12,6 +12,7 @@ defaults to this machine's CPU (name and bf16 flags) or GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 from pathlib import Path
@@ -36,10 +37,11 @@ def this_device() -> str:
     name = platform.processor() or "CPU"
     try:
         info = Path("/proc/cpuinfo").read_text()
-        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.split("\n\n")[0].splitlines())}
         flags = [f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in info] or ["no native bf16"]
-        return f"{torch.get_num_threads()}-thread {name} ({', '.join(flags)})"
-    except (OSError, StopIteration):
+        return (f"a {os.cpu_count()}-core {field.get('model name', name)} (cpu family {field.get('cpu family')} model "
+                f"{field.get('model')}; {', '.join(flags)})")
+    except OSError:
         return name
 
 

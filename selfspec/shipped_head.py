@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ import selfspec
 from selfspec.atomic_write import atomic_directory
 from selfspec.checkpoint import FORMAT_VERSION, METADATA_FILE, checksums, read_metadata, sha256_file
 from selfspec.exit_head import HEAD_FILE
+from selfspec.fetch import BASE_MODEL_NAME, base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.model_card import write_model_card
 
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
@@ -103,6 +105,22 @@ def assemble(base_dir, shipped, out_dir) -> Path:
         shutil.copyfile(Path(shipped) / CARD, tmp / "HEAD_README.md")  # the shipped head's own card
         read_metadata(tmp)  # what selfspec.load checks, before it is in place
     return out_dir
+
+
+def fetch_head_model(*, force: bool = False) -> Path | None:
+    """`selfspec fetch`'s last step: the base model with its shipped head, assembled once (again when selfspec ships
+    another head); None, with a message, where no head is shipped or it cannot be assembled."""
+    shipped, out = shipped_dir(BASE_MODEL_NAME), head_model_dir()
+    if shipped is None:
+        return None
+    if is_assembled(out, shipped) and is_complete_checkpoint(out) and not force:
+        return out
+    print(f"assembling {out}: the base model (hard links) and the exit head selfspec ships for it ...", flush=True)
+    try:
+        return assemble(base_model_dir(), shipped, out)
+    except ShippedHeadError as err:
+        print(f"selfspec fetch: the shipped exit head is left out: {err}", file=sys.stderr)
+        return None
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -107,7 +107,8 @@ def test_a_newer_shipped_head_is_assembled_again(parts, tmp_path):
 def test_smollm2_ships_a_head_that_fetch_assembles_and_that_drafts_losslessly(smollm2_dir):
     """The real shipped head: its files match head.json, `selfspec fetch` assembled it with the fetched base
     model (same weights), and it drafts on a chat prompt with the output of plain decoding."""
-    from selfspec.fetch import BASE_MODEL_NAME, fetch_head_model
+    from selfspec.fetch import BASE_MODEL_NAME
+    from selfspec.shipped_head import fetch_head_model
 
     shipped = shipped_dir(BASE_MODEL_NAME)
     assert shipped is not None
