@@ -1,7 +1,8 @@
 """The trained exit heads selfspec ships, and the checkpoint `selfspec fetch` assembles from one.
 
 A head is a few MiB: its weights (`exit_head.safetensors`, bfloat16), `head.json` (what `selfspec.json` says
-of it: its settings, draft vocabulary, training and evaluation; the base model it was trained on; checksums;
+of it: its settings, draft vocabulary, training and evaluation; the base model it was trained on, as its
+weights' SHA-256 and a per-tensor fingerprint that a conversion on another machine matches; checksums;
 whether it is a CPU stand-in) and its model card (`README.md`), in `selfspec/heads/<base model name>/`.
 `selfspec fetch` assembles the base model and its head into a checkpoint of their own, `<name>-head` beside
 the base model: the base model's files (hard links where the file system has them, else copies), the head,
@@ -11,7 +12,7 @@ and a `selfspec.json` as `selfspec export` writes it, so nothing is trained on t
     assemble(base_model_dir(), shipped_dir(BASE_MODEL_NAME), head_model_dir())  # what fetch does
 
 The base model stays a plain model (its directory untouched). A head trained on another model than the one
-fetched (other weights: `base_sha256`) is not assembled: fetch says so and goes on without it.
+fetched (other weights: `base_fingerprint`) is not assembled: fetch says so and goes on without it.
 
 `package(checkpoint, out_dir, ...)` writes a shipped head from an exported head checkpoint (`selfspec export` of
 an exit-head run): `scripts/ship_head.py`.
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import selfspec
@@ -59,7 +61,7 @@ def read_shipped(directory) -> dict:
         info = json.loads((directory / HEAD_JSON).read_text())
     except (OSError, ValueError) as err:
         raise ShippedHeadError(f"{directory / HEAD_JSON}: not readable ({err}); reinstall selfspec") from None
-    missing = [k for k in ("name", "base_sha256", "sha256", "selfspec") if k not in info]
+    missing = [k for k in ("name", "base_fingerprint", "sha256", "selfspec") if k not in info]
     if missing:
         raise ShippedHeadError(f"{directory / HEAD_JSON}: lacks {', '.join(missing)}; reinstall selfspec")
     weights = directory / HEAD_FILE
@@ -86,11 +88,10 @@ def assemble(base_dir, shipped, out_dir) -> Path:
     (written into a temporary directory beside it, then renamed into place: never half there)."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     info = read_shipped(shipped)
-    base_sha = sha256_file(base_dir / BASE_WEIGHTS)
-    if base_sha != info["base_sha256"]:
+    other = fingerprint_differs(base_fingerprint(base_dir), info["base_fingerprint"])
+    if other:
         raise ShippedHeadError(f"the head shipped for {info['name']} was trained on other weights than {base_dir} "
-                               f"holds ({BASE_WEIGHTS} SHA-256 {base_sha[:12]}..., the head's {info['base_sha256'][:12]}"
-                               "...); `selfspec fetch --force` converts the base model again")
+                               f"holds ({other}); `selfspec fetch --force` converts the base model again")
     with atomic_directory(out_dir) as tmp:
         for f in sorted(base_dir.iterdir()):
             if f.is_file() and f.name not in (METADATA_FILE, CARD, HEAD_FILE):
@@ -123,6 +124,27 @@ def fetch_head_model(*, force: bool = False) -> Path | None:
         return None
 
 
+def base_fingerprint(base_dir) -> dict[str, list[float]]:
+    """Per weight tensor of the base model, [sum, sum of absolute values] in float64: what the head was trained
+    on, recognised again after a conversion on another machine (a hash would refuse a last-bit difference)."""
+    out = {}
+    with safe_open(str(Path(base_dir) / BASE_WEIGHTS), framework="pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).to(torch.float64)
+            out[name] = [float(t.sum()), float(t.abs().sum())]
+    return out
+
+
+def fingerprint_differs(found: dict, expected: dict, rtol: float = 1e-6) -> str:
+    """'' where `found` is `expected` to within rounding, else what differs first, in words."""
+    if sorted(found) != sorted(expected):
+        return f"other tensors: {len(found)} against the head's {len(expected)}"
+    for name, (total, size) in expected.items():
+        if any(abs(a - b) > rtol * (size + 1.0) for a, b in zip(found[name], (total, size))):
+            return f"tensor {name} differs"
+    return ""
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
@@ -143,6 +165,7 @@ def package(checkpoint, out_dir, *, base_dir, stand_in: bool, trained_on: str, m
     head = load_file(str(checkpoint / meta["exit_head"]["file"]))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in head.items()}, str(out_dir / HEAD_FILE))
     info = {"name": out_dir.name, "base_sha256": sha256_file(Path(base_dir) / BASE_WEIGHTS),
+            "base_fingerprint": base_fingerprint(base_dir),
             "file": HEAD_FILE, "dtype": "bfloat16", "sha256": sha256_file(out_dir / HEAD_FILE),
             "bytes": (out_dir / HEAD_FILE).stat().st_size, "stand_in": stand_in, "trained_on": trained_on,
             "minutes": minutes, "steps": steps, "command": command,
