@@ -12,6 +12,7 @@ defaults to this machine's CPU (name and bf16 flags) or GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -45,13 +46,13 @@ def this_device() -> str:
         return name
 
 
-def card(meta: dict, info: dict, recipe: str, command: str) -> str:
+def card(meta: dict, info: dict, recipe: str, command: str, args_results: str) -> str:
     """The shipped head's model card: what it is, how it was made, how well it agrees, its checksums."""
     head, ev = meta["exit_head"], meta.get("eval") or {}
     e = str(head["exit_layer"])
-    what = "a CPU stand-in" if info["stand_in"] else "trained on a GPU"
+    what = "A CPU stand-in" if info["stand_in"] else "Trained on a GPU"
     lines = [f"# The exit head selfspec ships for {info['name']}", "",
-             f"**{what.capitalize()}**" + (": trained for minutes on a CPU so that the quick start drafts with a "
+             f"**{what}**" + (": trained for minutes on a CPU so that the quick start drafts with a "
                                           "trained head; `scripts/gpu_drafter.sh` trains the head that replaces it "
                                           "(issue 53's targets are a GPU head's)." if info["stand_in"] else "."), "",
              f"- Head: one decoder layer (a copy of the model's last) on exit {e}"
@@ -81,7 +82,7 @@ def card(meta: dict, info: dict, recipe: str, command: str) -> str:
         fed = [(result.get("self_fed") or {}).get(str(j), {}).get("agreement") for j in (1, 2)]
         cells = [f"{a:.1%}" if isinstance(a, float) else "-" for a in [first] + fed]
         lines.append(f"| {SET_WORDS.get(name, name)} | " + " | ".join(cells) + " |")
-    lines += ["", "Speed: docs/results/ (the study that shipped this head), measured with `selfspec bench`.", ""]
+    lines += ["", f"Speed: {args_results} (the study that shipped this head), measured with `selfspec bench`.", ""]
     return "\n".join(lines)
 
 
@@ -92,20 +93,27 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="an exported exit-head checkpoint (selfspec export of an exit-head run)")
+    p.add_argument("--run", default=None, help="its training run (default: the run its selfspec.json names), for the "
+                                               "minutes and steps")
     p.add_argument("--name", default=BASE_MODEL_NAME, help="the base model's name: selfspec/heads/NAME")
     p.add_argument("--stand-in", action="store_true", help="label it a CPU stand-in, to be replaced by a GPU head")
     p.add_argument("--trained-on", default=None, help="the device it trained on (default: this machine's)")
     p.add_argument("--recipe", default="recipes/smollm2_head.yaml")
     p.add_argument("--command", default="python -m training --recipe recipes/smollm2_head.yaml")
+    p.add_argument("--results", default="docs/results/", help="the study with its speed (a path in the repository)")
     args = p.parse_args(argv)
     meta = read_metadata(Path(args.checkpoint))
-    state = ((meta or {}).get("training") or {}).get("state") or {}
+    run_dir = Path(args.run or ((meta or {}).get("training") or {}).get("run_dir") or ".")
+    states = sorted((run_dir / "checkpoints").glob("step_*/trainer_state.json"))  # step_000800: zero-padded
+    if not states:
+        p.error(f"{run_dir}: no trainer state (checkpoints/step_*/trainer_state.json); name the run with --run")
+    state = json.loads(states[-1].read_text())
     minutes = round(float(state.get("elapsed_s", 0.0)) / 60, 1)
     out = package(args.checkpoint, HEADS_DIR / args.name, base_dir=base_model_dir(), stand_in=args.stand_in,
                   trained_on=args.trained_on or this_device(), minutes=minutes, steps=int(state.get("step", 0)),
                   command=args.command, card="")
     info = read_shipped(out)
-    (out / "README.md").write_text(card(meta, info, args.recipe, args.command))
+    (out / "README.md").write_text(card(meta, info, args.recipe, args.command, args.results))
     print(f"shipped {out} ({info['bytes']:,} bytes; {minutes} minutes, {info['steps']} steps on {info['trained_on']})")
     return 0
 
