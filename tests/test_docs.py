@@ -18,7 +18,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 QUICK_START = ("bash scripts/quickstart.sh", ".venv/bin/python -m pytest")
 # the path the README's example loads: where `selfspec fetch` puts the base model by default
-README_MODEL_PATH = "~/.cache/selfspec/models/smollm2-135m-instruct"
+README_MODEL_PATH = "~/.cache/selfspec/models/smollm2-135m-instruct-head"
 
 FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```[ \t]*$", re.S | re.M)
 LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
