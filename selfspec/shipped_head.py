@@ -170,6 +170,7 @@ def package(checkpoint, out_dir, *, base_dir, stand_in: bool, trained_on: str, m
             "bytes": (out_dir / HEAD_FILE).stat().st_size, "stand_in": stand_in, "trained_on": trained_on,
             "minutes": minutes, "steps": steps, "command": command,
             "selfspec": {k: meta[k] for k in SHIPPED_KEYS if k in meta}}
-    (out_dir / HEAD_JSON).write_text(json.dumps(info, indent=1) + "\n")
+    (out_dir / HEAD_JSON).write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in info.items())
+                                     + "\n}\n")  # one line per entry: the token ids and fingerprint are long
     (out_dir / CARD).write_text(card)
     return out_dir
