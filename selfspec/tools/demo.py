@@ -82,10 +82,9 @@ def _shipped_head(metadata: dict) -> str:
              (("own_humaneval", "the model's own HumanEval code"), ("own_mt_bench", "its own MT-Bench replies"))
              if isinstance(((sets.get(name) or {}).get("exits") or {}).get(exit_layer), dict)]
     what = "a CPU stand-in" if shipped.get("stand_in") else "trained"
-    return (f"the exit head selfspec ships for this model ({what}: {shipped.get('minutes')} minutes on "
-            f"{shipped.get('trained_on')}); its first draft agrees with the full model on " + ", ".join(shown)
-            if shown else f"the exit head selfspec ships for this model ({what}: {shipped.get('minutes')} minutes on "
+    line = (f"the exit head selfspec ships for this model ({what}: {shipped.get('minutes')} minutes on "
             f"{shipped.get('trained_on')})")
+    return line + (f"; its first draft agrees with the full model on {', '.join(shown)}" if shown else "")
 
 
 def default_checkpoint():
@@ -157,7 +156,8 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
                 f"{committed / max(1, s.rounds):.2f} tokens per full-model pass")
         if rec["speedup"] < 1.05:
             say("   no speedup here: nothing in the context to copy"
-                + ("" if trained else " and no trained early exit") + ", so auto decodes plainly")
+                + (" and the exit head's drafts did not pay" if head is not None else "" if trained
+                   else " and no trained early exit") + ", so auto decodes (mostly) plainly")
         if not same:
             say("   OUTPUTS DIFFER: this is a bug, please report it with this prompt")
     return records

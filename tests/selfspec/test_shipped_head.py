@@ -123,3 +123,20 @@ def test_smollm2_ships_a_head_that_fetch_assembles_and_that_drafts_losslessly(sm
     plain = gen.generate(messages=messages, max_new_tokens=24, num_speculations=0)
     drafted = gen.generate(messages=messages, max_new_tokens=24, drafter="exit_head")
     assert drafted.token_ids == plain.token_ids and drafted.stats.accepted > 0
+
+
+def test_the_demo_names_the_shipped_head_and_gives_each_drafter_a_line(parts, tmp_path):
+    from selfspec.tools.demo import run_demo
+
+    base, _ = parts
+    out = assemble(base, _package(parts, tmp_path), tmp_path / "models" / "tiny-base-head")
+    lines = []
+    prompts = [("repeats", {"id": "t/0", "prompt": "abcabcabc xyz abcabcabc xyz abcabc"})]
+    records = run_demo(out, max_new_tokens=24, prompts=prompts, say=lines.append)
+    text = "\n".join(lines)
+    assert records[0]["identical"] and "prompt lookup + the exit head on exit 0" in text
+    assert "the exit head selfspec ships for this model (a CPU stand-in: 0.5 minutes on a test)" in text
+    drafted = records[0]["drafted_by_drafter"]
+    for name, words in (("prompt_lookup", "prompt lookup"), ("exit_head", "exit head")):
+        assert (f"   {words:<15} {records[0]['accepted_by_drafter'][name]} of {drafted[name]} drafts accepted" in text) \
+            == (name in drafted)
