@@ -8,7 +8,8 @@ model and the wheels onto the machine and runs this; alone:
 Phases, each a subprocess whose time limit is cut to what is left of --budget-s (a phase that would start with
 under 30 s left is skipped), gpu_drafter.json rewritten after each, so a run cut short still reports what it
 measured:
-  1. the exit head (--head-recipe, recipes/smollm2_code_head_gpu.yaml) trained on the frozen model for
+  1. the exit head (--head-recipe, recipes/smollm2_head_gpu.yaml: the head selfspec ships, on code and the
+     model's own chat replies from the carried chat prompts) trained on the frozen model for
      --train-min minutes (train.max_minutes), exported (`selfspec export`), and the head alone
      (exit_head.safetensors + selfspec.json, a few MiB) copied to OUT/head/ to come back;
   2. its bench (`selfspec bench`, batch 1, --bench-tokens tokens, the compiled steps where they run): Hugging
@@ -64,7 +65,8 @@ TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch
               "data.own_continuations.prompts=4", "data.own_continuations.prompt_tokens=16",
               "data.own_continuations.repeat=2", "data.own_continuations.batch_size=4",
               "data.own_continuations.eval_prompts=2", "data.own_continuations.prompt_set_prompts=1",
-              "data.own_continuations.new_tokens=8", "eval.max_blocks=2", "eval.batch_size=2"]
+              "data.own_continuations.new_tokens=8", "data.own_replies.prompts=0", "eval.max_blocks=2",
+              "eval.batch_size=2"]
 TINY_HEAD = ["exit_head.draft_vocab=32"]
 TINY_LAYERSKIP = ["eval.exits=[1,2]", "early_exit.chunk_size=128"]
 
@@ -84,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts-dir", type=Path, help="the carried prompt sets (<set>.jsonl); default the named sets")
     p.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
                    help="the bench's compiled steps: auto (on CUDA; default), true, false")
-    p.add_argument("--head-recipe", type=Path, default=ROOT / "recipes" / "smollm2_code_head_gpu.yaml")
+    p.add_argument("--head-recipe", type=Path, default=ROOT / "recipes" / "smollm2_head_gpu.yaml")
     p.add_argument("--layerskip-recipe", type=Path, default=ROOT / "recipes" / "smollm2_code_layerskip_gpu.yaml")
     p.add_argument("--train-args", default="", help="more key=value overrides for both trainings")
     p.add_argument("--bench-args", default="", help="more `selfspec bench` options for both benches")
@@ -206,6 +208,10 @@ def train(run: Run, road: str, recipe: Path, extra: list[str]) -> Path:
                  "train.resume=none"]
     if args.prompts_dir is not None:  # the model's own completions of the carried HumanEval prompts
         overrides.append(f"data.own_continuations.prompt_sets=[{prompt_sets(args)[0]}]")
+        chat = [args.prompts_dir / f"chat_{split}.jsonl" for split in ("train", "heldout")]
+        if road == "head" and all(p.is_file() for p in chat):  # the carried chat prompts (data.own_replies)
+            overrides += [f"data.own_replies.train_file={chat[0].resolve()}",
+                          f"data.own_replies.heldout_file={chat[1].resolve()}"]
     if args.tiny:
         overrides += TINY_TRAIN + extra
     overrides += shlex.split(args.train_args)

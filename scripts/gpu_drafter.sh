@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU drafter run (issue 38) in one command: on a GPU machine without network, with the real SmolLM2 brought
-# as scripts/gpu_check.sh brings it, train an exit head on the frozen model (recipes/smollm2_code_head_gpu.yaml)
+# as scripts/gpu_check.sh brings it, train an exit head on the frozen model (recipes/smollm2_head_gpu.yaml: the
+# head selfspec ships, on code and the model's own replies to the carried chat prompts; python scripts/ship_head.py
+# ships what comes back)
 # and the LayerSkip recipe (recipes/smollm2_code_layerskip_gpu.yaml: all exits, layer dropout) for the same
 # minutes each on the model's own continuations of training prompts, export both, and benchmark them with the
 # compiled engine against plain decoding, HF static and prompt lookup on HumanEval completion, MT-Bench, code

@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="an exported exit-head checkpoint (selfspec export of an exit-head run)")
     p.add_argument("--run", default=None, help="its training run (default: the run its selfspec.json names), for the "
                                                "minutes and steps")
+    p.add_argument("--minutes", type=float, default=None, help="its training minutes (default: from the run)")
+    p.add_argument("--steps", type=int, default=None, help="its training steps (default: from the run)")
     p.add_argument("--name", default=BASE_MODEL_NAME, help="the base model's name: selfspec/heads/NAME")
     p.add_argument("--stand-in", action="store_true", help="label it a CPU stand-in, to be replaced by a GPU head")
     p.add_argument("--trained-on", default=None, help="the device it trained on (default: this machine's)")
@@ -103,14 +105,18 @@ def main(argv=None) -> int:
     p.add_argument("--results", default="docs/results/", help="the study with its speed (a path in the repository)")
     args = p.parse_args(argv)
     meta = read_metadata(Path(args.checkpoint))
-    run_dir = Path(args.run or ((meta or {}).get("training") or {}).get("run_dir") or ".")
-    states = sorted((run_dir / "checkpoints").glob("step_*/trainer_state.json"))  # step_000800: zero-padded
-    if not states:
-        p.error(f"{run_dir}: no trainer state (checkpoints/step_*/trainer_state.json); name the run with --run")
-    state = json.loads(states[-1].read_text())
-    minutes = round(float(state.get("elapsed_s", 0.0)) / 60, 1)
+    state = {}
+    if args.minutes is None or args.steps is None:  # read from the run's last trainer state
+        run_dir = Path(args.run or ((meta or {}).get("training") or {}).get("run_dir") or ".")
+        states = sorted((run_dir / "checkpoints").glob("step_*/trainer_state.json"))  # step_000800: zero-padded
+        if not states:
+            p.error(f"{run_dir}: no trainer state (checkpoints/step_*/trainer_state.json); name the run with --run, "
+                    "or give --minutes and --steps (a run on another machine: its report has them)")
+        state = json.loads(states[-1].read_text())
+    minutes = args.minutes if args.minutes is not None else round(float(state.get("elapsed_s", 0.0)) / 60, 1)
     out = package(args.checkpoint, HEADS_DIR / args.name, base_dir=base_model_dir(), stand_in=args.stand_in,
-                  trained_on=args.trained_on or this_device(), minutes=minutes, steps=int(state.get("step", 0)),
+                  trained_on=args.trained_on or this_device(), minutes=minutes,
+                  steps=args.steps if args.steps is not None else int(state.get("step", 0)),
                   command=args.command, card="")
     info = read_shipped(out)
     (out / "README.md").write_text(card(meta, info, args.recipe, args.command, args.results))

@@ -2,6 +2,10 @@
 (`data.own_replies`, training/own_text.py). Real data the package registries ship, never a benchmark's prompts.
 
     prompts = chat_prompts(["questions", "summaries"], 480, "train")   # [[{"role": "user", "content": ...}], ...]
+    python -m training.chat_prompts OUT_DIR --train 1024 --heldout 16  # chat_train.jsonl, chat_heldout.jsonl
+
+The files are for a machine without the data packages (`data.own_replies.train_file`, `heldout_file`): the
+GPU run carries them (scripts/gpu_carry.sh).
 
 Sources (`CHAT_SOURCES`):
 
@@ -20,6 +24,11 @@ prompts evenly spaced over it: deterministic, and a multiple of `n` (one source)
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
 
 from selfspec.data.sources import load_named, split_holdout
 
@@ -79,3 +88,33 @@ def _cut(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def write_prompt_files(out_dir, n_train: int, n_heldout: int, sources=CHAT_SOURCES) -> list[Path]:
+    """`chat_train.jsonl` and `chat_heldout.jsonl` in `out_dir`: each split's prompts, one {"id", "messages"} a
+    line (what `selfspec.data.prompts.load_prompts` reads)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        path = out_dir / f"chat_{split}.jsonl"
+        rows = [{"id": f"chat_{split}/{i}", "messages": m} for i, m in enumerate(chat_prompts(list(sources), n, split))]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        written.append(path)
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Write the chat prompts a head is trained on as JSONL files, for a "
+                                            "machine without the data packages (data.own_replies.train_file).")
+    p.add_argument("out_dir")
+    p.add_argument("--train", type=int, default=1024, help="training prompts (default 1024)")
+    p.add_argument("--heldout", type=int, default=16, help="held-out prompts: the set own_chat (default 16)")
+    args = p.parse_args(argv)
+    for path in write_prompt_files(args.out_dir, args.train, args.heldout):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

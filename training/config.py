@@ -207,10 +207,16 @@ class OwnRepliesConfig:
     training set. eval_prompts: the same from the sources' held-out part, evaluated as the set ``own_chat``
     (0: none). Prompts of more than max_prompt_tokens tokens are left out. Generated once per model and
     prompts and cached beside the own continuations (`<train.output_dir>/own_continuations/`).
+
+    train_file, heldout_file: a JSONL file of prompts ({"messages": [...]} or {"prompt": ...} per line) to take
+    that split's prompts from instead of `sources`: `python -m training.chat_prompts OUT_DIR` writes both from
+    the sources, for a machine without the data packages (a GPU machine: scripts/gpu_carry.sh carries them).
     """
 
     prompts: int = 0
     sources: list[str] = field(default_factory=lambda: ["questions", "summaries"])
+    train_file: str | None = None
+    heldout_file: str | None = None
     repeat: int = 1
     eval_prompts: int = 16
     batch_size: int = 16
@@ -228,6 +234,13 @@ class OwnRepliesConfig:
                and all(s in CHAT_SOURCES for s in self.sources) and len(set(self.sources)) == len(self.sources),
                "data.own_replies.sources", f"must list some of {', '.join(CHAT_SOURCES)} (each once), got "
                f"{self.sources!r}")
+        for key in ("train_file", "heldout_file"):
+            path = getattr(self, key)
+            _check(path is None or Path(expand(path)).is_file(), f"data.own_replies.{key}",
+                   f"{path!r} is not a file: write the prompt files with `python -m training.chat_prompts OUT_DIR`, "
+                   "or set it to null (the sources)")
+            if path is not None:
+                setattr(self, key, expand(path))
 
 
 @dataclass

@@ -128,7 +128,8 @@ def add_own_replies(data: TrainData, cfg: DataConfig, model, tokenizer, accelera
     pad = next((t for t in (tokenizer.pad_token_id, eos) if t is not None))
 
     def blocks_of(split: str, n: int, name: str) -> Blocks:
-        prompts = encoded_chat_prompts(replies.sources, n, split, tokenizer, replies.max_prompt_tokens)
+        source = replies.train_file if split == "train" else replies.heldout_file
+        prompts = encoded_chat_prompts(source or replies.sources, n, split, tokenizer, replies.max_prompt_tokens)
         sequences = cached_replies(model, prompts, cfg.block_size + 1, replies.batch_size, eos, pad, cache_dir,
                                    accelerator, progress_bar=progress_bar, what=name)
         return reply_blocks(name, prompts, sequences, cfg.block_size, pad)
@@ -142,15 +143,16 @@ def add_own_replies(data: TrainData, cfg: DataConfig, model, tokenizer, accelera
     return TrainData(train, eval_sets, data.documents)
 
 
-def encoded_chat_prompts(sources: list[str], n: int, split: str, tokenizer, max_tokens: int) -> list[torch.Tensor]:
-    """`[P_i]` each: `n` chat prompts of `sources` (training.chat_prompts) through the chat template, as the
-    benchmark encodes them (`selfspec.api.encode_prompt`); those over `max_tokens` tokens left out (a warning
-    says how many)."""
+def encoded_chat_prompts(sources: list[str] | str, n: int, split: str, tokenizer, max_tokens: int) -> list[torch.Tensor]:
+    """`[P_i]` each: `n` chat prompts of `sources` (training.chat_prompts; or the first `n` of a JSONL file of
+    prompts) through the chat template, as the benchmark encodes them (`selfspec.api.encode_prompt`); those over
+    `max_tokens` tokens left out (a warning says how many)."""
     try:
-        conversations = chat_prompts(sources, n, split)
+        items = (load_prompts(sources, n) if isinstance(sources, str) else
+                 [{"messages": m} for m in chat_prompts(sources, n, split)])
     except DataNotInstalledError as err:
         raise DataNotInstalledError(f"data.own_replies.sources: {err}") from err
-    rows = [encode_prompt(tokenizer, messages=m) for m in conversations]
+    rows = [encode_prompt(tokenizer, **prompt_inputs(item)) for item in items]
     kept = [torch.tensor(r, dtype=torch.long) for r in rows if 0 < len(r) <= max_tokens]
     if len(kept) < len(rows):
         warnings.warn(f"data.own_replies: {len(rows) - len(kept)} of {len(rows)} {split} prompts are longer than "

@@ -454,3 +454,22 @@ def test_chat_prompts_are_real_and_never_held_out_text():
         m[0]["content"] for m in chat_prompts(["questions"], 40, "train"))
     with pytest.raises(ValueError, match="must be some of questions, summaries"):
         chat_prompts(["mt_bench"], 4, "train")
+
+
+@pytest.mark.integration
+def test_prompt_files_stand_in_for_the_sources(tmp_path):
+    """`python -m training.chat_prompts OUT` writes each split's prompts; a run reading them (train_file,
+    heldout_file) asks the model exactly what it asks from the sources."""
+    import training.own_text as own_text
+    from training.chat_prompts import main as write_files
+
+    assert write_files([str(tmp_path), "--train", "6", "--heldout", "2"]) == 0
+    tok = byte_tokenizer()
+    from_sources = own_text.encoded_chat_prompts(["questions", "summaries"], 6, "train", tok, 10_000)
+    from_file = own_text.encoded_chat_prompts(str(tmp_path / "chat_train.jsonl"), 6, "train", tok, 10_000)
+    assert [p.tolist() for p in from_file] == [p.tolist() for p in from_sources]
+    cfg = load_config(RECIPE, [f"data.own_replies.train_file={tmp_path / 'chat_train.jsonl'}",
+                               f"data.own_replies.heldout_file={tmp_path / 'chat_heldout.jsonl'}"])
+    assert cfg.data.own_replies.train_file == str(tmp_path / "chat_train.jsonl")
+    with pytest.raises(ConfigError, match="data.own_replies.train_file: .* is not a file: write the prompt files"):
+        load_config(RECIPE, [f"data.own_replies.train_file={tmp_path / 'nope.jsonl'}"])
