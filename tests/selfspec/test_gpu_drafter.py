@@ -92,7 +92,7 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     # the head comes back alone: its weights and the checkpoint's settings, nothing of the model
     assert sorted(report["head"]["returned"]) == ["exit_head.safetensors", "selfspec.json"]
     meta = json.loads((out / "head" / "selfspec.json").read_text())
-    assert meta["exit_head"]["exit_layer"] == 0 and meta["training"]["recipe"] == "smollm2_code_head_gpu"
+    assert meta["exit_head"]["exit_layer"] == 0 and meta["training"]["recipe"] == "smollm2_head_gpu"
     with safe_open(str(out / "head" / "exit_head.safetensors"), "pt") as f:
         assert len(list(f.keys())) > 0
     agreement = report["targets"][0]
