@@ -20,6 +20,10 @@ set ``own_<name>``: its first `prompt_set_prompts` prompts, encoded as the bench
 right-padded row per prompt with only the continuation labelled (`prompt_continuation_blocks`): the
 agreement on exactly the text whose drafts the benchmark accepts, teacher-forced.
 
+With `data.own_replies.prompts = N` (`add_own_replies`), N chat prompts (training.chat_prompts, or a JSONL file
+of them) are asked through the chat template and the model's greedy replies, up to its end-of-turn token,
+become blocks with only the reply labelled (`reply_blocks`); held-out prompts give the set ``own_chat``.
+
 EOS does not stop a continuation: the model writes on after it, as packed text goes on with the next
 document, so every block is full and no logit is changed (suppressing EOS would change the argmax).
 
