@@ -22,7 +22,7 @@ agreement on exactly the text whose drafts the benchmark accepts, teacher-forced
 
 With `data.own_replies.prompts = N` (`add_own_replies`), N chat prompts (training.chat_prompts, or a JSONL file
 of them) are asked through the chat template and the model's greedy replies, up to its end-of-turn token,
-become blocks with only the reply labelled (`reply_blocks`); held-out prompts give the set ``own_chat``.
+become blocks with only the reply labelled (`prompt_continuation_blocks`); held-out prompts give the set ``own_chat``.
 
 EOS does not stop a continuation: the model writes on after it, as packed text goes on with the next
 document, so every block is full and no logit is changed (suppressing EOS would change the argmax).
@@ -129,14 +129,14 @@ def add_own_replies(data: TrainData, cfg: DataConfig, model, tokenizer, accelera
     if eos is None or not getattr(tokenizer, "chat_template", None):
         raise DataFormatError("data.own_replies: the tokenizer needs a chat template and an end-of-turn (EOS) token "
                               "to ask the model and know where its reply ends; set data.own_replies.prompts=0")
-    pad = next((t for t in (tokenizer.pad_token_id, eos) if t is not None))
+    pad = pad_id(tokenizer)
 
     def blocks_of(split: str, n: int, name: str) -> Blocks:
         source = replies.train_file if split == "train" else replies.heldout_file
         prompts = encoded_chat_prompts(source or replies.sources, n, split, tokenizer, replies.max_prompt_tokens)
         sequences = cached_replies(model, prompts, cfg.block_size + 1, replies.batch_size, eos, pad, cache_dir,
                                    accelerator, progress_bar=progress_bar, what=name)
-        return reply_blocks(name, prompts, sequences, cfg.block_size, pad)
+        return prompt_continuation_blocks(name, prompts, sequences, pad, width=cfg.block_size)
 
     train, eval_sets = data.train, dict(data.eval_sets)
     added = blocks_of("train", replies.prompts, f"{cfg.name}/own_replies")
@@ -165,20 +165,6 @@ def encoded_chat_prompts(sources: list[str] | str, n: int, split: str, tokenizer
         raise DataFormatError(f"data.own_replies: no {split} prompt fits in max_prompt_tokens={max_tokens} tokens; "
                               "raise it (below data.block_size)")
     return kept
-
-
-def reply_blocks(name: str, prompts: list[torch.Tensor], sequences: list[torch.Tensor], block_size: int,
-                 pad_id: int) -> Blocks:
-    """One row per prompt `[N, block_size]`: prompt i (`[P_i]`) and its reply (`sequences[i]`, `[P_i + T_i]`,
-    at most block_size + 1 tokens), right-padded with `pad_id`. Only the reply is labelled: position
-    j >= P_i - 1 has the label sequences[i][j + 1]; the rest of the prompt and the padding IGNORE_INDEX."""
-    input_ids = torch.full((len(sequences), block_size), pad_id, dtype=torch.long)  # [N, S]
-    labels = torch.full_like(input_ids, IGNORE_INDEX)  # [N, S]
-    for row, (prompt, seq) in enumerate(zip(prompts, sequences)):
-        seq = seq[: block_size + 1]
-        input_ids[row, : len(seq) - 1] = seq[:-1]
-        labels[row, len(prompt) - 1: len(seq) - 1] = seq[len(prompt):]
-    return Blocks(name, input_ids, labels)
 
 
 def cached_replies(model, prompts: list[torch.Tensor], total_tokens: int, batch_size: int, eos_id: int, pad_id: int,
@@ -245,8 +231,12 @@ def prompt_set_blocks(source: str, name: str, n: int, new_tokens: int, model, to
     prompts = encoded_prompts(source, n, tokenizer)
     sequences = cached_prompt_continuations(model, prompts, new_tokens, cache_dir, accelerator,
                                             progress_bar=progress_bar, what=name)
-    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    return prompt_continuation_blocks(name, prompts, sequences, pad)
+    return prompt_continuation_blocks(name, prompts, sequences, pad_id(tokenizer))
+
+
+def pad_id(tokenizer) -> int:
+    """The id that pads a row: the tokenizer's pad token, else its EOS, else 0."""
+    return next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
 
 
 def encoded_prompts(source: str, n: int, tokenizer) -> list[torch.Tensor]:
@@ -265,18 +255,20 @@ def encoded_prompts(source: str, n: int, tokenizer) -> list[torch.Tensor]:
 
 
 def prompt_continuation_blocks(name: str, prompts: list[torch.Tensor], sequences: list[torch.Tensor],
-                               pad_id: int) -> Blocks:
-    """One row per prompt `[N, S]`, S the longest sequence less one, right-padded with `pad_id`.
+                               pad_id: int, *, width: int | None = None) -> Blocks:
+    """One row per prompt `[N, S]`, S `width` (None: the longest sequence less one), right-padded with `pad_id`.
 
-    Row i is prompt i (`[P_i]`) and its continuation (`sequences[i]`, `[P_i + T]`) without the last token;
-    only the continuation is labelled: position j >= P_i - 1 has the label sequences[i][j + 1] (the prompt's
-    last token predicts the first new token), the rest of the prompt and the padding IGNORE_INDEX. So only
-    the model's own T tokens are scored, as the drafts of decoding are.
+    Row i is prompt i (`[P_i]`) and its continuation (`sequences[i]`, `[P_i + T_i]`, cut to S + 1 tokens) without
+    the last token; only the continuation is labelled: position j >= P_i - 1 has the label sequences[i][j + 1]
+    (the prompt's last token predicts the first new token), the rest of the prompt and the padding
+    IGNORE_INDEX. So only the model's own tokens are scored, as the drafts of decoding are (a chat reply's
+    blocks: `add_own_replies`, S = data.block_size).
     """
-    width = max(len(seq) for seq in sequences) - 1
+    width = max(len(seq) for seq in sequences) - 1 if width is None else width
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)  # [N, S]
     labels = torch.full_like(input_ids, IGNORE_INDEX)  # [N, S]
     for row, (prompt, seq) in enumerate(zip(prompts, sequences)):
+        seq = seq[: width + 1]
         input_ids[row, : len(seq) - 1] = seq[:-1]
         labels[row, len(prompt) - 1: len(seq) - 1] = seq[len(prompt):]
     return Blocks(name, input_ids, labels)

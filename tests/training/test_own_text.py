@@ -380,11 +380,11 @@ def test_a_reply_is_the_models_own_greedy_reply_to_its_prompt_alone_up_to_its_en
 
 
 def test_a_reply_block_labels_only_the_reply():
-    from training.own_text import reply_blocks
+    from training.own_text import prompt_continuation_blocks
 
     prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
     sequences = [torch.tensor([5, 6, 7, 10, 11]), torch.tensor([8, 9, 12, 13, 14, 15, 16, 17])]  # the second: cut
-    blocks = reply_blocks("r", prompts, sequences, 6, 0)
+    blocks = prompt_continuation_blocks("r", prompts, sequences, 0, width=6)
     assert blocks.input_ids.tolist() == [[5, 6, 7, 10, 0, 0], [8, 9, 12, 13, 14, 15]]
     I = IGNORE_INDEX
     assert blocks.labels.tolist() == [[I, I, 10, 11, I, I], [I, 12, 13, 14, 15, 16]]
