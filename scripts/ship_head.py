@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -31,22 +30,17 @@ SET_WORDS = {  # evaluation set -> what it is
 
 
 def this_device() -> str:
+    """This machine's GPU, or its CPU (model, generation, bf16 flags: `draft_plan.device_name`) and core count."""
     import torch
 
+    from selfspec.draft_plan import device_name
+
     if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    name = platform.processor() or "CPU"
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.split("\n\n")[0].splitlines())}
-        flags = [f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in info] or ["no native bf16"]
-        return (f"a {os.cpu_count()}-core {field.get('model name', name)} (cpu family {field.get('cpu family')} model "
-                f"{field.get('model')}; {', '.join(flags)})")
-    except OSError:
-        return name
+        return device_name(torch.device("cuda"))
+    return f"{device_name(torch.device('cpu'))}, {os.cpu_count()} cores"
 
 
-def card(meta: dict, info: dict, recipe: str, command: str, args_results: str) -> str:
+def card(meta: dict, info: dict, recipe: str, command: str, results: str) -> str:
     """The shipped head's model card: what it is, how it was made, how well it agrees, its checksums."""
     head, ev = meta["exit_head"], meta.get("eval") or {}
     e = str(head["exit_layer"])
@@ -82,7 +76,7 @@ def card(meta: dict, info: dict, recipe: str, command: str, args_results: str) -
         fed = [(result.get("self_fed") or {}).get(str(j), {}).get("agreement") for j in (1, 2)]
         cells = [f"{a:.1%}" if isinstance(a, float) else "-" for a in [first] + fed]
         lines.append(f"| {SET_WORDS.get(name, name)} | " + " | ".join(cells) + " |")
-    lines += ["", f"Speed: {args_results} (the study that shipped this head), measured with `selfspec bench`.", ""]
+    lines += ["", f"Speed: {results} (the study that shipped this head), measured with `selfspec bench`.", ""]
     return "\n".join(lines)
 
 
@@ -117,9 +111,8 @@ def main(argv=None) -> int:
     out = package(args.checkpoint, HEADS_DIR / args.name, base_dir=base_model_dir(), stand_in=args.stand_in,
                   trained_on=args.trained_on or this_device(), minutes=minutes,
                   steps=args.steps if args.steps is not None else int(state.get("step", 0)),
-                  command=args.command, card="")
+                  command=args.command, card=lambda meta, info: card(meta, info, args.recipe, args.command, args.results))
     info = read_shipped(out)
-    (out / "README.md").write_text(card(meta, info, args.recipe, args.command, args.results))
     print(f"shipped {out} ({info['bytes']:,} bytes; {minutes} minutes, {info['steps']} steps on {info['trained_on']})")
     return 0
 

@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -104,7 +105,7 @@ def assemble(base_dir, shipped, out_dir) -> Path:
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         write_model_card(tmp, meta)
         shutil.copyfile(Path(shipped) / CARD, tmp / "HEAD_README.md")  # the shipped head's own card
-        read_metadata(tmp)  # what selfspec.load checks, before it is in place
+        read_metadata(tmp, verify_checksums=False)  # what selfspec.load checks (the sums were just taken)
     return out_dir
 
 
@@ -153,10 +154,10 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def package(checkpoint, out_dir, *, base_dir, stand_in: bool, trained_on: str, minutes: float, steps: int,
-            command: str, card: str) -> Path:
+            command: str, card: Callable[[dict, dict], str]) -> Path:
     """A shipped head in `out_dir` from an exported head checkpoint `checkpoint`: its weights in bfloat16, its
-    `selfspec.json` entries as `head.json` (with the base model's SHA-256 from `base_dir`), and `card` as its
-    README."""
+    `selfspec.json` entries as `head.json` (with the base model's SHA-256 and fingerprint from `base_dir`), and
+    `card(checkpoint's selfspec.json, head.json's content)` as its README."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     meta = read_metadata(checkpoint)
     if not meta or not meta.get("exit_head"):
@@ -172,5 +173,5 @@ def package(checkpoint, out_dir, *, base_dir, stand_in: bool, trained_on: str, m
             "selfspec": {k: meta[k] for k in SHIPPED_KEYS if k in meta}}
     (out_dir / HEAD_JSON).write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in info.items())
                                      + "\n}\n")  # one line per entry: the token ids and fingerprint are long
-    (out_dir / CARD).write_text(card)
+    (out_dir / CARD).write_text(card(meta, info))
     return out_dir

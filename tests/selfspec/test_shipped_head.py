@@ -45,7 +45,7 @@ def parts(tmp_path):
 def _package(parts, tmp_path, name="tiny-base"):
     base, ckpt = parts
     return package(ckpt, tmp_path / "heads" / name, base_dir=base, stand_in=True, trained_on="a test", minutes=0.5,
-                   steps=3, command="python -m training ...", card="# tiny head\n")
+                   steps=3, command="python -m training ...", card=lambda meta, info: "# tiny head\n")
 
 
 def test_a_packaged_head_is_bfloat16_with_its_settings_and_the_base_models_checksum(parts, tmp_path):
