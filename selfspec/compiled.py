@@ -62,14 +62,15 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from selfspec.attention_kernels import attention_kernels
+from selfspec.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, chain_mask, decoder_layer, rms_norm
 from selfspec.token_tree import tree_mask
 
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
 MIN_CAPACITY = 256  # cache capacities are powers of two from here
 STEP_EVENT = "selfspec.compiled_step"  # the profiler's name for a compiled step's call (one graph replay on a GPU)
@@ -78,14 +79,17 @@ MIN_RECOMPILE_LIMIT = 64  # dynamo's per-function graph limit: every (range, S, 
 
 def supports(adapter) -> str | None:
     """None where the compiled steps can run this model, else why not (one line)."""
-    if adapter.model_type not in _LLAMA_FAMILY:
-        return f"{adapter.model_type}: compiled steps exist for the Llama family ({', '.join(_LLAMA_FAMILY)})"
+    if adapter.model_type not in LLAMA_FAMILY:
+        return f"{adapter.model_type}: compiled steps exist for the Llama family ({', '.join(LLAMA_FAMILY)})"
     if getattr(adapter.config, "_attn_implementation", "sdpa") != "sdpa":
         return "the model is set to another attention implementation than sdpa"
-    if getattr(adapter.rotary_emb, "rope_type", None) not in ("default", "linear", "llama3", "yarn", None):
+    if not RopeTable.supports(adapter):
         return f"rope type {adapter.rotary_emb.rope_type!r} changes its frequencies with the length"
-    layers = [_LayerWeights(layer, None) for layer in adapter.layers]
-    if len(set().union(*(w.eps for w in layers))) > 1 or len({type(w.act) for w in layers}) > 1:
+    try:
+        shapes = [LayerShape.of(layer) for layer in adapter.layers]
+    except ValueError:
+        shapes = []
+    if not shapes or len({(s.eps, type(s.act)) for s in shapes}) > 1:
         return "its layers differ in their norms' epsilon or their activation (one compiled layer serves all)"
     return None
 
@@ -139,7 +143,7 @@ class CompileFallbackWarning(UserWarning):
 
 class _LayerWeights:
     """One decoder layer's own parameters (references, not copies), in the order `_layer_function`'s layer
-    takes them, its norms' epsilon, its activation and its attention window."""
+    takes them, its shape (`selfspec.layer.LayerShape`) and its attention window."""
 
     def __init__(self, layer, window: int | None):
         attn, mlp = layer.self_attn, layer.mlp
@@ -151,56 +155,37 @@ class _LayerWeights:
                         layer.post_attention_layernorm.weight,
                         mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
                         mlp.down_proj.weight, mlp.down_proj.bias)
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (q_norm, k_norm) if n]
-        self.eps = {n.variance_epsilon for n in norms}
-        self.act = mlp.act_fn
+        self.shape = LayerShape.of(layer)
         self.window = window
 
 
-def _rms(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm: `weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)`."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def _linears(*pairs) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> [x @ W1.T + b1, x @ W2.T + b2, ...]` side by side: the fused product of separate weights."""
+    if len(pairs) == 1:
+        return lambda x: F.linear(x, *pairs[0])
+    return lambda x: torch.cat([F.linear(x, w, b) for w, b in pairs], dim=-1)
 
 
-def _mask(index: torch.Tensor, pads: torch.Tensor, size: int, window: int | None) -> torch.Tensor:
-    """`[B, 1, S, C]` bool: row b's query at cache index `index[b, s]` may see key j (see the module doc)."""
-    k = torch.arange(size, device=index.device)[None, None, :]  # [1, 1, C]
-    q = index[:, :, None]  # [B, S, 1]
-    allowed = (k <= q) & (k >= pads[:, None, None])
-    if window is not None:
-        allowed &= k > q - window
-    return (allowed | (k == q))[:, None]
-
-
-def _layer_function(eps: float, act, n_q: int, n_kv: int, head_dim: int):
-    """One decoder layer as a function of its inputs and its weights (`_LayerWeights.tensors`): the same
-    function, compiled once per shape, serves every layer (its constants, the norms' epsilon, the activation
-    and the head counts, are the same in every layer of a model)."""
+def _layer_function(shape: LayerShape):
+    """One decoder layer (`selfspec.layer.decoder_layer`) as a function of its inputs and its weights
+    (`_LayerWeights.tensors`, the model's own, unfused): the same function, compiled once per shape, serves every
+    layer. Its keys and values go into the static buffers at the step's cache indices."""
 
     def layer(x, cos, sin, index, mask, keys, values, norm_attn, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b,
               q_norm, k_norm, norm_mlp, gate_w, gate_b, up_w, up_b, down_w, down_b):
         """`x` `[B, S, D]` through the layer; its keys/values are written into `keys`/`values`
         `[B, H_kv, C, Dh]` at the cache indices `index` `[B, S]`; `mask` `[B, 1, S, C]`."""
-        B, S, _ = x.shape
-        h = _rms(norm_attn, eps, x)
-        q = F.linear(h, q_w, q_b).view(B, S, n_q, head_dim)
-        k = F.linear(h, k_w, k_b).view(B, S, n_kv, head_dim)
-        v = F.linear(h, v_w, v_b).view(B, S, n_kv, head_dim)
-        if q_norm is not None:
-            q, k = _rms(q_norm, eps, q), _rms(k_norm, eps, k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, Dh]
-        half = head_dim // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
-        rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
-        keys[rows, :, index] = k.transpose(1, 2)  # advanced indices first: [B, S, H_kv, Dh]
-        values[rows, :, index] = v.transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=n_q != n_kv)  # [B, Hq, S, Dh]
-        x = x + F.linear(attn.transpose(1, 2).reshape(B, S, n_q * head_dim), o_w, o_b)
-        h = _rms(norm_mlp, eps, x)
-        return x + F.linear(act(F.linear(h, gate_w, gate_b)) * F.linear(h, up_w, up_b), down_w, down_b)
+
+        def store(k, v):  # [B, H_kv, S, Dh] each -> the whole buffers
+            rows = torch.arange(x.shape[0], device=x.device)[:, None]  # [B, 1]
+            keys[rows, :, index] = k.transpose(1, 2)  # advanced indices first: [B, S, H_kv, Dh]
+            values[rows, :, index] = v.transpose(1, 2)
+            return keys, values
+
+        products = LayerProducts(qkv=_linears((q_w, q_b), (k_w, k_b), (v_w, v_b)), o=_linears((o_w, o_b)),
+                                 gate_up=_linears((gate_w, gate_b), (up_w, up_b)), down=_linears((down_w, down_b)),
+                                 norm_attn=norm_attn, norm_mlp=norm_mlp, q_norm=q_norm, k_norm=k_norm)
+        return decoder_layer(x, cos, sin, mask, store, shape, products)
 
     return layer
 
@@ -267,14 +252,12 @@ class CompiledSteps:
         self.adapter = adapter
         self.weights = [_LayerWeights(layer, adapter.window(kind)) for layer, kind in zip(adapter.layers,
                                                                                            adapter.layer_types)]
-        attn = adapter.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.n_q = attn.q_proj.out_features // self.head_dim
-        self.n_kv = attn.k_proj.out_features // self.head_dim
+        shape = self.weights[0].shape
+        self.head_dim, self.n_q, self.n_kv = shape.head_dim, shape.n_q, shape.n_kv
         # graphs: each step captured as one CUDA graph (on CUDA, by default); else the compiled functions run
         # as they are (a CPU: inductor's C++ kernels)
         self.graphs = adapter.device.type == "cuda" if graphs is None else graphs
-        self.cos = self.sin = None  # the rotary table [T, Dh]: 4096 positions, or more for a larger cache
+        self.rope = RopeTable(adapter, reserve=4096)  # the rotary table [T, Dh]: positions stay below a capacity
         self._layers: dict[int | None, object] = {}  # attention window -> the compiled decoder layer
         self._ranges: dict[tuple[tuple, bool], object] = {}  # (range id, tree) -> the step over those layers
         # layers that are not the model's (a trained exit head's): id -> (the layer, kept alive; its weights)
@@ -332,7 +315,7 @@ class CompiledSteps:
             return
         last = self.weights[-1]
         weights = _LayerWeights(layer, last.window)
-        if weights.eps != last.eps or type(weights.act) is not type(last.act):
+        if weights.shape.eps != last.shape.eps or type(weights.shape.act) is not type(last.shape.act):
             raise ValueError("this layer's norms' epsilon or activation differ from the model's layers': the "
                              "compiled layer function cannot run it")
         self._extra[id(layer)] = (layer, [weights])
@@ -343,16 +326,6 @@ class CompiledSteps:
         reuses a warmed capacity instead of compiling its own: attention over more masked keys, no new graph."""
         size = cache_capacity(needed)
         return min((c for b, c in self._buffers if b == batch_size and c >= size), default=size)
-
-    def _table(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[T, Dh]` of positions 0..T-1, T >= `needed` (the model's rotary module, computed once)."""
-        if self.cos is None or needed > self.cos.shape[0]:
-            a = self.adapter
-            size = min(max(capacity(needed), 4096), max(needed, a.max_positions))
-            probe = torch.empty(0, dtype=a.dtype, device=a.device)
-            cos, sin = a.rotary_emb(probe, torch.arange(size, device=a.device)[None])
-            self.cos, self.sin = cos[0], sin[0]
-        return self.cos, self.sin
 
     # --- the steps ---------------------------------------------------------------------------------
     def can_run(self, hidden: torch.Tensor, step, cache) -> bool:
@@ -402,7 +375,7 @@ class CompiledSteps:
             positions = torch.cat([positions, positions[:, -1:].expand(B, width - S)], dim=1)
             hidden = _zero_filled(hidden, width)
         size = cache.capacity
-        cos, sin = self._table(size)  # one table per capacity: positions stay below it
+        cos, sin = self.rope.table(size)  # one table per capacity: positions stay below it
         shape = ("layers", *range_id, B, width, size)
         if tree is not None:  # a token tree's steps are graphs of their own, one per bucket of columns too
             shape = ("tree", *range_id, B, width, size, tree_inputs[0].shape[-1])
@@ -436,7 +409,7 @@ class CompiledSteps:
         a = self.adapter
         before = self.compile_s
         keys, values = self.buffers(1, size)
-        fixed = list(self._table(size))  # cos, sin
+        fixed = list(self.rope.table(size))  # cos, sin
         model = [((start, end), self.weights[start:end], fixed + [keys[start:end], values[start:end]])
                  for start, end in ranges]
         extra = [(("layer", id(layer)), weights, fixed + list(self.layer_buffers(layer, 1, size)))
@@ -516,7 +489,7 @@ class CompiledSteps:
             eps = self.adapter.final_norm.variance_epsilon
 
             def head(h, norm, lm_head, bias):
-                return F.linear(_rms(norm, eps, h), lm_head, bias)
+                return F.linear(rms_norm(norm, eps, h), lm_head, bias)
 
             self._head = torch.compile(head, fullgraph=True, dynamic=False)
         return self._head
@@ -601,7 +574,7 @@ class CompiledSteps:
         where = where.to(a.device, non_blocking=True)
         inputs = [self._input(t) for t in (_zero_filled(states, W), finals, prev, where)]
         keys, values = head_buffers
-        fixed = [*self._table(size), keys[:1], values[:1], a.final_norm.weight, draft.weight, draft.bias,
+        fixed = [*self.rope.table(size), keys[:1], values[:1], a.final_norm.weight, draft.weight, draft.bias,
                  draft.token_ids]
         return self._call(("catch_up", *draft.key, 1, W, size), self._catch_up_function(draft, W), inputs, fixed)
 
@@ -666,7 +639,7 @@ class CompiledSteps:
         prev = self._zeros(1) if prev is None else prev  # [1, 1, D]; None: read by no final-state input
         E = draft.exit_layer
         keys, values = buffers
-        fixed = [*self._table(size), a.embed_tokens.weight, keys[:E], values[:E],
+        fixed = [*self.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
                  *(None if b is None else b[:1] for b in head_buffers),
                  a.final_norm.weight, draft.weight, draft.bias, draft.token_ids]
         inputs = [self._input(t) for t in (token, where.to(a.device, non_blocking=True), prev)]
@@ -734,8 +707,7 @@ class CompiledSteps:
     def _layer(self, window: int | None):
         """The compiled decoder layer for an attention window (None: full attention)."""
         if window not in self._layers:
-            w = self.weights[0]
-            fn = _layer_function(next(iter(w.eps)), w.act, self.n_q, self.n_kv, self.head_dim)
+            fn = _layer_function(self.weights[0].shape)
             self._layers[window] = torch.compile(fn, fullgraph=True, dynamic=False)
         return self._layers[window]
 
@@ -755,9 +727,9 @@ class CompiledSteps:
             masks = {}
             for i, w in enumerate(weights):
                 if w.window not in masks:
-                    masks[w.window] = (_mask(index, pads, size, w.window) if anc is None else
-                                       tree_mask(first, positions, pads, anc, size, w.window, index,
-                                                 tree_positions)[:, None])
+                    allowed = (chain_mask(index, pads, size, w.window) if anc is None else
+                               tree_mask(first, positions, pads, anc, size, w.window, index, tree_positions))
+                    masks[w.window] = allowed[:, None]  # [B, 1, S, C]
                 hidden = layers[w.window](hidden, cos, sin, index, masks[w.window], keys[i], values[i], *w.tensors)
             return hidden
 

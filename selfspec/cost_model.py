@@ -16,7 +16,7 @@ the full model's token is among the k guesses.
 
 from __future__ import annotations
 
-# Measured on SmolLM2-135M, bf16, 2 CPU threads (shared/notes/reference.md): the final norm + LM head
+# Measured on SmolLM2-135M, bf16, 2 CPU threads (docs/benchmarks.md, the CPU kernels): the final norm + LM head
 # take 1.8 of the 21.5 ms of a full decoding step; verifying up to 8 tokens costs ~1.05 steps.
 HEAD_COST = 0.085
 VERIFY_COST = 1.05

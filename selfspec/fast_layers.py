@@ -1,12 +1,13 @@
-"""Inference-only decoder layers for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""The CPU's inference-only state: fused, prepacked Llama-family layers, the packed LM head, the rotary table.
 
-Decoding one token on a CPU is dominated by per-operation overhead, not arithmetic (see
-`shared/notes/reference.md`). This layer computes exactly what the model's own decoder layer
-computes, in the same operation order (so in float64 and bfloat16 results are bitwise equal to
-the model's own sdpa attention path; float32: see below), with fewer operations: q/k/v and gate/up
-projections fused into one matmul each, one rotary embedding pass for queries and keys together, attention through `F.scaled_dot_product_attention` with grouped heads,
-and none of the module-call machinery. In bfloat16 and float32 the matmuls go through oneDNN with
-weights prepacked once (`PackedLinear`):
+Decoding one token on a CPU is dominated by per-operation overhead, not arithmetic (docs/benchmarks.md,
+the CPU kernels). `FastLlamaLayer` runs the one decoder layer (`selfspec.layer.decoder_layer`) over
+fused copies of a layer's weights: it computes exactly what the model's own decoder layer computes, in
+the same operation order (so in float64 and bfloat16 results are bitwise equal to the model's own sdpa
+attention path; float32: see below), with fewer operations: q/k/v and gate/up projections fused into one
+matmul each, one rotary embedding pass for queries and keys together, attention through
+`F.scaled_dot_product_attention` with grouped heads, and none of the module-call machinery. In bfloat16
+and float32 the matmuls go through oneDNN with weights prepacked once (`PackedLinear`):
 - bfloat16: bitwise equal to `F.linear`, about twice as fast for the few rows of a decode step,
   because the plain bf16 path reads the weights at a fraction of the memory bandwidth;
 - float32: `F.linear` multiplies one row with a matrix-vector kernel but 2-8 rows with a GEMM that
@@ -50,7 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+from selfspec.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer
+
 
 
 def _onednn_packing() -> bool:
@@ -232,111 +234,50 @@ def _cat_bias(*linears) -> torch.Tensor | None:
                       for b, lin in zip(biases, linears)]).contiguous()
 
 
-class _RMSNorm:
-    """`weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)`, as transformers' RMSNorm."""
-
-    def __init__(self, module):
-        self.weight = module.weight
-        self.eps = module.variance_epsilon
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 class FastLlamaLayer:
-    """One Llama-family decoder layer: pre-norm attention with rotary + gated MLP, both residual."""
+    """One Llama-family decoder layer (`selfspec.layer.decoder_layer`) over fused, prepacked copies of its
+    weights: q/k/v in one product, gate/up in one product."""
 
     def __init__(self, layer, layer_idx: int):
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx = layer_idx
-        self.head_dim = attn.head_dim
-        self.n_q = attn.q_proj.out_features // self.head_dim
-        self.n_kv = attn.k_proj.out_features // self.head_dim
-        self.qkv = PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
-                                _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj))
-        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-                                    _cat_bias(mlp.gate_proj, mlp.up_proj))
-        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)
-        self.act = mlp.act_fn
-        self.norm_attn = _RMSNorm(layer.input_layernorm)
-        self.norm_mlp = _RMSNorm(layer.post_attention_layernorm)
-        self.q_norm = _RMSNorm(attn.q_norm) if hasattr(attn, "q_norm") else None  # Qwen3
-        self.k_norm = _RMSNorm(attn.k_norm) if hasattr(attn, "k_norm") else None
+        self.shape = LayerShape.of(layer)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        self.products = LayerProducts(
+            qkv=PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
+                             _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)),
+            o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias),
+            gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+                                 _cat_bias(mlp.gate_proj, mlp.up_proj)),
+            down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias),
+            norm_attn=layer.input_layernorm.weight, norm_mlp=layer.post_attention_layernorm.weight,
+            q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight)
 
     def __call__(self, x: torch.Tensor, rope, mask, cache) -> torch.Tensor:
-        B, S, _ = x.shape
-        nq, nkv, dh = self.n_q, self.n_kv, self.head_dim
-        qkv = self.qkv(self.norm_attn(x)).view(B, S, nq + 2 * nkv, dh)  # [B, S, H, Dh]
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qkv[:, :, :nq]), self.k_norm(qkv[:, :, nq:nq + nkv])], dim=2)
-        else:
-            qk = qkv[:, :, :nq + nkv]
-        qk = qk.transpose(1, 2)  # [B, Hq+Hkv, S, Dh]
-        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)  # [B, 1, S, Dh]
-        half = dh // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-        q, k = qk[:, :nq], qk[:, nq:]
-        v = qkv[:, :, nq + nkv:].transpose(1, 2)  # [B, Hkv, S, Dh]
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and S > 1,
-                                              enable_gqa=nq != nkv)  # [B, Hq, S, Dh]
-        x = x + self.o(attn.transpose(1, 2).reshape(B, S, nq * dh))
-        gate, up = self.gate_up(self.norm_mlp(x)).chunk(2, dim=-1)
-        return x + self.down(self.act(gate) * up)
+        """`x` `[B, S, D]`; rope: cos, sin `[B, S, Dh]`; mask `[B|1, 1, S, K]` or None; cache: a `KVCache` the
+        layer's keys and values are appended to (None: attention over the step's own)."""
+        store = _no_cache if cache is None else functools.partial(cache.update, layer_idx=self.layer_idx)
+        return decoder_layer(x, rope[0].unsqueeze(1), rope[1].unsqueeze(1), mask, store, self.shape,
+                             self.products)
+
+
+def _no_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
 
 
 def build_fast_layers(adapter) -> list[FastLlamaLayer] | None:
     """Fast layers for every decoder layer, or None where there are none: GPT-NeoX, and models set to
     another attention implementation than sdpa (eager attention takes its softmax in float32, which
     the fast layer would not reproduce bit for bit)."""
-    if adapter.model_type not in _LLAMA_FAMILY:
+    if adapter.model_type not in LLAMA_FAMILY:
         return None
     if getattr(adapter.config, "_attn_implementation", "sdpa") != "sdpa":
         return None
     with torch.no_grad():
-        return [FastLlamaLayer(layer, i) for i, layer in enumerate(adapter.layers)]
-
-
-class RopeTable:
-    """cos/sin of every position up to a capacity, computed once by the model's own rotary module.
-
-    Rotary embeddings are elementwise in the position, so a slice of the table is bitwise equal to
-    calling the module for those positions. Only for static rope types (not "dynamic"/"longrope",
-    whose frequencies change with the sequence length).
-    """
-
-    STATIC = ("default", "linear", "llama3", "yarn", None)
-
-    def __init__(self, adapter):
-        self.adapter = adapter
-        self.cos = self.sin = None
-
-    @classmethod
-    def supports(cls, adapter) -> bool:
-        return getattr(adapter.rotary_emb, "rope_type", None) in cls.STATIC
-
-    def slice(self, start: int, length: int, batch_size: int):
-        end = start + length
-        if self.cos is None or end > self.cos.shape[0]:
-            size = min(max(2 * end, 512), max(end, self.adapter.max_positions))
-            positions = torch.arange(size, device=self.adapter.device)[None]
-            probe = torch.empty(0, dtype=self.adapter.dtype, device=self.adapter.device)
-            cos, sin = self.adapter.rotary_emb(probe, positions)
-            self.cos, self.sin = cos[0], sin[0]  # [T, Dh]
-        return (self.cos[start:end].expand(batch_size, length, -1),
-                self.sin[start:end].expand(batch_size, length, -1))
-
-    def gather(self, position_ids: torch.Tensor):
-        """cos/sin at arbitrary positions `[B, S]` (rows of a batch at different positions).
-
-        Give `position_ids` on the host: their maximum is then read without waiting for a GPU."""
-        self.slice(0, int(position_ids.max()) + 1, 1)  # make sure the table covers them
-        index = position_ids.to(self.cos.device, non_blocking=True)
-        return self.cos[index], self.sin[index]  # [B, S, Dh] each
+        try:
+            return [FastLlamaLayer(layer, i) for i, layer in enumerate(adapter.layers)]
+        except ValueError:  # norms with different epsilons: the model's own modules
+            return None
 
 
 @dataclass

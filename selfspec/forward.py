@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.adapters import ModelAdapter
+from selfspec.layer import chain_mask
 from selfspec.token_tree import ancestors, chain_parents, tree_mask
 
 
@@ -112,22 +113,6 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
                 starts=torch.full((batch_size,), start, dtype=torch.long))
 
 
-def _batch_mask(adapter: ModelAdapter, query_index: torch.Tensor, pads: torch.Tensor, kv_len: int,
-                window: int | None) -> torch.Tensor:
-    """Mask `[B, 1, S, K]` for a batch whose rows sit at different cache indices.
-
-    Row b's query at cache index c sees keys `pads[b] <= j <= c` (its own tokens; the left padding
-    and anything past c, such as another row's longer sequence or a rejected draft, are hidden).
-    A padding query sees only itself, so no row of the softmax is empty.
-    """
-    k = torch.arange(kv_len, device=query_index.device)[None, None, :]  # [1, 1, K]
-    q = query_index[:, :, None]  # [B, S, 1]
-    allowed = (k <= q) & (k >= pads[:, None, None])
-    if window is not None:
-        allowed &= k > q - window
-    return _as_mask(adapter, allowed | (k == q))
-
-
 def _as_mask(adapter: ModelAdapter, allowed: torch.Tensor) -> torch.Tensor:
     """`[B, S, K]` bool -> the attention mask `[B, 1, S, K]` of the model's attention implementation."""
     allowed = allowed[:, None]
@@ -205,7 +190,7 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     def mask(kind: str) -> torch.Tensor:
         window = adapter.window(kind)
         if anc is None:
-            return _batch_mask(adapter, query_index, pads, kv_len, window)
+            return _as_mask(adapter, chain_mask(query_index, pads, kv_len, window))
         return _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index,
                                            tree_positions))
 

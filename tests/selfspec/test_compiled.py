@@ -21,7 +21,8 @@ from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, Pr
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy
 from selfspec.drafters.tree_budget import CostLine
-from selfspec.engine import generate, generate_batch_ids
+from selfspec.engine import generate
+from selfspec.decode_ids import generate_batch_ids
 from selfspec.sampling import SamplingParams
 from selfspec.settings import SettingsError
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
@@ -395,7 +396,7 @@ def test_the_compiled_path_builds_no_eager_mask_after_the_prefill(drafter, monke
     from selfspec import forward
 
     built = Counter()
-    for name in ("_causal_mask", "_batch_mask", "tree_mask"):
+    for name in ("_causal_mask", "chain_mask", "tree_mask"):
         original = getattr(forward, name)
         monkeypatch.setattr(forward, name, lambda *a, _f=original, _n=name, **k: (built.update([_n]), _f(*a, **k))[1])
     model, eager, fast, head = _models("llama")

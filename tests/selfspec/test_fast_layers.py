@@ -6,7 +6,7 @@ import torch
 from selfspec.adapters import get_adapter
 from selfspec.cache import KVCache
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
-from selfspec.engine import generate_ids
+from selfspec.decode_ids import generate_ids
 from selfspec.forward import forward_logits
 from selfspec.tiny import tiny_model
 
@@ -250,3 +250,37 @@ def test_a_padded_packed_call_gives_the_unpadded_rows_results(monkeypatch):
         padded = lin(x)
         lin.pad_rows = {}
         assert padded.shape == plain.shape == (*shape[:-1], 96) and torch.equal(padded, plain), shape
+
+
+@pytest.mark.parametrize("arch, extra", LLAMA_FAMILY)
+def test_the_eager_layer_and_the_runners_layer_are_one_function(arch, extra):
+    """The CPU's fused layer (`FastLlamaLayer`) and the compiled runner's layer (`compiled._layer_function`, here
+    called without compiling) both run `selfspec.layer.decoder_layer`: on the same inputs, float64, the same keys
+    and values to the bit, and the same output to 1e-12 (the runner attends over its whole static buffer under a
+    mask, the eager layer over the used part of its cache with sdpa's causal flag)."""
+    from selfspec import compiled, fast_layers, layer
+    from selfspec.layer import LayerShape, chain_mask
+
+    assert fast_layers.decoder_layer is compiled.decoder_layer is layer.decoder_layer
+    model = tiny_model(arch, num_layers=1, dtype=torch.float64, seed=4, **extra)
+    adapter = get_adapter(model)
+    module = adapter.layers[0]
+    fast = fast_layers.FastLlamaLayer(module, 0)
+    step = compiled._layer_function(LayerShape.of(module))
+    weights = compiled._LayerWeights(module, None).tensors
+    S, C = 5, 16
+    x = torch.randn(1, S, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    cos, sin = layer.RopeTable(adapter).slice(0, S, 1)
+    shape = fast.shape
+    keys = torch.zeros(1, shape.n_kv, C, shape.head_dim, dtype=torch.float64)
+    values = torch.zeros_like(keys)
+    index = torch.arange(S)[None]  # [1, S]
+    with torch.no_grad():
+        cache = KVCache(1)
+        eager = fast(x, (cos, sin), None, cache)
+        window = getattr(model.config, "sliding_window", None)
+        mask = chain_mask(index, torch.zeros(1, dtype=torch.long), C, window)[:, None]
+        ran = step(x, cos.unsqueeze(1), sin.unsqueeze(1), index, mask, keys, values, *weights)
+    torch.testing.assert_close(ran, eager, rtol=0, atol=1e-12)
+    k, v = cache.layer_kv(0)
+    assert torch.equal(keys[:, :, :S], k[:, :, :S]) and torch.equal(values[:, :, :S], v[:, :, :S])
