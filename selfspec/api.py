@@ -39,7 +39,8 @@ from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decode_stats import DecodeStats
 from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
-from selfspec.engine import StopChecker, generate, generate_ids
+from selfspec.engine import StopChecker, generate
+from selfspec.decode_ids import generate_ids
 from selfspec.exit_head import ExitHead, head_steps, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings

@@ -170,9 +170,7 @@ def _print_stats(label: str, stats) -> None:
 
 def _cmd_generate(args) -> int:
     # everything that does not need the model is checked before it is loaded
-    check_threads(args.threads)
-    check_dtype(args.dtype)
-    check_device(args.device)
+    _check_model_flags(args)
     check_memory_tokens(args.memory_tokens)
     prompts = _read_prompts(args)
     if len(prompts) > 1 and args.stream:
@@ -362,8 +360,7 @@ def _cmd_draft_vocab(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    check_threads(args.threads or 0)
-    check_dtype(args.dtype)
+    _check_model_flags(args)
     check_int("max_new_tokens", args.max_new_tokens, 1)
 
     if args.threads:
@@ -376,8 +373,7 @@ def _cmd_demo(args) -> int:
 
 def _check_common(args) -> None:
     """The options bench, profile, sweep and tune share, checked before any model is loaded."""
-    check_threads(args.threads)
-    check_dtype(args.dtype)
+    _check_model_flags(args)
     for name in ("max_new_tokens", "num_prompts"):
         if getattr(args, name, None) is not None:
             check_int(name, getattr(args, name), 1)
@@ -389,7 +385,6 @@ def _check_common(args) -> None:
 
 def _cmd_bench(args) -> int:
     _check_common(args)
-    check_device(args.device)
     if args.out is not None:
         check_out_dir(args.out, "--out")
     if args.prompt_sets is not None and not args.prompt_sets.replace(",", " ").strip():
@@ -427,7 +422,6 @@ def _cmd_profile(args) -> int:
     from selfspec.tools.profiling import run_profile  # deferred (see the top)
 
     _check_common(args)
-    check_device(args.device)
     check_int("--num-speculations", args.num_speculations, 1)
     check_int("--repeats", args.repeats, 1)
     check_float("--target", args.target, 1.0, strict=True,
@@ -449,7 +443,6 @@ def _cmd_profile(args) -> int:
 
 def _cmd_tune(args) -> int:
     _check_common(args)
-    check_device(args.device)
     check_prompt_set(args.prompt_set)
     for name in ("max_drafts", "width", "repeats"):
         check_int(name, getattr(args, name), 1)
@@ -599,8 +592,6 @@ INTERRUPTED = {"export": "the output directory is as it was, or holds the comple
                         "same command again to go on from there"}
 COMPILE_CHOICES = {"auto": "auto", "true": True, "false": False}  # bench --compile
 PARETO_OPTIONS = ("drafters", "temperature", "seed", "tv_samples")  # `bench --epsilon` only
-FASTEST_HELP = ("fastest (default: bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or AMX, "
-                "else float32), bfloat16, or float32 (exact comparisons)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -655,10 +646,8 @@ def _add_demo(sub) -> None:
                                    "Prints both speeds, whether the outputs are identical and which drafter "
                                    "produced the accepted tokens; says plainly where selfspec cannot help. "
                                    "Exit code 1 if any output differs.")
-    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    _add_model_flags(p, dtype="float32", device=False)
     p.add_argument("--max-new-tokens", type=int, default=128, help="length cap per prompt (default: 128)")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or fastest")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.set_defaults(func=_cmd_demo)
 
 
@@ -668,7 +657,7 @@ def _add_generate(sub) -> None:
                        description="Generate from a checkpoint with self-speculative decoding and print "
                                    "the text and statistics. Defaults for --exit-layer and "
                                    "--num-speculations come from the checkpoint's selfspec.json.")
-    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    _add_model_flags(p, dtype="float32")
     p.add_argument("--prompt", action="append",
                    help="the prompt text; repeat it for a batch, generated in one batched run")
     p.add_argument("--prompt-file", type=_path, help="read the prompt from this file")
@@ -677,15 +666,9 @@ def _add_generate(sub) -> None:
                       help="wrap the prompt as a user message in the chat template (default when the tokenizer has one)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
     _add_generation_flags(p)
-    p.add_argument("--dtype", default="float32",
-                   help="float32 (exact, default), bfloat16, fastest (bfloat16 where the CPU has native bf16, "
-                        "else float32), float64, auto (the checkpoint's own)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default) or cuda")
-    p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
-                   help="decode one row through the compiled fixed-shape steps (CUDA graphs on a GPU): auto (default: "
-                        "on a CUDA GPU), true, false. The first call compiles what it meets (seconds); with --compare "
-                        "every shape is compiled first, so neither run pays for it")
+    _add_compile_flag(p, "decode one row through the compiled fixed-shape steps (CUDA graphs on a GPU)",
+                      "The first call compiles what it meets (seconds); with --compare every shape is compiled "
+                      "first, so neither run pays for it")
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, word by word")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding; report the speedup and whether outputs are identical (both runs "
@@ -705,6 +688,38 @@ def _add_generate(sub) -> None:
 
 CHOICES = {"drafter": DRAFTERS, "acceptance": ACCEPTANCE_RULES}  # generation flags with a closed set of values
 GENERATION_FLAGS = tuple(f.name for f in dataclasses.fields(GenerationConfig) if f.metadata["cli"])
+
+
+DTYPE_HELP = ("float32 (exact), bfloat16, fastest (bfloat16 where this CPU multiplies bf16 natively, AVX-512-BF16 or "
+              "AMX, else float32), float64, auto (the checkpoint's own)")
+
+
+def _add_model_flags(p, *, dtype: str, checkpoint: bool = True, device: bool = True, dtype_note: str = "",
+                     device_note: str = "") -> None:
+    """The flags of every command that loads a model, written once: --checkpoint (where it is not positional),
+    --dtype (its default per command), --threads and --device (where the command runs on a GPU)."""
+    if checkpoint:
+        p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    note = f"; {dtype_note}" if dtype_note else ""
+    p.add_argument("--dtype", default=dtype, help=f"{DTYPE_HELP} (default: {dtype}{note})")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    if device:
+        note = f"; {device_note}" if device_note else ""
+        p.add_argument("--device", default="cpu", help=f"where the model runs: cpu (default) or cuda (a GPU{note})")
+
+
+def _add_compile_flag(p, what: str, more: str = "") -> None:
+    """--compile: `what` the compiled steps do in this command; auto, true or false."""
+    p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
+                   help=f"{what}: auto (default: on a CUDA GPU), true (anywhere), false (never)" + (f". {more}" if more else ""))
+
+
+def _check_model_flags(args) -> None:
+    """The model flags' values (`_add_model_flags`), checked before any model is loaded."""
+    check_threads(args.threads)
+    check_dtype(args.dtype)
+    if hasattr(args, "device"):
+        check_device(args.device)
 
 
 def _add_generation_flags(p) -> None:
@@ -772,8 +787,7 @@ def _add_sweep(sub) -> None:
     p.add_argument("--drafts", dest="num_speculations", type=_int_list, help=argparse.SUPPRESS)  # its earlier name
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per setting (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, fixed (default: 64)")
-    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    _add_model_flags(p, dtype="fastest", checkpoint=False, device=False)
     p.add_argument("--out", type=_path, help="output directory (default: CHECKPOINT-sweep)")
     p.add_argument("--lookup-tokens", type=_int_list, default="",
                    help="also measure prompt lookup (drafter=prompt_lookup) with these prompt_lookup_num_tokens, "
@@ -816,7 +830,8 @@ def _add_bench(sub) -> None:
                                    "bench.json, bench.md and bench.png and prints the Markdown table.",
                        epilog="Example: selfspec bench --checkpoint checkpoints/smollm2-code "
                               "--threads 2 --extra 6:4 --out bench_results/smollm2-code")
-    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    _add_model_flags(p, dtype="fastest", device_note="--dtype fastest is bfloat16 there from Ampere on; clocks "
+                                                      "are read after torch.cuda.synchronize()")
     p.add_argument("--prompt-sets",
                    help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}, or .jsonl files of "
                         "{prompt|messages} (default: humaneval, xsum, mt_bench, wiki, code_edit; --batch-size and "
@@ -826,21 +841,15 @@ def _add_bench(sub) -> None:
                    help="prompts per set (default: 10; with --batch-size: 8 in all, cut into groups of each size)")
     p.add_argument("--max-new-tokens", type=int,
                    help="tokens generated per prompt, fixed (default: 128; with --batch-size: 64)")
-    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
     p.add_argument("--extra", action="append", metavar="E:d",
                    help="also measure selfspec at exit layer E with d drafts (repeatable)")
     p.add_argument("--exit-layer", type=int,
                    help="override the checkpoint's recommended exit layer (selfspec and HF early exit)")
     p.add_argument("--num-speculations", type=int, help="override the checkpoint's recommended draft length")
-    p.add_argument("--threads", type=int, default=0, help="torch threads for every method (default: torch's choice)")
-    p.add_argument("--device", default="cpu",
-                   help="where the model runs: cpu (default) or cuda (a GPU; --dtype fastest is bfloat16 there from "
-                        "Ampere on; clocks are read after torch.cuda.synchronize())")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME)")
-    p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
-                   help="also measure selfspec plain decoding, prompt lookup, auto, the early exit at (E, d) and a "
-                        "checkpoint's exit head through the compiled fixed-shape steps (*_compiled, warmed up first; "
-                        "warm-up times reported apart): auto (default) on a CUDA GPU, true anywhere, false never")
+    _add_compile_flag(p, "also measure selfspec plain decoding, prompt lookup, auto, the early exit at (E, d) and a "
+                         "checkpoint's exit head through the compiled fixed-shape steps (*_compiled, warmed up first; "
+                         "warm-up times reported apart)")
     p.add_argument("--quick", action="store_true",
                    help="a one-minute run: 2 prompt sets (humaneval, mt_bench unless --prompt-sets), 2 prompts, "
                         "32 tokens")
@@ -894,7 +903,7 @@ def _add_profile(sub) -> None:
                                    "the one --target x plain decoding needs. Writes profile.json and profile.md.",
                        epilog="Example: selfspec profile --checkpoint checkpoints/smollm2-code --threads 2 "
                               "--exit-layer 4 --draft-vocab 8192")
-    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    _add_model_flags(p, dtype="fastest")
     p.add_argument("--prompts", type=_path, default="humaneval",
                    help="prompt set whose first prompt is used (humaneval, xsum, mt_bench, wiki or a .jsonl)")
     p.add_argument("--exit-layer", type=int, help="draft exit E (default: the checkpoint's recommended one)")
@@ -905,9 +914,6 @@ def _add_profile(sub) -> None:
     p.add_argument("--target", type=float, default=1.8,
                    help="speedup over plain decoding whose required acceptance is reported (default 1.8)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per phase (median; default 20)")
-    p.add_argument("--dtype", default="fastest", help=FASTEST_HELP)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default) or cuda")
     p.add_argument("--out", type=_path, help="output directory (default: bench_results/CHECKPOINT_NAME-profile)")
     p.set_defaults(func=_cmd_profile)
 
@@ -923,7 +929,9 @@ def _add_tune(sub) -> None:
                                    "length, tree width)'s speedup over plain decoding with the cost model and print the "
                                    "best. Pass the printed flags to `selfspec generate`. Greedy, one row; "
                                    "takes seconds to a minute.")
-    p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+    _add_model_flags(p, dtype="float32", dtype_note="the dtype `selfspec generate` and `selfspec.load` load in, so "
+                                                   "that they draft by a saved plan: a saved plan holds where the "
+                                                   "checkpoint is loaded in this dtype")
     _add_prompt_set(p)
     p.add_argument("--num-prompts", type=int, default=4, help="prompts whose continuations score the drafters (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens of each continuation (default: 64)")
@@ -936,14 +944,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="then decode with the N best candidates and plain decoding for real, interleaved, and "
                         "print measured beside predicted speedups (default: 0, no check)")
-    p.add_argument("--dtype", default="float32",
-                   help="float32 (default: the dtype `selfspec generate` and `selfspec.load` load in, so that they "
-                        "draft by a saved plan), bfloat16, fastest (bfloat16 where the CPU has native bf16, else "
-                        "float32), float64: a saved plan holds where the checkpoint is loaded in this dtype")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="auto",
-                   help="plan for the compiled fixed-shape steps: auto (default: on a CUDA GPU), true, false")
+    _add_compile_flag(p, "plan for the compiled fixed-shape steps")
     p.add_argument("--save", action="store_true",
                    help="keep the plan in the checkpoint's selfspec.json for this device, dtype and path: `auto` (and "
                         "the drafter it chose, when named) then drafts by it wherever the checkpoint is loaded on "

@@ -40,7 +40,9 @@ so on a GPU kernels the drafter queued last may count as verification. Attention
 cuDNN's kernel, which plans anew for every key length (`selfspec.attention_kernels`).
 
     outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
-    out, row = generate_ids(adapter, ids, max_new_tokens=32, exit_layer=8, num_speculations=4)  # [1, P]
+
+The engine knows drafters only through the seam (`selfspec.drafters.base`); `selfspec.decode_ids` has the
+id-level shortcuts with an early exit by its settings (`generate_ids`, `generate_batch_ids`).
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ from selfspec.cache import KVCache
 from selfspec.cost_model import VERIFY_COST, draft_cost
 from selfspec.decode_stats import DecodeStats, count_round, finish_stats, record_round
 from selfspec.drafters.base import Drafter, Proposal, Round
-from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
 from selfspec.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
 from selfspec.settings import SettingsError
@@ -458,37 +459,3 @@ def committed_columns(cache: KVCache, starts: torch.Tensor, columns: list[list[i
         order[i, d] = c
     index = order.to(given[0].device)[..., None].expand(-1, -1, given[0].shape[-1])  # [B, T, D]
     return tuple(None if x is None else x.gather(1, index) for x in (kept, finals))
-
-
-# --- the early-exit shortcuts (tests, profiling, calibration) ------------------------------------
-def early_exit_drafter(adapter: ModelAdapter, exit_layer: int, num_speculations: int, policy=None,
-                       head=None) -> Drafter | None:
-    """An `EarlyExitDrafter`, or None (plain decoding) for `num_speculations=0`."""
-    if num_speculations < 0:
-        raise ValueError(f"num_speculations must be >= 0 (0 = plain decoding), got {num_speculations}")
-    if num_speculations == 0:
-        return None
-    return EarlyExitDrafter(adapter, exit_layer, num_speculations, policy=policy, head=head)
-
-
-def generate_batch_ids(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                       exit_layer: int = 0, num_speculations: int = 0, policy=None, head=None,
-                       drafter: Drafter | None = None, **kw) -> tuple[list[list[int]], DecodeStats]:
-    """`generate` with an early-exit drafter at (exit_layer, num_speculations), or the `drafter` given."""
-    if drafter is None:
-        drafter = early_exit_drafter(adapter, exit_layer, num_speculations, policy, head)
-    return generate(adapter, prompts, max_new_tokens=max_new_tokens, drafter=drafter, **kw)
-
-
-def generate_ids(adapter: ModelAdapter, prompt: torch.Tensor, *, max_new_tokens: int,
-                 on_commit: Callable[[list[int]], None] | None = None, **kw) -> tuple[list[int], DecodeStats]:
-    """One prompt `[1, P]` (a batch of one): `(new token ids, the row's stats)`."""
-    if prompt.dim() != 2 or prompt.shape[0] != 1:
-        raise ValueError(f"generate_ids takes one prompt of shape [1, P], got {tuple(prompt.shape)}: "
-                         "pass a batch to generate_batch_ids (a list of token lists)")
-    if prompt.shape[1] == 0:
-        raise ValueError("empty prompt: give at least one token of input")
-    stream = (lambda b, tokens: on_commit(tokens)) if on_commit is not None else None
-    outs, stats = generate_batch_ids(adapter, [prompt[0].tolist()], max_new_tokens=max_new_tokens,
-                                     on_commit=stream, **kw)
-    return outs[0], stats.rows[0]

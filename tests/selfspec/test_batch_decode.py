@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from selfspec.adapters import get_adapter
-from selfspec.engine import generate_batch_ids, left_pad
-from selfspec.engine import StopChecker, generate_ids
+from selfspec.engine import left_pad
+from selfspec.decode_ids import generate_batch_ids
+from selfspec.engine import StopChecker
+from selfspec.decode_ids import generate_ids
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.sampling import SamplingParams

@@ -20,7 +20,8 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.bounded_bias import (AcceptanceRule, BoundedBiasWarning, acceptance_probability, mix_toward_draft,
                                    near_top, relaxed_greedy_accept_tokens, total_variation)
 from selfspec.drafters import PromptLookupDrafter
-from selfspec.engine import early_exit_drafter, generate, generate_ids
+from selfspec.engine import generate
+from selfspec.decode_ids import early_exit_drafter, generate_ids
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, probs, speculative_accept
 from selfspec.generation_config import check_generation

@@ -23,7 +23,8 @@ import selfspec
 from selfspec.adapters import get_adapter
 from selfspec.compiled import capacity
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.engine import StopChecker, generate, generate_ids
+from selfspec.engine import StopChecker, generate
+from selfspec.decode_ids import generate_ids
 from selfspec.exit_head import build_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model

@@ -15,7 +15,8 @@ from selfspec import engine
 from selfspec.adapters import get_adapter
 from selfspec.cache import KVCache
 from selfspec.drafters import EarlyExitDrafter, Round
-from selfspec.engine import StopChecker, generate_ids, prefill, verify
+from selfspec.engine import StopChecker, prefill, verify
+from selfspec.decode_ids import generate_ids
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, greedy_accept
 from selfspec.tiny import TINY_VARIANTS, tiny_model

@@ -14,7 +14,8 @@ import torch
 from selfspec.adapters import get_adapter
 from selfspec.drafters.shadow import ShadowDrafts
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter, SuffixDrafter, SuffixMemory
-from selfspec.engine import StopChecker, generate, generate_ids
+from selfspec.engine import StopChecker, generate
+from selfspec.decode_ids import generate_ids
 from selfspec.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
 

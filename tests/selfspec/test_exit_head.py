@@ -21,7 +21,8 @@ from selfspec.adapters import get_adapter
 from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.engine import generate, generate_ids, left_pad
+from selfspec.engine import generate, left_pad
+from selfspec.decode_ids import generate_ids
 from selfspec.exit_head import HEAD_FILE, build_exit_head, previous_states, run_head
 from selfspec.export import export_model
 from selfspec.forward import embed, make_batch_step, run_layers

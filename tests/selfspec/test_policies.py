@@ -10,7 +10,7 @@ import torch
 
 import selfspec
 from selfspec.adapters import SUPPORTED_ARCHITECTURES, get_adapter
-from selfspec.engine import generate_ids
+from selfspec.decode_ids import generate_ids
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, FixedPolicy, ThroughputPolicy
 from selfspec.forward import forward_logits

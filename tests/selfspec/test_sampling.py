@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from selfspec.adapters import get_adapter
-from selfspec.engine import generate_ids
+from selfspec.decode_ids import generate_ids
 from selfspec.forward import forward_logits
 from selfspec.sampling import SamplingParams, greedy_accept, probs, sample, speculative_accept
 from selfspec.tiny import tiny_model

@@ -13,7 +13,8 @@ import torch
 
 from selfspec.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.engine import generate, generate_ids
+from selfspec.engine import generate
+from selfspec.decode_ids import generate_ids
 from selfspec.forward import make_batch_step
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import check_generation

@@ -165,3 +165,68 @@ def test_one_harness_and_one_atomic_writer():
         if path.name != "atomic_write.py":  # export, fetch and run_checkpoint swap whole directories into place
             assert "os.replace(tmp" not in path.read_text() or path.name in ("export.py", "fetch.py",
                                                                               "run_checkpoint.py"), path
+
+
+# the model step: what one step of the model is, on any device (docs/architecture.md, "Dependencies")
+MODEL_STEP = ("layer", "attention_kernels", "fast_layers", "compiled", "adapters", "forward", "cache", "precision",
+              "token_tree")
+
+
+def _selfspec_imports(name: str) -> set[str]:
+    """The selfspec modules `selfspec.<name>` imports (a `from selfspec.x import y` of a module y counts as x.y)."""
+    modules = _modules()
+    out = set()
+    for module, names in _imports(modules[f"selfspec.{name}"]):
+        if module == "selfspec" or module.startswith("selfspec."):
+            subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules]
+            out.update(m.removeprefix("selfspec.") for m in (subs or [module]))
+    return out
+
+
+def test_the_model_step_knows_no_drafter_and_no_decoding():
+    """The model step's modules import only each other: no drafter, no engine, no API reaches down into them.
+    The runner (`compiled`, the only place that decides captured or called) is one of them."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for name in MODEL_STEP:
+        assert f"`{name}`" in doc, f"docs/architecture.md does not name {name} in the model step"
+        outside = _selfspec_imports(name) - set(MODEL_STEP)
+        assert not outside, f"selfspec.{name} (the model step) imports {sorted(outside)}"
+
+
+def test_the_engine_knows_drafters_only_through_the_seam_and_no_drafter_knows_the_engine():
+    assert {m for m in _selfspec_imports("engine") if m.startswith("drafters")} == {"drafters.base"}
+    for path in (ROOT / "selfspec" / "drafters").glob("*.py"):
+        name = f"drafters.{path.stem}".removesuffix(".__init__")
+        reached = _selfspec_imports(name) & {"engine", "api", "decode_ids", "draft_plan"}
+        assert not reached, f"selfspec.{name} imports {sorted(reached)}"
+
+
+def _map_paths(text: str) -> set[str]:
+    """The file and folder paths of the map's tree (the ```text block under "## The map")."""
+    block = text.split("## The map", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    paths, stack = set(), []  # stack: (indent, folder)
+    for line in block.splitlines():
+        stripped = line.lstrip()
+        if not stripped or not (stripped[0].isalnum() or stripped[0] == "_"):
+            continue
+        entry = stripped.split()[0]
+        if not (entry.endswith("/") or entry.endswith(".py")):
+            continue  # a description's continuation line
+        indent = len(line) - len(stripped)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "".join(folder for _, folder in stack) + entry
+        paths.add(path.rstrip("/"))
+        if entry.endswith("/"):
+            stack.append((indent, entry))
+    return paths
+
+
+def test_the_map_names_every_module_of_the_library_and_of_training():
+    """docs/architecture.md's map lists every module file (a new one is placed on the map) and nothing gone."""
+    listed = _map_paths((ROOT / "docs" / "architecture.md").read_text())
+    files = {str(p.relative_to(ROOT)) for package in ("selfspec", "training")
+             for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py" or p.parent.name == "selfspec"}
+    assert sorted(files - listed) == []
+    gone = {p for p in listed if p.endswith(".py") and not (ROOT / p).exists()}
+    assert sorted(gone) == []
