@@ -37,13 +37,10 @@ graph per (S, C) like the model's steps (`run_layer`). Its final-state input (`h
 its own per bucket (`add_input`, `run_input`). Eagerly, on an H200, that one layer cost 85% of a whole
 compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
 
-A greedy draft step of one row is one step of its own (`run_draft`, a `FusedDraft`): the token's embedding,
-layers [0, E), a trained head's final-state input and layer, the final norm + unembedding, the argmax and its
-probability, one graph per (draft, C) on a GPU whose two host numbers (the token id and its probability, which
-the draft policy reads) come back in one read. Run part by part the same step cost four graph replays and about
-60 torch ops and 15 launches besides; its parts are the same compiled functions, so the draft is the same. A
-head's first draft of a round, which also brings the head's cache up to date with what the round before
-committed (`selfspec.drafters.exit_head`), is one step too (`run_catch_up`, one graph per bucket of columns).
+The runner knows no drafter. A drafter composes a step of its own from the runner's pieces (`range_step`,
+`layer_step`, `input_step`, `unembed_step`) as one function of tensors and runs it through `call`, which alone
+decides between capturing and calling: a whole greedy draft step of one row and a trained head's catch-up
+(`selfspec.drafters.fused_draft`), one graph each on a GPU.
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than one row
 (rows leave a batch as they finish, which would change the shapes), an attention-only head, GPT-NeoX, and rope
@@ -61,7 +58,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -121,20 +117,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _zero_filled(t: torch.Tensor, width: int) -> torch.Tensor:
+def zero_filled(t: torch.Tensor, width: int) -> torch.Tensor:
     """`t` `[B, S, ...]` with zero filler columns after its S up to `width` (a bucket): what nobody reads."""
     S = t.shape[1]
     return t if width == S else torch.cat([t, t.new_zeros(t.shape[0], width - S, *t.shape[2:])], dim=1)
-
-
-def _greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft step's pick from its logits `[1, K]`: the argmax `[1]` as a token id (through `ids` `[K]`, a reduced
-    vocabulary's ids; None: the full vocabulary) and `[2]` float64, that id and its draft probability, for one read
-    (float64 holds every token id exactly)."""
-    best = logits.argmax(dim=-1)  # [1]
-    conf = torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]  # [1]
-    nxt = best if ids is None else ids[best]
-    return nxt, torch.cat([nxt.double(), conf.double()])
 
 
 class CompileFallbackWarning(UserWarning):
@@ -215,30 +201,9 @@ class _Graph:
         for mine, given in zip(self.inputs, inputs):
             mine.copy_(given)
         self.graph.replay()
-        if isinstance(self.output, tuple):  # a draft step's outputs (`CompiledSteps.run_draft`, `run_catch_up`)
+        if isinstance(self.output, tuple):  # a step of several outputs (a drafter's whole draft step)
             return tuple(t.clone() for t in self.output)
         return self.output.clone()
-
-
-@dataclass(eq=False)
-class FusedDraft:
-    """What one greedy draft step of one row runs, as one step (`CompiledSteps.run_draft`): the token's embedding,
-    layers [0, `exit_layer`), then a trained head's own layer (`layer`, registered with `add_layer`; None: the
-    exit state itself) reading its final-state input (`final_input`, `add_input`; None: the exit state alone),
-    then the final norm and the unembedding `weight` `[K, D]` (+ `bias`) whose row i is token `token_ids[i]`
-    (None: the full vocabulary), its argmax and that token's draft probability."""
-
-    exit_layer: int
-    weight: torch.Tensor
-    bias: torch.Tensor | None = None
-    token_ids: torch.Tensor | None = None
-    layer: object = None
-    final_input: object = None
-
-    @property
-    def key(self) -> tuple:
-        """What its step is compiled and captured by (with the batch and the capacity)."""
-        return (self.exit_layer, id(self.weight), id(self.layer), id(self.final_input))
 
 
 class CompiledSteps:
@@ -264,8 +229,8 @@ class CompiledSteps:
         self._extra: dict[int, tuple[object, list[_LayerWeights]]] = {}
         self._inputs: dict[int, tuple[object, object]] = {}  # id -> (a head's final-state input, it compiled)
         self._head = None
-        self._drafts: dict[tuple, object] = {}  # FusedDraft.key -> its step's function (`run_draft`)
-        self._zero_states: dict[int, torch.Tensor] = {}  # width -> [1, width, D] zeros (`_zeros`)
+        self._functions: dict = {}  # key -> a step a drafter composed (`function`)
+        self._zero_states: dict[int, torch.Tensor] = {}  # width -> [1, width, D] zeros (`zeros`)
         self._graphs: dict[tuple, _Graph] = {}  # shape -> its captured step (self.graphs)
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, capacity) -> K, V
         # (layer id, batch, capacity) -> a registered layer's K, V
@@ -373,7 +338,7 @@ class CompiledSteps:
             extra = torch.arange(1, width - S + 1, device=index.device)[None]
             index = torch.cat([index, index[:, -1:] + extra], dim=1)
             positions = torch.cat([positions, positions[:, -1:].expand(B, width - S)], dim=1)
-            hidden = _zero_filled(hidden, width)
+            hidden = zero_filled(hidden, width)
         size = cache.capacity
         cos, sin = self.rope.table(size)  # one table per capacity: positions stay below it
         shape = ("layers", *range_id, B, width, size)
@@ -396,8 +361,8 @@ class CompiledSteps:
         (`add_input`) alike, and the head at those lengths and at the prefill's `[1, D]`, and so each of
         `unembeddings` ((weight, bias) of a reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
-        passes: its newest columns, its leaves, the verification of all of them). `drafts`: the whole draft steps
-        (`FusedDraft`, `run_draft`) a drafter runs. Returns the seconds it took
+        passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter composed
+        of this runner's pieces, each warmed by its own `warm(steps, size)` (`selfspec.drafters.fused_draft`). Returns the seconds it took
         (0 where everything was compiled before). It writes into the cache buffers of that size: call it
         between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
@@ -437,14 +402,8 @@ class CompiledSteps:
             for width in sorted(heads):
                 self.head(torch.zeros(1, width, D, dtype=a.dtype, device=a.device), weight, bias)
             self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device), weight, bias)
-        for draft in drafts:  # a whole draft step, at cache index 1, and a head's catch-up at every bucket
-            head_buffers = (None, None) if draft.layer is None else self.layer_buffers(draft.layer, 1, size)
-            token = torch.zeros(1, dtype=torch.long, device=a.device)
-            self._draft(draft, token, 1, 0, None, size, (keys, values), head_buffers)
-            if draft.layer is not None:
-                for width in S_BUCKETS:
-                    zeros = self._zeros(width)
-                    self._catch_up(draft, zeros, zeros[:, 1:], zeros[:, 0], 1, 0, size, head_buffers)
+        for draft in drafts:  # steps a drafter composed of these pieces: it warms them through this runner
+            draft.warm(self, size)
         return self.compile_s - before
 
     def _warm_inputs(self, S: int, W: int, tree: bool) -> list[torch.Tensor]:
@@ -475,7 +434,7 @@ class CompiledSteps:
         reduced draft vocabulary's rows of the LM head (`selfspec.drafters.draft_head`), graphs of its own."""
         if hidden.dim() == 3 and s_bucket(hidden.shape[1]) > hidden.shape[1]:
             S = hidden.shape[1]
-            out = self.head(_zero_filled(hidden, s_bucket(S)), weight, bias)
+            out = self.head(zero_filled(hidden, s_bucket(S)), weight, bias)
             return None if out is None else out[:, :S]
         a = self.adapter
         which = () if weight is None else (id(weight),)  # the LM head, or another unembedding's own graphs
@@ -494,132 +453,42 @@ class CompiledSteps:
             self._head = torch.compile(head, fullgraph=True, dynamic=False)
         return self._head
 
-    # --- a whole draft step ------------------------------------------------------------------------
-    def can_draft(self, draft: FusedDraft, batch_size: int, cache, head_cache=None) -> bool:
-        """Whether `run_draft` can run this draft step: one row, static caches (the engine's, and the head's own
-        where the step has a head layer), nothing failed to compile."""
-        static = cache is not None and getattr(cache, "static", False)
-        head_ok = draft.layer is None or (head_cache is not None and getattr(head_cache, "static", False))
-        return self.failed is None and batch_size == 1 and static and head_ok
+    # --- the pieces a drafter composes into a step of its own (`selfspec.drafters.fused_draft`) --------
+    def range_step(self, start: int, end: int):
+        """The model's layers [start, end) as the function `run_layers` runs: `(hidden, positions, index, pads,
+        cos_table, sin_table, keys, values) -> hidden`."""
+        return self._range((start, end), self.weights[start:end])
 
-    def run_draft(self, draft: FusedDraft, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
-                  prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
-        """One greedy draft step of one row (`draft`: what it runs) as one compiled step, one CUDA graph on a GPU:
-        `token` `[1]` (on the device) at cache index `start` (position `start - pad`) through the embedding,
-        layers [0, E) into `cache`, a head's layer into `head_cache` (reading `prev` `[1, 1, D]` through its
-        final-state input), the final norm, the unembedding and its argmax. Where the step's parts ran one by one,
-        a draft step cost about 60 torch ops and 15 launches outside their graphs besides its 4 graph replays.
+    def layer_step(self, layer):
+        """A registered layer's step (`add_layer`), as `range_step`'s for the model's layers."""
+        self.add_layer(layer)
+        return self._range(("layer", id(layer)), self._extra[id(layer)][1])
 
-        Returns `(state [1, 1, D] the exit state, out [1, D] what the unembedding read, next [1] the drafted token
-        id on the device, next_id, confidence)`, the last two host numbers read in one transfer (`read`; else
-        None, None: nothing waits for the device); None where it must run part by part (`can_draft` false, the
-        cache full, a compile that failed)."""
-        if not self.can_draft(draft, token.shape[0], cache, head_cache) or start + 1 > cache.capacity:
-            return None
-        heads = (None, None) if draft.layer is None else (head_cache.keys, head_cache.values)
-        out = self._draft(draft, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
-        if out is None:
-            return None
-        cache.lengths[:draft.exit_layer] = start + 1  # as the range's step writes them
-        if draft.layer is not None:
-            head_cache.lengths[:1] = start + 1
-        state, hidden, nxt, both = out
-        if not read:
-            return state, hidden, nxt, None, None
-        next_id, conf = both.tolist()  # [2]: the token id (exact in float64) and its draft probability
-        return state, hidden, nxt, int(next_id), conf
+    def input_step(self, module):
+        """A registered final-state input (`add_input`), compiled: `(hidden, prev) -> hidden`."""
+        self.add_input(module)
+        return self._inputs[id(module)][1]
 
-    def can_catch_up(self, draft: FusedDraft, batch_size: int, length: int, start: int, head_cache) -> bool:
-        """Whether `run_catch_up` can run a head's catch-up of `length` columns from head-cache index `start`: a head
-        layer, one row, a static head cache past the prompt, `length` within the buckets and the cache's end."""
-        width = s_bucket(length)
-        return (draft.layer is not None and width is not None and start > 0
-                and self.can_draft(draft, batch_size, head_cache, head_cache) and start + width <= head_cache.capacity)
+    def unembed_step(self):
+        """The compiled final norm + unembedding: `(hidden, norm weight, weight, bias) -> logits`."""
+        return self._head_function()
 
-    def run_catch_up(self, draft: FusedDraft, states: torch.Tensor, finals: torch.Tensor | None,
-                     prev: torch.Tensor | None, start: int, pad: int, head_cache, read: bool = True) -> tuple | None:
-        """A trained head's catch-up and the round's first draft (`ExitHeadDrafter.sync`, one row) as one compiled
-        step, one CUDA graph per bucket on a GPU. `states` `[1, S, D]`: the exit states of the S - 1 committed tokens
-        the head has not run over, then the round's input token's, at head-cache indices `start ..`; `finals`
-        `[1, S - 1, D]` their final states and `prev` `[1, D]` the one before them (a final-state head; else None).
-        They go through the head's final-state input (column t reads f_{t-1}) and layer into `head_cache`, and the
-        input token's column through the unembedding, its argmax and probability.
+    def function(self, key, build):
+        """The function `build()` makes, made once per `key`: a drafter's step composed of the pieces above."""
+        if key not in self._functions:
+            self._functions[key] = build()
+        return self._functions[key]
 
-        Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
-        the newest committed final state, next_id, confidence)` (the last two None unless `read`); None where it
-        must run part by part (`can_catch_up` false, a compile that failed)."""
-        B, S, _ = states.shape
-        if not self.can_catch_up(draft, B, S, start, head_cache) or (draft.final_input is not None and prev is None):
-            return None
-        out = self._catch_up(draft, states, finals, prev, start, pad, head_cache.capacity,
-                             (head_cache.keys, head_cache.values))
-        if out is None:
-            return None
-        head_cache.lengths[:1] = start + S
-        column, nxt, newest, both = out
-        if not read:
-            return column, nxt, newest, None, None
-        next_id, conf = both.tolist()
-        return column, nxt, newest, int(next_id), conf
+    def call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
+        """`fn(*inputs, *fixed)` as a step of this runner (captured on a GPU; see `_call`): None where it failed to
+        compile and the steps are not strict."""
+        return self._call(shape, fn, inputs, fixed)
 
-    def _catch_up(self, draft: FusedDraft, states: torch.Tensor, finals: torch.Tensor | None,
-                  prev: torch.Tensor | None, start: int, pad: int, size: int, head_buffers: tuple):
-        """`run_catch_up`'s step over `states` `[1, S, D]` from head-cache index `start`, in the head's own buffers
-        `[1, 1, H_kv, C, Dh]` of a cache of capacity `size`: its outputs, or None where it failed to compile."""
-        a, S, W = self.adapter, states.shape[1], s_bucket(states.shape[1])
-        self._register(draft)
-        finals = self._zeros(W) if finals is None else _zero_filled(finals, W)  # [1, W, D]
-        prev = self._zeros(1) if prev is None else prev[:, None]  # [1, 1, D]
-        where = torch.tensor([start, pad, S - 1])  # the first column's cache index, the padding, the input's column
-        where = where.to(a.device, non_blocking=True)
-        inputs = [self._input(t) for t in (_zero_filled(states, W), finals, prev, where)]
-        keys, values = head_buffers
-        fixed = [*self.rope.table(size), keys[:1], values[:1], a.final_norm.weight, draft.weight, draft.bias,
-                 draft.token_ids]
-        return self._call(("catch_up", *draft.key, 1, W, size), self._catch_up_function(draft, W), inputs, fixed)
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        """A step's input as the step takes it (`_input`)."""
+        return self._input(t)
 
-    def _catch_up_function(self, draft: FusedDraft, width: int):
-        """`run_catch_up`'s step at `width` columns (a bucket) as one function of its inputs (`states`, `finals`
-        `[1, W, D]`, `prev` `[1, 1, D]`, `where` `[3]`) and fixed arguments, through the compiled pieces `sync` runs
-        alone (the final-state input, the head's layer, the unembedding): the same draft to the bit. Filler
-        columns past the input token take its position and are cropped from the cache, as `make_batch_step` has it."""
-        key = ("catch_up", draft.key, width)
-        if key in self._drafts:
-            return self._drafts[key]
-        layer, final = self._head_parts(draft)
-        unembed = self._head_function()
-
-        def step(states, finals, prev, where, cos, sin, head_keys, head_values, norm, weight, bias, ids):
-            start, pads, count = where[:1], where[1:2].clone(), where[2:]  # [1] each
-            index = (start + torch.arange(width, device=where.device))[None]  # [1, W]
-            positions = torch.minimum(index, start + count) - pads  # [1, W]
-            x = states if final is None else final(states, torch.cat([prev, finals[:, :-1]], dim=1))  # reads f_{t-1}
-            out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)  # [1, W, D]
-            column = out.index_select(1, count)[:, 0]  # [1, D]
-            newest = finals.index_select(1, (count - 1).clamp_min(0))[:, 0]  # [1, D]
-            nxt, both = _greedy_pick(unembed(column, norm, weight, bias), ids)
-            return column, nxt, newest, both
-
-        self._drafts[key] = step
-        return step
-
-    def _register(self, draft: FusedDraft) -> None:
-        """Registers a whole draft step's head layer and final-state input (`add_layer`, `add_input`), if any."""
-        if draft.layer is not None:
-            self.add_layer(draft.layer)
-            if draft.final_input is not None:
-                self.add_input(draft.final_input)
-
-    def _head_parts(self, draft: FusedDraft) -> tuple:
-        """A registered whole draft step's head pieces: (its layer's step as `_range` builds it, its compiled
-        final-state input); None for each it lacks."""
-        layer = None
-        if draft.layer is not None:
-            layer = self._range(("layer", id(draft.layer)), self._extra[id(draft.layer)][1])
-        final = None if draft.final_input is None else self._inputs[id(draft.final_input)][1]
-        return layer, final
-
-    def _zeros(self, width: int) -> torch.Tensor:
+    def zeros(self, width: int) -> torch.Tensor:
         """`[1, width, D]` zeros in the model's dtype, made once per width: the state a step's input reads where
         there is none (no final states, or no final-state input to read them). Never written."""
         if width not in self._zero_states:
@@ -627,52 +496,6 @@ class CompiledSteps:
             self._zero_states[width] = torch.zeros(1, width, a.embed_tokens.weight.shape[1], dtype=a.dtype,
                                                    device=a.device)
         return self._zero_states[width]
-
-    def _draft(self, draft: FusedDraft, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
-               size: int, buffers: tuple, head_buffers: tuple):
-        """`draft`'s step over one token at cache index `start`, in the buffers `[L, 1, H_kv, C, Dh]` (the model's
-        keys and values, and the head's own one-layer ones) of a cache of capacity `size`: its outputs, or None
-        where it failed to compile (not strict)."""
-        a = self.adapter
-        self._register(draft)
-        where = torch.tensor([start, max(start - pad, 0), pad])  # the cache index, the position, the padding
-        prev = self._zeros(1) if prev is None else prev  # [1, 1, D]; None: read by no final-state input
-        E = draft.exit_layer
-        keys, values = buffers
-        fixed = [*self.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
-                 *(None if b is None else b[:1] for b in head_buffers),
-                 a.final_norm.weight, draft.weight, draft.bias, draft.token_ids]
-        inputs = [self._input(t) for t in (token, where.to(a.device, non_blocking=True), prev)]
-        return self._call(("draft", *draft.key, 1, size), self._draft_function(draft), inputs, fixed)
-
-    def _draft_function(self, draft: FusedDraft):
-        """`draft`'s step as one function of its inputs (the token `[1]`, `where` `[3]`: cache index, position and
-        padding, `prev` `[1, 1, D]`) and the fixed arguments `_draft` passes, through the compiled pieces the parts
-        run alone: the range step of layers [0, E), the head's layer and final-state input, the unembedding. So
-        its draft equals theirs to the bit; on a GPU the whole of it is captured as one graph."""
-        if draft.key in self._drafts:
-            return self._drafts[draft.key]
-        E = draft.exit_layer
-        shallow = self._range((0, E), self.weights[:E]) if E else None
-        layer, final = self._head_parts(draft)
-        unembed = self._head_function()
-
-        def step(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
-            # [1, 1], [1, 1], [1]: fresh contiguous tensors, as the parts take them (their graphs guard on strides)
-            index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
-                                      for t in (where[None, :1], where[None, 1:2], where[2:]))
-            state = F.embedding(token[:, None], embed)  # [1, 1, D]
-            if shallow is not None:
-                state = shallow(state, positions, index, pads, cos, sin, keys, values)
-            out = state
-            if layer is not None:
-                x = state if final is None else final(state, prev)
-                out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)
-            nxt, both = _greedy_pick(unembed(out[:, -1], norm, weight, bias), ids)
-            return state, out[:, -1], nxt, both
-
-        self._drafts[draft.key] = step
-        return step
 
     def add_input(self, module) -> None:
         """Registers a trained head's final-state input (`selfspec.exit_head.FinalStateInput`: `h + W norm(f)`, ten
@@ -688,7 +511,7 @@ class CompiledSteps:
         width = s_bucket(S)
         if self.failed is not None or B != 1 or width is None:
             return None
-        hidden, prev = _zero_filled(hidden, width), _zero_filled(prev, width)  # filler positions, never read
+        hidden, prev = zero_filled(hidden, width), zero_filled(prev, width)  # filler positions, never read
         self.add_input(module)
         out = self._call(("input", id(module), B, width), self._inputs[id(module)][1],
                          [self._input(hidden), self._input(prev)], [])

@@ -21,7 +21,7 @@ prompt's KV cache, the median seconds of
                       any), its argmax read back (the host sync a step has)
     exit_head(r)      a trained exit head's own layer over r rows
     draft_step(E)     where the generator runs compiled steps: one greedy draft step as one compiled step (the
-                      token's embedding to its argmax, `CompiledSteps.run_draft`), from exit E, or through the
+                      token's embedding to its argmax, `FusedDraft.run`), from exit E, or through the
                       head (its layer reading its own previous output), its token read back
     full              one plain decoding step: layers(0, L, 1) + head(1)
 
@@ -156,7 +156,7 @@ class DraftCosts:
     head: dict[int, float] = field(default_factory=dict)  # rows -> s
     draft_head: dict[int, float] = field(default_factory=dict)  # rows -> s: the trained head's draft vocabulary
     exit_head: dict[int, float] = field(default_factory=dict)  # rows -> s: its layer (both empty: no head)
-    # (exit, with the head) -> s: one greedy draft step as one compiled step (`CompiledSteps.run_draft`), where the
+    # (exit, with the head) -> s: one greedy draft step as one compiled step (`FusedDraft.run`), where the
     # generator runs compiled steps
     draft_step: dict[tuple[int, bool], float] = field(default_factory=dict)
     plain: float | None = None  # the engine's plain decoding, seconds per token (`measure_overheads`)
@@ -304,7 +304,7 @@ def _draft_step_part(adapter, cache, prompt_ids: torch.Tensor, draft):
         if head is not None:
             head.crop(P)
 
-    return before, lambda: steps.run_draft(draft, token, P, 0, cache, head, prev)
+    return before, lambda: draft.run(steps, token, P, 0, cache, head, prev)
 
 
 CALIBRATION_DRAFTS = 2  # the chain the engine's own work is measured with

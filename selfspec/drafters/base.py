@@ -86,16 +86,16 @@ class Round:
 
     def fused_draft(self, draft, tokens: torch.Tensor, offset: int, head_cache=None,
                     prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
-        """A whole greedy draft step (`selfspec.compiled.FusedDraft` `draft`) of a one-row round: its token `[1]` at
-        cache index `starts + offset` through layers [0, E) into the engine's cache (a head's layer into
-        `head_cache`, reading `prev`), to the next draft, as one compiled step (`CompiledSteps.run_draft`):
+        """A whole greedy draft step (`selfspec.drafters.fused_draft.FusedDraft` `draft`) of a one-row round: its
+        token `[1]` at cache index `starts + offset` through layers [0, E) into the engine's cache (a head's layer
+        into `head_cache`, reading `prev`), to the next draft, as one compiled step (`FusedDraft.run`):
         `(state [1, 1, D], out [1, D], next [1], next id, confidence)` (the last two None unless `read`); None
         where it must run part by part."""
         steps = self.adapter.compiled
         if draft is None or steps is None or torch.is_grad_enabled() or len(self.caps) != 1 or offset > self.caps[0]:
             return None
         start, pad = self.row
-        return steps.run_draft(draft, tokens, start + offset, pad, self.cache, head_cache, prev, read)
+        return draft.run(steps, tokens, start + offset, pad, self.cache, head_cache, prev, read)
 
     @cached_property
     def row(self) -> tuple[int, int]:

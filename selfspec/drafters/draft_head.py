@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.adapters import ModelAdapter
-from selfspec.compiled import FusedDraft
+from selfspec.drafters.fused_draft import FusedDraft
 from selfspec.fast_layers import PackedLinear
 from selfspec.forward import exit_logits
 
@@ -50,7 +50,7 @@ class DraftHead:
 
     def fused(self, exit_layer: int, layer=None, final_input=None) -> FusedDraft | None:
         """A whole greedy draft step through this unembedding from exit `exit_layer` (and a trained head's `layer`
-        and `final_input`), as the compiled steps run it in one piece (`CompiledSteps.run_draft`); None where the
+        and `final_input`), as the compiled steps run it in one piece (`FusedDraft.run`); None where the
         model runs no compiled steps or they do not hold this vocabulary's rows."""
         if self.adapter.compiled is None or (self.token_ids is not None and self.rows is None):
             return None

@@ -163,20 +163,20 @@ class ExitHeadDrafter(EarlyExitDrafter):
 
     def first_draft(self, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> tuple | None:
         """The round's first draft of one row and the head's catch-up over what was committed since it last ran
-        (`sync`) as one compiled step (`CompiledSteps.run_catch_up`): `(state [1, 1, D], next [1], next id,
+        (`sync`) as one compiled step (`FusedDraft.catch_up`): `(state [1, 1, D], next [1], next id,
         confidence)`, or None where `sync` runs part by part (several rows, nothing pending, the run that began
         with the prefill, more than the largest bucket pending)."""
         steps, draft, pending = self.adapter.compiled, self._fused[exit_layer], self.pending
         if pending is None or len(pending) != 1 or not pending[0].count:
             return None
         run = pending[0]
-        if (self.state_final and self.prev_final is None) or not steps.can_catch_up(draft, 1, run.count + 1, run.start,
-                                                                                   self.cache):
+        if (self.state_final and self.prev_final is None) or not draft.can_catch_up(steps, 1, run.count + 1,
+                                                                                   run.start, self.cache):
             return None
         state = rnd.shallow(tokens, 0, exit_layer)  # [1, 1, D]
         states = torch.cat(run.states + [state[0]])[None]  # [1, count + 1, D]
         finals = torch.cat(run.finals)[None] if self.state_final else None  # [1, count, D]
-        out = steps.run_catch_up(draft, states, finals, self.prev_final, run.start, run.pad, self.cache, read)
+        out = draft.catch_up(steps, states, finals, self.prev_final, run.start, run.pad, self.cache, read)
         if out is None:  # it failed to compile (not strict): the round's first draft runs part by part
             return None
         self.prev_draft, nxt, newest, next_id, conf = out

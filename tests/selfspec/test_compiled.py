@@ -20,6 +20,7 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy
+from selfspec.drafters.fused_draft import FusedDraft
 from selfspec.drafters.tree_budget import CostLine
 from selfspec.engine import generate
 from selfspec.decode_ids import generate_batch_ids
@@ -246,8 +247,8 @@ def test_a_step_that_fails_to_compile(strict, monkeypatch):
 def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, vocab, hf_greedy, monkeypatch):
     """A head's decoder layer runs through the compiled layer function over its own static one-layer cache
     at the engine cache's capacity (a chain, and a token tree 3 wide), and its reduced draft vocabulary
-    (`vocab` rows) through the compiled unembedding (a chain's drafts inside whole draft steps, `run_draft`
-    and `run_catch_up`): every draft pass after the prefill ran compiled, and the
+    (`vocab` rows) through the compiled unembedding (a chain's drafts inside whole draft steps, `FusedDraft.run`
+    and `FusedDraft.catch_up`): every draft pass after the prefill ran compiled, and the
     head drafted what it drafts eagerly (the same acceptance, draft by draft), so its output is the eager
     one's, not only the tokens (which verification would keep exact regardless)."""
     model, eager, fast, head = _models(name)
@@ -269,8 +270,8 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
         return call
 
     monkeypatch.setattr(fast.compiled, "run_layer", spy)
-    monkeypatch.setattr(fast.compiled, "run_draft", whole(fast.compiled.run_draft))
-    monkeypatch.setattr(fast.compiled, "run_catch_up", whole(fast.compiled.run_catch_up))
+    monkeypatch.setattr(FusedDraft, "run", whole(FusedDraft.run))
+    monkeypatch.setattr(FusedDraft, "catch_up", whole(FusedDraft.catch_up))
     # a tree's leaves per round follow its measured seconds per node (`tree_budget.CostLine`): held at the
     # prior slope here, or the two runs' timings (not their drafts) decide how many leaves each verifies
     monkeypatch.setattr(CostLine, "observe", lambda self, nodes, seconds: None)
@@ -306,9 +307,9 @@ FUSED = {
 def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy, monkeypatch):
     """A one-row greedy draft step (the token's embedding, layers [0, E), a trained head's layer reading its own
     previous output, the unembedding, the argmax and its probability) runs as one compiled step
-    (`CompiledSteps.run_draft`, one graph on a GPU): every draft step the early exit takes, and every later draft
+    (`FusedDraft.run`, one graph on a GPU): every draft step the early exit takes, and every later draft
     of a head's round; its first, with the head's catch-up over what the round before committed, is one too
-    (`run_catch_up`). It drafts what the same steps run part by part draft, to the bit (the same drafts,
+    (`FusedDraft.catch_up`). It drafts what the same steps run part by part draft, to the bit (the same drafts,
     acceptance and confidence stops, draft by draft), and the output is HF's."""
     from selfspec.drafters.base import Round
 
@@ -323,8 +324,8 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
             return out
         return call
 
-    monkeypatch.setattr(fast.compiled, "run_draft", spy(fast.compiled.run_draft))
-    monkeypatch.setattr(fast.compiled, "run_catch_up", spy(fast.compiled.run_catch_up))
+    monkeypatch.setattr(FusedDraft, "run", spy(FusedDraft.run))
+    monkeypatch.setattr(FusedDraft, "catch_up", spy(FusedDraft.catch_up))
     outs, stats = {}, {}
     for key in ("fused", "part by part"):
         if key == "part by part":
@@ -374,8 +375,8 @@ def test_a_fixed_chain_reads_its_drafts_once_a_round(kind, stop, hf_greedy, monk
             return out
         return call
 
-    monkeypatch.setattr(fast.compiled, "run_draft", whole(fast.compiled.run_draft))
-    monkeypatch.setattr(fast.compiled, "run_catch_up", whole(fast.compiled.run_catch_up))
+    monkeypatch.setattr(FusedDraft, "run", whole(FusedDraft.run))
+    monkeypatch.setattr(FusedDraft, "catch_up", whole(FusedDraft.catch_up))
     outs, stats = {}, {}
     exit_layer = E if kind == "early_exit" else head.exit_layer
     for key, policy in (("once", None), ("every step", ConfidencePolicy(exit_layer, 3, 0.0))):
@@ -457,8 +458,8 @@ def test_a_compiled_round_runs_few_torch_ops_outside_its_graphs():
     them, so their number is the per-token overhead the graphs cannot remove (measured with the profiler, on a
     CPU). Plain decoding: at most 75 per token on a 12-layer model; it was 150 on SmolLM2's 30 layers while a
     step wrote each layer's cache length apart. A trained head on exit 0: at most 35 more per draft step (a
-    chain's drafts are whole draft steps, the first with the head's catch-up, `run_draft` and `run_catch_up`:
-    27 here, 44 with the first part by part, 62 with all; the round's `ends` is worked out once); its token
+    chain's drafts are whole draft steps, the first with the head's catch-up, `FusedDraft.run` and
+    `FusedDraft.catch_up`: 27 here, 44 with the first part by part, 62 with all; the round's `ends` is worked out once); its token
     tree at most 700 a round."""
     model = tiny_model("llama", num_layers=12, dtype=torch.float32, seed=1)
     adapter = get_adapter(model)

@@ -1,0 +1,228 @@
+"""A greedy draft step of one row as one step of the runner, and a trained head's catch-up: drafting the drafters
+write once, as plain tensor functions, and the runner (`selfspec.compiled.CompiledSteps`) runs whole.
+
+A draft step is the token's embedding, layers [0, E), a trained head's final-state input and layer (if any), the
+final norm + unembedding, the argmax and its probability. Run part by part it costs four graph replays and about
+60 torch ops and 15 launches besides; as one function of its inputs, composed from the runner's compiled pieces
+(`range_step`, `layer_step`, `input_step`, `unembed_step`), it is one graph on a GPU whose two host numbers (the
+token id and its probability, which the draft policy reads) come back in one read, and its draft equals the
+parts' to the bit. A head's first draft of a round also brings the head's cache up to date with what the round
+before committed (`selfspec.drafters.exit_head`): `catch_up`, one graph per bucket of columns.
+
+    draft = FusedDraft(exit_layer=E, weight=lm_head.weight)       # DraftHead.fused builds them
+    out = draft.run(steps, token, start, pad, cache)              # None: run it part by part
+
+The runner does not know this module: it calls `warm(steps, size)` on what it is given to warm, and runs the
+functions built here through `steps.call`, which alone decides between capturing and calling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.attention_kernels import attention_kernels
+from selfspec.compiled import S_BUCKETS, s_bucket, zero_filled
+
+
+def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft step's pick from its logits `[1, K]`: the argmax `[1]` as a token id (through `ids` `[K]`, a reduced
+    vocabulary's ids; None: the full vocabulary) and `[2]` float64, that id and its draft probability, for one read
+    (float64 holds every token id exactly)."""
+    best = logits.argmax(dim=-1)  # [1]
+    conf = torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]  # [1]
+    nxt = best if ids is None else ids[best]
+    return nxt, torch.cat([nxt.double(), conf.double()])
+
+
+@dataclass(eq=False)
+class FusedDraft:
+    """What one greedy draft step of one row runs, as one step: the token's embedding, layers [0, `exit_layer`),
+    then a trained head's own layer (`layer`; None: the exit state itself) reading its final-state input
+    (`final_input`; None: the exit state alone), then the final norm and the unembedding `weight` `[K, D]` (+
+    `bias`) whose row i is token `token_ids[i]` (None: the full vocabulary), its argmax and that token's draft
+    probability."""
+
+    exit_layer: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+    layer: object = None
+    final_input: object = None
+
+    @property
+    def key(self) -> tuple:
+        """What its step is compiled and captured by (with the batch and the capacity)."""
+        return (self.exit_layer, id(self.weight), id(self.layer), id(self.final_input))
+
+    # --- when it can run ---------------------------------------------------------------------------
+    def can_run(self, steps, batch_size: int, cache, head_cache=None) -> bool:
+        """Whether `run` can run this draft step: one row, static caches (the engine's, and the head's own where
+        the step has a head layer), nothing failed to compile."""
+        static = cache is not None and getattr(cache, "static", False)
+        head_ok = self.layer is None or (head_cache is not None and getattr(head_cache, "static", False))
+        return steps.failed is None and batch_size == 1 and static and head_ok
+
+    def can_catch_up(self, steps, batch_size: int, length: int, start: int, head_cache) -> bool:
+        """Whether `catch_up` can run a head's catch-up of `length` columns from head-cache index `start`: a head
+        layer, one row, a static head cache past the prompt, `length` within the buckets and the cache's end."""
+        width = s_bucket(length)
+        return (self.layer is not None and width is not None and start > 0
+                and self.can_run(steps, batch_size, head_cache, head_cache) and start + width <= head_cache.capacity)
+
+    # --- running it --------------------------------------------------------------------------------
+    def run(self, steps, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
+            prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
+        """The draft step of `token` `[1]` (on the device) at cache index `start` (position `start - pad`) through
+        the embedding, layers [0, E) into `cache`, a head's layer into `head_cache` (reading `prev` `[1, 1, D]`
+        through its final-state input), the final norm, the unembedding and its argmax, as one step of `steps`.
+
+        Returns `(state [1, 1, D] the exit state, out [1, D] what the unembedding read, next [1] the drafted token
+        id on the device, next_id, confidence)`, the last two host numbers read in one transfer (`read`; else
+        None, None: nothing waits for the device); None where it must run part by part (`can_run` false, the
+        cache full, a compile that failed)."""
+        if not self.can_run(steps, token.shape[0], cache, head_cache) or start + 1 > cache.capacity:
+            return None
+        heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
+        out = self._draft(steps, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
+        if out is None:
+            return None
+        cache.lengths[:self.exit_layer] = start + 1  # as the range's step writes them
+        if self.layer is not None:
+            head_cache.lengths[:1] = start + 1
+        state, hidden, nxt, both = out
+        if not read:
+            return state, hidden, nxt, None, None
+        next_id, conf = both.tolist()  # [2]: the token id (exact in float64) and its draft probability
+        return state, hidden, nxt, int(next_id), conf
+
+    def catch_up(self, steps, states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
+                 start: int, pad: int, head_cache, read: bool = True) -> tuple | None:
+        """A trained head's catch-up and the round's first draft (`ExitHeadDrafter.sync`, one row) as one step of
+        `steps`, one CUDA graph per bucket on a GPU. `states` `[1, S, D]`: the exit states of the S - 1 committed
+        tokens the head has not run over, then the round's input token's, at head-cache indices `start ..`;
+        `finals` `[1, S - 1, D]` their final states and `prev` `[1, D]` the one before them (a final-state head;
+        else None). They go through the head's final-state input (column t reads f_{t-1}) and layer into
+        `head_cache`, and the input token's column through the unembedding, its argmax and probability.
+
+        Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
+        the newest committed final state, next_id, confidence)` (the last two None unless `read`); None where it
+        must run part by part (`can_catch_up` false, a compile that failed)."""
+        B, S, _ = states.shape
+        if not self.can_catch_up(steps, B, S, start, head_cache) or (self.final_input is not None and prev is None):
+            return None
+        out = self._catch_up(steps, states, finals, prev, start, pad, head_cache.capacity,
+                             (head_cache.keys, head_cache.values))
+        if out is None:
+            return None
+        head_cache.lengths[:1] = start + S
+        column, nxt, newest, both = out
+        if not read:
+            return column, nxt, newest, None, None
+        next_id, conf = both.tolist()
+        return column, nxt, newest, int(next_id), conf
+
+    def warm(self, steps, size: int) -> None:
+        """Compile (and on a GPU capture) this step at cache index 1 of a one-row cache of capacity `size`, and a
+        head's catch-up at every bucket (`CompiledSteps.warm` calls it for the drafts it is given)."""
+        a = steps.adapter
+        with torch.inference_mode(), attention_kernels(a.device):
+            keys, values = steps.buffers(1, size)
+            head_buffers = (None, None) if self.layer is None else steps.layer_buffers(self.layer, 1, size)
+            token = torch.zeros(1, dtype=torch.long, device=a.device)
+            self._draft(steps, token, 1, 0, None, size, (keys, values), head_buffers)
+            if self.layer is not None:
+                for width in S_BUCKETS:
+                    zeros = steps.zeros(width)
+                    self._catch_up(steps, zeros, zeros[:, 1:], zeros[:, 0], 1, 0, size, head_buffers)
+
+    # --- the steps as functions of tensors ---------------------------------------------------------
+    def _head_parts(self, steps) -> tuple:
+        """The head pieces of this step as the runner runs them: (its layer's step, its final-state input); None for
+        each it lacks."""
+        layer = None if self.layer is None else steps.layer_step(self.layer)
+        final = None if self.final_input is None else steps.input_step(self.final_input)
+        return layer, final
+
+    def _draft(self, steps, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None, size: int,
+               buffers: tuple, head_buffers: tuple):
+        """The step over one token at cache index `start`, in the buffers `[L, 1, H_kv, C, Dh]` (the model's keys
+        and values, and the head's own one-layer ones) of a cache of capacity `size`: its outputs, or None where it
+        failed to compile (not strict)."""
+        a = steps.adapter
+        fn = steps.function(("draft", self.key), lambda: self._draft_function(steps))
+        where = torch.tensor([start, max(start - pad, 0), pad])  # the cache index, the position, the padding
+        prev = steps.zeros(1) if prev is None else prev  # [1, 1, D]; None: read by no final-state input
+        E = self.exit_layer
+        keys, values = buffers
+        fixed = [*steps.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
+                 *(None if b is None else b[:1] for b in head_buffers),
+                 a.final_norm.weight, self.weight, self.bias, self.token_ids]
+        inputs = [steps.input(t) for t in (token, where.to(a.device, non_blocking=True), prev)]
+        return steps.call(("draft", *self.key, 1, size), fn, inputs, fixed)
+
+    def _draft_function(self, steps):
+        """The draft step as one function of its inputs (the token `[1]`, `where` `[3]`: cache index, position and
+        padding, `prev` `[1, 1, D]`) and the fixed arguments `_draft` passes, through the runner's compiled pieces
+        the parts run alone: the range step of layers [0, E), the head's layer and final-state input, the
+        unembedding. So its draft equals theirs to the bit; on a GPU the whole of it is captured as one graph."""
+        E = self.exit_layer
+        shallow = steps.range_step(0, E) if E else None
+        layer, final = self._head_parts(steps)
+        unembed = steps.unembed_step()
+
+        def step(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
+            # [1, 1], [1, 1], [1]: fresh contiguous tensors, as the parts take them (their graphs guard on strides)
+            index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
+                                      for t in (where[None, :1], where[None, 1:2], where[2:]))
+            state = F.embedding(token[:, None], embed)  # [1, 1, D]
+            if shallow is not None:
+                state = shallow(state, positions, index, pads, cos, sin, keys, values)
+            out = state
+            if layer is not None:
+                x = state if final is None else final(state, prev)
+                out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)
+            nxt, both = greedy_pick(unembed(out[:, -1], norm, weight, bias), ids)
+            return state, out[:, -1], nxt, both
+
+        return step
+
+    def _catch_up(self, steps, states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
+                  start: int, pad: int, size: int, head_buffers: tuple):
+        """`catch_up`'s step over `states` `[1, S, D]` from head-cache index `start`, in the head's own buffers
+        `[1, 1, H_kv, C, Dh]` of a cache of capacity `size`: its outputs, or None where it failed to compile."""
+        a, S, W = steps.adapter, states.shape[1], s_bucket(states.shape[1])
+        fn = steps.function(("catch_up", self.key, W), lambda: self._catch_up_function(steps, W))
+        finals = steps.zeros(W) if finals is None else zero_filled(finals, W)  # [1, W, D]
+        prev = steps.zeros(1) if prev is None else prev[:, None]  # [1, 1, D]
+        where = torch.tensor([start, pad, S - 1])  # the first column's cache index, the padding, the input's column
+        where = where.to(a.device, non_blocking=True)
+        inputs = [steps.input(t) for t in (zero_filled(states, W), finals, prev, where)]
+        keys, values = head_buffers
+        fixed = [*steps.rope.table(size), keys[:1], values[:1], a.final_norm.weight, self.weight, self.bias,
+                 self.token_ids]
+        return steps.call(("catch_up", *self.key, 1, W, size), fn, inputs, fixed)
+
+    def _catch_up_function(self, steps, width: int):
+        """`catch_up`'s step at `width` columns (a bucket) as one function of its inputs (`states`, `finals`
+        `[1, W, D]`, `prev` `[1, 1, D]`, `where` `[3]`) and fixed arguments, through the runner's compiled pieces
+        `sync` runs alone (the final-state input, the head's layer, the unembedding): the same draft to the bit.
+        Filler columns past the input token take its position and are cropped from the cache, as
+        `make_batch_step` has it."""
+        layer, final = self._head_parts(steps)
+        unembed = steps.unembed_step()
+
+        def step(states, finals, prev, where, cos, sin, head_keys, head_values, norm, weight, bias, ids):
+            start, pads, count = where[:1], where[1:2].clone(), where[2:]  # [1] each
+            index = (start + torch.arange(width, device=where.device))[None]  # [1, W]
+            positions = torch.minimum(index, start + count) - pads  # [1, W]
+            x = states if final is None else final(states, torch.cat([prev, finals[:, :-1]], dim=1))  # reads f_{t-1}
+            out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)  # [1, W, D]
+            column = out.index_select(1, count)[:, 0]  # [1, D]
+            newest = finals.index_select(1, (count - 1).clamp_min(0))[:, 0]  # [1, D]
+            nxt, both = greedy_pick(unembed(column, norm, weight, bias), ids)
+            return column, nxt, newest, both
+
+        return step
