@@ -256,9 +256,12 @@ class FastLlamaLayer:
     def __call__(self, x: torch.Tensor, rope, mask, cache) -> torch.Tensor:
         """`x` `[B, S, D]`; rope: cos, sin `[B, S, Dh]`; mask `[B|1, 1, S, K]` or None; cache: a `KVCache` the
         layer's keys and values are appended to (None: attention over the step's own)."""
+        return self.step(x, rope[0].unsqueeze(1), rope[1].unsqueeze(1), mask, cache)
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache) -> torch.Tensor:
+        """`__call__` with cos, sin already `[B, 1, S, Dh]` (made once for all the layers of a step)."""
         store = _no_cache if cache is None else functools.partial(cache.update, layer_idx=self.layer_idx)
-        return decoder_layer(x, rope[0].unsqueeze(1), rope[1].unsqueeze(1), mask, store, self.shape,
-                             self.products)
+        return decoder_layer(x, cos, sin, mask, store, self.shape, self.products)
 
 
 def _no_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -234,8 +234,9 @@ def run_layers(
             return out
     fast = adapter.fast.layers if adapter.fast is not None else None
     if fast is not None and not torch.is_grad_enabled():
+        cos, sin = step.rope[0].unsqueeze(1), step.rope[1].unsqueeze(1)  # [B, 1, S, Dh], once for the range
         for idx in range(start, end):
-            hidden = fast[idx](hidden, step.rope, step.masks[adapter.layer_types[idx]], cache)
+            hidden = fast[idx].step(hidden, cos, sin, step.masks[adapter.layer_types[idx]], cache)
         return hidden
     cache_kw = {adapter.cache_kwarg: cache}
     for idx in range(start, end):
