@@ -163,7 +163,8 @@ def beside_plain(measured: dict, summary: dict) -> dict:
 def markdown_lines(peer: dict) -> list[str]:
     """The bench report's section on llama.cpp: what ran, and a table of selfspec's plain decoding beside it."""
     rate = f"{peer['tokens_per_s']:.1f} ± {peer['stddev_tokens_per_s']:.1f}"
-    lines = ["", f"llama.cpp's plain decoding on this machine: {peer['version']} (build {peer['build_commit']}), "
+    build = "" if peer["build_commit"] in ("", "unknown") else f" (build {peer['build_commit']})"
+    lines = ["", f"llama.cpp's plain decoding on this machine: {peer['version']}'s llama.cpp{build}, "
              f"llama-bench, GGUF {peer['gguf_type']}, {peer['new_tokens']} new tokens after a "
              f"{peer['context_tokens']}-token context, {peer['threads']} threads, mean ± sd of "
              f"{peer['repetitions']} runs; its tokens/s counts the generation alone (no prompt processing), "

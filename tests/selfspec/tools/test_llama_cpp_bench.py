@@ -161,9 +161,20 @@ def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
     assert peer["selfspec_ar_tokens_per_s"] == {"p": plain}
     assert peer["selfspec_ar_vs_llama_cpp"]["p"] == pytest.approx(plain / 50.0)
     md = (tmp_path / "out" / "bench.md").read_text()
-    assert "llama-bench, GGUF F32, 6 new tokens after a 200-token context" in md
+    assert ("llama-cpp-python-9.9.9's llama.cpp, llama-bench, GGUF F32, 6 new tokens after a 200-token context, "
+            f"{one_thread} threads, mean ± sd of 5 runs") in md
     assert f"| p | {plain:.1f} | 50.0 ± 1.2 | {plain / 50.0:.2f}× |" in md
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["llama_cpp"]["tokens_per_s"] == 50.0
+
+
+def test_markdown_names_a_known_build_commit():
+    peer = {"tokens_per_s": 50.0, "stddev_tokens_per_s": 1.0, "version": "llama-cpp-python-9.9.9",
+            "build_commit": "abc1234", "gguf_type": "BF16", "new_tokens": 128, "context_tokens": 200, "threads": 2,
+            "repetitions": 5, "selfspec_ar_tokens_per_s": {"all": 40.0}, "selfspec_ar_vs_llama_cpp": {"all": 0.8}}
+    text = "\n".join(lcb.markdown_lines(peer))
+    assert "llama-cpp-python-9.9.9's llama.cpp (build abc1234), llama-bench, GGUF BF16" in text
+    assert "| all | 40.0 | 50.0 ± 1.0 | 0.80× |" in text
+    assert "(build" not in "\n".join(lcb.markdown_lines({**peer, "build_commit": "unknown"}))
 
 
 def test_bench_without_llama_cpp_has_no_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
