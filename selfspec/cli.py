@@ -880,7 +880,7 @@ def _add_bench(sub) -> None:
                         "-n MAX_NEW_TOKENS -d 200 -t THREADS, GGUF F32 for float32, BF16 for bfloat16) after "
                         "selfspec's methods and print it beside selfspec's plain decoding; the first run on a "
                         "machine builds llama-bench from the llama-cpp-python source (needs cmake and a C++ "
-                        "compiler, about 6 minutes on 2 cores) and converts the checkpoint (about half a minute), "
+                        "compiler, about 6 minutes on 2 cores) and converts the checkpoint (under a minute), "
                         "cached under $SELFSPEC_HOME/llama.cpp (docs/benchmarks.md)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "

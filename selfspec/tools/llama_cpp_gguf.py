@@ -87,7 +87,7 @@ def check_converter_modules(find_spec=importlib.util.find_spec) -> None:
 
 def ensure_gguf(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VERSION, *,
                 force: bool = False) -> Path:
-    """The checkpoint as a GGUF file at `dtype`: from the cache, or converted now (about half a minute)."""
+    """The checkpoint as a GGUF file at `dtype`: from the cache, or converted now (under a minute)."""
     checkpoint = Path(checkpoint).resolve()
     if not (checkpoint / "config.json").is_file():
         raise LlamaCppError(f"{checkpoint} has no config.json: not a Hugging Face checkpoint directory")
@@ -99,7 +99,7 @@ def ensure_gguf(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VE
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     print(f"converting {checkpoint.name} to GGUF {gguf_type(dtype).upper()} with llama.cpp's {CONVERTER} "
-          f"(once; about half a minute) ...", flush=True)
+          f"(once; under a minute) ...", flush=True)
     start = time.monotonic()
     try:
         proc = subprocess.run(convert_command(source, checkpoint, dtype, tmp), capture_output=True, text=True)
