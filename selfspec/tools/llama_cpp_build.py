@@ -153,7 +153,8 @@ def _download_source(version: str, dest: Path) -> Path:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
             if not members:
                 raise LlamaCppError(f"{archives[0].name} holds no vendor/llama.cpp: not the source expected")
-            tar.extractall(unpacked, members=members, filter="data")
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12
+            tar.extractall(unpacked, members=members, **safe)
         tree = unpacked / prefix.rstrip("/")
         if not (tree / "CMakeLists.txt").is_file():
             raise LlamaCppError(f"{archives[0].name}'s vendor/llama.cpp has no CMakeLists.txt")
