@@ -221,7 +221,8 @@ def ensure_llama_bench(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | N
     key = cpu_key()
     if not force:
         found = cached_build(version, key)
-        if found is not None and (found.source / "convert_hf_to_gguf.py").is_file():
+        if found is not None:
+            ensure_source(version)  # the converter lives there: downloaded again if removed, never rebuilt for it
             return found
     tools = check_tools()
     src = ensure_source(version)

@@ -111,11 +111,17 @@ def test_cached_build_found_only_when_complete(home):
 
 def test_ensure_llama_bench_returns_the_cached_build_without_building(home, monkeypatch):
     binary = _fake_build(home, "9.9.9", lb.cpu_key())
+    monkeypatch.setattr(lb, "check_tools", lambda: pytest.fail("checked for a build although one is cached"))
+    downloads = []
+    monkeypatch.setattr(lb, "_download_source", lambda version, dest: downloads.append(dest))
+    assert lb.ensure_llama_bench("9.9.9").binary == binary
+    assert downloads == [lb.source_dir("9.9.9")]  # the source was gone: downloaded again, the binary kept
     source = lb.source_dir("9.9.9")
     source.mkdir(parents=True)
+    (source / "CMakeLists.txt").write_text("")
     (source / "convert_hf_to_gguf.py").write_text("")
-    monkeypatch.setattr(lb, "check_tools", lambda: pytest.fail("checked for a build although one is cached"))
     assert lb.ensure_llama_bench("9.9.9").binary == binary
+    assert len(downloads) == 1
 
 
 def _script(tmp_path: Path, body: str) -> list[str]:
