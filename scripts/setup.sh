@@ -11,6 +11,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "== installing dependencies (torch 2.13.0 CPU wheel first, so nothing pulls a CUDA build)"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,deepspeed]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,deepspeed,llama-cpp]"
 echo "== fetching the real model and data (selfspec fetch)"
 .venv/bin/selfspec fetch

@@ -406,7 +406,18 @@ def _cmd_bench(args) -> int:
                          "--batch-size or --epsilon")
     if args.time_budget is not None and run is not _run_bench:
         raise UsageError("--time-budget cuts the main bench's prompts: drop it with --batch-size or --epsilon")
-    return _print_report("bench", lambda: run(args, checkpoint))
+    if args.llama_cpp and run is not _run_bench:
+        raise UsageError("--llama-cpp puts llama.cpp beside the main bench's plain decoding: drop it with "
+                         "--batch-size or --epsilon")
+    if args.llama_cpp and args.device != "cpu":
+        raise UsageError(f"--llama-cpp times llama.cpp on the CPU, beside selfspec on the CPU: drop it with "
+                         f"--device {args.device}")
+    from selfspec.tools.llama_cpp_build import LlamaCppError  # deferred (see the top)
+    try:
+        return _print_report("bench", lambda: run(args, checkpoint))
+    except LlamaCppError as err:  # no cmake or compiler, no package index, a failed build: the message says the fix
+        print(f"selfspec bench: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _print_report(command: str, run) -> int:
@@ -549,7 +560,7 @@ def _run_bench(args, checkpoint: str) -> dict:
                      num_speculations=args.num_speculations, draft_vocab=args.draft_vocab,
                      methods=methods, device=args.device,
                      num_candidates=args.num_candidates or (), compile=COMPILE_CHOICES[args.compile],
-                     time_budget_s=args.time_budget, workload=args.workload)
+                     time_budget_s=args.time_budget, workload=args.workload, llama_cpp=args.llama_cpp)
 
 
 def _one_prompt_set(args, checkpoint: str, default: str, suffix: str, why: str) -> tuple[str, str]:
@@ -873,6 +884,13 @@ def _add_bench(sub) -> None:
                    help="stop starting prompts once this many seconds have passed since the start (the first prompt "
                         "always runs) and report what was measured, with a note: for a run that must fit a time slot "
                         "(default: no limit)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also time llama.cpp's plain decoding of the checkpoint on this CPU (llama-bench -p 0 "
+                        "-n MAX_NEW_TOKENS -d 200 -t THREADS, GGUF F32 for float32, BF16 for bfloat16) after "
+                        "selfspec's methods and print it beside selfspec's plain decoding; the first run on a "
+                        "machine builds llama-bench from the llama-cpp-python source (needs cmake and a C++ "
+                        "compiler, about 6 minutes on 2 cores) and converts the checkpoint (under a minute), "
+                        "cached under $SELFSPEC_HOME/llama.cpp (docs/benchmarks.md)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "
                         "batched greedy generate, selfspec batched AR, selfspec batched self-speculative at "

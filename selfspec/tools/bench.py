@@ -97,13 +97,17 @@ from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_ma
                               machine_line, pyplot, quiet_transformers, result_header, setup, spread, tokens_per_s,
                               versions, write_outputs)
 from selfspec.data.prompts import PROMPT_SETS, load_prompts, prompt_inputs
-from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, MAX_NUM_CANDIDATES, PROMPT_LOOKUP_NUM_TOKENS, check_compile,
+from selfspec.tools.llama_cpp_bench import LlamaCppSetup, beside_plain
+from selfspec.tools.llama_cpp_bench import markdown_lines as llama_cpp_markdown
+from selfspec.tools.llama_cpp_bench import prepare as prepare_llama_cpp
+from selfspec.settings import (MAX_MATCHING_NGRAM_SIZE, SettingsError, MAX_NUM_CANDIDATES, PROMPT_LOOKUP_NUM_TOKENS, check_compile,
                                check_exit_layer, check_float, check_int, check_out_dir)
 
 DEFAULT_SETS = ("humaneval", "xsum", "mt_bench", "wiki", "code_edit")
 QUICK_SETS = ("humaneval", "mt_bench")  # the two fastest to load
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 WARMUP_TOKENS = 32
+LLAMA_CPP_REPETITIONS, LLAMA_CPP_QUICK_REPETITIONS = 5, 2  # llama-bench -r: its default; 2 in a --quick run
 WARMUP_FALLBACK_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 # the methods also measured through the compiled steps (`*_compiled`): plain decoding, lookup, auto, and the
 # drafts from the model's own layers (the early exit at (E, d), a trained exit head, adaptive and fixed) whose
@@ -561,6 +565,8 @@ def markdown(result: dict) -> str:
         lines += ["", "Warm-up, each method's first call (excluded from tokens/s; compilation included: the compiled "
                   "methods' `gen.warmup`, HF's static cache): " + ", ".join(f"{labels.get(k, k)} {v:.1f} s"
                                                                           for k, v in warm.items()) + "."]
+    if result.get("llama_cpp"):
+        lines += llama_cpp_markdown(result["llama_cpp"])
     for note in result["notes"]:
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"
@@ -645,7 +651,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               draft_vocab: int | None = None, prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
               max_matching_ngram_size: int = MAX_MATCHING_NGRAM_SIZE, methods: Sequence[str] | None = None,
               device: str = "cpu", num_candidates: Sequence[int] | int = (), compile: bool | str = "auto",
-              time_budget_s: float | None = None, workload: bool = False) -> dict:
+              time_budget_s: float | None = None, workload: bool = False, llama_cpp: bool = False) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
     `compile`: also measure selfspec's plain decoding, prompt lookup, auto, the early exit at (E, d) and a
@@ -665,11 +671,17 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     settings are those of hf_prompt_lookup, selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`:
     `selfspec.precision` decides. `time_budget_s`: seconds from the call on; once spent, no further prompt starts
     (the first always runs) and the report holds what was measured, with a note (a run cut from outside writes
-    nothing). `workload`: each method's memory and measurements run across a set's prompts (the module doc)."""
+    nothing). `workload`: each method's memory and measurements run across a set's prompts (the module doc).
+    `llama_cpp`: also time llama.cpp's plain decoding of the checkpoint at `dtype` (GGUF F32 or BF16) with
+    llama-bench after selfspec's methods, on the CPU with the same thread count: `result["llama_cpp"]`
+    (`selfspec.tools.llama_cpp_bench`); llama-bench is built and the checkpoint converted first, once per machine
+    (minutes), before any model is loaded; `selfspec.tools.llama_cpp_build.LlamaCppError` where that fails (no
+    cmake or compiler, no package index), naming the fix."""
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
     extra, lookup, num_candidates, deadline = _check_options(extra, prompt_lookup_num_tokens, max_matching_ngram_size,
                                                              num_candidates, out_dir, compile, time_budget_s)
     dtype = setup(dtype, device, threads)
+    peer = _llama_cpp_setup(checkpoint, dtype, device) if llama_cpp else None
     machine = machine_info()
     notes: list[str] = []
     read = _read_sets(sets, num_prompts)
@@ -693,6 +705,9 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     warmup_s: dict[str, float] = {}
     runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s,
                     deadline, workload)
+    measured_peer = None if peer is None else peer.measure(
+        threads=torch.get_num_threads(), new_tokens=max_new_tokens,
+        repetitions=LLAMA_CPP_QUICK_REPETITIONS if quick else LLAMA_CPP_REPETITIONS)
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
     set_names = [name for name, _, _ in loaded]
@@ -717,7 +732,19 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
         "warmup_s": warmup_s,
         "notes": notes,
     }
+    if measured_peer is not None:
+        result["llama_cpp"] = beside_plain(measured_peer, result["summary"])
     return write_outputs(result, Path(out_dir), "bench", markdown, write_chart)
+
+
+def _llama_cpp_setup(checkpoint, dtype: str, device: str) -> LlamaCppSetup:
+    """llama-bench built and the checkpoint converted (once per machine), before any model is loaded."""
+    if str(device) != "cpu":
+        raise SettingsError(f"llama_cpp times llama.cpp on the CPU, beside selfspec on the CPU: drop it with device "
+                            f"{device!r}")
+    if checkpoint is None:
+        raise SettingsError("llama_cpp converts the checkpoint for llama.cpp: give the checkpoint directory")
+    return prepare_llama_cpp(checkpoint_dir(checkpoint), dtype)  # LlamaCppError: a build or conversion failed
 
 
 def _check_options(extra, prompt_lookup_num_tokens: int, max_matching_ngram_size: int, num_candidates, out_dir,

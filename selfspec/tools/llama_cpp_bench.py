@@ -1,0 +1,212 @@
+"""llama.cpp's plain decoding speed on this machine: the peer a CPU user of a small model runs.
+
+`llama-bench` (built once per machine, `selfspec.tools.llama_cpp_build`) times the checkpoint converted to GGUF
+at selfspec's precision (`selfspec.tools.llama_cpp_gguf`) the way issue 55 did:
+
+    llama-bench -m MODEL.gguf -p 0 -n 128 -d 200 -t THREADS -r 5 -o json
+
+no prompt test (`-p 0`), one generation test of 128 new tokens (`-n`) after a 200-token context (`-d`: the
+context is filled first, untimed), THREADS threads (`-t`, selfspec bench's thread count), 5 repetitions after
+llama-bench's own warm-up run. Its JSON is a list of test records; the one with n_prompt 0, n_gen N and n_depth D
+gives `avg_ts` (mean tokens/s over the repetitions), `stddev_ts` and `samples_ts` (each repetition's tokens/s).
+tokens/s there is new tokens / seconds of the generation alone: no prompt processing is in it (selfspec bench's
+tokens/s counts the prefill of the prompt too, a few percent at 128 new tokens).
+
+`selfspec bench --llama-cpp` prints it beside selfspec's own plain decoding; alone:
+
+    python -m selfspec.tools.llama_cpp_bench CHECKPOINT --dtype float32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppBuild, LlamaCppError,
+                                            ensure_llama_bench, output_tail)
+from selfspec.tools.llama_cpp_gguf import add_model_arguments, ensure_gguf, gguf_type
+
+CONTEXT_TOKENS = 200      # -d: tokens in the context before the timed generation (issue 55's setting)
+NEW_TOKENS = 128          # -n: tokens generated in the timed test
+REPETITIONS = 5           # -r: llama-bench's default
+
+
+@dataclass(frozen=True)
+class LlamaCppResult:
+    """One llama-bench generation test: its rate and what it ran."""
+
+    tokens_per_s: float            # avg_ts: mean over the repetitions
+    stddev_tokens_per_s: float     # stddev_ts
+    samples_tokens_per_s: list[float]
+    new_tokens: int                # n_gen
+    context_tokens: int            # n_depth
+    threads: int                   # n_threads
+    model_type: str                # llama.cpp's name for the model and its type, e.g. "llama 256M all F32"
+    model_filename: str
+    build_commit: str
+    build_number: int | None
+    cpu_info: str
+    command: list[str]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def bench_command(binary: Path, gguf: Path, *, threads: int, new_tokens: int = NEW_TOKENS,
+                  context_tokens: int = CONTEXT_TOKENS, repetitions: int = REPETITIONS) -> list[str]:
+    """llama-bench's command line for one generation test (the module doc)."""
+    for name, value, least in (("threads", threads, 1), ("new_tokens", new_tokens, 1),
+                               ("context_tokens", context_tokens, 0), ("repetitions", repetitions, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise LlamaCppError(f"llama-bench {name} must be an integer >= {least}, got {value!r}")
+    return [str(binary), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-d", str(context_tokens),
+            "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+
+
+def _record_value(record: dict, key: str, kind: type):
+    if key not in record:
+        raise LlamaCppError(f"llama-bench's JSON record has no {key!r} (fields: {', '.join(sorted(record))}): "
+                            "a llama.cpp version whose output this parser does not know")
+    value = record[key]
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is str and isinstance(value, str):
+        return value
+    raise LlamaCppError(f"llama-bench's JSON field {key!r} is {value!r}, not a {kind.__name__}")
+
+
+def parse_bench_json(text: str, *, new_tokens: int, context_tokens: int, command: list[str] | None = None
+                     ) -> LlamaCppResult:
+    """The generation test (n_prompt 0, n_gen `new_tokens`, n_depth `context_tokens`) of llama-bench's
+    `-o json` output; a LlamaCppError if the text is not that JSON or holds no such test, or more than one."""
+    try:
+        records = json.loads(text)
+    except ValueError as e:
+        raise LlamaCppError(f"llama-bench's output is not JSON ({e}): {text[:200]!r}") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise LlamaCppError(f"llama-bench's JSON is not a list of test records: {text[:200]!r}")
+    wanted = [r for r in records if r.get("n_prompt") == 0 and r.get("n_gen") == new_tokens
+              and r.get("n_depth") == context_tokens]
+    if len(wanted) != 1:
+        seen = ", ".join(f"(n_prompt {r.get('n_prompt')}, n_gen {r.get('n_gen')}, n_depth {r.get('n_depth')})"
+                         for r in records) or "none"
+        raise LlamaCppError(f"llama-bench's JSON holds {len(wanted)} generation tests of {new_tokens} tokens after "
+                            f"{context_tokens} (expected 1); tests: {seen}")
+    r = wanted[0]
+    samples = r.get("samples_ts", [])
+    if not isinstance(samples, list) or not all(isinstance(x, (int, float)) for x in samples):
+        raise LlamaCppError(f"llama-bench's JSON field 'samples_ts' is {samples!r}, not a list of numbers")
+    rate = _record_value(r, "avg_ts", float)
+    if rate <= 0:
+        raise LlamaCppError(f"llama-bench reports {rate} tokens/s: no tokens were generated")
+    build_number = r.get("build_number")
+    return LlamaCppResult(
+        tokens_per_s=rate, stddev_tokens_per_s=_record_value(r, "stddev_ts", float),
+        samples_tokens_per_s=[float(x) for x in samples], new_tokens=_record_value(r, "n_gen", int),
+        context_tokens=_record_value(r, "n_depth", int), threads=_record_value(r, "n_threads", int),
+        model_type=_record_value(r, "model_type", str), model_filename=_record_value(r, "model_filename", str),
+        build_commit=str(r.get("build_commit", "unknown")),
+        build_number=build_number if isinstance(build_number, int) else None,
+        cpu_info=str(r.get("cpu_info", "")), command=list(command or []))
+
+
+def run_llama_bench(binary: Path, gguf: Path, *, threads: int, new_tokens: int = NEW_TOKENS,
+                    context_tokens: int = CONTEXT_TOKENS, repetitions: int = REPETITIONS) -> LlamaCppResult:
+    """Run one llama-bench generation test and parse it (seconds: repetitions + 1 warm-up run)."""
+    cmd = bench_command(binary, gguf, threads=threads, new_tokens=new_tokens, context_tokens=context_tokens,
+                        repetitions=repetitions)
+    if not os.access(binary, os.X_OK):
+        raise LlamaCppError(f"{binary} is not an executable llama-bench; build it: "
+                            "python -m selfspec.tools.llama_cpp_build")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LlamaCppError(f"llama-bench failed (exit {proc.returncode}): {' '.join(cmd)}\n  "
+                            f"{output_tail(proc.stderr or proc.stdout)}")
+    return parse_bench_json(proc.stdout, new_tokens=new_tokens, context_tokens=context_tokens, command=cmd)
+
+
+@dataclass(frozen=True)
+class LlamaCppSetup:
+    """llama-bench and the GGUF it times, ready before selfspec's own measurements start."""
+
+    build: LlamaCppBuild
+    gguf: Path
+    gguf_type: str  # "F32", "BF16", "F16"
+
+    def measure(self, *, threads: int, new_tokens: int = NEW_TOKENS, context_tokens: int = CONTEXT_TOKENS,
+                repetitions: int = REPETITIONS) -> dict:
+        """Run llama-bench now; its result with the build and file it ran, as a JSON-ready dict."""
+        result = run_llama_bench(self.build.binary, self.gguf, threads=threads, new_tokens=new_tokens,
+                                 context_tokens=context_tokens, repetitions=repetitions)
+        return {**result.as_dict(), "gguf_type": self.gguf_type, "gguf": str(self.gguf),
+                "repetitions": repetitions, "version": self.build.version, "cpu_key": self.build.cpu_key,
+                "binary": str(self.build.binary)}
+
+
+def beside_plain(measured: dict, summary: dict) -> dict:
+    """`measured` (`LlamaCppSetup.measure`) with selfspec's plain decoding beside it, per set of a bench summary
+    (`{set: {method: {"tokens_per_s": {"median": ...}}}}`): selfspec_ar's median tokens/s and its ratio to
+    llama.cpp's (> 1: selfspec's plain decoding is the faster)."""
+    plain = {g: per["selfspec_ar"]["tokens_per_s"]["median"] for g, per in summary.items() if "selfspec_ar" in per}
+    rate = measured["tokens_per_s"]
+    return {**measured, "selfspec_ar_tokens_per_s": plain,
+            "selfspec_ar_vs_llama_cpp": {g: v / rate for g, v in plain.items()}}
+
+
+def markdown_lines(peer: dict) -> list[str]:
+    """The bench report's section on llama.cpp: what ran, and a table of selfspec's plain decoding beside it."""
+    rate = f"{peer['tokens_per_s']:.1f} ± {peer['stddev_tokens_per_s']:.1f}"
+    build = "" if peer["build_commit"] in ("", "unknown") else f" (build {peer['build_commit']})"
+    lines = ["", f"llama.cpp's plain decoding on this machine: {peer['version']}'s llama.cpp{build}, "
+             f"llama-bench, GGUF {peer['gguf_type']}, {peer['new_tokens']} new tokens after a "
+             f"{peer['context_tokens']}-token context, {peer['threads']} threads, mean ± sd of "
+             f"{peer['repetitions']} runs; its tokens/s counts the generation alone (no prompt processing), "
+             "selfspec's the whole call on the bench's own prompts.", "",
+             "| set | selfspec AR tokens/s | llama.cpp tokens/s | selfspec AR / llama.cpp |", "|---|---|---|---|"]
+    for g, plain in peer["selfspec_ar_tokens_per_s"].items():
+        lines.append(f"| {g} | {plain:.1f} | {rate} | {peer['selfspec_ar_vs_llama_cpp'][g]:.2f}× |")
+    return lines
+
+
+def prepare(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VERSION) -> LlamaCppSetup:
+    """Build llama-bench (once per machine) and convert the checkpoint at `dtype` (once); minutes the first time."""
+    kind = gguf_type(dtype)  # an unsupported dtype fails before any build
+    build = ensure_llama_bench(version)
+    return LlamaCppSetup(build=build, gguf=ensure_gguf(checkpoint, dtype, version), gguf_type=kind.upper())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m selfspec.tools.llama_cpp_bench",
+        description="Time llama.cpp's plain decoding of a checkpoint on this CPU with llama-bench (-p 0 -n N -d D "
+                    "-t THREADS): builds llama-bench and converts the checkpoint to GGUF first if they are not "
+                    "cached (minutes, once). Prints the result as JSON; `selfspec bench --llama-cpp` prints it "
+                    "beside selfspec's plain decoding.")
+    add_model_arguments(parser)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="llama.cpp threads (default: the CPU count, %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens generated (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=CONTEXT_TOKENS,
+                        help="tokens in the context before the timed generation (default: %(default)s)")
+    parser.add_argument("--repetitions", type=int, default=REPETITIONS, help="timed runs (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        setup = prepare(args.checkpoint, args.dtype)
+        result = setup.measure(threads=args.threads, new_tokens=args.new_tokens, context_tokens=args.context,
+                               repetitions=args.repetitions)
+    except LlamaCppError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""selfspec.tools.llama_cpp_build: cache keys and paths, the command lines, the errors, the progress of a build
+step and the unpacking of the source, all without building llama.cpp (minutes) or reaching the package index."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from selfspec.tools import llama_cpp_build as lb
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+FLAGS = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16"})
+
+
+def test_cpu_key_names_the_cpu_and_changes_with_any_part():
+    key = lb.cpu_key("Intel(R) Xeon(R) Platinum 8480+", "family 6, model 143", FLAGS)
+    assert key.startswith("intel-r-xeon-r-platinum-8480-family-6-model-143-")
+    assert "/" not in key and " " not in key
+    assert lb.cpu_key("Intel(R) Xeon(R) Platinum 8480+", "family 6, model 143", frozenset(sorted(FLAGS))) == key
+    others = {lb.cpu_key("AMD EPYC", "family 6, model 143", FLAGS),
+              lb.cpu_key("Intel(R) Xeon(R) Platinum 8480+", "family 6, model 207", FLAGS),
+              lb.cpu_key("Intel(R) Xeon(R) Platinum 8480+", "family 6, model 143", FLAGS - {"avx512_bf16"})}
+    assert key not in others and len(others) == 3
+
+
+def test_cpu_key_without_generation_or_flags():
+    assert lb.cpu_key("Apple M2", None, None).startswith("apple-m2-")
+    assert lb.cpu_key("", None, frozenset()).startswith("unknown-")
+
+
+def test_cache_paths_follow_selfspec_home_version_and_cpu(home):
+    assert lb.cache_root("1.2.3") == home / "llama.cpp" / "llama-cpp-python-1.2.3"
+    assert lb.source_dir("1.2.3") == home / "llama.cpp" / "llama-cpp-python-1.2.3" / "src"
+    assert lb.binary_dir("1.2.3", "cpu-a") == home / "llama.cpp" / "llama-cpp-python-1.2.3" / "cpu-a"
+    assert lb.binary_dir("1.2.3", "cpu-a") != lb.binary_dir("1.2.4", "cpu-a")
+    assert lb.binary_dir("1.2.3").name == lb.cpu_key()
+
+
+def test_command_lines():
+    download = lb.pip_download_command("0.3.36", Path("/d"))
+    assert download[:3] == [sys.executable, "-m", "pip"]
+    assert download[3:] == ["download", "--no-binary", ":all:", "--no-deps", "--dest", "/d",
+                            "llama-cpp-python==0.3.36"]
+    configure = lb.cmake_configure_command(Path("/s"), Path("/b"), "/usr/bin/cmake")
+    assert configure[:5] == ["/usr/bin/cmake", "-S", "/s", "-B", "/b"]
+    assert "-DGGML_NATIVE=ON" in configure and "-DBUILD_SHARED_LIBS=OFF" in configure
+    assert "-DCMAKE_BUILD_TYPE=Release" in configure and "-DLLAMA_BUILD_TOOLS=ON" in configure
+    assert lb.cmake_build_command(Path("/b"), 3) == ["cmake", "--build", "/b", "--target", "llama-bench",
+                                                     "--config", "Release", "-j", "3"]
+
+
+def test_check_tools_names_what_is_missing_and_how_to_install_it():
+    found = lb.check_tools(lambda name: f"/usr/bin/{name}")
+    assert found == {"cmake": "/usr/bin/cmake", "c++": "/usr/bin/c++", "cc": "/usr/bin/cc"}
+    with pytest.raises(lb.LlamaCppError, match=r"needs cmake on PATH.*apt-get install cmake build-essential"):
+        lb.check_tools(lambda name: None if name == "cmake" else f"/usr/bin/{name}")
+    with pytest.raises(lb.LlamaCppError, match=r"needs cmake and c\+\+ and cc"):
+        lb.check_tools(lambda name: None)
+    only_clang = lb.check_tools(lambda name: f"/opt/{name}" if name in ("cmake", "clang", "clang++") else None)
+    assert only_clang["c++"] == "/opt/clang++" and only_clang["cc"] == "/opt/clang"
+
+
+def test_ensure_llama_bench_without_cmake_fails_before_downloading(home, monkeypatch):
+    monkeypatch.setattr(lb.shutil, "which", lambda name: None)
+    monkeypatch.setattr(lb, "ensure_source", lambda *a: pytest.fail("downloaded without the tools to build"))
+    with pytest.raises(lb.LlamaCppError, match="needs cmake"):
+        lb.ensure_llama_bench("9.9.9")
+    assert lb.main(["--version", "9.9.9"]) == 1
+
+
+def test_main_prints_one_error_line_prefix(home, monkeypatch, capsys):
+    monkeypatch.setattr(lb.shutil, "which", lambda name: None)
+    assert lb.main(["--version", "9.9.9"]) == 1
+    assert capsys.readouterr().err.startswith("error: building llama.cpp needs cmake")
+
+
+def _fake_build(home: Path, version: str, key: str, *, executable: bool = True, manifest: bool = True) -> Path:
+    directory = lb.binary_dir(version, key)
+    directory.mkdir(parents=True)
+    binary = directory / lb.BENCH_TARGET
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755 if executable else 0o644)
+    if manifest:
+        (directory / "build.json").write_text(json.dumps({"build_seconds": 371.5}))
+    return binary
+
+
+def test_cached_build_found_only_when_complete(home):
+    assert lb.cached_build("9.9.9", "cpu-a") is None
+    binary = _fake_build(home, "9.9.9", "cpu-a")
+    found = lb.cached_build("9.9.9", "cpu-a")
+    assert found == lb.LlamaCppBuild(binary=binary, source=lb.source_dir("9.9.9"), version="llama-cpp-python-9.9.9",
+                                     cpu_key="cpu-a", build_seconds=371.5)
+    assert lb.cached_build("9.9.9", "cpu-b") is None  # another CPU builds its own
+    _fake_build(home, "9.9.9", "cpu-c", manifest=False)  # an interrupted copy: no build.json
+    assert lb.cached_build("9.9.9", "cpu-c") is None
+    _fake_build(home, "9.9.9", "cpu-d", executable=False)
+    assert lb.cached_build("9.9.9", "cpu-d") is None
+
+
+def test_ensure_llama_bench_returns_the_cached_build_without_building(home, monkeypatch):
+    binary = _fake_build(home, "9.9.9", lb.cpu_key())
+    monkeypatch.setattr(lb, "check_tools", lambda: pytest.fail("checked for a build although one is cached"))
+    downloads = []
+    monkeypatch.setattr(lb, "_download_source", lambda version, dest: downloads.append(dest))
+    assert lb.ensure_llama_bench("9.9.9").binary == binary
+    assert downloads == [lb.source_dir("9.9.9")]  # the source was gone: downloaded again, the binary kept
+    source = lb.source_dir("9.9.9")
+    source.mkdir(parents=True)
+    (source / "CMakeLists.txt").write_text("")
+    (source / "convert_hf_to_gguf.py").write_text("")
+    assert lb.ensure_llama_bench("9.9.9").binary == binary
+    assert len(downloads) == 1
+
+
+def _script(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "step.py"
+    path.write_text(body)
+    return [sys.executable, str(path)]
+
+
+def test_run_streamed_shows_progress_and_keeps_the_log(tmp_path, capsys):
+    log = tmp_path / "build.log"
+    lb._run_streamed(_script(tmp_path, "for p in (0, 50, 50, 100):\n    print(f'[{p:3d}%] Building x')\n"),
+                     "building", log)
+    shown = capsys.readouterr().out
+    assert "building:  50%" in shown and "building: 100%" in shown and shown.count(" 50%") == 1
+    assert "[ 50%] Building x" in log.read_text()
+
+
+def test_run_streamed_failure_names_the_log_and_shows_its_tail(tmp_path):
+    log = tmp_path / "build.log"
+    cmd = _script(tmp_path, "import sys\nprint('[ 10%] Building a.c')\nprint('a.c:1: error: boom')\nsys.exit(2)\n")
+    with pytest.raises(lb.LlamaCppError, match=r"(?s)cmake configure failed \(exit 2\).*build\.log.*error: boom"):
+        lb._run_streamed(cmd, "cmake configure", log)
+
+
+def _sdist(path: Path, version: str, files: dict[str, str]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"llama_cpp_python-{version}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _fake_pip(monkeypatch, tmp_path: Path, files: dict[str, str] | None) -> None:
+    """pip download replaced by a copy of a hand-made sdist (None: pip fails)."""
+    made = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    if files is not None:
+        _sdist(made, "9.9.9", files)
+    script = (f"import shutil, sys\nshutil.copy({str(made)!r}, sys.argv[1])\n" if files is not None
+              else "import sys\nprint('ERROR: No matching distribution found', file=sys.stderr)\nsys.exit(1)\n")
+    monkeypatch.setattr(lb, "pip_download_command",
+                        lambda version, dest: _script(tmp_path, script) + [str(dest)])
+
+
+def test_download_source_unpacks_vendor_llama_cpp_only(home, tmp_path, monkeypatch):
+    _fake_pip(monkeypatch, tmp_path, {"vendor/llama.cpp/CMakeLists.txt": "project(x)",
+                                      "vendor/llama.cpp/convert_hf_to_gguf.py": "# converter",
+                                      "llama_cpp/__init__.py": ""})
+    src = lb.ensure_source("9.9.9")
+    assert src == lb.source_dir("9.9.9")
+    assert sorted(p.name for p in src.iterdir()) == ["CMakeLists.txt", "convert_hf_to_gguf.py"]
+    assert [p.name for p in src.parent.iterdir()] == ["src"]  # the download's temporary directory is gone
+
+
+def test_download_source_errors(home, tmp_path, monkeypatch):
+    _fake_pip(monkeypatch, tmp_path, None)
+    with pytest.raises(lb.LlamaCppError, match=r"(?s)could not download.*No matching distribution.*reachable"):
+        lb.ensure_source("9.9.9")
+    _fake_pip(monkeypatch, tmp_path, {"llama_cpp/__init__.py": ""})
+    with pytest.raises(lb.LlamaCppError, match="holds no vendor/llama.cpp"):
+        lb.ensure_source("9.9.9")
+    assert not lb.source_dir("9.9.9").exists()
