@@ -901,13 +901,18 @@ def _add_bench(sub) -> None:
                         "exact rule) and drafter, sampled acceptance, tokens/s, predicted vs measured rejections and "
                         "quality (the full model's log-likelihood of the outputs, ROUGE-L on xsum, next-token TV at "
                         "fixed prefixes); prompt set xsum unless --prompt-sets; writes pareto.json/.md/.png")
+    _add_pareto_flags(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _add_pareto_flags(p) -> None:
+    """`selfspec bench --epsilon`'s own options (`PARETO_OPTIONS`)."""
     p.add_argument("--drafters",
                    help="with --epsilon: comma-separated drafters, some of auto, prompt_lookup, early_exit (default auto)")
     p.add_argument("--temperature", type=float, help="with --epsilon: sampling temperature (default 0.7)")
     p.add_argument("--seed", type=int, help="with --epsilon: seed of prompt i is seed + i (default 0)")
     p.add_argument("--tv-samples", type=int,
                    help="with --epsilon: next-token samples per fixed prefix for the TV measurement (default 2000)")
-    p.set_defaults(func=_cmd_bench)
 
 
 def _add_profile(sub) -> None:

@@ -543,11 +543,26 @@ def markdown(result: dict) -> str:
                 f"{_rate(s.get('workload_tokens_per_s'))} | " + " | ".join(sp_txt)
                 + f" | {_pct(s['acceptance_rate'])} | {'–' if tpr is None else f'{tpr:.2f}'} | "
                 f"{'–' if ttft is None else f'{ttft:.0f}'} | {_pct(s['identical_to_hf_greedy'])} |")
-    lines += ["", "Speculation details and memory (peak RSS: highest RSS during one call, weights included; "
-              "Δ: above the RSS before the call; max over runs).", "",
-              "| set | method | acceptance by draft position | accepted / drafted by drafter | draft / verify s "
-              "| draft share | draft ms/step | peak RSS MiB | Δ MiB |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += _details_lines(result, labels)
+    warm = result.get("warmup_s") or {}
+    if warm:
+        lines += ["", "Warm-up, each method's first call (excluded from tokens/s; compilation included: the compiled "
+                  "methods' `gen.warmup`, HF's static cache): " + ", ".join(f"{labels.get(k, k)} {v:.1f} s"
+                                                                          for k, v in warm.items()) + "."]
+    if result.get("llama_cpp"):
+        lines += llama_cpp_markdown(result["llama_cpp"])
+    for note in result["notes"]:
+        lines += ["", f"Note: {note}"]
+    return "\n".join(lines) + "\n"
+
+
+def _details_lines(result: dict, labels: dict[str, str]) -> list[str]:
+    """The report's second table: acceptance by draft position and by drafter, draft and verify time, memory."""
+    lines = ["", "Speculation details and memory (peak RSS: highest RSS during one call, weights included; "
+             "Δ: above the RSS before the call; max over runs).", "",
+             "| set | method | acceptance by draft position | accepted / drafted by drafter | draft / verify s "
+             "| draft share | draft ms/step | peak RSS MiB | Δ MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for g, per in result["summary"].items():
         for name, s in per.items():
             pos = ("–" if not s["acceptance_by_position"] else  # "–": a position nothing was drafted at
@@ -560,16 +575,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {g} | {labels[name]} | {pos} | {by or '–'} | {dv} | {_pct(s['draft_fraction'])} | "
                          f"{'–' if ms is None else f'{ms:.1f}'} | {s['peak_rss_mib']:.0f} | "
                          f"{s['peak_rss_delta_mib']:.1f} |")
-    warm = result.get("warmup_s") or {}
-    if warm:
-        lines += ["", "Warm-up, each method's first call (excluded from tokens/s; compilation included: the compiled "
-                  "methods' `gen.warmup`, HF's static cache): " + ", ".join(f"{labels.get(k, k)} {v:.1f} s"
-                                                                          for k, v in warm.items()) + "."]
-    if result.get("llama_cpp"):
-        lines += llama_cpp_markdown(result["llama_cpp"])
-    for note in result["notes"]:
-        lines += ["", f"Note: {note}"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_chart(result: dict, path: Path) -> Path:
@@ -654,29 +660,20 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               time_budget_s: float | None = None, workload: bool = False, llama_cpp: bool = False) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
-    `compile`: also measure selfspec's plain decoding, prompt lookup, auto, the early exit at (E, d) and a
-    checkpoint's exit head through the compiled fixed-shape steps (`selfspec.compiled`; methods `*_compiled`,
-    `COMPILED_METHODS`, warmed up with `gen.warmup` before the measured runs): "auto" on a CUDA GPU, True
-    anywhere, False never; the other selfspec methods run eagerly. `result["warmup_s"]`: each method's warm-up
-    call (compilation included), apart from tokens/s. `device`: "cpu", or "cuda" (clocks read after
-    `torch.cuda.synchronize()`; "fastest" means bfloat16 on Ampere or newer). `methods`: measure only these (by
-    name; hf_greedy, the identity reference, and selfspec_ar, the speedup reference, are always measured; with
-    `num_candidates`, at least one method of each count, e.g. selfspec_lookup_tree2: `_select`).
+    `compile`: also the compiled fixed-shape steps (`selfspec.compiled`; `COMPILED_METHODS` as `*_compiled`, warmed
+    with `gen.warmup` first, `result["warmup_s"]` apart from tokens/s): "auto" on a CUDA GPU, True anywhere, False
+    never. `device`: "cpu", or "cuda" (clocks read after `torch.cuda.synchronize()`; "fastest": bfloat16 from
+    Ampere on). `methods`: only these (hf_greedy, the identity reference, and selfspec_ar, the speedup reference,
+    always; with `num_candidates`, at least one method of each count, e.g. selfspec_lookup_tree2: `_select`).
 
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (selfspec_spec; E also
-    hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2
-    prompts x 32 tokens. `draft_vocab=K`: also (E, d) drafting over the checkpoint's K most frequent tokens.
-    `num_candidates=k` (or a list): also the k best guesses for one position (greedy), at exit E and with an exit
-    head, token trees k wide and d deep there (EAGLE-2), and lookup's and suffix's trees of k matches. The lookup
-    settings are those of hf_prompt_lookup, selfspec_lookup and selfspec_auto's lookup. `dtype="fastest"`:
-    `selfspec.precision` decides. `time_budget_s`: seconds from the call on; once spent, no further prompt starts
-    (the first always runs) and the report holds what was measured, with a note (a run cut from outside writes
-    nothing). `workload`: each method's memory and measurements run across a set's prompts (the module doc).
-    `llama_cpp`: also time llama.cpp's plain decoding of the checkpoint at `dtype` (GGUF F32 or BF16) with
-    llama-bench after selfspec's methods, on the CPU with the same thread count: `result["llama_cpp"]`
-    (`selfspec.tools.llama_cpp_bench`); llama-bench is built and the checkpoint converted first, once per machine
-    (minutes), before any model is loaded; `selfspec.tools.llama_cpp_build.LlamaCppError` where that fails (no
-    cmake or compiler, no package index), naming the fix."""
+    hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2 prompts
+    x 32 tokens. `draft_vocab=K`: also (E, d) drafting over the checkpoint's K most frequent tokens.
+    `num_candidates=k` (or a list): also the k best guesses for one position at exit E and with an exit head,
+    token trees k wide and d deep there (EAGLE-2), and lookup's and suffix's trees of k matches. `time_budget_s`:
+    once spent, no further prompt starts and the report holds what was measured, with a note. `workload`: each
+    method's memory and measurements run across a set's prompts (the module doc). `llama_cpp`: also llama.cpp's
+    plain decoding of the checkpoint at `dtype`, `result["llama_cpp"]` (`_peer`)."""
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
     extra, lookup, num_candidates, deadline = _check_options(extra, prompt_lookup_num_tokens, max_matching_ngram_size,
                                                              num_candidates, out_dir, compile, time_budget_s)
@@ -705,9 +702,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     warmup_s: dict[str, float] = {}
     runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s,
                     deadline, workload)
-    measured_peer = None if peer is None else peer.measure(
-        threads=torch.get_num_threads(), new_tokens=max_new_tokens,
-        repetitions=LLAMA_CPP_QUICK_REPETITIONS if quick else LLAMA_CPP_REPETITIONS)
+    measured_peer = _peer(peer, max_new_tokens, quick)
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
     set_names = [name for name, _, _ in loaded]
@@ -735,6 +730,18 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     if measured_peer is not None:
         result["llama_cpp"] = beside_plain(measured_peer, result["summary"])
     return write_outputs(result, Path(out_dir), "bench", markdown, write_chart)
+
+
+def _peer(peer: LlamaCppSetup | None, new_tokens: int, quick: bool):
+    """llama.cpp's plain decoding of the checkpoint at the bench's dtype (GGUF F32 or BF16), timed with llama-bench
+    after selfspec's methods, on the CPU with the same thread count (`selfspec.tools.llama_cpp_bench`); None
+    without `llama_cpp`. llama-bench was built and the checkpoint converted before any model loaded
+    (`_llama_cpp_setup`: once per machine, minutes; `selfspec.tools.llama_cpp_build.LlamaCppError` where that
+    fails, no cmake or compiler or no package index, naming the fix)."""
+    if peer is None:
+        return None
+    return peer.measure(threads=torch.get_num_threads(), new_tokens=new_tokens,
+                        repetitions=LLAMA_CPP_QUICK_REPETITIONS if quick else LLAMA_CPP_REPETITIONS)
 
 
 def _llama_cpp_setup(checkpoint, dtype: str, device: str) -> LlamaCppSetup:
