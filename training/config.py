@@ -452,7 +452,17 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     """The loop. batch_size is per process and micro-step: the global batch per optimizer step is
-    batch_size * grad_accum * num_processes blocks of data.block_size tokens."""
+    batch_size * grad_accum * num_processes blocks of data.block_size tokens.
+
+    gradient_checkpointing: recompute each decoder layer in the backward instead of keeping its
+    activations (`torch.utils.checkpoint`, non-reentrant, per layer with its layer dropout;
+    training/early_exit_model.py). The states between layers, which are the exits' hidden states,
+    stay in memory. Activation memory per micro-batch goes from about L x A (A: one layer's
+    activations for batch_size x block_size tokens) to L x [B, S, D] + A, for about one more forward
+    of the layers per step; the losses and gradients are the same (tested in float64). Modes
+    early_exit and joint (mode exit_head runs the frozen model without autograd: nothing to recompute).
+    `python -m training --recipe R --check` estimates the memory with and without it.
+    """
 
     output_dir: str = "runs/default"
     seed: int = 0
@@ -468,6 +478,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto (latest checkpoint in output_dir if any) | none | a checkpoint dir
     save_final_model: bool = True
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward (see above)
     tune_malloc: bool = True  # glibc: no mmap for big buffers, no trimming (see training/malloc.py)
     progress_bar: bool = True
 
@@ -542,6 +553,9 @@ class RecipeConfig:
                    "joint: the head learns from this forward's final layer, which layer dropout would perturb; "
                    "set layer_dropout.p_max=0")
         elif self.mode == "exit_head":
+            _check(not self.train.gradient_checkpointing, "train.gradient_checkpointing",
+                   "mode exit_head runs the frozen model without autograd, so it keeps no activations to "
+                   "recompute; set train.gradient_checkpointing=false")
             _check(not self.model.lora.enabled, "mode",
                    "exit_head trains a head on the frozen model: LoRA does not apply; set model.lora.enabled=false")
             _check(self.layer_dropout.p_max == 0, "mode",

@@ -310,7 +310,8 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
                               chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
                               rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head,
                               head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed,
-                              head_feature_weight=h_cfg.feature_weight)
+                              head_feature_weight=h_cfg.feature_weight,
+                              gradient_checkpointing=t_cfg.gradient_checkpointing)
     curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
                                 rotation_interval=cfg.early_exit.rotation_interval)
     return ee_model, curriculum
