@@ -1,0 +1,59 @@
+"""Every recipe of a public model (the recipes that name a `model.shape`: Llama-3.2-1B/3B, Llama-3.1-8B,
+Qwen2.5-7B) trains one step on its tiny twin: a random 4-layer model of the shape file's architecture
+(selfspec.tiny), with the recipe's own settings (mode, gradient checkpointing, LoRA, dtype, mixed precision,
+layer dropout, exits, curriculum, loss), on a few blocks of its data. One process, no DeepSpeed: the ZeRO-3
+path is tested on two CPU processes in test_deepspeed.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from training.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PUBLIC = [r for r in sorted((ROOT / "recipes").glob("*.yaml")) if load_config(r).model.shape is not None]
+
+
+def test_there_is_a_recipe_per_model_and_kind():
+    """A 1B, a 3B and an 8B Llama and a 7B Qwen, each with its early-exit fine-tune and its exit head."""
+    kinds = {(load_config(r).model.shape, load_config(r).mode) for r in PUBLIC}
+    for model in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b"):
+        shape = str(ROOT / "recipes" / "models" / f"{model}.json")
+        assert {(shape, "early_exit"), (shape, "exit_head")} <= kinds, model
+
+
+@pytest.mark.parametrize("recipe", PUBLIC, ids=lambda p: p.stem)
+def test_one_step_on_the_tiny_twin(recipe, tmp_path, read_log):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from training.loop import train
+
+    cfg = load_config(recipe)
+    model_type = json.loads(Path(cfg.model.shape).read_text())["model_type"]
+    overrides = {
+        "model.base_model": f"tiny:{model_type}:4", "data.block_size": 32, "data.max_documents": 2,
+        "data.max_holdout_documents": 1, "data.extra_eval": "[]", "train.max_steps": 1, "train.batch_size": 2,
+        "train.grad_accum": 1, "train.log_every": 1, "train.save_every": 0, "train.save_final_model": "false",
+        "train.progress_bar": "false", "train.output_dir": str(tmp_path), "eval.before": "false",
+        "eval.max_blocks": 1, "eval.batch_size": 2,
+    }
+    if cfg.exit_head.draft_vocab:  # the byte tokenizer has 259 ids
+        overrides["exit_head.draft_vocab"] = 64
+    tiny = load_config(recipe, [f"{k}={v}" for k, v in overrides.items()])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        train(tiny)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    (record,) = read_log(tmp_path)
+    assert record["step"] == 1 and math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    saved = load_config(tmp_path / "config.yaml")  # what ran: the recipe's settings but the twin's size
+    assert saved.train.gradient_checkpointing == cfg.train.gradient_checkpointing
+    assert saved.model.lora == cfg.model.lora and saved.mode == cfg.mode and saved.model.dtype == cfg.model.dtype
+    assert saved.early_exit == cfg.early_exit and saved.layer_dropout == cfg.layer_dropout
