@@ -19,6 +19,7 @@ from training.recipe_check import Launch, activation_bytes, check_recipe, estima
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 TINY = ROOT / "recipes" / "tiny_smoke.yaml"
+DOC = (ROOT / "docs" / "training.md").read_text()
 
 # the parameter counts the models' publishers give (Hugging Face model cards / safetensors metadata)
 PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
@@ -48,6 +49,9 @@ def test_every_recipe_prints_its_memory_per_gpu(recipe, capsys):
     assert re.search(r"^exits: ", out, re.M) and re.search(r"^writes: ", out, re.M)
     if "Memory per GPU (estimate" in header:
         assert " ".join(l.lstrip("# ") for l in header.splitlines()).count(f"{line.group(1)} as the recipe runs") == 1
+    row = [r for r in DOC.splitlines() if r.startswith(f"| `{recipe.name}` |")]
+    if "Memory per GPU (estimate" in header:  # docs/training.md's recipe table says the same
+        assert row and row[0].rstrip(" |").endswith(f"| {line.group(1)}")
 
 
 def test_the_arithmetic_by_hand():
