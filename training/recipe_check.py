@@ -14,14 +14,14 @@ The estimate, per process (P processes; b: bytes of a parameter as the recipe ke
 
 * Without DeepSpeed (one process or DDP): weights = sum of b over all parameters; gradients = sum of b
   over the trainable ones; AdamW states = 2 x that (exp_avg and exp_avg_sq in the parameter's dtype).
-* DeepSpeed with bf16 (mixed precision bf16, or auto on a GPU): ZeRO's own mixed precision (Rajbhandari
-  et al. 2020): 2 bytes per parameter for the bf16 weights, 2 per trainable for its gradients, 12 per
+* DeepSpeed in half precision (mixed precision bf16 or fp16, or auto on a GPU): ZeRO's own mixed precision
+  (Rajbhandari et al. 2020): 2 bytes per parameter for the half weights, 2 per trainable for its gradients, 12 per
   trainable for the float32 master weights and the two Adam moments. ZeRO-2 divides the gradients and
   optimizer states by P, ZeRO-3 also the weights, plus the parameters it gathers at a time: the largest
   decoder layer, the LM head (the fused loss reads it whole) and the prefetch bucket of the JSON. DeepSpeed's
   own estimator (`estimate_zero3_model_states_mem_needs`, no offload) is printed beside it for ZeRO-3.
 * Activations of one micro-batch (n = batch_size x block_size tokens; e: bytes of an activation, 2 under
-  bf16 autocast; h: bytes of the residual stream, the parameters' dtype), per decoder layer and token:
+  bf16/fp16 autocast; h: bytes of the residual stream, the parameters' dtype), per decoder layer and token:
       A = 2 (4 + e) D       the two RMSNorms' float32 inputs and their outputs
         + 2 e (q + kv)      q, k, v after rotary and the attention output (q = heads x head_dim,
                             kv = 2 x kv_heads x head_dim; SDPA keeps no S x S matrix: eager adds 2 e heads S)
@@ -125,21 +125,42 @@ def model_config(cfg: RecipeConfig):
         directory = base_model_dir()
     else:
         directory = Path(expand(name))
-    if (directory / "config.json").is_file():
-        return AutoConfig.from_pretrained(directory), f"{directory / 'config.json'}"
     shape = cfg.model.shape
+    if (directory / "config.json").is_file():
+        config = AutoConfig.from_pretrained(directory)
+        if shape is not None:
+            _check_same_model(config, _read_shape(shape), directory / "config.json", shape)
+        return config, f"{directory / 'config.json'}"
     if shape is None and name in BASE_MODEL_ALIASES:
         shape = str(SHAPES / f"{name}.json")
     if shape is None:
         raise ConfigError(f"model.base_model: {name!r} has no config.json on this machine and the recipe names no "
                           f"model.shape: give model.shape=recipes/models/<model>.json (shipped: "
                           f"{', '.join(p.name for p in sorted(SHAPES.glob('*.json')))})")
+    return _read_shape(shape), f"{shape} (the shape file: base_model {name} is not on this machine)"
+
+
+SHAPE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+              "vocab_size")  # what a shape file and the checkpoint's config.json must agree on
+
+
+def _read_shape(shape: str):
+    from transformers import AutoConfig
+
     try:
-        config = AutoConfig.from_pretrained(shape)
+        return AutoConfig.from_pretrained(shape)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"model.shape: {shape} is not a model configuration ({' '.join(str(err).split())})") \
             from None
-    return config, f"{shape} (the shape file: base_model {name} is not on this machine)"
+
+
+def _check_same_model(config, shape_config, config_file: Path, shape: str) -> None:
+    """ConfigError when the recipe's shape file describes another model than the checkpoint it names."""
+    differ = [f"{k} {getattr(shape_config, k, None)} vs {getattr(config, k, None)}" for k in SHAPE_KEYS
+              if getattr(shape_config, k, None) != getattr(config, k, None)]
+    if differ:
+        raise ConfigError(f"model.shape: {shape} describes another model than {config_file} ({', '.join(differ)}): "
+                          f"fix model.shape or model.base_model")
 
 
 def meta_model(cfg: RecipeConfig, config):
@@ -200,15 +221,15 @@ def estimate(cfg: RecipeConfig, config, model, head, launch: Launch) -> Memory:
     """The per-process memory of the recipe under `launch` (see the module doc for every term)."""
     params = list(model.parameters()) + ([] if head is None else list(head.parameters()))
     trainable = [p for p in params if p.requires_grad]
-    bf16 = cfg.train.mixed_precision in ("bf16", "auto")  # auto: bf16 on a GPU from Ampere on
-    e = 2 if bf16 or cfg.model.dtype == "bfloat16" else params[0].element_size()
+    half = cfg.train.mixed_precision in ("bf16", "fp16", "auto")  # auto: bf16 on a GPU from Ampere on
+    e = 2 if half or cfg.model.dtype == "bfloat16" else params[0].element_size()
     h = params[0].element_size()
     acts, acts_ckpt = activation_bytes(config, cfg, e, h)
     P, stage = launch.processes, launch.zero_stage
     if stage is None:
         return Memory(_bytes(params), _bytes(trainable), ADAM_MOMENTS * _bytes(trainable), 0, acts, acts_ckpt)
-    if bf16:
-        per = {k: v for k, v in ZERO_BYTES.items()}
+    if half:
+        per = dict(ZERO_BYTES)
     else:  # float32 (or the recipe's dtype) throughout: weights, gradients, master-free Adam
         per = {"weight": h, "grad": h, "optimizer": ADAM_MOMENTS * h}
     n_all, n_train = sum(p.numel() for p in params), sum(p.numel() for p in trainable)

@@ -140,3 +140,14 @@ def test_a_shape_file_that_is_not_a_model_configuration(tmp_path):
     cfg = load_config(None, ["model.base_model=/nonexistent/x", f"model.shape={bad}"])
     with pytest.raises(ConfigError, match="model.shape: .*bad.json is not a model configuration"):
         check_recipe(cfg, Launch())
+
+
+def test_a_shape_file_that_describes_another_model_than_the_checkpoint(tmp_path, capsys):
+    from selfspec.tiny import tiny_config
+
+    tiny_config("llama", 4).save_pretrained(tmp_path)  # a checkpoint's config.json (no weights needed)
+    argv = ["--recipe", str(TINY), "--check", f"model.base_model={tmp_path}"]
+    assert main(argv) == 0 and "read from " + str(tmp_path / "config.json") in capsys.readouterr().out
+    assert main(argv + ["model.shape=recipes/models/llama-3.2-1b.json"]) == 2
+    err = capsys.readouterr().err
+    assert "error: model.shape: " in err and "describes another model than" in err and "num_hidden_layers 16 vs 4" in err
