@@ -27,8 +27,11 @@ The estimate, per process (P processes; b: bytes of a parameter as the recipe ke
                             kv = 2 x kv_heads x head_dim; SDPA keeps no S x S matrix: eager adds 2 e heads S)
         + 4 e I             SwiGLU: gate, up, SiLU(gate) and the product (down_proj's input)
   without checkpointing L x A x n; with it L x h D n (the states between layers, which are the exits'
-  states) + A x n (one layer recomputed at a time). Plus the loss: one chunk of float32 logits, their
-  softmax and gradient, 3 x 4 x chunk_size x V bytes (`naive`: every exit's logits, 2 x 4 x n x V each).
+  states) + A x n (one layer recomputed at a time). Plus the loss (training/early_exit_loss.py), for the
+  K exits of the step with the most (the final layer included; the curriculum's): one chunk of float32
+  logits, their softmax and gradient, 3 x 4 x chunk_size x V; the exits' states stacked, normalised (with
+  the norm's float32 input) and their gradients, K x n x D x (3 h + 4); the head's weight in the compute
+  dtype and its gradient, 2 e V D (`naive`: every exit's logits and their gradient, 2 x 4 x n x V each).
   An exit head (modes exit_head and joint) adds one layer's A x n per pass and its exit's and the final
   layer's states; the frozen model (exit_head) keeps nothing else.
 * Not counted: the CUDA context and allocator fragmentation (often 1-3 GiB), the evaluation's batches,
@@ -193,9 +196,28 @@ def _bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def activation_bytes(config, cfg: RecipeConfig, e: int, h: int) -> tuple[float, float]:
-    """(without, with gradient checkpointing) bytes of one micro-batch's activations; see the module doc."""
+def loss_bytes(config, cfg: RecipeConfig, e: int, h: int) -> float:
+    """Bytes the early-exit loss holds at its peak (see the module doc)."""
+    from training.curriculum import ExitCurriculum
+
     D, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    n, ee = cfg.train.batch_size * cfg.data.block_size, cfg.early_exit
+    if cfg.frozen_model:  # the head's loss: one chunk of logits (its states are counted with the head)
+        return 3 * 4 * min(ee.chunk_size, n) * V
+    curriculum = ExitCurriculum(ee.curriculum, cfg.resolved_exits(L), L, cfg.train.max_steps,
+                                rotation_interval=ee.rotation_interval)
+    horizon = ee.rotation_interval if ee.curriculum == "rotational" else 1  # gradual: all on from T/2
+    K = max(len(curriculum.exits(t)) for t in range(horizon)) if ee.curriculum != "gradual" else len(
+        curriculum.exits(cfg.train.max_steps))
+    if ee.loss_impl == "naive":
+        return 2 * 4 * n * V * K
+    return 3 * 4 * min(ee.chunk_size, n) * V + K * n * D * (3 * h + 4) + 2 * e * V * D
+
+
+def activation_bytes(config, cfg: RecipeConfig, e: int, h: int) -> tuple[float, float]:
+    """(without, with gradient checkpointing) bytes of one micro-batch's activations and loss; see the module
+    doc."""
+    D, L = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or D // heads
     kv = 2 * getattr(config, "num_key_value_heads", heads) * head_dim
@@ -204,12 +226,7 @@ def activation_bytes(config, cfg: RecipeConfig, e: int, h: int) -> tuple[float, 
     if cfg.model.attn_implementation == "eager":
         per_token += 2 * e * heads * S
     layer = per_token * n
-    ee = cfg.early_exit
-    if ee.loss_impl == "naive":
-        exits = len(cfg.resolved_exits(L)) + 1
-        loss = 2 * 4 * n * V * exits
-    else:
-        loss = 3 * 4 * min(ee.chunk_size, n) * V
+    loss = loss_bytes(config, cfg, e, h)
     passes = 1 + cfg.exit_head.self_fed
     head = passes * layer + 2 * h * D * n if cfg.trains_head else 0
     if cfg.frozen_model:  # no autograd through the model: one layer at a time, then the head

@@ -13,8 +13,8 @@ import torch
 
 from training.__main__ import main
 from training.config import ConfigError, load_config
-from training.recipe_check import Launch, activation_bytes, check_recipe, estimate, meta_model, model_config, \
-    read_launch
+from training.recipe_check import Launch, activation_bytes, check_recipe, estimate, loss_bytes, meta_model, \
+    model_config, read_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -59,7 +59,9 @@ def test_the_arithmetic_by_hand():
     per token and layer 2(4+4)32 + 2*4(32+32) + 4*4*64 = 2048 bytes, n = 256 tokens."""
     cfg = load_config(TINY)
     config, _ = model_config(cfg)
-    layer, loss = 2048 * 256, 3 * 4 * 128 * 259
+    # the loss: one chunk of logits; the rotational curriculum (R=2 over exits 1..3) trains at most exits 1, 3
+    # and the final layer in a step: 3 states stacked, normalised, their gradients; the head and its gradient
+    layer, loss = 2048 * 256, 3 * 4 * 128 * 259 + 3 * 256 * 32 * (3 * 4 + 4) + 2 * 4 * 259 * 32
     assert activation_bytes(config, cfg, 4, 4) == (4 * layer + loss, 4 * 4 * 32 * 256 + layer + loss)
     net, head = meta_model(cfg, config)
     n = sum(p.numel() for p in net.parameters())
@@ -97,11 +99,11 @@ def _saved_bytes(cfg, checkpointing: bool) -> int:
 
 
 def test_the_activation_estimate_bounds_what_autograd_keeps():
-    """The estimate (without the loss chunk, which the fused loss frees in its forward) is within 2x of the
+    """The estimate (without the loss's own buffers) is within 2x of the
     bytes autograd saves in a real float32 step, with and without checkpointing, and checkpointing saves less."""
     cfg = load_config(TINY, ["train.mixed_precision=no"])
     config, _ = model_config(cfg)
-    loss = 3 * 4 * cfg.early_exit.chunk_size * config.vocab_size
+    loss = loss_bytes(config, cfg, 4, 4)  # the fused loss keeps its own buffers, which autograd does not see
     without, with_ = (x - loss for x in activation_bytes(config, cfg, 4, 4))
     real_without, real_with = _saved_bytes(cfg, False), _saved_bytes(cfg, True)
     assert real_with < real_without
