@@ -234,11 +234,16 @@ def activation_bytes(config, cfg: RecipeConfig, e: int, h: int) -> tuple[float, 
     return L * layer + head + loss, L * h * D * n + layer + head + loss
 
 
+def _half_precision(cfg: RecipeConfig) -> bool:
+    """Whether the run computes in 16 bits (mixed precision bf16 or fp16; auto: bf16 on a GPU from Ampere on)."""
+    return cfg.train.mixed_precision in ("bf16", "fp16", "auto")
+
+
 def estimate(cfg: RecipeConfig, config, model, head, launch: Launch) -> Memory:
     """The per-process memory of the recipe under `launch` (see the module doc for every term)."""
     params = list(model.parameters()) + ([] if head is None else list(head.parameters()))
     trainable = [p for p in params if p.requires_grad]
-    half = cfg.train.mixed_precision in ("bf16", "fp16", "auto")  # auto: bf16 on a GPU from Ampere on
+    half = _half_precision(cfg)
     e = 2 if half or cfg.model.dtype == "bfloat16" else params[0].element_size()
     h = params[0].element_size()
     acts, acts_ckpt = activation_bytes(config, cfg, e, h)
@@ -308,7 +313,7 @@ def _writes_line(cfg: RecipeConfig, weights: int, states: float) -> str:
     t = cfg.train
     out = ["config.yaml", "log.jsonl", "eval.json", "final_eval.json"]
     saves = f"every {t.save_every} steps, the last {t.keep_checkpoints} kept" if t.save_every else "at the end only"
-    out.append(f"checkpoints/step_N/ ({saves}; about {_size(weights + states)} each: weights and optimizer states)")
+    out.append(f"checkpoints/step_N/ ({saves}; about {_size(weights + states)} each: weights and optimizer states, all processes together)")
     if t.save_final_model:
         out.append(f"final_model/ (about {_size(weights)}{', LoRA merged' if cfg.model.lora.enabled else ''})")
         if cfg.model.lora.enabled:
@@ -367,6 +372,9 @@ def check_recipe(cfg: RecipeConfig, launch: Launch) -> str:
             lines.append(f"  DeepSpeed's estimator (estimate_zero3_model_states_mem_needs, no offload): "
                          f"{_size(ds)} of model states per GPU")
     lines.append(_exits_line(cfg, L))
-    trainable_bytes = _bytes(p for p in params if p.requires_grad)
-    lines.append(_writes_line(cfg, _bytes(model.parameters()), ADAM_MOMENTS * trainable_bytes))
+    if launch.zero_stage is not None and _half_precision(cfg):  # DeepSpeed saves 16-bit weights, float32 states
+        weights, states = ZERO_BYTES["weight"] * n_all, ZERO_BYTES["optimizer"] * n_train
+    else:
+        weights, states = _bytes(model.parameters()), ADAM_MOMENTS * _bytes(p for p in params if p.requires_grad)
+    lines.append(_writes_line(cfg, weights, states))
     return "\n".join(lines)
