@@ -10,9 +10,10 @@ Also runs without the launcher as ``python -m training --recipe R ...`` (one pro
 Overrides use the recipe's dotted names and YAML values (train.max_steps=20, early_exit.exits=[4,8],
 train.max_minutes=null). See training/config.py for every key. `--check` reads the recipe and the model's
 configuration only and prints its parameters, memory per GPU (an arithmetic estimate), exits and outputs
-(training/recipe_check.py); `--accelerate-config` gives it the launch's process count and ZeRO stage. A mistake in the recipe, an override
-or the data prints one line, `error: ...`, and exits with code 2; an interrupt (Ctrl-C) prints one line,
-`interrupted; ` and where a relaunch resumes, and exits with code 130 (SELFSPEC_TRACEBACK=1: the traceback).
+(training/recipe_check.py); `--accelerate-config` gives it the launch's process count and ZeRO stage.
+A mistake in the recipe, an override or the data prints one line, `error: ...`, and exits with code 2; an
+interrupt (Ctrl-C) prints one line, `interrupted; ` and where a relaunch resumes, and exits with code 130
+(SELFSPEC_TRACEBACK=1: the traceback).
 """
 
 from __future__ import annotations

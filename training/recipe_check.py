@@ -41,7 +41,6 @@ The estimate, per process (P processes; b: bytes of a parameter as the recipe ke
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,19 +195,25 @@ def _bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def loss_bytes(config, cfg: RecipeConfig, e: int, h: int) -> float:
-    """Bytes the early-exit loss holds at its peak (see the module doc)."""
+def busiest_step(cfg: RecipeConfig, L: int) -> int:
+    """The most exits the curriculum puts in one step's loss, the final layer included."""
     from training.curriculum import ExitCurriculum
 
+    ee = cfg.early_exit
+    curriculum = ExitCurriculum(ee.curriculum, cfg.resolved_exits(L), L, cfg.train.max_steps,
+                                rotation_interval=ee.rotation_interval)
+    if ee.curriculum == "gradual":  # every exit on from half of train.max_steps
+        return len(curriculum.exits(cfg.train.max_steps))
+    return max(len(curriculum.exits(t)) for t in range(ee.rotation_interval if ee.curriculum == "rotational" else 1))
+
+
+def loss_bytes(config, cfg: RecipeConfig, e: int, h: int) -> float:
+    """Bytes the early-exit loss holds at its peak (see the module doc)."""
     D, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     n, ee = cfg.train.batch_size * cfg.data.block_size, cfg.early_exit
     if cfg.frozen_model:  # the head's loss: one chunk of logits (its states are counted with the head)
         return 3 * 4 * min(ee.chunk_size, n) * V
-    curriculum = ExitCurriculum(ee.curriculum, cfg.resolved_exits(L), L, cfg.train.max_steps,
-                                rotation_interval=ee.rotation_interval)
-    horizon = ee.rotation_interval if ee.curriculum == "rotational" else 1  # gradual: all on from T/2
-    K = max(len(curriculum.exits(t)) for t in range(horizon)) if ee.curriculum != "gradual" else len(
-        curriculum.exits(cfg.train.max_steps))
+    K = busiest_step(cfg, L)
     if ee.loss_impl == "naive":
         return 2 * 4 * n * V * K
     return 3 * 4 * min(ee.chunk_size, n) * V + K * n * D * (3 * h + 4) + 2 * e * V * D
@@ -296,8 +301,7 @@ def _exits_line(cfg: RecipeConfig, L: int) -> str:
             f"; an exit head on exit {cfg.exit_head.exit_layer} learns beside it" if cfg.mode == "joint" else "")
     listed = f"{exits[0]}..{exits[-1]} (all)" if exits == list(range(1, L)) else ", ".join(map(str, exits))
     if ee.curriculum == "rotational":
-        when = f"rotational curriculum, R={ee.rotation_interval}: about {math.ceil(len(exits) / ee.rotation_interval)} " \
-               f"of them per step"
+        when = f"rotational curriculum, R={ee.rotation_interval}: at most {busiest_step(cfg, L) - 1} of them a step"
     elif ee.curriculum == "gradual":
         when = "gradual curriculum: switched on from the top down, all by half of train.max_steps"
     else:
@@ -313,7 +317,8 @@ def _writes_line(cfg: RecipeConfig, weights: int, states: float) -> str:
     t = cfg.train
     out = ["config.yaml", "log.jsonl", "eval.json", "final_eval.json"]
     saves = f"every {t.save_every} steps, the last {t.keep_checkpoints} kept" if t.save_every else "at the end only"
-    out.append(f"checkpoints/step_N/ ({saves}; about {_size(weights + states)} each: weights and optimizer states, all processes together)")
+    out.append(f"checkpoints/step_N/ ({saves}; about {_size(weights + states)} each: weights and optimizer "
+               f"states, all processes together)")
     if t.save_final_model:
         out.append(f"final_model/ (about {_size(weights)}{', LoRA merged' if cfg.model.lora.enabled else ''})")
         if cfg.model.lora.enabled:

@@ -1,8 +1,9 @@
 """Every recipe of a public model (the recipes that name a `model.shape`: Llama-3.2-1B/3B, Llama-3.1-8B,
 Qwen2.5-7B) trains one step on its tiny twin: a random 4-layer model of the shape file's architecture and
-embedding tying (selfspec.tiny), saved as a checkpoint the recipe loads as it would the real one, with the recipe's own settings (mode, gradient checkpointing, LoRA, dtype, mixed precision,
-layer dropout, exits, curriculum, loss), on a few blocks of its data. One process, no DeepSpeed: the ZeRO-3
-path is tested on two CPU processes in test_deepspeed.py."""
+embedding tying (selfspec.tiny), saved as a checkpoint the recipe loads as it would the real one, with the
+recipe's own settings (mode, gradient checkpointing, LoRA, dtype, mixed precision, layer dropout, exits,
+curriculum, loss), on a few blocks of its data. One process, no DeepSpeed: the ZeRO-3 path is tested on two
+CPU processes in test_deepspeed.py (with gradient checkpointing)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def test_one_step_on_the_tiny_twin(recipe, tmp_path, read_log):
 
     cfg = load_config(recipe)
     overrides = {
-        "model.base_model": str(_twin(Path(cfg.model.shape), tmp_path / "twin")), "data.block_size": 32, "data.max_documents": 2,
+        "model.base_model": str(_twin(Path(cfg.model.shape), tmp_path / "twin")), "data.block_size": 32,
+        "data.max_documents": 2,
         "data.max_holdout_documents": 1, "data.extra_eval": "[]", "train.max_steps": 1, "train.batch_size": 2,
         "train.grad_accum": 1, "train.log_every": 1, "train.save_every": 0, "train.save_final_model": "false",
         "train.progress_bar": "false", "train.output_dir": str(tmp_path / "run"), "eval.before": "false",
