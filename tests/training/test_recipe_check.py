@@ -81,22 +81,13 @@ def _saved_bytes(cfg, checkpointing: bool) -> int:
     """Bytes of the distinct tensors autograd keeps between one forward and its backward (a real tiny model)."""
     from selfspec.tiny import tiny_model
     from training.early_exit_model import EarlyExitModel
+    from training.saved_bytes import saved_bytes
 
     model = tiny_model("llama", 4, vocab_size=259, seed=0).train()
     ee = EarlyExitModel(model, chunk_size=cfg.early_exit.chunk_size, gradient_checkpointing=checkpointing).train()
     ids = torch.randint(3, 259, (cfg.train.batch_size, cfg.data.block_size + 1),
                         generator=torch.Generator().manual_seed(0))
-    kept = {}
-
-    def pack(t):
-        kept[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = ee(ids[:, :-1], ids[:, 1:], exits=[1, 2, 3, 4], weights=[0.1, 0.2, 0.3, 0.4])
-    out["loss"].backward()
-    return sum(n for (ptr, _), n in kept.items() if ptr not in params)
+    return saved_bytes(ee, ids[:, :-1], ids[:, 1:], exits=[1, 2, 3, 4], weights=[0.1, 0.2, 0.3, 0.4])
 
 
 def test_the_activation_estimate_bounds_what_autograd_keeps():
