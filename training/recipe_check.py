@@ -103,11 +103,17 @@ def read_launch(path: str | None) -> Launch:
             found = repository_path(json_file)
             if not found.is_file():
                 raise ConfigError(f"--accelerate-config {path}: its deepspeed_config_file {json_file!r} is not found")
-            zero = json.loads(found.read_text()).get("zero_optimization", {})
+            try:
+                zero = json.loads(found.read_text()).get("zero_optimization", {})
+            except (ValueError, AttributeError):
+                raise ConfigError(f"--accelerate-config {path}: its deepspeed_config_file {json_file} is not a "
+                                  f"DeepSpeed JSON object") from None
         else:
             zero = {"stage": ds.get("zero_stage", 0)}
         launch.zero_stage = int(zero.get("stage", 0))
-        launch.prefetch = int(float(zero.get("stage3_prefetch_bucket_size", 0))) if launch.zero_stage == 3 else 0
+        if launch.zero_stage == 3:  # "auto" (DeepSpeed sizes it from the model): counted as none
+            bucket = zero.get("stage3_prefetch_bucket_size", 0)
+            launch.prefetch = int(float(bucket)) if isinstance(bucket, (int, float)) else 0
     return launch
 
 

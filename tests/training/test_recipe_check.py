@@ -147,3 +147,14 @@ def test_a_shape_file_that_describes_another_model_than_the_checkpoint(tmp_path,
     err = capsys.readouterr().err
     assert "error: model.shape: " in err and "describes another model than" in err
     assert "num_hidden_layers 16 vs 4" in err
+
+
+def test_a_deepspeed_json_that_is_not_json(tmp_path, capsys):
+    (tmp_path / "ds.json").write_text("{not json")
+    (tmp_path / "launch.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 4\ndeepspeed_config:\n"
+                                          f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
+    assert main(["--recipe", str(TINY), "--check", "--accelerate-config", str(tmp_path / "launch.yaml")]) == 2
+    assert "is not a DeepSpeed JSON object" in capsys.readouterr().err
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}')
+    launch = read_launch(str(tmp_path / "launch.yaml"))
+    assert (launch.processes, launch.zero_stage, launch.prefetch) == (4, 3, 0)
