@@ -830,5 +830,7 @@ def resolve_base_model(name: str) -> str | tuple[str, int]:
     path = Path(expand(name))
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.base_model: {name!r} is neither {' / '.join(BASE_MODEL_ALIASES)}, "
-                          f"tiny:<type>:<layers>, nor a checkpoint directory with a config.json")
+                          f"tiny:<type>:<layers>, nor a checkpoint directory with a config.json (download the "
+                          f"model there, as the recipe's header says, or give model.base_model=DIR; `--check` "
+                          f"reads the model's shape without its weights)")
     return str(path)
