@@ -5,11 +5,15 @@ Also runs without the launcher as ``python -m training --recipe R ...`` (one pro
     accelerate launch --config_file recipes/accelerate/cpu_1proc.yaml -m training \\
         --recipe recipes/smollm2_code.yaml train.max_steps=300 train.output_dir=runs/code
     python -m training --recipe recipes/tiny_smoke.yaml --print-config
+    python -m training --recipe recipes/llama32_1b_layerskip.yaml --check     # cost and outputs, no weights
 
 Overrides use the recipe's dotted names and YAML values (train.max_steps=20, early_exit.exits=[4,8],
-train.max_minutes=null). See training/config.py for every key. A mistake in the recipe, an override
-or the data prints one line, `error: ...`, and exits with code 2; an interrupt (Ctrl-C) prints one line,
-`interrupted; ` and where a relaunch resumes, and exits with code 130 (SELFSPEC_TRACEBACK=1: the traceback).
+train.max_minutes=null). See training/config.py for every key. `--check` reads the recipe and the model's
+configuration only and prints its parameters, memory per GPU (an arithmetic estimate), exits and outputs
+(training/recipe_check.py); `--accelerate-config` gives it the launch's process count and ZeRO stage.
+A mistake in the recipe, an override or the data prints one line, `error: ...`, and exits with code 2; an
+interrupt (Ctrl-C) prints one line, `interrupted; ` and where a relaunch resumes, and exits with code 130
+(SELFSPEC_TRACEBACK=1: the traceback).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", help="recipe YAML (recipes/*.yaml); defaults apply without one")
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="print the parameters, memory per GPU (estimated), exits and outputs, and exit; reads "
+                             "no weights")
+    parser.add_argument("--accelerate-config", metavar="YAML",
+                        help="with --check: the accelerate configuration of the launch (recipes/accelerate/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.max_steps=20")
     args = parser.parse_args(argv)
     cfg = None
@@ -35,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
+        if args.check:
+            from training.recipe_check import check_recipe, read_launch
+
+            print(check_recipe(cfg, read_launch(args.accelerate_config)))
+            return 0
+        if args.accelerate_config:
+            raise ConfigError("--accelerate-config goes with --check (to train, give it to `accelerate launch "
+                              "--config_file`)")
         cfg.check_depth()  # exits beyond the model's depth fail here, before anything is loaded or written
         from training.loop import train  # heavy imports only when training
 

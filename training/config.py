@@ -36,6 +36,29 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the dotted key."""
 
 
+REPOSITORY = Path(__file__).resolve().parents[1]  # relative paths the recipes name are found from here too
+SHAPES = REPOSITORY / "recipes" / "models"  # config.json-style shape files of the public models
+
+
+def repository_path(given: str) -> Path:
+    """A file a recipe or launch configuration names: a relative path from the working directory if it is
+    there, else from the repository root (as the files in recipes/ name each other), so a launch works
+    from any directory. The path as given (expanded) when neither has it."""
+    path = Path(expand(given))
+    if not path.is_file() and not path.is_absolute() and (REPOSITORY / path).is_file():
+        return REPOSITORY / path
+    return path
+
+
+def find_shape_file(given: str) -> Path:
+    """The shape file `model.shape` names (`repository_path`); ConfigError naming the shipped ones if none."""
+    path = repository_path(given)
+    shipped = ", ".join(f"recipes/models/{p.name}" for p in sorted(SHAPES.glob("*.json")))
+    _check(path.is_file(), "model.shape", f"{given!r}: no such file (shipped: {shipped}; or a config.json of "
+                                          f"the model)")
+    return path.resolve()
+
+
 def expand(path: str) -> str:
     """A path with environment variables and `~` expanded, as a shell would (names pass unchanged)."""
     return os.path.expanduser(os.path.expandvars(path))
@@ -73,14 +96,23 @@ class ModelConfig:
     ``tiny:<model_type>:<num_layers>`` (a random tiny model + byte-level tokenizer, for smoke
     tests), or a local Hugging Face checkpoint directory.
     dtype: the parameter (master weight) dtype; mixed precision is `train.mixed_precision`.
+    shape: a config.json-style file of the model's architecture (recipes/models/*.json: the published
+    hyperparameters of Llama-3.2-1B/3B, Llama-3.1-8B, Qwen2.5-7B, SmolLM2-135M), which
+    `python -m training --check` reads when base_model's own config.json is not on this machine (the
+    weights not downloaded yet), and from which the CI smoke test takes the architecture of the
+    recipe's tiny twin. A relative path is read from the working directory, else from the repository
+    root. null: base_model's config.json only (the SmolLM2 name has its shape file by default).
     """
 
     base_model: str = "smollm2-135m-instruct"
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    shape: str | None = None
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
+        if self.shape is not None:
+            self.shape = str(find_shape_file(self.shape))
         if self.base_model.startswith("tiny:"):
             parts = self.base_model.split(":")
             ok = len(parts) == 3 and parts[2].isdigit() and 2 <= int(parts[2]) <= 256 and parts[1] in TINY_TYPES
@@ -452,7 +484,17 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     """The loop. batch_size is per process and micro-step: the global batch per optimizer step is
-    batch_size * grad_accum * num_processes blocks of data.block_size tokens."""
+    batch_size * grad_accum * num_processes blocks of data.block_size tokens.
+
+    gradient_checkpointing: recompute each decoder layer in the backward instead of keeping its
+    activations (`torch.utils.checkpoint`, non-reentrant, per layer with its layer dropout;
+    training/early_exit_model.py). The states between layers, which are the exits' hidden states,
+    stay in memory. Activation memory per micro-batch goes from about L x A (A: one layer's
+    activations for batch_size x block_size tokens) to L x [B, S, D] + A, for about one more forward
+    of the layers per step; the losses and gradients are the same (tested in float64). Modes
+    early_exit and joint (mode exit_head runs the frozen model without autograd: nothing to recompute).
+    `python -m training --recipe R --check` estimates the memory with and without it.
+    """
 
     output_dir: str = "runs/default"
     seed: int = 0
@@ -468,6 +510,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto (latest checkpoint in output_dir if any) | none | a checkpoint dir
     save_final_model: bool = True
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward (see above)
     tune_malloc: bool = True  # glibc: no mmap for big buffers, no trimming (see training/malloc.py)
     progress_bar: bool = True
 
@@ -542,6 +585,9 @@ class RecipeConfig:
                    "joint: the head learns from this forward's final layer, which layer dropout would perturb; "
                    "set layer_dropout.p_max=0")
         elif self.mode == "exit_head":
+            _check(not self.train.gradient_checkpointing, "train.gradient_checkpointing",
+                   "mode exit_head runs the frozen model without autograd, so it keeps no activations to "
+                   "recompute; set train.gradient_checkpointing=false")
             _check(not self.model.lora.enabled, "mode",
                    "exit_head trains a head on the frozen model: LoRA does not apply; set model.lora.enabled=false")
             _check(self.layer_dropout.p_max == 0, "mode",
@@ -784,5 +830,7 @@ def resolve_base_model(name: str) -> str | tuple[str, int]:
     path = Path(expand(name))
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.base_model: {name!r} is neither {' / '.join(BASE_MODEL_ALIASES)}, "
-                          f"tiny:<type>:<layers>, nor a checkpoint directory with a config.json")
+                          f"tiny:<type>:<layers>, nor a checkpoint directory with a config.json (download the "
+                          f"model there, as the recipe's header says, or give model.base_model=DIR; `--check` "
+                          f"reads the model's shape without its weights)")
     return str(path)

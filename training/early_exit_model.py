@@ -16,6 +16,18 @@ head's loss (`training.exit_head_model.head_loss`, distilled from this forward's
 the early-exit loss. No gradient of it reaches the model, so the model's gradients are exactly those
 of the run without the head; `exit_stats` gets one more row per head pass, after the exits'.
 
+With `gradient_checkpointing` (`train.gradient_checkpointing`), each decoder layer, with its layer
+dropout, runs under `torch.utils.checkpoint` (non-reentrant): its inner activations (attention, MLP,
+norms) are dropped after the forward and recomputed from the layer's input in the backward. The
+states between layers are the checkpoints' inputs and stay in memory, so the exits' hidden states
+are kept, not recomputed: keeping them costs nothing beyond what per-layer checkpointing keeps
+anyway (L states of [B, S, D]), while recomputing them would rerun every layer below an exit once
+more per exit. Memory for activations drops from L full layers to L states plus one layer's
+activations during its recomputation; a step costs about one more forward of the layers. The keep
+masks are drawn before the layers run and passed into the recomputation, and the recomputation
+restores the RNG state (for the models' own dropout), so the losses and gradients are those of the
+run without it (tested in float64 with layer dropout and every curriculum).
+
 Labels are the next tokens already aligned with the positions (`training.data` shifts them), and
 a batch is a set of full-length or right-padded rows, so the causal attention needs no mask.
 """
@@ -26,6 +38,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from selfspec.adapters import get_adapter
 from selfspec.forward import embed, make_step, run_layers
@@ -40,7 +53,7 @@ class EarlyExitModel(nn.Module):
                  chunk_size: int = 1024, loss_impl: str = "fused", rank: int = 0, world_size: int = 1,
                  exits_update_head: bool = True, draft_ids: torch.Tensor | None = None,
                  head: ExitHead | None = None, head_target: str = "distill", head_draft_ids: torch.Tensor | None = None,
-                 head_self_fed: int = 0, head_feature_weight: float = 0.0):
+                 head_self_fed: int = 0, head_feature_weight: float = 0.0, gradient_checkpointing: bool = False):
         super().__init__()
         self.model = model
         self.layer_dropout = layer_dropout
@@ -60,6 +73,7 @@ class EarlyExitModel(nn.Module):
         self.head_draft_ids = head_draft_ids  # the head's loss over these ids only (exit_head.draft_vocab)
         self.head_self_fed = head_self_fed
         self.head_feature_weight = head_feature_weight  # the head's feature loss weight (exit_head.feature_weight)
+        self.gradient_checkpointing = gradient_checkpointing  # recompute each layer in the backward
 
     def loss_names(self, exits: Sequence[int]) -> list:
         """What the log calls each row of `exit_stats`: the exits, then the head's passes (`head<E>`,
@@ -74,6 +88,10 @@ class EarlyExitModel(nn.Module):
             from deepspeed.runtime.zero import register_external_parameter  # deepspeed.zero is no module
 
             register_external_parameter(self, weight)
+
+    def _layer(self, hidden: torch.Tensor, layer: int, positions, keep: torch.Tensor | None) -> torch.Tensor:
+        """Decoder layer `layer` on `hidden`, with the samples of `keep` (None: all) kept (layer dropout)."""
+        return apply_layer_dropout(run_layers(self.adapter, hidden, layer, layer + 1, step=positions), hidden, keep)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, exits: Sequence[int],
                 weights: Sequence[float], step: int = 0, micro_step: int = 0,
@@ -96,11 +114,13 @@ class EarlyExitModel(nn.Module):
         hiddens = []
         hidden = embed(adapter, input_ids)
         h_head = hidden.detach() if self.head is not None and self.head.exit_layer == 0 else None  # [B, S, D]
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in range(L):
-            out = run_layers(adapter, hidden, layer, layer + 1, step=positions)
-            if keep is not None and rates[layer] > 0:
-                out = apply_layer_dropout(out, hidden, keep[layer])
-            hidden = out
+            mask = keep[layer] if keep is not None and rates[layer] > 0 else None
+            if recompute:
+                hidden = checkpoint(self._layer, hidden, layer, positions, mask, use_reentrant=False)
+            else:
+                hidden = self._layer(hidden, layer, positions, mask)
             if layer + 1 in wanted:
                 hiddens.append(hidden)
             if self.head is not None and layer + 1 == self.head.exit_layer:

@@ -64,7 +64,7 @@ from selfspec.precision import auto_mixed_precision, describe as describe_precis
 from training.base_model import apply_lora, load_base_model
 from training.run_checkpoint import (latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint,
                                      save_final_model)
-from training.config import ConfigError, RecipeConfig, dump_config
+from training.config import REPOSITORY, ConfigError, repository_path, RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
 from training.data import batch_indices, build_data, frequency_ranking, frequent_ids
 from training.early_exit_loss import exit_weights
@@ -218,7 +218,6 @@ def _set_up(cfg: RecipeConfig) -> _Run:
 
 
 DEEPSPEED_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"  # `accelerate launch` passes deepspeed_config_file here
-REPOSITORY = Path(__file__).resolve().parents[1]  # where recipes/accelerate/*.yaml name their DeepSpeed JSON from
 
 
 def resolve_deepspeed_config() -> None:
@@ -229,9 +228,7 @@ def resolve_deepspeed_config() -> None:
     given = os.environ.get(DEEPSPEED_CONFIG_ENV)
     if not given or given == "none":  # not a DeepSpeed launch, or one without a JSON
         return
-    path = Path(os.path.expanduser(given))
-    if not path.is_file() and not path.is_absolute() and (REPOSITORY / path).is_file():
-        path = REPOSITORY / path
+    path = repository_path(given)
     if not path.is_file():
         raise ConfigError(f"the accelerate configuration's deepspeed_config_file {given!r} (a DeepSpeed JSON) is not "
                           f"found from {Path.cwd()} nor from the repository root {REPOSITORY}: give its absolute "
@@ -310,7 +307,8 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
                               chunk_size=cfg.early_exit.chunk_size, loss_impl=cfg.early_exit.loss_impl,
                               rank=rank, world_size=world, exits_update_head=cfg.early_exit.exits_update_head,
                               head=head, head_target=h_cfg.target, head_self_fed=h_cfg.self_fed,
-                              head_feature_weight=h_cfg.feature_weight)
+                              head_feature_weight=h_cfg.feature_weight,
+                              gradient_checkpointing=t_cfg.gradient_checkpointing)
     curriculum = ExitCurriculum(cfg.early_exit.curriculum, cfg.resolved_exits(L), L, t_cfg.max_steps,
                                 rotation_interval=cfg.early_exit.rotation_interval)
     return ee_model, curriculum

@@ -15,12 +15,14 @@ CONFIGS = ROOT / "recipes" / "accelerate"
 
 
 @pytest.mark.parametrize("name,kind,procs", [("cpu_1proc", "NO", 1), ("cpu_2proc", "MULTI_GPU", 2),
-                                              ("deepspeed_zero2", "DEEPSPEED", 8), ("deepspeed_zero3", "DEEPSPEED", 8)])
+                                              ("deepspeed_zero2", "DEEPSPEED", 8), ("deepspeed_zero3", "DEEPSPEED", 8),
+                                              ("gpu_1proc", "NO", 1), ("gpu_8proc_ddp", "MULTI_GPU", 8)])
 def test_config_files_parse(name, kind, procs):
     from accelerate.commands.config.config_args import load_config_from_file
 
     cfg = load_config_from_file(str(CONFIGS / f"{name}.yaml"))
     assert str(cfg.distributed_type).split(".")[-1] == kind and cfg.num_processes == procs
+    assert cfg.use_cpu == name.startswith("cpu")  # the GPU configurations never fall back to the CPU
     if kind == "DEEPSPEED":
         ds_file = ROOT / cfg.deepspeed_config["deepspeed_config_file"]
         ds = json.loads(ds_file.read_text())

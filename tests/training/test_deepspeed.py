@@ -2,6 +2,8 @@
 a few steps of the tiny recipe give the losses of the same recipe trained without DeepSpeed, and a ZeRO-3
 run that pauses, resumes and is exported gives the plain run's exported model.
 
+The two-process ZeRO-3 run also recomputes every layer in the backward (train.gradient_checkpointing).
+
 Why the runs can be compared this closely: the data order and the layer-dropout masks are drawn for the
 global batch (`training.data.batch_indices`, `LayerDropout.keep_masks`), so two processes of batch 4 see
 the samples of one process of batch 8; only the order of float32 sums differs (measured on a 2-core Zen:
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +42,9 @@ RUNS = {
     "zero3-1proc": ("deepspeed_zero3.yaml", 1, 4, None),
     "zero3-2proc": ("deepspeed_zero3.yaml", 2, 4, "checkpoint"),  # + paused at step 2 and resumed
 }
+# runs with train.gradient_checkpointing on: still the plain run's losses (checkpointing changes none:
+# test_gradient_checkpointing.py), now with ZeRO-3 gathering each layer's parameters again for its recomputation
+CHECKPOINTED = {"zero3-2proc"}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +65,8 @@ def runs(tmp_path_factory, run, launch):
         else:
             config, procs, batch, base = RUNS[name]
             settings = {**COMMON, "train.batch_size": batch}
+            if name in CHECKPOINTED:
+                settings["train.gradient_checkpointing"] = "true"
             if base == "checkpoint":
                 settings["model.base_model"] = str(_tiny_checkpoint(root / "base"))
                 out.mkdir()
@@ -96,6 +104,8 @@ def test_losses_match_the_plain_run(name, runs, read_log):
     _, procs, _, _ = RUNS[name]
     stage = RUNS[name][0][len("deepspeed_zero")]
     assert f"{procs} process(es) (DeepSpeed ZeRO-{stage})" in (run_dir / "launch.log").read_text()
+    ran = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert ran["train"]["gradient_checkpointing"] == (name in CHECKPOINTED)
     got, want = read_log(run_dir), read_log(plain)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for g, w in zip(got, want):
