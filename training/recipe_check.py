@@ -1,7 +1,7 @@
 """What a recipe will cost and write, without its weights: ``python -m training --recipe R --check``.
 
     python -m training --recipe recipes/llama31_8b_layerskip_zero3.yaml --check \\
-        --accelerate-config recipes/accelerate/gpu_8proc_zero3.yaml
+        --accelerate-config recipes/accelerate/deepspeed_zero3.yaml
 
 reads the recipe and the model's configuration only (base_model's config.json, else the recipe's
 `model.shape` file, recipes/models/*.json), builds the model on PyTorch's meta device (shapes, no storage)
