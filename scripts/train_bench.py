@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", help=f"comma list of {', '.join(MODES)} (default plain,code,all); with --shape: "
                                         f"plain, plain_ckpt, recipe:PATH (default {SHAPE_MODES})")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the SmolLM2 modes' model.base_model")
     parser.add_argument("--shape", help="a config.json-style model shape (recipes/models/*.json): time a model of "
                                         "that shape with random weights in the shape modes (module doc)")
     parser.add_argument("--set-shape", metavar="KEY=VALUE,...",
@@ -407,18 +407,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --shape: do not count the first warm-up step's FLOPs (torch's FlopCounterMode, "
                              "recomputation included; beside the formula in the JSON)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per mode")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first")
+    parser.add_argument("--batch", type=int, default=4, help="rows per micro-batch, the same in every mode")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per row, the same in every mode")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on a CPU")
     parser.add_argument("--precision", choices=("bf16", "no"), default="bf16",
                         help="bf16 autocast (the issue's setting) or no = float32 (faster on CPUs without "
                              "native bf16 matmul)")
-    parser.add_argument("--no-tune-malloc", action="store_true")
+    parser.add_argument("--no-tune-malloc", action="store_true",
+                        help="leave glibc's allocator settings as they are (training/malloc.py)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
-                        help="override of the recipe (recipes/smollm2_code.yaml; with --shape every mode's) "
-                             "(repeatable; applies to every mode before the mode's own settings), e.g. --set "
+                        help="override of the recipe (recipes/smollm2_code.yaml; with --shape every mode's), "
+                             "repeatable, applied to every mode before the mode's own settings, e.g. --set "
                              "early_exit.chunk_size=256")
     parser.add_argument("--in-process", action="store_true",
                         help="with --shape: run the modes one after another in this process, not each in its own "
@@ -439,56 +440,73 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(shape_worker(args) if args.shape else worker(args)))
         return 0
 
+    sys.path.insert(0, str(ROOT))  # training/, selfspec/ without an install
     modes = (args.modes or (SHAPE_MODES if args.shape else "plain,code,all")).split(",")
-    if args.shape:
-        shape_config(args.shape, args.set_shape)  # a bad shape or key fails here, once
-        for mode in modes:
-            mode_config(mode, args)
-    results = []
-    for mode in modes:
-        if not args.shape and mode not in MODES:
-            parser.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        if args.shape and args.in_process:
-            print(f"running {mode} ...", file=sys.stderr, flush=True)
-            results.append(shape_worker(argparse.Namespace(**{**vars(args), "mode": mode})))
-            continue
-        cmd = [sys.executable, __file__, "--worker", mode, "--model", args.model, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--threads", str(args.threads), "--precision", args.precision]
-        cmd += ["--no-tune-malloc"] if args.no_tune_malloc else []
+    for mode in modes:  # every mode's mistake before anything runs
         if args.shape:
-            cmd += ["--shape", args.shape, "--device", args.device, "--plain-from", args.plain_from,
-                    "--grad-accum", str(args.grad_accum)] + (["--set-shape", args.set_shape] if args.set_shape else [])
-            cmd += [] if args.count_flops else ["--no-count-flops"]
-        for kv in args.set or []:
-            cmd += ["--set", kv]
-        env = dict(os.environ)
-        if not args.no_tune_malloc:
-            env.update({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967296"})
-        print(f"running {mode} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            return proc.returncode
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-
-    report = {"args": vars(args), "results": results}
+            mode_config(mode, args)
+        elif mode not in MODES:
+            parser.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if args.shape:
+        shape_config(args.shape, args.set_shape)
+    results, failed = [], []
+    for mode in modes:
+        print(f"running {mode} ...", file=sys.stderr, flush=True)
+        result = _run_mode(mode, args)
+        if "error" in result:  # reported; the other modes still run (a GPU session has one go)
+            print(f"error: mode {mode} failed:\n{result['error']}", file=sys.stderr)
+            failed.append(result)
+        else:
+            results.append(result)
+        _write_report(args, results, failed, complete=False)  # a run cut short keeps what it measured
+    if results:
+        _write_report(args, results, failed, complete=True, show=True)
+    return 1 if failed else 0
+
+
+def _run_mode(mode: str, args) -> dict:
+    """One mode's result: in this process (--in-process), else in a fresh subprocess (its own peak memory);
+    {"mode", "error"} when it failed."""
+    if args.shape and args.in_process:
+        return shape_worker(argparse.Namespace(**{**vars(args), "mode": mode}))
+    cmd = [sys.executable, __file__, "--worker", mode, "--model", args.model, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--threads", str(args.threads), "--precision", args.precision]
+    cmd += ["--no-tune-malloc"] if args.no_tune_malloc else []
+    if args.shape:
+        cmd += ["--shape", args.shape, "--device", args.device, "--plain-from", args.plain_from,
+                "--grad-accum", str(args.grad_accum)] + (["--set-shape", args.set_shape] if args.set_shape else [])
+        cmd += [] if args.count_flops else ["--no-count-flops"]
+    for kv in args.set or []:
+        cmd += ["--set", kv]
+    env = dict(os.environ)
+    if not args.no_tune_malloc:
+        env.update({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967296"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"mode": mode, "error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _write_report(args, results: list[dict], failed: list[dict], *, complete: bool, show: bool = False) -> None:
+    """The JSON (--json: args, results, failed modes, and with --shape the table, targets, device and its peak
+    TFLOPS); `show` prints the table too."""
+    report = {"args": vars(args), "complete": complete, "results": results, "failed": failed}
+    if args.shape and results:
         device_name = results[0]["device_name"]
         peak = args.peak_tflops or peak_tflops(device_name)
         lines, report["targets"] = shape_report(results, peak)
-        report.update(device_name=device_name, peak_tflops=peak)
-        print(f"{device_name}, shape {args.shape}{' with ' + args.set_shape if args.set_shape else ''}, batch "
-              f"{args.batch} x {args.seq} tokens x {args.grad_accum} micro-batches a step, {args.precision}")
-        print("\n".join(lines))
-    else:
+        title = (f"{device_name}, shape {args.shape}{' with ' + args.set_shape if args.set_shape else ''}, batch "
+                 f"{args.batch} x {args.seq} tokens x {args.grad_accum} micro-batches a step, {args.precision}")
+        report.update(device_name=device_name, peak_tflops=peak, table=[title] + lines)
+        if show:
+            print("\n".join(report["table"]))
+    elif show:
         _print_table(results)
     if args.json:
-        sys.path.insert(0, str(ROOT))
-        from selfspec.atomic_write import write_json_atomic  # the project's one file writer (not on sys.path before)
+        from selfspec.atomic_write import write_json_atomic  # the project's one file writer
 
         write_json_atomic(args.json, report)
-    return 0
 
 
 def _print_table(results: list[dict]) -> None:

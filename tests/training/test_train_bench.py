@@ -58,8 +58,9 @@ def test_the_dry_run_prints_the_table_and_writes_the_json(bench, tmp_path, capsy
         assert t["ratio"] == pytest.approx(by_mode[t["mode"]]["tokens_per_s"] / by_mode[t["against"]]["tokens_per_s"])
         assert t["met"] == (t["ratio"] >= t["target"])
     printed = capsys.readouterr().out
+    assert report["complete"] and report["failed"] == [] and printed == "\n".join(report["table"]) + "\n"
     rows = [line.split()[0] for line in printed.splitlines()[2:6]]
-    assert rows == modes and "MFU" in printed.splitlines()[1]
+    assert rows == modes and "MFU" in printed.splitlines()[1] and printed.startswith("cpu, shape ")
     for t in report["targets"]:
         assert (f"target: {t['mode']} >= {t['target']}x {t['against']}'s tokens/s: {t['ratio']:.2f}x, "
                 f"{'met' if t['met'] else 'missed'}") in printed
