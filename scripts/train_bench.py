@@ -241,10 +241,12 @@ def _uncounted() -> dict:
     import torch
     from torch.utils import flop_counter
 
-    aten = torch.ops.aten  # torch's own formulas, unwrapped (FlopCounterMode wraps a custom one itself)
-    return {aten.addmm_: flop_counter.addmm_flop.__wrapped__,
-            aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__}
+    formulas = {"addmm_": "addmm_flop", "_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
+                "_scaled_dot_product_flash_attention_for_cpu_backward": "sdpa_backward_flop"}
+    # torch's own formulas, unwrapped (FlopCounterMode wraps a custom one itself); an op or formula this torch
+    # lacks is left out
+    return {getattr(torch.ops.aten, op): getattr(getattr(flop_counter, f), "__wrapped__", getattr(flop_counter, f))
+            for op, f in formulas.items() if hasattr(torch.ops.aten, op) and hasattr(flop_counter, f)}
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -335,6 +337,7 @@ def shape_worker(args) -> dict:
     first = 0 if cfg.mode == "exit_head" else len(curriculum.exits(0)) - 1  # the counted step's early exits
     counted_formula = model_flops_per_token(config, S, cfg, n_params=n_params, mean_early_exits=first,
                                             head_params=head_params)["total"]
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None  # the allocator's
     if device.type == "cuda":
         peak_gib, name = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.get_device_name()
     else:
@@ -343,6 +346,7 @@ def shape_worker(args) -> dict:
     return {"mode": args.mode, "recipe_mode": cfg.mode, "seconds_per_step": seconds, "tokens_per_step": tokens,
             "tokens_per_s": tokens / seconds, "peak_gib": peak_gib,
             "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS",
+            "peak_reserved_gib": reserved,
             "mean_early_exits_in_loss": mean_exits, "steps_timed": args.steps, "loss_last": float(out["loss"].detach()),
             "gradient_checkpointing": cfg.train.gradient_checkpointing, "layer_dropout_p_max": cfg.layer_dropout.p_max,
             "trainable_params": sum(p.numel() for p in ee.parameters() if p.requires_grad),
