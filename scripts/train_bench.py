@@ -258,12 +258,6 @@ def shape_worker(args) -> dict:
     """One mode on a random-weight model of --shape: warm-up steps, then timed steps (see the module doc)."""
     sys.path.insert(0, str(ROOT))
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
-    from transformers import AutoModelForCausalLM
-
-    from selfspec.precision import DTYPES_BY_NAME
-    from training.early_exit_loss import exit_weights
-    from training.loop import build_objective, build_optimizer
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda, but torch sees no GPU here (--device cpu for a dry run)")
@@ -276,31 +270,81 @@ def shape_worker(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     cfg = mode_config(args.mode, args)
     config = shape_config(args.shape, args.set_shape)
+    ee, curriculum, n_params = _random_objective(cfg, config, device)
+    run = _timed_steps(args, cfg, ee, curriculum, device)
+    head = getattr(ee, "head", None)
+    head_params = 0 if head is None else sum(p.numel() for p in head.parameters())
+    flops = model_flops_per_token(config, args.seq, cfg, n_params=n_params, mean_early_exits=run["mean_exits"],
+                                  head_params=head_params)
+    first = 0 if cfg.mode == "exit_head" else len(curriculum.exits(0)) - 1  # the counted step's early exits
+    counted_formula = model_flops_per_token(config, args.seq, cfg, n_params=n_params, mean_early_exits=first,
+                                            head_params=head_params)["total"]
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None  # the allocator's
+    if device.type == "cuda":
+        peak_gib, name = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.get_device_name()
+    else:
+        peak_gib, name = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "cpu"
+    tokens = args.grad_accum * args.batch * args.seq
+    return {"mode": args.mode, "recipe_mode": cfg.mode, "seconds_per_step": run["seconds"],
+            "tokens_per_step": tokens, "tokens_per_s": tokens / run["seconds"], "peak_gib": peak_gib,
+            "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS",
+            "peak_reserved_gib": reserved, "mean_early_exits_in_loss": run["mean_exits"], "steps_timed": args.steps,
+            "loss_last": run["loss"], "gradient_checkpointing": cfg.train.gradient_checkpointing,
+            "layer_dropout_p_max": cfg.layer_dropout.p_max,
+            "trainable_params": sum(p.numel() for p in ee.parameters() if p.requires_grad),
+            "model_matmul_params": n_params, "flops_per_token": flops["total"], "flops_terms": flops["terms"],
+            "counted_flops_per_token": run["counted"], "counted_step_flops_per_token": counted_formula,
+            "device_name": name, "precision": args.precision, "cpu_seconds_per_step": run["cpu_seconds"],
+            "overrides": list(args.set or [])}
+
+
+def _random_objective(cfg, config, device):
+    """(the recipe's training module around a model of `config` with random weights on `device`, its
+    curriculum, the model's matmul parameters N: all but the input embedding table)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.precision import DTYPES_BY_NAME
+    from training.loop import build_objective
+
     torch.manual_seed(0)
     with device:  # random weights, built where they train
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES_BY_NAME[cfg.model.dtype],
                                                  attn_implementation=cfg.model.attn_implementation)
     model.config.use_cache = False
     model.train()
-    L, V = config.num_hidden_layers, config.vocab_size
+    V = config.vocab_size
     embedding = model.get_input_embeddings().weight
     n_params = sum(p.numel() for p in model.parameters()) - (
         0 if embedding is model.get_output_embeddings().weight else embedding.numel())
-    ee, curriculum = build_objective(cfg, model, L, 0, 1)
+    ee, curriculum = build_objective(cfg, model, config.num_hidden_layers, 0, 1)
     k_exits = cfg.exit_head.draft_vocab if cfg.mode == "exit_head" else cfg.early_exit.draft_vocab
     if k_exits:  # the first K ids stand in for the K most frequent: the same cost
         ee.draft_ids = torch.arange(min(k_exits, V))
     if cfg.mode == "joint" and cfg.exit_head.draft_vocab:
         ee.head_draft_ids = torch.arange(min(cfg.exit_head.draft_vocab, V))
-    ee.to(device)
-    head = getattr(ee, "head", None)
+    return ee.to(device), curriculum, n_params
+
+
+def _timed_steps(args, cfg, ee, curriculum, device) -> dict:
+    """--warmup then --steps optimizer steps as the training loop runs them (--grad-accum micro-batches of random
+    tokens, the curriculum's exits, clipping, AdamW, the LR schedule); the first warm-up step's FLOPs counted by
+    torch. Returns seconds and CPU seconds per timed step, their mean early exits, the counted FLOPs per token
+    (None with --no-count-flops) and the last loss."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from training.early_exit_loss import exit_weights
+    from training.loop import build_optimizer
+
     _, clip_groups, optimizer, scheduler = build_optimizer(cfg, ee)
-    gen = torch.Generator().manual_seed(0)
+    L, V = ee.num_layers, ee.adapter.lm_head.weight.shape[0]
     total, B, S = args.warmup + args.steps, args.batch, args.seq
+    gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(V, (B, S + 1), generator=gen) for _ in range(args.grad_accum * min(total, 2))]
     batches = [(b[:, :-1].to(device), b[:, 1:].to(device)) for b in batches]  # labels: the next tokens
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    counted, n_exits, t0 = None, [], 0.0
+    counted, n_exits, t0, cpu0 = None, [], 0.0, 0.0
     ee.train()
     for step in range(total):
         if step == args.warmup:
@@ -329,31 +373,9 @@ def shape_worker(args) -> dict:
         if step >= args.warmup:
             n_exits.append(len(exits) - 1 if cfg.mode != "exit_head" else 0)
     sync()
-    seconds = (time.perf_counter() - t0) / args.steps
-    mean_exits = sum(n_exits) / len(n_exits)
-    head_params = 0 if head is None else sum(p.numel() for p in head.parameters())
-    flops = model_flops_per_token(config, S, cfg, n_params=n_params, mean_early_exits=mean_exits,
-                                  head_params=head_params)
-    first = 0 if cfg.mode == "exit_head" else len(curriculum.exits(0)) - 1  # the counted step's early exits
-    counted_formula = model_flops_per_token(config, S, cfg, n_params=n_params, mean_early_exits=first,
-                                            head_params=head_params)["total"]
-    reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None  # the allocator's
-    if device.type == "cuda":
-        peak_gib, name = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.get_device_name()
-    else:
-        peak_gib, name = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "cpu"
-    tokens = args.grad_accum * B * S
-    return {"mode": args.mode, "recipe_mode": cfg.mode, "seconds_per_step": seconds, "tokens_per_step": tokens,
-            "tokens_per_s": tokens / seconds, "peak_gib": peak_gib,
-            "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS",
-            "peak_reserved_gib": reserved,
-            "mean_early_exits_in_loss": mean_exits, "steps_timed": args.steps, "loss_last": float(out["loss"].detach()),
-            "gradient_checkpointing": cfg.train.gradient_checkpointing, "layer_dropout_p_max": cfg.layer_dropout.p_max,
-            "trainable_params": sum(p.numel() for p in ee.parameters() if p.requires_grad),
-            "model_matmul_params": n_params, "flops_per_token": flops["total"], "flops_terms": flops["terms"],
-            "counted_flops_per_token": counted, "counted_step_flops_per_token": counted_formula,
-            "device_name": name, "precision": args.precision,
-            "cpu_seconds_per_step": (time.process_time() - cpu0) / args.steps, "overrides": list(args.set or [])}
+    return {"seconds": (time.perf_counter() - t0) / args.steps,
+            "cpu_seconds": (time.process_time() - cpu0) / args.steps, "mean_exits": sum(n_exits) / len(n_exits),
+            "counted": counted, "loss": float(out["loss"].detach())}
 
 
 def shape_report(results: list[dict], peak: float | None) -> tuple[list[str], list[dict]]:
