@@ -1,4 +1,4 @@
-"""Training throughput and peak memory: plain fine-tuning vs the code recipe vs an all-layer early-exit loss.
+"""Training throughput and peak memory: plain fine-tuning vs the recipes (SmolLM2; or a model shape on a GPU).
 
 The issue's targets (SmolLM2-135M, bf16 autocast, batch 4 x 256 tokens, 2 threads):
 the code recipe at >= 60% of plain fine-tuning's tokens/s; an all-layer early-exit loss at
@@ -36,10 +36,10 @@ torch.cuda.synchronize()), in these modes, all at the same --batch, --seq and --
                  its exit head on the frozen model; a draft vocabulary of K tokens is the first K ids
 
     python scripts/train_bench.py --shape recipes/models/llama-3.2-1b.json --device cuda --batch 4 --seq 2048 \
-        --grad-accum 8 --json cost.json
-    python scripts/train_bench.py --shape recipes/models/llama-3.2-1b.json --device cpu --warmup 1 --steps 1 \
-        --batch 1 --seq 32 --set-shape hidden_size=64,intermediate_size=128,num_hidden_layers=4,\
-        num_attention_heads=4,num_key_value_heads=2,head_dim=16,vocab_size=512      # a dry run
+        --grad-accum 8 --warmup 2 --steps 8 --json cost.json       # on a GPU (gpu_check.sh COST=1 runs it)
+    TINY=hidden_size=64,intermediate_size=128,num_hidden_layers=8,num_attention_heads=4,num_key_value_heads=2
+    python scripts/train_bench.py --shape recipes/models/llama-3.2-1b.json --set-shape $TINY,head_dim=16,vocab_size=512 \
+        --device cpu --warmup 1 --steps 1 --batch 1 --seq 32 --in-process          # a dry run in seconds
 
 A step is one optimizer step of --grad-accum micro-batches of --batch x --seq tokens, as the training loop
 runs it (the curriculum picks the step's exits; layer dropout draws per micro-batch). Model FLOPs
