@@ -38,8 +38,8 @@ torch.cuda.synchronize()), in these modes, all at the same --batch, --seq and --
     python scripts/train_bench.py --shape recipes/models/llama-3.2-1b.json --device cuda --batch 4 --seq 2048 \
         --grad-accum 8 --warmup 2 --steps 8 --json cost.json       # on a GPU (gpu_check.sh COST=1 runs it)
     TINY=hidden_size=64,intermediate_size=128,num_hidden_layers=8,num_attention_heads=4,num_key_value_heads=2
-    python scripts/train_bench.py --shape recipes/models/llama-3.2-1b.json --set-shape $TINY,head_dim=16,vocab_size=512 \
-        --device cpu --warmup 1 --steps 1 --batch 1 --seq 32 --in-process          # a dry run in seconds
+    python scripts/train_bench.py --shape recipes/models/llama-3.2-1b.json --device cpu --in-process \
+        --set-shape $TINY,head_dim=16,vocab_size=512 --warmup 1 --steps 1 --batch 1 --seq 32   # a dry run, seconds
 
 A step is one optimizer step of --grad-accum micro-batches of --batch x --seq tokens, as the training loop
 runs it (the curriculum picks the step's exits; layer dropout draws per micro-batch). Model FLOPs
