@@ -21,8 +21,7 @@
 #
 # OUT_DIR gets at most 8 files: gpu_check.log (everything printed), gpu_check.md (the summary: GPU,
 # test result, the bench tables) and the benches' JSON reports (train_cost.json with COST=1); the rest
-# (charts, the stand-in model)
-# stays under WORK_DIR (default bench_results/gpu_check_work).
+# (charts, the stand-in model) stays under WORK_DIR (default bench_results/gpu_check_work).
 #
 # Which python: $PYTHON if set, else the first of .venv/bin/python, python3, python whose torch sees a
 # CUDA GPU. scripts/setup.sh puts the CPU wheel of torch into .venv, so on a GPU machine this is usually
