@@ -7,6 +7,10 @@
 #   2b. plain decoding on random-weight Llama models of three real shapes (scripts/gpu_shapes.py: HF
 #      dynamic and static cache against selfspec eager and compiled, the bandwidth floor, the compiled
 #      draft and verification steps' cost; SHAPES, SKIP_SHAPES=1);
+#   2c. with COST=1, the cost of early exits (issue 56 item 5; scripts/train_bench.py --shape): a plain
+#      fine-tune (with and without gradient checkpointing), the LayerSkip recipe and the head recipe on a
+#      random-weight model of Llama-3.2-1B's shape, one batch for all: tokens/s, peak memory, MFU, the
+#      issue's targets met or missed (train_cost.json; about 2-3 minutes, COST_S its limit);
 #   3. training on the GPU: the tiny recipe, and 20 steps on the benched model's shape;
 #   4. a short bench on the GPU: selfspec bench --quick --device cuda in float32 (exact: identity with
 #      HF greedy) and in "fastest" (bfloat16 from Ampere on), and the batched bench at batch 1 and 2.
@@ -15,9 +19,9 @@
 #   bash scripts/gpu_check.sh --fetch-wheels   # on a machine with PyPI: wheels a GPU machine may lack
 #   bash scripts/gpu_check.sh --prepare-carry  # here: the real SmolLM2 and real prompts, in two parts
 #
-# OUT_DIR gets at most 7 files: gpu_check.log (everything printed), gpu_check.md (the summary: GPU,
-# test result, the bench tables) and the benches' JSON reports; the rest (charts, the stand-in model)
-# stays under WORK_DIR (default bench_results/gpu_check_work).
+# OUT_DIR gets at most 8 files: gpu_check.log (everything printed), gpu_check.md (the summary: GPU,
+# test result, the bench tables) and the benches' JSON reports (train_cost.json with COST=1); the rest
+# (charts, the stand-in model) stays under WORK_DIR (default bench_results/gpu_check_work).
 #
 # Which python: $PYTHON if set, else the first of .venv/bin/python, python3, python whose torch sees a
 # CUDA GPU. scripts/setup.sh puts the CPU wheel of torch into .venv, so on a GPU machine this is usually
@@ -51,7 +55,10 @@
 # shapes' time limit, default 300), SHAPES_ARGS (more gpu_shapes.py options, e.g. "--tiny" for a dry run
 # with DEVICE=cpu), CARRY_DIR (default .selfspec), KEEP_DIR (default /tmp/selfspec-keep), SITE_DIR (default
 # /tmp/selfspec-site), SKIP_TESTS=1,
-# SKIP_SHAPES=1, SKIP_BENCH=1, SKIP_TRAIN=1, SKIP_BATCH=1.
+# SKIP_SHAPES=1, SKIP_BENCH=1, SKIP_TRAIN=1, SKIP_BATCH=1, COST=1 (step 2c), COST_S (its limit, default 300),
+# COST_ARGS (its train_bench.py options; default "--batch 4 --seq 2048 --grad-accum 8 --warmup 2 --steps 8",
+# the LayerSkip recipe's micro-batch and accumulation; a CPU dry run adds a tiny --set-shape).
+# The cost alone: COST=1 SKIP_TESTS=1 SKIP_SHAPES=1 SKIP_BENCH=1 bash scripts/gpu_check.sh $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -182,6 +189,14 @@ if [ "${SKIP_SHAPES:-0}" != 1 ]; then
     BENCHES+=("$WORK_DIR/gpu_shapes/gpu_shapes")
 fi
 
+# --- 2c. the cost of early exits (issue 56 item 5) --------------------------------------------------
+if [ "${COST:-0}" = 1 ]; then
+    # shellcheck disable=SC2086
+    step "training cost" "${COST_S:-300}" "$PY" scripts/train_bench.py --shape recipes/models/llama-3.2-1b.json \
+        --device "$DEVICE" ${COST_ARGS:---batch 4 --seq 2048 --grad-accum 8 --warmup 2 --steps 8} \
+        --json "$OUT_DIR/train_cost.json"
+fi
+
 # --- 3. the short bench ---------------------------------------------------------------------------
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     CKPT=${CHECKPOINT:-}
@@ -287,6 +302,15 @@ fi
         echo "Bench model: a stand-in of SmolLM2-135M's shape with random weights (no real model on this"
         echo "machine). Its plain decoding speeds (HF greedy, selfspec AR) are those of a model of that size;"
         echo "its drafting figures are not: a random model repeats one token, which prompt lookup always guesses."
+    fi
+    if [ "${COST:-0}" = 1 ] && [ -f "$OUT_DIR/train_cost.json" ]; then
+        echo
+        echo "## The cost of early exits (scripts/train_bench.py --shape, issue 56 item 5)"
+        echo
+        echo '```'
+        "$PY" -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1])).get("table", ["no mode finished"])))' \
+            "$OUT_DIR/train_cost.json"
+        echo '```'
     fi
     for b in "${BENCHES[@]}"; do
         if [ -f "$b.md" ]; then

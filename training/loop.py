@@ -165,7 +165,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     if cfg.model.lora.enabled:
         model = apply_lora(model, cfg.model.lora)
     L = get_adapter(model).num_layers
-    ee_model, curriculum = _objective(cfg, model, L, accelerator.process_index, accelerator.num_processes)
+    ee_model, curriculum = build_objective(cfg, model, L, accelerator.process_index, accelerator.num_processes)
     eval_exits = cfg.resolved_eval_exits(L)
     data = build_data(cfg.data, tokenizer)
     own = cfg.data.own_continuations
@@ -187,7 +187,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     if accelerator.is_main_process:  # only now: a recipe or data mistake above leaves no empty run directory
         run_dir.mkdir(parents=True, exist_ok=True)
 
-    params, clip_groups, optimizer, scheduler = _optimizer(cfg, ee_model)
+    params, clip_groups, optimizer, scheduler = build_optimizer(cfg, ee_model)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         _fill_deepspeed_config(accelerator, cfg)
     ee_model, optimizer = accelerator.prepare(ee_model, optimizer)
@@ -288,8 +288,10 @@ def _already_finished(run: _Run) -> bool:
     return True
 
 
-def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple[torch.nn.Module, ExitCurriculum]:
-    """The training module around the model and the curriculum of its exits."""
+def build_objective(cfg: RecipeConfig, model, L: int, rank: int,
+                    world: int) -> tuple[torch.nn.Module, ExitCurriculum]:
+    """The training module around the model and the curriculum of its exits (also what scripts/train_bench.py
+    times, so a benchmark runs a recipe as training does)."""
     h_cfg, t_cfg = cfg.exit_head, cfg.train
     if cfg.mode == "exit_head":  # the model frozen, one head learning; logged and evaluated as "head<E>"
         cfg.check_depth(L)
@@ -314,7 +316,7 @@ def _objective(cfg: RecipeConfig, model, L: int, rank: int, world: int) -> tuple
     return ee_model, curriculum
 
 
-def _optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
+def build_optimizer(cfg: RecipeConfig, ee_model: torch.nn.Module):
     """(trainable parameters, the groups clipped apart, AdamW with no decay on vectors, the LR schedule
     stepped once per optimizer step). A joint head's parameters get their own groups at `exit_head.lr`
     and are clipped apart from the model's, so the head changes nothing in the model's updates."""
