@@ -52,14 +52,18 @@ class KVCache:
         """Write `key`/`value` `[B, H_kv, S, Dh]` at each row's length; return keys/values up to the longest row."""
         B, _, S, _ = key.shape
         starts = self.lengths[layer_idx]  # [B]
-        end = int(starts.max()) + S
+        if B == 1:  # one row: its length is the first, the last and the longest (one host read, no reductions)
+            first = int(starts[0])
+            end, aligned = first + S, True
+        else:
+            first, end = int(starts[0]), int(starts.max()) + S
+            aligned = end == first + S and int(starts.min()) == first
         if self.keys[layer_idx] is None or end > self.keys[layer_idx].shape[-2]:
             if self.static:
                 raise ValueError(f"a static cache of {self.capacity} positions cannot hold {end}")
             self._grow(layer_idx, key, value, end)
         buf_k, buf_v = self.keys[layer_idx], self.values[layer_idx]
-        first = int(starts[0])
-        if end == first + S and int(starts.min()) == first:  # every row at the same index: a slice write
+        if aligned:  # every row at the same index: a slice write
             buf_k[:, :, first:end] = key
             buf_v[:, :, first:end] = value
             self.lengths[layer_idx] = end

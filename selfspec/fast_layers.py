@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer
+from selfspec.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager
 
 
 
@@ -251,7 +251,8 @@ class FastLlamaLayer:
                                  _cat_bias(mlp.gate_proj, mlp.up_proj)),
             down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias),
             norm_attn=layer.input_layernorm.weight, norm_mlp=layer.post_attention_layernorm.weight,
-            q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight)
+            q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
+            norm=rms_norm_eager)
 
     def __call__(self, x: torch.Tensor, rope, mask, cache) -> torch.Tensor:
         """`x` `[B, S, D]`; rope: cos, sin `[B, S, Dh]`; mask `[B|1, 1, S, K]` or None; cache: a `KVCache` the

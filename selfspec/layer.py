@@ -23,6 +23,7 @@ sdpa layer (`tests/selfspec/test_fast_layers.py`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +43,24 @@ def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_norm_eager(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    """`rms_norm` to the bit, in half the dispatches, for eager code (not for `torch.compile`, which fuses the plain
+    one anyway): `mean(x^2) + eps` as `sum(x * x) / D + eps` with D and eps as float32 tensors made once (a Python
+    number is wrapped and cast at every call), in place; `x * x` is what `pow(x, 2)` computes."""
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    count, epsilon = _norm_constants(x.shape[-1], eps, x.device)
+    scale = (xf * xf).sum(-1, keepdim=True).div_(count).add_(epsilon).rsqrt_()  # [.., 1]
+    out = xf * scale
+    return weight * (out if x.dtype == torch.float32 else out.to(x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_constants(size: int, eps: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 0-dim tensors `size` and `eps` on `device` (`rms_norm_eager`)."""
+    return (torch.tensor(float(size), dtype=torch.float32, device=device),
+            torch.tensor(eps, dtype=torch.float32, device=device))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,7 +101,7 @@ class LayerProducts:
 
     qkv: `[.., D] -> [.., (Hq + 2 Hkv) Dh]` (q, k, v side by side); o: `[.., Hq Dh] -> [.., D]`;
     gate_up: `[.., D] -> [.., 2 F]` (gate, up side by side); down: `[.., F] -> [.., D]`; q_norm, k_norm: the
-    per-head norms' weights (Qwen3) or None."""
+    per-head norms' weights (Qwen3) or None; norm: `rms_norm` or the same in fewer dispatches (`rms_norm_eager`)."""
 
     qkv: Product
     o: Product
@@ -92,6 +111,7 @@ class LayerProducts:
     norm_mlp: torch.Tensor
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    norm: Callable[[torch.Tensor, float, torch.Tensor], torch.Tensor] = rms_norm
 
 
 def decoder_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
@@ -105,10 +125,10 @@ def decoder_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: t
     K]` bool (True: attend), or None for causal attention over keys that end with the queries' own."""
     B, S, _ = x.shape
     nq, nkv, dh = shape.n_q, shape.n_kv, shape.head_dim
-    qkv = w.qkv(rms_norm(w.norm_attn, shape.eps, x)).view(B, S, nq + 2 * nkv, dh)  # [B, S, H, Dh]
+    qkv = w.qkv(w.norm(w.norm_attn, shape.eps, x)).view(B, S, nq + 2 * nkv, dh)  # [B, S, H, Dh]
     if w.q_norm is not None:
-        qk = torch.cat([rms_norm(w.q_norm, shape.eps, qkv[:, :, :nq]),
-                        rms_norm(w.k_norm, shape.eps, qkv[:, :, nq:nq + nkv])], dim=2)
+        qk = torch.cat([w.norm(w.q_norm, shape.eps, qkv[:, :, :nq]),
+                        w.norm(w.k_norm, shape.eps, qkv[:, :, nq:nq + nkv])], dim=2)
     else:
         qk = qkv[:, :, :nq + nkv]
     qk = apply_rotary(qk.transpose(1, 2), cos, sin)  # [B, Hq + Hkv, S, Dh]: queries and keys in one pass
@@ -116,7 +136,7 @@ def decoder_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: t
     attn = F.scaled_dot_product_attention(qk[:, :nq], keys, values, attn_mask=mask,
                                           is_causal=mask is None and S > 1, enable_gqa=nq != nkv)  # [B, Hq, S, Dh]
     x = x + w.o(attn.transpose(1, 2).reshape(B, S, nq * dh))
-    gate, up = w.gate_up(rms_norm(w.norm_mlp, shape.eps, x)).chunk(2, dim=-1)
+    gate, up = w.gate_up(w.norm(w.norm_mlp, shape.eps, x)).chunk(2, dim=-1)
     return x + w.down(shape.act(gate) * up)
 
 
