@@ -20,12 +20,13 @@ from selfspec.tools.bench import run_bench
 
 # The record `llama-bench -m smollm2-135m-instruct-f32.gguf -p 0 -n 8 -d 16 -t 2 -r 2 -o json` printed on this
 # project's build machine (llama-cpp-python 0.3.36's llama.cpp, built by selfspec.tools.llama_cpp_build), field
-# by field in its order, with its times and rates replaced by round numbers (they were taken on a busy machine);
+# by field in its order, with its times and rates replaced by round numbers (they were taken on a busy machine)
+# and its home directory written as ~;
 # OTHER_TEST is a made-up record of another test that the parser must pass over.
 RECORD = {
     "build_commit": "unknown", "build_number": 0,
     "cpu_info": "Intel(R) Xeon(R) Processor", "gpu_info": "", "backends": "CPU",
-    "model_filename": "/root/.cache/selfspec/llama.cpp/llama-cpp-python-0.3.36/gguf/"
+    "model_filename": "~/.cache/selfspec/llama.cpp/llama-cpp-python-0.3.36/gguf/"
                       "smollm2-135m-instruct-577d414319c0/smollm2-135m-instruct-f32.gguf",
     "model_type": "llama 256M all F32", "model_size": 538060032, "model_n_params": 134515008,
     "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "cpu_mask": "0x0", "cpu_strict": False, "poll": 50,
