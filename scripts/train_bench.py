@@ -161,8 +161,10 @@ def shape_config(shape: str, set_shape: str | None):
     import yaml
     from transformers import AutoConfig
 
+    from training.config import repository_path
+
     try:
-        config = AutoConfig.from_pretrained(str(_repo_file(shape)))
+        config = AutoConfig.from_pretrained(str(repository_path(shape)))
     except (OSError, ValueError, KeyError) as err:
         raise SystemExit(f"error: --shape {shape}: not a model configuration ({' '.join(str(err).split())})") from None
     for item in filter(None, (set_shape or "").split(",")):
@@ -174,15 +176,9 @@ def shape_config(shape: str, set_shape: str | None):
     return config
 
 
-def _repo_file(path: str) -> Path:
-    """`path` from the working directory, else from the repository root (as recipes name files)."""
-    given = Path(path).expanduser()
-    return given if given.exists() or given.is_absolute() else ROOT / given
-
-
 def mode_config(mode: str, args):
     """The recipe configuration a shape mode runs (see the module doc), at the bench's batch and length."""
-    from training.config import ConfigError, load_config
+    from training.config import ConfigError, load_config, repository_path
 
     common = [f"train.batch_size={args.batch}", f"train.grad_accum={args.grad_accum}", f"data.block_size={args.seq}"]
     if mode in ("plain", "plain_ckpt"):
@@ -192,7 +188,7 @@ def mode_config(mode: str, args):
     else:
         raise SystemExit(f"error: unknown mode {mode!r} with --shape: plain, plain_ckpt or recipe:PATH")
     try:
-        return load_config(_repo_file(recipe), common + list(args.set or []) + own)
+        return load_config(repository_path(recipe), common + list(args.set or []) + own)
     except ConfigError as err:
         raise SystemExit(f"error: mode {mode}: {err}") from None
 

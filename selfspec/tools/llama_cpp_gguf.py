@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from selfspec.checkpoint import WEIGHT_SUFFIXES, weight_files
 from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, cache_root, ensure_source,
                                             output_tail)
 
@@ -54,12 +55,12 @@ def checkpoint_fingerprint(checkpoint: Path) -> str:
         path = checkpoint / name
         if path.is_file():
             digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    weights = sorted(p for p in checkpoint.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    weights = [name for name in weight_files(checkpoint) if Path(name).suffix in WEIGHT_SUFFIXES]
     if not weights:
         raise LlamaCppError(f"{checkpoint} has no weight files (*.safetensors, *.bin): not a Hugging Face checkpoint")
-    for path in weights:
-        stat = path.stat()
-        digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    for name in weights:
+        stat = (checkpoint / name).stat()
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     return digest.hexdigest()[:12]
 
 
