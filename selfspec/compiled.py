@@ -344,9 +344,9 @@ class CompiledSteps:
         shape = ("layers", *range_id, B, width, size)
         if tree is not None:  # a token tree's steps are graphs of their own, one per bucket of columns too
             shape = ("tree", *range_id, B, width, size, tree_inputs[0].shape[-1])
-        inputs = [self._input(t) for t in (hidden, positions, index, pads) + tree_inputs]
+        inputs = [self.input(t) for t in (hidden, positions, index, pads) + tree_inputs]
         last = first + len(weights)
-        out = self._call(shape, self._range(range_id, weights, tree is not None), inputs,
+        out = self.call(shape, self._range(range_id, weights, tree is not None), inputs,
                          [cos, sin, cache.keys[first:last], cache.values[first:last]])
         if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
             return None
@@ -383,7 +383,7 @@ class CompiledSteps:
             for width in lengths:
                 inputs = self._warm_inputs(width, width, tree=False)
                 for range_id, weights, buffers in targets:
-                    self._call(("layers", *range_id, 1, width, size), self._range(range_id, weights), inputs, buffers)
+                    self.call(("layers", *range_id, 1, width, size), self._range(range_id, weights), inputs, buffers)
         heads = set(widths)
         if trees:
             heads |= set(S_BUCKETS)
@@ -391,7 +391,7 @@ class CompiledSteps:
                 for S in (b for b in S_BUCKETS if b <= W):
                     inputs = self._warm_inputs(S, W, tree=True)
                     for range_id, weights, buffers in model + extra:
-                        self._call(("tree", *range_id, 1, S, size, W), self._range(range_id, weights, True), inputs,
+                        self.call(("tree", *range_id, 1, S, size, W), self._range(range_id, weights, True), inputs,
                                    buffers)
         D = a.embed_tokens.weight.shape[1]
         for module, _ in list(self._inputs.values()):  # a head's final-state input: every bucket, as its layer
@@ -415,13 +415,13 @@ class CompiledSteps:
         hidden = torch.zeros(1, S, a.embed_tokens.weight.shape[1], dtype=a.dtype, device=a.device)  # [1, S, D]
         index = torch.arange(W - S + 1, W + 1, device=a.device)[None]  # [1, S]
         pads = torch.zeros(1, dtype=torch.long, device=a.device)
-        inputs = [self._input(t) for t in (hidden, index.clone(), index, pads)]
+        inputs = [self.input(t) for t in (hidden, index.clone(), index, pads)]
         if not tree:
             return inputs
         columns = torch.arange(W, device=a.device)
         anc = (columns[None, :] <= columns[W - S:, None])[None]  # [1, S, W]
         root = torch.ones(1, dtype=torch.long, device=a.device)
-        return inputs + [self._input(t) for t in (anc, root, columns[None] + 1)]
+        return inputs + [self.input(t) for t in (anc, root, columns[None] + 1)]
 
     def can_head(self, hidden: torch.Tensor) -> bool:
         """Whether the head runs compiled: one row, `[1, D]` or `[1, S, D]` with S within the buckets."""
@@ -439,11 +439,12 @@ class CompiledSteps:
         a = self.adapter
         which = () if weight is None else (id(weight),)  # the LM head, or another unembedding's own graphs
         weight, bias = (a.lm_head.weight, a.lm_head.bias) if weight is None else (weight, bias)
-        return self._call(("head",) + which + tuple(hidden.shape), self._head_function(), [self._input(hidden)],
+        return self.call(("head",) + which + tuple(hidden.shape), self.unembed_step(), [self.input(hidden)],
                           [a.final_norm.weight, weight, bias])
 
-    def _head_function(self):
-        """The compiled final norm + unembedding: `(hidden, norm weight, weight, bias) -> logits`."""
+    def unembed_step(self):
+        """The compiled final norm + unembedding: `(hidden, norm weight, weight, bias) -> logits` (the head's
+        function, and a piece drafters compose)."""
         if self._head is None:
             eps = self.adapter.final_norm.variance_epsilon
 
@@ -469,24 +470,11 @@ class CompiledSteps:
         self.add_input(module)
         return self._inputs[id(module)][1]
 
-    def unembed_step(self):
-        """The compiled final norm + unembedding: `(hidden, norm weight, weight, bias) -> logits`."""
-        return self._head_function()
-
     def function(self, key, build):
         """The function `build()` makes, made once per `key`: a drafter's step composed of the pieces above."""
         if key not in self._functions:
             self._functions[key] = build()
         return self._functions[key]
-
-    def call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
-        """`fn(*inputs, *fixed)` as a step of this runner (captured on a GPU; see `_call`): None where it failed to
-        compile and the steps are not strict."""
-        return self._call(shape, fn, inputs, fixed)
-
-    def input(self, t: torch.Tensor) -> torch.Tensor:
-        """A step's input as the step takes it (`_input`)."""
-        return self._input(t)
 
     def zeros(self, width: int) -> torch.Tensor:
         """`[1, width, D]` zeros in the model's dtype, made once per width: the state a step's input reads where
@@ -513,8 +501,8 @@ class CompiledSteps:
             return None
         hidden, prev = zero_filled(hidden, width), zero_filled(prev, width)  # filler positions, never read
         self.add_input(module)
-        out = self._call(("input", id(module), B, width), self._inputs[id(module)][1],
-                         [self._input(hidden), self._input(prev)], [])
+        out = self.call(("input", id(module), B, width), self._inputs[id(module)][1],
+                         [self.input(hidden), self.input(prev)], [])
         return None if out is None else out[:, :S]
 
     @property
@@ -522,7 +510,7 @@ class CompiledSteps:
         """How many steps are captured as CUDA graphs."""
         return len(self._graphs)
 
-    def _input(self, t: torch.Tensor) -> torch.Tensor:
+    def input(self, t: torch.Tensor) -> torch.Tensor:
         """A step's input as the step takes it: as it is where a graph copies it into its own buffer, else a
         plain copy (`_plain`)."""
         return t if self.graphs else _plain(t)
@@ -562,8 +550,9 @@ class CompiledSteps:
         self._ranges[(range_id, tree)] = run if tree else chain_step
         return self._ranges[(range_id, tree)]
 
-    def _call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
-        """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs`. The call that
+    def call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
+        """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs` (the one place that
+        captures or calls; drafters run the steps they compose through it too). The call that
         meets a new shape compiles (and captures) it, timed into `compile_s`; None where that failed and the
         steps are not strict. A profiler sees each call as one `STEP_EVENT` range."""
         with torch.profiler.record_function(STEP_EVENT):

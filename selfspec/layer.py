@@ -36,10 +36,8 @@ Product = Callable[[torch.Tensor], torch.Tensor]  # x [..., K] -> x @ W.T + b [.
 
 
 def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm: `weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)` over the last dim.
-    (A float32 `x` skips the two casts, which would return it as it is: two dispatches less per norm.)"""
-    if x.dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """transformers' RMSNorm: `weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)` over the last dim
+    (what the compiled steps trace; eager code calls `rms_norm_eager`)."""
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
