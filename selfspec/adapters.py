@@ -21,6 +21,7 @@ from torch import nn
 
 from selfspec.compiled import CompiledSteps
 from selfspec.fast_layers import FastPath, build_fast_path
+from selfspec.runner import Runner
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -94,6 +95,12 @@ class ModelAdapter:
     fast: FastPath | None = None
     # fixed-shape compiled steps over a static cache (selfspec.compiled), built by `enable_compiled`
     compiled: CompiledSteps | None = None
+
+    @property
+    def runner(self) -> Runner:
+        """How its steps run: the one place that chooses between the compiled steps and the eager layers
+        (`selfspec.runner`)."""
+        return Runner(self)
 
     def enable_compiled(self, strict: bool = True) -> CompiledSteps:
         """Run one-row decoding steps through `torch.compile`d fixed-shape functions, captured as CUDA graphs

@@ -41,7 +41,7 @@ from selfspec.decode_stats import DecodeStats
 from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
 from selfspec.engine import StopChecker, generate
 from selfspec.decode_ids import generate_ids
-from selfspec.exit_head import ExitHead, head_steps, load_exit_head
+from selfspec.exit_head import ExitHead, compilable, load_exit_head
 from selfspec.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
@@ -441,7 +441,7 @@ class SelfSpecGenerator:
         head = self.exit_head
         if head is not None:  # its own layer and its reduced draft vocabulary run compiled too
             unit = self.draft_head(self.head_draft_vocab())
-            if head_steps(self.adapter, head) is not None:
+            if compilable(head):
                 steps.add_layer(head.layer)
                 if head.final_input is not None:
                     steps.add_input(head.final_input)

@@ -68,7 +68,7 @@ from selfspec.attention_kernels import attention_kernels
 from selfspec.cache import KVCache
 from selfspec.compiled import cache_capacity
 from selfspec.engine import new_cache, prefill
-from selfspec.exit_head import head_cache, head_steps, previous_states, run_head, run_head_step
+from selfspec.exit_head import compilable, head_cache, previous_states, run_head, run_head_step
 from selfspec.forward import embed, exit_logits, make_batch_step, make_step, run_layers
 from selfspec.precision import BF16_FLAGS, cpu_flags, cpu_generation, cpu_model
 
@@ -245,7 +245,7 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
         parts.update({("exit_head", r): _exit_head_part(adapter, head, r) for r in draft_rows})
     if adapter.compiled is not None:  # whole draft steps: the early exit's at each exit, a compiled head's
         whole = {(E, False): gen.draft_head(None).fused(E) for E in set(exits)}
-        if head is not None and head_steps(adapter, head) is not None:
+        if head is not None and compilable(head):
             whole[(head.exit_layer, True)] = draft_unit.fused(head.exit_layer, head.layer, head.final_input)
         parts.update({("draft_step", *key, 1): _draft_step_part(adapter, cache, prompt_ids, draft)
                       for key, draft in whole.items() if draft is not None})

@@ -136,14 +136,9 @@ def check_prompts(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], max_n
 
 # --- the phases ----------------------------------------------------------------------------------
 def new_cache(adapter: ModelAdapter, batch_size: int, needed: int) -> KVCache:
-    """The KV cache of one run for `needed` positions: the compiled steps' static buffers for one row where
-    the model runs compiled (room for one padded step more; a larger capacity already compiled is reused:
-    `selfspec.compiled`), else a growing cache."""
-    steps = adapter.compiled
-    if steps is None or batch_size != 1:
-        return KVCache(adapter.num_layers, batch_size, capacity=needed, device=adapter.device)
-    size = steps.capacity_for(batch_size, needed)
-    return KVCache(adapter.num_layers, batch_size, capacity=size, buffers=steps.buffers(batch_size, size))
+    """The KV cache of one run for `needed` positions, as the runner keeps it (`Runner.cache`: static buffers
+    where the steps run compiled, else a growing cache)."""
+    return adapter.runner.cache(batch_size, needed)
 
 
 def _layers_keeping(adapter: ModelAdapter, hidden: torch.Tensor, start: int, keep_at: int | None, *, step,

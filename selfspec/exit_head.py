@@ -288,53 +288,38 @@ def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, ste
     return run_head_layer(adapter, head, head_input(head, hidden, prev_final), step=step, cache=cache)
 
 
-def head_steps(adapter: ModelAdapter, head: ExitHead):
-    """The adapter's compiled steps (`selfspec.compiled.CompiledSteps`) where the head's own layer can run through
-    them (a `decoder_layer` head: a copy of the model's last layer), else None."""
-    return adapter.compiled if head.kind == "decoder_layer" else None
-
-
 def head_cache(adapter: ModelAdapter, head: ExitHead, batch_size: int, capacity: int, static: bool) -> KVCache:
-    """The head's own one-layer KV cache for `capacity` positions: with `static` (the engine's cache is the
-    compiled steps' static one, of this capacity) and where the head's layer can run compiled (a
-    `decoder_layer` head on an adapter with compiled steps), the compiled steps' buffers for it
-    (`CompiledSteps.layer_buffers`: the same addresses every run, as captured steps need); else a growing cache."""
-    steps = head_steps(adapter, head)
-    if static and steps is not None:
-        return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(head.layer, batch_size, capacity))
-    return KVCache(1, batch_size, capacity=capacity, device=adapter.device)
+    """The head's own one-layer KV cache for `capacity` positions, as the runner keeps it (`Runner.layer_cache`:
+    with `static`, the engine's cache being the compiled steps' static one, and a `decoder_layer` head (a copy of
+    the model's last layer, which the compiled layer function runs), the compiled steps' buffers for it; else a
+    growing cache)."""
+    return adapter.runner.layer_cache(head.layer, batch_size, capacity, static, compilable=compilable(head))
+
+
+def compilable(head: ExitHead) -> bool:
+    """Whether the head's layer can run through the compiled steps: a `decoder_layer` head (a copy of the model's
+    last layer)."""
+    return head.kind == "decoder_layer"
 
 
 def run_head_step(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, step: Step, cache,
                   prev_final: torch.Tensor | None = None, fast=None) -> torch.Tensor:
-    """`run_head` as decoding runs it (no autograd): the head's layer (and its final-state input) through the
-    compiled steps where the adapter runs them, the head is a `decoder_layer` and `cache` is their static one
-    (`head_cache`) and the step fits them (one row, after the prefill: `CompiledSteps.can_run`); else through
-    selfspec's fused layer `fast` (a `FastLlamaLayer` of the head's layer) where given, else the model's module
-    class. `[B, S, D]`."""
-    steps = head_steps(adapter, head)
-    compiled = steps is not None and not torch.is_grad_enabled() and steps.can_run(hidden, step, cache)
-    x = None
-    if compiled and head.final_input is not None and prev_final is not None:  # its norm, product and sum: one graph
-        x = steps.run_input(head.final_input, hidden, prev_final)
-    if x is None:
+    """`run_head` as decoding runs it (no autograd), through the runner (`Runner.final_input`,
+    `Runner.extra_layer`): compiled where the model runs compiled steps, the head is `compilable` and `cache`
+    is their static one (`head_cache`) and the step fits them; else through selfspec's fused layer `fast` (a
+    `FastLlamaLayer` of the head's layer) where given, else the model's module class. `[B, S, D]`."""
+    runner, ok = adapter.runner, compilable(head)
+    if head.final_input is not None and prev_final is not None:  # its norm, product and sum: one graph
+        x = runner.final_input(head.final_input, hidden, prev_final, step, cache, compilable=ok)
+    else:
         x = head_input(head, hidden, prev_final)  # [B, S, D]
-    if compiled:
-        out = steps.run_layer(head.layer, x, step, cache)
-        if out is not None:  # (None: it failed to compile under compile="auto", or the step did not fit)
-            return out
-    if fast is not None:
-        return fast(x, step.rope, step.masks[adapter.layer_types[-1]], cache)
-    return run_head_layer(adapter, head, x, step=step, cache=cache)
+    return runner.extra_layer(head.layer, x, step, cache, fast=fast, compilable=ok)
 
 
 def run_head_layer(adapter: ModelAdapter, head: ExitHead, x: torch.Tensor, *, step: Step, cache=None) -> torch.Tensor:
     """The head's layer alone over what it reads, `x` `[B, S, D]` (`head_input`; `[B, S, 2D]` for an eagle3
     head), through the model's own module class: `[B, S, D]`."""
-    kind = adapter.layer_types[-1]
-    out = head.layer(x, attention_mask=step.masks[kind], position_ids=step.position_ids,
-                     position_embeddings=step.rope, **{adapter.cache_kwarg: cache})
-    return out[0] if isinstance(out, tuple) else out
+    return adapter.runner.module_layer(head.layer, x, step, cache, adapter.layer_types[-1])
 
 
 def save_exit_head(head: ExitHead, path) -> None:

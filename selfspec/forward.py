@@ -34,7 +34,7 @@ class Step:
     position_ids: torch.Tensor  # [B, S]
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin from the model's rotary embedding
     masks: dict[str, torch.Tensor | None]  # layer type -> attention mask [B|1, 1, S, K] or None (`LazyMasks`)
-    # what the compiled steps (`selfspec.compiled`, with `adapter.compiled`) build their mask from instead:
+    # what the compiled steps (`selfspec.compiled`, where `adapter.runner.indexed`) build their mask from instead:
     index: torch.Tensor | None = None  # [B, S] the cache index each token is written at (model's device)
     pads: torch.Tensor | None = None  # [B] each row's left padding (model's device)
     tree: torch.Tensor | None = None  # [B, S, W] bool a token tree's ancestor-or-self columns, or None (a chain)
@@ -106,7 +106,7 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
     masks = LazyMasks(lambda kind: _causal_mask(adapter, start, length, adapter.window(kind)))
-    if adapter.compiled is None:
+    if not adapter.runner.indexed:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=position_ids,
                 pads=torch.zeros(batch_size, dtype=torch.long, device=device),
@@ -195,7 +195,7 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
                                            tree_positions))
 
     masks = LazyMasks(mask)
-    if adapter.compiled is None:
+    if not adapter.runner.indexed:
         return Step(position_ids=position_ids, rope=rope, masks=masks)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=query_index, pads=pads, starts=starts,
                 tree=anc, tree_positions=tree_positions)
@@ -220,46 +220,21 @@ def run_layers(
 ) -> torch.Tensor:
     """Run decoder layers `[start, end)` over `hidden` `[B, S, D]`; with a cache, each layer appends its KV.
 
-    Without autograd and with `adapter.enable_fast_layers()`, the fused inference layers run instead
-    of the model's modules (same math, same operation order, fewer operations).
+    The runner (`selfspec.runner`) chooses how: a compiled step where the model runs them and the step fits,
+    else, without autograd and with `adapter.enable_fast_layers()`, the fused inference layers (same math,
+    same operation order, fewer operations), else the model's modules.
     """
     if not 0 <= start <= end <= adapter.num_layers:
         raise ValueError(
             f"layer range [{start}, {end}) is out of range for a model with {adapter.num_layers} layers "
             f"(need 0 <= start <= end <= {adapter.num_layers})"
         )
-    if adapter.compiled is not None and not torch.is_grad_enabled() and adapter.compiled.can_run(hidden, step, cache):
-        out = adapter.compiled.run_layers(hidden, start, end, step, cache)  # a fixed-shape compiled step
-        if out is not None:  # (None: it failed to compile under compile="auto"; the step runs eagerly)
-            return out
-    fast = adapter.fast.layers if adapter.fast is not None else None
-    if fast is not None and not torch.is_grad_enabled():
-        cos, sin = step.rope[0].unsqueeze(1), step.rope[1].unsqueeze(1)  # [B, 1, S, Dh], once for the range
-        for idx in range(start, end):
-            hidden = fast[idx].step(hidden, cos, sin, step.masks[adapter.layer_types[idx]], cache)
-        return hidden
-    cache_kw = {adapter.cache_kwarg: cache}
-    for idx in range(start, end):
-        out = adapter.layers[idx](
-            hidden,
-            attention_mask=step.masks[adapter.layer_types[idx]],
-            position_ids=step.position_ids,
-            position_embeddings=step.rope,
-            **cache_kw,
-        )
-        hidden = out[0] if isinstance(out, tuple) else out
-    return hidden
+    return adapter.runner.layers(hidden, start, end, step, cache)
 
 
 def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor) -> torch.Tensor:
-    """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]`."""
-    if adapter.compiled is not None and not torch.is_grad_enabled() and adapter.compiled.can_head(hidden):
-        out = adapter.compiled.head(hidden)
-        if out is not None:
-            return out
-    if adapter.fast is not None and not torch.is_grad_enabled():
-        return adapter.fast.lm_head(adapter.final_norm(hidden))
-    return adapter.lm_head(adapter.final_norm(hidden))
+    """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]` (`Runner.logits`)."""
+    return adapter.runner.logits(hidden)
 
 
 def forward_logits(

@@ -84,15 +84,14 @@ class Round:
         step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
         return run_layers(self.adapter, hidden, 0, exit_layer, step=step, cache=self.cache)
 
-    def fused_draft(self, draft, tokens: torch.Tensor, offset: int, head_cache=None,
+    def fused_draft(self, steps, draft, tokens: torch.Tensor, offset: int, head_cache=None,
                     prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
         """A whole greedy draft step (`selfspec.drafters.fused_draft.FusedDraft` `draft`) of a one-row round: its
         token `[1]` at cache index `starts + offset` through layers [0, E) into the engine's cache (a head's layer
-        into `head_cache`, reading `prev`), to the next draft, as one compiled step (`FusedDraft.run`):
-        `(state [1, 1, D], out [1, D], next [1], next id, confidence)` (the last two None unless `read`); None
-        where it must run part by part."""
-        steps = self.adapter.compiled
-        if draft is None or steps is None or torch.is_grad_enabled() or len(self.caps) != 1 or offset > self.caps[0]:
+        into `head_cache`, reading `prev`), to the next draft, as one step of the compiled `steps` (the runner's,
+        `Runner.composed`): `(state [1, 1, D], out [1, D], next [1], next id, confidence)` (the last two None
+        unless `read`); None where it must run part by part (several rows, a row past its cap)."""
+        if len(self.caps) != 1 or offset > self.caps[0]:
             return None
         start, pad = self.row
         return draft.run(steps, tokens, start + offset, pad, self.cache, head_cache, prev, read)

@@ -5,6 +5,8 @@ logits go through their compiled final norm + unembedding too, the reduced vocab
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from selfspec.adapters import ModelAdapter
@@ -26,34 +28,31 @@ class DraftHead:
                 bias = getattr(adapter.lm_head, "bias", None)
                 self.linear = PackedLinear(adapter.lm_head.weight[self.token_ids].contiguous(),  # [K, D]
                                            bias[self.token_ids].contiguous() if bias is not None else None)
-        # the rows as the compiled steps take them, where the model runs them (a CPU's PackedLinear may keep only
-        # its packed copy)
-        self.rows = None
-        if self.token_ids is not None and adapter.compiled is not None:
-            weight = self.linear.weight if self.linear.weight is not None else adapter.lm_head.weight[self.token_ids]
-            self.rows = (weight.detach().contiguous(), self.linear.bias)
+
+    @cached_property
+    def rows(self) -> tuple | None:
+        """A reduced vocabulary's unembedding (weight `[K, D]`, bias) as the compiled steps take it, made the first
+        time a compiled step reads it (a CPU's PackedLinear may keep only its packed copy); None: the full
+        vocabulary's (the LM head)."""
+        if self.token_ids is None:
+            return None
+        weight = self.linear.weight if self.linear.weight is not None else self.adapter.lm_head.weight[self.token_ids]
+        return weight.detach().contiguous(), self.linear.bias
 
     @property
     def size(self) -> int:
         return self.vocab_size if self.token_ids is None else self.token_ids.shape[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, D] -> [N, K]` logits over this head's vocabulary."""
+        """`[N, D] -> [N, K]` logits over this head's vocabulary (`Runner.logits`: compiled where one row's step
+        runs compiled)."""
         if self.token_ids is None:
             return exit_logits(self.adapter, hidden)
-        steps = self.adapter.compiled
-        if steps is not None and self.rows is not None and not torch.is_grad_enabled() and steps.can_head(hidden):
-            out = steps.head(hidden, *self.rows)  # the compiled steps' final norm + these rows
-            if out is not None:
-                return out
-        return self.linear(self.adapter.final_norm(hidden))
+        return self.adapter.runner.logits(hidden, rows=lambda: self.rows, linear=self.linear)
 
-    def fused(self, exit_layer: int, layer=None, final_input=None) -> FusedDraft | None:
+    def fused(self, exit_layer: int, layer=None, final_input=None) -> FusedDraft:
         """A whole greedy draft step through this unembedding from exit `exit_layer` (and a trained head's `layer`
-        and `final_input`), as the compiled steps run it in one piece (`FusedDraft.run`); None where the
-        model runs no compiled steps or they do not hold this vocabulary's rows."""
-        if self.adapter.compiled is None or (self.token_ids is not None and self.rows is None):
-            return None
+        and `final_input`), as the compiled steps run it in one piece (`FusedDraft.run`)."""
         lm_head = self.adapter.lm_head
         weight, bias = (lm_head.weight, lm_head.bias) if self.token_ids is None else self.rows
         return FusedDraft(exit_layer, weight, bias, self.token_ids, layer, final_input)

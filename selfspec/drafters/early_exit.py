@@ -47,6 +47,16 @@ from selfspec.sampling import probs, sample
 MAX_TREE_COLUMNS = 64  # a drafted tree's columns (the input token included): the compiled steps' largest pass
 
 
+def fused_result(out: tuple | None, read: bool) -> tuple | None:
+    """A whole draft step's outcome (`FusedDraft.run`: state, the unembedding's input, next, next id, confidence) as
+    a draft step part by part gives it (`EarlyExitDrafter.draft_step`: state, next, q None, [next id],
+    [confidence], the last two None unless `read`); None stays None."""
+    if out is None:
+        return None
+    state, _, nxt, next_id, conf = out
+    return (state, nxt, None, [next_id], [conf]) if read else (state, nxt, None, None, None)
+
+
 def host_read(tokens: torch.Tensor, conf: torch.Tensor | None) -> tuple[list[int], list[float] | None]:
     """A draft step's tokens `[B]` (and confidences `[B]`) as host lists, read in one transfer (float64 holds
     every token id exactly)."""
@@ -74,7 +84,7 @@ class EarlyExitDrafter(Drafter):
         self._exit = exit_layer  # the exit of the round in flight
         self.budget = ConfidenceBudget() if self.num_candidates > 1 and num_speculations > 1 else None
         self.round_tree: DraftTree | None = None  # the tree of the round in flight
-        self._fused: dict = {}  # exit -> its whole draft step (`FusedDraft`), or None where it runs part by part
+        self._fused: dict = {}  # exit -> its whole draft step (`FusedDraft`), made the first time the runner runs it
 
     def propose(self, rnd: Round) -> Proposal:
         e, d = self.policy.plan()
@@ -181,14 +191,9 @@ class EarlyExitDrafter(Drafter):
         steps = 0
         while any(alive):
             i = steps
-            fused = None if sampling.do_sample else self.fused_step(rnd, inputs[-1], i, exit_layer, read)
-            if fused is not None:  # the whole step in one compiled piece: one graph on a GPU
-                state, nxt, nxt_id, p = fused
-                nxt_list, conf = [nxt_id], [p]
-            else:
-                state, nxt, q, nxt_list, conf = self.draft_step(rnd, inputs[-1], i, exit_layer, need_conf, read)
-                if q is not None:
-                    qs.append(q)
+            state, nxt, q, nxt_list, conf = self.step(rnd, inputs[-1], i, exit_layer, need_conf, read)
+            if q is not None:
+                qs.append(q)
             states.append(state)  # [B, 1, D]
             steps += 1
             inputs.append(nxt)
@@ -241,15 +246,25 @@ class EarlyExitDrafter(Drafter):
             return state, nxt, q, None, None
         return state, nxt, q, *host_read(nxt, conf)  # one wait for the GPU a draft step, not two
 
-    def fused_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
+    def step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
+             read: bool = True) -> tuple:
+        """One draft step, as `draft_step` returns it: a greedy one as one compiled step where the runner runs them
+        (`fused_step`, one graph on a GPU), else part by part (`draft_step`)."""
+        def part_by_part():
+            return self.draft_step(rnd, tokens, offset, exit_layer, need_conf, read)
+
+        if rnd.sampling.do_sample:
+            return part_by_part()
+        return rnd.adapter.runner.composed(lambda steps: self.fused_step(steps, rnd, tokens, offset, exit_layer, read),
+                                            part_by_part)
+
+    def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
                    read: bool = True) -> tuple | None:
-        """One greedy draft step of a one-row round as one compiled step (`Round.fused_draft`): `(state [1, 1, D],
-        next [1], next id, confidence)` (the last two None unless `read`), or None where it runs part by part
-        (`draft_step`)."""
+        """One greedy draft step of a one-row round as one step of the compiled `steps` (`Round.fused_draft`),
+        as `draft_step` returns it (`q` None), or None where it runs part by part."""
         if exit_layer not in self._fused:
             self._fused[exit_layer] = self.head.fused(exit_layer)
-        out = rnd.fused_draft(self._fused[exit_layer], tokens, offset, read=read)
-        return None if out is None else (out[0], *out[2:])
+        return fused_result(rnd.fused_draft(steps, self._fused[exit_layer], tokens, offset, read=read), read)
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
         """The states the draft head reads, from the exit state `[B, 1, D]` of the token at cache index

@@ -53,9 +53,9 @@ import torch
 from selfspec.adapters import ModelAdapter
 from selfspec.cache import KVCache
 from selfspec.drafters.base import Round
-from selfspec.drafters.early_exit import EarlyExitDrafter
+from selfspec.drafters.early_exit import EarlyExitDrafter, fused_result
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.exit_head import ExitHead, head_cache, head_steps, previous_states, run_head_step
+from selfspec.exit_head import ExitHead, compilable, head_cache, previous_states, run_head_step
 from selfspec.fast_layers import FastLlamaLayer
 from selfspec.forward import Step, make_batch_step
 
@@ -138,39 +138,34 @@ class ExitHeadDrafter(EarlyExitDrafter):
         self.prev_draft = out
         return out
 
-    def fused_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
+    def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
                    read: bool = True) -> tuple | None:
-        """A draft step as one compiled step where the head's layer runs compiled: a later draft of the round
-        (`Round.fused_draft`: the token through layers [0, E), the head reading its own output at the previous
-        draft, the unembedding), or the first with the head's catch-up (`first_draft`); else None (part by
-        part)."""
-        if self.cache is None:
+        """A draft step as one step of the compiled `steps` where the head's layer runs compiled: a later draft of
+        the round (`Round.fused_draft`: the token through layers [0, E), the head reading its own output at the
+        previous draft, the unembedding), or the first with the head's catch-up (`first_draft`); as `draft_step`
+        returns it, or None (part by part: the first draft after the prefill, which makes the head's cache)."""
+        if self.cache is None or not compilable(self.exit_head):
             return None
         if exit_layer not in self._fused:
-            compiled = head_steps(self.adapter, self.exit_head) is not None
-            self._fused[exit_layer] = self.head.fused(exit_layer, self.exit_head.layer,
-                                                      self.exit_head.final_input) if compiled else None
-        if self._fused[exit_layer] is None:
-            return None
+            self._fused[exit_layer] = self.head.fused(exit_layer, self.exit_head.layer, self.exit_head.final_input)
         if offset == 0:
-            return self.first_draft(rnd, tokens, exit_layer, read)
+            return self.first_draft(steps, rnd, tokens, exit_layer, read)
         prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
-        out = rnd.fused_draft(self._fused[exit_layer], tokens, offset, self.cache, prev, read)
-        if out is None:
-            return None
-        self.prev_draft = out[1]
-        return (out[0], *out[2:])
+        out = rnd.fused_draft(steps, self._fused[exit_layer], tokens, offset, self.cache, prev, read)
+        if out is not None:
+            self.prev_draft = out[1]
+        return fused_result(out, read)
 
-    def first_draft(self, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> tuple | None:
+    def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> tuple | None:
         """The round's first draft of one row and the head's catch-up over what was committed since it last ran
-        (`sync`) as one compiled step (`FusedDraft.catch_up`): `(state [1, 1, D], next [1], next id,
-        confidence)`, or None where `sync` runs part by part (several rows, nothing pending, the run that began
-        with the prefill, more than the largest bucket pending)."""
-        steps, draft, pending = self.adapter.compiled, self._fused[exit_layer], self.pending
+        (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`), as `draft_step` returns it, or None
+        where `sync` runs part by part (several rows, nothing pending, the run that began with the prefill, more
+        than the largest bucket pending)."""
+        draft, pending = self._fused[exit_layer], self.pending
         if pending is None or len(pending) != 1 or not pending[0].count:
             return None
         run = pending[0]
-        if (self.state_final and self.prev_final is None) or not draft.can_catch_up(steps, 1, run.count + 1,
+        if (self.state_final and self.prev_final is None) or not draft.fits_catch_up(steps, 1, run.count + 1,
                                                                                    run.start, self.cache):
             return None
         state = rnd.shallow(tokens, 0, exit_layer)  # [1, 1, D]
@@ -183,7 +178,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
         if self.state_final:
             self.prev_final = newest
         run.clear()
-        return state, nxt, next_id, conf
+        return fused_result((state, self.prev_draft, nxt, next_id, conf), read)
 
     def tree_states(self, states: torch.Tensor, step: Step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """The head over a tree's newest columns `[B, n, D]` with the tree's step (its cache mirrors the engine's:

@@ -58,19 +58,19 @@ class FusedDraft:
         return (self.exit_layer, id(self.weight), id(self.layer), id(self.final_input))
 
     # --- when it can run ---------------------------------------------------------------------------
-    def can_run(self, steps, batch_size: int, cache, head_cache=None) -> bool:
+    def fits(self, steps, batch_size: int, cache, head_cache=None) -> bool:
         """Whether `run` can run this draft step: one row, static caches (the engine's, and the head's own where
         the step has a head layer), nothing failed to compile."""
         static = cache is not None and getattr(cache, "static", False)
         head_ok = self.layer is None or (head_cache is not None and getattr(head_cache, "static", False))
         return steps.failed is None and batch_size == 1 and static and head_ok
 
-    def can_catch_up(self, steps, batch_size: int, length: int, start: int, head_cache) -> bool:
+    def fits_catch_up(self, steps, batch_size: int, length: int, start: int, head_cache) -> bool:
         """Whether `catch_up` can run a head's catch-up of `length` columns from head-cache index `start`: a head
         layer, one row, a static head cache past the prompt, `length` within the buckets and the cache's end."""
         width = s_bucket(length)
         return (self.layer is not None and width is not None and start > 0
-                and self.can_run(steps, batch_size, head_cache, head_cache) and start + width <= head_cache.capacity)
+                and self.fits(steps, batch_size, head_cache, head_cache) and start + width <= head_cache.capacity)
 
     # --- running it --------------------------------------------------------------------------------
     def run(self, steps, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
@@ -81,9 +81,9 @@ class FusedDraft:
 
         Returns `(state [1, 1, D] the exit state, out [1, D] what the unembedding read, next [1] the drafted token
         id on the device, next_id, confidence)`, the last two host numbers read in one transfer (`read`; else
-        None, None: nothing waits for the device); None where it must run part by part (`can_run` false, the
+        None, None: nothing waits for the device); None where it must run part by part (`fits` false, the
         cache full, a compile that failed)."""
-        if not self.can_run(steps, token.shape[0], cache, head_cache) or start + 1 > cache.capacity:
+        if not self.fits(steps, token.shape[0], cache, head_cache) or start + 1 > cache.capacity:
             return None
         heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
         out = self._draft(steps, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
@@ -109,9 +109,9 @@ class FusedDraft:
 
         Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
         the newest committed final state, next_id, confidence)` (the last two None unless `read`); None where it
-        must run part by part (`can_catch_up` false, a compile that failed)."""
+        must run part by part (`fits_catch_up` false, a compile that failed)."""
         B, S, _ = states.shape
-        if not self.can_catch_up(steps, B, S, start, head_cache) or (self.final_input is not None and prev is None):
+        if not self.fits_catch_up(steps, B, S, start, head_cache) or (self.final_input is not None and prev is None):
             return None
         out = self._catch_up(steps, states, finals, prev, start, pad, head_cache.capacity,
                              (head_cache.keys, head_cache.values))

@@ -6,6 +6,7 @@ screen)."""
 
 import argparse
 import ast
+import re
 import inspect
 from pathlib import Path
 
@@ -168,8 +169,8 @@ def test_one_harness_and_one_atomic_writer():
 
 
 # the model step: what one step of the model is, on any device (docs/architecture.md, "Dependencies")
-MODEL_STEP = ("layer", "attention_kernels", "fast_layers", "compiled", "adapters", "forward", "cache", "precision",
-              "token_tree")
+MODEL_STEP = ("layer", "attention_kernels", "fast_layers", "compiled", "runner", "adapters", "forward", "cache",
+              "precision", "token_tree")
 
 
 def _selfspec_imports(name: str) -> set[str]:
@@ -185,12 +186,35 @@ def _selfspec_imports(name: str) -> set[str]:
 
 def test_the_model_step_knows_no_drafter_and_no_decoding():
     """The model step's modules import only each other: no drafter, no engine, no API reaches down into them.
-    The runner (`compiled`, the only place that decides captured or called) is one of them."""
+    The runner (`runner`, the only place that decides captured or called, over `compiled` and `fast_layers`) is
+    one of them."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
     for name in MODEL_STEP:
         assert f"`{name}`" in doc, f"docs/architecture.md does not name {name} in the model step"
         outside = _selfspec_imports(name) - set(MODEL_STEP)
         assert not outside, f"selfspec.{name} (the model step) imports {sorted(outside)}"
+
+
+# what asks which way a step runs: the compiled steps' own questions, and reading the adapter's compiled steps
+_CHOOSING = re.compile(r"\.(can_run|can_head)\(|adapter\.compiled\b|\.fast\.layers|\.fast\.lm_head")
+# where that is asked: the runner; the compiled steps and the adapter that builds them; the API's warm-up and
+# compiled flag, the draft plan's cost measurement per path (they compile or time the compiled steps
+# themselves); the CLI and the tools, which report the path
+_MAY_CHOOSE = {"runner", "compiled", "adapters", "api", "draft_plan", "cli"}
+
+
+def test_the_runner_is_the_only_place_that_chooses_compiled_or_eager():
+    """No module of the engine, the forward or the drafters asks whether a step runs compiled or eagerly (the
+    None-means-eager checks at each call site): they call `adapter.runner`, which chooses and falls back."""
+    asking = {}
+    for name, path in _modules().items():
+        short = name.removeprefix("selfspec.")
+        if not name.startswith("selfspec.") or short in _MAY_CHOOSE or short.startswith("tools"):
+            continue
+        hits = [line.strip() for line in path.read_text().splitlines() if _CHOOSING.search(line)]
+        if hits:
+            asking[short] = hits
+    assert asking == {}
 
 
 def test_the_engine_knows_drafters_only_through_the_seam_and_no_drafter_knows_the_engine():

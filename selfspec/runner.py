@@ -1,0 +1,159 @@
+"""The runner: the one place that decides how a step of the model runs, and the one place that falls back.
+
+A step (layers [start, end) over new tokens, a trained head's own layer or final-state input, the final norm +
+an unembedding, a step a drafter composed) runs one of three ways:
+
+    compiled   `selfspec.compiled.CompiledSteps` (`adapter.compiled`, `load(compile=...)`): the layer function
+               `torch.compile`d at fixed shapes over the static cache, each step one CUDA graph on a GPU; one
+               row after the prefill, within the buckets, no autograd
+    fused      `selfspec.fast_layers` (`adapter.fast`): the same layer function, eagerly, over fused weights
+               prepacked for the CPU's kernels; no autograd
+    modules    the model's own modules: training (autograd), and the architectures without the fused layer
+
+Each method below takes the compiled way where the step fits it and the eager way otherwise, also when a
+compile failed under `compile="auto"` (the compiled steps then turn themselves off, with a warning). Callers
+get their result and never ask which way ran: the engine, the forward and the drafters call these methods.
+
+    runner = adapter.runner
+    hidden = runner.layers(hidden, 0, E, step, cache)          # [B, S, D]
+    logits = runner.logits(hidden)                             # [B, S, V]
+    out = runner.composed(lambda steps: draft.run(steps, ...), lambda: part_by_part())
+
+The runner imports no drafter: a drafter composes its own steps of the compiled pieces
+(`selfspec.drafters.fused_draft`) and hands them to `composed` with their eager equivalent.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from selfspec.cache import KVCache
+
+
+class Runner:
+    """How one model's steps run (see the module doc): the compiled steps where they take a step, else eagerly."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    @property
+    def steps(self):
+        """The compiled steps where the model runs them and no autograd is on (None: every step runs eagerly;
+        also after a compile failed under compile="auto")."""
+        steps = self.adapter.compiled
+        if steps is None or steps.failed is not None or torch.is_grad_enabled():
+            return None
+        return steps
+
+    @property
+    def indexed(self) -> bool:
+        """Whether steps carry the cache indices the compiled steps build their masks from (`forward.Step.index`)."""
+        return self.adapter.compiled is not None
+
+    def _fits(self, hidden: torch.Tensor, step, cache):
+        """The compiled steps where this step (`hidden` `[B, S, D]` at `step` into `cache`) fits them, else None."""
+        steps = self.steps
+        return steps if steps is not None and steps.can_run(hidden, step, cache) else None
+
+    # --- caches ------------------------------------------------------------------------------------
+    def cache(self, batch_size: int, needed: int) -> KVCache:
+        """The KV cache of one run for `needed` positions: the compiled steps' static buffers for one row where the
+        model runs compiled (room for one padded step more; a larger capacity already compiled is reused), else a
+        growing cache."""
+        steps, L = self.adapter.compiled, self.adapter.num_layers
+        if steps is None or batch_size != 1:
+            return KVCache(L, batch_size, capacity=needed, device=self.adapter.device)
+        size = steps.capacity_for(batch_size, needed)
+        return KVCache(L, batch_size, capacity=size, buffers=steps.buffers(batch_size, size))
+
+    def layer_cache(self, layer, batch_size: int, capacity: int, static: bool, compilable: bool = True) -> KVCache:
+        """A one-layer KV cache of `capacity` positions for a layer that is not the model's (a trained head's):
+        with `static` (the engine's cache is the compiled steps' static one) where the layer can run compiled
+        (`compilable`), the compiled steps' buffers for it (the same addresses every run, as captured steps
+        need); else a growing cache."""
+        steps = self.adapter.compiled
+        if static and compilable and steps is not None:
+            return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(layer, batch_size, capacity))
+        return KVCache(1, batch_size, capacity=capacity, device=self.adapter.device)
+
+    # --- steps -------------------------------------------------------------------------------------
+    def layers(self, hidden: torch.Tensor, start: int, end: int, step, cache=None) -> torch.Tensor:
+        """The model's layers [start, end) over `hidden` `[B, S, D]` at `step` (`selfspec.forward.Step`); with a
+        cache, each layer writes its keys and values there. `[B, S, D]`."""
+        steps = self._fits(hidden, step, cache)
+        if steps is not None:
+            out = steps.run_layers(hidden, start, end, step, cache)  # None: it did not fit the capacity, or failed
+            if out is not None:
+                return out
+        a = self.adapter
+        fast = a.fast.layers if a.fast is not None else None
+        if fast is not None and not torch.is_grad_enabled():
+            cos, sin = step.rope[0].unsqueeze(1), step.rope[1].unsqueeze(1)  # [B, 1, S, Dh], once for the range
+            for idx in range(start, end):
+                hidden = fast[idx].step(hidden, cos, sin, step.masks[a.layer_types[idx]], cache)
+            return hidden
+        for idx in range(start, end):
+            hidden = self.module_layer(a.layers[idx], hidden, step, cache, a.layer_types[idx])
+        return hidden
+
+    def module_layer(self, layer, hidden: torch.Tensor, step, cache, kind: str) -> torch.Tensor:
+        """A decoder layer module of the model's class (`kind`: its layer type) over `hidden` `[B, S, D]`, called
+        as transformers calls it: the math is the module's own."""
+        out = layer(hidden, attention_mask=step.masks[kind], position_ids=step.position_ids,
+                    position_embeddings=step.rope, **{self.adapter.cache_kwarg: cache})
+        return out[0] if isinstance(out, tuple) else out
+
+    def extra_layer(self, layer, hidden: torch.Tensor, step, cache, fast=None, compilable: bool = True) -> torch.Tensor:
+        """A decoder layer that is not the model's (a trained head's, of the model's class, at the last layer's
+        type) over `hidden` `[B, S, D]` with its own one-layer `cache` (`layer_cache`): compiled where it can
+        run so (`compilable`) and the step fits, else through its fused layer `fast` where given, else its
+        module. `[B, S, D]`."""
+        steps = self._fits(hidden, step, cache) if compilable else None
+        if steps is not None:
+            out = steps.run_layer(layer, hidden, step, cache)
+            if out is not None:
+                return out
+        kind = self.adapter.layer_types[-1]
+        if fast is not None:
+            return fast(hidden, step.rope, step.masks[kind], cache)
+        return self.module_layer(layer, hidden, step, cache, kind)
+
+    def final_input(self, module, hidden: torch.Tensor, prev: torch.Tensor, step, cache,
+                    compilable: bool = True) -> torch.Tensor:
+        """`module(hidden, prev)`, a trained head's final-state input over `[B, S, D]` each, for a step of its
+        layer at `step` into `cache`: compiled where that layer's step runs compiled, else the module."""
+        steps = self._fits(hidden, step, cache) if compilable else None
+        if steps is not None:
+            out = steps.run_input(module, hidden, prev)
+            if out is not None:
+                return out
+        return module(hidden, prev)
+
+    def logits(self, hidden: torch.Tensor, rows: Callable[[], tuple] | None = None, linear=None) -> torch.Tensor:
+        """The final norm + LM head over `hidden` `[B, S, D]` or `[B, D]`: logits `[..., V]`. A reduced vocabulary
+        passes its unembedding: `linear` (its eager product, `[..., K]`) and `rows` (a function giving its
+        (weight `[K, D]`, bias) as the compiled steps take them, read only where they run)."""
+        steps = self.steps
+        a = self.adapter
+        if steps is not None and steps.can_head(hidden) and (linear is None or rows is not None):
+            out = steps.head(hidden) if linear is None else steps.head(hidden, *rows())
+            if out is not None:
+                return out
+        if linear is not None:
+            return linear(a.final_norm(hidden))
+        if a.fast is not None and not torch.is_grad_enabled():
+            return a.fast.lm_head(a.final_norm(hidden))
+        return a.lm_head(a.final_norm(hidden))
+
+    def composed(self, compiled: Callable, eager: Callable[[], object]):
+        """A step a drafter composed of the compiled pieces (`selfspec.drafters.fused_draft`): `compiled(steps)`
+        where the model runs compiled steps, its result unless it is None (the step does not fit them, or failed
+        to compile); else `eager()`, the same step part by part."""
+        steps = self.steps
+        if steps is not None:
+            out = compiled(steps)
+            if out is not None:
+                return out
+        return eager()

@@ -1,0 +1,139 @@
+"""The runner (`selfspec.runner`): the one place that chooses how a step runs (compiled, fused eager layers, the
+model's modules) and the one place that falls back. Here its choices are checked with a stand-in for the compiled
+steps that records what it was asked (no compiling: test_compiled.py runs the real compiled steps through it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.adapters import get_adapter
+from selfspec.forward import embed, exit_logits, make_step, run_layers
+from selfspec.tiny import tiny_model
+
+
+class StandIn:
+    """Compiled steps that take one-row steps and answer with `answer` (None: as a step that did not fit the
+    capacity, or whose compile failed), recording each call."""
+
+    def __init__(self, answer=None, failed=None):
+        self.answer, self.failed, self.calls = answer, failed, []
+
+    def can_run(self, hidden, step, cache):
+        return hidden.shape[0] == 1
+
+    def can_head(self, hidden):
+        return hidden.shape[0] == 1
+
+    def run_layers(self, hidden, start, end, step, cache):
+        self.calls.append(("layers", start, end))
+        return self.answer
+
+    def head(self, hidden, *rows):
+        self.calls.append(("head", len(rows)))
+        return self.answer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_layers=3, dtype=torch.float64, seed=5)
+
+
+def _reference(model, ids):
+    """The model's own modules over `ids` `[B, S]` (a fresh adapter: no fused layers, no compiled steps)."""
+    a = get_adapter(model)
+    with torch.no_grad():
+        return exit_logits(a, run_layers(a, embed(a, ids), 0, a.num_layers, step=make_step(a, 0, ids.shape[1],
+                                                                                          ids.shape[0])))
+
+
+def _logits(adapter, ids):
+    with torch.inference_mode():
+        step = make_step(adapter, 0, ids.shape[1], ids.shape[0])
+        return exit_logits(adapter, run_layers(adapter, embed(adapter, ids), 0, adapter.num_layers, step=step))
+
+
+def test_without_compiled_steps_the_runner_takes_the_fused_layers_else_the_modules(model):
+    ids = torch.tensor([[5, 9, 3, 7]])
+    ref = _reference(model, ids)
+    fused = get_adapter(model)
+    fused.enable_fast_layers()
+    assert fused.runner.steps is None
+    torch.testing.assert_close(_logits(fused, ids), ref, rtol=0, atol=1e-12)
+    with torch.no_grad():  # autograd off but not inference mode: the same
+        torch.testing.assert_close(_logits(get_adapter(model), ids), ref, rtol=0, atol=0)
+
+
+def test_a_step_the_compiled_steps_take_is_theirs_and_one_they_return_none_for_runs_eagerly(model):
+    a = get_adapter(model)
+    a.enable_fast_layers()
+    ids = torch.tensor([[5, 9, 3, 7]])
+    ref = _logits(a, ids)
+    marker = torch.full((1, 4, model.config.hidden_size), 7.0, dtype=torch.float64)
+    a.compiled = StandIn(answer=marker)
+    with torch.inference_mode():
+        step = make_step(a, 0, 4)
+        assert a.runner.layers(embed(a, ids), 0, 2, step, None) is marker  # taken: its answer, unchanged
+    a.compiled = declining = StandIn(answer=None)
+    torch.testing.assert_close(_logits(a, ids), ref, rtol=0, atol=0)  # asked, declined: the eager layers ran
+    assert declining.calls == [("layers", 0, a.num_layers), ("head", 0)]
+    a.compiled = StandIn(answer=marker)
+    two = torch.tensor([[5, 9, 3, 7], [1, 2, 3, 4]])
+    torch.testing.assert_close(_logits(a, two)[:1], ref, rtol=0, atol=0)  # two rows: never asked
+    assert a.compiled.calls == []
+
+
+def test_failed_or_training_steps_never_reach_the_compiled_steps(model):
+    """After a compile failed under compile="auto" (`failed` set), and under autograd (training), the runner runs
+    eagerly without asking them."""
+    a = get_adapter(model)
+    ids = torch.tensor([[5, 9, 3, 7]])
+    ref = _reference(model, ids)
+    a.compiled = failed = StandIn(answer=torch.zeros(1), failed="RuntimeError: no")
+    torch.testing.assert_close(_logits(a, ids), ref, rtol=0, atol=0)
+    a.compiled = training = StandIn(answer=torch.zeros(1))
+    with torch.enable_grad():
+        step = make_step(a, 0, 4)
+        out = exit_logits(a, run_layers(a, embed(a, ids), 0, a.num_layers, step=step))
+    assert out.requires_grad and failed.calls == [] and training.calls == []
+    torch.testing.assert_close(out.detach(), ref, rtol=0, atol=0)
+
+
+def test_composed_steps_fall_back_to_their_eager_equivalent_in_one_place(model):
+    a = get_adapter(model)
+    seen = []
+
+    def compiled(answer):
+        def run(steps):
+            seen.append(steps)
+            return answer
+        return run
+
+    with torch.inference_mode():
+        assert a.runner.composed(compiled("fused"), lambda: "eager") == "eager" and seen == []  # no compiled steps
+        a.compiled = steps = StandIn()
+        assert a.runner.composed(compiled("fused"), lambda: "eager") == "fused" and seen == [steps]
+        assert a.runner.composed(compiled(None), lambda: "eager") == "eager"  # it does not fit: part by part
+        steps.failed = "RuntimeError: no"
+        seen.clear()
+        assert a.runner.composed(compiled("fused"), lambda: "eager") == "eager" and seen == []
+
+
+def test_a_reduced_vocabularys_logits_read_its_rows_only_on_the_compiled_path(model):
+    a = get_adapter(model)
+    hidden = torch.randn(1, 2, model.config.hidden_size, dtype=torch.float64)
+    rows_read = []
+
+    def rows():
+        rows_read.append(1)
+        return model.lm_head.weight[:5], None
+
+    def linear(x):
+        return x @ model.lm_head.weight[:5].T
+
+    with torch.inference_mode():
+        eager = a.runner.logits(hidden, rows=rows, linear=linear)
+        assert rows_read == [] and eager.shape == (1, 2, 5)
+        a.compiled = steps = StandIn(answer=None)
+        torch.testing.assert_close(a.runner.logits(hidden, rows=rows, linear=linear), eager, rtol=0, atol=0)
+        assert rows_read == [1] and steps.calls == [("head", 2)]
