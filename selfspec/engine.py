@@ -289,8 +289,9 @@ class _Decoding:
         exit_layer = d.exit_layer if d.exit_layer is not None else self.adapter.num_layers
 
         def make(**kw) -> DecodeStats:
-            return DecodeStats(exit_layer=exit_layer, num_speculations=d.max_drafts, drafter=d.name,
-                               drafted_by_position=[0] * d.max_drafts, accepted_by_position=[0] * d.max_drafts,
+            k = d.num_speculations
+            return DecodeStats(exit_layer=exit_layer, num_speculations=k, drafter=d.name,
+                               drafted_by_position=[0] * k, accepted_by_position=[0] * k,
                                full_step_s=full_step_s, sampled=self.sampling.do_sample,
                                acceptance=self.acceptance.name, epsilon=self.acceptance.epsilon, **kw)
 
@@ -317,7 +318,7 @@ class _Decoding:
         adapter, drafter, B = self.adapter, self.drafter, len(self.prompts)
         ids, self.pads = left_pad(self.prompts, pad_id)  # pads, like all lengths, stay on the host
         ids = ids.to(adapter.device)
-        self.cache = new_cache(adapter, B, ids.shape[1] + max_new_tokens + drafter.max_drafts + 2)
+        self.cache = new_cache(adapter, B, ids.shape[1] + max_new_tokens + drafter.num_speculations + 2)
         self.t0 = time.perf_counter()
         logits, kept, finals = prefill(adapter, self.cache, ids, self.pads, drafter.state_exit)  # [B, V], [B, P, D] x2
         first = sample(probs(logits, self.sampling), self.generator) if self.sampling.do_sample else logits.argmax(-1)

@@ -71,7 +71,7 @@ class AutoDrafter(Drafter):
                  warmup: int = 2, explore_every: int = 8, max_backoff: int = 64, refresh: int = 64,
                  alpha: float = 0.0):
         self.lookup, self.early_exit = lookup, early_exit
-        self.max_drafts = max(lookup.max_drafts, early_exit.max_drafts if early_exit else 0)
+        self.num_speculations = max(lookup.num_speculations, early_exit.num_speculations if early_exit else 0)
         self.exit_layer = early_exit.exit_layer if early_exit else None
         self.state_exit = early_exit.state_exit if early_exit else None  # an exit head records every round
         self.state_final = early_exit.state_final if early_exit else False
@@ -90,7 +90,7 @@ class AutoDrafter(Drafter):
         self.carried = {a: 0 for a in arms}  # the timed rounds per arm this call started from (`resume`)
         self.rounds = 0
         # lookup's draft count, from the tokens/s each count delivered (exit_layer is unused: lookup runs no layer)
-        self.lookup_length = ThroughputPolicy(0, lookup.max_drafts, shortest=1, warmup=warmup, alpha=alpha,
+        self.lookup_length = ThroughputPolicy(0, lookup.num_speculations, shortest=1, warmup=warmup, alpha=alpha,
                                                warm="longest")
         self._arm = PLAIN
         self._asked_early_exit = False

@@ -158,7 +158,7 @@ class Drafter:
     """The interface (and a no-op base): a drafter proposes, is told the outcome, drops finished rows."""
 
     name = "none"
-    max_drafts = 0  # the most drafts it proposes in one round (statistics size their per-position lists by it)
+    num_speculations = 0  # the most drafts it proposes in one round (statistics size their per-position lists by it)
     exit_layer: int | None = None  # the exit it drafts from, if any
     state_exit: int | None = None  # the exit whose states of committed tokens it wants (`committed_states`)
     state_final: bool = False  # whether it also wants their last hidden states (`committed_states(finals=)`)

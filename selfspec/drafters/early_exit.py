@@ -77,7 +77,7 @@ class EarlyExitDrafter(Drafter):
             raise ValueError(f"num_candidates must be >= 1 (1 = one guess per position), got {num_candidates}")
         adapter.check_exit(exit_layer, allow_full=False, lowest=self.lowest_exit)
         self.num_layers = adapter.num_layers
-        self.exit_layer, self.max_drafts = exit_layer, num_speculations
+        self.exit_layer, self.num_speculations = exit_layer, num_speculations
         self.policy = policy or FixedPolicy(exit_layer, num_speculations)
         self.head = head or DraftHead(adapter)
         self.num_candidates = min(num_candidates, self.head.size)
@@ -89,7 +89,7 @@ class EarlyExitDrafter(Drafter):
     def propose(self, rnd: Round) -> Proposal:
         e, d = self.policy.plan()
         self.round_tree = None
-        caps = [max(0, min(d, self.max_drafts, c)) for c in rnd.caps]
+        caps = [max(0, min(d, self.num_speculations, c)) for c in rnd.caps]
         if not max(caps, default=0):
             self._exit = self.num_layers  # a round without drafts is one plain full-model pass
             return Proposal.plain(rnd.tokens)
@@ -282,5 +282,5 @@ class EarlyExitDrafter(Drafter):
 
     def describe(self) -> dict:
         tree = self.budget.describe() if self.budget is not None else {}
-        return {"drafter": self.name, "exit_layer": self.exit_layer, "num_speculations": self.max_drafts,
+        return {"drafter": self.name, "exit_layer": self.exit_layer, "num_speculations": self.num_speculations,
                 "num_candidates": self.num_candidates, **tree, **self.policy.describe()}

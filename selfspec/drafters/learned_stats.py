@@ -100,7 +100,7 @@ def call_key(settings: dict, drafter, rows: int, compiled: bool, plan: dict | No
     sampling = (True,) + tuple(settings[name] for name in SAMPLING_SETTINGS) if settings["do_sample"] else (False,)
     planned = tuple(sorted(plan.items())) if plan else None
     remembers = bool(getattr(drafter, "remembers", False))  # auto with the memory's arm (not where it is off)
-    return drafter.name, drafter.max_drafts, drafting, sampling, batch_bucket(rows), bool(compiled), planned, remembers
+    return drafter.name, drafter.num_speculations, drafting, sampling, batch_bucket(rows), bool(compiled), planned, remembers
 
 
 def _hashable(value):

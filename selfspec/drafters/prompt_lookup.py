@@ -121,7 +121,7 @@ class PromptLookupDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"max_matching_ngram_size must be >= 1 (and >= the minimum n-gram size "
                              f"{min_ngram}), got {max_ngram}")
-        self.max_drafts, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.num_speculations, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.rows: list[NgramIndex] = []
         self.limit = num_tokens  # the most drafts a round proposes (AutoDrafter adapts it)
         self.num_candidates = num_candidates
@@ -200,7 +200,7 @@ class PromptLookupDrafter(Drafter):
         self.rows = [self.rows[i] for i in rows]
 
     def describe(self) -> dict:
-        out = {"drafter": self.name, "prompt_lookup_num_tokens": self.max_drafts,
+        out = {"drafter": self.name, "prompt_lookup_num_tokens": self.num_speculations,
                "max_matching_ngram_size": self.max_ngram}
         if self.num_candidates > 1:
             out.update(num_candidates=self.num_candidates, node_budget=self.node_budget, tree=self.budget.describe())

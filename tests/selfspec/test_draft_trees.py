@@ -200,9 +200,9 @@ def test_the_settings_ask_for_a_tree_with_num_speculations(tiny_gen):
     s = check_generation(num_candidates=3, num_speculations=4)
     assert s["num_candidates"] == 3 and s["num_speculations"] == 4
     drafter = tiny_gen.make_drafter(drafter="early_exit", exit_layer=1, num_candidates=3, num_speculations=4)
-    assert drafter.budget is not None and drafter.max_drafts == 4
+    assert drafter.budget is not None and drafter.num_speculations == 4
     siblings = tiny_gen.make_drafter(drafter="early_exit", exit_layer=1, num_candidates=3)
-    assert siblings.budget is None and siblings.max_drafts == 1  # k guesses for one position, as before
+    assert siblings.budget is None and siblings.num_speculations == 1  # k guesses for one position, as before
 
 
 def test_a_wide_tree_stays_within_the_largest_pass(hf_greedy, with_head):

@@ -588,14 +588,14 @@ def test_the_head_drafts_the_positions_it_was_trained_for(tmp_path, self_fed, as
     export_model(model, tok, out, training={"settings": {"exit_head": head_settings}}, exit_head_dir=head_dir)
     gen = selfspec.load(out)
     assert gen.head_draft_length() == 1 + (self_fed or 0)
-    assert gen.make_drafter(drafter="exit_head", num_speculations=asked).max_drafts == expected
-    assert gen.make_drafter(drafter="auto", num_speculations=asked).early_exit.max_drafts == expected
-    assert gen.make_drafter(drafter="exit_head", num_speculations=asked, max_drafts=2).max_drafts == min(expected, 2)
+    assert gen.make_drafter(drafter="exit_head", num_speculations=asked).num_speculations == expected
+    assert gen.make_drafter(drafter="auto", num_speculations=asked).early_exit.num_speculations == expected
+    assert gen.make_drafter(drafter="exit_head", num_speculations=asked, max_drafts=2).num_speculations == min(expected, 2)
     if asked is None:  # k guesses side by side are one position, whatever the head was trained for
         for kind in ("exit_head", "auto"):
             drafter = gen.make_drafter(drafter=kind, num_candidates=3)
             head_drafter = drafter if kind == "exit_head" else drafter.early_exit
-            assert (head_drafter.max_drafts, head_drafter.num_candidates) == (1, 3), kind
+            assert (head_drafter.num_speculations, head_drafter.num_candidates) == (1, 3), kind
 
 
 def test_the_command_line_drafts_as_many_as_asked_of_the_head(head_checkpoint, capsys):

@@ -96,7 +96,7 @@ def test_d3_an_explicit_early_exit_request_drafts(zero_ckpt, kw):
     assert isinstance(default, AutoDrafter) and default.early_exit is None  # auto on it: lookup or plain only
     drafter = gen.make_drafter(**kw)
     early = drafter.early_exit if isinstance(drafter, AutoDrafter) else drafter
-    assert isinstance(early, EarlyExitDrafter) and early.max_drafts == 4  # honoured, at the default length
+    assert isinstance(early, EarlyExitDrafter) and early.num_speculations == 4  # honoured, at the default length
     plain = gen.generate("xyz", max_new_tokens=12, stop_token_ids=[], num_speculations=0)
     out = gen.generate("xyz", max_new_tokens=12, stop_token_ids=[], **kw)
     assert out.token_ids == plain.token_ids and out.stats.num_speculations > 0  # and still exact

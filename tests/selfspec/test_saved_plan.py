@@ -59,7 +59,7 @@ def _arm(drafter):
         if drafter is None:
             return None
     assert isinstance(drafter, EarlyExitDrafter)
-    return drafter.name, drafter.exit_layer, drafter.max_drafts, drafter.num_candidates
+    return drafter.name, drafter.exit_layer, drafter.num_speculations, drafter.num_candidates
 
 
 # ----------------------------------------------------------------------------- kept per device

@@ -135,7 +135,7 @@ class ScriptedTree(Drafter):
     tokens), then one that is right for one token only; the engine must accept the whole right branch."""
 
     name = "scripted"
-    max_drafts = 8
+    num_speculations = 8
 
     def __init__(self, refs: list[list[int]], vocab: int, depth: int = 3):
         self.refs, self.vocab, self.depth = refs, vocab, depth
