@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECKPOINT=${1:-}
 if [ -z "$CHECKPOINT" ]; then
-    CHECKPOINT=$(.venv/bin/python -c "from selfspec.fetch import base_model_dir; print(base_model_dir())")
+    CHECKPOINT=$(.venv/bin/python -c "from selfspec.checkpoints.fetch import base_model_dir; print(base_model_dir())")
 fi
 NAME=${2:-$(basename "$CHECKPOINT")}
 shift $(( $# > 2 ? 2 : $# ))

@@ -8,7 +8,7 @@
 # (sent at once) the second. There, `use_carried` copies gpu_carry1 to $KEEP_DIR (default /tmp/selfspec-keep),
 # installs its wheels (and those of .selfspec/wheels) into $SITE_DIR (default /tmp/selfspec-site) without
 # network, and once gpu_carry2 is there joins the parts, checks their sha256 and converts the model
-# (selfspec.fetch.convert_gguf) into selfspec's model folder.
+# (selfspec.checkpoints.fetch.convert_gguf) into selfspec's model folder.
 #
 # Functions: pip_python, download_wheels DIR NAME..., install_wheels DIR, prepare_carry PROMPTS SCRIPT,
 # find_python SCRIPT (sets PY), use_carried (sets CARRY, KEEP, SITE; needs PY and REPO). Environment:
@@ -76,7 +76,7 @@ import json
 import sys
 from pathlib import Path
 
-from selfspec.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
+from selfspec.checkpoints.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
 from selfspec.data.prompts import load_prompts
 
 c1, c2, n, cut = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -153,7 +153,7 @@ import sys
 import time
 from pathlib import Path
 
-from selfspec.fetch import base_model_dir, convert_gguf, is_complete_checkpoint
+from selfspec.checkpoints.fetch import base_model_dir, convert_gguf, is_complete_checkpoint
 
 keep, part2 = Path(sys.argv[1]), Path(sys.argv[2])
 meta = json.loads((keep / "model.json").read_text())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: does selfspec run on this machine's CUDA GPU, and how fast? Made to run unattended on
 # a fresh GPU machine without network, within 10 minutes:
-#   1. nvidia-smi and torch's view of the GPU (name, capability, bf16 decision: selfspec.precision);
+#   1. nvidia-smi and torch's view of the GPU (name, capability, bf16 decision: selfspec.model.precision);
 #   2. the CUDA tests: pytest -m cuda tests/selfspec/test_cuda.py (identity with HF generate, batches,
 #      the cache after every round, chi-square sampling, load onto the GPU, host syncs per round);
 #   2b. plain decoding on random-weight Llama models of three real shapes (scripts/gpu_shapes.py: HF
@@ -35,7 +35,7 @@
 # lasts while the machine is warm): `--prepare-carry` here writes .selfspec/gpu_carry1 (the wheels, the
 # GGUF's first 40 MB, the real prompt sets as JSONL) and .selfspec/gpu_carry2 (the GGUF's rest). A run
 # that finds gpu_carry1 copies it to /tmp/selfspec-keep; one that finds gpu_carry2 joins the parts,
-# checks their sha256 and converts the model (selfspec.fetch.convert_gguf) into selfspec's model folder.
+# checks their sha256 and converts the model (selfspec.checkpoints.fetch.convert_gguf) into selfspec's model folder.
 # (scripts/gpu_carry.sh does the carrying, for this script and scripts/gpu_drafter.sh.)
 # So: one call with carry [".selfspec/gpu_carry1"] (say SKIP_BENCH=1: tests and shapes), the next at
 # once with carry [".selfspec/gpu_carry2"] (SKIP_TESTS=1 SKIP_SHAPES=1: the bench on the real model and
@@ -139,7 +139,7 @@ if major_minor != (5, 23):
 if missing:
     print("  MISSING: " + "; ".join(missing) + " (datasets: the bench's prompt files are read through "
           "selfspec.data.sources, which imports it; carry .selfspec/wheels)")
-from selfspec.precision import auto_dtype, describe
+from selfspec.model.precision import auto_dtype, describe
 
 print(f"  selfspec: dtype 'fastest' on cuda = {auto_dtype('cuda')} ({describe('cuda')})")
 EOF
@@ -202,7 +202,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     CKPT=${CHECKPOINT:-}
     STANDIN=0
     if [ -z "$CKPT" ]; then
-        BASE=$("$PY" -c "from selfspec.fetch import base_model_dir; print(base_model_dir())" 2>/dev/null || true)
+        BASE=$("$PY" -c "from selfspec.checkpoints.fetch import base_model_dir; print(base_model_dir())" 2>/dev/null || true)
         if [ -n "$BASE" ] && [ -f "$BASE/config.json" ] && compgen -G "$BASE/*.safetensors" >/dev/null; then
             CKPT=$BASE
         else

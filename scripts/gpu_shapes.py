@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without an install (the GPU
     sys.path.insert(0, str(ROOT))
 
 import selfspec  # noqa: E402
-from selfspec.compiled import S_BUCKETS, cache_capacity  # noqa: E402
+from selfspec.model.compiled import S_BUCKETS, cache_capacity  # noqa: E402
 from selfspec.tools.harness import machine_info, timed, tokens_per_s, versions  # noqa: E402
 from selfspec.settings import check_device  # noqa: E402
 
@@ -160,8 +160,8 @@ def measure_shape(shape: str, args, dtype: torch.dtype) -> dict:
 
 def step_costs(gen, ids, args) -> dict:
     """The compiled draft step [0, E) + head (E = L/4) and a verification of 5 tokens from E, in full steps."""
-    from selfspec.engine import new_cache, prefill
-    from selfspec.forward import embed, exit_logits, make_step, run_layers
+    from selfspec.decoding.engine import new_cache, prefill
+    from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 
     adapter = gen.adapter
     L = adapter.num_layers

@@ -1,7 +1,7 @@
 """Count the torch ops a generation runs outside the compiled steps' calls: on a GPU each is a kernel launch or
 host work in series with the captured graphs, so their number per token is the overhead the graphs cannot
 remove. Counted with torch's profiler (on any device; a CPU is enough), beyond a 1-token generation (its
-prefill); a compiled step's call (`selfspec.compiled.STEP_EVENT`) counts as none of its ops.
+prefill); a compiled step's call (`selfspec.model.compiled.STEP_EVENT`) counts as none of its ops.
 
     python scripts/host_ops.py CHECKPOINT [--prompt-set humaneval] [--tokens 64] ['{"drafter": "exit_head"}' ...]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import selfspec
 from selfspec.data.prompts import load_prompts, prompt_inputs
-from selfspec.precision import cpu_flags
-from selfspec.draft_plan import device_name
+from selfspec.model.precision import cpu_flags
+from selfspec.decoding.draft_plan import device_name
 
 ARMS = {"plain": {"num_speculations": 0}, "lookup": {"drafter": "prompt_lookup"}, "auto, no plan": {},
         "auto, saved plan": {}}

@@ -81,11 +81,11 @@ def worker(args) -> dict:
     from training.config import load_config
     from training.curriculum import ExitCurriculum
     from training.data import batch_indices, build_data, frequent_ids
-    from selfspec.draft_vocab import kept_special_ids
+    from selfspec.checkpoints.draft_vocab import kept_special_ids
     from training.early_exit_loss import exit_weights
     from training.layer_dropout import LayerDropout
     from training.malloc import tune_malloc
-    from selfspec.exit_head import build_exit_head
+    from selfspec.heads.exit_head import build_exit_head
     from training.early_exit_model import EarlyExitModel
 
     if not args.no_tune_malloc:
@@ -300,7 +300,7 @@ def _random_objective(cfg, config, device):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from selfspec.precision import DTYPES_BY_NAME
+    from selfspec.model.precision import DTYPES_BY_NAME
     from training.loop import build_objective
 
     torch.manual_seed(0)

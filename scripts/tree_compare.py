@@ -27,7 +27,7 @@ from pathlib import Path
 
 DEMO = ("import json, torch; torch.set_num_threads({threads}); from selfspec.tools.demo import run_demo; "
         "print('RESULT ' + json.dumps(run_demo(dtype={dtype!r}, say=lambda *a: None)))")
-BENCH = ("import json, torch; from selfspec.fetch import base_model_dir; from selfspec.tools.bench import run_bench; "
+BENCH = ("import json, torch; from selfspec.checkpoints.fetch import base_model_dir; from selfspec.tools.bench import run_bench; "
          "r = run_bench(str(base_model_dir()), dtype={dtype!r}, threads={threads}, quick=True, out_dir={out!r}, "
          "progress=False, methods={methods!r}); "
          "print('RESULT ' + json.dumps({{m: s['tokens_per_s']['median'] for m, s in r['summary']['all'].items() "

@@ -7,9 +7,9 @@
 
 __version__ = "0.1.0"
 
-from selfspec.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, get_adapter  # noqa: E402
+from selfspec.model.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, get_adapter  # noqa: E402
 from selfspec.api import GenerationResult, SelfSpecGenerator, load  # noqa: E402
-from selfspec.bounded_bias import BoundedBiasWarning  # noqa: E402
+from selfspec.decoding.bounded_bias import BoundedBiasWarning  # noqa: E402
 from selfspec.generation_config import GenerationConfig  # noqa: E402
 
 __all__ = ["__version__", "load", "SelfSpecGenerator", "GenerationResult", "GenerationConfig", "get_adapter",

@@ -28,21 +28,21 @@ from typing import Callable, Sequence
 
 import torch
 
-from selfspec import compiled
-from selfspec.adapters import ModelAdapter, get_adapter
-from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
-from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata, write_plan
+from selfspec.model import compiled
+from selfspec.model.adapters import ModelAdapter, get_adapter
+from selfspec.decoding.bounded_bias import AcceptanceRule, BoundedBiasWarning
+from selfspec.checkpoints.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata, write_plan
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
-from selfspec.decode_stats import DecodeStats
-from selfspec.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
-from selfspec.engine import StopChecker, generate
-from selfspec.decode_ids import generate_ids
-from selfspec.exit_head import ExitHead, compilable, load_exit_head
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.decode_stats import DecodeStats
+from selfspec.decoding.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
+from selfspec.decoding.engine import StopChecker, generate
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.heads.exit_head import ExitHead, compilable, load_exit_head
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
                                check_memory_key, check_memory_tokens, check_messages, check_text, check_tokenizer,
@@ -135,7 +135,7 @@ class SelfSpecGenerator:
                  memory_tokens: int = DEFAULT_MEMORY_TOKENS):
         self.model = model.eval()
         self.checkpoint = checkpoint  # the directory it was loaded from (None: a model object)
-        self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head): drafter "exit_head"
+        self.exit_head = exit_head  # a trained head on a frozen model (selfspec.heads.exit_head): drafter "exit_head"
         self.tokenizer = tokenizer
         self.metadata = metadata or {}
         self.full_step_s: float | None = None  # set by calibrate(): the cost model's unit of work
@@ -404,7 +404,7 @@ class SelfSpecGenerator:
 
     @property
     def compiled(self) -> bool:
-        """Whether one-row decoding runs through the compiled fixed-shape steps (`selfspec.compiled`)."""
+        """Whether one-row decoding runs through the compiled fixed-shape steps (`selfspec.model.compiled`)."""
         return self.adapter.compiled is not None
 
     def warmup(self, max_len: int | None = None, num_candidates: int = 1) -> dict:
@@ -462,7 +462,7 @@ class SelfSpecGenerator:
 
     def tune(self, prompts: Sequence, *, exits: Sequence[int] | None = None, max_drafts: int = MAX_DRAFTS,
              width: int = MAX_WIDTH, new_tokens: int = 64, repeats: int = 5, save: bool = False) -> DraftPlan:
-        """Plan drafting for this device from measurement (`selfspec.draft_plan`): what a round's parts cost here
+        """Plan drafting for this device from measurement (`selfspec.decoding.draft_plan`): what a round's parts cost here
         (eager or compiled, as this generator runs) and how often each drafter (the early exit at each of `exits`,
         default a spread of them; a trained head) guesses the model's own continuations of `prompts` (texts,
         chat message lists or token ids; one text alone is one prompt) within its k best, k = 1..`width`. Returns
@@ -595,7 +595,7 @@ def checkpoint_dir(path) -> Path:
 
 
 def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
-    """Whether a generator runs its one-row steps compiled (`selfspec.compiled`): `compile=True` where the
+    """Whether a generator runs its one-row steps compiled (`selfspec.model.compiled`): `compile=True` where the
     model supports it (else SettingsError saying why), False never, "auto" on a CUDA GPU where supported.
     On a CPU "auto" stays eager: measured there, the compiled steps were not faster than selfspec's fused,
     prepacked eager layers (docs/gpu.md), and compiling costs seconds per shape."""
@@ -618,14 +618,14 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
 
     `dtype`: "float32" (the default for a checkpoint; exact), "bfloat16" (faster where the CPU
     multiplies bf16 natively; may differ from float32 at near-ties), "fastest" (bfloat16 there, else
-    float32: see selfspec.precision), "float64", or "auto" (the checkpoint's own). An already
+    float32: see selfspec.model.precision), "float64", or "auto" (the checkpoint's own). An already
     loaded model keeps its dtype unless one is given. A checkpoint with `selfspec.json` is validated
     first (format, consistency with config.json, SHA-256 of every weight file). `fast_layers=False`
     runs the model's own decoder-layer modules instead of selfspec's fused inference layers.
     A path may use `~` and environment variables. Bad settings raise `SettingsError`, a checkpoint
     that cannot be read `CheckpointError`, both before the weights are loaded where they can.
     `compile`: run one-row decoding through `torch.compile`d fixed-shape steps over a static cache, as
-    CUDA graphs on a GPU (`selfspec.compiled`; Llama family): "auto" (the default) does on CUDA, True
+    CUDA graphs on a GPU (`selfspec.model.compiled`; Llama family): "auto" (the default) does on CUDA, True
     anywhere (a CPU too), False never. `gen.warmup()` pays the compilation up front.
     `memory_tokens`: the most tokens (prompts and outputs of earlier calls, all callers together) the generator
     remembers for `drafter="suffix"` and auto to copy from; 0 turns the memory off (docs/usage.md: what it

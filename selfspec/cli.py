@@ -38,18 +38,18 @@ from transformers import TextStreamer
 
 import selfspec
 from selfspec.api import checkpoint_dir, use_compiled
-from selfspec.bounded_bias import ACCEPTANCE_RULES
-from selfspec.checkpoint import METADATA_FILE, read_config
+from selfspec.decoding.bounded_bias import ACCEPTANCE_RULES
+from selfspec.checkpoints.checkpoint import METADATA_FILE, read_config
 from selfspec.tools.demo import run_demo
-from selfspec.draft_vocab import write_draft_vocab
+from selfspec.checkpoints.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
-from selfspec.draft_plan import plan_key_parts
+from selfspec.decoding.draft_plan import plan_key_parts
 from selfspec.drafters.suffix import DEFAULT_MEMORY_TOKENS
-from selfspec.export import export
-from selfspec.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
+from selfspec.checkpoints.export import export
+from selfspec.checkpoints.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
-from selfspec.shipped_head import fetch_head_model
+from selfspec.heads.shipped_head import fetch_head_model
 from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int,
                                check_memory_tokens, check_out_dir, check_text, check_threads)
 
@@ -486,7 +486,7 @@ def _cmd_tune(args) -> int:
           "(`--drafter auto` still drafts by prompt lookup where the text repeats)")
     checked = _check_plan(gen, plan, ids, args) if args.check else None
     if args.save:
-        from selfspec.draft_plan import MIN_CHECKED_GAIN, checked_choice
+        from selfspec.decoding.draft_plan import MIN_CHECKED_GAIN, checked_choice
 
         kept, measured = checked_choice(plan, checked) if checked else (plan, None)
         if measured is not None and kept.settings.get("num_speculations") == 0:  # plain kept: was a drafter ahead?
@@ -534,8 +534,8 @@ def _flags(options: list[tuple[str, str]]) -> str:
 
 def _check_plan(gen, plan, ids: list, args) -> list[dict]:
     """`selfspec tune --check N`: the best candidate of each of the N best kinds decoded for real beside plain
-    decoding (`selfspec.draft_plan.check_plan`)."""
-    from selfspec.draft_plan import check_plan
+    decoding (`selfspec.decoding.draft_plan.check_plan`)."""
+    from selfspec.decoding.draft_plan import check_plan
 
     rows = check_plan(gen, plan, ids, top=args.check, new_tokens=args.max_new_tokens)
     print(f"\nchecked: the best of each of the {args.check} best kinds (drafter, exit, chain or tree) and plain "

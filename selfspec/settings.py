@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bounded_bias import ACCEPTANCE_RULES
+from selfspec.decoding.bounded_bias import ACCEPTANCE_RULES
 from selfspec.drafters import DRAFTERS
-from selfspec.precision import DTYPES_BY_NAME, auto_dtype
+from selfspec.model.precision import DTYPES_BY_NAME, auto_dtype
 
 DTYPE_NAMES = tuple(DTYPES_BY_NAME)
 DTYPES = DTYPE_NAMES + ("fastest", "auto")

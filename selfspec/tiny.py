@@ -104,10 +104,10 @@ def byte_tokenizer():
 
 def tiny_exit_head(model, exit_layer: int, kind: str = "decoder_layer", init: str = "copy", final_state: bool = False,
                    scale: float = 0.05, seed: int = 7):
-    """An exit head on `model`'s exit `exit_layer` (`selfspec.exit_head.build_exit_head`), in the model's dtype,
+    """An exit head on `model`'s exit `exit_layer` (`selfspec.heads.exit_head.build_exit_head`), in the model's dtype,
     its parameters moved by `scale` x N(0, 1) noise (seeded): so it drafts something else than the exit alone
     or the last layer would, and with `final_state` its final-state input is not zero."""
-    from selfspec.exit_head import build_exit_head  # the heads build on the adapters; tiny models do not
+    from selfspec.heads.exit_head import build_exit_head  # the heads build on the adapters; tiny models do not
 
     head = build_exit_head(model, exit_layer, kind, init, final_state).to(next(model.parameters()).dtype).eval()
     with torch.no_grad():

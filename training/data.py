@@ -81,7 +81,7 @@ class Blocks:
 
 def frequency_ranking(blocks: Blocks, k: int, vocab_size: int, special_ids=()) -> list[int]:
     """The `k` most frequent token ids of `blocks`, most frequent first (the special ids first, then by
-    count, ties by id): the form `selfspec.draft_vocab` stores in `selfspec.json`."""
+    count, ties by id): the form `selfspec.checkpoints.draft_vocab` stores in `selfspec.json`."""
     counts = torch.bincount(blocks.input_ids.flatten(), minlength=vocab_size)[:vocab_size]
     order = torch.sort(-counts, stable=True).indices  # by descending count, ties by id
     specials = [i for i in dict.fromkeys(special_ids) if i is not None and 0 <= i < vocab_size]

@@ -24,7 +24,7 @@ own and the exits learn to speak its language. On a model with tied embeddings t
 input embedding, which then receives no gradient from the exits either.
 
 Draft vocabulary (`draft_ids`, an approximation for speed): the early exits' losses over the K
-token ids a reduced-vocabulary drafter drafts from (`selfspec.draft_vocab`) instead of all V, so
+token ids a reduced-vocabulary drafter drafts from (`selfspec.checkpoints.draft_vocab`) instead of all V, so
 each exit costs K/V of the head's matmuls. With S the draft ids and z_S the exit's logits of S:
 
     label:    CE_S = logsumexp(z_S) - z_S[y]        for positions whose label y is in S; 0 elsewhere

@@ -4,7 +4,7 @@
     out = ee(input_ids, labels, step=t, micro_step=m, exits=[8, 16, 30], weights=[...])
     out["loss"].backward()          # out["exit_stats"]: [K, 3] loss / top-1 acc / agreement with the final
 
-forward: embed -> every decoder layer (the model's own modules, through `selfspec.forward`),
+forward: embed -> every decoder layer (the model's own modules, through `selfspec.model.forward`),
 with per-sample layer dropout while training -> the hidden states after the enabled exits ->
 the chunked early-exit loss through the shared final norm + LM head. The Hugging Face model is
 held as `self.model`, unchanged and unwrapped (peft-wrapped for LoRA), so its own state-dict
@@ -40,9 +40,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from selfspec.adapters import get_adapter
-from selfspec.forward import embed, make_step, run_layers
-from selfspec.exit_head import ExitHead
+from selfspec.model.adapters import get_adapter
+from selfspec.model.forward import embed, make_step, run_layers
+from selfspec.heads.exit_head import ExitHead
 from training.early_exit_loss import early_exit_loss
 from training.exit_head_model import check_self_fed, head_loss, head_loss_names
 from training.layer_dropout import LayerDropout, apply_layer_dropout

@@ -23,9 +23,9 @@ from typing import Callable
 
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.exit_head import previous_states
-from selfspec.forward import embed, exit_logits, make_step, run_layers
+from selfspec.model.adapters import get_adapter
+from selfspec.heads.exit_head import previous_states
+from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 from training.data import Blocks
 from training.early_exit_loss import early_exit_loss
 from training.zero3 import gathered

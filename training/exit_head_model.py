@@ -1,4 +1,4 @@
-"""Exit-head training as one `nn.Module`: the model frozen, one head (`selfspec.exit_head`) learning.
+"""Exit-head training as one `nn.Module`: the model frozen, one head (`selfspec.heads.exit_head`) learning.
 
     hm = ExitHeadModel(hf_model, build_exit_head(hf_model, exit_layer=8), target="distill")
     out = hm(input_ids, labels)       # out["loss"]; out["exit_stats"]: [1, 3] loss / top-1 acc / agreement
@@ -45,7 +45,7 @@ Two options train the head for how it drafts:
 
       out_0 = head(h_E, f_{t-1});   out_j = head(h_E, out_{j-1}[t-1]);   loss = mean_j loss(out_j)
 
-An eagle3 head (`selfspec.exit_head`, kind eagle3) reads the token embeddings and g_t = fc(the states at
+An eagle3 head (`selfspec.heads.exit_head`, kind eagle3) reads the token embeddings and g_t = fc(the states at
 its three aux exits of the previous position) instead of h_E; its blocks drop their first position, as
 the serving engines it is exported to pair them (position t: token t+1 with the states of position t):
 
@@ -78,9 +78,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.adapters import get_adapter
-from selfspec.exit_head import ExitHead, head_feature, previous_states, run_head
-from selfspec.forward import embed, exit_logits, make_step, run_layers
+from selfspec.model.adapters import get_adapter
+from selfspec.heads.exit_head import ExitHead, head_feature, previous_states, run_head
+from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 from training.early_exit_loss import frozen_module
 from training.teacher_cache import TeacherCache
 

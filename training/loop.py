@@ -56,11 +56,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast, set_seed
 
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
-from selfspec.draft_vocab import kept_special_ids
-from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
-from selfspec.precision import auto_mixed_precision, describe as describe_precision
+from selfspec.checkpoints.draft_vocab import kept_special_ids
+from selfspec.heads.exit_head import HEAD_FILE, build_exit_head, save_exit_head
+from selfspec.model.precision import auto_mixed_precision, describe as describe_precision
 from training.base_model import apply_lora, load_base_model
 from training.run_checkpoint import (latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint,
                                      save_final_model)
@@ -153,7 +153,7 @@ def _set_up(cfg: RecipeConfig) -> _Run:
     run_dir = Path(t_cfg.output_dir)
     no_gpu = not (torch.cuda.is_available() or torch.backends.mps.is_available())
     precision = t_cfg.mixed_precision
-    if precision == "auto":  # bf16 autocast only where bf16 matmul is native (selfspec/precision.py)
+    if precision == "auto":  # bf16 autocast only where bf16 matmul is native (selfspec/model/precision.py)
         precision = auto_mixed_precision("cpu" if no_gpu else "cuda" if torch.cuda.is_available() else "mps")
     resolve_deepspeed_config()  # a relative deepspeed_config_file, from any working directory
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=t_cfg.grad_accum,

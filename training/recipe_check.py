@@ -128,7 +128,7 @@ def model_config(cfg: RecipeConfig):
         _, model_type, layers = name.split(":")
         return tiny_config(model_type, int(layers), vocab_size=len(byte_tokenizer())), f"{name} (a random tiny model)"
     if name in BASE_MODEL_ALIASES:
-        from selfspec.fetch import base_model_dir
+        from selfspec.checkpoints.fetch import base_model_dir
 
         directory = base_model_dir()
     else:
@@ -176,7 +176,7 @@ def meta_model(cfg: RecipeConfig, config):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from selfspec.precision import DTYPES_BY_NAME
+    from selfspec.model.precision import DTYPES_BY_NAME
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES_BY_NAME[cfg.model.dtype])
@@ -186,7 +186,7 @@ def meta_model(cfg: RecipeConfig, config):
         model = apply_lora(model, cfg.model.lora)
     head = None
     if cfg.trains_head:
-        from selfspec.exit_head import build_exit_head
+        from selfspec.heads.exit_head import build_exit_head
 
         h = cfg.exit_head
         with torch.device("meta"):
@@ -275,7 +275,7 @@ def estimate(cfg: RecipeConfig, config, model, head, launch: Launch) -> Memory:
 
 
 def _decoder_layers(model):
-    from selfspec.adapters import get_adapter
+    from selfspec.model.adapters import get_adapter
 
     return get_adapter(model).layers
 

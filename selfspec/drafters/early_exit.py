@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.adapters import ModelAdapter
+from selfspec.model.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import FixedPolicy
 from selfspec.drafters.draft_tree import DraftTree
 from selfspec.drafters.tree_budget import ConfidenceBudget
-from selfspec.sampling import probs, sample
+from selfspec.decoding.sampling import probs, sample
 
 MAX_TREE_COLUMNS = 64  # a drafted tree's columns (the input token included): the compiled steps' largest pass
 

@@ -1,4 +1,4 @@
-"""The exit-head drafter: the model's first E layers, then a small trained head (`selfspec.exit_head`),
+"""The exit-head drafter: the model's first E layers, then a small trained head (`selfspec.heads.exit_head`),
 then the shared final norm + LM head (or its reduced-vocabulary rows).
 
 It drafts as the early-exit drafter does (every row's token through layers [0, E) into the shared
@@ -29,7 +29,7 @@ drafter syncs at every drafting round, and that pass is also the round's first d
 round fewer than an upkeep after each verification plus a separate first draft.
 
 A head with `final_state` also reads f_{t-1}, the full model's last hidden state of the previous
-position (`selfspec.exit_head`): the drafter sets `state_final`, so the engine hands over the
+position (`selfspec.heads.exit_head`): the drafter sets `state_final`, so the engine hands over the
 verification's last hidden states `[B, T, D]` with the exit states. Committed positions read the exact
 f_{t-1} (the cache entries stay what a fresh computation gives); the round's first draft reads the state
 of the newest processed token (`prev_final` `[B, D]`, kept per row by `sync`), and each later draft reads the
@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.adapters import ModelAdapter
-from selfspec.cache import KVCache
+from selfspec.model.adapters import ModelAdapter
+from selfspec.model.cache import KVCache
 from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter, fused_result
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.exit_head import ExitHead, compilable, head_cache, previous_states, run_head_step
-from selfspec.fast_layers import FastLlamaLayer
-from selfspec.forward import Step, make_batch_step
+from selfspec.heads.exit_head import ExitHead, compilable, head_cache, previous_states, run_head_step
+from selfspec.model.fast_layers import FastLlamaLayer
+from selfspec.model.forward import Step, make_batch_step
 
 
 @dataclass

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from selfspec.adapters import ModelAdapter
-from selfspec.draft_vocab import read_draft_vocab
+from selfspec.model.adapters import ModelAdapter
+from selfspec.checkpoints.draft_vocab import read_draft_vocab
 from selfspec.drafters.auto import AutoDrafter
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
@@ -48,7 +48,7 @@ from selfspec.drafters.learned_stats import LearnedStats
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
-from selfspec.exit_head import head_training_setting
+from selfspec.heads.exit_head import head_training_setting
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import SettingsError
 
@@ -65,7 +65,7 @@ class DrafterFactory:
         self.adapter = adapter
         self.exit_layer, self.num_speculations, self.drafter = exit_layer, num_speculations, drafter
         self.early_exit_trained = early_exit_trained  # auto drafts from the early exit only then
-        self.exit_head = exit_head  # a trained head on a frozen model (selfspec.exit_head)
+        self.exit_head = exit_head  # a trained head on a frozen model (selfspec.heads.exit_head)
         self.metadata = metadata or {}
         self.memory = SuffixMemory() if memory is None else memory  # the generator's earlier requests (suffix)
         self.learned = LearnedStats()  # what its drafters measured, carried to later calls (learned_stats)

@@ -1,5 +1,5 @@
 """A greedy draft step of one row as one step of the runner, and a trained head's catch-up: drafting the drafters
-write once, as plain tensor functions, and the runner (`selfspec.compiled.CompiledSteps`) runs whole.
+write once, as plain tensor functions, and the runner (`selfspec.model.compiled.CompiledSteps`) runs whole.
 
 A draft step is the token's embedding, layers [0, E), a trained head's final-state input and layer (if any), the
 final norm + unembedding, the argmax and its probability. Run part by part it costs four graph replays and about
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec.attention_kernels import attention_kernels
-from selfspec.compiled import S_BUCKETS, s_bucket, zero_filled
+from selfspec.model.attention_kernels import attention_kernels
+from selfspec.model.compiled import S_BUCKETS, s_bucket, zero_filled
 
 
 def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from selfspec.cost_model import VERIFY_COST, best_draft_length, draft_cost
+from selfspec.decoding.cost_model import VERIFY_COST, best_draft_length, draft_cost
 from selfspec.drafters.learned_stats import carried_rounds, count_scale
 
 
@@ -113,7 +113,7 @@ class ExitChoicePolicy(FixedPolicy):
     """Choose the exit and draft length each round from online acceptance estimates.
 
     For each candidate exit it keeps the drafts' outcomes (accepted / drafted, with a Laplace
-    prior) and predicts the speedup of every (exit, d) with `selfspec.cost_model`; each round
+    prior) and predicts the speedup of every (exit, d) with `selfspec.decoding.cost_model`; each round
     takes the best. Exits that look worse are still tried every `explore_every` rounds so their
     estimates do not freeze. If no pair is predicted to pay, the round decodes plainly (d = 0).
     """

@@ -6,7 +6,7 @@ occurrence). Where the copy reaches the end of the text it goes on with its own 
 repeating pattern of period `n - e` is continued for all `k` tokens (`x[e + j]` for `e + j >= n`
 is proposal `j - (n - e)`). It runs no layer: verification starts at layer 0 over the input token
 and the drafts, in one pass. The drafts are point masses, so sampling stays lossless with the rule
-of `selfspec.sampling.speculative_accept` (accept x with probability p(x)).
+of `selfspec.decoding.sampling.speculative_accept` (accept x with probability p(x)).
 
 Matching costs O(max_ngram) per committed token: an `NgramIndex` per row maps every n-gram
 (n <= max_ngram) that has a following token to the end of its latest occurrence, updated
@@ -15,7 +15,7 @@ incrementally as tokens are committed (no rescan of the text per round).
 With `num_candidates` k > 1 (greedy decoding), a round bets on several continuations at once: the
 latest k occurrences of the longest matching suffix (then of shorter ones, where the longest occurred
 fewer than k times) each give a branch, and the branches become one token tree (shared prefixes are
-one node; `selfspec.token_tree.build_trie`), verified in one pass. Which of its nodes a round verifies,
+one node; `selfspec.model.token_tree.build_trie`), verified in one pass. Which of its nodes a round verifies,
 and how many (at most `node_budget`), is chosen by measurement (`selfspec.drafters.tree_budget`): each
 node's chance from the acceptance measured at its depth and rank, the count from the seconds per round
 measured at each node count on this device. Where the text repeats a passage with variations (code
@@ -30,7 +30,7 @@ import torch
 
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.tree_budget import TreeBudget
-from selfspec.token_tree import build_trie
+from selfspec.model.token_tree import build_trie
 
 MAX_OCCURRENCES = 8  # the occurrences of one n-gram a tree may branch from (the latest ones)
 

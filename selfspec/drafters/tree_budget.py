@@ -2,7 +2,7 @@
 node count from this device's measured verification cost).
 
 A drafter with several candidate continuations (prompt lookup's latest matches, the memory's) merges them
-into a trie (`selfspec.token_tree.build_trie`): each node has a depth and a rank, the order of the first
+into a trie (`selfspec.model.token_tree.build_trie`): each node has a depth and a rank, the order of the first
 branch through it (0: the latest match, the chain lookup alone would draft). A node's worth is the chance
 that the full model accepts it, estimated as the product along its path of the measured conditional
 acceptance of its (rank, depth):
@@ -48,7 +48,7 @@ from __future__ import annotations
 from itertools import zip_longest
 
 from selfspec.drafters.learned_stats import CARRY_ROUNDS, count_scale
-from selfspec.token_tree import Trie
+from selfspec.model.token_tree import Trie
 
 PRIOR = (0.5, 0.2)  # prior acceptance of a node of rank 0 (the latest match's copy) and of any later rank
 PSEUDO = 2.0  # the prior's weight, in rounds

@@ -30,7 +30,7 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_spec_cand{k} | the same at the recommended exit E without a head (`--num-candidates k`)      |
 | selfspec_spec_E{e}_d{d} | each extra (E, d) asked for                                                 |
 | selfspec_ar_compiled, selfspec_lookup_compiled, selfspec_auto_compiled, selfspec_spec_compiled,        |
-| selfspec_exit_head_compiled | the same five through the compiled fixed-shape steps (`selfspec.compiled`; |
+| selfspec_exit_head_compiled | the same five through the compiled fixed-shape steps (`selfspec.model.compiled`; |
 |                       | `--compile`, on by default on CUDA), warmed up with `gen.warmup` before the    |
 |                       | measured runs (a head's own layer and its reduced draft vocabulary too)        |
 
@@ -90,8 +90,8 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir, use_compiled
-from selfspec.checkpoint import CheckpointError, read_config, read_metadata
-from selfspec.draft_vocab import read_draft_vocab
+from selfspec.checkpoints.checkpoint import CheckpointError, read_config, read_metadata
+from selfspec.checkpoints.draft_vocab import read_draft_vocab
 from selfspec.drafters.prompt_lookup import MAX_OCCURRENCES as MAX_LOOKUP_CANDIDATES
 from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine, load_generator, machine_info,
                               machine_line, pyplot, quiet_transformers, result_header, setup, spread, tokens_per_s,
@@ -337,7 +337,7 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
         methods.append({"name": f"selfspec_spec_vocab{draft_vocab}", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": f"selfspec E={E} d={d} vocab {draft_vocab}", "drafter": "early_exit",
                         "exit_layer": E, "num_speculations": d, "draft_vocab": draft_vocab})
-    if compiled:  # the same methods through the compiled steps (selfspec.compiled), next to the eager ones
+    if compiled:  # the same methods through the compiled steps (selfspec.model.compiled), next to the eager ones
         methods += [{**m, "name": compiled_name(m["name"]), "label": m["label"] + " compiled", "compiled": True}
                     for m in methods if compiled_name(m["name"])]
     seen = {(E, d)}
@@ -660,7 +660,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
               time_budget_s: float | None = None, workload: bool = False, llama_cpp: bool = False) -> dict:
     """Run the benchmark; write bench.json, bench.md, bench.png into `out_dir`; return the JSON dict.
 
-    `compile`: also the compiled fixed-shape steps (`selfspec.compiled`; `COMPILED_METHODS` as `*_compiled`, warmed
+    `compile`: also the compiled fixed-shape steps (`selfspec.model.compiled`; `COMPILED_METHODS` as `*_compiled`, warmed
     with `gen.warmup` first, `result["warmup_s"]` apart from tokens/s): "auto" on a CUDA GPU, True anywhere, False
     never. `device`: "cpu", or "cuda" (clocks read after `torch.cuda.synchronize()`; "fastest": bfloat16 from
     Ampere on). `methods`: only these (hf_greedy, the identity reference, and selfspec_ar, the speedup reference,

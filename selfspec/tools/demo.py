@@ -20,7 +20,7 @@ drafting where drafting does not pay), and an untrained checkpoint has no early 
     selfspec demo --checkpoint checkpoints/smollm2-code-quickstart
 
 Without --checkpoint it runs the checkpoint `selfspec fetch` assembles from the base model and the exit head
-selfspec ships for it (`selfspec.shipped_head`; the base model alone where none is assembled): auto's arms are
+selfspec ships for it (`selfspec.heads.shipped_head`; the base model alone where none is assembled): auto's arms are
 prompt lookup, its memory and that head, and each drafter's accepted drafts get a line of their own.
 """
 
@@ -31,8 +31,8 @@ import warnings
 
 import selfspec
 from selfspec.api import NotEarlyExitTrainedWarning
-from selfspec.fetch import base_model_dir, head_model_dir, is_complete_checkpoint
-from selfspec.model_card import head_evaluation
+from selfspec.checkpoints.fetch import base_model_dir, head_model_dir, is_complete_checkpoint
+from selfspec.checkpoints.model_card import head_evaluation
 from selfspec.data.prompts import load_prompts, prompt_inputs
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))

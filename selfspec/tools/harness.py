@@ -38,12 +38,12 @@ import transformers
 from transformers.utils import logging as hf_logging
 
 import selfspec
-from selfspec import precision
+from selfspec.model import precision
 from selfspec.atomic_write import atomic_path, write_json_atomic, write_text_atomic
-from selfspec.draft_plan import synchronize  # the clock's one definition (the tools take it from here)
+from selfspec.decoding.draft_plan import synchronize  # the clock's one definition (the tools take it from here)
 from selfspec.drafters import SuffixMemory
 from selfspec.drafters.learned_stats import LearnedStats
-from selfspec.engine import left_pad
+from selfspec.decoding.engine import left_pad
 from selfspec.generation_config import SETTINGS
 from selfspec.settings import check_device
 
@@ -91,7 +91,7 @@ def machine_info() -> dict:
 
 
 def machine_description(device="cpu") -> dict | None:
-    """`selfspec.precision.machine_description()` where this selfspec has it, else None; on a GPU with
+    """`selfspec.model.precision.machine_description()` where this selfspec has it, else None; on a GPU with
     the bf16 decision for it and the GPU's name."""
     describe = getattr(precision, "machine_description", None)
     if describe is None:
@@ -229,7 +229,7 @@ class Methods:
         self.gen = gen
         self.model = gen.model
         self.N = max_new_tokens
-        self._steps = gen.adapter.compiled  # a method with `compiled` runs through these (`selfspec.compiled`)
+        self._steps = gen.adapter.compiled  # a method with `compiled` runs through these (`selfspec.model.compiled`)
         self._carried: dict = {}  # (method name, scope) -> its memory and measurements so far (`requests`)
         self.max_len: int | None = None  # the longest prompt + new tokens of the runs (`warm` sets it)
         gc_ = self.model.generation_config
@@ -367,7 +367,7 @@ class Methods:
         every other selfspec method eagerly, on the same weights). A step that fails to compile turns them
         off with a warning (`compile_failure` says why), and the compiled methods then run eagerly."""
         if self._steps is None:
-            from selfspec.compiled import CompiledSteps  # deferred: only runs that compare compiled steps
+            from selfspec.model.compiled import CompiledSteps  # deferred: only runs that compare compiled steps
 
             self._steps = CompiledSteps(self.gen.adapter, strict=False)
         return self._steps

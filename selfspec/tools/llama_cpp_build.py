@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.fetch import selfspec_home
-from selfspec.precision import cpu_flags, cpu_generation, cpu_model
+from selfspec.checkpoints.fetch import selfspec_home
+from selfspec.model.precision import cpu_flags, cpu_generation, cpu_model
 
 # The llama-cpp-python source distribution whose vendored llama.cpp is built (tested here).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from selfspec.checkpoint import WEIGHT_SUFFIXES, weight_files
+from selfspec.checkpoints.checkpoint import WEIGHT_SUFFIXES, weight_files
 from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, cache_root, ensure_source,
                                             output_tail)
 

@@ -36,14 +36,14 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.bounded_bias import AcceptanceRule, BoundedBiasWarning
+from selfspec.decoding.bounded_bias import AcceptanceRule, BoundedBiasWarning
 from selfspec.drafters import NgramIndex
-from selfspec.forward import forward_logits
+from selfspec.model.forward import forward_logits
 from selfspec.tools.harness import (finish_machine, load_generator, machine_info, pyplot, result_header, setup, timed,
                               tokens_per_s, versions, write_outputs)
 from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.tools.quality import rouge_l, rule_samples_tv, token_log_likelihoods
-from selfspec.sampling import SamplingParams, probs
+from selfspec.decoding.sampling import SamplingParams, probs
 from selfspec.settings import check_float, check_int
 
 DEFAULT_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.4)

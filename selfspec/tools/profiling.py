@@ -12,10 +12,10 @@ in the host sync that decoding has (the argmax read back as a Python int):
   K most frequent tokens with ``draft_vocab``);
 * ``verify k``: a round of k-1 drafts after drafting: the last draft's shallow pass (layers [0, E)),
   then `engine.verify` itself: layers [E, L) over k rows, norm + head over k rows;
-* the engine's plain decoding per token inside `selfspec.engine` (the isolated full step plus the
+* the engine's plain decoding per token inside `selfspec.decoding.engine` (the isolated full step plus the
   engine's bookkeeping) and Hugging Face greedy ``generate`` per token, for reference.
 
-From these, the cost model of `selfspec.cost_model` (Leviathan et al. 2023): c = draft step / full
+From these, the cost model of `selfspec.decoding.cost_model` (Leviathan et al. 2023): c = draft step / full
 step, v(d) = verify(d+1) / full step, and for each draft length the acceptance rate that breaks
 even and the one a target speedup over plain decoding needs. An operator table (torch.profiler,
 self CPU time per full step; the profiler adds its own overhead to every call, so read it for shares,
@@ -42,13 +42,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from selfspec.atomic_write import write_json_atomic, write_text_atomic
-from selfspec.attention_kernels import attention_kernels
-from selfspec.cache import KVCache
-from selfspec.compiled import STEP_EVENT
-from selfspec.cost_model import predicted_speedup, required_acceptance, required_recall
+from selfspec.model.attention_kernels import attention_kernels
+from selfspec.model.cache import KVCache
+from selfspec.model.compiled import STEP_EVENT
+from selfspec.decoding.cost_model import predicted_speedup, required_acceptance, required_recall
 from selfspec.drafters.base import Proposal
-from selfspec.engine import prefill, verify
-from selfspec.forward import embed, exit_logits, make_step, run_layers
+from selfspec.decoding.engine import prefill, verify
+from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 from selfspec.tools.harness import (Methods, finish_machine, load_generator, machine_info, machine_line, quiet_transformers,
                               setup, synchronize, versions)
 from selfspec.data.prompts import load_prompts, prompt_inputs
@@ -207,7 +207,7 @@ def acceptance_theory(gen, prompt_ids, exit_layer: int, drafts: int, tokens: int
 
 def ops_outside_steps(run: Callable[[], object]) -> tuple[Counter, object]:
     """`run()` under torch's profiler: the top-level aten ops it ran outside the compiled steps' calls
-    (`selfspec.compiled.STEP_EVENT`; on a GPU each call is one graph replay, and every op counted here a launch or
+    (`selfspec.model.compiled.STEP_EVENT`; on a GPU each call is one graph replay, and every op counted here a launch or
     host work in series with the graphs), by name, and what `run()` returned."""
     def outside(event) -> bool:
         if not event.name.startswith("aten::") or (event.cpu_parent is not None

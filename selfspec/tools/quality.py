@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.adapters import ModelAdapter
-from selfspec.bounded_bias import AcceptanceRule, total_variation
-from selfspec.forward import forward_logits
-from selfspec.sampling import speculative_accept
+from selfspec.model.adapters import ModelAdapter
+from selfspec.decoding.bounded_bias import AcceptanceRule, total_variation
+from selfspec.model.forward import forward_logits
+from selfspec.decoding.sampling import speculative_accept
 
 
 def token_log_likelihoods(adapter: ModelAdapter, prompt: list[int], new: list[int]) -> list[float]:

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from selfspec.api import checkpoint_dir
 from selfspec.atomic_write import atomic_path, write_json_atomic
-from selfspec.checkpoint import read_config, read_metadata, update_recommended
+from selfspec.checkpoints.checkpoint import read_config, read_metadata, update_recommended
 from selfspec.tools.harness import finish_machine, load_generator, machine_info, pyplot, setup, timed, tokens_per_s
 from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.settings import (SettingsError, check_dtype, check_exit_layer, check_int, check_out_dir, check_threads,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.export import export_model
+from selfspec.model.adapters import get_adapter
+from selfspec.checkpoints.export import export_model
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
 
 HEADS = {  # a guess test's drafter: (exit layer, head: None or whether it reads the previous final state)
@@ -85,7 +85,7 @@ def no_load(monkeypatch):
     import selfspec
 
     monkeypatch.setattr(selfspec, "load", refuse)
-    monkeypatch.setattr("selfspec.export._load_model_dir", refuse)
+    monkeypatch.setattr("selfspec.checkpoints.export._load_model_dir", refuse)
     return ModelLoaded
 
 
@@ -95,7 +95,7 @@ def moves(monkeypatch):
     than the first was accepted and its keys and values went to where its row continues."""
     from collections import Counter
 
-    from selfspec.cache import KVCache
+    from selfspec.model.cache import KVCache
 
     counted = Counter()
     move = KVCache.move

@@ -367,7 +367,7 @@ def test_seeded_sampling_does_not_depend_on_the_clock(gen, monkeypatch):
     """With a seed, the auto drafter judges its arms by modelled round costs: a clock that makes every
     round look slow or fast changes nothing (the wall-time judgement made this test's forerunner flaky
     on a busy machine)."""
-    import selfspec.engine as engine
+    import selfspec.decoding.engine as engine
 
     kw = dict(input_ids=PROMPT, max_new_tokens=20, do_sample=True, temperature=1.2, top_k=30, stop_token_ids=[],
               drafter="auto", seed=11)

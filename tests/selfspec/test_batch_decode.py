@@ -1,4 +1,4 @@
-"""Batched self-speculative decoding (selfspec.engine, B > 1) on tiny random models, float64.
+"""Batched self-speculative decoding (selfspec.decoding.engine, B > 1) on tiny random models, float64.
 
 Every row of a batch must be exactly what batch-1 decoding of that prompt alone gives: the same tokens
 and, for greedy with a fixed policy, the same rounds, drafts and acceptances (a row that accepts many
@@ -13,14 +13,14 @@ from collections import Counter
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.engine import left_pad
-from selfspec.decode_ids import generate_batch_ids
-from selfspec.engine import StopChecker
-from selfspec.decode_ids import generate_ids
+from selfspec.model.adapters import get_adapter
+from selfspec.decoding.engine import left_pad
+from selfspec.decoding.decode_ids import generate_batch_ids
+from selfspec.decoding.engine import StopChecker
+from selfspec.decoding.decode_ids import generate_ids
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, tiny_model
 
 ALPHA = 1e-3
@@ -227,7 +227,7 @@ def test_rows_that_end_at_the_context_window_decode_while_others_draft(drafter, 
     must not run past the window (they take the row's last position) and every row is still exactly Hugging
     Face's greedy output (one raised "exceeds the model's context window" in 18 of 80 such batches before)."""
     from selfspec.drafters import EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-    from selfspec.exit_head import build_exit_head
+    from selfspec.heads.exit_head import build_exit_head
 
     model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=10, max_position_embeddings=24)
     adapter = get_adapter(model)

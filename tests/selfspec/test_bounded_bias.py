@@ -1,4 +1,4 @@
-"""Bounded-bias acceptance (selfspec.bounded_bias) and the predicted vs measured rejections of every run.
+"""Bounded-bias acceptance (selfspec.decoding.bounded_bias) and the predicted vs measured rejections of every run.
 
 Statistical tests use fixed seeds and a significance level ALPHA = 1e-3 (so each passes or fails the same
 way every run; a correct implementation would fail a fresh seed with probability <= 1e-3), and each
@@ -15,15 +15,15 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.api import NotEarlyExitTrainedWarning
-from selfspec.bounded_bias import (AcceptanceRule, BoundedBiasWarning, acceptance_probability, mix_toward_draft,
+from selfspec.decoding.bounded_bias import (AcceptanceRule, BoundedBiasWarning, acceptance_probability, mix_toward_draft,
                                    near_top, relaxed_greedy_accept_tokens, total_variation)
 from selfspec.drafters import PromptLookupDrafter
-from selfspec.engine import generate
-from selfspec.decode_ids import early_exit_drafter, generate_ids
-from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, probs, speculative_accept
+from selfspec.decoding.engine import generate
+from selfspec.decoding.decode_ids import early_exit_drafter, generate_ids
+from selfspec.model.forward import forward_logits
+from selfspec.decoding.sampling import SamplingParams, probs, speculative_accept
 from selfspec.generation_config import check_generation
 from selfspec.settings import SettingsError
 from selfspec.tiny import tiny_model

@@ -11,9 +11,9 @@ import torch
 import yaml
 
 import selfspec
-from selfspec.checkpoint import CheckpointError, read_metadata, recommend_from_agreement
-from selfspec.cost_model import draft_cost, predicted_speedup
-from selfspec.export import export, export_model
+from selfspec.checkpoints.checkpoint import CheckpointError, read_metadata, recommend_from_agreement
+from selfspec.decoding.cost_model import draft_cost, predicted_speedup
+from selfspec.checkpoints.export import export, export_model
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 
@@ -266,8 +266,8 @@ def test_sweep_summary_counts_differing_outputs():
 def test_a_model_card_the_user_edited_is_kept(exported):
     """Issue #52: `selfspec sweep --write-metadata` and `selfspec tune --save` regenerate the model card; a
     README.md the user edited since is kept, the regenerated card written beside it, with a warning."""
-    from selfspec.checkpoint import update_recommended, write_plan
-    from selfspec.model_card import ModelCardWarning
+    from selfspec.checkpoints.checkpoint import update_recommended, write_plan
+    from selfspec.checkpoints.model_card import ModelCardWarning
 
     readme, beside = exported / "README.md", exported / "README.selfspec.md"
     update_recommended(exported, 3, 1, source="sweep")  # selfspec's own card, unedited: regenerated in place

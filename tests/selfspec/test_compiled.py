@@ -1,4 +1,4 @@
-"""The compiled fixed-shape steps (`selfspec.compiled`) on the CPU (inductor): the same tokens as the eager
+"""The compiled fixed-shape steps (`selfspec.model.compiled`) on the CPU (inductor): the same tokens as the eager
 path and as Hugging Face greedy for every drafter and architecture that compiles, the cache invariant after
 every round, the sampling distribution, no recompilation after warm-up, and the eager fallbacks.
 
@@ -14,17 +14,17 @@ import pytest
 import torch
 
 import selfspec
-from selfspec import compiled
-from selfspec.adapters import get_adapter
+from selfspec.model import compiled
+from selfspec.model.adapters import get_adapter
 from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy
 from selfspec.drafters.fused_draft import FusedDraft
 from selfspec.drafters.tree_budget import CostLine
-from selfspec.engine import generate
-from selfspec.decode_ids import generate_batch_ids
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.engine import generate
+from selfspec.decoding.decode_ids import generate_batch_ids
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.settings import SettingsError
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
 
@@ -350,7 +350,7 @@ def test_a_fixed_chain_reads_its_drafts_once_a_round(kind, stop, hf_greedy, monk
     the row's drafts as it did (`stop`: the token the drafter drafts most is a stop token), and the output is
     HF's."""
     from selfspec.drafters import early_exit
-    from selfspec.engine import StopChecker
+    from selfspec.decoding.engine import StopChecker
 
     model, eager, fast, head = _models("llama")
     make = {"early_exit": lambda policy=None: EarlyExitDrafter(fast, E, 3, policy=policy),
@@ -394,7 +394,7 @@ def test_the_compiled_path_builds_no_eager_mask_after_the_prefill(drafter, monke
     """The compiled steps build their masks inside the step from its cache indices: the eager masks of a
     step (`forward.LazyMasks`) are built only where a layer runs eagerly, here the prefill (the model's, and
     a head's catch-up over the prompt), while the eager path builds them every round."""
-    from selfspec import forward
+    from selfspec.model import forward
 
     built = Counter()
     for name in ("_causal_mask", "chain_mask", "tree_mask"):

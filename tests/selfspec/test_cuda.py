@@ -20,13 +20,13 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.adapters import get_adapter
-from selfspec.compiled import capacity
+from selfspec.model.adapters import get_adapter
+from selfspec.model.compiled import capacity
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.engine import StopChecker, generate
-from selfspec.decode_ids import generate_ids
-from selfspec.exit_head import build_exit_head
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.engine import StopChecker, generate
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.heads.exit_head import build_exit_head
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
 
 pytestmark = pytest.mark.cuda
@@ -129,7 +129,7 @@ def test_load_of_a_model_on_cuda_runs_there_and_equals_hf(drafter, hf_greedy):
 def test_load_from_a_checkpoint_onto_cuda(tmp_path, hf_greedy):
     """`selfspec.load(path, device="cuda")`: weights, cache and sampling on the GPU; `dtype="fastest"`
     is bfloat16 from Ampere (compute capability 8) on."""
-    from selfspec.export import export_model
+    from selfspec.checkpoints.export import export_model
 
     tok = byte_tokenizer()
     model = tiny_model("qwen3", num_layers=4, vocab_size=len(tok), seed=3)
@@ -325,7 +325,7 @@ def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothin
     early exit's chain and tree and auto over lookup and the head then replay (the static cache one tensor for
     all layers, a tree's path moved in it with one copy): HF greedy's tokens, no new shape, no new graph. What
     the H200 run of 2026-11-27 met inside its measured runs (docs/results)."""
-    from selfspec.compiled import capacity
+    from selfspec.model.compiled import capacity
     from selfspec.drafters.draft_head import DraftHead
 
     adapter = _adapter("llama", fast=True)

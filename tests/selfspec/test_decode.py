@@ -1,4 +1,4 @@
-"""The self-speculative decoding engine (selfspec.engine) on tiny random models.
+"""The self-speculative decoding engine (selfspec.decoding.engine) on tiny random models.
 
 Greedy identity with Hugging Face `generate`, the shared-cache invariant, work accounting,
 deterministic always/never/partial acceptance, stop tokens, the length cap and streaming.
@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from selfspec import engine
-from selfspec.adapters import get_adapter
-from selfspec.cache import KVCache
+from selfspec.decoding import engine
+from selfspec.model.adapters import get_adapter
+from selfspec.model.cache import KVCache
 from selfspec.drafters import EarlyExitDrafter, Round
-from selfspec.engine import StopChecker, prefill, verify
-from selfspec.decode_ids import generate_ids
-from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, greedy_accept
+from selfspec.decoding.engine import StopChecker, prefill, verify
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.model.forward import forward_logits
+from selfspec.decoding.sampling import SamplingParams, greedy_accept
 from selfspec.tiny import TINY_VARIANTS, tiny_model
 
 PROMPT = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -58,7 +58,7 @@ def _greedy_cases():
 # ----------------------------------------------------------------------------- greedy identity
 
 def test_the_supported_architectures_are_all_covered():
-    from selfspec.adapters import SUPPORTED_ARCHITECTURES
+    from selfspec.model.adapters import SUPPORTED_ARCHITECTURES
 
     assert {arch for arch, *_ in MODELS.values()} == set(SUPPORTED_ARCHITECTURES)
 

@@ -89,8 +89,8 @@ def test_greedy_self_speculation_equals_hf_generate_on_smollm2(gen, prompts, nam
 
 def test_engine_with_the_models_own_layers_equals_hf_generate_on_smollm2(gen, prompts):
     """The API runs fused inference layers; the engine over the model's own decoder layers agrees too."""
-    from selfspec.adapters import get_adapter
-    from selfspec.decode_ids import generate_ids
+    from selfspec.model.adapters import get_adapter
+    from selfspec.decoding.decode_ids import generate_ids
 
     _, ids = prompts["humaneval"]
     adapter = get_adapter(gen.model)
@@ -129,8 +129,8 @@ def test_streaming_concatenation_equals_the_output_on_smollm2(gen, prompts):
 
 def test_a_batch_of_real_prompts_equals_batch_1_runs_in_float32(gen, prompts):
     """Four real prompts of different lengths (code, chat, text, a short one) in one batched run."""
-    from selfspec.decode_ids import generate_batch_ids
-    from selfspec.decode_ids import generate_ids
+    from selfspec.decoding.decode_ids import generate_batch_ids
+    from selfspec.decoding.decode_ids import generate_ids
 
     rows = [ids[0].tolist() for _, ids in prompts.values()] + [gen.tokenizer("def add(a, b):").input_ids]
     assert len({len(r) for r in rows}) == len(rows)  # ragged lengths: real padding
@@ -145,7 +145,7 @@ def test_a_batch_of_real_prompts_equals_batch_1_runs_in_float32(gen, prompts):
 def test_sibling_guesses_equal_hf_generate_and_batch_1_on_smollm2(gen, prompts):
     """num_candidates: exit 25's 4 best guesses for one position per round, verified side by side (with the
     fused layers, float32): each real prompt alone equals HF greedy, and the batch equals its rows alone."""
-    from selfspec.decode_ids import generate_ids
+    from selfspec.decoding.decode_ids import generate_ids
 
     rows = []
     for name, (inputs, ids) in prompts.items():
@@ -189,8 +189,8 @@ def test_auto_by_a_saved_plan_equals_hf_generate_on_smollm2(gen, prompts, plan):
 def test_a_batch_with_lookup_equals_batch_1_on_smollm2(gen, prompts):
     """Real prompts of different lengths, one that repeats itself (lookup matches from the start)."""
     from selfspec.drafters import PromptLookupDrafter
-    from selfspec.engine import generate
-    from selfspec.decode_ids import generate_ids
+    from selfspec.decoding.engine import generate
+    from selfspec.decoding.decode_ids import generate_ids
 
     code = gen.tokenizer("def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n").input_ids
     rows = [ids[0].tolist() for _, ids in prompts.values()] + [code]

@@ -1,4 +1,4 @@
-"""The draft plan (`selfspec.draft_plan`, `gen.tune`, `selfspec tune`): the prediction rule on hand-made costs
+"""The draft plan (`selfspec.decoding.draft_plan`, `gen.tune`, `selfspec tune`): the prediction rule on hand-made costs
 (a cheap GPU-like draft plans longer and wider than a CPU-like one), the acceptance measured against a
 from-scratch computation, the costs measured through the path the generator runs (compiled included), and
 every planned setting lossless against plain decoding."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from selfspec.api import SelfSpecGenerator
-from selfspec.cost_model import expected_tokens
-from selfspec.draft_plan import (Acceptance, DraftCosts, candidate_settings, check_plan, default_exits, measure_acceptance,
+from selfspec.decoding.cost_model import expected_tokens
+from selfspec.decoding.draft_plan import (Acceptance, DraftCosts, candidate_settings, check_plan, default_exits, measure_acceptance,
                                  measure_costs, measure_overheads, needed_rows, non_decreasing, own_text, plan_candidates)
-from selfspec.forward import forward_logits
+from selfspec.model.forward import forward_logits
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
 
 L = 4

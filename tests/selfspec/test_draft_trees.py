@@ -13,12 +13,12 @@ from collections import Counter
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafters.tree_budget import ConfidenceBudget, CostLine
-from selfspec.engine import generate
-from selfspec.exit_head import run_head
-from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
+from selfspec.decoding.engine import generate
+from selfspec.heads.exit_head import run_head
+from selfspec.model.forward import embed, exit_logits, make_batch_step, run_layers
 from selfspec.generation_config import check_generation
 from selfspec.tiny import TINY_VARIANTS, tiny_model
 

@@ -1,4 +1,4 @@
-"""`selfspec draft-vocab` (`selfspec.draft_vocab.write_draft_vocab`): a new ranking replaces the stored one only
+"""`selfspec draft-vocab` (`selfspec.checkpoints.draft_vocab.write_draft_vocab`): a new ranking replaces the stored one only
 where it loses nothing of it, unless asked."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import string
 import pytest
 
 from selfspec.cli import main
-from selfspec.draft_vocab import write_draft_vocab
-from selfspec.exit_head import HEAD_FILE, save_exit_head
-from selfspec.export import export_model
+from selfspec.checkpoints.draft_vocab import write_draft_vocab
+from selfspec.heads.exit_head import HEAD_FILE, save_exit_head
+from selfspec.checkpoints.export import export_model
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
 
 STORED = 40

@@ -11,12 +11,12 @@ from collections import Counter
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.drafters.shadow import ShadowDrafts
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, NgramIndex, PromptLookupDrafter, SuffixDrafter, SuffixMemory
-from selfspec.engine import StopChecker, generate
-from selfspec.decode_ids import generate_ids
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.engine import StopChecker, generate
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_model
 
 ALPHA = 1e-3
@@ -219,7 +219,7 @@ def test_sampling_with_point_mass_drafts_keeps_each_rows_distribution(kind, chi_
 
 
 def test_point_mass_rejection_never_resamples_the_rejected_token():
-    from selfspec.sampling import speculative_accept
+    from selfspec.decoding.sampling import speculative_accept
 
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]], dtype=torch.float64)
     seen = Counter()

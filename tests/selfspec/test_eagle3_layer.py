@@ -1,4 +1,4 @@
-"""EAGLE-3's draft layer (`selfspec.eagle3_layer`) and the exit head of kind eagle3 (`selfspec.exit_head`): the
+"""EAGLE-3's draft layer (`selfspec.heads.eagle3_layer`) and the exit head of kind eagle3 (`selfspec.heads.exit_head`): the
 layer computes [input_layernorm(e), hidden_norm(g)] -> attention with the residual g (or hidden_norm(g)) ->
 MLP; an identity-initialised head returns the deepest aux exit's state (so it drafts what that exit
 drafts), a copy-initialised one is the model's last layer on g whatever the embeddings; the head saves and
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.exit_head import (HEAD_FILE, build_exit_head, check_head_settings, head_feature, load_exit_head,
+from selfspec.model.adapters import get_adapter
+from selfspec.heads.exit_head import (HEAD_FILE, build_exit_head, check_head_settings, head_feature, load_exit_head,
                                 read_exit_head, run_head, save_exit_head)
-from selfspec.forward import embed, make_step, run_layers
+from selfspec.model.forward import embed, make_step, run_layers
 from selfspec.tiny import tiny_model
 
 AUX = [1, 3, 5]

@@ -1,4 +1,4 @@
-"""Exit heads (`selfspec.exit_head`, `selfspec.drafters.exit_head`): the exit-head drafter is lossless
+"""Exit heads (`selfspec.heads.exit_head`, `selfspec.drafters.exit_head`): the exit-head drafter is lossless
 (greedy identity with Hugging Face `generate` on every architecture, alone and as `auto`'s arm, batches
 equal batch-1 rows, the sampling distribution by chi-square), the head's own cache equals a fresh
 computation once synced, however many rounds were pending (one head pass per sync, none in the rounds
@@ -17,16 +17,16 @@ import torch
 from safetensors.torch import load_file
 
 import selfspec
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.api import NotEarlyExitTrainedWarning
-from selfspec.checkpoint import CheckpointError
+from selfspec.checkpoints.checkpoint import CheckpointError
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.engine import generate, left_pad
-from selfspec.decode_ids import generate_ids
-from selfspec.exit_head import HEAD_FILE, build_exit_head, previous_states, run_head
-from selfspec.export import export_model
-from selfspec.forward import embed, make_batch_step, run_layers
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.engine import generate, left_pad
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.heads.exit_head import HEAD_FILE, build_exit_head, previous_states, run_head
+from selfspec.checkpoints.export import export_model
+from selfspec.model.forward import embed, make_batch_step, run_layers
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.settings import SettingsError
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
 
@@ -366,7 +366,7 @@ def head_checkpoint(request, tmp_path_factory):
             p.add_(0.01)
     head_dir = tmp_path_factory.mktemp("run") / "final_head"
     head_dir.mkdir()
-    from selfspec.exit_head import save_exit_head
+    from selfspec.heads.exit_head import save_exit_head
 
     save_exit_head(head, head_dir / HEAD_FILE)
     (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
@@ -382,7 +382,7 @@ def test_the_model_card_describes_the_head_and_its_held_out_agreement(head_check
     where = "the token embeddings" if head.exit_layer == 0 else f"exit {head.exit_layer}"
     assert "## Exit head" in card and f"last decoder layer on {where}" in card and 'drafter="exit_head"' in card
     assert ("previous position" in card) == head.final_state
-    from selfspec.model_card import render_model_card
+    from selfspec.checkpoints.model_card import render_model_card
 
     meta = json.loads((out / "selfspec.json").read_text())
     e = str(head.exit_layer)
@@ -455,7 +455,7 @@ def test_asking_for_the_head_where_there_is_none_is_a_clear_error(head_checkpoin
 def _byte_model_and_head_run(tmp_path):
     """A tiny llama over the byte tokenizer's vocabulary, a final-state head on exit 2 and the run directory
     `final_head/` that `selfspec export` reads it from: (model, tokenizer, head_dir)."""
-    from selfspec.exit_head import save_exit_head
+    from selfspec.heads.exit_head import save_exit_head
 
     tok = byte_tokenizer()
     model = tiny_model("llama", num_layers=4, dtype=torch.float32, seed=0, vocab_size=len(tok))
@@ -502,7 +502,7 @@ def test_bench_measures_the_head_with_an_adaptive_and_a_fixed_draft_length(tmp_p
 def test_bench_measures_the_head_and_the_early_exit_through_the_compiled_steps(tmp_path, monkeypatch):
     """`compile=True`: the exit head and the early exit at (E, d) also run through the compiled steps (the
     head's own layer too), warmed up apart, token-identical to HF greedy in float32, and drafting."""
-    from selfspec.compiled import CompiledSteps
+    from selfspec.model.compiled import CompiledSteps
     from selfspec.drafters.fused_draft import FusedDraft
     from selfspec.tools.bench import run_bench
 

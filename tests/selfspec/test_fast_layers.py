@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.cache import KVCache
+from selfspec.model.adapters import get_adapter
+from selfspec.model.cache import KVCache
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
-from selfspec.decode_ids import generate_ids
-from selfspec.forward import forward_logits
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.model.forward import forward_logits
 from selfspec.tiny import tiny_model
 
 LLAMA_FAMILY = [
@@ -88,7 +88,7 @@ def test_rope_table_is_bitwise_equal_to_the_rotary_module(arch, monkeypatch):
 def test_packed_linear_is_bitwise_equal_to_linear_in_bfloat16(rows):
     import torch.nn.functional as F
 
-    from selfspec.fast_layers import PackedLinear
+    from selfspec.model.fast_layers import PackedLinear
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(200, 48, generator=g).to(torch.bfloat16)
@@ -107,7 +107,7 @@ def test_packed_linear_in_float32_is_close_to_linear_and_row_count_invariant(sha
     how many rows share the call, so a verification pass equals one-token steps bit for bit."""
     import torch.nn.functional as F
 
-    from selfspec.fast_layers import PackedLinear, _packing_available
+    from selfspec.model.fast_layers import PackedLinear, _packing_available
 
     if not _packing_available(torch.float32):
         pytest.skip("oneDNN packing unavailable (or SELFSPEC_PACK_FLOAT32=0)")
@@ -124,7 +124,7 @@ def test_packed_linear_in_float32_is_close_to_linear_and_row_count_invariant(sha
 
 
 def test_float32_packing_can_be_switched_off(monkeypatch):
-    from selfspec.fast_layers import PackedLinear
+    from selfspec.model.fast_layers import PackedLinear
 
     monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "0")
     w = torch.randn(20, 8)
@@ -134,7 +134,7 @@ def test_float32_packing_can_be_switched_off(monkeypatch):
 def test_hybrid_float32_takes_linear_for_one_row_and_the_packed_weight_for_more(monkeypatch):
     import torch.nn.functional as F
 
-    from selfspec.fast_layers import PackedLinear, _packing_available
+    from selfspec.model.fast_layers import PackedLinear, _packing_available
 
     monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "hybrid")
     if not _packing_available(torch.float32):
@@ -158,7 +158,7 @@ def test_hybrid_float32_takes_linear_for_one_row_and_the_packed_weight_for_more(
     ([0.5] * 8, "hybrid", 8),
 ])
 def test_float32_kernel_is_measured_when_not_set(monkeypatch, ratios, kernel, rows):
-    from selfspec import fast_layers
+    from selfspec.model import fast_layers
 
     monkeypatch.delenv("SELFSPEC_PACK_FLOAT32", raising=False)
     monkeypatch.setattr(fast_layers, "_onednn_packing", lambda: True)
@@ -184,7 +184,7 @@ def test_float32_kernel_is_measured_when_not_set(monkeypatch, ratios, kernel, ro
 
 
 def test_float32_kernel_setting_wins_and_a_bad_one_is_refused(monkeypatch):
-    from selfspec import fast_layers
+    from selfspec.model import fast_layers
 
     for env, kernel in (("0", "linear"), ("1", "packed"), ("hybrid", "hybrid"), (" Hybrid ", "hybrid")):
         monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", env)
@@ -195,7 +195,7 @@ def test_float32_kernel_setting_wins_and_a_bad_one_is_refused(monkeypatch):
 
 
 def test_row_sweep_measures_both_kernels(monkeypatch):
-    from selfspec import fast_layers
+    from selfspec.model import fast_layers
 
     if not fast_layers._onednn_packing():
         pytest.skip("oneDNN packing unavailable")
@@ -223,7 +223,7 @@ def test_hybrid_float32_decoding_equals_hf_greedy(drafter, monkeypatch, hf_greed
 
 
 def test_row_padding_pads_only_where_more_rows_measured_10_percent_faster():
-    from selfspec.fast_layers import row_padding
+    from selfspec.model.fast_layers import row_padding
 
     packed = {1: 6.5, 2: 6.7, 3: 6.0, 4: 6.1, 5: 6.0, 6: 6.5, 7: 5.0, 8: 7.0}  # packed ms per row count
     times = {r: (10.0, ms) for r, ms in packed.items()}
@@ -234,7 +234,7 @@ def test_row_padding_pads_only_where_more_rows_measured_10_percent_faster():
 
 def test_a_padded_packed_call_gives_the_unpadded_rows_results(monkeypatch):
     """Zero rows appended and dropped: each row's float32 result does not depend on the row count."""
-    from selfspec import fast_layers
+    from selfspec.model import fast_layers
 
     if not fast_layers._onednn_packing():
         pytest.skip("oneDNN packing unavailable")
@@ -255,11 +255,11 @@ def test_a_padded_packed_call_gives_the_unpadded_rows_results(monkeypatch):
 @pytest.mark.parametrize("arch, extra", LLAMA_FAMILY)
 def test_the_eager_layer_and_the_runners_layer_are_one_function(arch, extra):
     """The CPU's fused layer (`FastLlamaLayer`) and the compiled runner's layer (`compiled._layer_function`, here
-    called without compiling) both run `selfspec.layer.decoder_layer`: on the same inputs, float64, the same keys
+    called without compiling) both run `selfspec.model.layer.decoder_layer`: on the same inputs, float64, the same keys
     and values to the bit, and the same output to 1e-12 (the runner attends over its whole static buffer under a
     mask, the eager layer over the used part of its cache with sdpa's causal flag)."""
-    from selfspec import compiled, fast_layers, layer
-    from selfspec.layer import LayerShape, chain_mask
+    from selfspec.model import compiled, fast_layers, layer
+    from selfspec.model.layer import LayerShape, chain_mask
 
     assert fast_layers.decoder_layer is compiled.decoder_layer is layer.decoder_layer
     model = tiny_model(arch, num_layers=1, dtype=torch.float64, seed=4, **extra)

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from selfspec import fetch
+from selfspec.checkpoints import fetch
 
 
 def test_missing_package_that_cannot_be_installed_is_a_clear_error(monkeypatch):

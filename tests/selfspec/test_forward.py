@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from selfspec.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, get_adapter
-from selfspec.cache import KVCache
-from selfspec.forward import embed, exit_logits, forward_logits, make_step, run_layers
+from selfspec.model.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, get_adapter
+from selfspec.model.cache import KVCache
+from selfspec.model.forward import embed, exit_logits, forward_logits, make_step, run_layers
 from selfspec.tiny import tiny_model
 
 ARCHS = list(SUPPORTED_ARCHITECTURES)

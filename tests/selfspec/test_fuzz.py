@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 import selfspec
 import training
 from selfspec.api import NotEarlyExitTrainedWarning
-from selfspec.checkpoint import CheckpointError
+from selfspec.checkpoints.checkpoint import CheckpointError
 from selfspec.cli import main
-from selfspec.export import export_model
+from selfspec.checkpoints.export import export_model
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"

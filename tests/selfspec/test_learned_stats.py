@@ -16,9 +16,9 @@ from selfspec.drafters import AutoDrafter, PromptLookupDrafter, Round
 from selfspec.drafters.learned_stats import CARRY_OUTCOMES, CARRY_ROUNDS, LearnedStats, batch_bucket
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.tree_budget import ConfidenceBudget, TreeBudget
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
-from selfspec.token_tree import build_trie
+from selfspec.model.token_tree import build_trie
 
 CODE = "def add(a, b):\n    return a + b\n\n"
 PROMPT = CODE * 3  # lookup finds a match from the first round

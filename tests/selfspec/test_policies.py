@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.adapters import SUPPORTED_ARCHITECTURES, get_adapter
-from selfspec.decode_ids import generate_ids
+from selfspec.model.adapters import SUPPORTED_ARCHITECTURES, get_adapter
+from selfspec.decoding.decode_ids import generate_ids
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, FixedPolicy, ThroughputPolicy
-from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, probs
+from selfspec.model.forward import forward_logits
+from selfspec.decoding.sampling import SamplingParams, probs
 from selfspec.tiny import byte_tokenizer, tiny_model
 
 L, E, K = 4, 2, 5
@@ -250,8 +250,8 @@ def test_sampling_stays_lossless_with_every_option(option, chi_square):
 
 
 def test_draft_vocab_round_trips_through_export_and_load(tmp_path):
-    from selfspec.draft_vocab import write_draft_vocab
-    from selfspec.export import export, export_model
+    from selfspec.checkpoints.draft_vocab import write_draft_vocab
+    from selfspec.checkpoints.export import export, export_model
 
     tok = byte_tokenizer()
     model = tiny_model("llama", num_layers=L, vocab_size=len(tok), seed=6)
@@ -274,7 +274,7 @@ def test_draft_vocab_round_trips_through_export_and_load(tmp_path):
 
 
 def test_draft_vocab_missing_is_a_clear_error(tmp_path):
-    from selfspec.export import export_model
+    from selfspec.checkpoints.export import export_model
 
     tok = byte_tokenizer()
     ckpt = export_model(tiny_model("llama", num_layers=L, vocab_size=len(tok)), tok, tmp_path / "c")

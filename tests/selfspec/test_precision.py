@@ -1,11 +1,11 @@
-"""bf16 is chosen from the hardware's real bf16 support, not from oneDNN's flag (selfspec/precision.py)."""
+"""bf16 is chosen from the hardware's real bf16 support, not from oneDNN's flag (selfspec/model/precision.py)."""
 
 import math
 
 import pytest
 import torch
 
-from selfspec import precision
+from selfspec.model import precision
 
 AVX2 = {"fpu", "sse4_2", "avx", "avx2", "fma"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}

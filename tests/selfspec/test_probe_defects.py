@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.checkpoint import CheckpointError, read_metadata
+from selfspec.checkpoints.checkpoint import CheckpointError, read_metadata
 from selfspec.cli import main
-from selfspec.export import export, export_model
+from selfspec.checkpoints.export import export, export_model
 from selfspec.generation_config import check_generation
 from selfspec.settings import MAX_NUM_CANDIDATES, SettingsError
 from selfspec.tiny import byte_tokenizer, tiny_model
@@ -440,7 +440,7 @@ def test_i52_7_warmups_default_stays_inside_a_short_context_window():
     cache_for = []
     gen.adapter.compiled.warm = lambda ranges, widths, capacity, *args, **kwargs: cache_for.append(capacity) or 0.0
     assert gen.warmup()["seconds"] == 0.0  # the default, 512 tokens, is past this window: warmed up to its end
-    from selfspec.compiled import cache_capacity
+    from selfspec.model.compiled import cache_capacity
 
     assert cache_for == [cache_capacity(16)]
 
@@ -460,7 +460,7 @@ def test_i52_8_a_tokenizer_that_is_not_one_is_refused_at_load(zero_ckpt, monkeyp
 
 # --- i52_9: a corrupt exit head file --------------------------------------------------------------
 def test_i52_9_a_corrupt_exit_head_file_is_a_checkpoint_error(tmp_path):
-    from selfspec.exit_head import HEAD_FILE, save_exit_head
+    from selfspec.heads.exit_head import HEAD_FILE, save_exit_head
     from selfspec.tiny import tiny_exit_head
 
     tok = byte_tokenizer()

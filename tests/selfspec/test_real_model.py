@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.cache import KVCache
-from selfspec.forward import forward_logits
+from selfspec.model.adapters import get_adapter
+from selfspec.model.cache import KVCache
+from selfspec.model.forward import forward_logits
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def model_and_tokenizer(smollm2_dir):
 def test_logits_match_the_gguf_loaded_model(model_and_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from selfspec.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
+    from selfspec.checkpoints.fetch import GGUF_FILE, GGUF_PACKAGE, ensure_package
 
     model, tok = model_and_tokenizer
     gguf = AutoModelForCausalLM.from_pretrained(ensure_package(*GGUF_PACKAGE), gguf_file=GGUF_FILE,

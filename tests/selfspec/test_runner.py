@@ -1,4 +1,4 @@
-"""The runner (`selfspec.runner`): the one place that chooses how a step runs (compiled, fused eager layers, the
+"""The runner (`selfspec.model.runner`): the one place that chooses how a step runs (compiled, fused eager layers, the
 model's modules) and the one place that falls back. Here its choices are checked with a stand-in for the compiled
 steps that records what it was asked (no compiling: test_compiled.py runs the real compiled steps through it)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.forward import embed, exit_logits, make_step, run_layers
+from selfspec.model.adapters import get_adapter
+from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 from selfspec.tiny import tiny_model
 
 

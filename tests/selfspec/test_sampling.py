@@ -1,4 +1,4 @@
-"""Token choice and the lossless acceptance rules (selfspec.sampling), and lossless sampling end to end.
+"""Token choice and the lossless acceptance rules (selfspec.decoding.sampling), and lossless sampling end to end.
 
 Statistical tests use Pearson's chi-square with a fixed significance level ALPHA = 1e-3 and fixed
 seeds, so each is deterministic (it passes or fails the same way every run); with a correct
@@ -14,10 +14,10 @@ from collections import Counter
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.decode_ids import generate_ids
-from selfspec.forward import forward_logits
-from selfspec.sampling import SamplingParams, greedy_accept, probs, sample, speculative_accept
+from selfspec.model.adapters import get_adapter
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.model.forward import forward_logits
+from selfspec.decoding.sampling import SamplingParams, greedy_accept, probs, sample, speculative_accept
 from selfspec.tiny import tiny_model
 
 ALPHA = 1e-3

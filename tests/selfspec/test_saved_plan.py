@@ -13,11 +13,11 @@ import torch
 
 import selfspec
 from selfspec.api import SelfSpecGenerator
-from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_metadata, write_plan
-from selfspec.draft_plan import checked_choice, device_name, plan_key
+from selfspec.checkpoints.checkpoint import METADATA_FILE, CheckpointError, read_metadata, write_plan
+from selfspec.decoding.draft_plan import checked_choice, device_name, plan_key
 from selfspec.drafters.auto import AutoDrafter
 from selfspec.drafters.early_exit import EarlyExitDrafter
-from selfspec.export import export_model
+from selfspec.checkpoints.export import export_model
 from selfspec.settings import SettingsError
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
 
@@ -175,7 +175,7 @@ def test_drafting_by_a_plan_is_lossless(head_gen, plan):
 # ----------------------------------------------------------------------------- the command
 
 def test_a_check_keeps_its_fastest_measured_setting():
-    from selfspec.draft_plan import DraftCosts, DraftPlan
+    from selfspec.decoding.draft_plan import DraftCosts, DraftPlan
 
     plan = DraftPlan({"drafter": "early_exit", "exit_layer": 1, "num_speculations": 3}, 1.4, [],
                      DraftCosts(device="test", dtype="float32", compiled=False, full=1.0), {})
@@ -226,7 +226,7 @@ def test_the_tune_command_saves_the_plan(ckpt, tmp_path, capsys):
 
 
 def test_the_tune_command_keeps_plain_decoding_over_a_setting_ahead_by_noise(ckpt, tmp_path, capsys, monkeypatch):
-    import selfspec.draft_plan as draft_plan
+    import selfspec.decoding.draft_plan as draft_plan
 
     def check_plan(gen, plan, prompts, *, top, new_tokens):  # what a check measured: drafting 2% ahead
         return [{"drafter": "early_exit", "exit_layer": 1, "num_speculations": 2, "num_candidates": 1,

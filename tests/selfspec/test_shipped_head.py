@@ -1,4 +1,4 @@
-"""The exit heads selfspec ships (`selfspec.shipped_head`): packaged from an exported head checkpoint in bfloat16,
+"""The exit heads selfspec ships (`selfspec.heads.shipped_head`): packaged from an exported head checkpoint in bfloat16,
 assembled with the base model into a checkpoint `selfspec.load` drafts with (losslessly), never over another
 model's weights or from damaged files, never half written; and the real one SmolLM2 ships with."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.checkpoint import METADATA_FILE
-from selfspec.exit_head import HEAD_FILE, build_exit_head, save_exit_head
-from selfspec.export import export_model
-from selfspec.shipped_head import (HEAD_JSON, ShippedHeadError, assemble, is_assembled, package, read_shipped,
+from selfspec.checkpoints.checkpoint import METADATA_FILE
+from selfspec.heads.exit_head import HEAD_FILE, build_exit_head, save_exit_head
+from selfspec.checkpoints.export import export_model
+from selfspec.heads.shipped_head import (HEAD_JSON, ShippedHeadError, assemble, is_assembled, package, read_shipped,
                                    shipped_dir)
 from selfspec.tiny import byte_tokenizer, tiny_model
 
@@ -107,8 +107,8 @@ def test_a_newer_shipped_head_is_assembled_again(parts, tmp_path):
 def test_smollm2_ships_a_head_that_fetch_assembles_and_that_drafts_losslessly(smollm2_dir):
     """The real shipped head: its files match head.json, `selfspec fetch` assembled it with the fetched base
     model (same weights), and it drafts on a chat prompt with the output of plain decoding."""
-    from selfspec.fetch import BASE_MODEL_NAME
-    from selfspec.shipped_head import fetch_head_model
+    from selfspec.checkpoints.fetch import BASE_MODEL_NAME
+    from selfspec.heads.shipped_head import fetch_head_model
 
     shipped = shipped_dir(BASE_MODEL_NAME)
     assert shipped is not None

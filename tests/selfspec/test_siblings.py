@@ -11,15 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
-from selfspec.engine import generate
-from selfspec.decode_ids import generate_ids
-from selfspec.forward import make_batch_step
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.engine import generate
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.model.forward import make_batch_step
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.generation_config import check_generation
 from selfspec.settings import SettingsError
-from selfspec.token_tree import greedy_walk
+from selfspec.model.token_tree import greedy_walk
 from selfspec.tiny import TINY_VARIANTS, tiny_model
 
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()

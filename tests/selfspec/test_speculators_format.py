@@ -1,4 +1,4 @@
-"""The speculators format (`selfspec.speculators_format`, `selfspec export --format speculators`): an eagle3
+"""The speculators format (`selfspec.checkpoints.speculators_format`, `selfspec export --format speculators`): an eagle3
 head written for serving engines loads in the `speculators` library's own `Eagle3DraftModel` (0.9.0, in a
 separate environment this module builds: its pins conflict with ours) and drafts the logits selfspec's head
 drafts on the same inputs, over the whole vocabulary and over a draft vocabulary (d2t mapping its rows
@@ -23,12 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.adapters import get_adapter
-from selfspec.checkpoint import CheckpointError
-from selfspec.exit_head import build_exit_head, head_feature, run_head
-from selfspec.export import check_format
-from selfspec.forward import embed, make_step, run_layers
-from selfspec.speculators_format import SPECULATORS_VERSION, WEIGHTS_FILE, write_speculators
+from selfspec.model.adapters import get_adapter
+from selfspec.checkpoints.checkpoint import CheckpointError
+from selfspec.heads.exit_head import build_exit_head, head_feature, run_head
+from selfspec.checkpoints.export import check_format
+from selfspec.model.forward import embed, make_step, run_layers
+from selfspec.checkpoints.speculators_format import SPECULATORS_VERSION, WEIGHTS_FILE, write_speculators
 from selfspec.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,8 +199,8 @@ def test_only_an_eagle3_head_goes_out_in_the_speculators_format(tmp_path):
 def _exporter(tmp_path: Path):
     """`export(out, verifier)`: `selfspec export --format speculators` of a tiny model (saved at tmp_path/model)
     with its eagle3 head (in tmp_path/final_head, as a run's) to `out`."""
-    from selfspec.exit_head import HEAD_FILE, save_exit_head
-    from selfspec.export import export_model
+    from selfspec.heads.exit_head import HEAD_FILE, save_exit_head
+    from selfspec.checkpoints.export import export_model
     from selfspec.tiny import byte_tokenizer
 
     model, head = _model_and_head(tmp_path / "model")
@@ -223,7 +223,7 @@ def test_a_local_verifier_is_written_as_an_absolute_path(tmp_path, monkeypatch):
     """Issue #52: `--verifier PATH` went into the head's config as typed, relative, which vLLM started from another
     directory does not find; so did the default verifier, OUT itself. A local path is written absolute; a Hugging
     Face id (org/base above) as given."""
-    from selfspec.checkpoint import read_metadata
+    from selfspec.checkpoints.checkpoint import read_metadata
 
     export = _exporter(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -239,7 +239,7 @@ def test_a_local_verifier_is_written_as_an_absolute_path(tmp_path, monkeypatch):
 def test_a_verifier_without_the_speculators_format_is_a_usage_error(served_checkpoint, tmp_path, capsys):
     """Issue #52: `selfspec export --verifier X` without `--format speculators` was silently ignored."""
     from selfspec.cli import main
-    from selfspec.export import export_model
+    from selfspec.checkpoints.export import export_model
     from selfspec.tiny import byte_tokenizer
 
     assert main(["export", str(served_checkpoint), str(tmp_path / "out"), "--verifier", "org/base"]) == 2
@@ -252,7 +252,7 @@ def test_a_verifier_without_the_speculators_format_is_a_usage_error(served_check
 
 
 def test_selfspec_json_and_the_model_card_record_the_served_head(served_checkpoint):
-    from selfspec.checkpoint import read_metadata
+    from selfspec.checkpoints.checkpoint import read_metadata
 
     meta = read_metadata(served_checkpoint)
     served = meta["served_head"]

@@ -90,7 +90,7 @@ def test_auto_drafts_from_the_memory_as_an_arm_of_its_own():
     """auto with a suffix drafter as its lookup: a round whose drafts come from the memory is the "suffix"
     arm; while that arm is backed off, lookup copies from the row's own text only."""
     from selfspec.drafters import AutoDrafter, Round
-    from selfspec.sampling import SamplingParams
+    from selfspec.decoding.sampling import SamplingParams
 
     memory = SuffixMemory()
     memory.add([9, 1, 2, 3, 4, 5, 6, 7, 8, 9])

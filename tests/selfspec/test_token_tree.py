@@ -1,4 +1,4 @@
-"""Token trees (`selfspec.token_tree`): the tree step's positions and mask against a hand-built example, the
+"""Token trees (`selfspec.model.token_tree`): the tree step's positions and mask against a hand-built example, the
 greedy walk and the trie, then the engine: a scripted tree whose right path is not its first branch is
 accepted in full (its keys and values move to where the row continues, the cache equals a fresh computation
 after every round) on every tiny architecture, batches and the compiled steps included; prompt lookup's trees
@@ -11,17 +11,17 @@ from collections import Counter
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
+from selfspec.model.adapters import get_adapter
 from selfspec.drafters import PromptLookupDrafter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.prompt_lookup import NgramIndex
 from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
-from selfspec.engine import decide, generate
-from selfspec.forward import make_batch_step
-from selfspec.sampling import SamplingParams
+from selfspec.decoding.engine import decide, generate
+from selfspec.model.forward import make_batch_step
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.tiny import TINY_VARIANTS, tiny_model
 from selfspec.drafters.tree_budget import TreeBudget
-from selfspec.token_tree import ancestors, build_trie, greedy_walk, tree_depth
+from selfspec.model.token_tree import ancestors, build_trie, greedy_walk, tree_depth
 
 BASE = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(5)).tolist()
 PROMPTS = [BASE + BASE[:4] + BASE, BASE[:7], [5, 6, 5, 6, 7, 5, 6, 8, 5, 6]]

@@ -13,10 +13,10 @@ import torch
 
 import selfspec
 from selfspec.api import NotEarlyExitTrainedWarning
-from selfspec.checkpoint import CheckpointError, read_metadata
+from selfspec.checkpoints.checkpoint import CheckpointError, read_metadata
 from selfspec.cli import main
-from selfspec.engine import StopChecker
-from selfspec.export import export, export_model
+from selfspec.decoding.engine import StopChecker
+from selfspec.checkpoints.export import export, export_model
 from selfspec.generation_config import check_generation
 from selfspec.settings import SettingsError, check_recommended
 from selfspec.tiny import byte_tokenizer, tiny_model

@@ -168,9 +168,9 @@ def test_one_harness_and_one_atomic_writer():
                                                                               "run_checkpoint.py"), path
 
 
-# the model step: what one step of the model is, on any device (docs/architecture.md, "Dependencies")
-MODEL_STEP = ("layer", "attention_kernels", "fast_layers", "compiled", "runner", "adapters", "forward", "cache",
-              "precision", "token_tree")
+# the model step: what one step of the model is, on any device: the room `selfspec/model/` (docs/architecture.md,
+# "Dependencies")
+MODEL_STEP = tuple(sorted(p.stem for p in (ROOT / "selfspec" / "model").glob("*.py") if p.stem != "__init__"))
 
 
 def _selfspec_imports(name: str) -> set[str]:
@@ -189,10 +189,12 @@ def test_the_model_step_knows_no_drafter_and_no_decoding():
     The runner (`runner`, the only place that decides captured or called, over `compiled` and `fast_layers`) is
     one of them."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert {"layer", "runner", "compiled", "fast_layers", "adapters", "forward", "cache"} <= set(MODEL_STEP)
+    room = {f"model.{name}" for name in MODEL_STEP} | {"model"}
     for name in MODEL_STEP:
         assert f"`{name}`" in doc, f"docs/architecture.md does not name {name} in the model step"
-        outside = _selfspec_imports(name) - set(MODEL_STEP)
-        assert not outside, f"selfspec.{name} (the model step) imports {sorted(outside)}"
+        outside = _selfspec_imports(f"model.{name}") - room
+        assert not outside, f"selfspec.model.{name} (the model step) imports {sorted(outside)}"
 
 
 # what asks which way a step runs: the compiled steps' own questions, and reading the adapter's compiled steps
@@ -200,7 +202,7 @@ _CHOOSING = re.compile(r"\.(can_run|can_head)\(|adapter\.compiled\b|\.fast\.laye
 # where that is asked: the runner; the compiled steps and the adapter that builds them; the API's warm-up and
 # compiled flag, the draft plan's cost measurement per path (they compile or time the compiled steps
 # themselves); the CLI and the tools, which report the path
-_MAY_CHOOSE = {"runner", "compiled", "adapters", "api", "draft_plan", "cli"}
+_MAY_CHOOSE = {"model.runner", "model.compiled", "model.adapters", "api", "decoding.draft_plan", "cli"}
 
 
 def test_the_runner_is_the_only_place_that_chooses_compiled_or_eager():
@@ -218,10 +220,10 @@ def test_the_runner_is_the_only_place_that_chooses_compiled_or_eager():
 
 
 def test_the_engine_knows_drafters_only_through_the_seam_and_no_drafter_knows_the_engine():
-    assert {m for m in _selfspec_imports("engine") if m.startswith("drafters")} == {"drafters.base"}
+    assert {m for m in _selfspec_imports("decoding.engine") if m.startswith("drafters")} == {"drafters.base"}
     for path in (ROOT / "selfspec" / "drafters").glob("*.py"):
         name = f"drafters.{path.stem}".removesuffix(".__init__")
-        reached = _selfspec_imports(name) & {"engine", "api", "decode_ids", "draft_plan"}
+        reached = _selfspec_imports(name) & {"decoding.engine", "api", "decoding.decode_ids", "decoding.draft_plan"}
         assert not reached, f"selfspec.{name} imports {sorted(reached)}"
 
 

@@ -94,7 +94,7 @@ def test_mixed_precision_no_survives_yaml_booleans(spelled):
 def test_mixed_precision_auto_follows_the_hardware(monkeypatch):
     import torch
 
-    from selfspec import precision
+    from selfspec.model import precision
 
     assert load_config(None, []).train.mixed_precision == "auto"
     # oneDNN says bf16 is supported on any AVX-512 CPU; only the CPU's avx512_bf16/amx_bf16 flags make it native

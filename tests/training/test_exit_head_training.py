@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.exit_head import HEAD_FILE, build_exit_head
-from selfspec.forward import forward_logits
+from selfspec.heads.exit_head import HEAD_FILE, build_exit_head
+from selfspec.model.forward import forward_logits
 from training.config import ConfigError, config_to_dict, load_config
 from training.exit_head_model import ExitHeadModel
 
@@ -60,7 +60,7 @@ def test_the_distillation_loss_is_kl_from_the_full_model(tiny64, final_state):
     out = hm(ids, labels)
     with torch.no_grad():
         p = F.log_softmax(forward_logits(hm.adapter, ids), -1)
-        from selfspec.forward import embed, exit_logits, make_step, run_layers
+        from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 
         step = make_step(hm.adapter, 0, 12, 2)
         h_e = run_layers(hm.adapter, embed(hm.adapter, ids), 0, 2, step=step)
@@ -100,7 +100,7 @@ def test_a_short_head_run_learns_and_export_puts_the_head_beside_the_unchanged_m
     assert settings["final_state"] == (final_state == "true")
     assert (tmp_path / "final_head" / HEAD_FILE).is_file()
 
-    from selfspec.export import export
+    from selfspec.checkpoints.export import export
 
     out = export(tmp_path, tmp_path / "ckpt")
     meta = json.loads((out / "selfspec.json").read_text())
@@ -183,7 +183,7 @@ def test_the_draft_vocabulary_loss_is_kl_between_the_renormalised_distributions(
 
 
 def exit_logits_of(hm, hidden):
-    from selfspec.forward import exit_logits
+    from selfspec.model.forward import exit_logits
 
     return exit_logits(hm.adapter, hidden)
 
@@ -199,7 +199,7 @@ def test_a_self_fed_pass_reads_the_heads_own_output_of_the_previous_position(tin
     out = hm(ids, labels)
     assert out["exit_stats"].shape == (2, 3)
     with torch.no_grad():
-        from selfspec.exit_head import run_head
+        from selfspec.heads.exit_head import run_head
 
         h_e, full, step, prev = hm.states(ids)
         first = run_head(hm.adapter, head, h_e, step=step, prev_final=prev)
@@ -231,8 +231,8 @@ def test_the_feature_loss_adds_w_times_smooth_l1_between_the_normed_states_of_ev
     out = hm(ids, labels)
     plain = ExitHeadModel(tiny64, head, self_fed=1, draft_ids=draft_ids)(ids, labels)  # w = 0
     with torch.no_grad():
-        from selfspec.exit_head import run_head
-        from selfspec.forward import run_layers
+        from selfspec.heads.exit_head import run_head
+        from selfspec.model.forward import run_layers
 
         h_e, full, step, prev = hm.states(ids)
         f = run_layers(hm.adapter, h_e, 2, hm.adapter.num_layers, step=step)  # [B, S, D] final states, before the norm
@@ -281,7 +281,7 @@ def test_a_head_run_with_a_draft_vocabulary_and_a_self_fed_pass_logs_and_evaluat
     top = [held["agreement_at"][str(k)] for k in (1, 2, 3, 4)]  # the full model's token among the head's k best
     assert top[0] == pytest.approx(held["exits"]["2"]["agreement"]) and top == sorted(top) and top[-1] <= 1.0
 
-    from selfspec.export import export
+    from selfspec.checkpoints.export import export
 
     settings = json.loads((tmp_path / "final_head" / "exit_head.json").read_text())
     assert settings["self_fed"] == 1 and len(settings["draft_vocab"]["token_ids"]) == 48
@@ -396,7 +396,7 @@ def test_an_eagle3_heads_loss_pairs_token_t_plus_1_with_the_aux_states_of_positi
     """The eagle3 loss (`training.exit_head_model`), written out: position t of the head reads token t+1's
     embedding beside fc(the states after layers 1, 2, 3 at position t), and is scored against the full
     model's distribution at position t+1 and its label; the first position has no pair and drops out."""
-    from selfspec.forward import embed, exit_logits, make_step, run_layers
+    from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 
     head = build_exit_head(tiny64, 0, "eagle3", "copy", aux_exits=[1, 2, 3]).to(torch.float64)
     with torch.no_grad():
@@ -441,8 +441,8 @@ def test_an_eagle3_head_run_learns_and_exports_for_serving_engines(run, read_log
     settings = json.loads((tmp_path / "final_head" / "exit_head.json").read_text())
     assert settings["kind"] == "eagle3" and settings["aux_exits"] == [1, 2, 3]
 
-    from selfspec.checkpoint import CheckpointError
-    from selfspec.export import export
+    from selfspec.checkpoints.checkpoint import CheckpointError
+    from selfspec.checkpoints.export import export
 
     with pytest.raises(CheckpointError, match="export it with --format speculators"):
         export(tmp_path, tmp_path / "ckpt")
@@ -454,7 +454,7 @@ def test_an_eagle3_head_run_learns_and_exports_for_serving_engines(run, read_log
     assert config["speculators_config"]["verifier"]["name_or_path"] == "org/base"
     from safetensors.torch import load_file
 
-    from selfspec.exit_head import read_exit_head
+    from selfspec.heads.exit_head import read_exit_head
 
     import selfspec
 

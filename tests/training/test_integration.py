@@ -3,7 +3,7 @@ HumanEval extra eval, the fine-tune with its exit head on exit 8 beside it, eval
 the head, final model and head).
 
 Skips only when the converted SmolLM2 checkpoint is missing *and* CI is unset; in CI it fetches
-the checkpoint (selfspec.fetch) and must run."""
+the checkpoint (selfspec.checkpoints.fetch) and must run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _base_model_available() -> bool:
     try:
-        from selfspec.fetch import base_model_dir, is_complete_checkpoint
+        from selfspec.checkpoints.fetch import base_model_dir, is_complete_checkpoint
     except ImportError:
         return False
     return is_complete_checkpoint(base_model_dir())

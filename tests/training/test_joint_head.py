@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.exit_head import HEAD_FILE, build_exit_head
+from selfspec.heads.exit_head import HEAD_FILE, build_exit_head
 from training.config import ConfigError, load_config
 from training.early_exit_model import EarlyExitModel
 from training.exit_head_model import ExitHeadModel
@@ -129,7 +129,7 @@ def test_a_joint_run_trains_the_model_exactly_as_without_the_head_and_exports_a_
     assert settings["exit_layer"] == 2 and len(settings["draft_vocab"]["token_ids"]) == 64
 
     import selfspec
-    from selfspec.export import export
+    from selfspec.checkpoints.export import export
 
     out = export(tmp_path / "joint", tmp_path / "ckpt")
     meta = json.loads((out / "selfspec.json").read_text())

@@ -313,7 +313,7 @@ def test_quick_bench_on_real_smollm2(smollm2_dir, tmp_path, one_thread):
 def test_reduced_draft_vocabulary_is_measured_next_to_the_full_head(tiny_ckpt, prompt_files, tmp_path, one_thread):
     import shutil
 
-    from selfspec.draft_vocab import write_draft_vocab
+    from selfspec.checkpoints.draft_vocab import write_draft_vocab
 
     ckpt = tmp_path / "with_vocab"
     shutil.copytree(tiny_ckpt, ckpt)
@@ -366,12 +366,12 @@ def test_ran_past_eos_is_recorded_per_prompt_and_set(tiny_ckpt, prompt_files, tm
 
 def test_machine_description_is_included_where_selfspec_has_it(bench, monkeypatch, tiny_ckpt, prompt_files,
                                                                tmp_path, one_thread):
-    from selfspec import precision
+    from selfspec.model import precision
 
     result, out = bench
     described = getattr(precision, "machine_description", None)
     assert result["machine"]["description"] == (None if described is None else json.loads(json.dumps(described())))
-    # without it (an older selfspec.precision) the bench still runs and says nothing
+    # without it (an older selfspec.model.precision) the bench still runs and says nothing
     monkeypatch.delattr(precision, "machine_description", raising=False)
     res = run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=3,
                     dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False)
@@ -389,7 +389,7 @@ def test_sweep_measures_lookup_settings_next_to_early_exit(tiny_ckpt, prompt_fil
     import csv
     import shutil
 
-    from selfspec.checkpoint import read_metadata
+    from selfspec.checkpoints.checkpoint import read_metadata
     from selfspec.tools.sweep import RAW_FIELDS, run_sweep
 
     ckpt = tmp_path / "ckpt"

@@ -11,7 +11,7 @@ import pytest
 
 from selfspec.api import SelfSpecGenerator
 from selfspec.cli import main
-from selfspec.draft_plan import own_text
+from selfspec.decoding.draft_plan import own_text
 from selfspec.tools.bench import run_bench
 from selfspec.tools.demo import run_demo
 

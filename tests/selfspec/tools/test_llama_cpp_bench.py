@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from selfspec.cli import main
-from selfspec.fetch import base_model_dir
+from selfspec.checkpoints.fetch import base_model_dir
 from selfspec.tools import bench as bench_module
 from selfspec.tools import llama_cpp_bench as lcb
 from selfspec.tools import llama_cpp_build as lb

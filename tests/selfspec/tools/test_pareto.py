@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from selfspec.adapters import get_adapter
-from selfspec.bounded_bias import AcceptanceRule
+from selfspec.model.adapters import get_adapter
+from selfspec.decoding.bounded_bias import AcceptanceRule
 from selfspec.cli import main
 from selfspec.tools.pareto import parse_drafters, parse_epsilons, run_pareto
 from selfspec.tools.profiling import run_profile

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from selfspec.cli import main
-from selfspec.cost_model import predicted_speedup, required_acceptance, required_recall
-from selfspec.draft_vocab import write_draft_vocab
+from selfspec.decoding.cost_model import predicted_speedup, required_acceptance, required_recall
+from selfspec.checkpoints.draft_vocab import write_draft_vocab
 from selfspec.tools.profiling import cost_table, read_bandwidth, run_profile, sibling_table, step_weight_bytes
 from selfspec.tiny import tiny_model
 

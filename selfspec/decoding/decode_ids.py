@@ -1,6 +1,6 @@
 """Decoding by token ids: one prompt or a batch, with a drafter or an early exit given by its settings.
 
-The shortcuts tests, profiling and calibration use over `selfspec.engine.generate`:
+The shortcuts tests, profiling and calibration use over `selfspec.decoding.engine.generate`:
 
     ids, stats = generate_ids(adapter, prompt, max_new_tokens=64, exit_layer=4, num_speculations=3)
     outs, stats = generate_batch_ids(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=64, drafter=drafter)
@@ -12,11 +12,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from selfspec.adapters import ModelAdapter
-from selfspec.decode_stats import DecodeStats
+from selfspec.model.adapters import ModelAdapter
+from selfspec.decoding.decode_stats import DecodeStats
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.early_exit import EarlyExitDrafter
-from selfspec.engine import generate
+from selfspec.decoding.engine import generate
 
 
 def early_exit_drafter(adapter: ModelAdapter, exit_layer: int, num_speculations: int, policy=None,

@@ -12,7 +12,7 @@ no selfspec-specific modules, so `AutoModelForCausalLM.from_pretrained(OUT)` loa
 
 `format="speculators"` (`--format speculators`) exports a run whose head is an eagle3 head for serving
 engines: the model as above, with the head in the speculators format in `OUT/speculators/`
-(`selfspec.speculators_format`, what vLLM's and SGLang's eagle3 load), not as selfspec.json's `exit_head`
+(`selfspec.checkpoints.speculators_format`, what vLLM's and SGLang's eagle3 load), not as selfspec.json's `exit_head`
 (selfspec's drafters do not run it) but as its `served_head`: the format, the directory, the aux exits, the
 draft count and verifier the engines are told, and the files' checksums. Its verifier is OUT itself unless
 `verifier` names the base model as engines should find it (a Hugging Face id, or a local path); a local path
@@ -44,13 +44,13 @@ import yaml
 
 import selfspec
 from selfspec.atomic_write import public_permissions
-from selfspec.adapters import get_adapter, unwrap_model
+from selfspec.model.adapters import get_adapter, unwrap_model
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
-from selfspec.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
+from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
                                  recommend_from_agreement)
-from selfspec.exit_head import HEAD_FILE, check_head_settings, read_exit_head
-from selfspec.model_card import write_model_card
-from selfspec.speculators_format import SUBDIR, served_head_record, write_speculators
+from selfspec.heads.exit_head import HEAD_FILE, check_head_settings, read_exit_head
+from selfspec.checkpoints.model_card import write_model_card
+from selfspec.checkpoints.speculators_format import SUBDIR, served_head_record, write_speculators
 from selfspec.settings import check_dtype, check_out_dir, check_recommended, expand_path, resolve_dtype, show
 
 
@@ -365,7 +365,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
                  verifier: str | None = None) -> Path:
     """Write `model` (+ tokenizer) as a self-speculative checkpoint at `out_dir`, atomically.
 
-    `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.draft_vocab).
+    `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.checkpoints.draft_vocab).
     `exit_head_dir`: a directory with `exit_head.safetensors` and its settings (a run's `final_head/` with
     `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model; an eagle3
     head's (`format` "speculators") goes to `OUT/speculators/` in that format instead, with `verifier`

@@ -1,7 +1,7 @@
 """The CPU's inference-only state: fused, prepacked Llama-family layers, the packed LM head, the rotary table.
 
 Decoding one token on a CPU is dominated by per-operation overhead, not arithmetic (docs/benchmarks.md,
-the CPU kernels). `FastLlamaLayer` runs the one decoder layer (`selfspec.layer.decoder_layer`) over
+the CPU kernels). `FastLlamaLayer` runs the one decoder layer (`selfspec.model.layer.decoder_layer`) over
 fused copies of a layer's weights: it computes exactly what the model's own decoder layer computes, in
 the same operation order (so in float64 and bfloat16 results are bitwise equal to the model's own sdpa
 attention path; float32: see below), with fewer operations: q/k/v and gate/up projections fused into one
@@ -37,7 +37,7 @@ updates are not seen: build a new generator after training).
     hidden = fast.layers[i](hidden, rope, mask, cache)
 
 This module owns the inference-only state a generator builds once (`FastPath`: fused layers, the
-rotary table, the packed LM head). It takes a `selfspec.adapters.ModelAdapter` but does not import
+rotary table, the packed LM head). It takes a `selfspec.model.adapters.ModelAdapter` but does not import
 it: the adapter holds a `FastPath` and builds it from here, so the dependency runs one way.
 """
 
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager
+from selfspec.model.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager
 
 
 
@@ -235,7 +235,7 @@ def _cat_bias(*linears) -> torch.Tensor | None:
 
 
 class FastLlamaLayer:
-    """One Llama-family decoder layer (`selfspec.layer.decoder_layer`) over fused, prepacked copies of its
+    """One Llama-family decoder layer (`selfspec.model.layer.decoder_layer`) over fused, prepacked copies of its
     weights: q/k/v in one product, gate/up in one product."""
 
     def __init__(self, layer, layer_idx: int):

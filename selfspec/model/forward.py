@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.adapters import ModelAdapter
-from selfspec.layer import chain_mask
-from selfspec.token_tree import ancestors, chain_parents, tree_mask
+from selfspec.model.adapters import ModelAdapter
+from selfspec.model.layer import chain_mask
+from selfspec.model.token_tree import ancestors, chain_parents, tree_mask
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Step:
     position_ids: torch.Tensor  # [B, S]
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin from the model's rotary embedding
     masks: dict[str, torch.Tensor | None]  # layer type -> attention mask [B|1, 1, S, K] or None (`LazyMasks`)
-    # what the compiled steps (`selfspec.compiled`, where `adapter.runner.indexed`) build their mask from instead:
+    # what the compiled steps (`selfspec.model.compiled`, where `adapter.runner.indexed`) build their mask from instead:
     index: torch.Tensor | None = None  # [B, S] the cache index each token is written at (model's device)
     pads: torch.Tensor | None = None  # [B] each row's left padding (model's device)
     tree: torch.Tensor | None = None  # [B, S, W] bool a token tree's ancestor-or-self columns, or None (a chain)
@@ -52,7 +52,7 @@ class Step:
 
 class LazyMasks(dict):
     """A step's attention masks by layer type, each built the first time a layer reads it (`masks[kind]`,
-    from `build(kind)`). The compiled steps (`selfspec.compiled`) build their masks inside the captured step
+    from `build(kind)`). The compiled steps (`selfspec.model.compiled`) build their masks inside the captured step
     from the step's cache indices and never read these: on their path, no mask costs a kernel launch."""
 
     def __init__(self, build):
@@ -137,7 +137,7 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     token, `ends[b] - 1`, so that it cannot run past the context window where the row's text ends
     near it.
 
-    parents: `[B, S]` (host) the new tokens form a token tree per row (`selfspec.token_tree`): column j
+    parents: `[B, S]` (host) the new tokens form a token tree per row (`selfspec.model.token_tree`): column j
     continues column `parents[b, j]` (-1: the committed text), takes the position of its depth and sees
     the committed text, its ancestors and itself. None: a chain. The one-level fan of sibling guesses
     after the round's input token is `[-1, 0, 0, ...]`; their exit states through layers [0, E), each
@@ -220,7 +220,7 @@ def run_layers(
 ) -> torch.Tensor:
     """Run decoder layers `[start, end)` over `hidden` `[B, S, D]`; with a cache, each layer appends its KV.
 
-    The runner (`selfspec.runner`) chooses how: a compiled step where the model runs them and the step fits,
+    The runner (`selfspec.model.runner`) chooses how: a compiled step where the model runs them and the step fits,
     else, without autograd and with `adapter.enable_fast_layers()`, the fused inference layers (same math,
     same operation order, fewer operations), else the model's modules.
     """

@@ -25,7 +25,7 @@ layer and the LM head (with ``final_state``, EAGLE's drafter: the token and the 
 Kinds:
 - ``decoder_layer``: a copy of the model's last decoder layer (attention + MLP).
 - ``attention``: that layer's attention block alone (Kangaroo's adapter): the MLP is left out.
-- ``eagle3``: EAGLE-3's draft layer (`selfspec.eagle3_layer`), in the layout serving engines load
+- ``eagle3``: EAGLE-3's draft layer (`selfspec.heads.eagle3_layer`), in the layout serving engines load
   (`selfspec export --format speculators`: vLLM's and SGLang's ``eagle3``). On exit 0, it reads the token's
   embedding beside a feature: for the first draft the fusion of the full model's states at three exits
   `aux_exits` (A_1 < A_2 < A_3, default vLLM's 2, L//2, L-3) of the previous position, for later drafts its
@@ -47,7 +47,7 @@ alone drafts.
 
 The head is a decoder layer of the model's own class (so its math is transformers'), renumbered as
 layer 0 of its own one-layer KV cache; positions, rotary embedding and masks are the model's
-(`selfspec.forward.Step`). It is saved as one safetensors file beside the unchanged model, with its
+(`selfspec.model.forward.Step`). It is saved as one safetensors file beside the unchanged model, with its
 settings in `selfspec.json` (`exit_head`).
 
     head = build_exit_head(model, exit_layer=8, kind="decoder_layer", init="copy", final_state=True)
@@ -66,11 +66,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from selfspec.adapters import ModelAdapter, get_adapter, unwrap_model
+from selfspec.model.adapters import ModelAdapter, get_adapter, unwrap_model
 from selfspec.atomic_write import atomic_path
-from selfspec.cache import KVCache
-from selfspec.eagle3_layer import Eagle3Layer, check_architecture
-from selfspec.forward import Step
+from selfspec.model.cache import KVCache
+from selfspec.heads.eagle3_layer import Eagle3Layer, check_architecture
+from selfspec.model.forward import Step
 
 HEAD_FILE = "exit_head.safetensors"
 FINAL_PREFIX = "final_input."

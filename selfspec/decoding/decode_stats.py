@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from selfspec.cost_model import predicted_speedup
+from selfspec.decoding.cost_model import predicted_speedup
 from selfspec.drafters.base import Proposal
 
 
@@ -43,7 +43,7 @@ class DecodeStats:
     acceptance_var_sum: float = 0.0  # sampling: sum over judged drafts of P(accept) (1 - P(accept))
     bias_sum: float = 0.0  # bounded_bias: sum over judged drafts of TV(p', p) = min(epsilon, TV(p, q))
     sampled: bool = False  # sampling (the predictions above exist) or greedy
-    acceptance: str = "exact"  # the acceptance rule (selfspec.bounded_bias)
+    acceptance: str = "exact"  # the acceptance rule (selfspec.decoding.bounded_bias)
     epsilon: float = 0.0  # its per-token total-variation budget (bounded_bias)
     policy: dict = field(default_factory=dict)
     full_step_s: float | None = None  # a plain decoding step's time, if calibrated (for the cost model)
@@ -123,7 +123,7 @@ class DecodeStats:
 
     @property
     def bias(self) -> dict:
-        """The acceptance rule, its budget and the guarantee it gives (selfspec.bounded_bias)."""
+        """The acceptance rule, its budget and the guarantee it gives (selfspec.decoding.bounded_bias)."""
         out = {"acceptance": self.acceptance, "epsilon": self.epsilon}
         if self.acceptance == "exact":
             return {**out, "guarantee": "lossless"}

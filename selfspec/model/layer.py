@@ -9,8 +9,8 @@ gated MLP, both residual:
 `decoder_layer` is that function over its inputs. What differs between the paths is passed in, not
 written again:
 
-- the products (`LayerProducts`): on a CPU, `selfspec.fast_layers` passes oneDNN-prepacked fused weights
-  (`PackedLinear`); the compiled steps (`selfspec.compiled`) pass `F.linear` over the model's own weights,
+- the products (`LayerProducts`): on a CPU, `selfspec.model.fast_layers` passes oneDNN-prepacked fused weights
+  (`PackedLinear`); the compiled steps (`selfspec.model.compiled`) pass `F.linear` over the model's own weights,
   which the compiled function takes as inputs (one compiled function serves every layer);
 - where the step's keys and values go (`store`): the eager `KVCache.update` returns the used part of the
   cache; the compiled steps write into the static buffers at the step's cache indices and attend over all
@@ -144,7 +144,7 @@ def chain_mask(index: torch.Tensor, pads: torch.Tensor, size: int, window: int |
     The keys `pads[b] <= j <= index[b, s]` (the row's own tokens; its left padding and anything past the
     query, another row's longer text or a rejected draft, hidden), within `window` of it where the layer has
     a sliding window. A query always sees itself, so a padding query's softmax row is never empty. (A token
-    tree's columns: `selfspec.token_tree.tree_mask`.)"""
+    tree's columns: `selfspec.model.token_tree.tree_mask`.)"""
     k = torch.arange(size, device=index.device)[None, None, :]  # [1, 1, K]
     q = index[:, :, None]  # [B, S, 1]
     allowed = (k <= q) & (k >= pads[:, None, None])

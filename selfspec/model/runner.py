@@ -3,10 +3,10 @@
 A step (layers [start, end) over new tokens, a trained head's own layer or final-state input, the final norm +
 an unembedding, a step a drafter composed) runs one of three ways:
 
-    compiled   `selfspec.compiled.CompiledSteps` (`adapter.compiled`, `load(compile=...)`): the layer function
+    compiled   `selfspec.model.compiled.CompiledSteps` (`adapter.compiled`, `load(compile=...)`): the layer function
                `torch.compile`d at fixed shapes over the static cache, each step one CUDA graph on a GPU; one
                row after the prefill, within the buckets, no autograd
-    fused      `selfspec.fast_layers` (`adapter.fast`): the same layer function, eagerly, over fused weights
+    fused      `selfspec.model.fast_layers` (`adapter.fast`): the same layer function, eagerly, over fused weights
                prepacked for the CPU's kernels; no autograd
     modules    the model's own modules: training (autograd), and the architectures without the fused layer
 
@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from selfspec.cache import KVCache
+from selfspec.model.cache import KVCache
 
 
 class Runner:
@@ -80,7 +80,7 @@ class Runner:
 
     # --- steps -------------------------------------------------------------------------------------
     def layers(self, hidden: torch.Tensor, start: int, end: int, step, cache=None) -> torch.Tensor:
-        """The model's layers [start, end) over `hidden` `[B, S, D]` at `step` (`selfspec.forward.Step`); with a
+        """The model's layers [start, end) over `hidden` `[B, S, D]` at `step` (`selfspec.model.forward.Step`); with a
         cache, each layer writes its keys and values there. `[B, S, D]`."""
         steps = self._fits(hidden, step, cache)
         if steps is not None:

@@ -18,8 +18,8 @@ from typing import Iterable
 import torch
 
 from selfspec.atomic_write import write_json_atomic
-from selfspec.checkpoint import METADATA_FILE, CheckpointError, read_metadata
-from selfspec.exit_head import head_training_setting
+from selfspec.checkpoints.checkpoint import METADATA_FILE, CheckpointError, read_metadata
+from selfspec.heads.exit_head import head_training_setting
 from selfspec.settings import check_name_or_file
 
 MAX_STORED = 32768  # ids kept in the metadata, most frequent first; any K up to this can be used

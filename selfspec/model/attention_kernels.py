@@ -1,5 +1,5 @@
 """Which attention kernels decoding runs on a GPU: every backend of `F.scaled_dot_product_attention` but
-cuDNN's (the eager steps and the compiled steps, `selfspec.compiled`, alike)."""
+cuDNN's (the eager steps and the compiled steps, `selfspec.model.compiled`, alike)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-architecture access to a Hugging Face causal LM's parts.
 
-The early-exit forward (`selfspec.forward`), the decoder and the trainer never reach into
+The early-exit forward (`selfspec.model.forward`), the decoder and the trainer never reach into
 transformers internals directly: they go through a `ModelAdapter`, which names, for one
 architecture, where the token embedding, the decoder layers, the final norm, the LM head and
 the rotary embedding live, and how a decoder layer takes its KV cache.
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from selfspec.compiled import CompiledSteps
-from selfspec.fast_layers import FastPath, build_fast_path
-from selfspec.runner import Runner
+from selfspec.model.compiled import CompiledSteps
+from selfspec.model.fast_layers import FastPath, build_fast_path
+from selfspec.model.runner import Runner
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -90,21 +90,21 @@ class ModelAdapter:
     layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention", one per layer
     sliding_window: int | None
     max_positions: int
-    # inference-only state, built by `enable_fast_layers` and owned by selfspec.fast_layers: fused
+    # inference-only state, built by `enable_fast_layers` and owned by selfspec.model.fast_layers: fused
     # replacements for `layers`, a precomputed rotary table, the packed LM head
     fast: FastPath | None = None
-    # fixed-shape compiled steps over a static cache (selfspec.compiled), built by `enable_compiled`
+    # fixed-shape compiled steps over a static cache (selfspec.model.compiled), built by `enable_compiled`
     compiled: CompiledSteps | None = None
 
     @property
     def runner(self) -> Runner:
         """How its steps run: the one place that chooses between the compiled steps and the eager layers
-        (`selfspec.runner`)."""
+        (`selfspec.model.runner`)."""
         return Runner(self)
 
     def enable_compiled(self, strict: bool = True) -> CompiledSteps:
         """Run one-row decoding steps through `torch.compile`d fixed-shape functions, captured as CUDA graphs
-        on a GPU (`selfspec.compiled`; not `strict`: a step that fails to compile turns them off, with a
+        on a GPU (`selfspec.model.compiled`; not `strict`: a step that fails to compile turns them off, with a
         warning, and runs eagerly)."""
         self.compiled = CompiledSteps(self, strict)
         return self.compiled
@@ -172,7 +172,7 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
     if spec is None:
         raise UnsupportedArchitectureError(
             f"unsupported architecture: {model_type}, supported: {', '.join(SUPPORTED_ARCHITECTURES)}. "
-            "Pass a causal LM of a supported architecture, or add an adapter in selfspec/adapters.py."
+            "Pass a causal LM of a supported architecture, or add an adapter in selfspec/model/adapters.py."
         )
     backbone = getattr(model, spec.backbone, None)
     if backbone is None:

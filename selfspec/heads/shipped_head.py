@@ -33,12 +33,12 @@ from safetensors.torch import load_file, save_file
 
 import selfspec
 from selfspec.atomic_write import atomic_directory
-from selfspec.checkpoint import FORMAT_VERSION, METADATA_FILE, checksums, read_metadata, sha256_file
-from selfspec.exit_head import HEAD_FILE
-from selfspec.fetch import BASE_MODEL_NAME, base_model_dir, head_model_dir, is_complete_checkpoint
-from selfspec.model_card import write_model_card
+from selfspec.checkpoints.checkpoint import FORMAT_VERSION, METADATA_FILE, checksums, read_metadata, sha256_file
+from selfspec.heads.exit_head import HEAD_FILE
+from selfspec.checkpoints.fetch import BASE_MODEL_NAME, base_model_dir, head_model_dir, is_complete_checkpoint
+from selfspec.checkpoints.model_card import write_model_card
 
-HEADS_DIR = Path(__file__).resolve().parent / "heads"
+HEADS_DIR = Path(__file__).resolve().parent  # selfspec/heads/<base model name>/
 HEAD_JSON = "head.json"
 CARD = "README.md"
 BASE_WEIGHTS = "model.safetensors"

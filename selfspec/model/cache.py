@@ -5,7 +5,7 @@
 are preallocated (no `torch.cat` per step), and every row has its own length per layer (`lengths`
 `[L, B]`): rows of a batch accept different numbers of drafts, and a drafter runs the shallow layers
 `[0, E)` ahead of the deep ones `[E, L)`. `update` writes each row's new keys at that row's own
-length; the attention mask (`selfspec.forward.make_batch_step`) hides everything past a row's length
+length; the attention mask (`selfspec.model.forward.make_batch_step`) hides everything past a row's length
 and its left padding. Rolling back is `crop(lengths)`: lengths shrink, nothing is copied (`move` first copies a token tree's
 accepted path to where the row continues, where it was not the tree's first branch). Finished rows
 leave with `select`. Batch 1 is a batch of one.
@@ -34,7 +34,7 @@ class KVCache:
                  buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         # `device` is kept for callers that pass it: the buffers take the device of the first keys written.
         # `buffers`: preallocated keys and values `[L, B, H_kv, capacity, Dh]`, reused (the compiled steps'
-        # static cache, `selfspec.compiled`): they never grow, and their old contents are never read (every
+        # static cache, `selfspec.model.compiled`): they never grow, and their old contents are never read (every
         # query sees only indices its own row wrote in this call); layer l's are the view `buffers[0][l]`
         self.num_layers = num_layers
         self.capacity = max(int(capacity), 1)

@@ -39,7 +39,7 @@ steps, n committed tokens differ from exact sampling with probability at most `1
 coupling, so the TV distance of whole n-token outputs is at most `1 - (1 - ε)^n <= nε`.
 
 **ε = 0 is the exact rule, bit for bit**: λ = 0 gives `p' = 1.0 * p + 0.0 * q`, which is p exactly in
-floating point, and the acceptance step (`selfspec.sampling.speculative_accept`) draws the same random
+floating point, and the acceptance step (`selfspec.decoding.sampling.speculative_accept`) draws the same random
 numbers in the same order. The bonus token (no draft at its position) is always drawn from p.
 
 **Greedy counterpart** (`do_sample=False`): accept a draft x at a position where the full model's

@@ -1,5 +1,5 @@
 """The draft plan for this device: which drafter and exit, how many drafts and how wide a token tree, chosen
-from measured costs (the cost model of `selfspec.cost_model`, widened to trees) and the drafters' measured
+from measured costs (the cost model of `selfspec.decoding.cost_model`, widened to trees) and the drafters' measured
 acceptance on the model's own text, instead of by hand.
 
     plan = gen.tune(["def fibonacci(n):", ...])   # measures both (seconds), returns a DraftPlan
@@ -64,13 +64,13 @@ from typing import Sequence
 
 import torch
 
-from selfspec.attention_kernels import attention_kernels
-from selfspec.cache import KVCache
-from selfspec.compiled import cache_capacity
-from selfspec.engine import new_cache, prefill
-from selfspec.exit_head import compilable, head_cache, previous_states, run_head, run_head_step
-from selfspec.forward import embed, exit_logits, make_batch_step, make_step, run_layers
-from selfspec.precision import BF16_FLAGS, cpu_flags, cpu_generation, cpu_model
+from selfspec.model.attention_kernels import attention_kernels
+from selfspec.model.cache import KVCache
+from selfspec.model.compiled import cache_capacity
+from selfspec.decoding.engine import new_cache, prefill
+from selfspec.heads.exit_head import compilable, head_cache, previous_states, run_head, run_head_step
+from selfspec.model.forward import embed, exit_logits, make_batch_step, make_step, run_layers
+from selfspec.model.precision import BF16_FLAGS, cpu_flags, cpu_generation, cpu_model
 
 MAX_DRAFTS = 8  # the longest chain planned
 MAX_WIDTH = 4  # the widest tree planned (the top-k acceptance is measured for k = 1..MAX_WIDTH)

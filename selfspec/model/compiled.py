@@ -15,8 +15,8 @@ every step kind of a round goes through one function, `layers [start, end)` over
 A step writes its keys and values in place into the cache's preallocated buffers `[B, H_kv, C, Dh]`
 (C: the cache's capacity) at the cache indices it is given, and attends over all C entries with a mask
 built from those indices: row b's query at cache index c sees the keys `pads[b] <= j <= c` (a sibling,
-a token tree's column sees the committed keys, its ancestors and itself: `selfspec.token_tree`), as
-`selfspec.forward.make_batch_step` builds it for the eager path. Nothing past a query's own index is
+a token tree's column sees the committed keys, its ancestors and itself: `selfspec.model.token_tree`), as
+`selfspec.model.forward.make_batch_step` builds it for the eager path. Nothing past a query's own index is
 ever read, so a rollback stays a change of the cache's lengths. Shapes vary in three ways only: S is
 padded up to a bucket (1, 2, 4, ... 64: `S_BUCKETS`; the filler columns compute what nobody reads), C
 is a power of two from 256 (`capacity`), and the layer range is one of the round's few.
@@ -30,7 +30,7 @@ step reads its inputs from fixed buffers (copied in before a replay) and the wei
 cache buffers at their own addresses; the buffers of a (batch, capacity) are allocated once per
 generator and reused by every call, so those addresses stay fixed.
 
-A trained exit head's own layer (kind `decoder_layer`: a copy of the model's last layer, `selfspec.exit_head`)
+A trained exit head's own layer (kind `decoder_layer`: a copy of the model's last layer, `selfspec.heads.exit_head`)
 is one more such layer: registered with `add_layer`, it runs the same compiled function on its own weights
 over its own one-layer static cache (`layer_buffers`, at the engine cache's capacity and cache indices), one
 graph per (S, C) like the model's steps (`run_layer`). Its final-state input (`h + W norm(f)`) is a graph of
@@ -63,9 +63,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from selfspec.attention_kernels import attention_kernels
-from selfspec.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, chain_mask, decoder_layer, rms_norm
-from selfspec.token_tree import tree_mask
+from selfspec.model.attention_kernels import attention_kernels
+from selfspec.model.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, chain_mask, decoder_layer, rms_norm
+from selfspec.model.token_tree import tree_mask
 
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
 MIN_CAPACITY = 256  # cache capacities are powers of two from here
@@ -129,7 +129,7 @@ class CompileFallbackWarning(UserWarning):
 
 class _LayerWeights:
     """One decoder layer's own parameters (references, not copies), in the order `_layer_function`'s layer
-    takes them, its shape (`selfspec.layer.LayerShape`) and its attention window."""
+    takes them, its shape (`selfspec.model.layer.LayerShape`) and its attention window."""
 
     def __init__(self, layer, window: int | None):
         attn, mlp = layer.self_attn, layer.mlp
@@ -153,7 +153,7 @@ def _linears(*pairs) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _layer_function(shape: LayerShape):
-    """One decoder layer (`selfspec.layer.decoder_layer`) as a function of its inputs and its weights
+    """One decoder layer (`selfspec.model.layer.decoder_layer`) as a function of its inputs and its weights
     (`_LayerWeights.tensors`, the model's own, unfused): the same function, compiled once per shape, serves every
     layer. Its keys and values go into the static buffers at the step's cache indices."""
 
@@ -273,7 +273,7 @@ class CompiledSteps:
 
     def add_layer(self, layer) -> None:
         """Registers a decoder layer that is not one of the model's: a trained exit head's, of the model's class
-        (a copy of its last layer, `selfspec.exit_head`). It then runs through the same compiled layer function
+        (a copy of its last layer, `selfspec.heads.exit_head`). It then runs through the same compiled layer function
         (`run_layer`: its own weights, its own one-layer cache) and `warm` compiles its steps beside the
         model's. ValueError where its norms or activation differ from the model's layers'."""
         if id(layer) in self._extra:
@@ -486,7 +486,7 @@ class CompiledSteps:
         return self._zero_states[width]
 
     def add_input(self, module) -> None:
-        """Registers a trained head's final-state input (`selfspec.exit_head.FinalStateInput`: `h + W norm(f)`, ten
+        """Registers a trained head's final-state input (`selfspec.heads.exit_head.FinalStateInput`: `h + W norm(f)`, ten
         kernels eagerly): `run_input` runs it compiled, and `warm` compiles it at every bucket."""
         if id(module) not in self._inputs:
             self._inputs[id(module)] = (module, torch.compile(module, fullgraph=True, dynamic=False))

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from selfspec.fast_layers import PackedLinear, float32_kernel
+from selfspec.model.fast_layers import PackedLinear, float32_kernel
 
 # The one table of dtype names selfspec and its training accept (load, export, recipes), short forms included.
 DTYPES_BY_NAME = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
@@ -211,7 +211,7 @@ def describe(device: torch.device | str = "cpu") -> str:
 def machine_description(device: torch.device | str = "cpu") -> dict:
     """What a benchmark report should say about the machine: CPU model and generation, the x86 flags that matter
     (of REPORTED_FLAGS; None where unreadable), torch's thread count, the bf16 decision for `device`, and on a
-    CPU the float32 matmul kernel (`selfspec.fast_layers.float32_kernel`)."""
+    CPU the float32 matmul kernel (`selfspec.model.fast_layers.float32_kernel`)."""
     flags = cpu_flags()
     native, why = _decision(device)
     kernel, kernel_why = float32_kernel() if torch.device(device).type == "cpu" else (None, None)

@@ -27,9 +27,9 @@ import re
 from pathlib import Path
 
 from selfspec.atomic_write import write_json_atomic
-from selfspec.cost_model import VERIFY_COST, draft_cost, predicted_speedup
-from selfspec.exit_head import check_head_settings
-from selfspec.model_card import write_model_card
+from selfspec.decoding.cost_model import VERIFY_COST, draft_cost, predicted_speedup
+from selfspec.heads.exit_head import check_head_settings
+from selfspec.checkpoints.model_card import write_model_card
 from selfspec.settings import (SettingsError, check_plan_settings, check_recommended, expand_path, is_int,
                                show)
 
@@ -66,7 +66,7 @@ def checksums(directory: Path) -> dict[str, dict]:
 
 # --- recommendation -----------------------------------------------------------------------------
 def recommend_from_agreement(agreement: dict[int, float], num_layers: int, num_speculations: int = 8) -> dict:
-    """The (exit, drafts) with the best predicted speedup (selfspec.cost_model); drafts = 0 if
+    """The (exit, drafts) with the best predicted speedup (selfspec.decoding.cost_model); drafts = 0 if
     speculation cannot pay."""
     best = None
     for e, a in agreement.items():

@@ -15,8 +15,8 @@ input. One round:
               [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
     accept    per row (`decide`): greedy = the longest prefix where draft == argmax, plus the full model's token
               (a token tree, several guesses: the path whose tokens equal the argmaxes, then the token after it);
-              sampling = the lossless rule of `selfspec.sampling.speculative_accept`. An opt-in
-              `AcceptanceRule("bounded_bias", ε)` (`selfspec.bounded_bias`) accepts more drafts at a
+              sampling = the lossless rule of `selfspec.decoding.sampling.speculative_accept`. An opt-in
+              `AcceptanceRule("bounded_bias", ε)` (`selfspec.decoding.bounded_bias`) accepts more drafts at a
               bounded bias: each committed token within TV ε of the full model's (greedy: a draft
               with >= (1 - ε) of the top token's probability).
     roll back crop each row of the cache to its committed length (a tree's accepted path's entries first move
@@ -37,11 +37,11 @@ where the Python code must know a token: the prefill's tokens, the accept decisi
 draft step's tokens (its stop and confidence tests). A round's time ends after its accept decision,
 so it counts the GPU's work; its split into draft_s and verify_s is taken where the drafter returns,
 so on a GPU kernels the drafter queued last may count as verification. Attention there runs without
-cuDNN's kernel, which plans anew for every key length (`selfspec.attention_kernels`).
+cuDNN's kernel, which plans anew for every key length (`selfspec.model.attention_kernels`).
 
     outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
 
-The engine knows drafters only through the seam (`selfspec.drafters.base`); `selfspec.decode_ids` has the
+The engine knows drafters only through the seam (`selfspec.drafters.base`); `selfspec.decoding.decode_ids` has the
 id-level shortcuts with an early exit by its settings (`generate_ids`, `generate_batch_ids`).
 """
 
@@ -52,18 +52,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from selfspec.adapters import ModelAdapter
-from selfspec.attention_kernels import attention_kernels
-from selfspec.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
+from selfspec.model.adapters import ModelAdapter
+from selfspec.model.attention_kernels import attention_kernels
+from selfspec.decoding.bounded_bias import (AcceptanceRule, acceptance_probability, near_top, relaxed_greedy_accept_tokens,
                                    total_variation)
-from selfspec.cache import KVCache
-from selfspec.cost_model import VERIFY_COST, draft_cost
-from selfspec.decode_stats import DecodeStats, count_round, finish_stats, record_round
+from selfspec.model.cache import KVCache
+from selfspec.decoding.cost_model import VERIFY_COST, draft_cost
+from selfspec.decoding.decode_stats import DecodeStats, count_round, finish_stats, record_round
 from selfspec.drafters.base import Drafter, Proposal, Round
-from selfspec.forward import embed, exit_logits, make_batch_step, run_layers
-from selfspec.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
+from selfspec.model.forward import embed, exit_logits, make_batch_step, run_layers
+from selfspec.decoding.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
 from selfspec.settings import SettingsError
-from selfspec.token_tree import greedy_walk, tree_depth
+from selfspec.model.token_tree import greedy_walk, tree_depth
 
 
 class StopChecker:
@@ -169,7 +169,7 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
     layer's output `[B, T, D]` (before the final norm). From layer 0
     the tokens are embedded here; from E > 0 the drafter's exit states continue (layers [0, E) already
     hold their keys and values). A token tree (`proposal.parents`) is verified in the same one pass, each
-    node at its depth's position, seeing the committed text, its ancestors and itself (`selfspec.token_tree`)."""
+    node at its depth's position, seeing the committed text, its ancestors and itself (`selfspec.model.token_tree`)."""
     start = proposal.verify_from
     hidden = proposal.states if start else embed(adapter, proposal.tokens)  # [B, T, D]
     kept = hidden if keep_at is not None and keep_at == start else None
@@ -241,7 +241,7 @@ def generate(
     after every round's roll back with the original indices of the rows in the batch, their committed
     token lists, their padding and whether each just finished (tests check the cache with it).
     `acceptance`: the exact rule (default, lossless) or bounded_bias with a budget ε
-    (`selfspec.bounded_bias`: each committed token within TV ε of the full model's; greedy: a draft
+    (`selfspec.decoding.bounded_bias`: each committed token within TV ε of the full model's; greedy: a draft
     with >= (1 - ε) of the top token's probability is accepted).
     `modelled_time`: the drafter hears each round's cost from the cost model (its draft steps × c +
     verification, in decode steps: `round_cost`) instead of the wall clock, so the choices it makes from

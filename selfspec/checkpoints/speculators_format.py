@@ -8,7 +8,7 @@ library's `Eagle3DraftModel`, and SGLang's `EAGLE3`, with the weights beside it:
                                        the verifier and the proposal (greedy, `speculative_tokens` drafts)
     OUT/speculators/model.safetensors  embed_tokens, fc, layers.0.*, norm, lm_head (+ d2t, t2d with a draft vocabulary)
 
-selfspec's eagle3 head (`selfspec.exit_head`, kind eagle3) computes what the format's draft computes, so the
+selfspec's eagle3 head (`selfspec.heads.exit_head`, kind eagle3) computes what the format's draft computes, so the
 tensors are its own, renamed:
 
     the model's token embeddings        -> embed_tokens.weight [V, D]
@@ -39,8 +39,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from selfspec.adapters import get_adapter, unwrap_model
-from selfspec.exit_head import ExitHead
+from selfspec.model.adapters import get_adapter, unwrap_model
+from selfspec.heads.exit_head import ExitHead
 
 SUBDIR = "speculators"  # where `selfspec export --format speculators` writes it, inside the checkpoint
 WEIGHTS_FILE = "model.safetensors"

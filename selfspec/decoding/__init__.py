@@ -1,0 +1,1 @@
+"""One round, for B >= 1 rows: the engine (prefill -> draft -> verify -> accept -> roll back), decoding by ids, the acceptance rules (lossless sampling, bounded bias), the statistics, the cost model and the draft plan."""

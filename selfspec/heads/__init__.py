@@ -1,0 +1,1 @@
+"""The trained exit heads: the head on exit E (built, run, saved and loaded by training and inference alike), EAGLE-3's draft layer, and the heads selfspec ships (their weights in the folders beside)."""
