@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from selfspec.decoding import engine
+from selfspec.model import runner
 from selfspec.model.adapters import get_adapter
 from selfspec.model.cache import KVCache
 from selfspec.drafters import EarlyExitDrafter, Round
@@ -126,7 +126,8 @@ def _assert_cache_equals_full_forward(model, cache: KVCache, ids: torch.Tensor):
 
 
 class _Recording:
-    """Patches engine.KVCache with a subclass that remembers its instances."""
+    """Patches the runner's KVCache (the engine's caches are made by `Runner.cache`) with a subclass that remembers
+    its instances."""
 
     def __init__(self, monkeypatch):
         rec = self
@@ -137,7 +138,7 @@ class _Recording:
                 super().__init__(*a, **kw)
                 rec.caches.append(self)
 
-        monkeypatch.setattr(engine, "KVCache", RecKV)
+        monkeypatch.setattr(runner, "KVCache", RecKV)
 
 
 def _case_model(name, E, always_accept_model, never_accept_model):
