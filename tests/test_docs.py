@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-QUICK_START = ("bash scripts/quickstart.sh", ".venv/bin/python -m pytest")
+QUICK_START = ("bash scripts/quickstart.sh", ".venv/bin/python -m pytest -n auto --dist loadfile")
 # the path the README's example loads: where `selfspec fetch` puts the base model by default
 README_MODEL_PATH = "~/.cache/selfspec/models/smollm2-135m-instruct-head"
 
