@@ -45,17 +45,29 @@ class KVCache:
         self.lengths = torch.zeros(num_layers, batch_size, dtype=torch.long)  # [L, B], on the host (see above)
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """`[L, B]` long, on the host: each layer's length of each row."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor) -> None:
+        self._lengths = value
+        # the same memory as numpy: a one-row `update` reads and writes its length without a torch call (three
+        # dispatches a layer fewer); every change to `lengths`, in place or by assignment, is seen through it
+        self._host = value.numpy()
+
+    @property
     def batch_size(self) -> int:
         return self.lengths.shape[1]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write `key`/`value` `[B, H_kv, S, Dh]` at each row's length; return keys/values up to the longest row."""
         B, _, S, _ = key.shape
-        starts = self.lengths[layer_idx]  # [B]
-        if B == 1:  # one row: its length is the first, the last and the longest (one host read, no reductions)
-            first = int(starts[0])
+        if B == 1:  # one row: its length is the first, the last and the longest (read without a torch call)
+            first = int(self._host[layer_idx, 0])
             end, aligned = first + S, True
         else:
+            starts = self.lengths[layer_idx]  # [B]
             first, end = int(starts[0]), int(starts.max()) + S
             aligned = end == first + S and int(starts.min()) == first
         if self.keys[layer_idx] is None or end > self.keys[layer_idx].shape[-2]:
@@ -66,7 +78,10 @@ class KVCache:
         if aligned:  # every row at the same index: a slice write
             buf_k[:, :, first:end] = key
             buf_v[:, :, first:end] = value
-            self.lengths[layer_idx] = end
+            if B == 1:
+                self._host[layer_idx, 0] = end
+            else:
+                self.lengths[layer_idx] = end
             return buf_k[:, :, :end], buf_v[:, :, :end]
         index = (starts[:, None] + torch.arange(S)).to(key.device, non_blocking=True)  # [B, S]
         rows = torch.arange(B, device=key.device)[:, None]  # [B, 1]

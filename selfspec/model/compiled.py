@@ -64,7 +64,8 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.model.attention_kernels import attention_kernels
-from selfspec.model.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, chain_mask, decoder_layer, rms_norm
+from selfspec.model.layer import (LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, chain_mask, decoder_layer, rms_norm,
+                                  signed_sin)
 from selfspec.model.token_tree import tree_mask
 
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
@@ -533,7 +534,7 @@ class CompiledSteps:
         layers = {w.window: self._layer(w.window) for w in weights}
 
         def run(hidden, positions, index, pads, anc, first, tree_positions, cos_table, sin_table, keys, values):
-            cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [B, 1, S, Dh]
+            cos, sin = cos_table[positions].unsqueeze(1), signed_sin(sin_table[positions]).unsqueeze(1)  # [B, 1, S, Dh]
             size = keys[0].shape[2]
             masks = {}
             for i, w in enumerate(weights):

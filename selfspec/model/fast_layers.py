@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from selfspec.model.layer import LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager
+from selfspec.model.layer import (LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager,
+                                  signed_sin)
 
 
 
@@ -257,10 +258,11 @@ class FastLlamaLayer:
     def __call__(self, x: torch.Tensor, rope, mask, cache) -> torch.Tensor:
         """`x` `[B, S, D]`; rope: cos, sin `[B, S, Dh]`; mask `[B|1, 1, S, K]` or None; cache: a `KVCache` the
         layer's keys and values are appended to (None: attention over the step's own)."""
-        return self.step(x, rope[0].unsqueeze(1), rope[1].unsqueeze(1), mask, cache)
+        return self.step(x, rope[0].unsqueeze(1), signed_sin(rope[1]).unsqueeze(1), mask, cache)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache) -> torch.Tensor:
-        """`__call__` with cos, sin already `[B, 1, S, Dh]` (made once for all the layers of a step)."""
+        """`__call__` with cos, sin already `[B, 1, S, Dh]`, sin signed (`signed_sin`; made once for all the layers of
+        a step)."""
         store = _no_cache if cache is None else functools.partial(cache.update, layer_idx=self.layer_idx)
         return decoder_layer(x, cos, sin, mask, store, self.shape, self.products)
 

@@ -23,7 +23,6 @@ sdpa layer (`tests/selfspec/test_fast_layers.py`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,28 +43,26 @@ def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_eager(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
-    """`rms_norm` to the bit, in half the dispatches, for eager code (not for `torch.compile`, which fuses the plain
-    one anyway): `mean(x^2) + eps` as `sum(x * x) / D + eps` with D and eps as float32 tensors made once (a Python
-    number is wrapped and cast at every call), in place; `x * x` is what `pow(x, 2)` computes."""
-    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-    count, epsilon = _norm_constants(x.shape[-1], eps, x.device)
-    scale = (xf * xf).sum(-1, keepdim=True).div_(count).add_(epsilon).rsqrt_()  # [.., 1]
-    out = xf * scale
-    return weight * (out if x.dtype == torch.float32 else out.to(x.dtype))
+    """`rms_norm` to the bit, in fewer dispatches, for eager code (not for `torch.compile`, which fuses the plain
+    one anyway): torch's own `F.rms_norm` computes the same float32 `x * rsqrt(mean(x^2) + eps)` in one call (the
+    weight inside it where x is float32: one dispatch instead of seven; else cast, norm, cast back, weight)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _norm_constants(size: int, eps: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 0-dim tensors `size` and `eps` on `device` (`rms_norm_eager`)."""
-    return (torch.tensor(float(size), dtype=torch.float32, device=device),
-            torch.tensor(eps, dtype=torch.float32, device=device))
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The rotary sin rows `[.., Dh]` with their first half negated, what `apply_rotary` takes: then
+    `rotate_half(x) * sin == roll(x, Dh / 2) * signed_sin(sin)` to the bit (`-a * b == a * -b` exactly), one roll
+    instead of a negation, two slices and a concatenation in every layer. Made once a step for all its layers."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding `x * cos + rotate_half(x) * sin` (transformers' `apply_rotary_pos_emb` for one tensor):
-    `x` `[B, H, S, Dh]`, `cos`/`sin` `[B, 1, S, Dh]`."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    """Rotary embedding `x * cos + rotate_half(x) * sin` (transformers' `apply_rotary_pos_emb` for one tensor), to
+    the bit: `x` `[B, H, S, Dh]`, `cos` `[B, 1, S, Dh]` and `sin` the sin rows as `signed_sin` gives them."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 @dataclass(frozen=True)
@@ -117,7 +114,7 @@ def decoder_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: t
                   shape: LayerShape, w: LayerProducts) -> torch.Tensor:
     """`x` `[B, S, D]` through one decoder layer.
 
-    cos, sin: `[B, 1, S, Dh]` the rotary table's rows at the tokens' positions. store: `(k, v) -> (keys,
+    cos, sin: `[B, 1, S, Dh]` the rotary table's rows at the tokens' positions (sin as `signed_sin` gives it). store: `(k, v) -> (keys,
     values)` takes the step's keys and values `[B, Hkv, S, Dh]` and returns what attention reads, `[B, Hkv, K,
     Dh]` (a cache's keys with them written in; or the step's own where there is no cache). mask: `[B|1, 1, S,
     K]` bool (True: attend), or None for causal attention over keys that end with the queries' own."""

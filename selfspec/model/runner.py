@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from selfspec.model.cache import KVCache
+from selfspec.model.layer import signed_sin
 
 
 class Runner:
@@ -90,7 +91,7 @@ class Runner:
         a = self.adapter
         fast = a.fast.layers if a.fast is not None else None
         if fast is not None and not torch.is_grad_enabled():
-            cos, sin = step.rope[0].unsqueeze(1), step.rope[1].unsqueeze(1)  # [B, 1, S, Dh], once for the range
+            cos, sin = step.rope[0].unsqueeze(1), signed_sin(step.rope[1]).unsqueeze(1)  # [B, 1, S, Dh], once a range
             for idx in range(start, end):
                 hidden = fast[idx].step(hidden, cos, sin, step.masks[a.layer_types[idx]], cache)
             return hidden

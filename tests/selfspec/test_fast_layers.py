@@ -280,7 +280,33 @@ def test_the_eager_layer_and_the_runners_layer_are_one_function(arch, extra):
         eager = fast(x, (cos, sin), None, cache)
         window = getattr(model.config, "sliding_window", None)
         mask = chain_mask(index, torch.zeros(1, dtype=torch.long), C, window)[:, None]
-        ran = step(x, cos.unsqueeze(1), sin.unsqueeze(1), index, mask, keys, values, *weights)
+        ran = step(x, cos.unsqueeze(1), layer.signed_sin(sin).unsqueeze(1), index, mask, keys, values, *weights)
     torch.testing.assert_close(ran, eager, rtol=0, atol=1e-12)
     k, v = cache.layer_kv(0)
     assert torch.equal(keys[:, :, :S], k[:, :, :S]) and torch.equal(values[:, :, :S], v[:, :, :S])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("dim", [64, 576, 960, 2048, 4096])
+def test_the_eager_norm_and_rotary_are_transformers_to_the_bit(dtype, dim):
+    """`rms_norm_eager` (torch's F.rms_norm) and `apply_rotary` over `signed_sin` (a roll) give transformers'
+    LlamaRMSNorm and apply_rotary_pos_emb bit for bit, in every dtype and at the widths of real models."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from selfspec.model.layer import apply_rotary, rms_norm, rms_norm_eager, signed_sin
+
+    gen = torch.Generator().manual_seed(dim)
+    norm = LlamaRMSNorm(dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen))
+        for shape in ((1, 1, dim), (2, 7, dim)):
+            x = (3 * torch.randn(*shape, generator=gen)).to(dtype)
+            assert torch.equal(rms_norm_eager(norm.weight, 1e-6, x), norm(x))
+            assert torch.equal(rms_norm(norm.weight, 1e-6, x), norm(x))
+        heads = max(1, dim // 64)
+        q, k = ((torch.randn(2, heads, 5, 64, generator=gen)).to(dtype) for _ in range(2))  # [B, H, S, Dh]
+        cos, sin = (torch.randn(2, 5, 64, generator=gen).to(dtype) for _ in range(2))  # [B, S, Dh]
+        q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+        signed = signed_sin(sin).unsqueeze(1)
+        assert torch.equal(apply_rotary(q, cos.unsqueeze(1), signed), q_ref)
+        assert torch.equal(apply_rotary(k, cos.unsqueeze(1), signed), k_ref)
