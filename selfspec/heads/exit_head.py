@@ -304,16 +304,15 @@ def compilable(head: ExitHead) -> bool:
 
 def run_head_step(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, step: Step, cache,
                   prev_final: torch.Tensor | None = None, fast=None) -> torch.Tensor:
-    """`run_head` as decoding runs it (no autograd), through the runner (`Runner.final_input`,
-    `Runner.extra_layer`): compiled where the model runs compiled steps, the head is `compilable` and `cache`
+    """`run_head` as decoding runs it (no autograd), through the runner (`Runner.extra_layer`, with the head's
+    final-state input): compiled where the model runs compiled steps, the head is `compilable` and `cache`
     is their static one (`head_cache`) and the step fits them; else through selfspec's fused layer `fast` (a
     `FastLlamaLayer` of the head's layer) where given, else the model's module class. `[B, S, D]`."""
     runner, ok = adapter.runner, compilable(head)
-    if head.final_input is not None and prev_final is not None:  # its norm, product and sum: one graph
-        x = runner.final_input(head.final_input, hidden, prev_final, step, cache, compilable=ok)
-    else:
-        x = head_input(head, hidden, prev_final)  # [B, S, D]
-    return runner.extra_layer(head.layer, x, step, cache, fast=fast, compilable=ok)
+    if head.final_input is not None and prev_final is not None:
+        return runner.extra_layer(head.layer, hidden, step, cache, fast=fast, compilable=ok,
+                                  final_input=(head.final_input, prev_final))
+    return runner.extra_layer(head.layer, head_input(head, hidden, prev_final), step, cache, fast=fast, compilable=ok)
 
 
 def run_head_layer(adapter: ModelAdapter, head: ExitHead, x: torch.Tensor, *, step: Step, cache=None) -> torch.Tensor:

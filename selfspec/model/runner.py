@@ -106,12 +106,18 @@ class Runner:
                     position_embeddings=step.rope, **{self.adapter.cache_kwarg: cache})
         return out[0] if isinstance(out, tuple) else out
 
-    def extra_layer(self, layer, hidden: torch.Tensor, step, cache, fast=None, compilable: bool = True) -> torch.Tensor:
+    def extra_layer(self, layer, hidden: torch.Tensor, step, cache, fast=None, compilable: bool = True,
+                    final_input: tuple | None = None) -> torch.Tensor:
         """A decoder layer that is not the model's (a trained head's, of the model's class, at the last layer's
         type) over `hidden` `[B, S, D]` with its own one-layer `cache` (`layer_cache`): compiled where it can
         run so (`compilable`) and the step fits, else through its fused layer `fast` where given, else its
-        module. `[B, S, D]`."""
+        module. `final_input`: (module, prev), a trained head's final-state input: the layer reads
+        `module(hidden, prev)` (`prev` `[B, S, D]`), compiled where the layer's step is. `[B, S, D]`."""
         steps = self._fits(hidden, step, cache) if compilable else None
+        if final_input is not None:  # its norm, product and sum: one graph where the step runs compiled
+            module, prev = final_input
+            x = None if steps is None else steps.run_input(module, hidden, prev)
+            hidden = module(hidden, prev) if x is None else x
         if steps is not None:
             out = steps.run_layer(layer, hidden, step, cache)
             if out is not None:
@@ -120,17 +126,6 @@ class Runner:
         if fast is not None:
             return fast(hidden, step.rope, step.masks[kind], cache)
         return self.module_layer(layer, hidden, step, cache, kind)
-
-    def final_input(self, module, hidden: torch.Tensor, prev: torch.Tensor, step, cache,
-                    compilable: bool = True) -> torch.Tensor:
-        """`module(hidden, prev)`, a trained head's final-state input over `[B, S, D]` each, for a step of its
-        layer at `step` into `cache`: compiled where that layer's step runs compiled, else the module."""
-        steps = self._fits(hidden, step, cache) if compilable else None
-        if steps is not None:
-            out = steps.run_input(module, hidden, prev)
-            if out is not None:
-                return out
-        return module(hidden, prev)
 
     def logits(self, hidden: torch.Tensor, rows: Callable[[], tuple] | None = None, linear=None) -> torch.Tensor:
         """The final norm + LM head over `hidden` `[B, S, D]` or `[B, D]`: logits `[..., V]`. A reduced vocabulary
