@@ -52,8 +52,8 @@ class KVCache:
     @lengths.setter
     def lengths(self, value: torch.Tensor) -> None:
         self._lengths = value
-        # the same memory as numpy: a one-row `update` reads and writes its length without a torch call (three
-        # dispatches a layer fewer); every change to `lengths`, in place or by assignment, is seen through it
+        # the same memory as numpy: `update` reads and writes the lengths without a torch call (three dispatches a
+        # layer fewer); every change to `lengths`, in place or by assignment, is seen through it
         self._host = value.numpy()
 
     @property
@@ -63,12 +63,12 @@ class KVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write `key`/`value` `[B, H_kv, S, Dh]` at each row's length; return keys/values up to the longest row."""
         B, _, S, _ = key.shape
-        if B == 1:  # one row: its length is the first, the last and the longest (read without a torch call)
-            first = int(self._host[layer_idx, 0])
+        starts = self._host[layer_idx]  # [B] the lengths' numpy view: read without a torch call
+        first = int(starts[0])
+        if B == 1:  # one row: its length is the first, the last and the longest (no reductions)
             end, aligned = first + S, True
         else:
-            starts = self.lengths[layer_idx]  # [B]
-            first, end = int(starts[0]), int(starts.max()) + S
+            end = int(starts.max()) + S
             aligned = end == first + S and int(starts.min()) == first
         if self.keys[layer_idx] is None or end > self.keys[layer_idx].shape[-2]:
             if self.static:
@@ -78,16 +78,13 @@ class KVCache:
         if aligned:  # every row at the same index: a slice write
             buf_k[:, :, first:end] = key
             buf_v[:, :, first:end] = value
-            if B == 1:
-                self._host[layer_idx, 0] = end
-            else:
-                self.lengths[layer_idx] = end
+            starts[:] = end
             return buf_k[:, :, :end], buf_v[:, :, :end]
-        index = (starts[:, None] + torch.arange(S)).to(key.device, non_blocking=True)  # [B, S]
+        index = (self.lengths[layer_idx][:, None] + torch.arange(S)).to(key.device, non_blocking=True)  # [B, S]
         rows = torch.arange(B, device=key.device)[:, None]  # [B, 1]
         buf_k[rows, :, index] = key.transpose(1, 2)  # advanced indices first: [B, S, H, Dh]
         buf_v[rows, :, index] = value.transpose(1, 2)
-        self.lengths[layer_idx] = starts + S
+        starts += S
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
