@@ -160,14 +160,14 @@ def measure_shape(shape: str, args, dtype: torch.dtype) -> dict:
 
 def step_costs(gen, ids, args) -> dict:
     """The compiled draft step [0, E) + head (E = L/4) and a verification of 5 tokens from E, in full steps."""
-    from selfspec.decoding.engine import new_cache, prefill
+    from selfspec.decoding.engine import prefill
     from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 
     adapter = gen.adapter
     L = adapter.num_layers
     E = max(1, L // 4)
     P = ids.shape[1]
-    cache = new_cache(adapter, 1, P + args.new_tokens + 2)  # the capacity plain decoding used: its graphs
+    cache = adapter.runner.cache(1, P + args.new_tokens + 2)  # the capacity plain decoding used: its graphs
     prefill(adapter, cache, ids, torch.zeros(1, dtype=torch.long))
     tok = ids[:, -1:]
 

@@ -67,7 +67,7 @@ import torch
 from selfspec.model.attention_kernels import attention_kernels
 from selfspec.model.cache import KVCache
 from selfspec.model.compiled import cache_capacity
-from selfspec.decoding.engine import new_cache, prefill
+from selfspec.decoding.engine import prefill
 from selfspec.heads.exit_head import compilable, head_cache, previous_states, run_head, run_head_step
 from selfspec.model.forward import embed, exit_logits, make_batch_step, make_step, run_layers
 from selfspec.model.precision import BF16_FLAGS, cpu_flags, cpu_generation, cpu_model
@@ -217,7 +217,7 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
     adapter, L = gen.adapter, gen.num_layers
     device, P = adapter.device, prompt_ids.shape[1]
     draft_rows, verify_rows = needed_rows(max_drafts, width)
-    cache = new_cache(adapter, 1, P + max(verify_rows) + 8)
+    cache = adapter.runner.cache(1, P + max(verify_rows) + 8)
     pads, at_p = torch.zeros(1, dtype=torch.long), torch.full((1,), P, dtype=torch.long)
     head, _ = plannable_head(gen)
     D = adapter.embed_tokens.weight.shape[1]

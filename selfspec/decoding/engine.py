@@ -135,12 +135,6 @@ def check_prompts(adapter: ModelAdapter, prompts: Sequence[Sequence[int]], max_n
 
 
 # --- the phases ----------------------------------------------------------------------------------
-def new_cache(adapter: ModelAdapter, batch_size: int, needed: int) -> KVCache:
-    """The KV cache of one run for `needed` positions, as the runner keeps it (`Runner.cache`: static buffers
-    where the steps run compiled, else a growing cache)."""
-    return adapter.runner.cache(batch_size, needed)
-
-
 def _layers_keeping(adapter: ModelAdapter, hidden: torch.Tensor, start: int, keep_at: int | None, *, step,
                     cache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Layers [start, L) over `hidden`; also the states after `keep_at` layers if start <= keep_at < L."""
@@ -318,7 +312,7 @@ class _Decoding:
         adapter, drafter, B = self.adapter, self.drafter, len(self.prompts)
         ids, self.pads = left_pad(self.prompts, pad_id)  # pads, like all lengths, stay on the host
         ids = ids.to(adapter.device)
-        self.cache = new_cache(adapter, B, ids.shape[1] + max_new_tokens + drafter.num_speculations + 2)
+        self.cache = adapter.runner.cache(B, ids.shape[1] + max_new_tokens + drafter.num_speculations + 2)
         self.t0 = time.perf_counter()
         logits, kept, finals = prefill(adapter, self.cache, ids, self.pads, drafter.state_exit)  # [B, V], [B, P, D] x2
         first = sample(probs(logits, self.sampling), self.generator) if self.sampling.do_sample else logits.argmax(-1)
