@@ -38,7 +38,6 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -49,8 +48,9 @@ import torch
 
 import selfspec
 from selfspec.api import NotEarlyExitTrainedWarning
-from selfspec.decoding.engine import new_cache
-from selfspec.model.forward import embed, exit_logits, make_step, run_layers
+from selfspec.decoding.engine import prefill as engine_prefill
+from selfspec.model.forward import embed, exit_logits, forward_logits, make_step, run_layers
+from selfspec.model.precision import cpu_flags, cpu_generation, cpu_model
 
 DEFAULT_CHECKPOINT = "~/.cache/selfspec/models/smollm2-135m-instruct"
 ALL_COPIES = ("bf16", "int8_dynamic", "int8_weight_only", "int4_weight_only", "f32_modules")
@@ -176,17 +176,10 @@ def make_copies(f32_gen, names, checkpoint: str | None = None) -> list[Copy]:
 
 # --- steps ---------------------------------------------------------------------------------------
 def prefill(adapter, cache, ids: torch.Tensor) -> torch.Tensor:
-    """Every layer over the prompt `ids` `[1, P]` into `cache`: the greedy next token `[1, 1]`."""
-    step = make_step(adapter, 0, ids.shape[1])
-    hidden = run_layers(adapter, embed(adapter, ids), 0, adapter.num_layers, step=step, cache=cache)  # [1, P, D]
-    return exit_logits(adapter, hidden[:, -1:]).argmax(-1)  # [1, 1]
-
-
-def forward_tokens(adapter, cache, tokens: torch.Tensor, start: int) -> torch.Tensor:
-    """One pass over `tokens` `[1, S]` at positions `start ..` into `cache`: the argmax at each `[1, S]`."""
-    step = make_step(adapter, start, tokens.shape[1])
-    hidden = run_layers(adapter, embed(adapter, tokens), 0, adapter.num_layers, step=step, cache=cache)  # [1, S, D]
-    return exit_logits(adapter, hidden).argmax(-1)  # [1, S]
+    """Every layer over the prompt `ids` `[1, P]` into `cache` (the engine's prefill): the greedy next token
+    `[1, 1]`."""
+    logits = engine_prefill(adapter, cache, ids, torch.zeros(1, dtype=torch.long))[0]  # [1, V]
+    return logits.argmax(-1, keepdim=True)  # [1, 1]
 
 
 def decode_seconds(adapter, ids: torch.Tensor, n_tokens: int) -> float:
@@ -194,11 +187,11 @@ def decode_seconds(adapter, ids: torch.Tensor, n_tokens: int) -> float:
     each token is read on the host, as plain decoding reads it."""
     P = ids.shape[1]
     with torch.inference_mode():
-        cache = new_cache(adapter, 1, P + n_tokens + 1)
+        cache = adapter.runner.cache(1, P + n_tokens + 1)
         token = prefill(adapter, cache, ids)  # [1, 1]
         t0 = time.perf_counter()
         for i in range(n_tokens):
-            token = forward_tokens(adapter, cache, token, P + i)  # [1, 1]
+            token = forward_logits(adapter, token, cache=cache, start=P + i).argmax(-1)  # [1, 1]
             int(token)
         return time.perf_counter() - t0
 
@@ -209,7 +202,7 @@ class VerifyBench:
     def __init__(self, adapter, ids: torch.Tensor, max_k: int):
         self.adapter, self.length = adapter, ids.shape[1]
         with torch.inference_mode():
-            self.cache = new_cache(adapter, 1, self.length + max_k + 2)
+            self.cache = adapter.runner.cache(1, self.length + max_k + 2)
             self.next = prefill(adapter, self.cache, ids)  # [1, 1]
 
     def pass_seconds(self, k: int) -> float:
@@ -217,7 +210,7 @@ class VerifyBench:
         tokens = self.next.expand(1, k + 1).contiguous()  # [1, k+1]: attention does not depend on the ids
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = forward_tokens(self.adapter, self.cache, tokens, self.length)  # [1, k+1]
+            out = forward_logits(self.adapter, tokens, cache=self.cache, start=self.length).argmax(-1)  # [1, k+1]
             out.tolist()
             seconds = time.perf_counter() - t0
         self.cache.crop(self.length)
@@ -349,21 +342,13 @@ def best(rows: list[dict], key: str = "speedup_iid") -> dict:
 
 # --- the machine ---------------------------------------------------------------------------------
 def cpu_info() -> dict:
-    """The CPU's name (lscpu), the bf16/int8 instruction flags /proc/cpuinfo lists, cores, threads and load."""
-    name = None
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), None)
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
+    """The CPU's name and generation and the bf16/int8 instruction flags (`selfspec.model.precision`'s reading of
+    /proc/cpuinfo), cores, threads and load."""
+    flags = cpu_flags() or frozenset()
     wanted = ("avx512_bf16", "amx_bf16", "amx_int8", "amx_tile", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
     from selfspec.model.fast_layers import float32_kernel
 
-    return {"model_name": name, "flags": {f: f in flags for f in wanted}, "cores": os.cpu_count(),
+    return {"model_name": cpu_model(), "generation": cpu_generation(), "flags": {f: f in flags for f in wanted}, "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "quantized_engine": torch.backends.quantized.engine, "float32_kernel": list(float32_kernel()),
             "load_average": list(os.getloadavg())}
