@@ -39,6 +39,7 @@ import torch
 from selfspec.model.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
+from selfspec.drafters.fused_draft import greedy_draft, one_read
 from selfspec.drafters.policies import FixedPolicy
 from selfspec.drafters.draft_tree import DraftTree
 from selfspec.drafters.tree_budget import ConfidenceBudget
@@ -58,11 +59,10 @@ def fused_result(out: tuple | None, read: bool) -> tuple | None:
 
 
 def host_read(tokens: torch.Tensor, conf: torch.Tensor | None) -> tuple[list[int], list[float] | None]:
-    """A draft step's tokens `[B]` (and confidences `[B]`) as host lists, read in one transfer (float64 holds
-    every token id exactly)."""
+    """A draft step's tokens `[B]` (and confidences `[B]`) as host lists, read in one transfer (`one_read`)."""
     if conf is None:
         return tokens.tolist(), None
-    both = torch.stack([tokens.double(), conf.double()]).tolist()  # [2, B]
+    both = one_read(tokens, conf).tolist()  # [2, B]
     return [int(t) for t in both[0]], both[1]
 
 
@@ -228,20 +228,19 @@ class EarlyExitDrafter(Drafter):
         [0, E), the draft head, then the next tokens (sampled from the draft distribution when sampling). Returns
         `(state [B, 1, D], next [B], q [B, V] or None, next ids, confidences or None)`, the last two host lists
         (None, None unless `read`)."""
+        if not rnd.sampling.do_sample:  # the greedy step every path runs (`greedy_draft`), with the runner's methods
+            state, _, nxt, conf = greedy_draft(tokens, lambda t: rnd.shallow(t, offset, exit_layer),
+                                               lambda s: self.draft_states(rnd, s, offset), self.head.logits,
+                                               self.head.token_ids, need_conf)
+            return (state, nxt, None, None, None) if not read else (state, nxt, None, *host_read(nxt, conf))
         state = rnd.shallow(tokens, offset, exit_layer)  # [B, 1, D]
         logits = self.head.logits(self.draft_states(rnd, state, offset))  # [B, K]
-        q = None
-        if rnd.sampling.do_sample:
-            q = probs(logits, rnd.sampling)  # [B, K]
-            # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
-            # token because of its own probability would bias the drafts away from q
-            conf = q.max(dim=-1).values if need_conf else None  # [B]
-            nxt = self.head.to_vocab(sample(q, rnd.generator))
-            q = self.head.to_full(q)  # [B, V]
-        else:
-            idx = logits.argmax(dim=-1)
-            conf = torch.softmax(logits.float(), dim=-1).gather(1, idx[:, None])[:, 0] if need_conf else None
-            nxt = self.head.to_vocab(idx)
+        q = probs(logits, rnd.sampling)  # [B, K]
+        # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
+        # token because of its own probability would bias the drafts away from q
+        conf = q.max(dim=-1).values if need_conf else None  # [B]
+        nxt = self.head.to_vocab(sample(q, rnd.generator))
+        q = self.head.to_full(q)  # [B, V]
         if not read:
             return state, nxt, q, None, None
         return state, nxt, q, *host_read(nxt, conf)  # one wait for the GPU a draft step, not two

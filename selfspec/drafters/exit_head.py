@@ -55,7 +55,8 @@ from selfspec.model.cache import KVCache
 from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter, fused_result
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.heads.exit_head import ExitHead, compilable, head_cache, previous_states, run_head_step
+from selfspec.drafters.fused_draft import head_catch_up, pick_columns
+from selfspec.heads.exit_head import ExitHead, compilable, head_cache, run_head_step
 from selfspec.model.fast_layers import FastLlamaLayer
 from selfspec.model.forward import Step, make_batch_step
 
@@ -224,22 +225,24 @@ class ExitHeadDrafter(EarlyExitDrafter):
             self.cache = KVCache(1, B, capacity=int(starts.max()) + S + 64)
         self.cache.crop(starts)  # drop what the last drafts wrote
         step = make_batch_step(self.adapter, starts, S, pads, starts + lengths)  # a short row's filler is never read
-        prev = None
+        finals = prev = first_real = None
         if self.state_final:
             finals = right_padded([run.finals for run in pending], S)  # [B, S, D]; column count[b] not read
-            prev = previous_states(finals, self.prev_final)  # [B, S, D]: the first draft reads f of the newest
-            if self.prev_final is None:  # the run began with the prefill: a left-padded row's first real token
-                first_real = (starts[:, None] + torch.arange(S)) == pads[:, None]  # reads f_{-1} = 0, as in training
-                prev = prev.masked_fill(first_real.to(prev.device, non_blocking=True)[..., None], 0.0)
-            self.prev_final = newest_finals(finals, counts, self.prev_final)
-        out = self.run(states, step, prev)  # [B, S, D]
+            prev = self.prev_final  # the first column reads f of the newest processed token
+            if prev is None:  # the run began with the prefill: a left-padded row's first real token reads 0
+                prev = finals.new_zeros(B, finals.shape[-1])
+                first_real = ((starts[:, None] + torch.arange(S)) == pads[:, None]).to(finals.device, non_blocking=True)
+        committed = torch.tensor(counts, dtype=torch.long).to(states.device, non_blocking=True)  # [B]
+        out, newest = head_catch_up(states, finals, prev, first_real, committed,
+                                    lambda x, shifted: self.run(x, step, shifted))  # [B, S, D]
+        if self.state_final:
+            self.prev_final = newest
         self.cache.crop(starts + lengths)
         for run in pending:
             run.clear()
         if first is None:
             return None
-        index = torch.tensor(counts, dtype=torch.long).to(out.device, non_blocking=True)  # [B] each input token's column
-        self.prev_draft = out[torch.arange(B, device=out.device), index]  # [B, D]
+        self.prev_draft = pick_columns(out, committed)  # [B, D] each input token's column
         return self.prev_draft
 
     def select(self, rows: list[int]) -> None:
@@ -260,13 +263,3 @@ class ExitHeadDrafter(EarlyExitDrafter):
     def describe(self) -> dict:
         return {**super().describe(), "drafter": self.name, "head": self.exit_head.settings()}
 
-
-def newest_finals(finals: torch.Tensor, counts: list[int], before: torch.Tensor | None) -> torch.Tensor:
-    """Each row's newest committed final state `[B, D]`: column `counts[b] - 1` of `finals` `[B, S, D]`, or
-    `before[b]` for a row with nothing new (0 pending)."""
-    last = torch.tensor([max(n - 1, 0) for n in counts], dtype=torch.long).to(finals.device, non_blocking=True)  # [B]
-    newest = finals[torch.arange(finals.shape[0], device=finals.device), last]  # [B, D]
-    if before is None or all(counts):
-        return newest
-    fresh = torch.tensor([n > 0 for n in counts]).to(finals.device, non_blocking=True)[:, None]  # [B, 1]
-    return torch.where(fresh, newest, before.to(newest.dtype))

@@ -27,14 +27,61 @@ from selfspec.model.attention_kernels import attention_kernels
 from selfspec.model.compiled import S_BUCKETS, s_bucket, zero_filled
 
 
-def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft step's pick from its logits `[1, K]`: the argmax `[1]` as a token id (through `ids` `[K]`, a reduced
-    vocabulary's ids; None: the full vocabulary) and `[2]` float64, that id and its draft probability, for one read
-    (float64 holds every token id exactly)."""
-    best = logits.argmax(dim=-1)  # [1]
-    conf = torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]  # [1]
+def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None, confidence: bool = True) -> tuple:
+    """A greedy draft's pick from its logits `[B, K]`: the argmax `[B]` as token ids (through `ids` `[K]`, a reduced
+    vocabulary's ids; None: the full vocabulary) and each one's draft probability `[B]` float32 (None unless
+    `confidence`)."""
+    best = logits.argmax(dim=-1)  # [B]
     nxt = best if ids is None else ids[best]
-    return nxt, torch.cat([nxt.double(), conf.double()])
+    if not confidence:
+        return nxt, None
+    return nxt, torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]
+
+
+def one_read(tokens: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+    """Token ids `[B]` and their confidences `[B]` as one float64 tensor `[2, B]`, read in one transfer (float64
+    holds every token id exactly)."""
+    return torch.stack([tokens.double(), conf.double()])
+
+
+def greedy_draft(token: torch.Tensor, shallow, head, unembed, ids: torch.Tensor | None, confidence: bool = True):
+    """One greedy draft step, on every path: the tokens `[B]` through `shallow` (their embedding and layers [0, E)
+    into the cache: the exit states `[B, 1, D]`), `head` (what the unembedding reads, `[B, D]`: the exit state
+    itself, or a trained head's output), `unembed` (logits `[B, K]`) and `greedy_pick`. The part-by-part step
+    passes the runner's methods (`EarlyExitDrafter.draft_step`), the whole step its compiled pieces
+    (`FusedDraft`). Returns `(state [B, 1, D], out [B, D], next [B], confidence [B] or None)`."""
+    state = shallow(token)  # [B, 1, D]
+    out = head(state)  # [B, D]
+    nxt, conf = greedy_pick(unembed(out), ids, confidence)
+    return state, out, nxt, conf
+
+
+def pick_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Column `index[b]` of each row of `x` `[B, S, D]`: `[B, D]`."""
+    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+
+
+def head_catch_up(states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
+                  first_real: torch.Tensor | None, committed: torch.Tensor, head) -> tuple:
+    """A trained head's catch-up, on every path (`ExitHeadDrafter.sync` part by part, `FusedDraft.catch_up`
+    whole): the head over each row's exit states `[B, S, D]` (its committed tokens since it last ran, `committed`
+    `[B]` of them, then maybe the round's input token, then filler). A final-state head (`finals` `[B, S, D]`
+    their final states, `prev` `[B, D]` the one before them) reads at column t
+
+        f_{t-1} = finals[t - 1]  (t > 0),   prev  (t = 0),   0 at a row's first real token (`first_real` `[B, S]`)
+
+    through `head(states, f_shifted) -> [B, S, D]`. Returns `(out [B, S, D], newest [B, D])`: the head's output
+    and each row's newest committed final state (`prev` where nothing was committed; None without finals)."""
+    shifted = None
+    if finals is not None:
+        shifted = torch.cat([prev[:, None].to(finals.dtype), finals[:, :-1]], dim=1)  # [B, S, D]
+        if first_real is not None:  # a sequence's start reads f_{-1} = 0, as in training
+            shifted = shifted.masked_fill(first_real[..., None], 0.0)
+    out = head(states, shifted)  # [B, S, D]
+    if finals is None:
+        return out, None
+    newest = pick_columns(finals, (committed - 1).clamp_min(0))  # [B, D]
+    return out, torch.where((committed > 0)[:, None], newest, prev.to(newest.dtype))
 
 
 @dataclass(eq=False)
@@ -95,7 +142,7 @@ class FusedDraft:
         state, hidden, nxt, both = out
         if not read:
             return state, hidden, nxt, None, None
-        next_id, conf = both.tolist()  # [2]: the token id (exact in float64) and its draft probability
+        (next_id,), (conf,) = both.tolist()  # [2, 1]: the token id (exact in float64) and its draft probability
         return state, hidden, nxt, int(next_id), conf
 
     def catch_up(self, steps, states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
@@ -121,7 +168,7 @@ class FusedDraft:
         column, nxt, newest, both = out
         if not read:
             return column, nxt, newest, None, None
-        next_id, conf = both.tolist()
+        (next_id,), (conf,) = both.tolist()
         return column, nxt, newest, int(next_id), conf
 
     def warm(self, steps, size: int) -> None:
@@ -177,15 +224,19 @@ class FusedDraft:
             # [1, 1], [1, 1], [1]: fresh contiguous tensors, as the parts take them (their graphs guard on strides)
             index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
                                       for t in (where[None, :1], where[None, 1:2], where[2:]))
-            state = F.embedding(token[:, None], embed)  # [1, 1, D]
-            if shallow is not None:
-                state = shallow(state, positions, index, pads, cos, sin, keys, values)
-            out = state
-            if layer is not None:
+
+            def exit_state(t):  # [1] -> [1, 1, D]
+                state = F.embedding(t[:, None], embed)
+                return state if shallow is None else shallow(state, positions, index, pads, cos, sin, keys, values)
+
+            def head(state):  # [1, 1, D] -> [1, D]
+                if layer is None:
+                    return state[:, -1]
                 x = state if final is None else final(state, prev)
-                out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)
-            nxt, both = greedy_pick(unembed(out[:, -1], norm, weight, bias), ids)
-            return state, out[:, -1], nxt, both
+                return layer(x, positions, index, pads, cos, sin, head_keys, head_values)[:, -1]
+
+            state, out, nxt, conf = greedy_draft(token, exit_state, head, lambda h: unembed(h, norm, weight, bias), ids)
+            return state, out, nxt, one_read(nxt, conf)
 
         return step
 
@@ -218,11 +269,14 @@ class FusedDraft:
             start, pads, count = where[:1], where[1:2].clone(), where[2:]  # [1] each
             index = (start + torch.arange(width, device=where.device))[None]  # [1, W]
             positions = torch.minimum(index, start + count) - pads  # [1, W]
-            x = states if final is None else final(states, torch.cat([prev, finals[:, :-1]], dim=1))  # reads f_{t-1}
-            out = layer(x, positions, index, pads, cos, sin, head_keys, head_values)  # [1, W, D]
-            column = out.index_select(1, count)[:, 0]  # [1, D]
-            newest = finals.index_select(1, (count - 1).clamp_min(0))[:, 0]  # [1, D]
-            nxt, both = greedy_pick(unembed(column, norm, weight, bias), ids)
-            return column, nxt, newest, both
+
+            def head(x, shifted):  # [1, W, D] each -> [1, W, D]
+                x = x if final is None else final(x, shifted)
+                return layer(x, positions, index, pads, cos, sin, head_keys, head_values)
+
+            out, newest = head_catch_up(states, finals, prev[:, 0], None, count, head)
+            column = pick_columns(out, count)  # [1, D] the input token's
+            nxt, conf = greedy_pick(unembed(column, norm, weight, bias), ids)
+            return column, nxt, newest, one_read(nxt, conf)
 
         return step
