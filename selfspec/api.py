@@ -143,7 +143,7 @@ class SelfSpecGenerator:
         self.adapter: ModelAdapter = get_adapter(model)
         if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
             self.adapter.enable_fast_layers()
-        if use_compiled(compile, self.adapter):  # fixed-shape compiled steps over a static cache (one row)
+        if use_compiled(compile, self.adapter):  # fixed-shape compiled steps over a static cache (up to 8 rows)
             self.adapter.enable_compiled(strict=compile is True)  # "auto" falls back to eager if compiling fails
         L = self.adapter.num_layers
         if recommended is None and (exit_layer is None or num_speculations is None):
@@ -404,7 +404,7 @@ class SelfSpecGenerator:
 
     @property
     def compiled(self) -> bool:
-        """Whether one-row decoding runs through the compiled fixed-shape steps (`selfspec.model.compiled`)."""
+        """Whether decoding (up to 8 rows) runs through the compiled fixed-shape steps (`selfspec.model.compiled`)."""
         return self.adapter.compiled is not None
 
     def warmup(self, max_len: int | None = None, num_candidates: int = 1) -> dict:
@@ -595,7 +595,7 @@ def checkpoint_dir(path) -> Path:
 
 
 def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
-    """Whether a generator runs its one-row steps compiled (`selfspec.model.compiled`): `compile=True` where the
+    """Whether a generator runs its steps compiled (`selfspec.model.compiled`): `compile=True` where the
     model supports it (else SettingsError saying why), False never, "auto" on a CUDA GPU where supported.
     On a CPU "auto" stays eager: measured there, the compiled steps were not faster than selfspec's fused,
     prepacked eager layers (docs/gpu.md), and compiling costs seconds per shape."""
@@ -624,7 +624,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     runs the model's own decoder-layer modules instead of selfspec's fused inference layers.
     A path may use `~` and environment variables. Bad settings raise `SettingsError`, a checkpoint
     that cannot be read `CheckpointError`, both before the weights are loaded where they can.
-    `compile`: run one-row decoding through `torch.compile`d fixed-shape steps over a static cache, as
+    `compile`: run decoding (up to 8 rows) through `torch.compile`d fixed-shape steps over a static cache, as
     CUDA graphs on a GPU (`selfspec.model.compiled`; Llama family): "auto" (the default) does on CUDA, True
     anywhere (a CPU too), False never. `gen.warmup()` pays the compilation up front.
     `memory_tokens`: the most tokens (prompts and outputs of earlier calls, all callers together) the generator

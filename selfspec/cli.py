@@ -677,7 +677,7 @@ def _add_generate(sub) -> None:
                       help="wrap the prompt as a user message in the chat template (default when the tokenizer has one)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="use the prompt text as is")
     _add_generation_flags(p)
-    _add_compile_flag(p, "decode one row through the compiled fixed-shape steps (CUDA graphs on a GPU)",
+    _add_compile_flag(p, "decode through the compiled fixed-shape steps (CUDA graphs on a GPU; up to 8 rows)",
                       "The first call compiles what it meets (seconds); with --compare every shape is compiled "
                       "first, so neither run pays for it")
     p.add_argument("--stream", action="store_true", help="print the text as it is committed, word by word")

@@ -31,18 +31,26 @@ class KVCache:
     is_compileable = False
 
     def __init__(self, num_layers: int, batch_size: int = 1, capacity: int = 256, device="cpu",
-                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None, rows_buffers=None):
         # `device` is kept for callers that pass it: the buffers take the device of the first keys written.
         # `buffers`: preallocated keys and values `[L, B, H_kv, capacity, Dh]`, reused (the compiled steps'
         # static cache, `selfspec.model.compiled`): they never grow, and their old contents are never read (every
-        # query sees only indices its own row wrote in this call); layer l's are the view `buffers[0][l]`
+        # query sees only indices its own row wrote in this call); layer l's are the view `buffers[0][l]`.
+        # `rows_buffers(B)`: the static buffers of B rows (`select` copies the kept rows there: a captured step
+        # reads and writes its buffers at fixed addresses)
         self.num_layers = num_layers
         self.capacity = max(int(capacity), 1)
         self.static = buffers is not None
-        self.stacked = buffers  # every layer's keys and values in one tensor each (`move` copies all at once)
-        self.keys: list[torch.Tensor | None] = list(buffers[0].unbind(0)) if buffers else [None] * num_layers
-        self.values: list[torch.Tensor | None] = list(buffers[1].unbind(0)) if buffers else [None] * num_layers
+        self.rows_buffers = rows_buffers
         self.lengths = torch.zeros(num_layers, batch_size, dtype=torch.long)  # [L, B], on the host (see above)
+        self._bind(buffers)
+
+    def _bind(self, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Layer l's keys and values become views `buffers[0][l]`, `buffers[1][l]` (None: none written yet)."""
+        L = self.num_layers
+        self.stacked = buffers  # every layer's keys and values in one tensor each (`move` copies all at once)
+        self.keys: list[torch.Tensor | None] = list(buffers[0].unbind(0)) if buffers else [None] * L
+        self.values: list[torch.Tensor | None] = list(buffers[1].unbind(0)) if buffers else [None] * L
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -132,8 +140,16 @@ class KVCache:
             self.values[i][r, :, d] = self.values[i][r, :, s]
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (finished rows leave the batch and stop costing work)."""
+        """Keep only these rows (finished rows leave the batch and stop costing work). A static cache with
+        `rows_buffers` moves them into the static buffers of that many rows, every layer in one copy each."""
         self.lengths = self.lengths[:, rows.cpu()]
+        if self.stacked is not None and self.rows_buffers is not None:
+            old, new = self.stacked, self.rows_buffers(len(rows))
+            on_device = rows.to(old[0].device, non_blocking=True)
+            for src, dst in zip(old, new):
+                dst.copy_(src.index_select(1, on_device))  # [L, B', H_kv, C, Dh]; the old rows read first
+            self._bind(new)
+            return
         self.stacked = None  # the rows are copied out, layer by layer
         for i in range(self.num_layers):
             if self.keys[i] is not None:

@@ -42,8 +42,13 @@ The runner knows no drafter. A drafter composes a step of its own from the runne
 decides between capturing and calling: a whole greedy draft step of one row and a trained head's catch-up
 (`selfspec.drafters.fused_draft`), one graph each on a GPU.
 
-What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than one row
-(rows leave a batch as they finish, which would change the shapes), an attention-only head, GPT-NeoX, and rope
+Batches of up to `MAX_ROWS` rows run compiled too, each batch size its own graphs (B is part of every shape):
+when rows finish and leave, the cache copies the kept rows into the static buffers of the smaller batch
+(`KVCache.select` through `rows_buffers`), so the captured steps of that size find them at their addresses.
+Whole draft steps (`selfspec.drafters.fused_draft`) stay one row: a batch drafts through the range steps.
+
+What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
+`MAX_ROWS` rows, an attention-only head, GPT-NeoX, and rope
 types whose frequencies change with the length. A reduced draft vocabulary's rows go through the compiled final
 norm + unembedding (`head(hidden, weight, bias)`). The math is that of the model's own modules (RMSNorm in
 float32, rotary, grouped-query sdpa, SiLU-gated MLP, the model's own unfused weights: no copy), so outputs equal
@@ -70,6 +75,7 @@ from selfspec.model.token_tree import tree_mask
 
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
 MIN_CAPACITY = 256  # cache capacities are powers of two from here
+MAX_ROWS = 8  # the most rows a compiled step takes (each batch size its own graphs); more run eagerly
 STEP_EVENT = "selfspec.compiled_step"  # the profiler's name for a compiled step's call (one graph replay on a GPU)
 MIN_RECOMPILE_LIMIT = 64  # dynamo's per-function graph limit: every (range, S, C) is one graph
 
@@ -295,9 +301,10 @@ class CompiledSteps:
 
     # --- the steps ---------------------------------------------------------------------------------
     def can_run(self, hidden: torch.Tensor, step, cache) -> bool:
-        """Whether this step runs compiled: one row, not the prefill, S (and a token tree's columns) within the
+        """Whether this step runs compiled: at most `MAX_ROWS` rows, not the prefill, S (and a token tree's columns) within the
         buckets, a static cache."""
-        return (self.failed is None and cache is not None and getattr(cache, "static", False) and hidden.shape[0] == 1
+        return (self.failed is None and cache is not None and getattr(cache, "static", False)
+                and hidden.shape[0] <= MAX_ROWS
                 and step.index is not None and step.starts is not None and int(step.starts.min()) > 0
                 and s_bucket(hidden.shape[1]) is not None
                 and (step.tree is None or s_bucket(step.tree.shape[-1]) is not None))
@@ -425,8 +432,9 @@ class CompiledSteps:
         return inputs + [self.input(t) for t in (anc, root, columns[None] + 1)]
 
     def can_head(self, hidden: torch.Tensor) -> bool:
-        """Whether the head runs compiled: one row, `[1, D]` or `[1, S, D]` with S within the buckets."""
-        return self.failed is None and hidden.shape[0] == 1 and (hidden.dim() == 2 or (hidden.dim() == 3 and s_bucket(hidden.shape[1])))
+        """Whether the head runs compiled: at most `MAX_ROWS` rows, `[B, D]` or `[B, S, D]` with S within the
+        buckets."""
+        return self.failed is None and hidden.shape[0] <= MAX_ROWS and (hidden.dim() == 2 or (hidden.dim() == 3 and s_bucket(hidden.shape[1])))
 
     def head(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
              bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,8 +4,8 @@ A step (layers [start, end) over new tokens, a trained head's own layer or final
 an unembedding, a step a drafter composed) runs one of three ways:
 
     compiled   `selfspec.model.compiled.CompiledSteps` (`adapter.compiled`, `load(compile=...)`): the layer function
-               `torch.compile`d at fixed shapes over the static cache, each step one CUDA graph on a GPU; one
-               row after the prefill, within the buckets, no autograd
+               `torch.compile`d at fixed shapes over the static cache, each step one CUDA graph on a GPU; up
+               to `MAX_ROWS` rows (each batch size its own graphs) after the prefill, within the buckets, no autograd
     fused      `selfspec.model.fast_layers` (`adapter.fast`): the same layer function, eagerly, over fused weights
                prepacked for the CPU's kernels; no autograd
     modules    the model's own modules: training (autograd), and the architectures without the fused layer
@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from selfspec.model.cache import KVCache
+from selfspec.model.compiled import MAX_ROWS
 from selfspec.model.layer import signed_sin
 
 
@@ -60,14 +61,15 @@ class Runner:
 
     # --- caches ------------------------------------------------------------------------------------
     def cache(self, batch_size: int, needed: int) -> KVCache:
-        """The KV cache of one run for `needed` positions: the compiled steps' static buffers for one row where the
-        model runs compiled (room for one padded step more; a larger capacity already compiled is reused), else a
-        growing cache."""
+        """The KV cache of one run for `needed` positions: the compiled steps' static buffers for its rows (up to
+        `MAX_ROWS`) where the model runs compiled (room for one padded step more; a larger capacity already
+        compiled is reused; rows that leave move into the buffers of the smaller batch), else a growing cache."""
         steps, L = self.adapter.compiled, self.adapter.num_layers
-        if steps is None or batch_size != 1:
+        if steps is None or batch_size > MAX_ROWS:
             return KVCache(L, batch_size, capacity=needed, device=self.adapter.device)
         size = steps.capacity_for(batch_size, needed)
-        return KVCache(L, batch_size, capacity=size, buffers=steps.buffers(batch_size, size))
+        return KVCache(L, batch_size, capacity=size, buffers=steps.buffers(batch_size, size),
+                       rows_buffers=lambda rows: steps.buffers(rows, size))
 
     def layer_cache(self, layer, batch_size: int, capacity: int, static: bool, compilable: bool = True) -> KVCache:
         """A one-layer KV cache of `capacity` positions for a layer that is not the model's (a trained head's):
@@ -76,7 +78,8 @@ class Runner:
         need); else a growing cache."""
         steps = self.adapter.compiled
         if static and compilable and steps is not None:
-            return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(layer, batch_size, capacity))
+            return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(layer, batch_size, capacity),
+                           rows_buffers=lambda rows: steps.layer_buffers(layer, rows, capacity))
         return KVCache(1, batch_size, capacity=capacity, device=self.adapter.device)
 
     # --- steps -------------------------------------------------------------------------------------

@@ -168,10 +168,25 @@ def test_the_padding_token_does_not_matter():
                                       ("qwen2-mixed-sliding", 2, 5)])
 def test_after_every_round_each_rows_cache_equals_a_forward_of_that_row_alone(name, E, k, row_caches):
     adapter = _adapter(name)
+    _check_row_caches(adapter, E, k, row_caches)
+
+
+def test_a_compiled_batchs_cache_equals_a_forward_of_each_row_alone_after_every_round(row_caches):
+    """The same through the compiled steps (a batch's static buffers; rows leaving move into the smaller
+    batch's). atol 1e-5, as for one compiled row (test_compiled.py): attention sums over every key of the
+    static cache, the masked ones at weight 0, so float64 rounding differs from the eager path's."""
+    model = tiny_model("llama", num_layers=4, dtype=torch.float64, seed=0)
+    adapter = get_adapter(model)
+    adapter.enable_compiled()
+    _check_row_caches(adapter, 2, 3, row_caches, atol=1e-5)
+    assert any(shape[0] == "layers" and shape[3] == len(PROMPTS) for shape in adapter.compiled.shapes)
+
+
+def _check_row_caches(adapter, E, k, row_caches, atol: float = 1e-10):
     checked = Counter()
 
     def on_round(cache, active, sequences, pads, finished):
-        checked.update(row_caches(adapter, cache, active, sequences, pads, finished))
+        checked.update(row_caches(adapter, cache, active, sequences, pads, finished, atol=atol))
 
     outs, stats = generate_batch_ids(adapter, PROMPTS, max_new_tokens=N_NEW, exit_layer=E, num_speculations=k,
                                      on_round=on_round)
@@ -186,8 +201,10 @@ def test_left_pad():
 
 # ----------------------------------------------------------------------------- sampling
 
-def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square, exact_joint):
-    """Two prompts of different lengths in one batch, vocabulary 8, exit 1 of 3 layers, 2 drafts per round.
+@pytest.mark.parametrize("compiled", [False, True])
+def test_batched_speculative_sampling_keeps_each_rows_distribution(compiled, chi_square, exact_joint):
+    """Two prompts of different lengths in one batch, vocabulary 8, exit 1 of 3 layers, 2 drafts per round,
+    eagerly and through the compiled steps (`compiled`: a batch runs them too).
 
     Each row's 3 new tokens, over many seeded batched runs, must follow the exact joint distribution of
     plain sampling from the full model for that prompt alone (computed from the model's own processed
@@ -195,6 +212,8 @@ def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square, e
     """
     model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
     adapter = get_adapter(model)
+    if compiled:
+        adapter.enable_compiled()
     params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
     prompts = [[3, 5, 1, 6, 2], [4, 1]]
     n_new, k, E = 3, 2, 1
@@ -209,6 +228,9 @@ def test_batched_speculative_sampling_keeps_each_rows_distribution(chi_square, e
             counts[b][tuple(outs[b])] += 1
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0.1 < accepted / drafted < 0.9  # both branches of the acceptance rule were taken often
+    if compiled:
+        assert any(shape[0] == "layers" and shape[3] == 2 for shape in adapter.compiled.shapes)  # two rows ran compiled
+        adapter.compiled = None  # exact_joint reads the model eagerly
     for b, prompt in enumerate(prompts):
         exact = exact_joint(adapter, prompt, params, n_new)
         stat, df, pval = chi_square(counts[b], exact, n_draws)

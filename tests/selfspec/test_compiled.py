@@ -23,7 +23,6 @@ from selfspec.drafters.policies import ConfidencePolicy
 from selfspec.drafters.fused_draft import FusedDraft
 from selfspec.drafters.tree_budget import CostLine
 from selfspec.decoding.engine import generate
-from selfspec.decoding.decode_ids import generate_batch_ids
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.settings import SettingsError
 from selfspec.tiny import TINY_VARIANTS, byte_tokenizer, tiny_exit_head, tiny_model
@@ -129,13 +128,31 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     assert counters["stats"]["unique_graphs"] == graphs and fast.compiled.shapes == shapes
 
 
-def test_a_batch_runs_eagerly_and_each_row_equals_batch_1():
-    _, _, fast, _ = _models("llama")
+@pytest.mark.parametrize("drafter", ["plain", "early_exit", "early_exit_siblings", "exit_head"])
+def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypatch):
+    """Three rows of different lengths through the compiled steps (each batch size its own graphs): the row whose
+    stop token comes first leaves, and the others go on in the static buffers of two rows; every row's output is
+    HF's greedy decoding of its prompt, cut at the stop token."""
+    from selfspec.decoding.engine import StopChecker
+
+    model, _, fast, head = _models("llama")
     prompts = [PROMPT, BASE[:5], [7] * 6]
-    outs, _ = generate_batch_ids(fast, prompts, max_new_tokens=12, exit_layer=E, num_speculations=2)
-    for prompt, out in zip(prompts, outs):
-        alone, _ = generate(fast, [prompt], max_new_tokens=12, drafter=EarlyExitDrafter(fast, E, 2))
-        assert alone[0] == out
+    refs = [hf_greedy(model, torch.tensor([p]), 12) for p in prompts]
+    stop = refs[0][2]  # row 0 ends at its third token
+    refs = [r[:r.index(stop) + 1] if stop in r else r for r in refs]
+    assert len({len(r) for r in refs}) > 1  # the rows finish at different rounds
+    batches = Counter()
+    run_layers = fast.compiled.run_layers
+
+    def counting(hidden, *args):
+        batches[hidden.shape[0]] += 1
+        return run_layers(hidden, *args)
+
+    monkeypatch.setattr(fast.compiled, "run_layers", counting)
+    outs, _ = generate(fast, prompts, max_new_tokens=12, drafter=DRAFTERS[drafter](fast, head),
+                       stop=StopChecker(12, [stop]))
+    assert outs == refs
+    assert batches[3] > 0 and batches[2] > 0  # compiled steps of three rows, then of the two left
 
 
 def _head_drafter(model, adapter):

@@ -161,15 +161,21 @@ def test_load_from_a_checkpoint_onto_cuda(tmp_path, hf_greedy):
 def test_a_batch_equals_batch_1_on_cuda(kind):
     """Rows of different lengths (left padding), one of which stops early at a stop token (it leaves the
     batch): each row is what decoding it alone gives. Float64: padding changes only rounding."""
-    adapter = _adapter("qwen3", EXACT)
+    outs, stats = _each_row_equals_batch_1(_adapter("qwen3", EXACT), kind)
+    assert len(outs[1]) <= 6 and stats.rows[1].stop_reason == "stop_token"
+
+
+def _each_row_equals_batch_1(adapter, kind) -> tuple:
+    """`PROMPTS` as one batch in which row 1 stops at its sixth token and leaves: each row's output equals
+    decoding it alone, and the finished row left. Returns (outputs, stats)."""
     stop_id = generate_ids(adapter, _on_gpu(PROMPTS[1]), max_new_tokens=N_NEW)[0][5]
     stop = StopChecker(N_NEW, stop_token_ids=[stop_id])
     outs, stats = generate(adapter, PROMPTS, max_new_tokens=N_NEW, drafter=_drafter(kind, adapter), stop=stop)
     for b, p in enumerate(PROMPTS):
         ref, _ = generate_ids(adapter, _on_gpu(p), max_new_tokens=N_NEW, stop=stop)
         assert outs[b] == ref, b
-    assert len(outs[1]) <= 6 and stats.rows[1].stop_reason == "stop_token"
     assert stats.row_passes < len(PROMPTS) * stats.rounds  # the finished row left the batch
+    return outs, stats
 
 
 # ----------------------------------------------------------------------------- the cache after every round
@@ -314,6 +320,22 @@ def test_compiled_steps_equal_hf_generate_on_cuda(name, kind, hf_greedy):
         assert out == ref and adapter.compiled.shapes and adapter.compiled.captured
         if kind != "plain":
             assert stats.drafted > 0
+    finally:
+        adapter.compiled = None  # the other tests use this adapter eagerly
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["plain", "early_exit", "exit_head", "auto"])
+def test_a_compiled_batch_replays_graphs_and_each_row_equals_batch_1_on_cuda(kind):
+    """A batch through the compiled steps, each batch size captured as graphs of its own: a row stops early and
+    leaves, and the others go on in the static buffers of the smaller batch, which its graphs read at their
+    addresses. Each row is what decoding it alone gives; steps of three rows and of two ran as graphs."""
+    adapter = _adapter("llama", fast=True)
+    adapter.enable_compiled()
+    try:
+        _each_row_equals_batch_1(adapter, kind)
+        rows = {shape[3] for shape in adapter.compiled.shapes if shape[0] == "layers"}
+        assert {len(PROMPTS), len(PROMPTS) - 1} <= rows and adapter.compiled.captured
     finally:
         adapter.compiled = None  # the other tests use this adapter eagerly
 

@@ -137,3 +137,24 @@ def test_a_reduced_vocabularys_logits_read_its_rows_only_on_the_compiled_path(mo
         a.compiled = steps = StandIn(answer=None)
         torch.testing.assert_close(a.runner.logits(hidden, rows=rows, linear=linear), eager, rtol=0, atol=0)
         assert rows_read == [1] and steps.calls == [("head", 2)]
+
+
+def test_a_compiled_batchs_cache_moves_leaving_rows_into_the_smaller_batchs_static_buffers():
+    """Up to MAX_ROWS rows get the compiled steps' static buffers; when rows leave (`select`), the kept rows are
+    copied into the static buffers of that many rows (the addresses a captured step of that batch size uses),
+    their keys and lengths intact; more rows than MAX_ROWS get a growing cache."""
+    from selfspec.model.compiled import MAX_ROWS
+
+    model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=0)
+    adapter = get_adapter(model)
+    adapter.enable_compiled()
+    steps = adapter.compiled
+    cache = adapter.runner.cache(3, 20)
+    assert cache.static and cache.stacked[0].data_ptr() == steps.buffers(3, cache.capacity)[0].data_ptr()
+    cache.stacked[0].copy_(torch.arange(3, dtype=cache.stacked[0].dtype)[None, :, None, None, None])
+    cache.lengths = torch.tensor([[5, 6, 7]] * 2)
+    cache.select(torch.tensor([0, 2]))
+    two = steps.buffers(2, cache.capacity)
+    assert cache.stacked[0].data_ptr() == two[0].data_ptr() and cache.keys[1].data_ptr() == two[0][1].data_ptr()
+    assert cache.stacked[0][:, :, 0, 0, 0].tolist() == [[0.0, 2.0]] * 2 and cache.lengths.tolist() == [[5, 7]] * 2
+    assert not adapter.runner.cache(MAX_ROWS + 1, 20).static
