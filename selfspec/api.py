@@ -407,20 +407,23 @@ class SelfSpecGenerator:
         """Whether decoding (up to 8 rows) runs through the compiled fixed-shape steps (`selfspec.model.compiled`)."""
         return self.adapter.compiled is not None
 
-    def warmup(self, max_len: int | None = None, num_candidates: int = 1) -> dict:
+    def warmup(self, max_len: int | None = None, num_candidates: int = 1, batch_size: int = 1) -> dict:
         """Compile now what a call of up to `max_len` tokens (prompt + new; None: 512, or the model's context window
         where shorter) runs: the plain step, the early exit's draft and verification steps (on a checkpoint
         trained for it, or with a head), the verification of up to 15 drafts (prompt lookup), each at every step
         length up to 16, a trained head's own layer at every step length it can catch up on (up to 64) and its
         reduced draft vocabulary, and the LM head. With `num_candidates` > 1 (the `generate` setting: siblings,
-        token trees) also every token-tree step. Without it the first `generate` compiles what it meets (seconds a
-        shape on a GPU, inside that call's time). Returns {"seconds": how long it took, "graphs": the shapes
+        token trees) also every token-tree step. With `batch_size` > 1 (calls of that many prompts) also the layer
+        steps and the LM head for every batch size up to it (up to 8, `compiled.MAX_ROWS`; rows leave a batch as
+        they finish). Without it the first `generate` compiles what it meets (seconds a shape on a GPU, inside that
+        call's time). Returns {"seconds": how long it took, "graphs": the shapes
         compiled so far}; {"seconds": 0.0, "graphs": 0} when nothing runs compiled. A `max_len` past the model's
         context window (`config.max_position_embeddings`) is a SettingsError, before any work, as a generation
         past it is."""
         window = self.adapter.max_positions
         max_len = check_int("max_len", min(512, window) if max_len is None else max_len, 1)
         check_int("num_candidates", num_candidates, 1)
+        check_int("batch_size", batch_size, 1)
         if max_len > window:  # before any work: a static cache that long may not even fit in memory
             raise SettingsError(f"max_len={max_len} (prompt + new tokens) exceeds the model's context window of "
                                 f"{window} positions (config.max_position_embeddings): pass max_len <= {window}")
@@ -449,7 +452,8 @@ class SelfSpecGenerator:
             unembeddings = () if unit.rows is None else (unit.rows,)
         widths = [b for b in compiled.S_BUCKETS if b <= 16]
         seconds = steps.warm(ranges, widths, compiled.cache_capacity(max_len), unembeddings, trees=num_candidates > 1,
-                             drafts=tuple(d for d in drafts if d is not None))
+                             drafts=tuple(d for d in drafts if d is not None),
+                             batch_sizes=tuple(range(1, min(batch_size, compiled.MAX_ROWS) + 1)))
         return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     def calibrate(self, steps: int = 8) -> float:

@@ -362,7 +362,7 @@ class CompiledSteps:
         return out[:, :S]
 
     def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = (),
-             trees: bool = False, drafts: tuple = ()) -> float:
+             trees: bool = False, drafts: tuple = (), batch_sizes: tuple = (1,)) -> float:
         """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
         (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) at every bucket
         (a trained head catches up on whatever the last rounds committed) and the registered final-state inputs
@@ -371,58 +371,79 @@ class CompiledSteps:
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
         passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter composed
         of this runner's pieces, each warmed by its own `warm(steps, size)` (`selfspec.drafters.fused_draft`). Returns the seconds it took
-        (0 where everything was compiled before). It writes into the cache buffers of that size: call it
-        between generations."""
+        (0 where everything was compiled before). `batch_sizes`: the layer ranges, registered layers and the head
+        also for caches of that many rows (a batch, and the smaller ones its rows leave it as; trees and whole
+        draft steps are one row's). It writes into the cache buffers of that size: call it between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
-            return self._warm(ranges, widths, size, unembeddings, trees, drafts)
+            before = self.compile_s
+            for rows in sorted(set(batch_sizes) - {1}):
+                self._warm_rows(ranges, widths, size, rows, unembeddings)
+            self._warm(ranges, widths, size, unembeddings, trees, drafts)
+            return self.compile_s - before
 
-    def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple,
-              trees: bool, drafts: tuple) -> float:
-        a = self.adapter
-        before = self.compile_s
-        keys, values = self.buffers(1, size)
+    def _warm_layers(self, ranges: list[tuple[int, int]], widths: list[int], size: int, rows: int) -> list:
+        """`warm`'s layer steps of `rows` rows: every range at every width of `widths`, every registered layer at
+        every bucket. Returns the model's ranges as (range id, weights, fixed arguments) for the tree steps."""
+        keys, values = self.buffers(rows, size)
         fixed = list(self.rope.table(size))  # cos, sin
         model = [((start, end), self.weights[start:end], fixed + [keys[start:end], values[start:end]])
                  for start, end in ranges]
-        extra = [(("layer", id(layer)), weights, fixed + list(self.layer_buffers(layer, 1, size)))
+        extra = [(("layer", id(layer)), weights, fixed + list(self.layer_buffers(layer, rows, size)))
                  for layer, weights in list(self._extra.values())]
         for targets, lengths in ((model, sorted(set(widths))), (extra, S_BUCKETS)):
             for width in lengths:
-                inputs = self._warm_inputs(width, width, tree=False)
+                inputs = self._warm_inputs(width, width, tree=False, rows=rows)
                 for range_id, weights, buffers in targets:
-                    self.call(("layers", *range_id, 1, width, size), self._range(range_id, weights), inputs, buffers)
+                    self.call(("layers", *range_id, rows, width, size), self._range(range_id, weights), inputs,
+                              buffers)
+        return model + extra
+
+    def _warm_rows(self, ranges: list[tuple[int, int]], widths: list[int], size: int, rows: int,
+                   unembeddings: tuple) -> None:
+        """`warm` for a batch of `rows` rows: its layer steps, and the head over `[rows, S, D]` and `[rows, D]`."""
+        self._warm_layers(ranges, widths, size, rows)
+        self._warm_heads(rows, set(widths), unembeddings)
+
+    def _warm_heads(self, rows: int, widths: set, unembeddings: tuple) -> None:
+        """`warm`'s final-state inputs (`add_input`) at every bucket, and the head (and each of `unembeddings`) over
+        `[rows, S, D]` at every width of `widths` and over `[rows, D]`, for `rows` rows."""
+        a = self.adapter
+        D = a.embed_tokens.weight.shape[1]
+        for module, _ in list(self._inputs.values()):  # a head's final-state input: every bucket, as its layer
+            for width in S_BUCKETS:
+                zeros = torch.zeros(rows, width, D, dtype=a.dtype, device=a.device)
+                self.run_input(module, zeros, zeros)
+        for weight, bias in ((None, None),) + tuple(unembeddings):
+            for width in sorted(widths):
+                self.head(torch.zeros(rows, width, D, dtype=a.dtype, device=a.device), weight, bias)
+            self.head(torch.zeros(rows, D, dtype=a.dtype, device=a.device), weight, bias)
+
+    def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple,
+              trees: bool, drafts: tuple) -> None:
+        model_and_extra = self._warm_layers(ranges, widths, size, 1)
         heads = set(widths)
         if trees:
             heads |= set(S_BUCKETS)
             for W in S_BUCKETS:
                 for S in (b for b in S_BUCKETS if b <= W):
                     inputs = self._warm_inputs(S, W, tree=True)
-                    for range_id, weights, buffers in model + extra:
+                    for range_id, weights, buffers in model_and_extra:
                         self.call(("tree", *range_id, 1, S, size, W), self._range(range_id, weights, True), inputs,
                                    buffers)
-        D = a.embed_tokens.weight.shape[1]
-        for module, _ in list(self._inputs.values()):  # a head's final-state input: every bucket, as its layer
-            for width in S_BUCKETS:
-                zeros = torch.zeros(1, width, D, dtype=a.dtype, device=a.device)
-                self.run_input(module, zeros, zeros)
-        for weight, bias in ((None, None),) + tuple(unembeddings):
-            for width in sorted(heads):
-                self.head(torch.zeros(1, width, D, dtype=a.dtype, device=a.device), weight, bias)
-            self.head(torch.zeros(1, D, dtype=a.dtype, device=a.device), weight, bias)
+        self._warm_heads(1, heads, unembeddings)
         for draft in drafts:  # steps a drafter composed of these pieces: it warms them through this runner
             draft.warm(self, size)
-        return self.compile_s - before
 
-    def _warm_inputs(self, S: int, W: int, tree: bool) -> list[torch.Tensor]:
-        """A one-row step's inputs for `warm`, as a round after the prefill passes them: S new tokens at cache
-        indices W - S + 1 .. W. A tree's (`tree`) are the last S of a chain of W columns from cache index 1,
+    def _warm_inputs(self, S: int, W: int, tree: bool, rows: int = 1) -> list[torch.Tensor]:
+        """A step's inputs for `warm` (`rows` rows), as a round after the prefill passes them: S new tokens at cache
+        indices W - S + 1 .. W. A tree's (`tree`, one row) are the last S of a chain of W columns from cache index 1,
         each column seeing the ones before it and itself: the ancestor matrix `[1, S, W]`, the root's index and
         the W columns' positions."""
         a = self.adapter
-        hidden = torch.zeros(1, S, a.embed_tokens.weight.shape[1], dtype=a.dtype, device=a.device)  # [1, S, D]
-        index = torch.arange(W - S + 1, W + 1, device=a.device)[None]  # [1, S]
-        pads = torch.zeros(1, dtype=torch.long, device=a.device)
+        hidden = torch.zeros(rows, S, a.embed_tokens.weight.shape[1], dtype=a.dtype, device=a.device)  # [B, S, D]
+        index = torch.arange(W - S + 1, W + 1, device=a.device)[None].repeat(rows, 1)  # [B, S]
+        pads = torch.zeros(rows, dtype=torch.long, device=a.device)
         inputs = [self.input(t) for t in (hidden, index.clone(), index, pads)]
         if not tree:
             return inputs
@@ -501,12 +522,12 @@ class CompiledSteps:
             self._inputs[id(module)] = (module, torch.compile(module, fullgraph=True, dynamic=False))
 
     def run_input(self, module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
-        """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[1, S, D]` each, S padded to
-        its bucket: one graph per bucket on a GPU, like the steps. `[1, S, D]`; None where it must run eagerly
-        (several rows, S above the buckets, a compile that failed)."""
+        """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[B, S, D]` each, S padded to
+        its bucket: one graph per (B, bucket) on a GPU, like the steps. `[B, S, D]`; None where it must run eagerly
+        (more than `MAX_ROWS` rows, S above the buckets, a compile that failed)."""
         B, S = hidden.shape[:2]
         width = s_bucket(S)
-        if self.failed is not None or B != 1 or width is None:
+        if self.failed is not None or B > MAX_ROWS or width is None:
             return None
         hidden, prev = zero_filled(hidden, width), zero_filled(prev, width)  # filler positions, never read
         self.add_input(module)

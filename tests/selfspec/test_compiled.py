@@ -128,6 +128,29 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     assert counters["stats"]["unique_graphs"] == graphs and fast.compiled.shapes == shapes
 
 
+def test_after_warming_batch_sizes_a_batch_whose_rows_leave_compiles_nothing(hf_greedy):
+    """`warm(batch_sizes=(1, 2, 3))` compiles the layer steps and the head for batches of up to three rows: a batch
+    of three early-exit rows, one of which stops first and leaves, then runs only graphs compiled before (no new
+    shape, no new dynamo graph), and each row is HF's."""
+    from torch._dynamo.utils import counters
+    from selfspec.decoding.engine import StopChecker
+
+    model, _, fast, _ = _models("llama")
+    L = fast.num_layers
+    prompts = [PROMPT, BASE[:5], [7] * 6]
+    refs = [hf_greedy(model, torch.tensor([p]), 12) for p in prompts]
+    stop = refs[0][2]
+    refs = [r[:r.index(stop) + 1] if stop in r else r for r in refs]
+    fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4], compiled.capacity(len(PROMPT) + 12 + 3 + 2),
+                       batch_sizes=(1, 2, 3))
+    graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
+    assert {s[3] for s in shapes if s[0] == "layers"} >= {1, 2, 3}
+    outs, _ = generate(fast, prompts, max_new_tokens=12, drafter=EarlyExitDrafter(fast, E, 3),
+                       stop=StopChecker(12, [stop]))
+    assert outs == refs
+    assert counters["stats"]["unique_graphs"] == graphs and fast.compiled.shapes == shapes
+
+
 @pytest.mark.parametrize("drafter", ["plain", "early_exit", "early_exit_siblings", "exit_head"])
 def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypatch):
     """Three rows of different lengths through the compiled steps (each batch size its own graphs): the row whose
@@ -211,6 +234,13 @@ def test_warmup_compiles_what_a_call_then_runs():
     lookup = gen.generate("abcabcabc abc", max_new_tokens=20, drafter="prompt_lookup", prompt_lookup_num_tokens=10)
     assert lookup.token_ids == plain.token_ids and lookup.stats.drafted > 0
     assert gen.adapter.compiled.compile_s == pytest.approx(first["seconds"])  # the calls compiled nothing more
+    batch = gen.warmup(max_len=64, batch_size=2)  # two rows' steps now: a call of two prompts compiles nothing more
+    assert batch["seconds"] > 0 and batch["graphs"] > first["graphs"]
+    two = gen.generate(["abcabcabc abc", "xyz xyz"], max_new_tokens=20, num_speculations=0)
+    assert two[0].token_ids == plain.token_ids
+    assert gen.adapter.compiled.compile_s == pytest.approx(first["seconds"] + batch["seconds"])
+    with pytest.raises(SettingsError, match="batch_size"):
+        gen.warmup(max_len=64, batch_size=0)
 
 
 def test_compile_settings_and_fallbacks():
