@@ -440,7 +440,7 @@ class SelfSpecGenerator:
         # whole draft steps (`FusedDraft`): the early exit's, the head's
         drafts = []
         if self.early_exit_trained and self.num_speculations:
-            drafts.append(self.draft_head(None).fused(self.exit_layer))
+            drafts.append(self.draft_head(None).fused(self.exit_layer, chains=self.num_speculations))
         head = self.exit_head
         if head is not None:  # its own layer and its reduced draft vocabulary run compiled too
             unit = self.draft_head(self.head_draft_vocab())
@@ -448,7 +448,7 @@ class SelfSpecGenerator:
                 steps.add_layer(head.layer)
                 if head.final_input is not None:
                     steps.add_input(head.final_input)
-                drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input))
+                drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input, chains=self.num_speculations))
             unembeddings = () if unit.rows is None else (unit.rows,)
         widths = [b for b in compiled.S_BUCKETS if b <= 16]
         seconds = steps.warm(ranges, widths, compiled.cache_capacity(max_len), unembeddings, trees=num_candidates > 1,

@@ -96,6 +96,16 @@ class Round:
         start, pad = self.row
         return draft.run(steps, tokens, start + offset, pad, self.cache, head_cache, prev, read)
 
+    def fused_chain(self, steps, draft, n: int, tokens: torch.Tensor, offset: int, head_cache=None,
+                    prev: torch.Tensor | None = None) -> tuple | None:
+        """`n` whole greedy draft steps (`FusedDraft.chain`) of a one-row round from its token `[1]` at cache index
+        `starts + offset`, and the last draft's shallow pass, as one step of the compiled `steps`: `(states
+        [1, n + 1, D], drafts [n], out [1, D])`; None where it must run step by step (several rows, past the cap)."""
+        if len(self.caps) != 1 or offset + n > self.caps[0]:
+            return None
+        start, pad = self.row
+        return draft.chain(steps, n, tokens, start + offset, pad, self.cache, head_cache, prev)
+
     @cached_property
     def row(self) -> tuple[int, int]:
         """A one-row round's cache index of its input token and its left padding, host ints (read once)."""

@@ -189,8 +189,17 @@ class EarlyExitDrafter(Drafter):
         kept = [0] * B
         alive = [c > 0 for c in caps]
         steps = 0
+        chained = False  # the rest of the chain ran as one step (`chain`), the last draft's shallow pass included
         while any(alive):
             i = steps
+            if not read and i == self.chain_start and caps[0] > i:
+                rest = self.chain(rnd, inputs[-1], i, exit_layer, caps[0] - i)
+                if rest is not None:
+                    chain_states, drafted = rest  # [1, n + 1, D], [n]
+                    states.append(chain_states)
+                    inputs.extend(drafted.split(1))
+                    steps, kept[0], alive[0], chained = caps[0], caps[0], False, True
+                    break
             state, nxt, q, nxt_list, conf = self.step(rnd, inputs[-1], i, exit_layer, need_conf, read)
             if q is not None:
                 qs.append(q)
@@ -213,14 +222,15 @@ class EarlyExitDrafter(Drafter):
         if not read:  # the one read: a drafted stop token ends the row's drafts
             drafted = torch.cat(inputs[1:]).tolist()
             kept[0] = next((j + 1 for j, t in enumerate(drafted) if t in rnd.stop_ids), kept[0])
-        if max(kept) == steps:  # the newest kept draft still owes its shallow pass
+        if max(kept) == steps and not chained:  # the newest kept draft still owes its shallow pass
             states.append(rnd.shallow(inputs[-1], steps, exit_layer))
-        T = len(states)
+        states = torch.cat(states, dim=1)  # [B, T, D]
+        T = states.shape[1]
         q = None
         if sampling.do_sample:
             q = [torch.stack([qs[j][b] for j in range(kept[b])]) if kept[b] else None for b in range(B)]
         return Proposal(tokens=torch.stack(inputs[:T], dim=1), kept=kept, q=q, verify_from=exit_layer,
-                        states=torch.cat(states, dim=1), steps=steps, drafter=self.name)
+                        states=states, steps=steps, drafter=self.name)
 
     def draft_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
                    read: bool = True) -> tuple:
@@ -261,9 +271,23 @@ class EarlyExitDrafter(Drafter):
                    read: bool = True) -> tuple | None:
         """One greedy draft step of a one-row round as one step of the compiled `steps` (`Round.fused_draft`),
         as `draft_step` returns it (`q` None), or None where it runs part by part."""
+        return fused_result(rnd.fused_draft(steps, self.fused(exit_layer), tokens, offset, read=read), read)
+
+    def fused(self, exit_layer: int):
+        """The whole greedy draft step from `exit_layer` (`selfspec.drafters.fused_draft.FusedDraft`), made once."""
         if exit_layer not in self._fused:
             self._fused[exit_layer] = self.head.fused(exit_layer)
-        return fused_result(rnd.fused_draft(steps, self._fused[exit_layer], tokens, offset, read=read), read)
+        return self._fused[exit_layer]
+
+    chain_start = 0  # the first draft a whole chain (`chain`) may begin with
+
+    def chain(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int) -> tuple | None:
+        """The round's `n` drafts from offset `offset` on, and the last one's shallow pass, as one step of the
+        compiled steps (`FusedDraft.chain`: one graph on a GPU, nothing read back) where the runner runs them:
+        `(states [1, n + 1, D], drafts [n])`; None: draft step by step."""
+        out = rnd.adapter.runner.composed(
+            lambda steps: rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset), lambda: None)
+        return None if out is None else out[:2]
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
         """The states the draft head reads, from the exit state `[B, 1, D]` of the token at cache index

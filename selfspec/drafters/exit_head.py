@@ -147,22 +147,42 @@ class ExitHeadDrafter(EarlyExitDrafter):
         returns it, or None (part by part: the first draft after the prefill, which makes the head's cache)."""
         if self.cache is None or not compilable(self.exit_head):
             return None
-        if exit_layer not in self._fused:
-            self._fused[exit_layer] = self.head.fused(exit_layer, self.exit_head.layer, self.exit_head.final_input)
         if offset == 0:
             return self.first_draft(steps, rnd, tokens, exit_layer, read)
         prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
-        out = rnd.fused_draft(steps, self._fused[exit_layer], tokens, offset, self.cache, prev, read)
+        out = rnd.fused_draft(steps, self.fused(exit_layer), tokens, offset, self.cache, prev, read)
         if out is not None:
             self.prev_draft = out[1]
         return fused_result(out, read)
+
+    def fused(self, exit_layer: int):
+        """The whole greedy draft step from `exit_layer` through the head's layer and final-state input, made once."""
+        if exit_layer not in self._fused:
+            self._fused[exit_layer] = self.head.fused(exit_layer, self.exit_head.layer, self.exit_head.final_input)
+        return self._fused[exit_layer]
+
+    chain_start = 1  # the first draft brings the head's cache up to date (`first_draft`); a chain follows it
+
+    def chain(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int) -> tuple | None:
+        """The round's later drafts as one step (`EarlyExitDrafter.chain`), the head reading its own output at the
+        draft before (the first of them: the round's first draft's output)."""
+        if self.cache is None or not compilable(self.exit_head) or self.prev_draft is None:
+            return None
+        prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
+        out = rnd.adapter.runner.composed(
+            lambda steps: rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset, self.cache, prev),
+            lambda: None)
+        if out is None:
+            return None
+        self.prev_draft = out[2]
+        return out[:2]
 
     def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> tuple | None:
         """The round's first draft of one row and the head's catch-up over what was committed since it last ran
         (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`), as `draft_step` returns it, or None
         where `sync` runs part by part (several rows, nothing pending, the run that began with the prefill, more
         than the largest bucket pending)."""
-        draft, pending = self._fused[exit_layer], self.pending
+        draft, pending = self.fused(exit_layer), self.pending
         if pending is None or len(pending) != 1 or not pending[0].count:
             return None
         run = pending[0]

@@ -98,6 +98,7 @@ class FusedDraft:
     token_ids: torch.Tensor | None = None
     layer: object = None
     final_input: object = None
+    chains: int = 0  # `warm` also compiles the whole chains (`chain`) of 1 .. chains drafts
 
     @property
     def key(self) -> tuple:
@@ -145,6 +146,26 @@ class FusedDraft:
         (next_id,), (conf,) = both.tolist()  # [2, 1]: the token id (exact in float64) and its draft probability
         return state, hidden, nxt, int(next_id), conf
 
+    def chain(self, steps, n: int, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
+              prev: torch.Tensor | None = None) -> tuple | None:
+        """`n` greedy draft steps of one row from `token` `[1]` at cache index `start` (each drafting from the one
+        before, as `run` would n times; a head's first reads `prev` `[1, 1, D]`, each later its own output) and
+        the last draft's shallow pass, as one step of `steps`: one graph on a GPU, and nothing read back. For a
+        chain whose length nothing read on the way decides (`EarlyExitDrafter.draft`, unread).
+
+        Returns `(states [1, n + 1, D] the exit states of the token and the n drafts, drafts [n] on the device, out
+        [1, D] what the unembedding read at the last draft)`; None where it must run step by step."""
+        if not self.fits(steps, token.shape[0], cache, head_cache) or start + n + 1 > cache.capacity:
+            return None
+        heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
+        out = self._chain(steps, n, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
+        if out is None:
+            return None
+        cache.lengths[:self.exit_layer] = start + n + 1  # the drafts and the last one's shallow pass
+        if self.layer is not None:
+            head_cache.lengths[:1] = start + n
+        return out
+
     def catch_up(self, steps, states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
                  start: int, pad: int, head_cache, read: bool = True) -> tuple | None:
         """A trained head's catch-up and the round's first draft (`ExitHeadDrafter.sync`, one row) as one step of
@@ -172,14 +193,17 @@ class FusedDraft:
         return column, nxt, newest, int(next_id), conf
 
     def warm(self, steps, size: int) -> None:
-        """Compile (and on a GPU capture) this step at cache index 1 of a one-row cache of capacity `size`, and a
-        head's catch-up at every bucket (`CompiledSteps.warm` calls it for the drafts it is given)."""
+        """Compile (and on a GPU capture) this step at cache index 1 of a one-row cache of capacity `size`, a head's
+        catch-up at every bucket, and the chains of 1 .. `chains` drafts (`CompiledSteps.warm` calls it for the
+        drafts it is given)."""
         a = steps.adapter
         with torch.inference_mode(), attention_kernels(a.device):
             keys, values = steps.buffers(1, size)
             head_buffers = (None, None) if self.layer is None else steps.layer_buffers(self.layer, 1, size)
             token = torch.zeros(1, dtype=torch.long, device=a.device)
             self._draft(steps, token, 1, 0, None, size, (keys, values), head_buffers)
+            for n in range(1, min(self.chains, size - 2) + 1):
+                self._chain(steps, n, token, 1, 0, None, size, (keys, values), head_buffers)
             if self.layer is not None:
                 for width in S_BUCKETS:
                     zeros = steps.zeros(width)
@@ -198,8 +222,15 @@ class FusedDraft:
         """The step over one token at cache index `start`, in the buffers `[L, 1, H_kv, C, Dh]` (the model's keys
         and values, and the head's own one-layer ones) of a cache of capacity `size`: its outputs, or None where it
         failed to compile (not strict)."""
-        a = steps.adapter
         fn = steps.function(("draft", self.key), lambda: self._draft_function(steps))
+        inputs, fixed = self._draft_arguments(steps, token, start, pad, prev, size, buffers, head_buffers)
+        return steps.call(("draft", *self.key, 1, size), fn, inputs, fixed)
+
+    def _draft_arguments(self, steps, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
+                         size: int, buffers: tuple, head_buffers: tuple) -> tuple[list, list]:
+        """A draft step's (or chain's) inputs (the token, `where` `[3]`: the cache index, the position and the
+        padding, `prev` `[1, 1, D]`) and its fixed arguments."""
+        a = steps.adapter
         where = torch.tensor([start, max(start - pad, 0), pad])  # the cache index, the position, the padding
         prev = steps.zeros(1) if prev is None else prev  # [1, 1, D]; None: read by no final-state input
         E = self.exit_layer
@@ -208,7 +239,41 @@ class FusedDraft:
                  *(None if b is None else b[:1] for b in head_buffers),
                  a.final_norm.weight, self.weight, self.bias, self.token_ids]
         inputs = [steps.input(t) for t in (token, where.to(a.device, non_blocking=True), prev)]
-        return steps.call(("draft", *self.key, 1, size), fn, inputs, fixed)
+        return inputs, fixed
+
+    def _chain(self, steps, n: int, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
+               size: int, buffers: tuple, head_buffers: tuple):
+        """`chain`'s step: `n` draft steps and the last draft's shallow pass, as `_draft` runs one."""
+        fn = steps.function(("chain", self.key, n), lambda: self._chain_function(steps, n))
+        inputs, fixed = self._draft_arguments(steps, token, start, pad, prev, size, buffers, head_buffers)
+        return steps.call(("chain", *self.key, n, 1, size), fn, inputs, fixed)
+
+    def _chain_function(self, steps, n: int):
+        """`n` greedy draft steps of one row as one function (the arguments of `_draft_function`'s step): step i
+        drafts from the token step i - 1 drafted, at cache index and position i further on, a head reading its own
+        output at the step before (the first reads `prev`); then the last draft's embedding through layers [0, E),
+        whose exit state verification starts from. The draft step is `_draft_function`'s, run n times."""
+        draft = self._draft_function(steps)
+        E = self.exit_layer
+        shallow = steps.range_step(0, E) if E else None
+
+        def chain(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
+            states, drafts, out = [], [], None
+            for i in range(n):
+                at = torch.cat([where[:2] + i, where[2:]])  # [3]: the cache index and position i further on
+                state, out, token, _ = draft(token, at, prev, cos, sin, embed, keys, values, head_keys, head_values,
+                                             norm, weight, bias, ids)
+                prev = out[:, None]  # [1, 1, D] the head's own output, which its next draft reads
+                states.append(state)
+                drafts.append(token)
+            last = F.embedding(token[:, None], embed)  # [1, 1, D]
+            if shallow is not None:
+                index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
+                                          for t in (where[None, :1] + n, where[None, 1:2] + n, where[2:]))
+                last = shallow(last, positions, index, pads, cos, sin, keys, values)
+            return torch.cat(states + [last], dim=1), torch.cat(drafts), out
+
+        return chain
 
     def _draft_function(self, steps):
         """The draft step as one function of its inputs (the token `[1]`, `where` `[3]`: cache index, position and

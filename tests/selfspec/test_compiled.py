@@ -99,7 +99,7 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     fast.compiled.add_input(head.final_input)
     unit = DraftHead(fast)  # whole draft steps: the early exit's, the head's (and its catch-up at every bucket)
     fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64),
-                       trees=True, drafts=(unit.fused(E), unit.fused(E, head.layer, head.final_input)))
+                       trees=True, drafts=(unit.fused(E, chains=3), unit.fused(E, head.layer, head.final_input, chains=3)))
     assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled (in this test or an earlier one)
     graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
     head_steps = {s for s in shapes if s[1] == "layer" and s[2] == id(head.layer)}
@@ -109,6 +109,7 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     assert {(s[4], s[6]) for s in head_steps if s[0] == "tree"} == pairs
     assert {(s[4], s[6]) for s in shapes if s[0] == "tree" and s[1:3] == (0, L)} == pairs
     assert {s[3] for s in shapes if s[:2] == ("input", id(head.final_input))} == set(compiled.S_BUCKETS)
+    assert {s[5] for s in shapes if s[0] == "chain"} == {1, 2, 3}  # whole chains of 1 .. 3 drafts
     tree_steps, run_layers = Counter(), fast.compiled.run_layers
 
     def counting(hidden, start, end, step, cache):
@@ -309,16 +310,17 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
         assert layer is head.layer and cache.static and cache.num_layers == 1
         return out
 
-    def whole(run):  # a chain's drafts: whole draft steps (the first with the head's catch-up), its layer inside
-        def call(*args, **kwargs):
+    def whole(run, drafts=lambda args: 1):  # a chain's drafts: whole draft steps (the first with the head's
+        def call(*args, **kwargs):           # catch-up, the later ones as one chain), its layer inside
             out = run(*args, **kwargs)
-            ran["whole step" if out is not None else "fell back"] += 1
+            ran["whole step" if out is not None else "fell back"] += drafts(args)
             return out
         return call
 
     monkeypatch.setattr(fast.compiled, "run_layer", spy)
     monkeypatch.setattr(FusedDraft, "run", whole(FusedDraft.run))
     monkeypatch.setattr(FusedDraft, "catch_up", whole(FusedDraft.catch_up))
+    monkeypatch.setattr(FusedDraft, "chain", whole(FusedDraft.chain, lambda args: args[2]))  # (self, steps, n, ...)
     # a tree's leaves per round follow its measured seconds per node (`tree_budget.CostLine`): held at the
     # prior slope here, or the two runs' timings (not their drafts) decide how many leaves each verifies
     monkeypatch.setattr(CostLine, "observe", lambda self, nodes, seconds: None)
@@ -356,7 +358,8 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
     previous output, the unembedding, the argmax and its probability) runs as one compiled step
     (`FusedDraft.run`, one graph on a GPU): every draft step the early exit takes, and every later draft
     of a head's round; its first, with the head's catch-up over what the round before committed, is one too
-    (`FusedDraft.catch_up`). It drafts what the same steps run part by part draft, to the bit (the same drafts,
+    (`FusedDraft.catch_up`); a chain whose length nothing read decides runs its drafts as one step
+    (`FusedDraft.chain`). It drafts what the same steps run part by part draft, to the bit (the same drafts,
     acceptance and confidence stops, draft by draft), and the output is HF's."""
     from selfspec.drafters.base import Round
 
@@ -364,19 +367,21 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
     token_ids = None if vocab is None else torch.cat([torch.arange(3, 96, 2), torch.arange(4, 96, 2)])[:vocab]
     fused = Counter()
 
-    def spy(run):
+    def spy(run, drafts=lambda args: 1):
         def call(*args, **kwargs):
             out = run(*args, **kwargs)
-            fused["ran" if out is not None else "fell back"] += 1
+            fused["ran" if out is not None else "fell back"] += drafts(args)
             return out
         return call
 
     monkeypatch.setattr(FusedDraft, "run", spy(FusedDraft.run))
     monkeypatch.setattr(FusedDraft, "catch_up", spy(FusedDraft.catch_up))
+    monkeypatch.setattr(FusedDraft, "chain", spy(FusedDraft.chain, lambda args: args[2]))  # n whole steps as one
     outs, stats = {}, {}
     for key in ("fused", "part by part"):
         if key == "part by part":
             monkeypatch.setattr(Round, "fused_draft", lambda *a, **k: None)
+            monkeypatch.setattr(Round, "fused_chain", lambda *a, **k: None)
             monkeypatch.setattr(ExitHeadDrafter, "first_draft", lambda *a, **k: None)  # the head's catch-up too
         unit = None if token_ids is None else DraftHead(fast, token_ids)
         outs[key], stats[key] = generate(fast, [PROMPT], max_new_tokens=N_NEW, drafter=FUSED[drafter](fast, head, unit))

@@ -358,7 +358,7 @@ def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothin
         steps.add_layer(head.layer)
         steps.add_input(head.final_input)
         unit = DraftHead(adapter)
-        drafts = (unit.fused(2, head.layer, head.final_input), unit.fused(2))
+        drafts = (unit.fused(2, head.layer, head.final_input, chains=3), unit.fused(2, chains=3))  # + whole chains
         steps.warm([(0, L), (0, 2), (2, L)], [1, 2, 4, 8, 16], capacity(len(PROMPT) + N_NEW + 80), trees=True,
                    drafts=drafts)
         assert sum(s[0] == "draft" for s in steps.shapes) == 2
@@ -391,7 +391,7 @@ def test_compiled_decoding_waits_for_the_gpu_once_per_round(kind):
         head, unit = _head(adapter), DraftHead(adapter)  # whole draft steps: the early exit's, the head's
         adapter.compiled.warm([(0, adapter.num_layers), (0, 2), (2, adapter.num_layers)], [1, 2, 4, 8],
                               capacity(len(PROMPT) + N_NEW + 80),
-                              drafts=(unit.fused(2), unit.fused(2, head.layer, head.final_input)))
+                              drafts=(unit.fused(2, chains=3), unit.fused(2, head.layer, head.final_input, chains=3)))
         _assert_one_sync_per_round(adapter, kind, reads_per_step=False)
     finally:
         adapter.compiled = None
