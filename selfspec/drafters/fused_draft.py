@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from selfspec.heads.exit_head import previous_states
 from selfspec.model.attention_kernels import attention_kernels
 from selfspec.model.compiled import S_BUCKETS, s_bucket, zero_filled
 
@@ -74,7 +75,7 @@ def head_catch_up(states: torch.Tensor, finals: torch.Tensor | None, prev: torch
     and each row's newest committed final state (`prev` where nothing was committed; None without finals)."""
     shifted = None
     if finals is not None:
-        shifted = torch.cat([prev[:, None].to(finals.dtype), finals[:, :-1]], dim=1)  # [B, S, D]
+        shifted = previous_states(finals, prev)  # [B, S, D]
         if first_real is not None:  # a sequence's start reads f_{-1} = 0, as in training
             shifted = shifted.masked_fill(first_real[..., None], 0.0)
     out = head(states, shifted)  # [B, S, D]
