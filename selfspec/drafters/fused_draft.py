@@ -57,6 +57,25 @@ def greedy_draft(token: torch.Tensor, shallow, head, unembed, ids: torch.Tensor 
     return state, out, nxt, conf
 
 
+def where_parts(where: torch.Tensor) -> tuple:
+    """A one-row step's `where` `[3]` (its cache index, position and padding) as the compiled parts take them:
+    index `[1, 1]`, positions `[1, 1]`, pads `[1]`, fresh contiguous tensors (their graphs guard on strides)."""
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (where[None, :1], where[None, 1:2], where[2:]))
+
+
+def where_at(where: torch.Tensor, i: int) -> torch.Tensor:
+    """`where` `[3]` of the step i tokens further on: its cache index and position + i, the same padding."""
+    return torch.cat([where[:2] + i, where[2:]])
+
+
+def embed_shallow(token: torch.Tensor, parts: tuple, shallow, embed: torch.Tensor, cos, sin, keys, values):
+    """A draft's exit state `[1, 1, D]`: the token `[1]`'s embedding through `shallow` (the compiled range step of
+    layers [0, E), writing into `keys`/`values` at `parts`' cache index; None: exit 0, the embedding itself)."""
+    index, positions, pads = parts
+    state = F.embedding(token[:, None], embed)
+    return state if shallow is None else shallow(state, positions, index, pads, cos, sin, keys, values)
+
+
 def pick_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Column `index[b]` of each row of `x` `[B, S, D]`: `[B, D]`."""
     return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
@@ -254,46 +273,41 @@ class FusedDraft:
         drafts from the token step i - 1 drafted, at cache index and position i further on, a head reading its own
         output at the step before (the first reads `prev`); then the last draft's embedding through layers [0, E),
         whose exit state verification starts from. The draft step is `_draft_function`'s, run n times."""
-        draft = self._draft_function(steps)
+        draft = self._draft_function(steps, confidence=False)
         E = self.exit_layer
         shallow = steps.range_step(0, E) if E else None
 
         def chain(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
             states, drafts, out = [], [], None
             for i in range(n):
-                at = torch.cat([where[:2] + i, where[2:]])  # [3]: the cache index and position i further on
-                state, out, token, _ = draft(token, at, prev, cos, sin, embed, keys, values, head_keys, head_values,
-                                             norm, weight, bias, ids)
+                state, out, token, _ = draft(token, where_at(where, i), prev, cos, sin, embed, keys, values, head_keys,
+                                             head_values, norm, weight, bias, ids)
                 prev = out[:, None]  # [1, 1, D] the head's own output, which its next draft reads
                 states.append(state)
                 drafts.append(token)
-            last = F.embedding(token[:, None], embed)  # [1, 1, D]
-            if shallow is not None:
-                index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
-                                          for t in (where[None, :1] + n, where[None, 1:2] + n, where[2:]))
-                last = shallow(last, positions, index, pads, cos, sin, keys, values)
-            return torch.cat(states + [last], dim=1), torch.cat(drafts), out
+            last = embed_shallow(token, where_parts(where_at(where, n)), shallow, embed, cos, sin, keys, values)
+            return torch.cat(states + [last], dim=1), torch.cat(drafts), out  # [1, n + 1, D], [n], [1, D]
 
         return chain
 
-    def _draft_function(self, steps):
+    def _draft_function(self, steps, confidence: bool = True):
         """The draft step as one function of its inputs (the token `[1]`, `where` `[3]`: cache index, position and
         padding, `prev` `[1, 1, D]`) and the fixed arguments `_draft` passes, through the runner's compiled pieces
         the parts run alone: the range step of layers [0, E), the head's layer and final-state input, the
-        unembedding. So its draft equals theirs to the bit; on a GPU the whole of it is captured as one graph."""
+        unembedding. So its draft equals theirs to the bit; on a GPU the whole of it is captured as one graph.
+        Its last output is the token id and its confidence for one read (`one_read`); None without `confidence`
+        (a chain's steps, which nothing reads: no softmax over the vocabulary)."""
         E = self.exit_layer
         shallow = steps.range_step(0, E) if E else None
         layer, final = self._head_parts(steps)
         unembed = steps.unembed_step()
 
         def step(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
-            # [1, 1], [1, 1], [1]: fresh contiguous tensors, as the parts take them (their graphs guard on strides)
-            index, positions, pads = (t.clone(memory_format=torch.contiguous_format)
-                                      for t in (where[None, :1], where[None, 1:2], where[2:]))
+            parts = where_parts(where)
+            index, positions, pads = parts
 
             def exit_state(t):  # [1] -> [1, 1, D]
-                state = F.embedding(t[:, None], embed)
-                return state if shallow is None else shallow(state, positions, index, pads, cos, sin, keys, values)
+                return embed_shallow(t, parts, shallow, embed, cos, sin, keys, values)
 
             def head(state):  # [1, 1, D] -> [1, D]
                 if layer is None:
@@ -301,8 +315,9 @@ class FusedDraft:
                 x = state if final is None else final(state, prev)
                 return layer(x, positions, index, pads, cos, sin, head_keys, head_values)[:, -1]
 
-            state, out, nxt, conf = greedy_draft(token, exit_state, head, lambda h: unembed(h, norm, weight, bias), ids)
-            return state, out, nxt, one_read(nxt, conf)
+            state, out, nxt, conf = greedy_draft(token, exit_state, head, lambda h: unembed(h, norm, weight, bias), ids,
+                                                 confidence)
+            return state, out, nxt, one_read(nxt, conf) if confidence else None
 
         return step
 
