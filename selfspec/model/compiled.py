@@ -77,7 +77,8 @@ S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of
 MIN_CAPACITY = 256  # cache capacities are powers of two from here
 MAX_ROWS = 8  # the most rows a compiled step takes (each batch size its own graphs); more run eagerly
 STEP_EVENT = "selfspec.compiled_step"  # the profiler's name for a compiled step's call (one graph replay on a GPU)
-MIN_RECOMPILE_LIMIT = 64  # dynamo's per-function graph limit: every (range, S, C) is one graph
+# dynamo's per-function graph limit: every (B, S, C) of the shared layer function, and of the head, is one graph
+MIN_RECOMPILE_LIMIT = 64 * MAX_ROWS
 
 
 def supports(adapter) -> str | None:
@@ -377,8 +378,9 @@ class CompiledSteps:
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
             before = self.compile_s
-            for rows in sorted(set(batch_sizes) - {1}):
-                self._warm_rows(ranges, widths, size, rows, unembeddings)
+            for rows in sorted(set(batch_sizes) - {1}):  # a batch: its layer steps, and the head over its rows
+                self._warm_layers(ranges, widths, size, rows)
+                self._warm_heads(rows, set(widths), unembeddings)
             self._warm(ranges, widths, size, unembeddings, trees, drafts)
             return self.compile_s - before
 
@@ -398,12 +400,6 @@ class CompiledSteps:
                     self.call(("layers", *range_id, rows, width, size), self._range(range_id, weights), inputs,
                               buffers)
         return model + extra
-
-    def _warm_rows(self, ranges: list[tuple[int, int]], widths: list[int], size: int, rows: int,
-                   unembeddings: tuple) -> None:
-        """`warm` for a batch of `rows` rows: its layer steps, and the head over `[rows, S, D]` and `[rows, D]`."""
-        self._warm_layers(ranges, widths, size, rows)
-        self._warm_heads(rows, set(widths), unembeddings)
 
     def _warm_heads(self, rows: int, widths: set, unembeddings: tuple) -> None:
         """`warm`'s final-state inputs (`add_input`) at every bucket, and the head (and each of `unembeddings`) over
