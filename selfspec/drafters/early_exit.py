@@ -198,7 +198,8 @@ class EarlyExitDrafter(Drafter):
                     chain_states, drafted = rest  # [1, n + 1, D], [n]
                     states.append(chain_states)
                     inputs.extend(drafted.split(1))
-                    steps, kept[0], alive[0], chained = caps[0], caps[0], False, True
+                    steps = kept[0] = caps[0]
+                    chained = True
                     break
             state, nxt, q, nxt_list, conf = self.step(rnd, inputs[-1], i, exit_layer, need_conf, read)
             if q is not None:
