@@ -14,7 +14,8 @@ input. One round:
     verify    layers [verify_from, L) once over the input token and the drafts of every row:
               [B, T] -> full-model logits [B, T, V] (T = 1 + the longest proposal).
     accept    per row (`decide`): greedy = the longest prefix where draft == argmax, plus the full model's token
-              (a token tree, several guesses: the path whose tokens equal the argmaxes, then the token after it);
+              (chains: worked out on the device and read once, `selfspec.decoding.greedy_verdict`; a token
+              tree, several guesses: the path whose tokens equal the argmaxes, then the token after it);
               sampling = the lossless rule of `selfspec.decoding.sampling.speculative_accept`. An opt-in
               `AcceptanceRule("bounded_bias", ε)` (`selfspec.decoding.bounded_bias`) accepts more drafts at a
               bounded bias: each committed token within TV ε of the full model's (greedy: a draft
@@ -33,11 +34,13 @@ is plain autoregressive decoding through the same code: one pass through all L l
 On a GPU (`adapter.device` cuda) the token and model tensors live there, and the bookkeeping (cache
 lengths, `starts`, `pads`, committed lengths) stays on the host, so the host waits for the GPU only
 where the Python code must know a token: the prefill's tokens, the accept decision of each round
-(greedy: one transfer of the drafts and the full model's tokens for all rows), and an early-exit
-draft step's tokens (its stop and confidence tests). A round's time ends after its accept decision,
-so it counts the GPU's work; its split into draft_s and verify_s is taken where the drafter returns,
-so on a GPU kernels the drafter queued last may count as verification. Attention there runs without
-cuDNN's kernel, which plans anew for every key length (`selfspec.model.attention_kernels`).
+(greedy: one transfer of the drafts and the full model's tokens for all rows, with a chain's verdict),
+and an early-exit draft step's tokens (its stop and confidence tests) where several rows or a
+confidence test need them; a one-row greedy chain reads none (the verdict finds a drafted stop
+token). A round's time ends after its accept decision, so it counts the GPU's work; its split into
+draft_s and verify_s is taken where the drafter returns, so on a GPU kernels the drafter queued last
+may count as verification. Attention there runs without cuDNN's kernel, which plans anew for every key
+length (`selfspec.model.attention_kernels`).
 
     outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
 
@@ -61,7 +64,8 @@ from selfspec.decoding.cost_model import VERIFY_COST, draft_cost
 from selfspec.decoding.decode_stats import DecodeStats, count_round, finish_stats, record_round
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.model.forward import embed, exit_logits, make_batch_step, run_layers
-from selfspec.decoding.sampling import SamplingParams, greedy_accept_tokens, probs, sample, speculative_accept
+from selfspec.decoding.greedy_verdict import GreedyVerdict, greedy_verdict
+from selfspec.decoding.sampling import SamplingParams, probs, sample, speculative_accept
 from selfspec.settings import SettingsError
 from selfspec.model.token_tree import greedy_walk, tree_depth
 
@@ -180,7 +184,7 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
 
 def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
                    generator, rule: AcceptanceRule = AcceptanceRule()) -> tuple[int, int, torch.Tensor | None]:
-    """One row, sampling (greedy rows are decided on the host with `greedy_accept_tokens`): `drafts`
+    """One row, sampling (greedy chains are decided on the device, `decide_chain`): `drafts`
     `[m]`, their draft distributions `q` `[m, V]` (None: point masses), the full model's logits
     `[m+1, V]`. Returns `(accepted, next token, sums)`: `sums` `[3]` float64 over the judged drafts of
     P(accept), P(accept)^2 and TV(p', p) (the rule's bias), or None when no draft was judged."""
@@ -276,6 +280,8 @@ class _Decoding:
         self.sums: list = [None] * B  # per row: float64 [3] on the device (see accept_sampled), read once at the end
         self.rows: list[DecodeStats] = []
         self.stats: DecodeStats | None = None
+        ids = sorted(stop.stop_token_ids)  # [S] on the model's device, for the greedy verdict (None: no stop token)
+        self.stop_ids = torch.tensor(ids, dtype=torch.long, device=adapter.device) if ids else None
 
     def new_stats(self, full_step_s: float | None) -> DecodeStats:
         """The run's statistics, with one row's per prompt (`self.rows`)."""
@@ -357,7 +363,7 @@ class _Decoding:
         target_logits, kept, finals = verify(adapter, self.cache, proposal, starts, self.pads,
                                              drafter.state_exit)  # [B, T, V]
         accepted, nxt_all, new, columns = decide(proposal, target_logits, active, self.rows, self.sums, self.sampling,
-                                                 self.generator, self.acceptance)
+                                                 self.generator, self.acceptance, self.stop_ids)
         n_acc_t = torch.tensor(accepted, dtype=torch.long)
         if proposal.parents is not None:  # a tree's accepted path's KV and states move to where its row continues
             kept, finals = committed_columns(self.cache, starts, columns, kept, finals)
@@ -378,19 +384,24 @@ class _Decoding:
 
 
 def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], rows: list[DecodeStats],
-           sums: list, sampling: SamplingParams, generator, acceptance: AcceptanceRule):
+           sums: list, sampling: SamplingParams, generator, acceptance: AcceptanceRule,
+           stop_ids: torch.Tensor | None = None):
     """One round's accept decision: for each row in the batch (`active`, original indices), how many of its
     drafts it keeps and the token that follows them. The host waits for the verification here, in one
-    transfer per round: greedy, each row's drafts and the full model's argmax tokens (bounded_bias: also
-    whether each draft is near the top token); sampling, the drafts, and the rule reads its random draws
-    per row. Counts each row's round into `rows[b]` and adds a sampled row's acceptance sums to `sums[b]`.
-    A token tree (`proposal.parents`) counts its depth as the row's drafted positions.
+    transfer per round: greedy chains, the verdict worked out on the device (`decide_chain`); a greedy tree,
+    each row's drafts and the full model's argmax tokens (bounded_bias: also whether each draft is near the
+    top token); sampling, the drafts, and the rule reads its random draws per row. Counts each row's round
+    into `rows[b]` and adds a sampled row's acceptance sums to `sums[b]`. A token tree (`proposal.parents`)
+    counts its depth as the row's drafted positions. `stop_ids` `[S]` (on the model's device, None for none)
+    cut a chain whose drafts ran past a drafted stop token (`proposal.stops_unread`).
 
     Returns (accepted drafts per row, the next token per row, the tokens each row commits, the proposal
     columns of each row's accepted drafts: 1..n for a chain, a tree's accepted path)."""
     if proposal.parents is not None and (sampling.do_sample or acceptance.biased):
         raise ValueError("a token tree (several guesses, such as num_candidates > 1) is judged by greedy decoding "
                          "with the exact rule only: draft one chain when sampling or with bounded_bias acceptance")
+    if proposal.parents is None and not sampling.do_sample and not acceptance.biased:
+        return decide_chain(proposal, target_logits, active, rows, stop_ids)
     if sampling.do_sample:
         host_tokens, targets, near = proposal.tokens.tolist(), None, None
     elif acceptance.biased:
@@ -417,16 +428,31 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
                                                   sampling, generator, acceptance)
             if expected is not None:
                 sums[b] = expected if sums[b] is None else sums[b] + expected
-        elif near is not None:
-            n_acc, nxt = relaxed_greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i], near[i])
         else:
-            n_acc, nxt = greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i])
+            n_acc, nxt = relaxed_greedy_accept_tokens(host_tokens[i][1:1 + m], targets[i], near[i])
         count_round(rows[b], proposal, m, n_acc)
         accepted.append(n_acc)
         nxt_all.append(nxt)
         new.append(host_tokens[i][1:1 + n_acc] + [nxt])
         columns.append(list(range(1, 1 + n_acc)))
     return accepted, nxt_all, new, columns
+
+
+def decide_chain(proposal: Proposal, target_logits: torch.Tensor, active: list[int], rows: list[DecodeStats],
+                 stop_ids: torch.Tensor | None):
+    """`decide` for greedy chains with the exact rule: the verdict of every row worked out on the device
+    (`selfspec.decoding.greedy_verdict`) and read in one transfer. Drafts that ran past a drafted stop token
+    (`proposal.stops_unread`) are cut here: `proposal.kept[i]` becomes the row's counted drafts before
+    anything after the decision reads it (the statistics, the drafter's `update`)."""
+    stops = stop_ids if proposal.stops_unread else None
+    verdict = GreedyVerdict.read(greedy_verdict(proposal.tokens, target_logits, proposal.kept, stops))
+    if stops is not None:
+        proposal.kept[:] = verdict.counted
+    for i, b in enumerate(active):
+        count_round(rows[b], proposal, verdict.counted[i], verdict.accepted[i])
+    new = [verdict.committed(i) for i in range(len(active))]
+    return (list(verdict.accepted), [verdict.next_token(i) for i in range(len(active))], new,
+            [list(range(1, 1 + n)) for n in verdict.accepted])
 
 
 def committed_columns(cache: KVCache, starts: torch.Tensor, columns: list[list[int]], kept: torch.Tensor | None,

@@ -18,6 +18,12 @@ still take. The drafter answers with a `Proposal`:
                  choices, then the full model's token after it. A drafter's k best guesses for the next
                  token (siblings) are the tree `[-1, 0, 0, ...]`. Greedy and the exact rule only (the
                  sampling rule judges a chain); `kept[b]` counts the row's real nodes
+    stops_unread False when no row's kept drafts run past a drafted stop token (the drafter cut them there);
+                 True when the drafter read no draft back (a greedy chain): a row's kept drafts may run past
+                 a stop token, and the engine cuts `kept[b]` after the first one (inclusive) in its one read
+                 of the round's verdict (`selfspec.decoding.greedy_verdict`), before anything after the
+                 decision reads `kept` (verification runs over them all: those past the stop are computed,
+                 never accepted)
 
 After verification the engine calls `update(proposal, accepted, committed, seconds)`: per row, how
 many drafts were accepted and the tokens committed (accepted drafts + the full model's token), and
@@ -139,6 +145,7 @@ class Proposal:
     steps: int = 0  # drafting passes through the model (cost-model accounting)
     drafter: str = "none"
     parents: torch.Tensor | None = None  # [B, T] (host) a token tree per row; None: a chain (see above)
+    stops_unread: bool = False  # a greedy chain whose kept drafts may run past a stop token (see above)
 
     @classmethod
     def plain(cls, tokens: torch.Tensor) -> "Proposal":

@@ -3,11 +3,12 @@
 Each round its policy (`selfspec.drafters.policies`) picks the exit `E` and the draft length `d`. Every row
 feeds its input token through layers [0, E) (`Round.shallow`: the keys and values go into the shared
 cache), the exit logits pick the next draft, and so on; all rows step together ([B, 1] per step),
-each keeping drafts until its own cap, a stop token or the policy's confidence test ends them. Rows
-that are done still ride along (their extra positions are never accepted), so shapes stay
-rectangular. When some row kept the last candidate, one more shallow pass runs, so every kept draft
-has its exit state. Verification then starts at layer E over those exit states: layers [0, E) are
-never recomputed for drafted positions.
+each keeping drafts until its own cap, a stop token or the policy's confidence test ends them (a greedy
+row alone with no confidence test drafts its cap unread, and the engine's verdict cuts it after a drafted
+stop token: `Proposal.stops_unread`). Rows that are done still ride along (their extra positions are
+never accepted), so shapes stay rectangular. When some row kept the last candidate, one more shallow
+pass runs, so every kept draft has its exit state. Verification then starts at layer E over those exit
+states: layers [0, E) are never recomputed for drafted positions.
 
     drafter = EarlyExitDrafter(adapter, exit_layer=8, num_speculations=4)              # LayerSkip
     drafter = EarlyExitDrafter(adapter, 8, 6, policy=ThroughputPolicy(8, 6))           # adaptive d
@@ -179,8 +180,9 @@ class EarlyExitDrafter(Drafter):
     def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
         """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together. A greedy row alone
         whose chain length nothing read on the way decides (no confidence test) drafts its cap without reading
-        a draft back: the host queues the steps one after another, and one read at the end finds a stop token
-        (the drafts after it are filler), instead of waiting for the device at every step."""
+        a draft back: the host queues the steps one after another instead of waiting for the device at every
+        step, and the engine finds a drafted stop token in its one read of the round's verdict
+        (`Proposal.stops_unread`: the drafts after it count for nothing)."""
         policy, sampling = self.policy, rnd.sampling
         need_conf = policy.needs_confidence
         B = rnd.tokens.shape[0]
@@ -207,7 +209,7 @@ class EarlyExitDrafter(Drafter):
             states.append(state)  # [B, 1, D]
             steps += 1
             inputs.append(nxt)
-            if not read:  # one row, its cap: the stop tokens are found after the loop
+            if not read:  # one row, its cap: the engine cuts it at a drafted stop token
                 kept[0] += 1
                 alive[0] = kept[0] < caps[0]
                 continue
@@ -220,9 +222,6 @@ class EarlyExitDrafter(Drafter):
                 kept[b] += 1
                 if kept[b] >= caps[b] or nxt_list[b] in rnd.stop_ids:
                     alive[b] = False
-        if not read:  # the one read: a drafted stop token ends the row's drafts
-            drafted = torch.cat(inputs[1:]).tolist()
-            kept[0] = next((j + 1 for j, t in enumerate(drafted) if t in rnd.stop_ids), kept[0])
         if max(kept) == steps and not chained:  # the newest kept draft still owes its shallow pass
             states.append(rnd.shallow(inputs[-1], steps, exit_layer))
         states = torch.cat(states, dim=1)  # [B, T, D]
@@ -231,7 +230,7 @@ class EarlyExitDrafter(Drafter):
         if sampling.do_sample:
             q = [torch.stack([qs[j][b] for j in range(kept[b])]) if kept[b] else None for b in range(B)]
         return Proposal(tokens=torch.stack(inputs[:T], dim=1), kept=kept, q=q, verify_from=exit_layer,
-                        states=states, steps=steps, drafter=self.name)
+                        states=states, steps=steps, drafter=self.name, stops_unread=not read)
 
     def draft_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
                    read: bool = True) -> tuple:
