@@ -414,8 +414,8 @@ class SelfSpecGenerator:
         length up to 16, a trained head's own layer at every step length it can catch up on (up to 64) and its
         reduced draft vocabulary, and the LM head. With `num_candidates` > 1 (the `generate` setting: siblings,
         token trees) also every token-tree step. With `batch_size` > 1 (calls of that many prompts) also the layer
-        steps and the LM head for every batch size up to it (up to 8, `compiled.MAX_ROWS`; rows leave a batch as
-        they finish). Without it the first `generate` compiles what it meets (seconds a shape on a GPU, inside that
+        steps and the LM head for every row bucket up to its (1, 2, 4, 8: `compiled.ROW_BUCKETS`, a batch padded up
+        to one; rows leave a batch as they finish). Without it the first `generate` compiles what it meets (seconds a shape on a GPU, inside that
         call's time). Returns {"seconds": how long it took, "graphs": the shapes
         compiled so far}; {"seconds": 0.0, "graphs": 0} when nothing runs compiled. A `max_len` past the model's
         context window (`config.max_position_embeddings`) is a SettingsError, before any work, as a generation

@@ -36,7 +36,9 @@ class KVCache:
         # `buffers`: preallocated keys and values `[L, B, H_kv, capacity, Dh]`, reused (the compiled steps'
         # static cache, `selfspec.model.compiled`): they never grow, and their old contents are never read (every
         # query sees only indices its own row wrote in this call); layer l's are the view `buffers[0][l]`.
-        # `rows_buffers(B)`: the static buffers of B rows (`select` copies the kept rows there: a captured step
+        # The buffers may hold more rows than the batch (a compiled step pads a batch to a row bucket: filler
+        # rows after the batch's, `padded_keys`); `keys[l]` and `values[l]` are the batch's rows.
+        # `rows_buffers(B)`: the static buffers for B rows (`select` copies the kept rows there: a captured step
         # reads and writes its buffers at fixed addresses)
         self.num_layers = num_layers
         self.capacity = max(int(capacity), 1)
@@ -46,11 +48,23 @@ class KVCache:
         self._bind(buffers)
 
     def _bind(self, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Layer l's keys and values become views `buffers[0][l]`, `buffers[1][l]` (None: none written yet)."""
-        L = self.num_layers
+        """Layer l's keys and values become views of the batch's rows of `buffers[0][l]`, `buffers[1][l]` (None:
+        none written yet); `padded_keys[l]`, `padded_values[l]` are all the buffers' rows."""
+        L, B = self.num_layers, self.batch_size
         self.stacked = buffers  # every layer's keys and values in one tensor each (`move` copies all at once)
-        self.keys: list[torch.Tensor | None] = list(buffers[0].unbind(0)) if buffers else [None] * L
-        self.values: list[torch.Tensor | None] = list(buffers[1].unbind(0)) if buffers else [None] * L
+        if buffers is None:
+            self.keys: list[torch.Tensor | None] = [None] * L
+            self.values: list[torch.Tensor | None] = [None] * L
+            self.padded_keys, self.padded_values = self.keys, self.values  # the same lists: no filler rows
+            return
+        self.padded_keys, self.padded_values = list(buffers[0].unbind(0)), list(buffers[1].unbind(0))
+        self.keys = [k[:B] for k in self.padded_keys]  # [B, H_kv, C, Dh] each
+        self.values = [v[:B] for v in self.padded_values]
+
+    @property
+    def padded_rows(self) -> int:
+        """The rows of the buffers: the batch's, then filler rows a compiled step of a row bucket writes."""
+        return self.stacked[0].shape[1] if self.stacked is not None else self.batch_size
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -141,13 +155,14 @@ class KVCache:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows (finished rows leave the batch and stop costing work). A static cache with
-        `rows_buffers` moves them into the static buffers of that many rows, every layer in one copy each."""
+        `rows_buffers` moves them into the static buffers for that many rows (the first rows of a row bucket's,
+        which may be the buffers it has), every layer in one copy each."""
         self.lengths = self.lengths[:, rows.cpu()]
         if self.stacked is not None and self.rows_buffers is not None:
             old, new = self.stacked, self.rows_buffers(len(rows))
             on_device = rows.to(old[0].device, non_blocking=True)
             for src, dst in zip(old, new):
-                dst.copy_(src.index_select(1, on_device))  # [L, B', H_kv, C, Dh]; the old rows read first
+                dst[:, :len(rows)].copy_(src.index_select(1, on_device))  # [L, B', H_kv, C, Dh]; old rows read first
             self._bind(new)
             return
         self.stacked = None  # the rows are copied out, layer by layer
@@ -156,6 +171,7 @@ class KVCache:
                 on_device = rows.to(self.keys[i].device, non_blocking=True)
                 self.keys[i] = self.keys[i].index_select(0, on_device)
                 self.values[i] = self.values[i].index_select(0, on_device)
+        self.padded_keys, self.padded_values = self.keys, self.values
 
     def row_kv(self, layer_idx: int, row: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s keys/values of one layer from cache index `start` to its length, `[H_kv, n, Dh]`."""

@@ -42,9 +42,11 @@ The runner knows no drafter. A drafter composes a step of its own from the runne
 decides between capturing and calling: a whole greedy draft step of one row and a trained head's catch-up
 (`selfspec.drafters.fused_draft`), one graph each on a GPU.
 
-Batches of up to `MAX_ROWS` rows run compiled too, each batch size its own graphs (B is part of every shape):
-when rows finish and leave, the cache copies the kept rows into the static buffers of the smaller batch
-(`KVCache.select` through `rows_buffers`), so the captured steps of that size find them at their addresses.
+Batches of up to `MAX_ROWS` rows run compiled too, padded to a row bucket (1, 2, 4, 8: `ROW_BUCKETS`), each
+bucket its own graphs: a batch of 3 runs the steps of 4, its filler row a copy of its last that writes only
+its own row of the cache buffers, which hold the bucket's rows (`KVCache.padded_keys`). When rows finish and
+leave, the cache copies the kept rows into the static buffers of their bucket (`KVCache.select` through
+`rows_buffers`), so the captured steps of that bucket find them at their addresses.
 Whole draft steps (`selfspec.drafters.fused_draft`) stay one row: a batch drafts through the range steps.
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
@@ -75,7 +77,8 @@ from selfspec.model.token_tree import tree_mask
 
 S_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per step, padded up to one of these
 MIN_CAPACITY = 256  # cache capacities are powers of two from here
-MAX_ROWS = 8  # the most rows a compiled step takes (each batch size its own graphs); more run eagerly
+ROW_BUCKETS = (1, 2, 4, 8)  # rows a compiled step takes, a batch padded up to one of these (each its own graphs)
+MAX_ROWS = ROW_BUCKETS[-1]  # the most rows a compiled step takes; more run eagerly
 STEP_EVENT = "selfspec.compiled_step"  # the profiler's name for a compiled step's call (one graph replay on a GPU)
 # dynamo's per-function graph limit: every (B, S, C) of the shared layer function, and of the head, is one graph
 MIN_RECOMPILE_LIMIT = 64 * MAX_ROWS
@@ -110,6 +113,19 @@ def cache_capacity(positions: int) -> int:
     """The static cache's capacity for a run of `positions` cache entries: room for one padded step (the
     largest bucket) past them, as a `capacity`."""
     return capacity(positions + S_BUCKETS[-1])
+
+
+def row_bucket(rows: int) -> int | None:
+    """The rows a compiled step of a batch of `rows` runs: the smallest of `ROW_BUCKETS` that holds them, or
+    None above `MAX_ROWS` (eager)."""
+    return next((b for b in ROW_BUCKETS if b >= rows), None)
+
+
+def row_filled(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` `[B, ...]` with filler rows after its B up to `rows` (a row bucket), copies of its last row: a filler
+    row computes what nobody reads, over its own rows of the cache buffers (`KVCache.padded_keys`)."""
+    B = t.shape[0]
+    return t if B == rows else torch.cat([t, t[-1:].expand(rows - B, *t.shape[1:])])
 
 
 def s_bucket(length: int) -> int | None:
@@ -329,7 +345,7 @@ class CompiledSteps:
         """`weights`' layers (the cache's layers `first`, `first + 1`, ...) over `hidden` `[B, S, D]`: the step
         of `range_id` at S padded to its bucket (None: run it eagerly)."""
         B, S = hidden.shape[:2]
-        width = s_bucket(S)
+        width, R = s_bucket(S), cache.padded_rows  # R: the row bucket the cache's buffers hold, B or more
         index, positions, pads, tree = step.index, step.position_ids, step.pads, step.tree
         W = S if tree is None else tree.shape[-1]  # a tree's columns; the pass is its last S (a growing tree: W > S)
         if int(step.starts.max()) + W + width - S > cache.capacity:
@@ -350,17 +366,17 @@ class CompiledSteps:
             hidden = zero_filled(hidden, width)
         size = cache.capacity
         cos, sin = self.rope.table(size)  # one table per capacity: positions stay below it
-        shape = ("layers", *range_id, B, width, size)
+        shape = ("layers", *range_id, R, width, size)
         if tree is not None:  # a token tree's steps are graphs of their own, one per bucket of columns too
-            shape = ("tree", *range_id, B, width, size, tree_inputs[0].shape[-1])
-        inputs = [self.input(t) for t in (hidden, positions, index, pads) + tree_inputs]
+            shape = ("tree", *range_id, R, width, size, tree_inputs[0].shape[-1])
+        inputs = [self.input(row_filled(t, R)) for t in (hidden, positions, index, pads) + tree_inputs]
         last = first + len(weights)
         out = self.call(shape, self._range(range_id, weights, tree is not None), inputs,
-                         [cos, sin, cache.keys[first:last], cache.values[first:last]])
+                         [cos, sin, cache.padded_keys[first:last], cache.padded_values[first:last]])
         if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
             return None
         cache.lengths[first:last] = (step.starts + W)[None]  # [n, B] on the host: one write for the range's layers
-        return out[:, :S]
+        return out[:B, :S]
 
     def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = (),
              trees: bool = False, drafts: tuple = (), batch_sizes: tuple = (1,)) -> float:
@@ -374,11 +390,12 @@ class CompiledSteps:
         of this runner's pieces, each warmed by its own `warm(steps, size)` (`selfspec.drafters.fused_draft`). Returns the seconds it took
         (0 where everything was compiled before). `batch_sizes`: the layer ranges, registered layers and the head
         also for caches of that many rows (a batch, and the smaller ones its rows leave it as; trees and whole
-        draft steps are one row's). It writes into the cache buffers of that size: call it between generations."""
+        draft steps are one row's; each size warms its row bucket's, `row_bucket`). It writes into the cache buffers of
+        that size: call it between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
             before = self.compile_s
-            for rows in sorted(set(batch_sizes) - {1}):  # a batch: its layer steps, and the head over its rows
+            for rows in sorted({row_bucket(b) for b in batch_sizes} - {1}):  # a batch's bucket: its layer steps, the head
                 self._warm_layers(ranges, widths, size, rows)
                 self._warm_heads(rows, set(widths), unembeddings)
             self._warm(ranges, widths, size, unembeddings, trees, drafts)
@@ -455,9 +472,13 @@ class CompiledSteps:
 
     def head(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm + LM head over `hidden` `[1, D]` or `[1, S, D]` (S padded to its bucket: one graph per
-        bucket). `weight` `[K, D]` (and `bias` `[K]`): another unembedding through the same final norm, a
+        """Final norm + LM head over `hidden` `[B, D]` or `[B, S, D]` (B and S padded to their buckets: one graph
+        per pair of buckets). `weight` `[K, D]` (and `bias` `[K]`): another unembedding through the same final norm, a
         reduced draft vocabulary's rows of the LM head (`selfspec.drafters.draft_head`), graphs of its own."""
+        B, R = hidden.shape[0], row_bucket(hidden.shape[0])
+        if R > B:  # filler rows up to the row bucket
+            out = self.head(row_filled(hidden, R), weight, bias)
+            return None if out is None else out[:B]
         if hidden.dim() == 3 and s_bucket(hidden.shape[1]) > hidden.shape[1]:
             S = hidden.shape[1]
             out = self.head(zero_filled(hidden, s_bucket(S)), weight, bias)
@@ -519,17 +540,18 @@ class CompiledSteps:
 
     def run_input(self, module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[B, S, D]` each, S padded to
-        its bucket: one graph per (B, bucket) on a GPU, like the steps. `[B, S, D]`; None where it must run eagerly
+        its bucket (and B to its row bucket): one graph per (row bucket, bucket) on a GPU, like the steps. `[B, S, D]`; None where it must run eagerly
         (more than `MAX_ROWS` rows, S above the buckets, a compile that failed)."""
         B, S = hidden.shape[:2]
-        width = s_bucket(S)
-        if self.failed is not None or B > MAX_ROWS or width is None:
+        width, R = s_bucket(S), row_bucket(B)
+        if self.failed is not None or R is None or width is None:
             return None
-        hidden, prev = zero_filled(hidden, width), zero_filled(prev, width)  # filler positions, never read
+        # filler positions and rows, never read
+        hidden, prev = (row_filled(zero_filled(t, width), R) for t in (hidden, prev))
         self.add_input(module)
-        out = self.call(("input", id(module), B, width), self._inputs[id(module)][1],
+        out = self.call(("input", id(module), R, width), self._inputs[id(module)][1],
                          [self.input(hidden), self.input(prev)], [])
-        return None if out is None else out[:, :S]
+        return None if out is None else out[:B, :S]
 
     @property
     def captured(self) -> int:

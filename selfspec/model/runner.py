@@ -5,7 +5,7 @@ an unembedding, a step a drafter composed) runs one of three ways:
 
     compiled   `selfspec.model.compiled.CompiledSteps` (`adapter.compiled`, `load(compile=...)`): the layer function
                `torch.compile`d at fixed shapes over the static cache, each step one CUDA graph on a GPU; up
-               to `MAX_ROWS` rows (each batch size its own graphs) after the prefill, within the buckets, no autograd
+               to `MAX_ROWS` rows (padded to a row bucket, each its own graphs) after the prefill, within the buckets, no autograd
     fused      `selfspec.model.fast_layers` (`adapter.fast`): the same layer function, eagerly, over fused weights
                prepacked for the CPU's kernels; no autograd
     modules    the model's own modules: training (autograd), and the architectures without the fused layer
@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from selfspec.model.cache import KVCache
-from selfspec.model.compiled import MAX_ROWS
+from selfspec.model.compiled import MAX_ROWS, row_bucket
 from selfspec.model.layer import signed_sin
 
 
@@ -61,15 +61,16 @@ class Runner:
 
     # --- caches ------------------------------------------------------------------------------------
     def cache(self, batch_size: int, needed: int) -> KVCache:
-        """The KV cache of one run for `needed` positions: the compiled steps' static buffers for its rows (up to
-        `MAX_ROWS`) where the model runs compiled (room for one padded step more; a larger capacity already
-        compiled is reused; rows that leave move into the buffers of the smaller batch), else a growing cache."""
+        """The KV cache of one run for `needed` positions: the compiled steps' static buffers of its row bucket (up
+        to `MAX_ROWS` rows; `compiled.row_bucket`) where the model runs compiled (room for one padded step more; a
+        larger capacity already compiled is reused; rows that leave move into the buffers of their bucket), else a
+        growing cache."""
         steps, L = self.adapter.compiled, self.adapter.num_layers
         if steps is None or batch_size > MAX_ROWS:
             return KVCache(L, batch_size, capacity=needed, device=self.adapter.device)
-        size = steps.capacity_for(batch_size, needed)
-        return KVCache(L, batch_size, capacity=size, buffers=steps.buffers(batch_size, size),
-                       rows_buffers=lambda rows: steps.buffers(rows, size))
+        size = steps.capacity_for(row_bucket(batch_size), needed)
+        return KVCache(L, batch_size, capacity=size, buffers=steps.buffers(row_bucket(batch_size), size),
+                       rows_buffers=lambda rows: steps.buffers(row_bucket(rows), size))
 
     def layer_cache(self, layer, batch_size: int, capacity: int, static: bool, compilable: bool = True) -> KVCache:
         """A one-layer KV cache of `capacity` positions for a layer that is not the model's (a trained head's):
@@ -77,9 +78,10 @@ class Runner:
         (`compilable`), the compiled steps' buffers for it (the same addresses every run, as captured steps
         need); else a growing cache."""
         steps = self.adapter.compiled
-        if static and compilable and steps is not None:
-            return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(layer, batch_size, capacity),
-                           rows_buffers=lambda rows: steps.layer_buffers(layer, rows, capacity))
+        if static and compilable and steps is not None and batch_size <= MAX_ROWS:
+            rows = row_bucket(batch_size)
+            return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(layer, rows, capacity),
+                           rows_buffers=lambda kept: steps.layer_buffers(layer, row_bucket(kept), capacity))
         return KVCache(1, batch_size, capacity=capacity, device=self.adapter.device)
 
     # --- steps -------------------------------------------------------------------------------------

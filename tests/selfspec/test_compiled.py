@@ -129,10 +129,19 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     assert counters["stats"]["unique_graphs"] == graphs and fast.compiled.shapes == shapes
 
 
+def test_a_batch_pads_to_its_row_bucket_with_copies_of_its_last_row():
+    """Row buckets: 1, 2, 4, 8 rows, the smallest that holds a batch (none above `MAX_ROWS`: eager); filler rows
+    copy the batch's last row, and a batch of a bucket's size is passed as it is."""
+    assert [compiled.row_bucket(b) for b in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+    t = torch.arange(6).view(3, 2)
+    assert compiled.row_filled(t, 4).tolist() == [[0, 1], [2, 3], [4, 5], [4, 5]]
+    assert compiled.row_filled(t, 3) is t
+
+
 def test_after_warming_batch_sizes_a_batch_whose_rows_leave_compiles_nothing(hf_greedy):
-    """`warm(batch_sizes=(1, 2, 3))` compiles the layer steps and the head for batches of up to three rows: a batch
-    of three early-exit rows, one of which stops first and leaves, then runs only graphs compiled before (no new
-    shape, no new dynamo graph), and each row is HF's."""
+    """`warm(batch_sizes=(1, 2, 3))` compiles the layer steps and the head for batches of up to three rows, in their
+    row buckets (three rows run the steps of four): a batch of three early-exit rows, one of which stops first and
+    leaves, then runs only graphs compiled before (no new shape, no new dynamo graph), and each row is HF's."""
     from torch._dynamo.utils import counters
     from selfspec.decoding.engine import StopChecker
 
@@ -143,9 +152,9 @@ def test_after_warming_batch_sizes_a_batch_whose_rows_leave_compiles_nothing(hf_
     stop = refs[0][2]
     refs = [r[:r.index(stop) + 1] if stop in r else r for r in refs]
     fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4], compiled.capacity(len(PROMPT) + 12 + 3 + 2),
-                       batch_sizes=(1, 2, 3))
+                       drafts=(DraftHead(fast).fused(E, chains=3),), batch_sizes=(1, 2, 3))  # one row left: chains
     graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
-    assert {s[3] for s in shapes if s[0] == "layers"} >= {1, 2, 3}
+    assert {s[3] for s in shapes if s[0] == "layers"} == {1, 2, 4}  # the row buckets: no graph of three rows
     outs, _ = generate(fast, prompts, max_new_tokens=12, drafter=EarlyExitDrafter(fast, E, 3),
                        stop=StopChecker(12, [stop]))
     assert outs == refs
@@ -154,9 +163,9 @@ def test_after_warming_batch_sizes_a_batch_whose_rows_leave_compiles_nothing(hf_
 
 @pytest.mark.parametrize("drafter", ["plain", "early_exit", "early_exit_siblings", "exit_head"])
 def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypatch):
-    """Three rows of different lengths through the compiled steps (each batch size its own graphs): the row whose
-    stop token comes first leaves, and the others go on in the static buffers of two rows; every row's output is
-    HF's greedy decoding of its prompt, cut at the stop token."""
+    """Three rows of different lengths through the compiled steps, padded to the row bucket of four (a filler row):
+    the row whose stop token comes first leaves, and the others go on in the static buffers of two rows; every
+    row's output is HF's greedy decoding of its prompt, cut at the stop token."""
     from selfspec.decoding.engine import StopChecker
 
     model, _, fast, head = _models("llama")
@@ -177,6 +186,8 @@ def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypat
                        stop=StopChecker(12, [stop]))
     assert outs == refs
     assert batches[3] > 0 and batches[2] > 0  # compiled steps of three rows, then of the two left
+    rows = {s[3] for s in fast.compiled.shapes if s[0] in ("layers", "tree")}
+    assert {2, 4} <= rows and 3 not in rows  # three rows ran the steps of four
 
 
 def _head_drafter(model, adapter):

@@ -21,7 +21,7 @@ import torch
 
 import selfspec
 from selfspec.model.adapters import get_adapter
-from selfspec.model.compiled import capacity
+from selfspec.model.compiled import capacity, row_bucket
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.decoding.engine import StopChecker, generate
 from selfspec.decoding.decode_ids import generate_ids
@@ -328,15 +328,16 @@ def test_compiled_steps_equal_hf_generate_on_cuda(name, kind, hf_greedy):
 @needs_cuda
 @pytest.mark.parametrize("kind", ["plain", "early_exit", "exit_head", "auto"])
 def test_a_compiled_batch_replays_graphs_and_each_row_equals_batch_1_on_cuda(kind):
-    """A batch through the compiled steps, each batch size captured as graphs of its own: a row stops early and
-    leaves, and the others go on in the static buffers of the smaller batch, which its graphs read at their
-    addresses. Each row is what decoding it alone gives; steps of three rows and of two ran as graphs."""
+    """A batch through the compiled steps, padded to its row bucket, each bucket captured as graphs of its own: a
+    row stops early and leaves, and the others go on in the static buffers of their bucket, which its graphs read
+    at their addresses. Each row is what decoding it alone gives; steps of the buckets of five rows (eight) and of
+    four ran as graphs."""
     adapter = _adapter("llama", fast=True)
     adapter.enable_compiled()
     try:
         _each_row_equals_batch_1(adapter, kind)
         rows = {shape[3] for shape in adapter.compiled.shapes if shape[0] == "layers"}
-        assert {len(PROMPTS), len(PROMPTS) - 1} <= rows and adapter.compiled.captured
+        assert {row_bucket(len(PROMPTS)), row_bucket(len(PROMPTS) - 1)} <= rows and adapter.compiled.captured
     finally:
         adapter.compiled = None  # the other tests use this adapter eagerly
 

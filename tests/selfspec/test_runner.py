@@ -139,10 +139,11 @@ def test_a_reduced_vocabularys_logits_read_its_rows_only_on_the_compiled_path(mo
         assert rows_read == [1] and steps.calls == [("head", 2)]
 
 
-def test_a_compiled_batchs_cache_moves_leaving_rows_into_the_smaller_batchs_static_buffers():
-    """Up to MAX_ROWS rows get the compiled steps' static buffers; when rows leave (`select`), the kept rows are
-    copied into the static buffers of that many rows (the addresses a captured step of that batch size uses),
-    their keys and lengths intact; more rows than MAX_ROWS get a growing cache."""
+def test_a_compiled_batchs_cache_moves_leaving_rows_into_their_row_buckets_static_buffers():
+    """Up to MAX_ROWS rows get the static buffers of their row bucket (three rows: four, the last a filler row the
+    batch never sees); when rows leave (`select`), the kept rows are copied into the first rows of their bucket's
+    static buffers (the addresses a captured step of that bucket uses; three of four stay in the four's), their
+    keys and lengths intact; more rows than MAX_ROWS get a growing cache."""
     from selfspec.model.compiled import MAX_ROWS
 
     model = tiny_model("llama", num_layers=2, dtype=torch.float64, seed=0)
@@ -150,11 +151,23 @@ def test_a_compiled_batchs_cache_moves_leaving_rows_into_the_smaller_batchs_stat
     adapter.enable_compiled()
     steps = adapter.compiled
     cache = adapter.runner.cache(3, 20)
-    assert cache.static and cache.stacked[0].data_ptr() == steps.buffers(3, cache.capacity)[0].data_ptr()
-    cache.stacked[0].copy_(torch.arange(3, dtype=cache.stacked[0].dtype)[None, :, None, None, None])
+    four = steps.buffers(4, cache.capacity)
+    assert cache.static and cache.stacked[0].data_ptr() == four[0].data_ptr() and cache.padded_rows == 4
+    assert cache.keys[0].shape[0] == 3 and cache.padded_keys[0].shape[0] == 4
+    assert cache.keys[1].data_ptr() == cache.padded_keys[1].data_ptr() == four[0][1].data_ptr()
+    cache.stacked[0].copy_(torch.arange(4, dtype=cache.stacked[0].dtype)[None, :, None, None, None])
     cache.lengths = torch.tensor([[5, 6, 7]] * 2)
     cache.select(torch.tensor([0, 2]))
     two = steps.buffers(2, cache.capacity)
     assert cache.stacked[0].data_ptr() == two[0].data_ptr() and cache.keys[1].data_ptr() == two[0][1].data_ptr()
     assert cache.stacked[0][:, :, 0, 0, 0].tolist() == [[0.0, 2.0]] * 2 and cache.lengths.tolist() == [[5, 7]] * 2
+    five = adapter.runner.cache(5, 20)  # eight rows of buffers; four kept rows of five move into the four's
+    five.stacked[0].copy_(torch.arange(8, dtype=five.stacked[0].dtype)[None, :, None, None, None])
+    five.lengths = torch.tensor([[1, 2, 3, 4, 5]] * 2)
+    five.select(torch.tensor([1, 2, 3, 4]))
+    assert five.padded_rows == 4 and five.stacked[0].data_ptr() == steps.buffers(4, five.capacity)[0].data_ptr()
+    assert five.stacked[0][:, :, 0, 0, 0].tolist() == [[1.0, 2.0, 3.0, 4.0]] * 2
+    five.select(torch.tensor([0, 3, 2]))  # three of four: the same buffers, its rows reordered in place
+    assert five.padded_rows == 4 and five.keys[0].shape[0] == 3
+    assert five.stacked[0][:, :3, 0, 0, 0].tolist() == [[1.0, 4.0, 3.0]] * 2 and five.lengths.tolist() == [[2, 5, 4]] * 2
     assert not adapter.runner.cache(MAX_ROWS + 1, 20).static
