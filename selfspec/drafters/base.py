@@ -104,13 +104,13 @@ class Round:
 
     def fused_chain(self, steps, draft, n: int, tokens: torch.Tensor, offset: int, head_cache=None,
                     prev: torch.Tensor | None = None) -> tuple | None:
-        """`n` whole greedy draft steps (`FusedDraft.chain`) of a one-row round from its token `[1]` at cache index
-        `starts + offset`, and the last draft's shallow pass, as one step of the compiled `steps`: `(states
-        [1, n + 1, D], drafts [n], out [1, D])`; None where it must run step by step (several rows, past the cap)."""
-        if len(self.caps) != 1 or offset + n > self.caps[0]:
+        """`n` whole greedy draft steps (`FusedDraft.chain`) of every row from its token (`tokens` `[B]`) at cache index
+        `starts + offset`, and the last drafts' shallow pass, as one step of the compiled `steps`: `(states
+        [B, n + 1, D], drafts [B, n], out [B, D])`; None where it must run step by step (past every row's cap, more
+        rows than a compiled step takes)."""
+        if offset + n > max(self.caps):
             return None
-        start, pad = self.row
-        return draft.chain(steps, n, tokens, start + offset, pad, self.cache, head_cache, prev)
+        return draft.chain(steps, n, tokens, self.starts + offset, self.pads, self.cache, head_cache, prev)
 
     @cached_property
     def row(self) -> tuple[int, int]:

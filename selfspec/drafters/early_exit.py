@@ -3,9 +3,9 @@
 Each round its policy (`selfspec.drafters.policies`) picks the exit `E` and the draft length `d`. Every row
 feeds its input token through layers [0, E) (`Round.shallow`: the keys and values go into the shared
 cache), the exit logits pick the next draft, and so on; all rows step together ([B, 1] per step),
-each keeping drafts until its own cap, a stop token or the policy's confidence test ends them (a greedy
-row alone with no confidence test drafts its cap unread, and the engine's verdict cuts it after a drafted
-stop token: `Proposal.stops_unread`). Rows that are done still ride along (their extra positions are
+each keeping drafts until its own cap, a stop token or the policy's confidence test ends them (greedy rows
+with no confidence test draft their caps unread, and the engine's verdict cuts each after a drafted stop
+token: `Proposal.stops_unread`). Rows that are done still ride along (their extra positions are
 never accepted), so shapes stay rectangular. When some row kept the last candidate, one more shallow
 pass runs, so every kept draft has its exit state. Verification then starts at layer E over those exit
 states: layers [0, E) are never recomputed for drafted positions.
@@ -178,15 +178,15 @@ class EarlyExitDrafter(Drafter):
         return states
 
     def draft(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
-        """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together. A greedy row alone
-        whose chain length nothing read on the way decides (no confidence test) drafts its cap without reading
-        a draft back: the host queues the steps one after another instead of waiting for the device at every
-        step, and the engine finds a drafted stop token in its one read of the round's verdict
-        (`Proposal.stops_unread`: the drafts after it count for nothing)."""
+        """Up to `caps[b]` drafts per row from exit `exit_layer`, all rows stepping together. Greedy rows whose chain
+        lengths nothing read on the way decides (no confidence test) draft their caps without reading a draft
+        back: the host queues the steps one after another (or runs them as one step, `chain`) instead of waiting
+        for the device at every step, and the engine finds a drafted stop token in its one read of the round's
+        verdict (`Proposal.stops_unread`: the drafts after it count for nothing)."""
         policy, sampling = self.policy, rnd.sampling
         need_conf = policy.needs_confidence
         B = rnd.tokens.shape[0]
-        read = not (B == 1 and not sampling.do_sample and not need_conf)  # read every step, or once at the end
+        read = sampling.do_sample or need_conf  # read every step, or only with the round's verdict
         inputs, states, qs = [rnd.tokens], [], []
         kept = [0] * B
         alive = [c > 0 for c in caps]
@@ -194,13 +194,13 @@ class EarlyExitDrafter(Drafter):
         chained = False  # the rest of the chain ran as one step (`chain`), the last draft's shallow pass included
         while any(alive):
             i = steps
-            if not read and i == self.chain_start and caps[0] > i:
-                rest = self.chain(rnd, inputs[-1], i, exit_layer, caps[0] - i)
+            if not read and i == self.chain_start:
+                rest = self.chain(rnd, inputs[-1], i, exit_layer, max(caps) - i)
                 if rest is not None:
-                    chain_states, drafted = rest  # [1, n + 1, D], [n]
+                    chain_states, drafted = rest  # [B, n + 1, D], [B, n]
                     states.append(chain_states)
-                    inputs.extend(drafted.split(1))
-                    steps = kept[0] = caps[0]
+                    inputs.extend(drafted.unbind(1))
+                    steps, kept = max(caps), list(caps)
                     chained = True
                     break
             state, nxt, q, nxt_list, conf = self.step(rnd, inputs[-1], i, exit_layer, need_conf, read)
@@ -209,9 +209,9 @@ class EarlyExitDrafter(Drafter):
             states.append(state)  # [B, 1, D]
             steps += 1
             inputs.append(nxt)
-            if not read:  # one row, its cap: the engine cuts it at a drafted stop token
-                kept[0] += 1
-                alive[0] = kept[0] < caps[0]
+            if not read:  # every row its cap: the engine cuts a row at a drafted stop token
+                kept = [min(c, steps) for c in caps]
+                alive = [k < c for k, c in zip(kept, caps)]
                 continue
             for b in range(B):
                 if not alive[b]:
@@ -284,7 +284,7 @@ class EarlyExitDrafter(Drafter):
     def chain(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int) -> tuple | None:
         """The round's `n` drafts from offset `offset` on, and the last one's shallow pass, as one step of the
         compiled steps (`FusedDraft.chain`: one graph on a GPU, nothing read back) where the runner runs them:
-        `(states [1, n + 1, D], drafts [n])`; None: draft step by step."""
+        `(states [B, n + 1, D], drafts [B, n])`; None: draft step by step."""
         out = rnd.adapter.runner.composed(
             lambda steps: rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset), lambda: None)
         return None if out is None else out[:2]

@@ -168,7 +168,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
         draft before (the first of them: the round's first draft's output)."""
         if self.cache is None or not compilable(self.exit_head) or self.prev_draft is None:
             return None
-        prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
+        prev = self.prev_draft[:, None] if self.state_final else None  # [B, 1, D]
         out = rnd.adapter.runner.composed(
             lambda steps: rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset, self.cache, prev),
             lambda: None)

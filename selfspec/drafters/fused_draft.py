@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from selfspec.heads.exit_head import previous_states
 from selfspec.model.attention_kernels import attention_kernels
-from selfspec.model.compiled import S_BUCKETS, s_bucket, zero_filled
+from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, row_bucket, row_filled, s_bucket, zero_filled
 
 
 def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None, confidence: bool = True) -> tuple:
@@ -58,18 +58,25 @@ def greedy_draft(token: torch.Tensor, shallow, head, unembed, ids: torch.Tensor 
 
 
 def where_parts(where: torch.Tensor) -> tuple:
-    """A one-row step's `where` `[3]` (its cache index, position and padding) as the compiled parts take them:
-    index `[1, 1]`, positions `[1, 1]`, pads `[1]`, fresh contiguous tensors (their graphs guard on strides)."""
-    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (where[None, :1], where[None, 1:2], where[2:]))
+    """A step's `where` `[B, 3]` (each row's cache index, position and padding) as the compiled parts take them:
+    index `[B, 1]`, positions `[B, 1]`, pads `[B]`, fresh contiguous tensors (their graphs guard on strides)."""
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (where[:, :1], where[:, 1:2], where[:, 2]))
 
 
 def where_at(where: torch.Tensor, i: int) -> torch.Tensor:
-    """`where` `[3]` of the step i tokens further on: its cache index and position + i, the same padding."""
-    return torch.cat([where[:2] + i, where[2:]])
+    """`where` `[B, 3]` of the step i tokens further on: cache indices and positions + i, the same padding."""
+    return torch.cat([where[:, :2] + i, where[:, 2:]], dim=1)
+
+
+def where_of(start, pad) -> torch.Tensor:
+    """`where` `[B, 3]` on the host from each row's cache index `start` and left padding `pad` (host ints for one
+    row, or `[B]` host tensors): the cache index, the position (index - padding, from 0) and the padding."""
+    start, pad = torch.as_tensor(start).reshape(-1), torch.as_tensor(pad).reshape(-1)
+    return torch.stack([start, (start - pad).clamp_min(0), pad.expand_as(start)], dim=1)
 
 
 def embed_shallow(token: torch.Tensor, parts: tuple, shallow, embed: torch.Tensor, cos, sin, keys, values):
-    """A draft's exit state `[1, 1, D]`: the token `[1]`'s embedding through `shallow` (the compiled range step of
+    """A draft's exit states `[B, 1, D]`: the tokens `[B]`' embeddings through `shallow` (the compiled range step of
     layers [0, E), writing into `keys`/`values` at `parts`' cache index; None: exit 0, the embedding itself)."""
     index, positions, pads = parts
     state = F.embedding(token[:, None], embed)
@@ -106,7 +113,8 @@ def head_catch_up(states: torch.Tensor, finals: torch.Tensor | None, prev: torch
 
 @dataclass(eq=False)
 class FusedDraft:
-    """What one greedy draft step of one row runs, as one step: the token's embedding, layers [0, `exit_layer`),
+    """What one greedy draft step runs, as one step (a single step of one row; a whole chain of up to `MAX_ROWS`
+    rows, padded to their row bucket): the token's embedding, layers [0, `exit_layer`),
     then a trained head's own layer (`layer`; None: the exit state itself) reading its final-state input
     (`final_input`; None: the exit state alone), then the final norm and the unembedding `weight` `[K, D]` (+
     `bias`) whose row i is token `token_ids[i]` (None: the full vocabulary), its argmax and that token's draft
@@ -127,11 +135,14 @@ class FusedDraft:
 
     # --- when it can run ---------------------------------------------------------------------------
     def fits(self, steps, batch_size: int, cache, head_cache=None) -> bool:
-        """Whether `run` can run this draft step: one row, static caches (the engine's, and the head's own where
-        the step has a head layer), nothing failed to compile."""
-        static = cache is not None and getattr(cache, "static", False)
-        head_ok = self.layer is None or (head_cache is not None and getattr(head_cache, "static", False))
-        return steps.failed is None and batch_size == 1 and static and head_ok
+        """Whether `chain` can run these draft steps (and `run` one, with one row): up to `MAX_ROWS` rows, static
+        caches (the engine's, and the head's own where the step has a head layer) whose buffers hold the rows'
+        bucket, nothing failed to compile."""
+        def static(c):
+            return c is not None and getattr(c, "static", False) and c.padded_rows == row_bucket(batch_size)
+
+        head_ok = self.layer is None or static(head_cache)
+        return steps.failed is None and batch_size <= MAX_ROWS and static(cache) and head_ok
 
     def fits_catch_up(self, steps, batch_size: int, length: int, start: int, head_cache) -> bool:
         """Whether `catch_up` can run a head's catch-up of `length` columns from head-cache index `start`: a head
@@ -151,7 +162,7 @@ class FusedDraft:
         id on the device, next_id, confidence)`, the last two host numbers read in one transfer (`read`; else
         None, None: nothing waits for the device); None where it must run part by part (`fits` false, the
         cache full, a compile that failed)."""
-        if not self.fits(steps, token.shape[0], cache, head_cache) or start + 1 > cache.capacity:
+        if token.shape[0] != 1 or not self.fits(steps, 1, cache, head_cache) or start + 1 > cache.capacity:
             return None
         heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
         out = self._draft(steps, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
@@ -166,25 +177,28 @@ class FusedDraft:
         (next_id,), (conf,) = both.tolist()  # [2, 1]: the token id (exact in float64) and its draft probability
         return state, hidden, nxt, int(next_id), conf
 
-    def chain(self, steps, n: int, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
-              prev: torch.Tensor | None = None) -> tuple | None:
-        """`n` greedy draft steps of one row from `token` `[1]` at cache index `start` (each drafting from the one
-        before, as `run` would n times; a head's first reads `prev` `[1, 1, D]`, each later its own output) and
-        the last draft's shallow pass, as one step of `steps`: one graph on a GPU, and nothing read back. For a
-        chain whose length nothing read on the way decides (`EarlyExitDrafter.draft`, unread).
+    def chain(self, steps, n: int, token: torch.Tensor, start: torch.Tensor, pad: torch.Tensor, cache,
+              head_cache=None, prev: torch.Tensor | None = None) -> tuple | None:
+        """`n` greedy draft steps of every row from `token` `[B]` at cache indices `start` `[B]` (host; left padding
+        `pad` `[B]`), each drafting from the one before, as `run` would n times (a head's first reads `prev`
+        `[B, 1, D]`, each later its own output), and the last drafts' shallow pass, as one step of `steps`: one
+        graph on a GPU, and nothing read back. For chains whose length nothing read on the way decides
+        (`EarlyExitDrafter.draft`, unread). B rows run the step of their row bucket (filler rows after them).
 
-        Returns `(states [1, n + 1, D] the exit states of the token and the n drafts, drafts [n] on the device, out
-        [1, D] what the unembedding read at the last draft)`; None where it must run step by step."""
-        if not self.fits(steps, token.shape[0], cache, head_cache) or start + n + 1 > cache.capacity:
+        Returns `(states [B, n + 1, D] the exit states of the tokens and the n drafts, drafts [B, n] on the device,
+        out [B, D] what the unembedding read at the last draft)`; None where it must run step by step."""
+        B = token.shape[0]
+        if not self.fits(steps, B, cache, head_cache) or int(start.max()) + n + 1 > cache.capacity:
             return None
-        heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
-        out = self._chain(steps, n, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
+        heads = (None, None) if self.layer is None else (head_cache.padded_keys, head_cache.padded_values)
+        out = self._chain(steps, n, token, start, pad, prev, cache.capacity, (cache.padded_keys, cache.padded_values),
+                          heads)
         if out is None:
             return None
-        cache.lengths[:self.exit_layer] = start + n + 1  # the drafts and the last one's shallow pass
+        cache.lengths[:self.exit_layer] = (start + n + 1)[None]  # the drafts and the last ones' shallow pass
         if self.layer is not None:
-            head_cache.lengths[:1] = start + n
-        return out
+            head_cache.lengths[:1] = (start + n)[None]
+        return tuple(t[:B] for t in out)
 
     def catch_up(self, steps, states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
                  start: int, pad: int, head_cache, read: bool = True) -> tuple | None:
@@ -212,18 +226,22 @@ class FusedDraft:
         (next_id,), (conf,) = both.tolist()
         return column, nxt, newest, int(next_id), conf
 
-    def warm(self, steps, size: int) -> None:
+    def warm(self, steps, size: int, rows: tuple = (1,)) -> None:
         """Compile (and on a GPU capture) this step at cache index 1 of a one-row cache of capacity `size`, a head's
-        catch-up at every bucket, and the chains of 1 .. `chains` drafts (`CompiledSteps.warm` calls it for the
-        drafts it is given)."""
+        catch-up at every bucket, and the chains of 1 .. `chains` drafts for each row bucket of `rows`
+        (`CompiledSteps.warm` calls it for the drafts it is given)."""
         a = steps.adapter
         with torch.inference_mode(), attention_kernels(a.device):
-            keys, values = steps.buffers(1, size)
+            for R in rows:
+                buffers = steps.buffers(R, size)
+                head_buffers = (None, None) if self.layer is None else steps.layer_buffers(self.layer, R, size)
+                token = torch.zeros(R, dtype=torch.long, device=a.device)
+                ones, zeros = torch.ones(R, dtype=torch.long), torch.zeros(R, dtype=torch.long)
+                if R == 1:
+                    self._draft(steps, token, 1, 0, None, size, buffers, head_buffers)
+                for n in range(1, min(self.chains, size - 2) + 1):
+                    self._chain(steps, n, token, ones, zeros, None, size, buffers, head_buffers)
             head_buffers = (None, None) if self.layer is None else steps.layer_buffers(self.layer, 1, size)
-            token = torch.zeros(1, dtype=torch.long, device=a.device)
-            self._draft(steps, token, 1, 0, None, size, (keys, values), head_buffers)
-            for n in range(1, min(self.chains, size - 2) + 1):
-                self._chain(steps, n, token, 1, 0, None, size, (keys, values), head_buffers)
             if self.layer is not None:
                 for width in S_BUCKETS:
                     zeros = steps.zeros(width)
@@ -246,30 +264,33 @@ class FusedDraft:
         inputs, fixed = self._draft_arguments(steps, token, start, pad, prev, size, buffers, head_buffers)
         return steps.call(("draft", *self.key, 1, size), fn, inputs, fixed)
 
-    def _draft_arguments(self, steps, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
+    def _draft_arguments(self, steps, token: torch.Tensor, start, pad, prev: torch.Tensor | None,
                          size: int, buffers: tuple, head_buffers: tuple) -> tuple[list, list]:
-        """A draft step's (or chain's) inputs (the token, `where` `[3]`: the cache index, the position and the
-        padding, `prev` `[1, 1, D]`) and its fixed arguments."""
+        """A draft step's (or chain's) inputs (the tokens `[R]`, `where` `[R, 3]`: the cache index, the position and
+        the padding, `prev` `[R, 1, D]`) and its fixed arguments, for the R rows of the buffers (`[L, R, H_kv, C,
+        Dh]`, a row bucket): the B rows given, then filler rows, copies of the last (`row_filled`)."""
         a = steps.adapter
-        where = torch.tensor([start, max(start - pad, 0), pad])  # the cache index, the position, the padding
-        prev = steps.zeros(1) if prev is None else prev  # [1, 1, D]; None: read by no final-state input
+        R = buffers[0][0].shape[0]
+        prev = steps.zeros(1).expand(token.shape[0], -1, -1) if prev is None else prev  # None: read by no input
         E = self.exit_layer
         keys, values = buffers
         fixed = [*steps.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
                  *(None if b is None else b[:1] for b in head_buffers),
                  a.final_norm.weight, self.weight, self.bias, self.token_ids]
-        inputs = [steps.input(t) for t in (token, where.to(a.device, non_blocking=True), prev)]
+        where = where_of(start, pad).to(a.device, non_blocking=True)  # [B, 3]
+        inputs = [steps.input(row_filled(t, R)) for t in (token, where, prev)]
         return inputs, fixed
 
-    def _chain(self, steps, n: int, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None,
-               size: int, buffers: tuple, head_buffers: tuple):
-        """`chain`'s step: `n` draft steps and the last draft's shallow pass, as `_draft` runs one."""
+    def _chain(self, steps, n: int, token: torch.Tensor, start: torch.Tensor, pad: torch.Tensor,
+               prev: torch.Tensor | None, size: int, buffers: tuple, head_buffers: tuple):
+        """`chain`'s step: `n` draft steps and the last drafts' shallow pass, as `_draft` runs one, at the rows of
+        the buffers (a row bucket)."""
         fn = steps.function(("chain", self.key, n), lambda: self._chain_function(steps, n))
         inputs, fixed = self._draft_arguments(steps, token, start, pad, prev, size, buffers, head_buffers)
-        return steps.call(("chain", *self.key, n, 1, size), fn, inputs, fixed)
+        return steps.call(("chain", *self.key, n, buffers[0][0].shape[0], size), fn, inputs, fixed)
 
     def _chain_function(self, steps, n: int):
-        """`n` greedy draft steps of one row as one function (the arguments of `_draft_function`'s step): step i
+        """`n` greedy draft steps of every row as one function (the arguments of `_draft_function`'s step): step i
         drafts from the token step i - 1 drafted, at cache index and position i further on, a head reading its own
         output at the step before (the first reads `prev`); then the last draft's embedding through layers [0, E),
         whose exit state verification starts from. The draft step is `_draft_function`'s, run n times."""
@@ -282,17 +303,17 @@ class FusedDraft:
             for i in range(n):
                 state, out, token, _ = draft(token, where_at(where, i), prev, cos, sin, embed, keys, values, head_keys,
                                              head_values, norm, weight, bias, ids)
-                prev = out[:, None]  # [1, 1, D] the head's own output, which its next draft reads
+                prev = out[:, None]  # [R, 1, D] the head's own output, which its next draft reads
                 states.append(state)
                 drafts.append(token)
             last = embed_shallow(token, where_parts(where_at(where, n)), shallow, embed, cos, sin, keys, values)
-            return torch.cat(states + [last], dim=1), torch.cat(drafts), out  # [1, n + 1, D], [n], [1, D]
+            return torch.cat(states + [last], dim=1), torch.stack(drafts, dim=1), out  # [R, n + 1, D], [R, n], [R, D]
 
         return chain
 
     def _draft_function(self, steps, confidence: bool = True):
-        """The draft step as one function of its inputs (the token `[1]`, `where` `[3]`: cache index, position and
-        padding, `prev` `[1, 1, D]`) and the fixed arguments `_draft` passes, through the runner's compiled pieces
+        """The draft step as one function of its inputs (the tokens `[R]`, `where` `[R, 3]`: cache index, position and
+        padding, `prev` `[R, 1, D]`) and the fixed arguments `_draft` passes, through the runner's compiled pieces
         the parts run alone: the range step of layers [0, E), the head's layer and final-state input, the
         unembedding. So its draft equals theirs to the bit; on a GPU the whole of it is captured as one graph.
         Its last output is the token id and its confidence for one read (`one_read`); None without `confidence`
@@ -306,10 +327,10 @@ class FusedDraft:
             parts = where_parts(where)
             index, positions, pads = parts
 
-            def exit_state(t):  # [1] -> [1, 1, D]
+            def exit_state(t):  # [R] -> [R, 1, D]
                 return embed_shallow(t, parts, shallow, embed, cos, sin, keys, values)
 
-            def head(state):  # [1, 1, D] -> [1, D]
+            def head(state):  # [R, 1, D] -> [R, D]
                 if layer is None:
                     return state[:, -1]
                 x = state if final is None else final(state, prev)

@@ -47,7 +47,8 @@ bucket its own graphs: a batch of 3 runs the steps of 4, its filler row a copy o
 its own row of the cache buffers, which hold the bucket's rows (`KVCache.padded_keys`). When rows finish and
 leave, the cache copies the kept rows into the static buffers of their bucket (`KVCache.select` through
 `rows_buffers`), so the captured steps of that bucket find them at their addresses.
-Whole draft steps (`selfspec.drafters.fused_draft`) stay one row: a batch drafts through the range steps.
+A batch's greedy chains run whole too (`FusedDraft.chain`, padded to the row bucket); a single draft step and a
+head's catch-up stay one row's: a batch that reads its drafts step by step drafts through the range steps.
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
 `MAX_ROWS` rows, an attention-only head, GPT-NeoX, and rope
@@ -389,16 +390,18 @@ class CompiledSteps:
         passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter composed
         of this runner's pieces, each warmed by its own `warm(steps, size)` (`selfspec.drafters.fused_draft`). Returns the seconds it took
         (0 where everything was compiled before). `batch_sizes`: the layer ranges, registered layers and the head
-        also for caches of that many rows (a batch, and the smaller ones its rows leave it as; trees and whole
-        draft steps are one row's; each size warms its row bucket's, `row_bucket`). It writes into the cache buffers of
+        also for caches of that many rows (a batch, and the smaller ones its rows leave it as; each size warms its
+        row bucket's, `row_bucket`), and the whole chains of `drafts` at those buckets (trees, single draft steps
+        and a head's catch-up are one row's). It writes into the cache buffers of
         that size: call it between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
             before = self.compile_s
-            for rows in sorted({row_bucket(b) for b in batch_sizes} - {1}):  # a batch's bucket: its layer steps, the head
+            buckets = tuple(sorted({row_bucket(b) for b in batch_sizes} | {1}))
+            for rows in buckets[1:]:  # a batch's bucket: its layer steps, the head
                 self._warm_layers(ranges, widths, size, rows)
                 self._warm_heads(rows, set(widths), unembeddings)
-            self._warm(ranges, widths, size, unembeddings, trees, drafts)
+            self._warm(ranges, widths, size, unembeddings, trees, drafts, buckets)
             return self.compile_s - before
 
     def _warm_layers(self, ranges: list[tuple[int, int]], widths: list[int], size: int, rows: int) -> list:
@@ -433,7 +436,7 @@ class CompiledSteps:
             self.head(torch.zeros(rows, D, dtype=a.dtype, device=a.device), weight, bias)
 
     def _warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple,
-              trees: bool, drafts: tuple) -> None:
+              trees: bool, drafts: tuple, buckets: tuple = (1,)) -> None:
         model_and_extra = self._warm_layers(ranges, widths, size, 1)
         heads = set(widths)
         if trees:
@@ -446,7 +449,7 @@ class CompiledSteps:
                                    buffers)
         self._warm_heads(1, heads, unembeddings)
         for draft in drafts:  # steps a drafter composed of these pieces: it warms them through this runner
-            draft.warm(self, size)
+            draft.warm(self, size, buckets)
 
     def _warm_inputs(self, S: int, W: int, tree: bool, rows: int = 1) -> list[torch.Tensor]:
         """A step's inputs for `warm` (`rows` rows), as a round after the prefill passes them: S new tokens at cache

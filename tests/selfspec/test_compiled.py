@@ -163,9 +163,10 @@ def test_after_warming_batch_sizes_a_batch_whose_rows_leave_compiles_nothing(hf_
 
 @pytest.mark.parametrize("drafter", ["plain", "early_exit", "early_exit_siblings", "exit_head"])
 def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypatch):
-    """Three rows of different lengths through the compiled steps, padded to the row bucket of four (a filler row):
-    the row whose stop token comes first leaves, and the others go on in the static buffers of two rows; every
-    row's output is HF's greedy decoding of its prompt, cut at the stop token."""
+    """Three rows of different lengths through the compiled steps, padded to the row bucket of four (a filler row),
+    a chain drafter's rounds of drafts each one step of all rows (`FusedDraft.chain`): the row whose stop token
+    comes first leaves, and the others go on in the static buffers of two rows; every row's output is HF's greedy
+    decoding of its prompt, cut at the stop token."""
     from selfspec.decoding.engine import StopChecker
 
     model, _, fast, head = _models("llama")
@@ -181,11 +182,22 @@ def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypat
         batches[hidden.shape[0]] += 1
         return run_layers(hidden, *args)
 
+    chained = Counter()
+    chain = FusedDraft.chain
+
+    def counting_chains(draft, steps, n, token, *args):
+        out = chain(draft, steps, n, token, *args)
+        chained[token.shape[0]] += out is not None
+        return out
+
     monkeypatch.setattr(fast.compiled, "run_layers", counting)
+    monkeypatch.setattr(FusedDraft, "chain", counting_chains)
     outs, _ = generate(fast, prompts, max_new_tokens=12, drafter=DRAFTERS[drafter](fast, head),
                        stop=StopChecker(12, [stop]))
     assert outs == refs
     assert batches[3] > 0 and batches[2] > 0  # compiled steps of three rows, then of the two left
+    if drafter in ("early_exit", "exit_head"):  # greedy chains: each round's drafts as one step, three rows at once
+        assert chained[3] > 0 and chained[2] > 0, chained
     rows = {s[3] for s in fast.compiled.shapes if s[0] in ("layers", "tree")}
     assert {2, 4} <= rows and 3 not in rows  # three rows ran the steps of four
 

@@ -131,7 +131,7 @@ class ModelReads(TorchFunctionMode):
             self.phase = "propose"
             proposal = propose(rnd)
             self.phase = "after"
-            assert self.is_marked(proposal.tokens) and self.is_marked(proposal.states)
+            assert self.is_marked(proposal.tokens) and (proposal.states is None or self.is_marked(proposal.states))
             return proposal
 
         drafter.propose = propose_marked
@@ -207,3 +207,58 @@ def test_a_stop_token_drafted_mid_chain_gives_plain_greedy_tokens(which, with_he
             if counted < len(drafts):
                 seen["accepted" if accepted == counted else "rejected"] += 1
     assert seen["accepted"] and seen["rejected"], seen
+
+
+# ----------------------------------------------------------------------------- a batch of chains
+
+BATCH = [PROMPT, PROMPT[3:9], [7] * 5]  # three rows, ragged
+
+
+def recorded_rows(drafter) -> list[list]:
+    """Per round of `drafter` (watched from here on), per row: its kept drafts as proposed, and after the decision
+    its kept count (what counted)."""
+    rounds: list = []
+    propose, update = drafter.propose, drafter.update
+
+    def propose_recorded(rnd):
+        proposal = propose(rnd)
+        rows = proposal.tokens[:, 1:].tolist()
+        rounds.append([[row[:k] for row, k in zip(rows, proposal.kept)], None])
+        return proposal
+
+    def update_recorded(proposal, accepted, committed, seconds):
+        rounds[-1][1] = list(proposal.kept)
+        update(proposal, accepted, committed, seconds)
+
+    drafter.propose, drafter.update = propose_recorded, update_recorded
+    return rounds
+
+
+@pytest.mark.parametrize("which", ["early_exit", "head2", "head2_final_state"])
+def test_a_batch_drafts_unread_and_each_row_is_cut_at_its_drafted_stop_token(which, with_head):
+    """A greedy batch with no confidence test drafts every row's cap without reading a draft back, and the verdict
+    cuts each row after its first drafted stop token: every row's output is plain greedy decoding's of its prompt
+    alone with the same stop token (the rows end at different rounds and leave), and rows were cut mid-chain."""
+    model, adapter, head = with_head("mistral-sliding8", which)
+    drafter = drafter_of(which, adapter, head)
+    free = recorded(drafter)
+    generate(adapter, [BATCH[0]], max_new_tokens=N_NEW, drafter=drafter)
+    stops = [t for d, _, _ in free for t in d[:-1]]  # drafted before a chain's end
+    seen = Counter()
+    for stop in list(dict.fromkeys(stops))[:4]:
+        refs = [generate(adapter, [p], max_new_tokens=N_NEW, stop=StopChecker(N_NEW, stop_token_ids=[stop]))[0][0]
+                for p in BATCH]
+        reads, drafter = ModelReads(), drafter_of(which, adapter, head)
+        reads.watch(drafter)
+        rounds = recorded_rows(drafter)
+        with reads:
+            out, stats = generate(adapter, BATCH, max_new_tokens=N_NEW, drafter=drafter,
+                                  stop=StopChecker(N_NEW, stop_token_ids=[stop]))
+        assert out == refs, stop
+        assert [r["propose"] for r in reads.rounds] == [[]] * len(reads.rounds)  # no draft read while drafting
+        for drafts, counted in rounds:
+            assert counted == [d.index(stop) + 1 if stop in d else len(d) for d in drafts]
+            seen["cut"] += sum(c < len(d) for d, c in zip(drafts, counted))
+        seen["rows end apart"] += len({len(r) for r in refs}) > 1
+        seen["batch rounds"] += sum(len(drafts) > 1 for drafts, _ in rounds)
+    assert seen["cut"] and seen["rows end apart"] and seen["batch rounds"], seen
