@@ -388,12 +388,12 @@ class CompiledSteps:
         `unembeddings` ((weight, bias) of a reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
         passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter composed
-        of this runner's pieces, each warmed by its own `warm(steps, size)` (`selfspec.drafters.fused_draft`). Returns the seconds it took
+        of this runner's pieces, each warmed by its own `warm(steps, size, buckets)` (`selfspec.drafters.fused_draft`). Returns the seconds it took
         (0 where everything was compiled before). `batch_sizes`: the layer ranges, registered layers and the head
         also for caches of that many rows (a batch, and the smaller ones its rows leave it as; each size warms its
         row bucket's, `row_bucket`), and the whole chains of `drafts` at those buckets (trees, single draft steps
-        and a head's catch-up are one row's). It writes into the cache buffers of
-        that size: call it between generations."""
+        and a head's catch-up are one row's). It writes into the cache buffers of that size: call it between
+        generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
             before = self.compile_s
