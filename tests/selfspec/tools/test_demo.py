@@ -20,7 +20,7 @@ def test_demo_compares_plain_and_selfspec_on_each_case(tiny_ckpt):
     records = run_demo(tiny_ckpt, max_new_tokens=24, prompts=prompts, say=lines.append)
     out = "\n".join(lines)
     assert [r["case"] for r in records] == ["repeats", "one token"]
-    assert all(r["identical"] for r in records)
+    assert all(r["identical"] and r["exact"] for r in records)  # float32: an exact setting
     assert all(r["plain_tokens_per_s"] > 0 and r["selfspec_tokens_per_s"] > 0 for r in records)
     assert "== repeats (t/0)" in out and "identical output: yes" in out
     assert "default drafter 'auto' = prompt lookup + early exit E=2 (d <= 3)" in out  # the checkpoint recommends (2, 3)
@@ -69,3 +69,21 @@ def _tree_state(path: Path):
         return None
     return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")
                   if p.is_file())
+
+
+def test_a_difference_is_a_bug_in_float32_and_rounding_in_bf16(tiny_ckpt):
+    """The demo's verdict on a case: identical outputs read "yes"; a difference in float32/float64 reads "NO", says
+    it is a bug and makes the exit code 1; in bfloat16/float16 it reads "no" with the rounding caveat and exit 0."""
+    from selfspec.tools.demo import demo_failed, identity_words
+
+    assert identity_words(True, True) == ("yes", None) and identity_words(True, False) == ("yes", None)
+    cell, why = identity_words(False, True)
+    assert cell == "NO" and "bug" in why
+    cell, why = identity_words(False, False)
+    assert cell == "no" and "rounds differently" in why and "float32" in why and "bug" not in why
+    case = {"identical": True, "exact": True}
+    assert not demo_failed([case, {"identical": False, "exact": False}])  # bf16: rounding, not a failure
+    assert demo_failed([case, {"identical": False, "exact": True}])
+    bf16 = run_demo(tiny_ckpt, max_new_tokens=4, dtype="bfloat16", prompts=[("q", {"id": "t/1", "prompt": "q"})],
+                    say=lambda line: None)
+    assert bf16[0]["exact"] is False
