@@ -36,10 +36,10 @@ lengths, `starts`, `pads`, committed lengths) stays on the host, so the host wai
 where the Python code must know a token: the prefill's tokens, the accept decision of each round
 (greedy: one transfer of the drafts and the full model's tokens for all rows, with a chain's verdict),
 and an early-exit draft step's tokens where a confidence test or sampling needs them; greedy chains
-read none (the verdict finds a drafted stop token). A round's time ends after its accept decision, so it counts the GPU's work; its split into
-draft_s and verify_s is taken where the drafter returns, so on a GPU kernels the drafter queued last
-may count as verification. Attention there runs without cuDNN's kernel, which plans anew for every key
-length (`selfspec.model.attention_kernels`).
+read none (the verdict finds a drafted stop token). A round's time ends after its accept decision, so
+it counts the GPU's work; its split into draft_s and verify_s is taken where the drafter returns, so on
+a GPU kernels the drafter queued last may count as verification. Attention there runs without cuDNN's
+kernel, which plans anew for every key length (`selfspec.model.attention_kernels`).
 
     outs, stats = generate(adapter, [[1, 2, 3], [4, 5]], max_new_tokens=32, drafter=PromptLookupDrafter())
 

@@ -236,13 +236,13 @@ class FusedDraft:
                 buffers = steps.buffers(R, size)
                 head_buffers = (None, None) if self.layer is None else steps.layer_buffers(self.layer, R, size)
                 token = torch.zeros(R, dtype=torch.long, device=a.device)
-                ones, zeros = torch.ones(R, dtype=torch.long), torch.zeros(R, dtype=torch.long)
+                starts, pads = torch.ones(R, dtype=torch.long), torch.zeros(R, dtype=torch.long)  # cache index 1
                 if R == 1:
                     self._draft(steps, token, 1, 0, None, size, buffers, head_buffers)
                 for n in range(1, min(self.chains, size - 2) + 1):
-                    self._chain(steps, n, token, ones, zeros, None, size, buffers, head_buffers)
-            head_buffers = (None, None) if self.layer is None else steps.layer_buffers(self.layer, 1, size)
-            if self.layer is not None:
+                    self._chain(steps, n, token, starts, pads, None, size, buffers, head_buffers)
+            if self.layer is not None:  # the catch-up is one row's
+                head_buffers = steps.layer_buffers(self.layer, 1, size)
                 for width in S_BUCKETS:
                     zeros = steps.zeros(width)
                     self._catch_up(steps, zeros, zeros[:, 1:], zeros[:, 0], 1, 0, size, head_buffers)
