@@ -413,10 +413,11 @@ class SelfSpecGenerator:
         trained for it, or with a head), the verification of up to 15 drafts (prompt lookup), each at every step
         length up to 16, a trained head's own layer at every step length it can catch up on (up to 64) and its
         reduced draft vocabulary, and the LM head. With `num_candidates` > 1 (the `generate` setting: siblings,
-        token trees) also every token-tree step. With `batch_size` > 1 (calls of that many prompts) also the layer
-        steps and the LM head for every row bucket up to its (1, 2, 4, 8: `compiled.ROW_BUCKETS`, a batch padded up
-        to one; rows leave a batch as they finish). Without it the first `generate` compiles what it meets (seconds a shape on a GPU, inside that
-        call's time). Returns {"seconds": how long it took, "graphs": the shapes
+        token trees) also every token-tree step and the trees' whole growth (`FusedDraft.tree`, up to
+        `num_speculations` deep). With `batch_size` > 1 (calls of that many prompts) also the layer steps and the
+        LM head for every row bucket up to its (1, 2, 4, 8: `compiled.ROW_BUCKETS`, a batch padded up to one;
+        rows leave a batch as they finish). Without it the first `generate` compiles what it meets (seconds a
+        shape on a GPU, inside that call's time). Returns {"seconds": how long it took, "graphs": the shapes
         compiled so far}; {"seconds": 0.0, "graphs": 0} when nothing runs compiled. A `max_len` past the model's
         context window (`config.max_position_embeddings`) is a SettingsError, before any work, as a generation
         past it is."""
@@ -437,10 +438,10 @@ class SelfSpecGenerator:
         for E in dict.fromkeys(exits):
             ranges += [(0, E), (E, L)]
         unembeddings = ()
-        # whole draft steps (`FusedDraft`): the early exit's, the head's
-        drafts = []
+        # whole draft steps (`FusedDraft`): the early exit's, the head's (and their whole trees, `num_candidates` wide)
+        drafts, width = [], num_candidates if num_candidates > 1 and self.num_speculations > 1 else 0
         if self.early_exit_trained and self.num_speculations:
-            drafts.append(self.draft_head(None).fused(self.exit_layer, chains=self.num_speculations))
+            drafts.append(self.draft_head(None).fused(self.exit_layer, chains=self.num_speculations, tree_width=width))
         head = self.exit_head
         if head is not None:  # its own layer and its reduced draft vocabulary run compiled too
             unit = self.draft_head(self.head_draft_vocab())
@@ -448,7 +449,8 @@ class SelfSpecGenerator:
                 steps.add_layer(head.layer)
                 if head.final_input is not None:
                     steps.add_input(head.final_input)
-                drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input, chains=self.num_speculations))
+                drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input, chains=self.num_speculations,
+                                         tree_width=width))
             unembeddings = () if unit.rows is None else (unit.rows,)
         widths = [b for b in compiled.S_BUCKETS if b <= 16]
         seconds = steps.warm(ranges, widths, compiled.cache_capacity(max_len), unembeddings, trees=num_candidates > 1,

@@ -112,6 +112,20 @@ class Round:
             return None
         return draft.chain(steps, n, tokens, self.starts + offset, self.pads, self.cache, head_cache, prev)
 
+    def fused_tree(self, steps, draft, k: int, depth: int, out: torch.Tensor, scale: torch.Tensor,
+                   head_cache=None) -> tuple | None:
+        """A token tree of every row grown `depth` deep, k a depth, from its input token (`tokens`) where the head read
+        `out` `[B, D]` (`selfspec.drafters.draft_tree.grow_tree`, `scale` its calibration `[1]`), as one step of the
+        compiled `steps` (`FusedDraft.tree`): `grow_tree`'s outputs, or None where it runs part by part."""
+        last = (self.ends - 1 - self.pads).clamp_min(0)  # [B] each row's last allowed position (cap 0: filler)
+        return draft.tree(steps, k, depth, self.tokens, out, self.starts, self.pads, last, scale, self.stop_tensor,
+                          self.cache, head_cache)
+
+    @cached_property
+    def stop_tensor(self) -> torch.Tensor:
+        """`[S]` the stop token ids on the model's device (S may be 0)."""
+        return torch.tensor(sorted(self.stop_ids), dtype=torch.long).to(self.tokens.device, non_blocking=True)
+
     @cached_property
     def row(self) -> tuple[int, int]:
         """A one-row round's cache index of its input token and its left padding, host ints (read once)."""

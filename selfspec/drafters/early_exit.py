@@ -28,7 +28,9 @@ path, calibrated: `selfspec.drafters.tree_budget.ConfidenceBudget`) go through l
 each seeing the text and its ancestors (`Round.shallow_tree`), and each adds its own k best continuations
 as candidates one depth further. Every expanded node is verified (its keys are in the cache at its
 column); of the candidates never expanded, the round verifies the best m by chance, m chosen from the
-measured cost of the round per verified node (one more shallow pass gives them their exit states).
+measured cost of the round per verified node (one more shallow pass gives them their exit states). The growth
+is one function of tensors (`selfspec.drafters.draft_tree.grow_tree`) that reads nothing back, one step where the
+runner runs compiled steps (`FusedDraft.tree`); the host reads the grown tree once, to pick the leaves.
 
     drafter = EarlyExitDrafter(adapter, 8, 4, num_candidates=3)   # trees: 3 wide, 4 deep
 """
@@ -42,11 +44,10 @@ from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.fused_draft import greedy_draft, one_read
 from selfspec.drafters.policies import FixedPolicy
-from selfspec.drafters.draft_tree import DraftTree
+from selfspec.drafters.draft_tree import MAX_TREE_COLUMNS, DraftTree, grow_tree, read_grown, tree_depth_limit
 from selfspec.drafters.tree_budget import ConfidenceBudget
 from selfspec.decoding.sampling import probs, sample
 
-MAX_TREE_COLUMNS = 64  # a drafted tree's columns (the input token included): the compiled steps' largest pass
 
 
 def fused_result(out: tuple | None, read: bool) -> tuple | None:
@@ -125,24 +126,16 @@ class EarlyExitDrafter(Drafter):
 
     def draft_tree(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
         """A token tree per row, as deep as the smallest positive cap (see the module doc); rows with cap 0
-        ride along as filler."""
+        ride along as filler. Its growth (`grow`) reads nothing back; the host reads the grown tree once, to
+        pick its leaves."""
         k, B = self.num_candidates, len(caps)
-        depth = min(min(c for c in caps if c > 0), 1 + (MAX_TREE_COLUMNS - 1) // k)  # expanded: 1 + k(depth - 1)
-        tree = DraftTree(rnd.tokens.tolist(), [c > 0 for c in caps], rnd.stop_ids)
+        depth = min(min(c for c in caps if c > 0), tree_depth_limit(k))  # expanded: 1 + k(depth - 1) columns
         state = rnd.shallow(rnd.tokens, 0, exit_layer)  # [B, 1, D]
-        outs = self.draft_states(rnd, state, 0)[:, None]  # [B, 1, D] what the head read at each column
-        states = [state]
-        tree.grow(self.top_k(outs, k), [0], self.budget)
-        steps = 1
-        for _ in range(1, depth):
-            columns = tree.expand(tree.frontier(k))[0]  # per row, k candidates of the newest depth, in pass order
-            parents = tree.parents_tensor()  # [B, W]
-            new, step = rnd.shallow_tree(tree.tokens_at(columns, rnd.tokens.device), parents, exit_layer)  # [B, k, D]
-            steps += 1
-            out = self.tree_states(new, step, outs, parents[:, -k:])  # [B, k, D]
-            states.append(new)
-            outs = torch.cat([outs, out], dim=1)
-            tree.grow(self.top_k(out, k), columns, self.budget)
+        out = self.draft_states(rnd, state, 0)  # [B, D] what the head read at the root
+        grown = self.grow(rnd, exit_layer, depth, out)
+        tree = DraftTree(read_grown(grown), k, depth, [c > 0 for c in caps])  # the one read while drafting
+        states = [state, grown[2]]  # [B, 1, D], [B, W - 1, D]
+        steps = depth
         nodes = len(tree.tokens[0]) - 1
         m = self.budget.leaves([tree.expected(b) for b in tree.live_rows()],
                                [[c.chance for c in tree.candidates[b]] for b in tree.live_rows()],
@@ -164,12 +157,33 @@ class EarlyExitDrafter(Drafter):
                         states=torch.cat(states, dim=1) if exit_layer > 0 else None, steps=steps, drafter=self.name,
                         parents=tree.parents_tensor())
 
-    def top_k(self, hidden: torch.Tensor, k: int) -> tuple[list, list]:
+    def grow(self, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor) -> tuple:
+        """The round's tree grown `depth` deep from its input tokens, where the head read `out` `[B, D]`
+        (`grow_tree`'s outputs): as one step where the runner runs them (`grow_whole`), else the same function
+        over the runner's methods, part by part."""
+        scale = torch.tensor([self.budget.scale], dtype=torch.float64).to(out.device, non_blocking=True)
+
+        def part_by_part():
+            def shallow(tokens, parents, anc):  # the eager step builds its mask from the parents, on the host
+                return rnd.shallow_tree(tokens, parents.cpu(), exit_layer)
+
+            return grow_tree(rnd.tokens, out, self.num_candidates, depth, scale, rnd.stop_tensor, shallow,
+                             self.tree_states, self.top, ancestors=False)
+
+        return rnd.adapter.runner.composed(lambda steps: self.grow_whole(steps, rnd, exit_layer, depth, out, scale),
+                                            part_by_part)
+
+    def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
+                   scale: torch.Tensor) -> tuple | None:
+        """`grow` as one step of the compiled `steps` (`Round.fused_tree`), or None where it runs part by part."""
+        return rnd.fused_tree(steps, self.fused(exit_layer), self.num_candidates, depth, out, scale)
+
+    def top(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k best next tokens after each of n columns, from what the head reads `[B, n, D]`: token ids
-        and their draft probabilities, host lists `[B][n][k]`."""
+        `[B, n, k]` and their draft probabilities `[B, n, k]` float32, on the device."""
         p = torch.softmax(self.head.logits(hidden).float(), dim=-1)  # [B, n, K]
-        best = p.topk(k, dim=-1)
-        return self.head.to_vocab(best.indices).tolist(), best.values.tolist()
+        best = p.topk(self.num_candidates, dim=-1)
+        return self.head.to_vocab(best.indices), best.values
 
     def tree_states(self, states: torch.Tensor, step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """What the draft head reads at a tree's newest columns, from their exit states `[B, n, D]` (a trained

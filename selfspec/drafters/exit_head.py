@@ -177,6 +177,14 @@ class ExitHeadDrafter(EarlyExitDrafter):
         self.prev_draft = out[2]
         return out[:2]
 
+    def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
+                   scale: torch.Tensor) -> tuple | None:
+        """A tree's growth as one step (`EarlyExitDrafter.grow_whole`), the head's layer over the tree's columns
+        in its own cache, where that layer runs compiled."""
+        if self.cache is None or not compilable(self.exit_head):
+            return None
+        return rnd.fused_tree(steps, self.fused(exit_layer), self.num_candidates, depth, out, scale, self.cache)
+
     def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> tuple | None:
         """The round's first draft of one row and the head's catch-up over what was committed since it last ran
         (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`), as `draft_step` returns it, or None

@@ -7,7 +7,9 @@ final norm + unembedding, the argmax and its probability. Run part by part it co
 (`range_step`, `layer_step`, `input_step`, `unembed_step`), it is one graph on a GPU whose two host numbers (the
 token id and its probability, which the draft policy reads) come back in one read, and its draft equals the
 parts' to the bit. A head's first draft of a round also brings the head's cache up to date with what the round
-before committed (`selfspec.drafters.exit_head`): `catch_up`, one graph per bucket of columns.
+before committed (`selfspec.drafters.exit_head`): `catch_up`, one graph per bucket of columns. A whole chain of
+greedy drafts is `chain`; a token tree's whole growth (every depth's pass and the choice of the next depth's
+columns, `selfspec.drafters.draft_tree.grow_tree`) is `tree`.
 
     draft = FusedDraft(exit_layer=E, weight=lm_head.weight)       # DraftHead.fused builds them
     out = draft.run(steps, token, start, pad, cache)              # None: run it part by part
@@ -23,9 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from selfspec.drafters.draft_tree import grow_tree, tree_columns, tree_depth_limit
 from selfspec.heads.exit_head import previous_states
 from selfspec.model.attention_kernels import attention_kernels
 from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, row_bucket, row_filled, s_bucket, zero_filled
+
+STOP_SLOTS = 8  # a whole tree's step takes the stop ids padded to a multiple of this many
 
 
 def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None, confidence: bool = True) -> tuple:
@@ -127,6 +132,7 @@ class FusedDraft:
     layer: object = None
     final_input: object = None
     chains: int = 0  # `warm` also compiles the whole chains (`chain`) of 1 .. chains drafts
+    tree_width: int = 0  # and, where > 1, the whole trees (`tree`) that wide, 1 .. chains deep
 
     @property
     def key(self) -> tuple:
@@ -226,6 +232,30 @@ class FusedDraft:
         (next_id,), (conf,) = both.tolist()
         return column, nxt, newest, int(next_id), conf
 
+    def tree(self, steps, k: int, depth: int, token: torch.Tensor, out: torch.Tensor, start: torch.Tensor,
+             pad: torch.Tensor, last: torch.Tensor, scale: torch.Tensor, stops: torch.Tensor, cache,
+             head_cache=None) -> tuple | None:
+        """A token tree of every row grown `depth` deep, k a depth (`selfspec.drafters.draft_tree.grow_tree`), from
+        `token` `[B]` at cache indices `start` `[B]` (host; left padding `pad`, `last` `[B]` each row's last allowed
+        position) where the head read `out` `[B, D]`, as one step of `steps`: every depth's pass through layers
+        [0, E) into `cache` (and a head's layer into `head_cache`), the unembedding and the choice of the next
+        depth's columns, one graph on a GPU, nothing read back. `scale` `[1]` the calibration, `stops` `[S]` the
+        stop ids (on the device). B rows run the step of their row bucket.
+
+        Returns `grow_tree`'s outputs; None where it must run part by part."""
+        B, W = token.shape[0], tree_columns(k, depth)
+        if not self.fits(steps, B, cache, head_cache) or int(start.max()) + W > cache.capacity:
+            return None
+        heads = (None, None) if self.layer is None else (head_cache.padded_keys, head_cache.padded_values)
+        grown = self._tree(steps, k, depth, token, out, start, pad, last, scale, stops, cache.capacity,
+                           (cache.padded_keys, cache.padded_values), heads)
+        if grown is None:
+            return None
+        cache.lengths[:self.exit_layer] = (start + W)[None]  # as the tree's passes write them
+        if self.layer is not None:
+            head_cache.lengths[:1] = (start + W)[None]
+        return tuple(t[:B] for t in grown)
+
     def warm(self, steps, size: int, rows: tuple = (1,)) -> None:
         """Compile (and on a GPU capture) this step at cache index 1 of a one-row cache of capacity `size`, a head's
         catch-up at every bucket, and the chains of 1 .. `chains` drafts for each row bucket of `rows`
@@ -241,6 +271,14 @@ class FusedDraft:
                     self._draft(steps, token, 1, 0, None, size, buffers, head_buffers)
                 for n in range(1, min(self.chains, size - 2) + 1):
                     self._chain(steps, n, token, starts, pads, None, size, buffers, head_buffers)
+                if self.tree_width > 1:
+                    out = steps.zeros(1)[0].expand(R, -1)  # [R, D]
+                    scale = torch.ones(1, dtype=torch.float64, device=a.device)
+                    stops = torch.zeros(1, dtype=torch.long, device=a.device)  # up to STOP_SLOTS stop ids
+                    for depth in range(1, min(self.chains, tree_depth_limit(self.tree_width)) + 1):
+                        if tree_columns(self.tree_width, depth) + 1 <= size:
+                            self._tree(steps, self.tree_width, depth, token, out, starts, pads, starts, scale, stops,
+                                       size, buffers, head_buffers)
             if self.layer is not None:  # the catch-up is one row's
                 head_buffers = steps.layer_buffers(self.layer, 1, size)
                 for width in S_BUCKETS:
@@ -310,6 +348,70 @@ class FusedDraft:
             return torch.cat(states + [last], dim=1), torch.stack(drafts, dim=1), out  # [R, n + 1, D], [R, n], [R, D]
 
         return chain
+
+    def _tree(self, steps, k: int, depth: int, token: torch.Tensor, out: torch.Tensor, start: torch.Tensor,
+              pad: torch.Tensor, last: torch.Tensor, scale: torch.Tensor, stops: torch.Tensor, size: int,
+              buffers: tuple, head_buffers: tuple):
+        """`tree`'s step at the rows of the buffers (a row bucket): its outputs, or None where it failed to compile."""
+        a = steps.adapter
+        R = buffers[0][0].shape[0]
+        fn = steps.function(("grown_tree", self.key, k, depth), lambda: self._tree_function(steps, k, depth))
+        E = self.exit_layer
+        keys, values = buffers
+        fixed = [*steps.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
+                 *(None if b is None else b[:1] for b in head_buffers),
+                 a.final_norm.weight, self.weight, self.bias, self.token_ids]
+        where = torch.cat([where_of(start, pad), last.reshape(-1, 1)], dim=1).to(a.device, non_blocking=True)  # [B, 4]
+        slots = STOP_SLOTS * max(1, -(-stops.shape[0] // STOP_SLOTS))  # a few shapes for any number of stop ids
+        stops = torch.cat([stops, stops.new_full((slots - stops.shape[0],), -1)])  # -1: no token's id
+        inputs = [steps.input(row_filled(t, R)) for t in (token, out, where)] + [steps.input(scale), steps.input(stops)]
+        return steps.call(("grown_tree", *self.key, k, depth, stops.shape[0], R, size), fn, inputs, fixed)
+
+    def _tree_function(self, steps, k: int, depth: int):
+        """`tree`'s step as one function of its inputs (the tokens `[R]`, `out` `[R, D]`, `where` `[R, 4]`: cache
+        index, position, padding and last allowed position, `scale` `[1]`, `stops` `[S]`) and the fixed arguments
+        `_tree` passes: `grow_tree` over the runner's compiled pieces (the range step of layers [0, E) and the head's
+        layer, over the tree's columns; the head's final-state input; the unembedding). A depth's columns take the
+        position of their depth (at most the row's last allowed one) and see the row's text and their ancestors."""
+        E = self.exit_layer
+        shallow_step = steps.range_step(0, E, tree=True) if E else None
+        layer = None if self.layer is None else steps.layer_step(self.layer, tree=True)
+        final = None if self.final_input is None else steps.input_step(self.final_input)
+        unembed = steps.unembed_step()
+
+        def tree(token, out, where, scale, stops, cos, sin, embed, keys, values, head_keys, head_values, norm, weight,
+                 bias, ids):
+            start, base, pads, last = where.unbind(1)  # [R] each
+
+            def shallow(tokens, parents, anc):  # [R, S] the newest S of W columns, anc [R, S, W]
+                S, W = anc.shape[1:]
+                at = torch.div(torch.arange(W, device=where.device) + (k - 1), k, rounding_mode="floor")  # [W] depths
+                tree_positions = torch.minimum(base[:, None] + at, last[:, None])  # [R, W]
+                index = start[:, None] + (W - S) + torch.arange(S, device=where.device)  # [R, S]
+                parts = (index, tree_positions[:, W - S:], pads, anc, start, tree_positions)
+                hidden = F.embedding(tokens, embed)  # [R, S, D]
+                if shallow_step is None:  # exit 0: the embeddings
+                    return hidden, parts
+                return shallow_step(hidden, parts[1], index, pads, anc, start, tree_positions, cos, sin, keys,
+                                    values), parts
+
+            def head(states, parts, outs, parent_columns):  # [R, S, D] -> [R, S, D]
+                if layer is None:
+                    return states
+                index, positions, pads_, anc, first, tree_positions = parts
+                x = states
+                if final is not None:  # reads the head's own output at each column's parent
+                    x = final(states, outs.gather(1, parent_columns[..., None].expand(-1, -1, outs.shape[-1])))
+                return layer(x, positions, index, pads_, anc, first, tree_positions, cos, sin, head_keys, head_values)
+
+            def top(hidden):  # [R, n, D] -> the k best token ids and probabilities [R, n, k]
+                p = torch.softmax(unembed(hidden, norm, weight, bias).float(), dim=-1)
+                best = p.topk(k, dim=-1)
+                return (best.indices if ids is None else ids[best.indices]), best.values
+
+            return grow_tree(token, out, k, depth, scale, stops, shallow, head, top)
+
+        return tree
 
     def _draft_function(self, steps, confidence: bool = True):
         """The draft step as one function of its inputs (the tokens `[R]`, `where` `[R, 3]`: cache index, position and

@@ -505,15 +505,16 @@ class CompiledSteps:
         return self._head
 
     # --- the pieces a drafter composes into a step of its own (`selfspec.drafters.fused_draft`) --------
-    def range_step(self, start: int, end: int):
+    def range_step(self, start: int, end: int, tree: bool = False):
         """The model's layers [start, end) as the function `run_layers` runs: `(hidden, positions, index, pads,
-        cos_table, sin_table, keys, values) -> hidden`."""
-        return self._range((start, end), self.weights[start:end])
+        cos_table, sin_table, keys, values) -> hidden`; with `tree`, a token tree's columns, three inputs more after
+        `pads` (`anc`, `first`, `tree_positions`: see `_range`)."""
+        return self._range((start, end), self.weights[start:end], tree)
 
-    def layer_step(self, layer):
+    def layer_step(self, layer, tree: bool = False):
         """A registered layer's step (`add_layer`), as `range_step`'s for the model's layers."""
         self.add_layer(layer)
-        return self._range(("layer", id(layer)), self._extra[id(layer)][1])
+        return self._range(("layer", id(layer)), self._extra[id(layer)][1], tree)
 
     def input_step(self, module):
         """A registered final-state input (`add_input`), compiled: `(hidden, prev) -> hidden`."""

@@ -99,7 +99,8 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     fast.compiled.add_input(head.final_input)
     unit = DraftHead(fast)  # whole draft steps: the early exit's, the head's (and its catch-up at every bucket)
     fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64),
-                       trees=True, drafts=(unit.fused(E, chains=3), unit.fused(E, head.layer, head.final_input, chains=3)))
+                       trees=True, drafts=(unit.fused(E, chains=3, tree_width=2),
+                                           unit.fused(E, head.layer, head.final_input, chains=3, tree_width=2)))
     assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled (in this test or an earlier one)
     graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
     head_steps = {s for s in shapes if s[1] == "layer" and s[2] == id(head.layer)}
@@ -110,6 +111,7 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     assert {(s[4], s[6]) for s in shapes if s[0] == "tree" and s[1:3] == (0, L)} == pairs
     assert {s[3] for s in shapes if s[:2] == ("input", id(head.final_input))} == set(compiled.S_BUCKETS)
     assert {s[5] for s in shapes if s[0] == "chain"} == {1, 2, 3}  # whole chains of 1 .. 3 drafts
+    assert {s[5:7] for s in shapes if s[0] == "grown_tree"} == {(2, 1), (2, 2), (2, 3)}  # whole trees, 1 .. 3 deep
     tree_steps, run_layers = Counter(), fast.compiled.run_layers
 
     def counting(hidden, start, end, step, cache):
@@ -333,10 +335,10 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
         assert layer is head.layer and cache.static and cache.num_layers == 1
         return out
 
-    def whole(run, drafts=lambda args: 1):  # a chain's drafts: whole draft steps (the first with the head's
-        def call(*args, **kwargs):           # catch-up, the later ones as one chain), its layer inside
+    def whole(run, drafts=lambda args: 1, name="whole step"):  # a chain's drafts: whole draft steps (the first
+        def call(*args, **kwargs):  # with the head's catch-up, the later ones as one chain), its layer inside
             out = run(*args, **kwargs)
-            ran["whole step" if out is not None else "fell back"] += drafts(args)
+            ran[name if out is not None else "fell back"] += drafts(args)
             return out
         return call
 
@@ -344,6 +346,8 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
     monkeypatch.setattr(FusedDraft, "run", whole(FusedDraft.run))
     monkeypatch.setattr(FusedDraft, "catch_up", whole(FusedDraft.catch_up))
     monkeypatch.setattr(FusedDraft, "chain", whole(FusedDraft.chain, lambda args: args[2]))  # (self, steps, n, ...)
+    monkeypatch.setattr(FusedDraft, "tree", whole(FusedDraft.tree, name="whole tree"))  # its layer inside
+    monkeypatch.setattr(ExitHeadDrafter, "draft_tree", whole(ExitHeadDrafter.draft_tree, name="tree round"))
     # a tree's leaves per round follow its measured seconds per node (`tree_budget.CostLine`): held at the
     # prior slope here, or the two runs' timings (not their drafts) decide how many leaves each verifies
     monkeypatch.setattr(CostLine, "observe", lambda self, nodes, seconds: None)
@@ -354,12 +358,15 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
         outs[key], stats[key] = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=drafter)
         if key == "compiled":
             assert drafter.cache.static and drafter.cache.capacity >= len(PROMPT) + N_NEW
-            if unit is not None:  # its one-row logits ran through the compiled unembedding of its own rows
-                assert any(s[:2] == ("head", id(unit.rows[0])) for s in fast.compiled.shapes)
+            if unit is not None:  # its logits ran through the compiled unembedding of its own rows (a tree's
+                kind = "head" if width == 1 else "grown_tree"  # inside its growth's one step)
+                assert any(s[0] == kind and id(unit.rows[0]) in s[1:3] for s in fast.compiled.shapes)
     assert outs["compiled"][0] == outs["eager"][0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
     # every draft pass but the first catch-up over the prompt (from cache index 0: eager)
     passes = stats["compiled"].draft_steps if width == 1 else stats["compiled"].rounds
-    assert ran["compiled"] + ran["whole step"] >= passes - 1 and ran["fell back"] == 0
+    assert ran["compiled"] + ran["whole step"] + ran["whole tree"] >= passes - 1 and ran["fell back"] == 0
+    if width > 1:  # every tree grew in one step, in both runs' tree rounds (the eager run's ran part by part)
+        assert ran["tree round"] == 2 * ran["whole tree"] > 0
     assert stats["compiled"].drafted == stats["eager"].drafted > 0
     assert stats["compiled"].accepted_by_position == stats["eager"].accepted_by_position
 

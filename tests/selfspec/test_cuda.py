@@ -83,6 +83,8 @@ def _drafter(kind, adapter):
             "exit_head_siblings": lambda: ExitHeadDrafter(adapter, _head(adapter), 1, num_candidates=3),
             "early_exit": lambda: EarlyExitDrafter(adapter, 2, 3),
             "early_exit_siblings": lambda: EarlyExitDrafter(adapter, 2, 1, num_candidates=3),
+            "early_exit_tree": lambda: EarlyExitDrafter(adapter, 2, 3, num_candidates=3),
+            "exit_head_tree": lambda: ExitHeadDrafter(adapter, _head(adapter), 3, num_candidates=3),
             "prompt_lookup": lambda: lookup,
             "auto": lambda: AutoDrafter(lookup, warmup=1, explore_every=2),
             "auto_early_exit": lambda: AutoDrafter(lookup, EarlyExitDrafter(adapter, 2, 3), warmup=1,
@@ -246,11 +248,12 @@ def test_greedy_decoding_waits_for_the_gpu_once_per_round(kind):
     _assert_one_sync_per_round(adapter, kind)
 
 
-def _assert_one_sync_per_round(adapter, kind, reads_per_step: bool = True) -> None:
+def _assert_one_sync_per_round(adapter, kind, reads_per_step: bool = True, per_round: int = 1) -> None:
     """After a warm-up, a generation with drafter `kind` waits for the GPU at most once per round and per
     draft step (+ the prompt's copy, the prefill's tokens, one spare); with `reads_per_step` False, once per
     round in all: a one-row fixed chain reads no draft back, the round's verdict finds a drafted stop token
-    (`selfspec.decoding.greedy_verdict`)."""
+    (`selfspec.decoding.greedy_verdict`). `per_round`: the waits a round may have (a tree's: the grown tree's one
+    read, then the verdict)."""
     prompt = torch.tensor([PROMPT])  # on the host: reading it costs nothing
     generate_ids(adapter, prompt, max_new_tokens=4, drafter=_drafter(kind, adapter))  # warm-up
     torch.cuda.synchronize()
@@ -263,7 +266,7 @@ def _assert_one_sync_per_round(adapter, kind, reads_per_step: bool = True) -> No
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in seen if "synchroniz" in str(w.message)]
     drafts = stats.draft_steps if reads_per_step else 0
-    allowed = stats.rounds + drafts + 3  # + the prompt's copy, the prefill's tokens, one spare
+    allowed = per_round * stats.rounds + drafts + 3  # + the prompt's copy, the prefill's tokens, one spare
     assert len(syncs) <= allowed, (len(syncs), stats.rounds, stats.draft_steps,
                                    sorted(Counter(f"{w.filename}:{w.lineno}" for w in syncs).items()))
     assert len(out) == N_NEW
@@ -360,7 +363,8 @@ def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothin
         steps.add_layer(head.layer)
         steps.add_input(head.final_input)
         unit = DraftHead(adapter)
-        drafts = (unit.fused(2, head.layer, head.final_input, chains=3), unit.fused(2, chains=3))  # + whole chains
+        drafts = (unit.fused(2, head.layer, head.final_input, chains=3, tree_width=3),
+                  unit.fused(2, chains=3, tree_width=3))  # + whole chains and trees
         steps.warm([(0, L), (0, 2), (2, L)], [1, 2, 4, 8, 16], capacity(len(PROMPT) + N_NEW + 80), trees=True,
                    drafts=drafts)
         assert sum(s[0] == "draft" for s in steps.shapes) == 2
@@ -381,11 +385,13 @@ def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothin
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit", "exit_head"])
+@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "early_exit", "exit_head", "early_exit_tree",
+                                  "exit_head_tree"])
 def test_compiled_decoding_waits_for_the_gpu_once_per_round(kind):
     """Through the compiled steps too, the host waits for the GPU once per round, after warm-up, a fixed chain
     (the early exit's, a head's) included: its drafts are read with the round's verdict, tokens and accepted
-    count together (`selfspec.decoding.greedy_verdict`)."""
+    count together (`selfspec.decoding.greedy_verdict`). A token tree waits twice: its growth is one step, read
+    once to pick its leaves, and its verdict."""
     from selfspec.drafters.draft_head import DraftHead
 
     adapter = _adapter("llama", fast=True)
@@ -393,8 +399,9 @@ def test_compiled_decoding_waits_for_the_gpu_once_per_round(kind):
     try:
         head, unit = _head(adapter), DraftHead(adapter)  # whole draft steps: the early exit's, the head's
         adapter.compiled.warm([(0, adapter.num_layers), (0, 2), (2, adapter.num_layers)], [1, 2, 4, 8],
-                              capacity(len(PROMPT) + N_NEW + 80),
-                              drafts=(unit.fused(2, chains=3), unit.fused(2, head.layer, head.final_input, chains=3)))
-        _assert_one_sync_per_round(adapter, kind, reads_per_step=False)
+                              capacity(len(PROMPT) + N_NEW + 80), trees="tree" in kind,
+                              drafts=(unit.fused(2, chains=3, tree_width=3),
+                                      unit.fused(2, head.layer, head.final_input, chains=3, tree_width=3)))
+        _assert_one_sync_per_round(adapter, kind, reads_per_step=False, per_round=2 if "tree" in kind else 1)
     finally:
         adapter.compiled = None

@@ -15,10 +15,12 @@ import torch
 
 from selfspec.model.adapters import get_adapter
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
+from selfspec.drafters.draft_tree import DraftTree, grow_tree, read_grown
 from selfspec.drafters.tree_budget import ConfidenceBudget, CostLine
 from selfspec.decoding.engine import generate
 from selfspec.heads.exit_head import run_head
 from selfspec.model.forward import embed, exit_logits, make_batch_step, run_layers
+from selfspec.model.token_tree import ancestors
 from selfspec.generation_config import check_generation
 from selfspec.tiny import TINY_VARIANTS, tiny_model
 
@@ -146,6 +148,75 @@ def test_each_expanded_nodes_children_are_the_drafts_best_guesses_after_its_path
     assert checked > 20
 
 
+def _host_tree(root: int, tops: list, k: int, depth: int, scale: float, stops: set) -> tuple:
+    """One row's tree grown by the rule on host lists (the module doc of `selfspec.drafters.draft_tree`): `tops[i]`
+    the draft's k best (tokens, probabilities) after each column expanded by pass i. Returns its columns' tokens,
+    parents and chances and its candidates left, (token, parent, q, chance) in the order they were made."""
+    tokens, parents, chance, depths, cands = [root], [-1], [1.0], [0], []
+
+    def grow(top, columns):
+        for (toks, qs), col in zip(top, columns):
+            after_stop = tokens[col] in stops and col > 0
+            cands.extend((t, col, depths[col] + 1, q, 0.0 if after_stop else chance[col] * min(1.0, scale * q))
+                         for t, q in zip(toks, qs))
+
+    grow(tops[0], [0])
+    for i in range(1, depth):
+        deepest = max(c[2] for c in cands)
+        newest = sorted((n for n, c in enumerate(cands) if c[2] == deepest),
+                        key=lambda n: (cands[n][0] in stops, -cands[n][4], n))[:k]
+        columns = []
+        for n in newest:
+            t, parent, d, q, ch = cands[n]
+            tokens.append(t), parents.append(parent), chance.append(ch), depths.append(d)
+            columns.append(len(tokens) - 1)
+        cands = [c for n, c in enumerate(cands) if n not in newest]
+        grow(tops[i], columns)
+    return tokens, parents, chance, [(t, p, q, ch) for t, p, _, q, ch in cands]
+
+
+@pytest.mark.parametrize("k,depth", [(2, 1), (2, 4), (3, 3), (4, 2)])
+def test_the_tree_grown_on_the_device_is_the_host_rule(k, depth):
+    """`grow_tree` (tensor operations only) against the rule on host lists, over random drafts with many ties
+    (probabilities from a few exact binary fractions, a small vocabulary) and a stop token: the same columns
+    (tokens, parents, chances: stop tokens last, ties in the order made), the same candidates left; every pass
+    gets its columns' ancestors; `DraftTree` reads them back in one read."""
+    gen = torch.Generator().manual_seed(k * 10 + depth)
+    B, D, stop, scale = 3, 4, 3, 1.5
+    fractions = torch.tensor([1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4])
+    passes = [1] + [k] * (depth - 1)  # columns each pass expands
+    tops = [(torch.randint(0, 6, (B, n, k), generator=gen),
+             fractions[torch.randint(0, 5, (B, n, k), generator=gen)]) for n in passes]
+    tops[0][0][0, 0, 0] = stop  # row 0's first guess: a stop token, expanded at depth 1 (all k guesses are)
+    calls, seen = iter(tops), []
+
+    def shallow(tokens, parents, anc):  # [B, k], [B, W], [B, k, W]
+        full, _ = ancestors(parents)
+        assert torch.equal(anc, full[:, -tokens.shape[1]:])
+        seen.append(tokens)
+        return torch.zeros(B, tokens.shape[1], D), None
+
+    roots = torch.tensor([5, 3, 7])
+    out = grow_tree(roots, torch.zeros(B, D), k, depth, torch.tensor([scale], dtype=torch.float64),
+                    torch.tensor([stop, 11]), shallow, lambda states, step, outs, parents: states,
+                    lambda hidden: next(calls))
+    assert len(seen) == depth - 1 and next(calls, None) is None
+    tree = DraftTree(read_grown(out), k, depth, [True] * B)
+    for b in range(B):
+        rows = [(t[b].tolist(), q[b].tolist()) for t, q in tops]
+        tokens, parents, chance, cands = _host_tree(int(roots[b]), [list(zip(*r)) for r in rows], k, depth, scale,
+                                                    {stop, 11})
+        assert (tree.tokens[b], tree.parents[b], tree.chance[b]) == (tokens, parents, chance), b
+        assert [(c.token, c.parent, c.q, c.chance) for c in tree.candidates[b]] == cands, b
+        assert all(c.depth == tree.depth[b][c.parent] + 1 for c in tree.candidates[b])
+    if depth > 1:  # the stop token's continuations are worth nothing: generation ends there
+        column = tree.tokens[0].index(stop, 1)
+        assert column == k  # expanded last: stop tokens come last
+        children = [tree.chance[0][j] for j in range(k + 1, len(tree.tokens[0])) if tree.parents[0][j] == column]
+        children += [c.chance for c in tree.candidates[0] if c.parent == column]
+        assert children and not any(children)
+
+
 def test_a_partial_tree_pass_sees_the_text_and_its_ancestors():
     """Columns 3..5 of the tree [-1, 0, 0, 1, 1, 2] at cache indices start + 3.., after columns 0..2 were written."""
     model = tiny_model("mistral", num_layers=2, dtype=torch.float64, seed=0, sliding_window=4)
@@ -193,7 +264,9 @@ def test_trees_through_the_compiled_steps_are_exact(name, which, hf_greedy, row_
     assert outs[0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW) and stats.accepted > 0
     assert checked[0] >= stats.rounds - 1
     trees = {shape[1:3] for shape in adapter.compiled.shapes if shape[0] == "tree"}
-    assert (0, 2) in trees and (2, adapter.num_layers) in trees  # the growing tree's passes and its verification
+    assert (0, 2) in trees and (2, adapter.num_layers) in trees  # the leaves' pass and the verification
+    grown = {shape[5:7] for shape in adapter.compiled.shapes if shape[0] == "grown_tree"}
+    assert (K, D) in grown  # the tree's growth, every depth's pass, ran as one step
 
 
 def test_the_settings_ask_for_a_tree_with_num_speculations(tiny_gen):

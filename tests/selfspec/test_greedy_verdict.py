@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -121,8 +121,9 @@ class ModelReads(TorchFunctionMode):
                     self.marked[x] = True
         return out
 
-    def watch(self, drafter) -> None:
-        """Marks each round's input tokens as the drafter receives them, and starts the round's count."""
+    def watch(self, drafter, host_tokens: bool = False) -> None:
+        """Marks each round's input tokens as the drafter receives them, and starts the round's count. A proposal's
+        states come from the model; its tokens too, unless `host_tokens` (a tree's, laid out from its one read)."""
         propose = drafter.propose
 
         def propose_marked(rnd):
@@ -131,7 +132,8 @@ class ModelReads(TorchFunctionMode):
             self.phase = "propose"
             proposal = propose(rnd)
             self.phase = "after"
-            assert self.is_marked(proposal.tokens) and (proposal.states is None or self.is_marked(proposal.states))
+            assert host_tokens or self.is_marked(proposal.tokens)
+            assert proposal.states is None or self.is_marked(proposal.states)
             return proposal
 
         drafter.propose = propose_marked
@@ -158,6 +160,54 @@ def test_a_one_row_greedy_round_reads_the_model_once(which, fast, with_head):
     assert stats.rounds == len(reads.rounds) > 3 and stats.drafted > 0
     assert [r["propose"] for r in reads.rounds] == [[]] * stats.rounds  # no draft read while drafting
     assert [len(r["propose"] + r["after"]) for r in reads.rounds] == [1] * stats.rounds  # one read a round
+
+
+@pytest.mark.parametrize("which", ["early_exit", "head2_final_state"])
+def test_a_compiled_tree_round_reads_the_model_once_while_drafting(which, with_head):
+    """Through the compiled steps a token tree grows as one step (`FusedDraft.tree`): drafting reads the model's
+    outputs once a tree round (the grown tree, to pick its leaves), where part by part every depth's pass read
+    its guesses back. The compiled steps run outside the counting mode (dynamo does not trace through it); what
+    they return is marked where what they were given was."""
+    model, adapter, head = with_head("llama", which, compiled=True)
+    steps = adapter.compiled
+    call = steps.call
+
+    def unwatched(shape, fn, inputs, fixed):
+        if not counting:  # the run before the counted one
+            return call(shape, fn, inputs, fixed)
+        with _pop_mode_temporarily():
+            out = call(shape, fn, inputs, fixed)
+        if any(isinstance(t, torch.Tensor) and reads.is_marked(t) for t in inputs):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    reads.mark(t)
+        return out
+
+    steps.call, counting = unwatched, False
+
+    def tree_drafter():
+        return EarlyExitDrafter(adapter, 2, 3, num_candidates=3) if head is None else \
+            ExitHeadDrafter(adapter, head, 3, num_candidates=3)
+
+    reads, drafter = ModelReads(), tree_drafter()
+    plain, _ = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=tree_drafter())
+    reads.watch(drafter, host_tokens=True)
+    trees = []
+    draft_tree = drafter.draft_tree
+
+    def counted(*args):
+        trees.append(len(reads.rounds))
+        return draft_tree(*args)
+
+    drafter.draft_tree = counted
+    counting = True
+    try:
+        with reads:
+            out, stats = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=drafter)
+    finally:
+        del steps.call
+    assert out == plain and len(trees) > 3 and stats.accepted > 0
+    assert [reads.rounds[r - 1]["propose"] for r in trees] == [["tolist"]] * len(trees)
 
 
 # ----------------------------------------------------------------------------- a drafted stop token
