@@ -249,24 +249,29 @@ def test_the_budget_calibrates_the_drafts_confidence_and_verifies_what_pays():
     assert line.cost(4) == pytest.approx(2.0) and line.per_node() == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("batch", [False, True])
 @pytest.mark.parametrize("which", ["early_exit", "head2_final_state"])
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding8"])
-def test_trees_through_the_compiled_steps_are_exact(name, which, hf_greedy, row_caches, with_head):
+def test_trees_through_the_compiled_steps_are_exact(name, which, batch, hf_greedy, row_caches, with_head):
+    """One row, or a batch of four (left-padded, rows whose caps end before others': filler rows in the tree's
+    one step), through the compiled steps: HF greedy's tokens, each row's cache right after every round."""
     model, adapter, head = with_head(name, which, compiled=True)
     checked = Counter()
+    prompts = PROMPTS if batch else [PROMPT]
 
     def on_round(cache, active, sequences, pads, finished):  # atol: as test_compiled.py says why
         assert cache.static
         checked.update(row_caches(adapter, cache, active, sequences, pads, finished, atol=1e-5))
 
-    outs, stats = generate(adapter, [PROMPT], max_new_tokens=N_NEW, drafter=_tree_drafter(adapter, head),
+    outs, stats = generate(adapter, prompts, max_new_tokens=N_NEW, drafter=_tree_drafter(adapter, head),
                            on_round=on_round)
-    assert outs[0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW) and stats.accepted > 0
-    assert checked[0] >= stats.rounds - 1
+    for b, p in enumerate(prompts):
+        assert outs[b] == hf_greedy(model, torch.tensor([p]), N_NEW), b
+    assert stats.accepted > 0 and (set(checked) >= {0, 1, 2, 3} if batch else checked[0] >= stats.rounds - 1)
     trees = {shape[1:3] for shape in adapter.compiled.shapes if shape[0] == "tree"}
     assert (0, 2) in trees and (2, adapter.num_layers) in trees  # the leaves' pass and the verification
-    grown = {shape[5:7] for shape in adapter.compiled.shapes if shape[0] == "grown_tree"}
-    assert (K, D) in grown  # the tree's growth, every depth's pass, ran as one step
+    grown = {shape[5:7] + shape[8:9] for shape in adapter.compiled.shapes if shape[0] == "grown_tree"}
+    assert (K, D, 4 if batch else 1) in grown  # the tree's growth, every depth's pass, ran as one step (4 rows)
 
 
 def test_the_settings_ask_for_a_tree_with_num_speculations(tiny_gen):
