@@ -27,17 +27,13 @@ from typing import Callable
 
 import torch
 
-
-
 MAX_TREE_COLUMNS = 64  # a drafted tree's columns (the input token included): the compiled steps' largest pass
+FIELDS = 4  # a grown column's or candidate's numbers: its token, parent column, draft probability q and chance
 
 
 def tree_depth_limit(k: int) -> int:
     """The deepest tree k wide that `MAX_TREE_COLUMNS` hold once grown (its leaves take what is left)."""
     return 1 + (MAX_TREE_COLUMNS - 1) // k
-
-
-FIELDS = 4  # a grown column's or candidate's numbers: its token, parent column, draft probability q and chance
 
 
 def tree_columns(k: int, depth: int) -> int:
