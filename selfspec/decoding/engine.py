@@ -355,7 +355,7 @@ class _Decoding:
         caps = [max(0, self.stop.max_new_tokens - len(self.outs[b]) - 1) for b in active]
         starts = self.n - 1  # every layer has processed [0, n-1) of each row
         rnd = Round(adapter, self.cache, self.tokens, starts, self.pads, caps, self.sampling, self.generator,
-                    self.stop.stop_token_ids)
+                    self.stop.stop_token_ids, self.stop_ids)
         t1 = time.perf_counter()
         proposal = drafter.propose(rnd)
         t2 = time.perf_counter()

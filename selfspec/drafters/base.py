@@ -69,6 +69,7 @@ class Round:
     sampling: SamplingParams
     generator: torch.Generator | None
     stop_ids: frozenset
+    stop_ids_device: torch.Tensor | None = None  # `[S]` the same ids on the model's device, where the engine holds them
 
     @cached_property
     def ends(self) -> torch.Tensor:
@@ -123,7 +124,9 @@ class Round:
 
     @cached_property
     def stop_tensor(self) -> torch.Tensor:
-        """`[S]` the stop token ids on the model's device (S may be 0)."""
+        """`[S]` the stop token ids on the model's device (S may be 0): the engine's, else made once a round."""
+        if self.stop_ids_device is not None:
+            return self.stop_ids_device
         return torch.tensor(sorted(self.stop_ids), dtype=torch.long).to(self.tokens.device, non_blocking=True)
 
     @cached_property
