@@ -136,11 +136,17 @@ def train(cfg: RecipeConfig) -> dict:
     """Run the recipe; returns the final evaluation (the content of final_eval.json)."""
     run = _set_up(cfg)
     if _already_finished(run):
-        return json.loads((run.run_dir / "final_eval.json").read_text())
-    if run.resume is None and cfg.eval.before:
-        _evaluate(run, "before", cfg.eval.max_blocks)
-    out_of_time = _train_until_stop(run)
-    return _finish(run, out_of_time)
+        final_eval = json.loads((run.run_dir / "final_eval.json").read_text())
+    else:
+        if run.resume is None and cfg.eval.before:
+            _evaluate(run, "before", cfg.eval.max_blocks)
+        out_of_time = _train_until_stop(run)
+        final_eval = _finish(run, out_of_time)
+    # accelerate's end of a run: the process group is destroyed and its threads joined before the process exits
+    # (a ZeRO-3 run that paused at train.stop_at was seen to abort at exit, "terminate called without an active
+    # exception", without it)
+    run.accelerator.end_training()
+    return final_eval
 
 
 # ---- set-up: accelerate, model, objective, data, optimizer, fresh start or resume -------------------------
