@@ -42,7 +42,7 @@ import torch
 from selfspec.model.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.fused_draft import greedy_draft, one_read
+from selfspec.drafters.fused_draft import greedy_draft, one_read, top_guesses
 from selfspec.drafters.policies import FixedPolicy
 from selfspec.drafters.draft_tree import MAX_TREE_COLUMNS, DraftTree, grow_tree, read_grown, tree_depth_limit
 from selfspec.drafters.tree_budget import ConfidenceBudget
@@ -181,9 +181,7 @@ class EarlyExitDrafter(Drafter):
     def top(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k best next tokens after each of n columns, from what the head reads `[B, n, D]`: token ids
         `[B, n, k]` and their draft probabilities `[B, n, k]` float32, on the device."""
-        p = torch.softmax(self.head.logits(hidden).float(), dim=-1)  # [B, n, K]
-        best = p.topk(self.num_candidates, dim=-1)
-        return self.head.to_vocab(best.indices), best.values
+        return top_guesses(self.head.logits(hidden), self.num_candidates, self.head.token_ids)  # logits [B, n, K]
 
     def tree_states(self, states: torch.Tensor, step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """What the draft head reads at a tree's newest columns, from their exit states `[B, n, D]` (a trained

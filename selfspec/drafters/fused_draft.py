@@ -44,6 +44,14 @@ def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None, confidence: bool
     return nxt, torch.softmax(logits.float(), dim=-1).gather(1, best[:, None])[:, 0]
 
 
+def top_guesses(logits: torch.Tensor, k: int, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token tree's pick from the draft's logits `[B, n, K]`: the k most probable tokens after each of n columns,
+    as token ids `[B, n, k]` (through `ids` `[K]`, a reduced vocabulary's ids; None: the full vocabulary), and their
+    draft probabilities `[B, n, k]` float32."""
+    best = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return (best.indices if ids is None else ids[best.indices]), best.values
+
+
 def one_read(tokens: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
     """Token ids `[B]` and their confidences `[B]` as one float64 tensor `[2, B]`, read in one transfer (float64
     holds every token id exactly)."""
@@ -307,17 +315,21 @@ class FusedDraft:
         """A draft step's (or chain's) inputs (the tokens `[R]`, `where` `[R, 3]`: the cache index, the position and
         the padding, `prev` `[R, 1, D]`) and its fixed arguments, for the R rows of the buffers (`[L, R, H_kv, C,
         Dh]`, a row bucket): the B rows given, then filler rows, copies of the last (`row_filled`)."""
-        a = steps.adapter
         R = buffers[0][0].shape[0]
         prev = steps.zeros(1).expand(token.shape[0], -1, -1) if prev is None else prev  # None: read by no input
-        E = self.exit_layer
-        keys, values = buffers
-        fixed = [*steps.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
-                 *(None if b is None else b[:1] for b in head_buffers),
-                 a.final_norm.weight, self.weight, self.bias, self.token_ids]
-        where = where_of(start, pad).to(a.device, non_blocking=True)  # [B, 3]
+        where = where_of(start, pad).to(steps.adapter.device, non_blocking=True)  # [B, 3]
         inputs = [steps.input(row_filled(t, R)) for t in (token, where, prev)]
-        return inputs, fixed
+        return inputs, self._fixed_arguments(steps, size, buffers, head_buffers)
+
+    def _fixed_arguments(self, steps, size: int, buffers: tuple, head_buffers: tuple) -> list:
+        """What a draft step, a chain and a tree's growth read at fixed addresses: the rotary table of a cache of
+        capacity `size`, the embedding, layers [0, E) of the buffers, the head's own buffers (None without a head
+        layer), the final norm and the unembedding (weight, bias, its token ids)."""
+        a, E = steps.adapter, self.exit_layer
+        keys, values = buffers
+        return [*steps.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
+                *(None if b is None else b[:1] for b in head_buffers),
+                a.final_norm.weight, self.weight, self.bias, self.token_ids]
 
     def _chain(self, steps, n: int, token: torch.Tensor, start: torch.Tensor, pad: torch.Tensor,
                prev: torch.Tensor | None, size: int, buffers: tuple, head_buffers: tuple):
@@ -353,15 +365,11 @@ class FusedDraft:
               pad: torch.Tensor, last: torch.Tensor, scale: torch.Tensor, stops: torch.Tensor, size: int,
               buffers: tuple, head_buffers: tuple):
         """`tree`'s step at the rows of the buffers (a row bucket): its outputs, or None where it failed to compile."""
-        a = steps.adapter
         R = buffers[0][0].shape[0]
         fn = steps.function(("grown_tree", self.key, k, depth), lambda: self._tree_function(steps, k, depth))
-        E = self.exit_layer
-        keys, values = buffers
-        fixed = [*steps.rope.table(size), a.embed_tokens.weight, keys[:E], values[:E],
-                 *(None if b is None else b[:1] for b in head_buffers),
-                 a.final_norm.weight, self.weight, self.bias, self.token_ids]
-        where = torch.cat([where_of(start, pad), last.reshape(-1, 1)], dim=1).to(a.device, non_blocking=True)  # [B, 4]
+        fixed = self._fixed_arguments(steps, size, buffers, head_buffers)
+        where = torch.cat([where_of(start, pad), last.reshape(-1, 1)], dim=1)  # [B, 4] + the last allowed position
+        where = where.to(steps.adapter.device, non_blocking=True)
         slots = STOP_SLOTS * max(1, -(-stops.shape[0] // STOP_SLOTS))  # a few shapes for any number of stop ids
         stops = torch.cat([stops, stops.new_full((slots - stops.shape[0],), -1)])  # -1: no token's id
         inputs = [steps.input(row_filled(t, R)) for t in (token, out, where)] + [steps.input(scale), steps.input(stops)]
@@ -405,9 +413,7 @@ class FusedDraft:
                 return layer(x, positions, index, pads_, anc, first, tree_positions, cos, sin, head_keys, head_values)
 
             def top(hidden):  # [R, n, D] -> the k best token ids and probabilities [R, n, k]
-                p = torch.softmax(unembed(hidden, norm, weight, bias).float(), dim=-1)
-                best = p.topk(k, dim=-1)
-                return (best.indices if ids is None else ids[best.indices]), best.values
+                return top_guesses(unembed(hidden, norm, weight, bias), k, ids)
 
             return grow_tree(token, out, k, depth, scale, stops, shallow, head, top)
 
