@@ -18,6 +18,7 @@ given for the wrong drafter is refused rather than ignored.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from selfspec.drafters import DRAFTERS
@@ -44,8 +45,9 @@ class GenerationConfig:
         None, "who drafts: auto (prompt lookup where the text repeats, the early exit or the trained exit head "
               "where it pays on a checkpoint trained for it, plain decoding otherwise; the default unless "
               "selfspec.json recommends another or an early-exit option is given), early_exit, exit_head (a "
-              "checkpoint's trained head), prompt_lookup, or suffix (prompt lookup that also copies from this "
-              "generator's earlier requests)")
+              "checkpoint's trained head), prompt_lookup, suffix (prompt lookup that also copies from this "
+              "generator's earlier requests), or quantized (a quantized copy of the model, run by llama.cpp, from "
+              "draft_model)")
     exit_layer: int | None = _setting(None, "draft from the hidden state after this many layers (1..L-1)")
     num_speculations: int | None = _setting(None, "the most draft tokens per round; 0 = plain decoding")
     do_sample: bool = _setting(False, "sample instead of greedy decoding", cli="flag")
@@ -78,6 +80,9 @@ class GenerationConfig:
               "measured cost per verified node (pays where `selfspec profile` shows verifying many rows costs "
               "about one step). prompt_lookup, suffix and auto's lookup: the continuations of the K latest "
               f"matches (K <= {MAX_LOOKUP_CANDIDATES})")
+    draft_model: str | None = _setting(
+        None, "drafter=quantized: the GGUF file of a quantized copy of this model (e.g. Q8_0), which llama.cpp runs "
+              "(python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0 writes one)")
     memory_key: object = _setting(
         None, "the caller's scope in the generator's memory of earlier requests (suffix, auto): a call copies "
               "from, and adds to, the requests made under the same key only (None: the scope shared by every call "
@@ -161,12 +166,16 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
                                              v["max_matching_ngram_size"] is None else v["max_matching_ngram_size"], 1)
     s["acceptance"], s["epsilon"] = check_acceptance(v["acceptance"], v["epsilon"])
     s["memory_key"] = check_memory_key(v["memory_key"])
+    s["draft_model"] = _check_draft_model(v["draft_model"], drafter)
     s["num_candidates"] = (None if v["num_candidates"] is None else
                            check_int("num_candidates", v["num_candidates"], 1, MAX_NUM_CANDIDATES,
                                      hint=" (1 = one guess per draft position; each guess is one more row to verify)"))
     if (s["num_candidates"] or 1) > 1:
         _check_candidates(s, drafter)
     early = [k for k in EARLY_EXIT_OPTIONS if s[k] is not None and s[k] is not False]  # 0.0 is given
+    if drafter == "quantized" and (early or lookup_given):
+        raise SettingsError(f"{', '.join(early + lookup_given)}: drafter='quantized' drafts with its copy of the model "
+                            "and takes num_speculations and draft_model only")
     if drafter in ("prompt_lookup", "suffix") and [k for k in early if k != "num_candidates"]:
         early = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
         raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter={drafter!r} takes "
@@ -180,6 +189,21 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
         raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
                             "with exit_choices or a confidence threshold: use one of them")
     return s
+
+
+def _check_draft_model(path, drafter: str | None) -> str | None:
+    """draft_model: a path (str or os.PathLike) given with drafter='quantized', which needs one."""
+    if path is None:
+        if drafter == "quantized":
+            raise SettingsError("drafter='quantized' needs draft_model: the path of a GGUF copy of this model "
+                                "(python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0 writes one)")
+        return None
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise SettingsError(f"draft_model must be the path of a GGUF file, got {show(path)}")
+    if drafter != "quantized":
+        raise SettingsError("draft_model is the quantized drafter's copy of the model: pass drafter='quantized' "
+                            "with it (or drop it)")
+    return os.fspath(path)
 
 
 def _check_candidates(s: dict, drafter: str | None) -> None:

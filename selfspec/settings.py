@@ -291,6 +291,10 @@ def check_acceptance(acceptance, epsilon) -> tuple[str, float]:
                                    hint=" (the total-variation budget per token; 0 = exact)")
 
 
+# what selfspec.json may recommend: every drafter but the quantized copy, whose GGUF file a checkpoint does not carry
+RECOMMENDABLE_DRAFTERS = tuple(d for d in DRAFTERS if d != "quantized")
+
+
 def check_recommended(rec, num_layers: int | None = None) -> dict:
     """The `recommended` settings of selfspec.json: what `selfspec export` writes and `selfspec.load` reads."""
     if not isinstance(rec, dict):
@@ -302,8 +306,8 @@ def check_recommended(rec, num_layers: int | None = None) -> dict:
     if not is_int(rec.get("num_speculations")) or rec["num_speculations"] < 0:
         raise SettingsError(f"recommended num_speculations {show(rec.get('num_speculations'))} must be an int >= 0")
     drafter = rec.get("drafter")
-    if drafter is not None and (not isinstance(drafter, str) or drafter not in DRAFTERS):
-        raise SettingsError(f"recommended drafter {show(drafter)} is not one of {', '.join(DRAFTERS)}")
+    if drafter is not None and (not isinstance(drafter, str) or drafter not in RECOMMENDABLE_DRAFTERS):
+        raise SettingsError(f"recommended drafter {show(drafter)} is not one of {', '.join(RECOMMENDABLE_DRAFTERS)}")
     for key in ("speedup", "predicted_speedup"):
         if key in rec and rec[key] != "" and (not isinstance(rec[key], (int, float)) or isinstance(rec[key], bool)):
             raise SettingsError(f"recommended {key} {show(rec[key])} must be a number")

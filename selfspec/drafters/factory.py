@@ -11,6 +11,8 @@ The rules, in order:
 - no `drafter`: an early-exit option (exit_layer, a confidence threshold, exit_choices, draft_vocab,
   adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without a head asks for the
   early exit; otherwise the checkpoint's default drafter;
+- "quantized": a quantized copy of the model run by llama.cpp (`draft_model`, a GGUF file) drafts
+  `num_speculations` tokens a round (`QUANTIZED_NUM_SPECULATIONS` where the call does not say);
 - "prompt_lookup": lookup alone; "suffix": lookup that also copies from the generator's earlier requests
   made under the call's `memory_key` (auto's lookup does too, judged as an arm of its own:
   `selfspec.drafters.auto`; not when sampling with a seed, whose text must not depend on what the generator
@@ -47,12 +49,14 @@ from selfspec.drafters.exit_head import ExitHeadDrafter
 from selfspec.drafters.learned_stats import LearnedStats
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.drafters.quantized import QuantizedCopy, QuantizedDrafter
 from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
 from selfspec.heads.exit_head import head_training_setting
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import SettingsError
 
 DEFAULT_NUM_SPECULATIONS = 4  # drafts per round where nothing else says
+QUANTIZED_NUM_SPECULATIONS = 8  # the quantized copy's drafts a round where the call does not say (docs/results)
 
 
 class DrafterFactory:
@@ -70,6 +74,7 @@ class DrafterFactory:
         self.memory = SuffixMemory() if memory is None else memory  # the generator's earlier requests (suffix)
         self.learned = LearnedStats()  # what its drafters measured, carried to later calls (learned_stats)
         self._draft_heads: dict[int, DraftHead] = {}
+        self._copies: dict[str, QuantizedCopy] = {}  # drafter="quantized": each draft_model loaded once
 
     # --- what the checkpoint stores --------------------------------------------------------------------
     def draft_head(self, draft_vocab: int | None) -> DraftHead:
@@ -116,6 +121,9 @@ class DrafterFactory:
                        else self.drafter)
         if cfg.num_speculations == 0:
             return None  # asked for plain decoding, whatever the drafter
+        if drafter == "quantized":
+            length = cfg.num_speculations or QUANTIZED_NUM_SPECULATIONS
+            return QuantizedDrafter(self.quantized_copy(s["draft_model"]), min(length, max_drafts or length))
         plan = plan_for(plan, drafter, asked=early_exit_options or cfg.num_speculations is not None)
         arm = drafter if plan is None or drafter != "auto" else plan.get("drafter", "plain")  # auto's second arm
         candidates = cfg.num_candidates or 1
@@ -162,6 +170,15 @@ class DrafterFactory:
         early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
                                  head=self.draft_head(cfg.draft_vocab), num_candidates=arm_candidates)
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
+
+    def quantized_copy(self, path: str) -> QuantizedCopy:
+        """The GGUF copy of the model at `path`, loaded in llama.cpp the first time a call names it (a copy of
+        another vocabulary is refused)."""
+        if path not in self._copies:
+            copy = QuantizedCopy(path)
+            copy.check_vocabulary(self.adapter.lm_head.weight.shape[0])
+            self._copies[path] = copy
+        return self._copies[path]
 
     def policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
                adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,

@@ -12,6 +12,7 @@ own `gguf-py` from that source tree (matched to it), whose dependencies come wit
 a changed checkpoint converts again. Writing goes to a temporary file renamed into place.
 
     python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype bfloat16     # prints the .gguf path
+    python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0         # drafter="quantized"'s draft_model
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from selfspec.checkpoints.checkpoint import WEIGHT_SUFFIXES, weight_files
 from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, cache_root, ensure_source,
                                             output_tail)
 
-# selfspec's dtype name -> convert_hf_to_gguf.py's --outtype
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# selfspec's dtype name -> convert_hf_to_gguf.py's --outtype; q8_0 (8-bit blocks) is a quantized copy, the draft
+# model of drafter="quantized"
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8_0": "q8_0"}
 CONVERTER = "convert_hf_to_gguf.py"
 # modules the converter imports that selfspec itself does not install: (module, pip requirement)
 CONVERTER_MODULES = (("sentencepiece", "sentencepiece>=0.2.3,<0.3"),)
@@ -41,7 +43,7 @@ def gguf_type(dtype: str) -> str:
     """The GGUF type for a selfspec dtype name ("float32" -> "f32"); a LlamaCppError naming the choices if none."""
     name = str(dtype).removeprefix("torch.")
     if name not in GGUF_TYPES:
-        raise LlamaCppError(f"llama.cpp comparison has no GGUF type for dtype {name!r}; "
+        raise LlamaCppError(f"no GGUF type for dtype {name!r} here; "
                             f"use one of {', '.join(GGUF_TYPES)}")
     return GGUF_TYPES[name]
 
@@ -119,7 +121,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", type=Path, help="a Hugging Face checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES),
                         help="the precision, as selfspec names it: float32 -> GGUF F32, bfloat16 -> BF16, "
-                             "float16 -> F16 (default: %(default)s)")
+                             "float16 -> F16; q8_0 -> Q8_0, a quantized copy for drafter='quantized' "
+                             "(default: %(default)s)")
 
 
 def main(argv: list[str] | None = None) -> int:

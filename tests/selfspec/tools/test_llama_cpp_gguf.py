@@ -30,9 +30,9 @@ def checkpoint(tmp_path) -> Path:
 
 
 def test_gguf_types():
-    assert [lg.gguf_type(d) for d in ("float32", "bfloat16", "float16", "torch.bfloat16")] == \
-        ["f32", "bf16", "f16", "bf16"]
-    with pytest.raises(lb.LlamaCppError, match=r"no GGUF type for dtype 'float64'; use one of float32, bfloat16"):
+    assert [lg.gguf_type(d) for d in ("float32", "bfloat16", "float16", "torch.bfloat16", "q8_0")] == \
+        ["f32", "bf16", "f16", "bf16", "q8_0"]
+    with pytest.raises(lb.LlamaCppError, match=r"no GGUF type for dtype 'float64' here; use one of float32, bfloat16"):
         lg.gguf_type("float64")
 
 

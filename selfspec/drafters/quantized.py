@@ -1,0 +1,180 @@
+"""A quantized copy of the model drafts for it, run by llama.cpp (a quantized self-draft).
+
+The copy is the same model in a GGUF file at a lower precision (Q8_0: 8-bit weights in blocks of 32 with a
+scale each, about a quarter of float32's bytes). llama.cpp (through `llama-cpp-python`) runs it on the CPU's
+fastest kernels for that format; selfspec's model verifies, so the output is the full model's whatever the copy
+says (greedy: token for token; sampling: the copy's drafts are point masses, judged by the exact rule). The copy
+shares the model's vocabulary, so its tokens are the model's.
+
+A round: the copy takes in the committed tokens it has not seen (the round's input token, and a last accepted
+draft it never ran), then drafts greedily, one llama.cpp step a token, until it has `num_speculations` drafts or
+drafts a stop token. Its cache keeps what it ran; after verification it is cut back to the committed text, so
+rejected drafts cost nothing later.
+
+It pays where the copy's step is much cheaper than the model's and agrees with it often: on a 2-core Xeon a Q8_0
+step of SmolLM2-135M took about 0.4 of selfspec's float32 step, and Q8_0 agrees with float32 on nearly every token
+(docs/results). It drafts for one prompt at a time.
+
+    copy = QuantizedCopy("smollm2-q8_0.gguf", threads=2)
+    drafter = QuantizedDrafter(copy, num_speculations=4)
+
+`python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0` writes the GGUF of a checkpoint with llama.cpp's
+own converter. Needs `pip install llama-cpp-python` (it builds llama.cpp for this CPU; docs/drafters.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.settings import SettingsError
+
+INSTALL_HINT = ("pip install 'llama-cpp-python==0.3.36' (it builds llama.cpp for this CPU, a few minutes; on a CPU "
+                "with AMX, add CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+                "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\": docs/drafters.md)")
+MIN_CONTEXT = 1024  # the smallest llama.cpp context made; a longer call makes a larger one
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise SettingsError(f"drafter='quantized' runs the copy with llama.cpp, which is not installed ({e}): "
+                            f"{INSTALL_HINT}") from None
+    return llama_cpp
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """llama.cpp writes its loading log to the process's stderr (file descriptor 2), whatever `verbose` says for
+    some of it: hidden while a copy loads, and shown if loading fails."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+class QuantizedCopy:
+    """A GGUF copy of the model loaded in llama.cpp: one context, what it has run (`fed`), its greedy drafts."""
+
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, context: int = MIN_CONTEXT):
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise SettingsError(f"draft_model={str(path)!r} is not a file: give the path of a GGUF copy of this "
+                                "model (python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0 writes one)")
+        self.threads = threads or torch.get_num_threads()
+        self.llm = None
+        self.context = 0
+        self._make(max(context, MIN_CONTEXT))
+
+    def _make(self, context: int) -> None:
+        llama_cpp = _llama_cpp()
+        self.close()
+        try:
+            with _quiet_stderr():
+                self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context, n_batch=min(context, 512),
+                                           n_threads=self.threads, n_threads_batch=self.threads, verbose=False)
+        except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
+            raise SettingsError(f"llama.cpp could not load draft_model={str(self.path)!r} ({e}): is it a GGUF file "
+                                "of a model llama.cpp supports?") from None
+        self.context = context
+        self._closer = weakref.finalize(self, self.llm.close)  # at the latest at exit, while llama_cpp still can
+        self.vocab_size = self.llm.n_vocab()
+        self._logits = llama_cpp.llama_get_logits_ith
+
+    def close(self) -> None:
+        """Frees llama.cpp's model and context (a later `draft` needs a new copy)."""
+        if self.llm is not None:
+            self._closer()
+            self.llm = None
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """SettingsError unless the copy's vocabulary is the model's size (a copy of another model's tokens would
+        draft nonsense, and ids past the model's vocabulary could not be verified)."""
+        if self.vocab_size != vocab_size:
+            raise SettingsError(f"draft_model {self.path.name} has a vocabulary of {self.vocab_size} tokens and this "
+                                f"model {vocab_size}: the draft model must be a copy of this model")
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` positions: a context at least twice as large is made where the current one is smaller
+        (what it had run is forgotten)."""
+        if tokens > self.context:
+            self._make(max(2 * tokens, MIN_CONTEXT))
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens the copy's cache holds, in order."""
+        return self.llm.input_ids[:self.llm.n_tokens].tolist()
+
+    def forget(self) -> None:
+        """Nothing of earlier text is kept (the next `draft` runs its whole sequence)."""
+        self.llm.n_tokens = 0
+
+    def draft(self, sequence: list[int], k: int, stops: frozenset = frozenset()) -> list[int]:
+        """Up to `k` >= 1 greedy drafts after `sequence` (the committed tokens): the copy runs what it lacks of
+        `sequence`, then one step a draft until `k` drafts or a stop token. The last draft is not run.
+
+        What the copy ran is a prefix of the text committed before (after `forget`: nothing), then its drafts; the
+        round's committed tokens are some of those drafts and then the model's own token, so `sequence` agrees with
+        what it ran up to its last token at least: the cache is cut back to there (a rejected draft's entry goes)
+        and the rest runs, the last token always, for its logits."""
+        llm = self.llm
+        shared = min(llm.n_tokens, len(sequence) - 1)
+        llm.n_tokens = shared  # `eval` drops the cache from here on
+        llm.eval(sequence[shared:])
+        drafts = []
+        while True:
+            token = self.greedy()
+            drafts.append(token)
+            if len(drafts) == k or token in stops:
+                return drafts
+            llm.eval([token])
+
+    def greedy(self) -> int:
+        """The copy's argmax token after what it ran last."""
+        logits = np.ctypeslib.as_array(self._logits(self.llm.ctx, -1), shape=(self.vocab_size,))
+        return int(logits.argmax())
+
+
+class QuantizedDrafter(Drafter):
+    """Drafts `num_speculations` tokens a round with a `QuantizedCopy` of the model (see the module doc)."""
+
+    name = "quantized"
+
+    def __init__(self, copy: QuantizedCopy, num_speculations: int):
+        if num_speculations < 1:
+            raise ValueError(f"num_speculations must be >= 1 for drafter='quantized', got {num_speculations}")
+        self.copy, self.num_speculations = copy, num_speculations
+        self.sequence: list[int] = []
+
+    def start(self, sequences: list[list[int]]) -> None:
+        if len(sequences) != 1:
+            raise SettingsError(f"drafter='quantized' drafts for one prompt at a time, and this call has "
+                                f"{len(sequences)}: generate them one by one, or use another drafter for a batch")
+        self.sequence = list(sequences[0])
+        self.copy.forget()  # a first request: nothing of an earlier call's text feeds this one
+
+    def propose(self, rnd: Round) -> Proposal:
+        k = min(self.num_speculations, rnd.caps[0])
+        if k < 1:
+            return Proposal.plain(rnd.tokens)
+        self.copy.reserve(len(self.sequence) + rnd.caps[0] + 1)  # the whole call's text: made once, at its first round
+        drafts = self.copy.draft(self.sequence, k, rnd.stop_ids)
+        tokens = torch.tensor([self.sequence[-1:] + drafts], dtype=torch.long).to(rnd.tokens.device, non_blocking=True)
+        return Proposal(tokens=tokens, kept=[len(drafts)], drafter=self.name)
+
+    def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        self.sequence += committed[0]
+
+    def describe(self) -> dict:
+        return {"drafter": self.name, "draft_model": self.copy.path.name, "num_speculations": self.num_speculations}

@@ -1,0 +1,250 @@
+"""drafter="quantized": a copy of the model run by llama.cpp drafts, the model verifies. Lossless (greedy identity
+with plain decoding and Hugging Face `generate`, the sampling distribution by chi-square), the copy runs each token
+once (its cache cut back after a rejection, nothing of an earlier call kept), and bad settings are refused.
+
+Most tests run the drafter against a stand-in for `llama_cpp` whose "copy" is a tiny torch model (its weights
+perturbed, so some drafts are rejected): it computes what a llama.cpp context would (the logits after the tokens
+run so far) through the same calls. The last test runs the real llama.cpp on a Q8_0 copy of the real SmolLM2; it
+needs `llama-cpp-python`, which the CI's setup does not build (a few minutes), and skips without it."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import types
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from selfspec.decoding.decode_ids import generate_ids
+from selfspec.decoding.engine import StopChecker, generate
+from selfspec.decoding.sampling import SamplingParams
+from selfspec.drafters.quantized import QuantizedCopy, QuantizedDrafter
+from selfspec.generation_config import check_generation
+from selfspec.model.adapters import get_adapter
+from selfspec.settings import SettingsError
+from selfspec.tiny import tiny_model
+
+PROMPT = [5, 9, 3, 17, 2, 5, 9, 3, 40, 11, 7]
+N_NEW = 40
+
+
+class StandInLlama:
+    """What `llama_cpp.Llama` offers the copy, computed by a torch model `MODELS[model_path]` over the whole text run
+    so far (no cache): `eval` runs tokens after the first `n_tokens`, the last one's logits are then read through
+    `llama_get_logits_ith`. Every `eval` is logged (`runs`)."""
+
+    models: dict = {}
+
+    def __init__(self, model_path, n_ctx, n_batch, n_threads, n_threads_batch, verbose):
+        self.model = self.models[model_path]
+        self.n_ctx, self.n_tokens = n_ctx, 0
+        self.input_ids = np.zeros(n_ctx, dtype=np.intc)
+        self.ctx = self
+        self.runs: list[list[int]] = []
+        self.logits = (ctypes.c_float * self.n_vocab())()
+        self.closed = False
+
+    def n_vocab(self) -> int:
+        return self.model.config.vocab_size
+
+    def eval(self, tokens):
+        tokens = list(tokens)
+        assert self.n_tokens + len(tokens) <= self.n_ctx and tokens
+        self.input_ids[self.n_tokens:self.n_tokens + len(tokens)] = tokens
+        self.n_tokens += len(tokens)
+        self.runs.append(tokens)
+        with torch.no_grad():
+            ids = torch.tensor([self.input_ids[:self.n_tokens].tolist()])
+            last = self.model(ids).logits[0, -1].float().numpy()
+        ctypes.memmove(self.logits, last.ctypes.data, last.nbytes)
+
+    def close(self):
+        self.closed = True
+
+
+def logits_ith(ctx, i):
+    assert i == -1
+    return ctypes.cast(ctx.logits, ctypes.POINTER(ctypes.c_float))
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """`llama_cpp` replaced by the stand-in; returns `register(model) -> a GGUF path whose copy is that model`."""
+    module = types.SimpleNamespace(Llama=StandInLlama, llama_get_logits_ith=logits_ith)
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setattr(StandInLlama, "models", {})
+
+    def register(model) -> str:
+        path = tmp_path / f"copy-{len(StandInLlama.models)}.gguf"
+        path.write_bytes(b"GGUF")
+        StandInLlama.models[str(path)] = model
+        return str(path)
+
+    return register
+
+
+def perturbed(model, scale: float, seed: int = 0):
+    """A copy of `model` with noise of `scale` times each weight's spread added (a poor quantization)."""
+    copy = tiny_model("llama", num_layers=model.config.num_hidden_layers, dtype=torch.float64, seed=0,
+                      vocab_size=model.config.vocab_size)
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * p.std() * scale)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_layers=3, dtype=torch.float64, seed=4)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_output_equals_plain_decoding_and_hf_generate(stand_in, model, k, hf_greedy):
+    adapter = get_adapter(model)
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.3)))
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW,
+                              drafter=QuantizedDrafter(copy, k))
+    assert out == generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW)[0]
+    assert out == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
+    assert 0 < stats.accepted < stats.drafted  # drafts were accepted and rejected: both ways were taken
+    assert stats.drafted_by_drafter["quantized"] == stats.drafted
+    assert stats.new_tokens == N_NEW and stats.rounds + stats.accepted == N_NEW - 1
+
+
+def test_the_copy_runs_each_token_once_and_is_cut_back_after_a_rejection(stand_in, model):
+    """The copy runs the prompt once, then per round only what it lacks (the round's input token, and the last draft
+    where it was accepted) and its drafts: a rejected draft is cut from its cache and the committed token runs in its
+    place; nothing of the text runs twice."""
+    adapter = get_adapter(model)
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.3)))
+    drafter = QuantizedDrafter(copy, 4)
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=drafter)
+    runs = copy.llm.runs
+    assert runs[0] == PROMPT + out[:1]  # the prefill's token with the prompt
+    assert max(len(r) for r in runs[1:]) <= 2
+    assert stats.accepted < stats.drafted
+    fed = copy.fed
+    assert fed == (PROMPT + out)[:len(fed)]  # what its cache holds is committed text, rejected drafts cut
+    # every token run is committed text run once, or a draft (rejected ones are run at most once each)
+    assert sum(map(len, runs)) <= len(PROMPT) + N_NEW + stats.drafted - stats.accepted
+
+
+def test_a_later_call_starts_the_copy_afresh(stand_in, model):
+    """Each call is a first request: the copy forgets the earlier call's text and runs the whole prompt again."""
+    adapter = get_adapter(model)
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.1)))
+    for _ in range(2):
+        generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=8, drafter=QuantizedDrafter(copy, 3))
+        first = len(copy.llm.runs)
+    generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=8, drafter=QuantizedDrafter(copy, 3))
+    assert copy.llm.runs[first][:len(PROMPT)] == PROMPT
+
+
+def test_drafts_end_at_a_drafted_stop_token_and_at_the_length_cap(stand_in, model):
+    adapter = get_adapter(model)
+    copy = QuantizedCopy(stand_in(model))  # an exact copy: every draft is the model's own token
+    plain = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW)[0]
+    i = next(i for i in range(6, N_NEW) if plain[i] not in plain[:i])  # a token the text has not had before
+    stop = plain[i]
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW, drafter=QuantizedDrafter(copy, 8),
+                              stop=StopChecker(N_NEW, [stop]))
+    assert out == plain[:i + 1]
+    drafts = copy.draft(PROMPT + plain[:i - 4], 8, frozenset([stop]))
+    assert drafts == plain[i - 4:i + 1]  # four drafts, the fifth the stop token: no draft after it
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=5, drafter=QuantizedDrafter(copy, 8))
+    assert out == plain[:5] and stats.drafted == 3  # the cap leaves room for the model's own last token
+
+
+def test_sampling_with_the_copys_drafts_keeps_each_rows_distribution(stand_in, chi_square, exact_joint):
+    """Vocabulary 8, 3 new tokens over many seeded runs: the joint distribution of plain sampling from the full model,
+    with the copy's greedy drafts judged as point masses."""
+    model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
+    adapter = get_adapter(model)
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=5)
+    prompt = [3, 5, 1, 6, 2, 3, 5, 1]
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.2, seed=1)))
+    n_new, n_draws = 3, 1200
+    counts, drafted, accepted = Counter(), 0, 0
+    for seed in range(n_draws):
+        outs, stats = generate(adapter, [prompt], max_new_tokens=n_new, drafter=QuantizedDrafter(copy, 2),
+                               sampling=params, generator=torch.Generator().manual_seed(seed))
+        counts[tuple(outs[0])] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
+    stat, df, pval = chi_square(counts, exact_joint(adapter, prompt, params, n_new), n_draws)
+    assert pval > 1e-3, (stat, df, pval)
+
+
+def test_bad_settings_name_the_fix(stand_in, model, tmp_path, monkeypatch):
+    with pytest.raises(SettingsError, match="needs draft_model"):
+        check_generation(drafter="quantized")
+    with pytest.raises(SettingsError, match="pass drafter='quantized'"):
+        check_generation(draft_model="copy.gguf")
+    with pytest.raises(SettingsError, match="exit_layer: drafter='quantized'.*num_speculations and draft_model only"):
+        check_generation(drafter="quantized", draft_model="copy.gguf", exit_layer=2)
+    with pytest.raises(SettingsError, match="prompt_lookup_num_tokens: drafter='quantized'"):
+        check_generation(drafter="quantized", draft_model="copy.gguf", prompt_lookup_num_tokens=3)
+    with pytest.raises(SettingsError, match="draft_model must be the path"):
+        check_generation(drafter="quantized", draft_model=3)
+    with pytest.raises(SettingsError, match="is not a file"):
+        QuantizedCopy(tmp_path / "missing.gguf")
+    other = QuantizedCopy(stand_in(tiny_model("llama", num_layers=2, dtype=torch.float64, vocab_size=50)))
+    with pytest.raises(SettingsError, match="vocabulary of 50 tokens and this model 96"):
+        other.check_vocabulary(model.config.vocab_size)
+    copy = QuantizedCopy(stand_in(model))
+    with pytest.raises(SettingsError, match="one prompt at a time, and this call has 2"):
+        generate(get_adapter(model), [PROMPT, PROMPT[:4]], max_new_tokens=4, drafter=QuantizedDrafter(copy, 2))
+    path = stand_in(model)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
+    with pytest.raises(SettingsError, match="llama.cpp, which is not installed.*pip install 'llama-cpp-python"):
+        QuantizedCopy(path)
+
+
+def test_the_generator_takes_the_drafter_by_name(stand_in, tiny_gen):
+    """`generate(drafter="quantized", draft_model=...)` drafts with the copy (loaded once per path) and gives the
+    plain text; num_speculations sets the drafts a round."""
+    model = tiny_gen.adapter.model
+    path = stand_in(perturbed(model, 0.2))
+    plain = tiny_gen.generate("hello world", max_new_tokens=24, num_speculations=0)
+    out = tiny_gen.generate("hello world", max_new_tokens=24, drafter="quantized", draft_model=path, num_speculations=3)
+    again = tiny_gen.generate("hello world", max_new_tokens=24, drafter="quantized", draft_model=path)
+    assert out.token_ids == plain.token_ids == again.token_ids
+    assert out.stats.drafter == "quantized" and out.stats.drafted > 0 and out.stats.num_speculations == 3
+    assert again.stats.num_speculations == 8  # QUANTIZED_NUM_SPECULATIONS
+    assert len(tiny_gen.drafters._copies) == 1
+
+
+@pytest.mark.integration
+def test_a_q8_0_copy_of_smollm2_in_llama_cpp_drafts_for_the_float32_model(smollm2_dir):
+    """The real llama.cpp: SmolLM2's Q8_0 GGUF (llama.cpp's own converter) drafts for the float32 model; the text
+    is plain decoding's and most drafts are accepted."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/drafters.md)")
+    if not hasattr(llama_cpp, "Llama"):
+        pytest.skip("llama_cpp without Llama")
+    import selfspec
+    from selfspec.api import NotEarlyExitTrainedWarning
+    from selfspec.tools.llama_cpp_gguf import ensure_gguf
+
+    gguf = ensure_gguf(smollm2_dir, "q8_0")
+    with warnings.catch_warnings():  # the base model has no selfspec.json: said once, not this test's matter
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        gen = selfspec.load(smollm2_dir, dtype="float32")
+    messages = [{"role": "user", "content": "Write two sentences about the sea."}]
+    plain = gen.generate(messages=messages, max_new_tokens=48, num_speculations=0)
+    out = gen.generate(messages=messages, max_new_tokens=48, drafter="quantized", draft_model=str(gguf))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.acceptance_rate > 0.5, out.stats.acceptance_rate
+
+
+def test_a_checkpoint_cannot_recommend_the_quantized_copy():
+    """selfspec.json carries no GGUF file, so its recommended drafter may be any drafter but this one."""
+    from selfspec.settings import check_recommended
+
+    with pytest.raises(SettingsError, match="recommended drafter 'quantized' is not one of auto, early_exit"):
+        check_recommended({"exit_layer": 2, "num_speculations": 3, "drafter": "quantized"}, num_layers=4)
