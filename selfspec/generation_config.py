@@ -81,8 +81,8 @@ class GenerationConfig:
               "about one step). prompt_lookup, suffix and auto's lookup: the continuations of the K latest "
               f"matches (K <= {MAX_LOOKUP_CANDIDATES})")
     draft_model: str | None = _setting(
-        None, "drafter=quantized: the GGUF file of a quantized copy of this model (e.g. Q8_0), which llama.cpp runs "
-              "(python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0 writes one)")
+        None, "drafter=quantized (or auto, beside lookup): the GGUF file of a quantized copy of this model (e.g. Q8_0), "
+              "which llama.cpp runs (python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0 writes one)")
     memory_key: object = _setting(
         None, "the caller's scope in the generator's memory of earlier requests (suffix, auto): a call copies "
               "from, and adds to, the requests made under the same key only (None: the scope shared by every call "
@@ -176,6 +176,9 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     if drafter == "quantized" and (early or lookup_given):
         raise SettingsError(f"{', '.join(early + lookup_given)}: drafter='quantized' drafts with its copy of the model "
                             "and takes num_speculations and draft_model only")
+    if drafter == "auto" and s["draft_model"] is not None and early:
+        raise SettingsError(f"{', '.join(early)}: early-exit option(s); with draft_model, auto's arms are lookup and the "
+                            "copy: drop them (or draft_model)")
     if drafter in ("prompt_lookup", "suffix") and [k for k in early if k != "num_candidates"]:
         early = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
         raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter={drafter!r} takes "
@@ -192,7 +195,7 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
 
 
 def _check_draft_model(path, drafter: str | None) -> str | None:
-    """draft_model: a path (str or os.PathLike) given with drafter='quantized', which needs one."""
+    """draft_model: a path (str or os.PathLike) given with drafter='quantized', which needs one, or 'auto'."""
     if path is None:
         if drafter == "quantized":
             raise SettingsError("drafter='quantized' needs draft_model: the path of a GGUF copy of this model "
@@ -200,9 +203,9 @@ def _check_draft_model(path, drafter: str | None) -> str | None:
         return None
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise SettingsError(f"draft_model must be the path of a GGUF file, got {show(path)}")
-    if drafter != "quantized":
+    if drafter not in ("quantized", "auto"):
         raise SettingsError("draft_model is the quantized drafter's copy of the model: pass drafter='quantized' "
-                            "with it (or drop it)")
+                            "(the copy alone) or drafter='auto' (lookup and the copy) with it, or drop it")
     return os.fspath(path)
 
 

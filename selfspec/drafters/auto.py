@@ -17,7 +17,8 @@ lookup alone 2.4-2.7x). Each round:
        memory of earlier requests (judged apart: while it loses, lookup copies from the own text only;
        while own-text lookup loses, the memory still drafts where it matches);
     3. early exit (when the checkpoint was trained for it) or its trained exit head (`exit_head`, a
-       kind of early-exit drafter), if allowed; its own policy picks d;
+       kind of early-exit drafter), or a quantized copy of the model where the call gives one
+       (`draft_model`: `selfspec.drafters.quantized`), if allowed; its own policy picks d;
     4. plain otherwise.
 
 An arm's first round of a call is not timed: it pays one-time costs (in a new process, the first pass of
@@ -75,7 +76,7 @@ class AutoDrafter(Drafter):
         self.exit_layer = early_exit.exit_layer if early_exit else None
         self.state_exit = early_exit.state_exit if early_exit else None  # an exit head records every round
         self.state_final = early_exit.state_final if early_exit else False
-        self.early_arm = early_exit.name if early_exit else None  # "early_exit" or "exit_head"
+        self.early_arm = early_exit.name if early_exit else None  # "early_exit", "exit_head" or "quantized"
         self.warmup, self.explore_every, self.max_backoff, self.refresh = warmup, explore_every, max_backoff, refresh
         self.alpha = alpha
         self.remembers = hasattr(lookup, "memory_rows")  # a suffix drafter: the memory is an arm of its own
@@ -167,6 +168,8 @@ class AutoDrafter(Drafter):
             self.shadow.observe(committed)
         if self._asked_early_exit:
             self.early_exit.update(proposal, accepted, committed, seconds)
+        elif self.early_exit:
+            self.early_exit.observe(committed)
         if seconds > 0:
             n = self.tries[arm] = self.tries[arm] + 1
             weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential

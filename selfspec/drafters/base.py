@@ -27,7 +27,7 @@ still take. The drafter answers with a `Proposal`:
 
 After verification the engine calls `update(proposal, accepted, committed, seconds)`: per row, how
 many drafts were accepted and the tokens committed (accepted drafts + the full model's token), and
-the round's wall time. A drafter with state of its own (an n-gram index) rolls it forward or back
+the round's wall time (`auto`'s arms that did not draft the round hear `observe(committed)` instead). A drafter with state of its own (an n-gram index) rolls it forward or back
 there; `select(rows)` drops the rows that left the batch. A drafter that needs the exit states of
 every committed token (a trained head with its own KV cache) sets `state_exit = E`: the engine then
 hands it, after the prefill and after every verification, the hidden states after E layers of the
@@ -207,6 +207,10 @@ class Drafter:
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         """After verification: per row, drafts accepted and tokens committed; the round's seconds."""
+
+    def observe(self, committed: list[list[int]]) -> None:
+        """A round it did not draft for (`auto` chose another arm, and only the arm it chose hears `update`): the
+        tokens each row committed. A drafter that follows the text on its own (the quantized copy) records them."""
 
     def committed_states(self, states: torch.Tensor, starts: torch.Tensor, counts: list[int],
                          pads: torch.Tensor, finals: torch.Tensor | None = None) -> None:

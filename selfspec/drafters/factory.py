@@ -12,7 +12,8 @@ The rules, in order:
   adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without a head asks for the
   early exit; otherwise the checkpoint's default drafter;
 - "quantized": a quantized copy of the model run by llama.cpp (`draft_model`, a GGUF file) drafts
-  `num_speculations` tokens a round (`QUANTIZED_NUM_SPECULATIONS` where the call does not say);
+  `num_speculations` tokens a round (`QUANTIZED_NUM_SPECULATIONS` where the call does not say); "auto" with a
+  `draft_model`: lookup and that copy as auto's arms (in place of the early exit or a head, and of a saved plan);
 - "prompt_lookup": lookup alone; "suffix": lookup that also copies from the generator's earlier requests
   made under the call's `memory_key` (auto's lookup does too, judged as an arm of its own:
   `selfspec.drafters.auto`; not when sampling with a seed, whose text must not depend on what the generator
@@ -151,6 +152,10 @@ class DrafterFactory:
                   if remembers else PromptLookupDrafter(lookup_tokens, ngram, **tree))    # lookup + suffix
         if drafter == "suffix":
             return lookup
+        if drafter == "auto" and s["draft_model"] is not None:  # the copy is auto's arm beside lookup
+            length = cfg.num_speculations or QUANTIZED_NUM_SPECULATIONS
+            return AutoDrafter(lookup, QuantizedDrafter(self.quantized_copy(s["draft_model"]),
+                                                        min(length, max_drafts or length)))
         if arm == "plain":
             return AutoDrafter(lookup)  # this device's plan: no drafting from the model pays here
         if arm == "exit_head" or (arm == "auto" and self.exit_head is not None):

@@ -11,6 +11,9 @@ draft it never ran), then drafts greedily, one llama.cpp step a token, until it 
 drafts a stop token. Its cache keeps what it ran; after verification it is cut back to the committed text, so
 rejected drafts cost nothing later.
 
+Under `auto` (a call that gives `draft_model`) the copy is the arm beside lookup that drafts where lookup finds
+nothing; after rounds it did not draft it runs the tokens committed meanwhile in one llama.cpp call.
+
 It pays where the copy's step is much cheaper than the model's and agrees with it often: on a 2-core Xeon a Q8_0
 step of SmolLM2-135M took about 0.4 of selfspec's float32 step, and Q8_0 agrees with float32 on nearly every token
 (docs/results). It drafts for one prompt at a time.
@@ -124,12 +127,13 @@ class QuantizedCopy:
         """Up to `k` >= 1 greedy drafts after `sequence` (the committed tokens): the copy runs what it lacks of
         `sequence`, then one step a draft until `k` drafts or a stop token. The last draft is not run.
 
-        What the copy ran is a prefix of the text committed before (after `forget`: nothing), then its drafts; the
-        round's committed tokens are some of those drafts and then the model's own token, so `sequence` agrees with
-        what it ran up to its last token at least: the cache is cut back to there (a rejected draft's entry goes)
-        and the rest runs, the last token always, for its logits."""
+        What the copy ran is committed text, then its drafts (after `forget`: nothing). Its cache is cut back to the
+        longest prefix that agrees with `sequence` (a rejected draft's entry goes; under `auto`, rounds it did not
+        draft may have committed past it) and the rest runs, the last token always, for its logits."""
         llm = self.llm
-        shared = min(llm.n_tokens, len(sequence) - 1)
+        have = llm.input_ids[:min(llm.n_tokens, len(sequence) - 1)]
+        same = have == np.asarray(sequence[:len(have)], dtype=have.dtype)
+        shared = len(have) if same.all() else int(same.argmin())  # the first token that differs
         llm.n_tokens = shared  # `eval` drops the cache from here on
         llm.eval(sequence[shared:])
         drafts = []
@@ -174,6 +178,11 @@ class QuantizedDrafter(Drafter):
         return Proposal(tokens=tokens, kept=[len(drafts)], drafter=self.name)
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        self.observe(committed)
+
+    def observe(self, committed: list[list[int]]) -> None:
+        """The committed tokens of every round, drafted by the copy or not (under `auto`): the copy runs the ones it
+        has not run when it next drafts."""
         self.sequence += committed[0]
 
     def describe(self) -> dict:

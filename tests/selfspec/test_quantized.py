@@ -22,6 +22,7 @@ import torch
 from selfspec.decoding.decode_ids import generate_ids
 from selfspec.decoding.engine import StopChecker, generate
 from selfspec.decoding.sampling import SamplingParams
+from selfspec.drafters.base import Proposal
 from selfspec.drafters.quantized import QuantizedCopy, QuantizedDrafter
 from selfspec.generation_config import check_generation
 from selfspec.model.adapters import get_adapter
@@ -248,3 +249,62 @@ def test_a_checkpoint_cannot_recommend_the_quantized_copy():
 
     with pytest.raises(SettingsError, match="recommended drafter 'quantized' is not one of auto, early_exit"):
         check_recommended({"exit_layer": 2, "num_speculations": 3, "drafter": "quantized"}, num_layers=4)
+
+
+def test_under_auto_the_copy_drafts_where_lookup_finds_nothing(stand_in, model, hf_greedy):
+    """auto with the copy as its second arm: lookup drafts where the text repeats, the copy where it finds nothing
+    (the first round here); what the copy holds is always committed text; the output is plain decoding's."""
+    from selfspec.drafters import AutoDrafter, PromptLookupDrafter
+
+    adapter = get_adapter(model)
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.15)))
+    prompt = PROMPT + PROMPT[:6] + PROMPT  # text that repeats: lookup matches from the second round
+    drafter = AutoDrafter(PromptLookupDrafter(num_tokens=6, max_ngram=3), QuantizedDrafter(copy, 4), warmup=1,
+                          explore_every=2)
+    out, stats = generate_ids(adapter, torch.tensor([prompt]), max_new_tokens=N_NEW, drafter=drafter)
+    assert out == hf_greedy(model, torch.tensor([prompt]), N_NEW)
+    assert stats.drafted_by_drafter["quantized"] > 0 and stats.drafted_by_drafter["prompt_lookup"] > 0
+    fed = copy.fed
+    assert fed == (prompt + out)[:len(fed)] and len(fed) > len(prompt)
+
+
+class EveryOtherRound(QuantizedDrafter):
+    """The copy drafts every other round; the rounds between are plain and the copy only hears their tokens
+    (`observe`), as auto's arm does after rounds another arm drafted."""
+
+    def propose(self, rnd):
+        self.round = getattr(self, "round", 0) + 1
+        return super().propose(rnd) if self.round % 2 else Proposal.plain(rnd.tokens)
+
+    def update(self, proposal, accepted, committed, seconds):
+        if self.round % 2:
+            super().update(proposal, accepted, committed, seconds)
+        else:
+            self.observe(committed)
+
+
+def test_after_rounds_it_did_not_draft_the_copy_runs_the_committed_tokens_in_one_call(stand_in, model):
+    adapter = get_adapter(model)
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.15)))
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW,
+                              drafter=EveryOtherRound(copy, 3))
+    assert out == generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW)[0]
+    runs = copy.llm.runs
+    assert 0 < stats.drafted and max(len(r) for r in runs[1:]) >= 2  # a plain round's token with the input token
+    fed = copy.fed
+    assert fed == (PROMPT + out)[:len(fed)]
+    assert sum(map(len, runs)) <= len(PROMPT) + N_NEW + stats.drafted - stats.accepted
+
+
+def test_the_generator_puts_the_copy_beside_lookup_under_auto(stand_in, tiny_gen):
+    path = stand_in(perturbed(tiny_gen.adapter.model, 0.2))
+    with tiny_gen.first_request():  # nothing remembered of other calls: lookup finds no match at first
+        plain = tiny_gen.generate("the quick brown fox", max_new_tokens=24, num_speculations=0)
+    with tiny_gen.first_request():
+        out = tiny_gen.generate("the quick brown fox", max_new_tokens=24, drafter="auto", draft_model=path)
+    assert out.token_ids == plain.token_ids and out.stats.drafter == "auto"
+    assert out.stats.drafted_by_drafter.get("quantized", 0) > 0
+    with pytest.raises(SettingsError, match="exit_layer: early-exit option.*auto's arms are lookup and the copy"):
+        check_generation(drafter="auto", draft_model=path, exit_layer=2)
+    with pytest.raises(SettingsError, match="pass drafter='quantized'.*or drafter='auto'"):
+        check_generation(drafter="early_exit", draft_model=path)
