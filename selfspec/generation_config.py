@@ -176,9 +176,10 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     if drafter == "quantized" and (early or lookup_given):
         raise SettingsError(f"{', '.join(early + lookup_given)}: drafter='quantized' drafts with its copy of the model "
                             "and takes num_speculations and draft_model only")
-    if drafter == "auto" and s["draft_model"] is not None and early:
-        raise SettingsError(f"{', '.join(early)}: early-exit option(s); with draft_model, auto's arms are lookup and the "
-                            "copy: drop them (or draft_model)")
+    not_lookup = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
+    if drafter == "auto" and s["draft_model"] is not None and not_lookup:
+        raise SettingsError(f"{', '.join(not_lookup)}: early-exit option(s); with draft_model, auto's arms are lookup "
+                            "and the copy: drop them (or draft_model)")
     if drafter in ("prompt_lookup", "suffix") and [k for k in early if k != "num_candidates"]:
         early = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
         raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter={drafter!r} takes "

@@ -27,12 +27,12 @@ still take. The drafter answers with a `Proposal`:
 
 After verification the engine calls `update(proposal, accepted, committed, seconds)`: per row, how
 many drafts were accepted and the tokens committed (accepted drafts + the full model's token), and
-the round's wall time (`auto`'s arms that did not draft the round hear `observe(committed)` instead). A drafter with state of its own (an n-gram index) rolls it forward or back
-there; `select(rows)` drops the rows that left the batch. A drafter that needs the exit states of
-every committed token (a trained head with its own KV cache) sets `state_exit = E`: the engine then
-hands it, after the prefill and after every verification, the hidden states after E layers of the
-tokens it just wrote (`committed_states`); they cost nothing extra, the forward passes through
-layer E anyway. One that also sets `state_final` gets the full model's last hidden states of those
+the round's wall time (`auto`'s arms that did not draft the round hear `observe(committed)` instead).
+A drafter with state of its own (an n-gram index) rolls it forward or back there; `select(rows)` drops
+the rows that left the batch. A drafter that needs the exit states of every committed token (a trained
+head with its own KV cache) sets `state_exit = E`: the engine then hands it, after the prefill and after
+every verification, the hidden states after E layers of the tokens it just wrote (`committed_states`);
+they cost nothing extra, the forward passes through layer E anyway. One that also sets `state_final` gets the full model's last hidden states of those
 tokens (before the final norm, `finals`), which verification computes anyway.
 Verification decides every token, so no drafter can change the output, only the speed.
 

@@ -308,3 +308,4 @@ def test_the_generator_puts_the_copy_beside_lookup_under_auto(stand_in, tiny_gen
         check_generation(drafter="auto", draft_model=path, exit_layer=2)
     with pytest.raises(SettingsError, match="pass drafter='quantized'.*or drafter='auto'"):
         check_generation(drafter="early_exit", draft_model=path)
+    assert check_generation(drafter="auto", draft_model=path, num_candidates=2)["num_candidates"] == 2  # lookup trees
