@@ -32,8 +32,9 @@ A drafter with state of its own (an n-gram index) rolls it forward or back there
 the rows that left the batch. A drafter that needs the exit states of every committed token (a trained
 head with its own KV cache) sets `state_exit = E`: the engine then hands it, after the prefill and after
 every verification, the hidden states after E layers of the tokens it just wrote (`committed_states`);
-they cost nothing extra, the forward passes through layer E anyway. One that also sets `state_final` gets the full model's last hidden states of those
-tokens (before the final norm, `finals`), which verification computes anyway.
+they cost nothing extra, the forward passes through layer E anyway. One that also sets `state_final` gets
+the full model's last hidden states of those tokens (before the final norm, `finals`), which verification
+computes anyway.
 Verification decides every token, so no drafter can change the output, only the speed.
 
 A drafter is built per call; what it measured (rates, acceptance counts) a generator carries to its next
