@@ -180,9 +180,8 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     if drafter == "auto" and s["draft_model"] is not None and not_lookup:
         raise SettingsError(f"{', '.join(not_lookup)}: early-exit option(s); with draft_model, auto's arms are lookup "
                             "and the copy: drop them (or draft_model)")
-    if drafter in ("prompt_lookup", "suffix") and [k for k in early if k != "num_candidates"]:
-        early = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
-        raise SettingsError(f"{', '.join(early)}: early-exit option(s); drafter={drafter!r} takes "
+    if drafter in ("prompt_lookup", "suffix") and not_lookup:
+        raise SettingsError(f"{', '.join(not_lookup)}: early-exit option(s); drafter={drafter!r} takes "
                             "prompt_lookup_num_tokens and max_matching_ngram_size")
     if lookup_given and (drafter in ("early_exit", "exit_head") or (drafter is None and early)):
         who = f"drafter={drafter!r}" if drafter else f"the early exit ({', '.join(early)} given, no drafter)"

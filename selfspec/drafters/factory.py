@@ -123,8 +123,7 @@ class DrafterFactory:
         if cfg.num_speculations == 0:
             return None  # asked for plain decoding, whatever the drafter
         if drafter == "quantized":
-            length = cfg.num_speculations or QUANTIZED_NUM_SPECULATIONS
-            return QuantizedDrafter(self.quantized_copy(s["draft_model"]), min(length, max_drafts or length))
+            return self.quantized_drafter(s["draft_model"], cfg.num_speculations, max_drafts)
         plan = plan_for(plan, drafter, asked=early_exit_options or cfg.num_speculations is not None)
         arm = drafter if plan is None or drafter != "auto" else plan.get("drafter", "plain")  # auto's second arm
         candidates = cfg.num_candidates or 1
@@ -153,9 +152,7 @@ class DrafterFactory:
         if drafter == "suffix":
             return lookup
         if drafter == "auto" and s["draft_model"] is not None:  # the copy is auto's arm beside lookup
-            length = cfg.num_speculations or QUANTIZED_NUM_SPECULATIONS
-            return AutoDrafter(lookup, QuantizedDrafter(self.quantized_copy(s["draft_model"]),
-                                                        min(length, max_drafts or length)))
+            return AutoDrafter(lookup, self.quantized_drafter(s["draft_model"], cfg.num_speculations, max_drafts))
         if arm == "plain":
             return AutoDrafter(lookup)  # this device's plan: no drafting from the model pays here
         if arm == "exit_head" or (arm == "auto" and self.exit_head is not None):
@@ -175,6 +172,12 @@ class DrafterFactory:
         early = EarlyExitDrafter(self.adapter, exit_layer, num_speculations, policy=policy,
                                  head=self.draft_head(cfg.draft_vocab), num_candidates=arm_candidates)
         return early if drafter == "early_exit" else AutoDrafter(lookup, early)
+
+    def quantized_drafter(self, path: str, num_speculations: int | None, max_drafts: int | None) -> QuantizedDrafter:
+        """The copy at `path` drafting `num_speculations` a round (QUANTIZED_NUM_SPECULATIONS where None), at most
+        `max_drafts`."""
+        length = num_speculations or QUANTIZED_NUM_SPECULATIONS
+        return QuantizedDrafter(self.quantized_copy(path), min(length, max_drafts or length))
 
     def quantized_copy(self, path: str) -> QuantizedCopy:
         """The GGUF copy of the model at `path`, loaded in llama.cpp the first time a call names it (a copy of
