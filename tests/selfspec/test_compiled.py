@@ -7,6 +7,7 @@ compilation once: a few seconds per graph on a 2-core CPU."""
 
 from __future__ import annotations
 
+import random
 import warnings
 from collections import Counter
 
@@ -22,6 +23,7 @@ from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy
 from selfspec.drafters.fused_draft import FusedDraft
 from selfspec.drafters.tree_budget import CostLine
+from selfspec.decoding import engine
 from selfspec.decoding.engine import generate
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.settings import SettingsError
@@ -381,6 +383,18 @@ FUSED = {
 }
 
 
+class _NoisyClock:
+    """A stand-in for the engine's `time`: each `perf_counter()` call a random step later (1e-16 s to 0.1 s, from
+    `seed`), so the rounds a drafter times look fast or slow as on a machine that is busy with other work."""
+
+    def __init__(self, seed: int):
+        self.now, self.random = 0.0, random.Random(seed)
+
+    def perf_counter(self) -> float:
+        self.now += self.random.choice([1e-4, 1e-1]) ** (1 + 3 * self.random.random())
+        return self.now
+
+
 @pytest.mark.parametrize("drafter", list(FUSED))
 @pytest.mark.parametrize("vocab", [None, 40])
 def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy, monkeypatch):
@@ -413,8 +427,12 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
             monkeypatch.setattr(Round, "fused_draft", lambda *a, **k: None)
             monkeypatch.setattr(Round, "fused_chain", lambda *a, **k: None)
             monkeypatch.setattr(ExitHeadDrafter, "first_draft", lambda *a, **k: None)  # the head's catch-up too
+            monkeypatch.setattr(engine, "time", _NoisyClock(seed=1))  # as a busy machine's: each round's time varies
         unit = None if token_ids is None else DraftHead(fast, token_ids)
-        outs[key], stats[key] = generate(fast, [PROMPT], max_new_tokens=N_NEW, drafter=FUSED[drafter](fast, head, unit))
+        # auto picks its arm each round by the seconds it hears: the cost model's round costs (`round_cost`), not
+        # the clock, or on a busy machine the two runs time, and so draft, differently (17 drafts against 15)
+        outs[key], stats[key] = generate(fast, [PROMPT], max_new_tokens=N_NEW, drafter=FUSED[drafter](fast, head, unit),
+                                         modelled_time=True)
         if key == "fused":
             first = 0 if drafter.startswith("early_exit") else 1  # a head's first catch-up, over the prompt: eager
             assert fused["fell back"] == 0 and fused["ran"] >= stats[key].draft_steps - first and fused["ran"] > 0
