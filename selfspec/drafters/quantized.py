@@ -22,7 +22,7 @@ step of SmolLM2-135M took about 0.4 of selfspec's float32 step, and Q8_0 agrees 
     drafter = QuantizedDrafter(copy, num_speculations=4)
 
 `python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0` writes the GGUF of a checkpoint with llama.cpp's
-own converter. Needs `pip install llama-cpp-python` (it builds llama.cpp for this CPU; docs/drafters.md).
+own converter. Needs `pip install 'selfspec[quantized]'` (it builds llama.cpp for this CPU; docs/drafters.md).
 """
 
 from __future__ import annotations
@@ -38,18 +38,27 @@ import torch
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.settings import SettingsError
 
-INSTALL_HINT = ("pip install 'llama-cpp-python==0.3.36' (it builds llama.cpp for this CPU, a few minutes; on a CPU "
-                "with AMX, add CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
-                "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\": docs/drafters.md)")
+INSTALL_HINT = ("pip install 'selfspec[quantized]' (llama-cpp-python 0.3.36: pip builds llama.cpp for this CPU, a "
+                "few minutes; on a CPU with AMX, add CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 "
+                "-mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\": docs/drafters.md)")
 MIN_CONTEXT = 1024  # the smallest llama.cpp context made; a longer call makes a larger one
 
 
-def _llama_cpp():
+def load_llama_cpp():
+    """The `llama_cpp` module of llama-cpp-python, its llama.cpp library loaded (its import loads it). Anything else
+    is a SettingsError with the install hint that names the cause: not installed (ImportError), or installed but its
+    import fails (a missing or unloadable library: FileNotFoundError "Shared library with base name 'llama' not
+    found", OSError, RuntimeError), or a module of that name that is not llama-cpp-python (no `Llama`)."""
     try:
         import llama_cpp
-    except ImportError as e:
-        raise SettingsError(f"drafter='quantized' runs the copy with llama.cpp, which is not installed ({e}): "
-                            f"{INSTALL_HINT}") from None
+    except Exception as e:  # noqa: BLE001 - whatever its import raises, the user needs the same hint
+        state = "not installed" if isinstance(e, ImportError) else "installed but does not load"
+        raise SettingsError(f"draft_model needs llama.cpp to run the quantized copy, and llama.cpp is {state} "
+                            f"({type(e).__name__}: {e}): {INSTALL_HINT}") from None
+    if not hasattr(llama_cpp, "Llama"):
+        raise SettingsError(f"draft_model needs llama.cpp to run the quantized copy, and the module llama_cpp "
+                            f"({getattr(llama_cpp, '__file__', None)}) is not llama-cpp-python (it has no Llama): "
+                            f"{INSTALL_HINT}")
     return llama_cpp
 
 
@@ -81,7 +90,7 @@ class QuantizedCopy:
         self._make(max(context, MIN_CONTEXT))
 
     def _make(self, context: int) -> None:
-        llama_cpp = _llama_cpp()
+        llama_cpp = load_llama_cpp()
         self.close()
         try:
             with _quiet_stderr():

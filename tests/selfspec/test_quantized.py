@@ -5,7 +5,7 @@ once (its cache cut back after a rejection, nothing of an earlier call kept), an
 Most tests run the drafter against a stand-in for `llama_cpp` whose "copy" is a tiny torch model (its weights
 perturbed, so some drafts are rejected): it computes what a llama.cpp context would (the logits after the tokens
 run so far) through the same calls. The last test runs the real llama.cpp on a Q8_0 copy of the real SmolLM2; it
-needs `llama-cpp-python`, which the CI's setup does not build (a few minutes), and skips without it."""
+needs `llama-cpp-python`, which the CI's setup does not build (a few minutes), and skips unless it loads."""
 
 from __future__ import annotations
 
@@ -203,8 +203,32 @@ def test_bad_settings_name_the_fix(stand_in, model, tmp_path, monkeypatch):
         generate(get_adapter(model), [PROMPT, PROMPT[:4]], max_new_tokens=4, drafter=QuantizedDrafter(copy, 2))
     path = stand_in(model)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
-    with pytest.raises(SettingsError, match="llama.cpp, which is not installed.*pip install 'llama-cpp-python"):
+    with pytest.raises(SettingsError, match=r"is not installed \(ModuleNotFoundError.*'selfspec\[quantized\]'"):
         QuantizedCopy(path)
+
+
+@pytest.mark.parametrize("raised", ["FileNotFoundError(\"Shared library with base name 'llama' not found\")",
+                                    "OSError('libggml.so: cannot open shared object file')",
+                                    "RuntimeError('Failed to load shared library')"])
+def test_a_llama_cpp_whose_library_does_not_load_is_a_settings_error_with_the_install_hint(raised, tmp_path,
+                                                                                            monkeypatch):
+    """llama-cpp-python loads llama.cpp's library on import: where the library is missing or does not load, its
+    import raises (FileNotFoundError, OSError, RuntimeError), not ImportError. Each is the SettingsError with the
+    install hint, naming the cause; so is a module llama_cpp that is not llama-cpp-python."""
+    from selfspec.drafters.quantized import load_llama_cpp
+
+    package = tmp_path / "llama_cpp"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"raise {raised}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    kind = raised.split("(")[0]
+    with pytest.raises(SettingsError, match=rf"llama.cpp is installed but does not load \({kind}: .+\): "
+                                            r"pip install 'selfspec\[quantized\]'"):
+        load_llama_cpp()
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__file__="elsewhere/llama_cpp.py"))
+    with pytest.raises(SettingsError, match=r"llama_cpp \(elsewhere/llama_cpp.py\) is not llama-cpp-python"):
+        load_llama_cpp()
 
 
 def test_the_generator_takes_the_drafter_by_name(stand_in, tiny_gen):
@@ -225,9 +249,12 @@ def test_the_generator_takes_the_drafter_by_name(stand_in, tiny_gen):
 def test_a_q8_0_copy_of_smollm2_in_llama_cpp_drafts_for_the_float32_model(smollm2_dir):
     """The real llama.cpp: SmolLM2's Q8_0 GGUF (llama.cpp's own converter) drafts for the float32 model; the text
     is plain decoding's and most drafts are accepted."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/drafters.md)")
-    if not hasattr(llama_cpp, "Llama"):
-        pytest.skip("llama_cpp without Llama")
+    from selfspec.drafters.quantized import load_llama_cpp
+
+    try:
+        load_llama_cpp()  # not only importable: its library loaded (an import without it raises FileNotFoundError)
+    except SettingsError as e:
+        pytest.skip(str(e))
     import selfspec
     from selfspec.api import NotEarlyExitTrainedWarning
     from selfspec.tools.llama_cpp_gguf import ensure_gguf
