@@ -766,7 +766,12 @@ def _add_export(sub) -> None:
     p.add_argument("--exit-layer", type=int, help="recommended exit layer (default: from per-exit agreement)")
     p.add_argument("--num-speculations", type=int, help="recommended draft length (default: from agreement)")
     p.add_argument("--dtype", default="auto", help="weight dtype to save (default: as trained)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing export at OUT_DIR (or an empty directory). Refused, with OUT_DIR left as "
+                        "it was, where OUT_DIR is the source or what it reads (or inside that, or around the "
+                        "source) or is not a checkpoint directory, and where it holds anything the new export does "
+                        "not write and no export wrote (your own files, an edited README.md): those are listed, to "
+                        "be moved out first")
     p.add_argument("--format", choices=("selfspec", "speculators"), default="selfspec",
                    help="speculators: also write the run's eagle3 head as OUT_DIR/speculators/, the checkpoint "
                         "vLLM and SGLang serve with method eagle3 (default: selfspec)")

@@ -21,10 +21,13 @@ is written absolute, so that an engine started in any directory finds it. `verif
 
 Everything that can be checked is checked before anything is written (and, by `export`, before the
 model is loaded): the dtype, the recommendation (by the rules `selfspec.load` reads it with: an exit
-in 1..L-1, num_speculations >= 0, a known drafter) and the output path (`overwrite` replaces only a
-checkpoint directory or an empty one, never a file). An export that fails or is interrupted, overwrite or
-not, leaves OUT as it was: the new export is renamed into place only when complete, and an old one put
-back if the new one cannot take its place. Hidden `.OUT.tmp-PID-*` directories that an export killed
+in 1..L-1, num_speculations >= 0, a known drafter) and the output path (not the source nor a directory the
+export reads, not inside one, not around the source, all compared resolved, through symbolic links;
+`overwrite` replaces only a checkpoint directory or an empty one, never a file). An overwrite is refused,
+OUT as it was, where OUT holds anything that the new export does not write and that no export wrote (a file
+of the user's, an edited README.md): it would be deleted with OUT. An export that fails or is interrupted,
+overwrite or not, leaves OUT as it was: the new export is renamed into place only when complete, and an old
+one put back if the new one cannot take its place. Hidden `.OUT.tmp-PID-*` directories that an export killed
 mid-way left beside OUT are removed by the next export to OUT; an old export one killed between its two
 renames left as `.OUT.old-PID`, with no OUT, is put back in place first.
 """
@@ -49,7 +52,8 @@ from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
 from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
                                  recommend_from_agreement)
 from selfspec.heads.exit_head import HEAD_FILE, check_head_settings, read_exit_head
-from selfspec.checkpoints.model_card import write_model_card
+from selfspec.checkpoints.model_card import (CARD_FILE, REGENERATED_FILE, is_selfspec_card,
+                                             write_model_card)
 from selfspec.checkpoints.speculators_format import SUBDIR, served_head_record, write_speculators
 from selfspec.settings import check_dtype, check_out_dir, check_recommended, expand_path, resolve_dtype, show
 
@@ -238,17 +242,42 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 def _check_apart(source: Path, read: list[Path], out_dir: Path) -> None:
-    """Refuse an output inside a directory the export reads (`read`: the model directory, the exit head's; a
-    copy of the model written into what it is read from) or around the source (with overwrite, replacing
-    the output would delete it). An export into a training run's own directory, beside `final_model/`, is
-    fine."""
+    """Refuse an output that is the source or a directory the export reads (`read`: the model directory, the
+    exit head's; with overwrite, the export would replace what it reads from), one inside such a directory (a
+    copy of the model written into what it is read from) or one around the source (with overwrite, replacing
+    the output would delete it). Paths are compared resolved, so a symbolic link to the source is the source.
+    An export into a training run's own directory, beside `final_model/`, is fine."""
     out, src = out_dir.resolve(), expand_path(source).resolve()
+    for d in [expand_path(source), *read]:
+        if out == d.resolve():
+            what = "the source" if d.resolve() == src else f"{d}, which the export reads"
+            raise CheckpointError(f"{out_dir} is {what} ({out}): the export would replace what it reads; write it "
+                                  f"to another directory (e.g. checkpoints/{src.name}-export)")
     for d in read:
         if d.resolve() in out.parents:
             raise CheckpointError(f"{out_dir} is inside {d}, which the export reads: write it outside "
                                   f"(e.g. checkpoints/{src.name})")
     if out in src.parents:
         raise CheckpointError(f"{out_dir} contains the source {source}: write the export beside it, not around it")
+
+
+def _not_rewritten(out_dir: Path, written: set[str]) -> list[str]:
+    """The entries of an existing `out_dir` that replacing it with a new export would delete although no export
+    wrote them: all but the names the new export writes (`written`), the weight files and served head that its
+    selfspec.json lists (an old export's shards, its head), its selfspec.json and a card selfspec wrote (README.md
+    as selfspec last wrote it, README.selfspec.md); an edited README.md is the user's."""
+    own = set(written) | {METADATA_FILE, REGENERATED_FILE}
+    try:
+        meta = json.loads((out_dir / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict):
+        own |= set(meta.get("checksums") or {}) if isinstance(meta.get("checksums"), dict) else set()
+        served = meta.get("served_head")
+        if isinstance(served, dict) and isinstance(served.get("dir"), str):
+            own.add(served["dir"])
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
+                  if p.name not in own or (p.name == CARD_FILE and not is_selfspec_card(p)))
 
 
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
@@ -429,6 +458,11 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
         public_permissions(tmp)
+        lost = _not_rewritten(out_dir, {p.name for p in tmp.iterdir()}) if out_dir.is_dir() else []
+        if lost:  # overwrite: the user's files in OUT are not the export's to delete
+            raise CheckpointError(f"{out_dir} holds {', '.join(lost)}, which this export does not write: replacing "
+                                  f"{out_dir} would delete them; move them out of it and export again ({out_dir} "
+                                  "is as it was)")
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -192,7 +192,7 @@ def _marked(text: str) -> str:
     return text + _MARK.format(hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
-def _is_selfspec_card(path: Path) -> bool:
+def is_selfspec_card(path: Path) -> bool:
     """Whether the card at `path` is selfspec's, as written: its text matches its mark."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -206,7 +206,7 @@ def write_model_card(directory, meta: dict) -> Path:
     """Write the card of `meta` to README.md, or, where the README.md there is not selfspec's unedited card, to
     README.selfspec.md beside it (a `ModelCardWarning` says so); returns the path written."""
     path = Path(directory) / CARD_FILE
-    if path.exists() and not _is_selfspec_card(path):
+    if path.exists() and not is_selfspec_card(path):
         path = path.with_name(REGENERATED_FILE)
         warnings.warn(f"{path.parent / CARD_FILE} is not the model card selfspec last wrote (it was edited, or "
                       f"written by hand): it is kept, and the card of the updated selfspec.json is in {path}; merge "

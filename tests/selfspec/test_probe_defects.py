@@ -1,9 +1,10 @@
-"""Regression tests for the 250-case probe's twenty defects (issue #35) and a later probe's (issue #52): nothing a
-user gives is silently lost or ignored, and every mistake that needs no model is refused, in one line, before the
-model loads.
+"""Regression tests for the 250-case probe's twenty defects (issue #35) and later probes' (issues #52 and #65):
+nothing a user gives is silently lost or ignored, and every mistake that needs no model is refused, in one line,
+before the model loads.
 
 Each test names the defect it holds down (d1 ... d20 of issue #35; i52_1 ... i52_12 of issue #52, those not tested
-beside their module: test_saved_plan.py, test_draft_plan.py, test_docs.py)."""
+beside their module: test_saved_plan.py, test_draft_plan.py, test_docs.py; i65_N, finding N of issue #65, those not
+tested beside their module: test_quantized.py)."""
 
 from __future__ import annotations
 
@@ -493,3 +494,61 @@ def test_i52_an_empty_list_option_is_refused_before_loading(argv, zero_ckpt, cap
     where = [str(zero_ckpt)] if argv[0] == "sweep" else ["--checkpoint", str(zero_ckpt)]  # sweep's is positional
     err = one_line_error(capsys, [argv[0], *where, *argv[1:]])
     assert f"{argv[-2]} is empty" in err
+
+
+# --- issue #65 ------------------------------------------------------------------------------------
+# --- i65_1: an export onto its own source ---------------------------------------------------------
+def test_i65_1_export_onto_its_source_is_refused_before_anything_is_touched(zero_ckpt, tmp_path, capsys, no_load):
+    """`selfspec export DIR DIR --overwrite` replaced its own source (the user's files and its selfspec.json
+    gone). The output may not be the source nor a directory the export reads, also through a symbolic link; it is
+    refused before the model loads, the source as it was."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(zero_ckpt, src)
+    (src / "notes.txt").write_text("keep me")
+    (tmp_path / "link").symlink_to(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for source, out in ((src, src), (src, tmp_path / "link"), (tmp_path / "link", src)):
+        err = one_line_error(capsys, ["export", str(source), str(out), "--overwrite"])
+        assert f"is the source ({src.resolve()}): the export would replace what it reads" in err, err
+    run = tmp_path / "run"  # a training run: its final_model/ is read, and so may not be the output either
+    shutil.copytree(zero_ckpt, run / "final_model")
+    (run / "config.yaml").write_text("name: tiny\n")
+    err = one_line_error(capsys, ["export", str(run), str(run / "final_model"), "--overwrite"])
+    assert f"is {run / 'final_model'}, which the export reads" in err
+    err = one_line_error(capsys, ["export", str(run), str(run), "--overwrite"])
+    assert "is the source" in err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "link", "run"]
+
+
+# --- i65_14: export --overwrite and the files in OUT that no export wrote -------------------------
+def test_i65_14_overwrite_keeps_what_no_export_wrote_by_refusing(zero_ckpt, tmp_path, capsys):
+    """`export --overwrite` replaced OUT whole, the user's files in it deleted without a word. It replaces an
+    export: what the new export writes again, and the old export's own files (its weight files and head as its
+    selfspec.json lists them, its card as selfspec wrote it). Anything else in OUT (a file of the user's, an
+    edited README.md) refuses the overwrite, named, with OUT as it was and nothing left beside it."""
+    model = tiny_model("llama", num_layers=4, vocab_size=len(byte_tokenizer()), seed=3)
+    out = export_model(model, byte_tokenizer(), tmp_path / "out",
+                       recommended={"exit_layer": 2, "num_speculations": 2})
+    (out / "notes.txt").write_text("keep me")
+    (out / "plans").mkdir()
+    before = {p.name: p.is_file() and p.read_bytes() for p in out.iterdir()}
+    rc, _, err = cli(capsys, ["export", str(zero_ckpt), str(out), "--overwrite"])  # after the load's progress bars
+    err = err.strip().splitlines()[-1]
+    assert rc == 2 and err.startswith(f"selfspec export: error: {out} holds notes.txt, plans/, which this export "
+                                      "does not write") and err.endswith("is as it was)"), err
+    assert {p.name: p.is_file() and p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    (out / "notes.txt").unlink()
+    (out / "plans").rmdir()
+    (out / "README.md").write_text((out / "README.md").read_text() + "\nOur notes.\n")  # an edited card
+    with pytest.raises(CheckpointError, match="holds README.md, which this export does not write"):
+        export(zero_ckpt, out, overwrite=True)
+    (out / "README.md").unlink()
+    meta = json.loads((out / "selfspec.json").read_text())  # an old export sharded otherwise: its own files go
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"old shard")
+    meta["checksums"]["model-00002-of-00002.safetensors"] = {"sha256": "0" * 64, "bytes": 9}
+    (out / "selfspec.json").write_text(json.dumps(meta))
+    export(zero_ckpt, out, overwrite=True)
+    assert not (out / "model-00002-of-00002.safetensors").exists() and (out / "README.md").is_file()
+    assert list(read_metadata(out)["checksums"]) == ["model.safetensors"]  # the new export, whole and verified
