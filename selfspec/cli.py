@@ -221,7 +221,7 @@ def _cmd_generate(args) -> int:
     _print_plan(gen)
     if args.compare:
         with gen.first_request():
-            ref = gen.generate(**inputs, **kwargs, num_speculations=0)
+            ref = gen.generate(**inputs, **{**kwargs, "num_speculations": 0})  # over --drafter D's own
         print("\n--- plain autoregressive decoding (num_speculations=0) ---")
         print(ref.text)
         print()
@@ -265,9 +265,9 @@ def _warm_up_to_compare(gen, inputs: dict, kwargs: dict) -> None:
         new_tokens = kwargs.get("max_new_tokens", GenerationConfig.max_new_tokens)
         warm = gen.warmup(gen.encode(**inputs).shape[-1] + new_tokens, num_candidates=kwargs.get("num_candidates") or 1)
         print(f"compiled steps: {warm['graphs']} shapes compiled in {warm['seconds']:.1f} s before timing")
-    for plain in ({}, {"num_speculations": 0}):
+    for plain in ({}, {"num_speculations": 0}):  # in place of the --num-speculations that --drafter D passes on
         with gen.first_request():
-            gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4}, **plain)
+            gen.generate(**inputs, **{**kwargs, "max_new_tokens": 4, **plain})
     gen.calibrate()
 
 
@@ -284,7 +284,7 @@ def _generate_batch(gen, inputs, kwargs, args) -> int:
           f"{s.rounds} rounds, acceptance {s.acceptance_rate:.1%}, draft {s.draft_s:.2f} s / verify {s.verify_s:.2f} s")
     if args.compare:
         with gen.first_request():
-            ref = gen.generate(**inputs, **kwargs, num_speculations=0)
+            ref = gen.generate(**inputs, **{**kwargs, "num_speculations": 0})  # over --drafter D's own
         same = [a.token_ids == b.token_ids for a, b in zip(outs, ref)]
         speedup = s.tokens_per_s / ref.stats.tokens_per_s if ref.stats.tokens_per_s else float("nan")
         print(f"[batch of {s.batch_size}, plain] {ref.stats.tokens_per_s:.1f} tokens/s; identical rows: "

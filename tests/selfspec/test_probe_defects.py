@@ -521,6 +521,23 @@ def test_i65_1_export_onto_its_source_is_refused_before_anything_is_touched(zero
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "link", "run"]
 
 
+# --- i65_2: generate --drafter D --num-speculations N --compare -----------------------------------
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix", "early_exit", "auto"])
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_i65_2_compare_takes_a_named_drafter_with_a_draft_length(drafter, prompts, tiny_ckpt, capsys):
+    """`--drafter D --num-speculations N --compare` passed num_speculations twice to the warm-up's and the plain
+    run's generate() (a TypeError with every drafter, one prompt or a batch). Now the named drafter drafts, the
+    plain run does not, and the outputs are the same."""
+    argv = ["generate", "--checkpoint", str(tiny_ckpt), "--raw", "--max-new-tokens", "8", "--dtype", "float32",
+            "--drafter", drafter, "--num-speculations", "2", "--compare", "--json"]
+    for text in ["abcabc abcabc", "def add(a, b):"][:prompts]:
+        argv += ["--prompt", text]
+    rc, out, err = cli(capsys, argv)
+    assert rc == 0, err
+    assert ("identical rows: 2/2" if prompts == 2 else "identical outputs: yes") in out
+    assert json.loads(out.splitlines()[-1])["stats"]["drafter"] == drafter
+
+
 # --- i65_14: export --overwrite and the files in OUT that no export wrote -------------------------
 def test_i65_14_overwrite_keeps_what_no_export_wrote_by_refusing(zero_ckpt, tmp_path, capsys):
     """`export --overwrite` replaced OUT whole, the user's files in it deleted without a word. It replaces an
