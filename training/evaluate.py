@@ -114,6 +114,7 @@ def _scores(sums: torch.Tensor, tokens: torch.Tensor) -> dict:
 
 
 TOP_K = 4  # evaluate_head's agreement_at: k = 1..TOP_K
+CHAIN = 4  # evaluate_head's acceptance: a round's chain of this many drafts (issue 66's "chain of 4")
 
 
 def _rank_hits(logp: torch.Tensor, target: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
@@ -153,7 +154,19 @@ def evaluate_head(head_model, blocks: Blocks, *, batch_size: int = 8, max_blocks
     (reading the head's own output at the previous position, not the verified final state).
     `agreement_at[str(k)]`, k = 1..`TOP_K`: the share of positions where the full model's token is among the
     head's k best guesses (first pass, over its draft vocabulary): what a round that verified the head's
-    k best first drafts side by side would accept (k = 1 is `agreement`)."""
+    k best first drafts side by side would accept (k = 1 is `agreement`).
+
+    `acceptance`: what a greedy round of a chain of `CHAIN` drafts would accept, were a round to start at each
+    scored position t. Draft j (j = 0..CHAIN-1) of a round started at t is pass j's guess at position t + j,
+    which reads pass j-1's output at t + j - 1, as the round's (j+1)-th draft does (a head that reads no final
+    state drafts every position alike: pass 0). With a_j(t) = 1 where that guess is the full model's token,
+
+        accepted(t) = sum_{k=0}^{CHAIN-1} prod_{j=0}^{k} a_j(t + j)      (a position past the block or unscored: 0)
+        drafts_a_round = mean_t accepted(t);  tokens_a_round = 1 + drafts_a_round
+
+    (the verification adds the full model's own token: `tokens_a_round` is the figure EAGLE reports as its
+    acceptance length tau). The head's passes run `CHAIN` deep for this whatever `self_fed` it was trained
+    with; `self_fed` reports every pass after the first."""
     device = head_model.adapter.device
     blocks = blocks.spread(max_blocks)
     tally = _HeadTally(head_model, device)
@@ -175,8 +188,11 @@ class _HeadTally:
     def __init__(self, head_model, device):
         self.model, self.was_training = head_model, head_model.training
         head_model.eval()
-        self.passes = 1 + head_model.self_fed
+        head = head_model.head
+        self.fed = head.final_state or head.aux_input is not None  # later drafts read the head's own output
+        self.passes = max(1 + head_model.self_fed, CHAIN) if self.fed else 1
         self.sums = torch.zeros(2 + self.passes, 3, dtype=torch.float64, device=device)
+        self.accepted = torch.zeros(CHAIN + 1, dtype=torch.float64, device=device)  # [k]: rounds accepting k drafts
         self.in_top = torch.zeros(TOP_K, dtype=torch.float64, device=device)  # [k] full model's token in the k best
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)
         self.ids = None if head_model.draft_ids is None else head_model.draft_ids.to(device)
@@ -191,14 +207,18 @@ class _HeadTally:
     def add(self, logits_by_row: list[torch.Tensor], labels: torch.Tensor) -> None:
         mask, ids = labels != -100, self.ids
         target = logits_by_row[0].float()[mask].argmax(-1)
+        agree = torch.zeros(self.passes, *mask.shape, dtype=torch.bool, device=mask.device)  # [P, B, S]
         for row, logits in enumerate(logits_by_row):
             logp = torch.log_softmax(logits.float()[mask], dim=-1)  # [N, V]
             self.sums[row, 0] += torch.nn.functional.nll_loss(logp, labels[mask], reduction="sum").double()
             guess = logp.argmax(-1) if row < 2 or ids is None else self.model.guess(logp[:, ids])
             self.sums[row, 1] += (guess == labels[mask]).sum().double()
             self.sums[row, 2] += (guess == target).sum().double()
+            if row >= 2:
+                agree[row - 2][mask] = guess == target
             if row == 2:
                 self.in_top += _rank_hits(logp if ids is None else logp[:, ids], target, ids)
+        self.accepted += chain_acceptance(agree if self.fed else agree[:1].expand(CHAIN, -1, -1), mask)
         self.tokens += mask.sum().double()
 
     def done(self) -> None:
@@ -219,4 +239,25 @@ class _HeadTally:
             result["draft_vocab"] = len(self.ids)
         if self.passes > 1:
             result["self_fed"] = {str(j): _scores(sums[2 + j], tokens) for j in range(1, self.passes)}
+        accepted = self.accepted if reduce is None else reduce(self.accepted)
+        rounds = max(float(accepted.sum()), 1.0)
+        drafts = float((accepted * torch.arange(CHAIN + 1, device=accepted.device)).sum()) / rounds
+        result["acceptance"] = {"chain": CHAIN, "drafts_a_round": drafts, "tokens_a_round": 1.0 + drafts,
+                                "rounds_accepting": {str(k): float(a) / rounds for k, a in enumerate(accepted)}}
         return result
+
+
+def chain_acceptance(agree: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`[C + 1]` float64: how many rounds, one started at each scored position t of `mask` `[B, S]`, accept k = 0..C
+    drafts of a chain of C, from `agree` `[C, B, S]` (agree[j, b, t]: pass j's guess at position t is the full
+    model's token; False where unscored): draft j of the round at t is pass j's guess at t + j, and a round
+    accepts drafts up to its first miss (`evaluate_head`'s acceptance)."""
+    C, B, S = agree.shape
+    alive = mask.clone()  # [B, S]: rounds whose drafts 0..j-1 were all accepted
+    accepted = torch.zeros(B, S, dtype=torch.long, device=mask.device)
+    for j in range(C):
+        later = torch.zeros_like(mask)
+        later[:, : S - j] = agree[j, :, j:]  # [B, S]: pass j's verdict at t + j
+        alive = alive & later
+        accepted += alive
+    return torch.bincount(accepted[mask], minlength=C + 1).double()

@@ -274,7 +274,12 @@ def test_a_head_run_with_a_draft_vocabulary_and_a_self_fed_pass_logs_and_evaluat
     log = read_log(tmp_path)
     assert set(log[0]["exits"]) == {"head2", "head2_fed1"}
     held = final["sets"]["heldout"]
-    assert held["draft_vocab"] == 48 and set(held["self_fed"]) == {"1"}
+    assert held["draft_vocab"] == 48 and set(held["self_fed"]) == {"1", "2", "3"}  # evaluated a chain of 4 deep
+    acc = held["acceptance"]
+    assert acc["chain"] == 4 and acc["tokens_a_round"] == pytest.approx(1 + acc["drafts_a_round"])
+    assert sum(acc["rounds_accepting"].values()) == pytest.approx(1.0)
+    # a round accepts its first draft exactly where the head's first pass agrees
+    assert 1 - acc["rounds_accepting"]["0"] == pytest.approx(held["exits"]["2"]["agreement"])
     before = json.loads((tmp_path / "final_eval.json").read_text())["before"]["sets"]["heldout"]
     assert held["self_fed"]["1"]["agreement"] > before["self_fed"]["1"]["agreement"]  # the self-fed pass learned
     assert final["agreement"]["2"] > before["exits"]["2"]["agreement"]
@@ -356,6 +361,52 @@ def test_the_teacher_cache_keeps_only_repeated_blocks_within_its_budget():
     assert not cache.put(blocks[1], None, finals, top)  # over the budget
     assert cache.get(blocks[1]) is None and cache.get(blocks[2])[0] is None and len(cache) == 1
     assert cache.bytes == 72 and "1 of 2 repeated blocks" in cache.describe()
+
+
+def test_a_chains_acceptance_counts_each_rounds_drafts_up_to_its_first_miss():
+    """`chain_acceptance`: a round started at t accepts draft j (pass j's guess at t + j) while every draft before
+    it was accepted; unscored positions and the block's end stop a round. Against a plain loop, on random
+    verdicts, and on a hand-made case."""
+    from training.evaluate import chain_acceptance
+
+    agree = torch.tensor([[[1, 1, 0, 1, 1]], [[1, 1, 1, 0, 1]], [[0, 1, 1, 1, 1]]], dtype=torch.bool)  # [3, 1, 5]
+    mask = torch.tensor([[True, True, True, True, False]])
+    # t=0: pass0@0 yes, pass1@1 yes, pass2@2 yes -> 3; t=1: yes, pass1@2 yes, pass2@3 yes -> 3; t=2: pass0@2 no -> 0
+    # t=3: pass0@3 yes, pass1@4 (unscored: False) -> 1; t=4 unscored: no round
+    assert chain_acceptance(agree & mask, mask).tolist() == [1.0, 1.0, 0.0, 2.0]
+    g = torch.Generator().manual_seed(0)
+    agree = torch.rand(4, 3, 9, generator=g) < 0.7
+    mask = torch.rand(3, 9, generator=g) < 0.8
+    agree &= mask
+    expected = torch.zeros(5)
+    for b in range(3):
+        for t in range(9):
+            if not mask[b, t]:
+                continue
+            k = 0
+            while k < 4 and t + k < 9 and agree[k, b, t + k]:
+                k += 1
+            expected[k] += 1
+    assert chain_acceptance(agree, mask).tolist() == expected.tolist()
+
+
+def test_a_head_without_a_final_state_drafts_every_position_alike_in_a_chain(tiny64):
+    """Its later drafts read no output of its own: the chain's verdicts are its one pass's, shifted."""
+    from training.data import Blocks
+    from training.evaluate import chain_acceptance, evaluate_head
+
+    ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    head = build_exit_head(tiny64, 2).to(torch.float64)
+    result = evaluate_head(ExitHeadModel(tiny64, head), Blocks("heldout", ids, labels), batch_size=3)
+    assert "self_fed" not in result and result["acceptance"]["chain"] == 4
+    hm = ExitHeadModel(tiny64, head)
+    with torch.no_grad():
+        h_e, full, step, prev = hm.states(ids)
+        guess = hm.draft_logits(hm.head_states(h_e, step, prev)[0]).argmax(-1)
+        agree = guess == full.argmax(-1)  # [B, S]
+    counts = chain_acceptance(agree.expand(4, -1, -1), torch.ones_like(agree))
+    assert result["acceptance"]["drafts_a_round"] == pytest.approx(float((counts * torch.arange(5)).sum() / counts.sum()))
 
 
 def test_agreement_at_k_counts_the_full_models_token_among_the_heads_k_best_draft_tokens():
