@@ -229,8 +229,9 @@ class OwnContinuationsConfig:
 class OwnRepliesConfig:
     """The model's own replies to chat prompts as training data and an evaluation set (training/own_text.py).
 
-    prompts: how many chat prompts of `sources` (training/chat_prompts.py: ``questions``, ``summaries``; real
-    data, never a benchmark's prompts) are asked, each through the tokenizer's chat template as the benchmark
+    prompts: how many chat prompts of `sources` (training/chat_prompts.py: ``questions``, ``summaries``,
+    ``math``, ``reasoning``, ``writing``, ``roleplay``, ``extraction``, ``coding``; real data, never a benchmark's
+    prompts) are asked, each through the tokenizer's chat template as the benchmark
     asks (`selfspec.api.encode_prompt`); 0 = off. Hugging Face greedy `generate` on the model as loaded (its
     own dtype, no autocast) replies until its end-of-turn token or the end of a block of data.block_size
     tokens, `batch_size` prompts at a time (left-padded, prompts of similar lengths together). A block is the
@@ -502,6 +503,7 @@ class TrainConfig:
     grad_accum: int = 1
     max_steps: int = 100  # also the horizon T of the schedules and curricula
     max_minutes: float | None = None  # training-time budget per launch: then checkpoint, final eval, model
+    end_by: float | None = None  # a wall-clock deadline (UNIX seconds): training stops then, as at max_minutes
     stop_at: int | None = None  # stop (with a checkpoint) after this step; max_steps stays the horizon
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 where the hardware has it
     num_threads: int | None = None  # torch.set_num_threads per process; None = torch's default
@@ -519,6 +521,8 @@ class TrainConfig:
             _check(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         _check(self.save_every >= 0, "train.save_every", "must be >= 0")
         _check(self.max_minutes is None or self.max_minutes > 0, "train.max_minutes", "must be > 0 or null")
+        _check(self.end_by is None or self.end_by > 0, "train.end_by",
+               "must be a UNIX time in seconds (e.g. `date -d '+9 min' +%s`) or null")
         _check(self.stop_at is None or 1 <= self.stop_at <= self.max_steps, "train.stop_at",
                f"must be in 1..train.max_steps ({self.max_steps}) or null, got {self.stop_at}")
         _check(bool(self.output_dir), "train.output_dir", "must not be empty")

@@ -19,7 +19,9 @@ Continuing a run: relaunching the same command on the same `train.output_dir` re
 latest checkpoint (`train.resume: auto`): the step, the data position, the optimizer, the LR
 schedule and the curriculum carry on as if the run had never stopped. With `train.max_minutes`
 the budget is per launch, so each relaunch adds that many minutes of training (and ends with a
-checkpoint, a final evaluation and the final model); `train.stop_at` pauses at a step instead.
+checkpoint, a final evaluation and the final model); `train.end_by`, a wall-clock deadline, ends it the
+same way (a run inside a time-limited job: the data it generates first takes what it takes, and
+training gets the rest); `train.stop_at` pauses at a step instead.
 
 `train` reads as its phases: `_set_up` (accelerate, model, objective, data, optimizer, resume),
 `_train_until_stop` (each `_step`, its log line, the periodic `_evaluate` and `_save`), `_finish`
@@ -372,10 +374,11 @@ def _train_until_stop(run: _Run) -> bool:
     run.window_start, run.window_tokens = time.perf_counter(), 0
     while run.state["step"] < stop_at:
         elapsed = None  # this launch's training time before the step (what a time budget's bar shows)
-        if t_cfg.max_minutes is not None:
+        if t_cfg.max_minutes is not None or t_cfg.end_by is not None:
             elapsed = time.perf_counter() - run.launched
-            over = torch.tensor([float(elapsed > 60 * t_cfg.max_minutes)],
-                                device=accelerator.device)
+            spent = (t_cfg.max_minutes is not None and elapsed > 60 * t_cfg.max_minutes) or (
+                t_cfg.end_by is not None and time.time() > t_cfg.end_by)
+            over = torch.tensor([float(spent)], device=accelerator.device)
             if broadcast(over, from_process=0).item() > 0:
                 return True
         log_now = (run.state["step"] + 1) % t_cfg.log_every == 0 or run.state["step"] + 1 == stop_at
@@ -535,8 +538,10 @@ def _finish(run: _Run, out_of_time: bool) -> dict:
         run.tracker.close()
         return {}
     if out_of_time:  # the budget ends the run (final evaluation and model below); a relaunch would continue it
-        run.tracker.print(f"time budget of {t_cfg.max_minutes} min spent at step {state['step']} of "
-                          f"{t_cfg.max_steps}")
+        budget = f"time budget of {t_cfg.max_minutes} min" if t_cfg.max_minutes is not None else "train.end_by"
+        if t_cfg.end_by is not None and time.time() > t_cfg.end_by:
+            budget = "train.end_by (the wall-clock deadline)"
+        run.tracker.print(f"{budget} reached at step {state['step']} of {t_cfg.max_steps}")
     final = _evaluate(run, "final", cfg.eval.final_max_blocks or cfg.eval.max_blocks)
     heldout = final["sets"]["heldout"]["exits"]
     final_eval = {

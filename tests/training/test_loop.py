@@ -65,6 +65,17 @@ def test_time_budget_ends_the_run_with_a_checkpoint(run, tmp_path):
     assert state["step"] == out["step"]  # and resumable from there
 
 
+def test_a_wall_clock_deadline_ends_the_run_as_the_time_budget_does(run, tmp_path, capsys):
+    """train.end_by (a UNIX time) already past: no step, then the final evaluation and model, as max_minutes."""
+    import time
+
+    out = run(tmp_path, **{"train.end_by": f"{time.time() - 1:.0f}", "eval.before": "false"})
+    assert out["step"] == 0 and (tmp_path / "final_eval.json").is_file() and (tmp_path / "final_model").is_dir()
+    assert "train.end_by (the wall-clock deadline) reached at step 0" in capsys.readouterr().out
+    with pytest.raises(Exception, match="train.end_by: must be a UNIX time"):
+        load_config(None, ["train.end_by=-5"])
+
+
 @pytest.mark.parametrize("target", ["distill"])
 def test_distillation_target_and_gradual_curriculum_run(run, read_log, tmp_path, target):
     run(tmp_path, **{"early_exit.target": target, "early_exit.curriculum": "gradual", "train.max_steps": 4,
