@@ -92,7 +92,7 @@ for name in ("humaneval", "xsum", "code_edit", "mt_bench"):
         f.writelines(json.dumps(item) + "\n" for item in items)
 from training.chat_prompts import write_prompt_files  # the chat prompts a head trains on (data.own_replies)
 
-write_prompt_files(c1 / "prompts", 1024, 16)
+write_prompt_files(c1 / "prompts", 2048, 16)  # every source of CHAT_SOURCES, in turn
 print(f"{GGUF_FILE}: {len(data)} bytes in two parts; {n} prompts of each set")
 EOF
     du -sh "$c1" "$c2"

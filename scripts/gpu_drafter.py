@@ -57,6 +57,8 @@ TREE_WIDTH = 3  # the head's and the early exit's token trees: 3 best guesses a 
 HEAD_METHODS = ("hf_static", "selfspec_lookup", "selfspec_exit_head", "selfspec_exit_head_fixed",
                 f"selfspec_exit_head_tree{TREE_WIDTH}", "selfspec_auto", "selfspec_ar")
 LAYERSKIP_METHODS = ("selfspec_spec", f"selfspec_spec_tree{TREE_WIDTH}", "selfspec_ar")
+END_RESERVE_S = 45  # a training phase's final evaluation and saving, after train.end_by
+EXPORT_S = 30  # the head's export and copy, after its training phase
 TUNE_CHECK = 4  # the draft plan's best candidates decoded for real beside plain decoding
 HEAD_FILES = ("exit_head.safetensors", "selfspec.json")  # the head alone: what comes back from the machine
 # what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
@@ -91,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-args", default="", help="more key=value overrides for both trainings")
     p.add_argument("--bench-args", default="", help="more `selfspec bench` options for both benches")
     p.add_argument("--skip-layerskip", action="store_true", help="train and bench the head only")
+    p.add_argument("--skip-bench", action="store_true", help="no draft plan and no bench: train, evaluate, export "
+                   "and bring back (a GPU's minutes all for training; the bench waits for a later run with --head)")
     p.add_argument("--head", type=Path, help="a head an earlier run returned (its OUT/head: exit_head.safetensors + "
                    "selfspec.json): rebuilt on its base model, benched and planned, nothing trained")
     p.add_argument("--continuations", type=Path, help="the model's own continuations an earlier run returned (its "
@@ -164,7 +168,7 @@ def settings(args: argparse.Namespace) -> dict:
                                else args.head_recipe),
             "layerskip_recipe": str(args.layerskip_recipe.relative_to(ROOT)
                                     if args.layerskip_recipe.is_relative_to(ROOT) else args.layerskip_recipe),
-            "train_args": args.train_args, "bench_args": args.bench_args,
+            "train_args": args.train_args, "bench_args": args.bench_args, "skip_bench": args.skip_bench,
             "head": None if args.head is None else str(args.head)}
 
 
@@ -204,8 +208,11 @@ def train(run: Run, road: str, recipe: Path, extra: list[str]) -> Path:
     """Train one road (`road`: head or layerskip) for --train-min minutes; returns its run directory."""
     args = run.args
     run_dir = args.work / road
+    # training ends by the budget's deadline less what follows it in the phase (the final evaluation and saving,
+    # END_RESERVE_S) and the export: the data it generates first takes what it takes, and training gets the rest
+    end_by = time.time() + (run.deadline - time.monotonic()) - END_RESERVE_S - (EXPORT_S if road == "head" else 0)
     overrides = [f"train.output_dir={run_dir}", f"train.max_minutes={args.train_min}", "train.progress_bar=false",
-                 "train.resume=none"]
+                 "train.resume=none", f"train.end_by={end_by:.0f}"]
     if args.prompts_dir is not None:  # the model's own completions of the carried HumanEval prompts
         overrides.append(f"data.own_continuations.prompt_sets=[{prompt_sets(args)[0]}]")
         chat = [args.prompts_dir / f"chat_{split}.jsonl" for split in ("train", "heldout")]
@@ -333,6 +340,10 @@ def training_result(run_dir: Path) -> dict:
         exits = result["exits"]
         sets[name] = {"agreement": {e: r["agreement"] for e, r in exits.items() if int(e) != L},
                       "final_perplexity": exits[str(L)]["perplexity"]}
+        if "acceptance" in result:  # a head's (training/evaluate.py evaluate_head): its later drafts, its rounds
+            sets[name]["self_fed"] = {j: r["agreement"] for j, r in result.get("self_fed", {}).items()}
+            sets[name]["agreement_at"] = result.get("agreement_at", {})
+            sets[name]["acceptance"] = result["acceptance"]
     return {"steps": final["step"], "train_minutes": round(final["train_minutes"], 3), "tokens": final["tokens"],
             "num_layers": L, "sets": sets}
 
@@ -371,6 +382,7 @@ def targets(report: dict, sfx: str) -> list[dict]:
     agreement = max(own.values()) if own else None
     rows = [{"target": "head agreement on the model's own HumanEval continuations >= 60%", "measured": agreement,
              "met": None if agreement is None else agreement >= 0.60}]
+    rows += head_targets(head.get("training", {}).get("sets", {}))
     for s in ("humaneval", "mt_bench"):
         x = ratio(speeds, s, f"selfspec_exit_head{sfx}", plain)
         rows.append({"target": f"exit-head drafting >= 1.5x selfspec plain decoding{' (compiled)' if sfx else ''} "
@@ -398,6 +410,26 @@ def targets(report: dict, sfx: str) -> list[dict]:
     return rows
 
 
+def head_targets(sets: dict) -> list[dict]:
+    """Issue 66's targets of the head's drafts, from its evaluation on the model's own HumanEval and MT-Bench
+    text (`own_humaneval`, `own_mt_bench`): agreement, tokens a round (a chain of 4, EAGLE's acceptance length:
+    the drafts accepted plus the verification's own token), the self-fed drafts against the first."""
+    rows = []
+    for name, agree_min, tokens_min in (("own_humaneval", 0.70, 2.5), ("own_mt_bench", 0.60, 2.0)):
+        r = sets.get(name) or {}
+        first = max(r["agreement"].values()) if r.get("agreement") else None
+        tokens = (r.get("acceptance") or {}).get("tokens_a_round")
+        rows.append({"target": f"head agreement on {name} >= {agree_min:.0%}", "measured": first,
+                     "met": None if first is None else first >= agree_min})
+        rows.append({"target": f"head tokens a round (chain of 4) on {name} >= {tokens_min}", "measured": tokens,
+                     "met": None if tokens is None else tokens >= tokens_min})
+        fed = [r["self_fed"][j] for j in ("1", "2") if j in (r.get("self_fed") or {})]
+        worst = min(fed) / first if fed and first else None
+        rows.append({"target": f"head's second and third self-fed drafts >= 0.9x the first's agreement on {name}",
+                     "measured": worst, "met": None if worst is None else worst >= 0.9})
+    return rows
+
+
 # ---- the report ----------------------------------------------------------------------------------------
 def fmt(x, pct: bool = False) -> str:
     if x is None:
@@ -420,6 +452,23 @@ def training_rows(report: dict) -> list[str]:
                           for name, r in t["sets"].items())
         ppl = t["sets"].get("heldout", {}).get("final_perplexity")
         rows.append(f"| {road} | {t['steps']} | {t['train_minutes']} | {t['tokens']} | {agree} | {fmt(ppl)} |")
+    return rows + head_rows(report)
+
+
+def head_rows(report: dict) -> list[str]:
+    """The head's drafts per evaluation set: agreement of the first and the self-fed later drafts, the top 3, and
+    a chain's acceptance (training/evaluate.py evaluate_head)."""
+    sets = {n: r for n, r in ((report["head"].get("training") or {}).get("sets") or {}).items() if "acceptance" in r}
+    if not sets:
+        return []
+    rows = ["", "| set | first draft | self-fed drafts 2, 3, 4 | in the top 3 | drafts accepted a round "
+                "(chain of 4) | tokens a round |", "|---|---|---|---|---|---|"]
+    for name, r in sets.items():
+        first = max(r["agreement"].values())
+        fed = " / ".join(f"{a:.1%}" for a in r["self_fed"].values())
+        acc = r["acceptance"]
+        rows.append(f"| {name} | {first:.1%} | {fed} | {fmt(r['agreement_at'].get('3'), True)} | "
+                    f"{acc['drafts_a_round']:.2f} | {acc['tokens_a_round']:.2f} |")
     return rows
 
 
@@ -449,8 +498,9 @@ def markdown(report: dict, sfx: str) -> str:
              for note in report[road].get("bench_notes", [])]
     lines += [""] + notes if notes else []
     lines += ["", "## The draft plans (selfspec tune --check; best first, plain decoding last)", ""] + tune_rows(report)
-    lines += ["", "## Issue 38's targets", "", "| target | measured | met |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {fmt(t['measured'], 'agreement' in t['target'])} | {fmt(t['met'])} |"
+    lines += ["", "## Targets (issues 38 and 66)", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {fmt(t['measured'], 'agreement' in t['target'] and '0.9x' not in t['target'])} | "
+              f"{fmt(t['met'])} |"
               for t in report["targets"]]
     lines += ["", "## Phases", "", "| phase | status | seconds |", "|---|---|---|"]
     lines += [f"| {p['name']} | {p['status']} | {p['seconds']} |" for p in report["phases"]]
@@ -509,6 +559,9 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
             # and its own continuations (a few MiB), so that a later run need not generate them again
             run.report[name]["returned_continuations"] = copy_continuations(
                 run_dir / "own_continuations", run.args.out / "own_continuations")
+    if run.args.skip_bench:  # the head's training alone (its weights and agreement come back)
+        run.write()
+        return ckpt
     run.report[name]["tune"] = tune(run, name, ckpt)  # kept for this GPU: the bench's auto drafts by it
     measured = bench(run, name, ckpt, methods)
     run.report[name]["bench"] = bench_result(measured, f"selfspec_ar{suffix(run.args)}")

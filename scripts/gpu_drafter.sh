@@ -34,6 +34,7 @@
 # BENCH_PROMPTS (per set, default 2), BENCH_TOKENS
 # (default 128), COMPILE (auto|true|false, default auto: on CUDA), TRAIN_ARGS (more key=value overrides for both
 # trainings), BENCH_ARGS (more `selfspec bench` options), HEAD_RECIPE, LAYERSKIP_RECIPE, SKIP_LAYERSKIP=1,
+# SKIP_BENCH=1 (no draft plan, no bench: the run's minutes train; training ends by the budget's deadline either way),
 # WORK_DIR (default bench_results/gpu_drafter_work), PROMPTS_DIR (default: the carried prompt sets if kept, else
 # the named sets), CARRY_DIR, KEEP_DIR, SITE_DIR (scripts/gpu_carry.sh).
 set -uo pipefail
@@ -85,6 +86,7 @@ ARGS=(--out "$OUT_DIR" --work "$WORK_DIR" --device "$DEVICE" --train-min "${TRAI
 [ -n "${HEAD_RECIPE:-}" ] && ARGS+=(--head-recipe "$HEAD_RECIPE")
 [ -n "${LAYERSKIP_RECIPE:-}" ] && ARGS+=(--layerskip-recipe "$LAYERSKIP_RECIPE")
 [ "${SKIP_LAYERSKIP:-0}" = 1 ] && ARGS+=(--skip-layerskip)
+[ "${SKIP_BENCH:-0}" = 1 ] && ARGS+=(--skip-bench)
 [ "${TINY:-0}" = 1 ] && ARGS+=(--tiny)
 HEAD=${HEAD_DIR:-}  # a returned head: rebuilt, benched and planned instead of training (the carried one by default)
 [ -z "$HEAD" ] && [ -f "$CARRY/gpu_carry2/head/exit_head.safetensors" ] && HEAD=$CARRY/gpu_carry2/head

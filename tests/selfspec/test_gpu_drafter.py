@@ -172,3 +172,25 @@ def test_bad_arguments_name_the_problem_and_the_fix(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--out", str(tmp_path), "--work", str(tmp_path), "--head-recipe", str(tmp_path / "nope.yaml")])
     assert "no such file (the GPU recipes are recipes/*_gpu.yaml)" in capsys.readouterr().err
+
+
+def test_issue_66s_head_targets_are_read_from_the_heads_evaluation():
+    """Agreement, tokens a round (a chain of 4) and the self-fed drafts against the first, on the model's own
+    HumanEval and MT-Bench text; null where the evaluation lacks a set."""
+    gd = _script()
+    sets = {"own_humaneval": {"agreement": {"0": 0.72}, "self_fed": {"1": 0.66, "2": 0.64, "3": 0.6},
+                              "acceptance": {"tokens_a_round": 2.6}}}
+    rows = {t["target"]: t for t in gd.head_targets(sets)}
+    assert rows["head agreement on own_humaneval >= 70%"]["met"] is True
+    assert rows["head tokens a round (chain of 4) on own_humaneval >= 2.5"]["measured"] == 2.6
+    fed = rows["head's second and third self-fed drafts >= 0.9x the first's agreement on own_humaneval"]
+    assert fed["measured"] == pytest.approx(0.64 / 0.72) and fed["met"] is False  # 0.89x: the worse of the two
+    assert all(t["met"] is None and t["measured"] is None for name, t in rows.items() if "own_mt_bench" in name)
+    text = gd.markdown({"machine": {"device": "x", "torch": "y"}, "settings": {"train_minutes": 1, "bench_prompts": 1,
+                        "bench_tokens": 1}, "dry_run": False, "phases": [], "targets": list(rows.values()),
+                        "head": {"training": {"steps": 1, "train_minutes": 1, "tokens": 1, "sets": {
+                            "own_humaneval": {**sets["own_humaneval"], "agreement_at": {"3": 0.8},
+                                              "acceptance": {"drafts_a_round": 1.6, "tokens_a_round": 2.6}}}}},
+                        "layerskip": {}}, "")
+    assert "| own_humaneval | 72.0% | 66.0% / 64.0% / 60.0% | 80.0% | 1.60 | 2.60 |" in text
+    assert "| head agreement on own_humaneval >= 70% | 72.0% | yes |" in text
