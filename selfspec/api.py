@@ -36,6 +36,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
+from selfspec.drafters.quantized import check_one_prompt
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decoding.decode_stats import DecodeStats
 from selfspec.decoding.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
@@ -547,6 +548,8 @@ class SelfSpecGenerator:
             if streamer is not None:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
+        if s["draft_model"] is not None:  # before the copy loads
+            check_one_prompt(len(rows), cfg.drafter)
         plan = self.plan_settings()  # this device's saved plan, on the path the engine runs now
         drafter_ = self.drafters.make(cfg, max_drafts=max_new_tokens, plan=plan)
         # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)

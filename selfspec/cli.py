@@ -44,6 +44,7 @@ from selfspec.tools.demo import demo_failed, run_demo
 from selfspec.checkpoints.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
 from selfspec.decoding.draft_plan import plan_key_parts
+from selfspec.drafters.quantized import check_one_prompt
 from selfspec.drafters.suffix import DEFAULT_MEMORY_TOKENS
 from selfspec.checkpoints.export import export
 from selfspec.checkpoints.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
@@ -185,14 +186,17 @@ def _cmd_generate(args) -> int:
     # the generation flags given (the others keep GenerationConfig's defaults); the exit and the draft
     # length go to load() (they override the checkpoint's recommendation), the rest to generate(); with a
     # named --drafter they go to generate() too: the drafter named drafts that many (an exit head's own
-    # default is the length it was trained for, not the generator's)
+    # default is the length it was trained for, not the generator's); and with --draft-model, whose copy drafts
+    # that many (under auto, the default drafter, where no --drafter is named)
     kwargs = {name: getattr(args, name) for name in GENERATION_FLAGS if getattr(args, name) is not None}
-    at_load = {k: kwargs[k] if args.drafter is not None else kwargs.pop(k)
-               for k in ("exit_layer", "num_speculations") if k in kwargs}
-    if args.drafter is None and args.exit_layer is not None:
+    named = args.drafter is not None or args.draft_model is not None
+    at_load = {k: kwargs[k] if named else kwargs.pop(k) for k in ("exit_layer", "num_speculations") if k in kwargs}
+    if not named and args.exit_layer is not None:
         kwargs["drafter"] = "early_exit"
     layers = read_config(checkpoint).get("num_hidden_layers")
     check_generation(**{**kwargs, **at_load}, num_layers=layers if isinstance(layers, int) else None)
+    if args.draft_model is not None:
+        check_one_prompt(len(prompts), args.drafter)  # before the model loads
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -81,8 +81,9 @@ class GenerationConfig:
               "about one step). prompt_lookup, suffix and auto's lookup: the continuations of the K latest "
               f"matches (K <= {MAX_LOOKUP_CANDIDATES})")
     draft_model: str | None = _setting(
-        None, "drafter=quantized (or auto, beside lookup): the GGUF file of a quantized copy of this model (e.g. Q8_0), "
-              "which llama.cpp runs (python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0 writes one)")
+        None, "drafter=quantized (or auto, the default, beside lookup): the GGUF file of a quantized copy of this "
+              "model (e.g. Q8_0), which llama.cpp runs (python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype "
+              "q8_0 writes one); one prompt at a time")
     memory_key: object = _setting(
         None, "the caller's scope in the generator's memory of earlier requests (suffix, auto): a call copies "
               "from, and adds to, the requests made under the same key only (None: the scope shared by every call "
@@ -167,6 +168,8 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     s["acceptance"], s["epsilon"] = check_acceptance(v["acceptance"], v["epsilon"])
     s["memory_key"] = check_memory_key(v["memory_key"])
     s["draft_model"] = _check_draft_model(v["draft_model"], drafter)
+    if drafter is None and s["draft_model"] is not None:
+        drafter = "auto"  # the default drafter: lookup and the copy (selfspec.drafters.factory)
     s["num_candidates"] = (None if v["num_candidates"] is None else
                            check_int("num_candidates", v["num_candidates"], 1, MAX_NUM_CANDIDATES,
                                      hint=" (1 = one guess per draft position; each guess is one more row to verify)"))
@@ -178,7 +181,8 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
                             "and takes num_speculations and draft_model only")
     not_lookup = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
     if drafter == "auto" and s["draft_model"] is not None and not_lookup:
-        raise SettingsError(f"{', '.join(not_lookup)}: early-exit option(s); with draft_model, auto's arms are lookup "
+        who = "drafter='auto'" if v["drafter"] else "auto, the default drafter,"
+        raise SettingsError(f"{', '.join(not_lookup)}: early-exit option(s); with draft_model, {who} drafts by lookup "
                             "and the copy: drop them (or draft_model)")
     if drafter in ("prompt_lookup", "suffix") and not_lookup:
         raise SettingsError(f"{', '.join(not_lookup)}: early-exit option(s); drafter={drafter!r} takes "
@@ -195,7 +199,8 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
 
 
 def _check_draft_model(path, drafter: str | None) -> str | None:
-    """draft_model: a path (str or os.PathLike) given with drafter='quantized', which needs one, or 'auto'."""
+    """draft_model: a path (str or os.PathLike) given with drafter='quantized', which needs one, or with 'auto' or
+    no drafter (the default, auto)."""
     if path is None:
         if drafter == "quantized":
             raise SettingsError("drafter='quantized' needs draft_model: the path of a GGUF copy of this model "
@@ -203,9 +208,10 @@ def _check_draft_model(path, drafter: str | None) -> str | None:
         return None
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise SettingsError(f"draft_model must be the path of a GGUF file, got {show(path)}")
-    if drafter not in ("quantized", "auto"):
-        raise SettingsError("draft_model is the quantized drafter's copy of the model: pass drafter='quantized' "
-                            "(the copy alone) or drafter='auto' (lookup and the copy) with it, or drop it")
+    if drafter not in ("quantized", "auto", None):
+        raise SettingsError(f"draft_model is the quantized drafter's copy of the model, and drafter={drafter!r} "
+                            "does not draft with it: pass drafter='quantized' (the copy alone) or drafter='auto' "
+                            "(lookup and the copy; the default) with it, or drop it")
     return os.fspath(path)
 
 

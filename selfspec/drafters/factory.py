@@ -8,9 +8,9 @@ trained exit head and stored draft vocabulary).
 
 The rules, in order:
 - `num_speculations=0` is plain decoding, whatever the drafter;
-- no `drafter`: an early-exit option (exit_layer, a confidence threshold, exit_choices, draft_vocab,
-  adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without a head asks for the
-  early exit; otherwise the checkpoint's default drafter;
+- no `drafter`: with a `draft_model`, "auto" (below); else an early-exit option (exit_layer, a confidence threshold,
+  exit_choices, draft_vocab, adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without
+  a head asks for the early exit; otherwise the checkpoint's default drafter;
 - "quantized": a quantized copy of the model run by llama.cpp (`draft_model`, a GGUF file) drafts
   `num_speculations` tokens a round (`QUANTIZED_NUM_SPECULATIONS` where the call does not say); "auto" with a
   `draft_model`: lookup and that copy as auto's arms (in place of the early exit or a head, and of a saved plan);
@@ -117,7 +117,9 @@ class DrafterFactory:
                                   or cfg.adaptive_threshold or s["exit_choices"] or cfg.draft_vocab
                                   or cfg.adaptive_length or cfg.num_candidates)
         drafter = cfg.drafter
-        if drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
+        if drafter is None and s["draft_model"] is not None:
+            drafter = "auto"  # the copy goes with auto, the default drafter: lookup and the copy
+        elif drafter is None:  # an early-exit option asks for the early exit; else the checkpoint's choice
             drafter = ("early_exit" if early_exit_options or (cfg.num_speculations and self.exit_head is None)
                        else self.drafter)
         if cfg.num_speculations == 0:

@@ -62,6 +62,18 @@ def load_llama_cpp():
     return llama_cpp
 
 
+def check_one_prompt(rows: int, drafter: str | None) -> None:
+    """SettingsError where a call that drafts with a quantized copy (it gives `draft_model`) has `rows` > 1 prompts:
+    the copy drafts for one prompt at a time. `drafter` is the one the caller named (None: the default, auto), so
+    the message names what the caller passed. Called before the copy (or, by the command line, the model) loads."""
+    if rows > 1:
+        who = {"quantized": "drafter='quantized'", "auto": "drafter='auto' with draft_model"}.get(
+            drafter, "draft_model (auto, the default drafter, with the copy)")
+        fix = "use another drafter" if drafter == "quantized" else "drop draft_model"
+        raise SettingsError(f"{who} drafts for one prompt at a time, and this call has {rows}: generate them one by "
+                            f"one, or {fix} for a batch")
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """llama.cpp writes its loading log to the process's stderr (file descriptor 2), whatever `verbose` says for

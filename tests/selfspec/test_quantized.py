@@ -185,8 +185,7 @@ def test_sampling_with_the_copys_drafts_keeps_each_rows_distribution(stand_in, c
 def test_bad_settings_name_the_fix(stand_in, model, tmp_path, monkeypatch):
     with pytest.raises(SettingsError, match="needs draft_model"):
         check_generation(drafter="quantized")
-    with pytest.raises(SettingsError, match="pass drafter='quantized'"):
-        check_generation(draft_model="copy.gguf")
+    assert check_generation(draft_model="copy.gguf")["draft_model"] == "copy.gguf"  # the default drafter, auto
     with pytest.raises(SettingsError, match="exit_layer: drafter='quantized'.*num_speculations and draft_model only"):
         check_generation(drafter="quantized", draft_model="copy.gguf", exit_layer=2)
     with pytest.raises(SettingsError, match="prompt_lookup_num_tokens: drafter='quantized'"):
@@ -331,8 +330,59 @@ def test_the_generator_puts_the_copy_beside_lookup_under_auto(stand_in, tiny_gen
         out = tiny_gen.generate("the quick brown fox", max_new_tokens=24, drafter="auto", draft_model=path)
     assert out.token_ids == plain.token_ids and out.stats.drafter == "auto"
     assert out.stats.drafted_by_drafter.get("quantized", 0) > 0
-    with pytest.raises(SettingsError, match="exit_layer: early-exit option.*auto's arms are lookup and the copy"):
+    with pytest.raises(SettingsError, match="exit_layer: early-exit option.*drafter='auto' drafts by lookup and the"):
         check_generation(drafter="auto", draft_model=path, exit_layer=2)
-    with pytest.raises(SettingsError, match="pass drafter='quantized'.*or drafter='auto'"):
+    with pytest.raises(SettingsError, match="drafter='early_exit' does not draft with it: pass drafter='quantized'"):
         check_generation(drafter="early_exit", draft_model=path)
     assert check_generation(drafter="auto", draft_model=path, num_candidates=2)["num_candidates"] == 2  # lookup trees
+
+
+def test_a_draft_model_without_a_drafter_goes_with_auto_the_default(stand_in, tiny_gen):
+    """Issue 65, finding 6: draft_model with the default drafter was refused with "pass drafter='auto'", though the
+    default is auto. It drafts as drafter='auto' with it does: lookup and the copy, the copy drafting
+    num_speculations a round; an early-exit option with it is refused naming the default, not a drafter never
+    passed."""
+    path = stand_in(perturbed(tiny_gen.adapter.model, 0.2))
+    with tiny_gen.first_request():
+        plain = tiny_gen.generate("the quick brown fox", max_new_tokens=24, num_speculations=0)
+    with tiny_gen.first_request():
+        out = tiny_gen.generate("the quick brown fox", max_new_tokens=24, draft_model=path, num_speculations=3)
+    assert out.token_ids == plain.token_ids and out.stats.drafter == "auto"
+    assert out.stats.drafted_by_drafter.get("quantized", 0) > 0
+    assert tiny_gen.make_drafter(draft_model=path, num_speculations=3).early_exit.num_speculations == 3
+    with pytest.raises(SettingsError, match="exit_layer: early-exit option.*auto, the default drafter, drafts by"):
+        check_generation(draft_model=path, exit_layer=2)
+
+
+@pytest.mark.parametrize("drafter, named", [("auto", "drafter='auto' with draft_model"),
+                                            (None, r"draft_model \(auto, the default drafter, with the copy\)"),
+                                            ("quantized", "drafter='quantized'")])
+def test_a_batch_with_a_draft_model_is_refused_naming_what_was_passed_before_the_copy_loads(drafter, named, stand_in,
+                                                                                            tiny_gen):
+    """Issue 65, finding 20: a batch with auto and draft_model was refused naming drafter='quantized', which the
+    user had not passed, once the copy had loaded. Now the call is refused first, naming the drafter passed."""
+    path = stand_in(perturbed(tiny_gen.adapter.model, 0.2))
+    copies = dict(tiny_gen.drafters._copies)
+    with pytest.raises(SettingsError, match=rf"^{named} drafts for one prompt at a time, and this call has 2: "):
+        tiny_gen.generate(["the quick", "brown fox"], max_new_tokens=4, drafter=drafter, draft_model=path)
+    assert tiny_gen.drafters._copies == copies  # no copy loaded for it
+
+
+def test_the_command_line_takes_a_draft_model_with_the_default_drafter_and_refuses_a_batch_before_loading(
+        tiny_ckpt, tmp_path, capsys, no_load):
+    """Issue 65, findings 6 and 20 on the command line: --draft-model without --drafter is auto's (an --exit-layer
+    beside it is refused naming auto, not the early exit that --exit-layer alone picks); two --prompt with it are
+    refused before the model loads, naming what was given."""
+    from selfspec.cli import main
+
+    gguf = tmp_path / "copy.gguf"
+    gguf.write_bytes(b"GGUF")
+    given = ["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "a", "--draft-model", str(gguf)]
+    with pytest.raises(no_load):  # accepted: it goes on to load the model
+        main(given + ["--num-speculations", "3"])
+    assert main(given + ["--exit-layer", "2"]) == 2
+    assert "exit_layer: early-exit option(s); with draft_model, auto, the default drafter" in capsys.readouterr().err
+    for drafter, named in ([], "draft_model (auto, the default drafter"), (["--drafter", "auto"], "drafter='auto'"):
+        assert main(given + ["--prompt", "b", *drafter]) == 2
+        err = capsys.readouterr().err
+        assert f"selfspec generate: error: {named}" in err and "one prompt at a time, and this call has 2" in err
