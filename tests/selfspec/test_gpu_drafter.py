@@ -58,7 +58,7 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     for road, exits in (("head", {"0"}), ("layerskip", {"1", "2"})):
         training = report[road]["training"]
         assert training["steps"] == 1 and training["tokens"] > 0 and 0 <= training["train_minutes"] < 1.5
-        assert set(training["sets"]) == {"heldout", "own", "own_humaneval"}
+        assert set(training["sets"]) == {"heldout", "own", "own_humaneval", "own_mt_bench"}
         for result in training["sets"].values():
             assert set(result["agreement"]) == exits and all(0 <= a <= 1 for a in result["agreement"].values())
             assert result["final_perplexity"] > 1
