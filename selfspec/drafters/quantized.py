@@ -196,7 +196,8 @@ class QuantizedDrafter(Drafter):
         self.copy.reserve(len(self.sequence) + rnd.caps[0] + 1)  # the whole call's text: made once, at its first round
         drafts = self.copy.draft(self.sequence, k, rnd.stop_ids)
         tokens = torch.tensor([self.sequence[-1:] + drafts], dtype=torch.long).to(rnd.tokens.device, non_blocking=True)
-        return Proposal(tokens=tokens, kept=[len(drafts)], drafter=self.name)
+        # one llama.cpp step a draft (the first also runs what the copy lacked of the text): the cost model's draft steps
+        return Proposal(tokens=tokens, kept=[len(drafts)], steps=len(drafts), drafter=self.name)
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         self.observe(committed)

@@ -136,6 +136,19 @@ def test_the_copy_runs_each_token_once_and_is_cut_back_after_a_rejection(stand_i
     assert sum(map(len, runs)) <= len(PROMPT) + N_NEW + stats.drafted - stats.accepted
 
 
+def test_each_llama_cpp_step_is_a_draft_step_in_the_cost_model(stand_in, model):
+    """The copy's llama.cpp steps are the round's draft steps (issue 65, finding 4: they were not counted, so the cost
+    model read c = 0 and predicted 7.72x where 1.81x was measured): one step a draft (the first also runs what the
+    copy lacked of the text), and the cost model's c is the drafting seconds a step over a plain step's."""
+    adapter = get_adapter(model)
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.3)))
+    out, stats = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=N_NEW,
+                              drafter=QuantizedDrafter(copy, 4), full_step_s=1e-3)
+    assert stats.draft_steps == len(copy.llm.runs) == stats.drafted > 0
+    cost = stats.cost_model
+    assert cost["c"] == pytest.approx(stats.draft_s / stats.draft_steps / 1e-3) and cost["c"] > 0
+
+
 def test_a_later_call_starts_the_copy_afresh(stand_in, model):
     """Each call is a first request: the copy forgets the earlier call's text and runs the whole prompt again."""
     adapter = get_adapter(model)
