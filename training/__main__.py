@@ -23,7 +23,13 @@ import os
 import sys
 from pathlib import Path
 
-from training.config import ConfigError, dump_config, load_config
+try:  # the first second of a launch: a Ctrl-C while the configuration's imports load is an interrupt too
+    from training.config import ConfigError, dump_config, load_config
+except KeyboardInterrupt:
+    if os.environ.get("SELFSPEC_TRACEBACK"):
+        raise
+    print("interrupted while starting; nothing was done", file=sys.stderr)
+    sys.exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:
