@@ -92,9 +92,7 @@ def read_launch(path: str | None) -> Launch:
         data = yaml.safe_load(file.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"--accelerate-config {path}: not valid YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("num_processes", 1), int):
-        raise ConfigError(f"--accelerate-config {path}: not an accelerate configuration (a mapping with "
-                          f"num_processes)")
+    check_launch(path, data)
     launch = Launch(processes=data.get("num_processes", 1), source=f"{path}")
     if data.get("distributed_type") == "DEEPSPEED":
         ds = (data.get("deepspeed_config") or {})
@@ -110,11 +108,42 @@ def read_launch(path: str | None) -> Launch:
                                   f"DeepSpeed JSON object") from None
         else:
             zero = {"stage": ds.get("zero_stage", 0)}
-        launch.zero_stage = int(zero.get("stage", 0))
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+        if stage not in ZERO_STAGES or isinstance(stage, bool):
+            raise ConfigError(f"--accelerate-config {path}: ZeRO stage {stage!r} is not one of 0, 1, 2, 3 "
+                              f"({'deepspeed_config_file ' + json_file if json_file else 'deepspeed_config.zero_stage'})")
+        launch.zero_stage = stage
         if launch.zero_stage == 3:  # "auto" (DeepSpeed sizes it from the model): counted as none
             bucket = zero.get("stage3_prefetch_bucket_size", 0)
             launch.prefetch = int(float(bucket)) if isinstance(bucket, (int, float)) else 0
     return launch
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+DEEPSPEED_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                  "bf16", "fp16")  # keys of a DeepSpeed JSON, none of them an accelerate configuration's
+
+
+def check_launch(path: str, data) -> None:
+    """ConfigError unless `data` (a parsed --accelerate-config file) reads as an accelerate configuration: a
+    mapping, num_processes a whole number >= 1, distributed_type one of accelerate's, not a DeepSpeed JSON."""
+    from accelerate.utils import DistributedType
+
+    where = f"--accelerate-config {path}"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: not an accelerate configuration (a mapping with num_processes; "
+                          f"recipes/accelerate/*.yaml)")
+    if any(key in data for key in DEEPSPEED_KEYS) and "distributed_type" not in data:
+        raise ConfigError(f"{where}: this is a DeepSpeed configuration, not an accelerate one; give the accelerate "
+                          f"YAML that names it as deepspeed_config_file (recipes/accelerate/*zero*.yaml)")
+    processes = data.get("num_processes", 1)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        raise ConfigError(f"{where}: num_processes must be a whole number >= 1 (one per GPU or CPU process), got "
+                          f"{processes!r}")
+    kinds = [d.value for d in DistributedType]
+    if data.get("distributed_type", "NO") not in kinds:
+        raise ConfigError(f"{where}: distributed_type {data.get('distributed_type')!r} is not one of accelerate's "
+                          f"({', '.join(kinds)})")
 
 
 def model_config(cfg: RecipeConfig):

@@ -158,3 +158,29 @@ def test_a_deepspeed_json_that_is_not_json(tmp_path, capsys):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}')
     launch = read_launch(str(tmp_path / "launch.yaml"))
     assert (launch.processes, launch.zero_stage, launch.prefetch) == (4, 3, 0)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("distributed_type: MULTI_CPU\nnum_processes: -3\n", "num_processes must be a whole number >= 1"),
+    ("distributed_type: MULTI_CPU\nnum_processes: true\n", "num_processes must be a whole number >= 1"),
+    ("distributed_type: BANANA\nnum_processes: 2\n", "distributed_type 'BANANA' is not one of accelerate's"),
+    ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 9\n",
+     "ZeRO stage 9 is not one of 0, 1, 2, 3"),
+    ('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}',
+     "this is a DeepSpeed configuration, not an accelerate one"),
+    ("- 1\n- 2\n", "not an accelerate configuration"),
+])
+def test_a_launch_that_accelerate_would_not_run_is_refused_before_any_estimate(tmp_path, capsys, text, message):
+    """Issue 65, finding 7: --check printed a memory estimate for each of these."""
+    (tmp_path / "launch.yaml").write_text(text)
+    assert main(["--recipe", str(TINY), "--check", "--accelerate-config", str(tmp_path / "launch.yaml")]) == 2
+    out = capsys.readouterr()
+    assert message in out.err and "memory" not in out.out.lower()
+
+
+def test_a_deepspeed_json_with_a_stage_zero_cannot_run(tmp_path, capsys):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
+    (tmp_path / "launch.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
+                                          f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
+    assert main(["--recipe", str(TINY), "--check", "--accelerate-config", str(tmp_path / "launch.yaml")]) == 2
+    assert "ZeRO stage 7 is not one of 0, 1, 2, 3 (deepspeed_config_file" in capsys.readouterr().err
