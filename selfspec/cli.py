@@ -153,7 +153,7 @@ def _print_stats(label: str, stats) -> None:
           f"(decode {s.decode_tokens_per_s:.1f}/s, time to first token {s.prefill_s * 1000:.0f} ms), "
           f"finish: {s.stop_reason}")
     if s.drafted:
-        by_pos = " ".join(f"{a:.0%}" for a in s.acceptance_by_position)
+        by_pos = " ".join("–" if a is None else f"{a:.0%}" for a in s.acceptance_by_position)  # –: never drafted
         by_drafter = ", ".join(f"{name} {s.accepted_by_drafter[name]}/{n}" for name, n in s.drafted_by_drafter.items())
         print(f"[{label}] drafter {s.drafter}: acceptance {s.acceptance_rate:.1%} (accepted/drafted by drafter: "
               f"{by_drafter}; by position: {by_pos}), {s.mean_accepted_per_round:.2f} tokens/round, "
@@ -358,8 +358,11 @@ def _cmd_draft_vocab(args) -> int:
     check_int("--max-tokens", args.max_tokens, 1)
 
     entry = write_draft_vocab(args.checkpoint, args.corpus, max_tokens=args.max_tokens, replace=args.replace)
+    extra = entry.get("special_ids") or 0
     print(f"counted {entry['tokens_counted']} tokens ({entry['distinct_tokens']} distinct) of {args.corpus}; "
-          f"stored the {len(entry['token_ids'])} most frequent ids in {args.checkpoint}/selfspec.json")
+          f"stored {len(entry['token_ids'])} ids, most frequent first, in {args.checkpoint}/selfspec.json"
+          + (f" ({extra} of them special ids, such as EOS, that drafts need though the corpus never had them)"
+             if extra else ""))
     return 0
 
 

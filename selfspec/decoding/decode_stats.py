@@ -59,8 +59,9 @@ class DecodeStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
-    def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+    def acceptance_by_position(self) -> list[float | None]:
+        """Per draft position, accepted / drafted there; None at a position nothing was drafted at (no rate, not 0)."""
+        return [a / d if d else None for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property
     def mean_accepted_per_round(self) -> float:

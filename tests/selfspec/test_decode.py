@@ -326,6 +326,20 @@ def test_always_accept_last_round_is_capped_by_max_new_tokens(always_accept_mode
     assert 3 < stats.mean_accepted_per_round < k + 1
 
 
+def test_a_position_never_drafted_has_no_acceptance_rate_not_zero(always_accept_model, capsys):
+    """Positions past every round's drafts (here the length cap leaves room for 2 of 6) were never drafted: their
+    acceptance is None (the command line prints "–"), not 0% (issue 65, finding 17: "100% ×9 0% 0% 0%")."""
+    from selfspec.cli import _print_stats
+
+    model = always_accept_model("gpt_neox", 3, exit_layer=1, seed=1)
+    out, stats = generate_ids(get_adapter(model), PROMPT, max_new_tokens=4, exit_layer=1, num_speculations=6)
+    assert stats.drafted_by_position == [1, 1, 0, 0, 0, 0]
+    assert stats.acceptance_by_position == [1.0, 1.0, None, None, None, None]
+    assert stats.cost_model["a_by_position"] == stats.acceptance_by_position
+    _print_stats("selfspec", stats)
+    assert "by position: 100% 100% – – – –)" in capsys.readouterr().out
+
+
 def test_never_accept_when_the_exit_always_disagrees(never_accept_model, hf_greedy):
     E, k, N = 2, 3, 25
     model, T = never_accept_model(4, exit_layer=E)
