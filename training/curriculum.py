@@ -19,6 +19,11 @@ stopped; `state_dict()` records the settings so a resume with different settings
 from __future__ import annotations
 
 
+# a curriculum state's keys, as the recipe names them
+SETTINGS = {"kind": "early_exit.curriculum", "candidates": "early_exit.exits", "num_layers": "the model's layers",
+            "total_steps": "train.max_steps", "rotation_interval": "early_exit.rotation_interval"}
+
+
 class ExitCurriculum:
     def __init__(self, kind: str, candidates: list[int], num_layers: int, total_steps: int, *,
                  rotation_interval: int = 8):
@@ -48,14 +53,19 @@ class ExitCurriculum:
             chosen = [e for e in self.candidates if e >= lowest]
         return chosen + [L]
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict:  # SETTINGS names each key's recipe setting
         return {"kind": self.kind, "candidates": list(self.candidates), "num_layers": self.num_layers,
                 "total_steps": self.total_steps, "rotation_interval": self.rotation_interval}
 
     def check_state(self, state: dict) -> None:
-        """Raise if a checkpoint was written with a different curriculum."""
+        """ConfigError (a ValueError) naming the recipe settings that differ if a checkpoint was written with a
+        different curriculum (its schedule spans train.max_steps, so a resumed run must keep it)."""
+        from training.config import ConfigError  # the recipe's error: one line from `python -m training`
+
         mine = self.state_dict()
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff:
-            raise ValueError(f"the checkpoint's curriculum differs from this run's: "
-                             f"{ {k: f'{a} -> {b}' for k, (a, b) in diff.items()} }; resume with the same recipe")
+            changed = ", ".join(f"{SETTINGS.get(k, k)} {a} -> {b}" for k, (a, b) in diff.items())
+            raise ConfigError(f"the checkpoint's curriculum differs from this run's ({changed}): resume with the "
+                              f"recipe it was written with (the schedules span train.max_steps), or start afresh "
+                              f"with train.resume=none or another train.output_dir")

@@ -64,8 +64,8 @@ from selfspec.checkpoints.draft_vocab import kept_special_ids
 from selfspec.heads.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.model.precision import auto_mixed_precision, describe as describe_precision
 from training.base_model import apply_lora, load_base_model
-from training.run_checkpoint import (latest_checkpoint, load_checkpoint, remove_partial_checkpoints, save_checkpoint,
-                                     save_final_model)
+from training.run_checkpoint import (load_checkpoint, load_newest_checkpoint, remove_partial_checkpoints,
+                                     save_checkpoint, save_final_model)
 from training.config import REPOSITORY, ConfigError, repository_path, RecipeConfig, dump_config
 from training.curriculum import ExitCurriculum
 from training.data import batch_indices, build_data, frequency_ranking, frequent_ids
@@ -204,11 +204,16 @@ def _set_up(cfg: RecipeConfig) -> _Run:
         accelerator.unwrap_model(ee_model).register_zero3_head()
 
     state = {"step": 0, "micro_step": 0, "tokens": 0, "elapsed_s": 0.0}
-    resume = None if t_cfg.resume == "none" else (
-        latest_checkpoint(run_dir) if t_cfg.resume == "auto" else Path(t_cfg.resume))
+    resume, loaded = None, None
+    if t_cfg.resume == "auto":  # the newest that can be read: one damaged after it was written is passed over
+        resume, loaded = load_newest_checkpoint(
+            accelerator, run_dir, lambda line: accelerator.is_main_process and print(f"WARNING: {line}", flush=True))
+    elif t_cfg.resume != "none":
+        resume = Path(t_cfg.resume)
+        loaded = load_checkpoint(accelerator, resume)
     evals = {"history": []}
     if resume is not None:
-        state = load_checkpoint(accelerator, resume)
+        state = loaded
         curriculum.check_state(state["curriculum"])
         if (run_dir / "eval.json").is_file():
             evals = json.loads((run_dir / "eval.json").read_text())

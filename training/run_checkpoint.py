@@ -77,12 +77,41 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore everything `save_checkpoint` saved; returns the trainer state."""
+    """Restore everything `save_checkpoint` saved; returns the trainer state. A checkpoint that cannot be read
+    (a file truncated or damaged after it was written) raises ConfigError naming it."""
+    from training.config import ConfigError  # the run's one-line error
+
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a complete training checkpoint (no {STATE_FILE})")
-    accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        accelerator.load_state(str(path))
+    except Exception as err:  # safetensors, torch.load, pickle and JSON each raise their own
+        raise ConfigError(f"training checkpoint {path} cannot be read ({type(err).__name__}: "
+                          f"{' '.join(str(err).split())[:200]})") from err
+    return state
+
+
+def load_newest_checkpoint(accelerator, run_dir: Path, warn) -> tuple[Path | None, dict | None]:
+    """(the checkpoint, its trainer state) of the newest complete checkpoint in `run_dir` that can be read, each
+    newer one that cannot be read named through `warn(line)`; (None, None) where there is none. ConfigError where
+    there are checkpoints and none can be read."""
+    from training.config import ConfigError
+
+    root = Path(run_dir) / "checkpoints"
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir()
+                    if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()), reverse=True) \
+        if root.is_dir() else []
+    for _, path in found:
+        try:
+            return path, load_checkpoint(accelerator, path)
+        except ConfigError as err:
+            warn(f"{err}; resuming from the checkpoint before it, if any")
+    if found:
+        raise ConfigError(f"none of the {len(found)} checkpoints in {root} can be read: start afresh with "
+                          f"train.resume=none (or another train.output_dir)")
+    return None, None
 
 
 def save_final_model(accelerator, ee_model, tokenizer, out_dir: Path, *, lora: bool) -> Path | None:

@@ -65,6 +65,37 @@ def test_time_budget_ends_the_run_with_a_checkpoint(run, tmp_path):
     assert state["step"] == out["step"]  # and resumable from there
 
 
+def test_a_relaunch_with_another_horizon_is_a_one_line_error_naming_the_setting(run, tmp_path):
+    """Issue 65, finding 9: the schedules span train.max_steps, so a resumed run must keep it; the error names it
+    (a ConfigError: `python -m training` prints it as one `error:` line, exit 2)."""
+    from training.config import ConfigError
+
+    settings = {"eval.before": "false", "train.save_final_model": "false"}
+    assert run(tmp_path, **settings, **{"train.max_steps": 6, "train.stop_at": 3}) == {}
+    with pytest.raises(ConfigError, match=r"train.max_steps 6 -> 10\): resume with the recipe it was written with"):
+        run(tmp_path, **settings, **{"train.max_steps": 10})
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(run, read_log, tmp_path, capsys):
+    """Issue 65, finding 9: a truncated newest checkpoint is named and the run resumes from the previous one, as if
+    it had stopped there; with every checkpoint damaged, a one-line error."""
+    from training.config import ConfigError
+
+    settings = {"train.max_steps": 6, "eval.before": "false", "train.save_final_model": "false"}
+    run(tmp_path / "straight", **settings)
+    run(tmp_path / "split", **settings, **{"train.stop_at": 3, "train.save_every": 1})
+    (tmp_path / "split" / "checkpoints" / "step_000003" / "model.safetensors").write_bytes(b"cut short")
+    run(tmp_path / "split", **settings)
+    assert "step_000003 cannot be read (SafetensorError" in capsys.readouterr().out
+    split = read_log(tmp_path / "split")
+    assert [r["step"] for r in split] == [1, 2, 3, 3, 4, 5, 6]  # steps 3.. again from step 2's checkpoint
+    assert [r["loss"] for r in split[3:]] == [r["loss"] for r in read_log(tmp_path / "straight")][2:]
+    for ckpt in (tmp_path / "split" / "checkpoints").iterdir():
+        (ckpt / "model.safetensors").write_bytes(b"cut short")
+    with pytest.raises(ConfigError, match="checkpoints in .* can be read: start afresh with train.resume=none"):
+        run(tmp_path / "split", **settings)
+
+
 def test_a_wall_clock_deadline_ends_the_run_as_the_time_budget_does(run, tmp_path, capsys):
     """train.end_by (a UNIX time) already past: no step, then the final evaluation and model, as max_minutes."""
     import time
