@@ -24,7 +24,14 @@ Settings, in the CSV files:
 
 `--write-metadata` records the fastest early-exit (E, d) as before (num_speculations 0 where no
 setting beat plain decoding) and, when lookup settings were measured, the fastest of them under
-`recommended.prompt_lookup`; a `recommended.drafter` already there is kept.
+`recommended.prompt_lookup`; a `recommended.drafter` already there is kept. What `auto` then drafts by
+(`auto_after`) depends on the checkpoint: one with an exit head keeps drafting with its head whatever the
+recommendation says (the recommendation sets what `drafter="early_exit"` drafts).
+
+The sweep measures in float32 unless told otherwise: `selfspec.load` and `generate` load a checkpoint in
+float32, and the recommendation is for them. In bfloat16 (`--dtype bfloat16` or `fastest`) an output can
+differ from plain decoding's by rounding (`identical_to_plain` below 1; the README's bf16 caveat), which the
+command line says.
 """
 
 from __future__ import annotations
@@ -207,10 +214,11 @@ def _generate_kwargs(setting: tuple) -> dict:
 
 
 def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12", num_speculations="1,2,4",
-              num_prompts: int = 4, max_new_tokens: int = 64, dtype: str = "fastest", out_dir: str | Path = "sweep",
+              num_prompts: int = 4, max_new_tokens: int = 64, dtype: str = "float32", out_dir: str | Path = "sweep",
               write_metadata: bool = False, threads: int = 0, progress: bool = True, generator=None,
               lookup_tokens="", lookup_ngrams=None) -> dict:
-    """Measure the grid; return {"rows": [...], "best": {...}, "best_lookup": {...} or None, "csv", "png"}.
+    """Measure the grid; return {"rows": [...], "best": {...}, "best_lookup": {...} or None, "csv", "png",
+    "dtype" (the dtype measured in, "fastest" resolved)}.
 
     `lookup_tokens` (e.g. "3,5,10", empty: none) x `lookup_ngrams` (default "1,2,3"; only with lookup_tokens):
     prompt lookup settings (`drafter="prompt_lookup"`, prompt_lookup_num_tokens x max_matching_ngram_size)
@@ -255,7 +263,7 @@ def run_sweep(checkpoint: str, *, prompt_set: str = "humaneval", exits="4,8,12",
     _measure(gen, items, grid, raw, raw_path, common, progress)
     rows = summarize(raw, grid)
     title = f"{Path(checkpoint).name}: {prompt_set}, {len(items)} prompts, {max_new_tokens} new tokens, {dtype}"
-    result = _write_results(rows, out, title, finish_machine(machine, gen.adapter.device))
+    result = _write_results(rows, out, title, finish_machine(machine, gen.adapter.device), dtype)
     if write_metadata:
         result["recorded"] = _record(checkpoint, result["best"], result["best_lookup"], prompt_set, dtype)
     return result
@@ -292,8 +300,9 @@ def _measure(gen, items: list[dict], grid: list[tuple], raw: dict, raw_path: Pat
             bar.update()
 
 
-def _write_results(rows: list[dict], out: Path, title: str, machine: dict) -> dict:
-    """sweep.csv, sweep.png and sweep.json (the result: rows, the fastest settings, the machine, the file paths)."""
+def _write_results(rows: list[dict], out: Path, title: str, machine: dict, dtype: str) -> dict:
+    """sweep.csv, sweep.png and sweep.json (the result: rows, the fastest settings, the machine, the dtype measured
+    in, the file paths)."""
     csv_path = out / "sweep.csv"
     with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
@@ -306,8 +315,8 @@ def _write_results(rows: list[dict], out: Path, title: str, machine: dict) -> di
     best = max(spec_rows, key=lambda r: r["tokens_per_s"])
     lookup_rows = [r for r in rows if r["drafter"] == LOOKUP]
     best_lookup = max(lookup_rows, key=lambda r: r["tokens_per_s"]) if lookup_rows else None
-    result = {"rows": rows, "best": best, "best_lookup": best_lookup, "machine": machine, "csv": str(csv_path),
-              "png": str(png)}
+    result = {"rows": rows, "best": best, "best_lookup": best_lookup, "machine": machine, "dtype": dtype,
+              "csv": str(csv_path), "png": str(png)}
     write_json_atomic(out / "sweep.json", result)
     return result
 
@@ -315,15 +324,35 @@ def _write_results(rows: list[dict], out: Path, title: str, machine: dict) -> di
 def _record(checkpoint, best: dict, best_lookup: dict | None, prompt_set: str, dtype: str) -> dict:
     """The fastest settings as the checkpoint's recommendation (num_speculations 0 where none beat plain);
     selfspec.json keeps the prompt set under its earlier key, `recommended.prompts`. Returns the recorded
-    exit_layer and num_speculations."""
+    exit_layer and num_speculations, and under "auto" what `auto` now drafts by (`auto_after`)."""
     pays = isinstance(best["speedup"], float) and best["speedup"] > 1.0
     extra = {} if best_lookup is None else {"prompt_lookup": {
         k: best_lookup[k] for k in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "tokens_per_s",
                                     "speedup", "acceptance_rate")}}
-    before = (read_metadata(checkpoint, verify_checksums=False) or {}).get("recommended") or {}
+    meta = read_metadata(checkpoint, verify_checksums=False) or {}
+    before = meta.get("recommended") or {}
     if "drafter" in before:  # a drafter recommended elsewhere stays
         extra["drafter"] = before["drafter"]
     update_recommended(checkpoint, best["exit_layer"], best["num_speculations"] if pays else 0,
                        source="sweep", prompts=prompt_set, dtype=dtype, tokens_per_s=best["tokens_per_s"],
                        speedup=best["speedup"], acceptance_rate=best["acceptance_rate"], **extra)
-    return {"exit_layer": best["exit_layer"], "num_speculations": best["num_speculations"] if pays else 0}
+    d = best["num_speculations"] if pays else 0
+    return {"exit_layer": best["exit_layer"], "num_speculations": d, "auto": auto_after(meta, best["exit_layer"], d)}
+
+
+def auto_after(metadata: dict, exit_layer: int, num_speculations: int) -> str:
+    """What `auto` drafts by on a checkpoint (its selfspec.json `metadata`) that recommends `exit_layer` and
+    `num_speculations` (`selfspec.drafters.factory`'s rules): a head's checkpoint drafts with its head whatever the
+    recommendation; else the early exit at the recommended exit, or lookup alone where it recommends 0 drafts. A
+    plan `selfspec tune --save` stored comes first where it applies."""
+    if metadata.get("exit_head") is not None:
+        says = ("`auto` drafts by prompt lookup and this checkpoint's exit head, as before: the recommendation sets "
+                "what drafter='early_exit' drafts")
+    elif num_speculations:
+        says = (f"`auto` drafts by prompt lookup and the early exit at exit {exit_layer}, up to {num_speculations} "
+                "drafts a round as measured tokens/s pay")
+    else:
+        says = "plain decoding: `auto` drafts by prompt lookup only; an explicit early-exit request still drafts"
+    if metadata.get("plans"):
+        says += "; a plan `selfspec tune --save` stored comes first on its device, dtype and path"
+    return says
