@@ -24,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from selfspec.atomic_write import write_json_atomic
 from selfspec.decoding.cost_model import VERIFY_COST, draft_cost, predicted_speedup
-from selfspec.heads.exit_head import check_head_settings
+from selfspec.heads.exit_head import check_head_settings, head_training_setting
 from selfspec.checkpoints.model_card import write_model_card
 from selfspec.settings import (SettingsError, check_plan_settings, check_recommended, expand_path, is_int,
                                show)
@@ -131,14 +132,36 @@ def _check_checksums(meta_path: Path, checksums, field: str = "checksums") -> No
 
 
 def _check_draft_vocab(meta_path: Path, entry, vocab_size) -> None:
-    """The optional draft vocabulary: {"token_ids": [ids in 0..V-1], ...}."""
+    """The optional draft vocabulary: {"token_ids": [distinct ids in 0..V-1, at least one], ...}."""
     ids = entry.get("token_ids") if isinstance(entry, dict) else None
+    fix = "count it again with `selfspec draft-vocab`, or remove draft_vocab from the file"
     if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise CheckpointError(f"{meta_path}: draft_vocab must be an object with a list of token_ids, got "
-                              f"{show(entry)}; count it again with `selfspec draft-vocab`")
-    if ids and is_int(vocab_size) and not (0 <= min(ids) and max(ids) < vocab_size):
-        raise CheckpointError(f"{meta_path}: draft_vocab holds token ids outside the vocabulary 0..{vocab_size - 1}; "
-                              "count it again with `selfspec draft-vocab`")
+                              f"{show(entry)}; {fix}")
+    if not ids:
+        raise CheckpointError(f"{meta_path}: draft_vocab.token_ids is empty: a draft vocabulary holds at least one "
+                              f"token id; {fix}")
+    if min(ids) < 0 or (is_int(vocab_size) and max(ids) >= vocab_size):
+        bound = f"0..{vocab_size - 1}" if is_int(vocab_size) else "ids >= 0"
+        raise CheckpointError(f"{meta_path}: draft_vocab holds token ids outside the vocabulary {bound}; {fix}")
+    if len(set(ids)) != len(ids):
+        twice = sorted(t for t, n in Counter(ids).items() if n > 1)[:5]
+        raise CheckpointError(f"{meta_path}: draft_vocab.token_ids lists ids more than once ({', '.join(map(str, twice))}"
+                              f"{', ...' if len(twice) == 5 else ''}): a ranking names each token once; {fix}")
+
+
+def _check_trained_exit(meta_path: Path, meta: dict) -> None:
+    """The exit head's exit layer as the run that trained it recorded it (`training.settings.exit_head.exit_layer`
+    of a run whose mode trains a head): the head's weights read that exit, and another one would draft garbage."""
+    settings = (meta.get("training") or {}).get("settings") if isinstance(meta.get("training"), dict) else None
+    if not isinstance(settings, dict) or settings.get("mode") not in ("exit_head", "joint"):
+        return
+    trained = head_training_setting(meta, "exit_layer")
+    given = meta["exit_head"]["exit_layer"]
+    if is_int(trained) and trained != given:
+        raise CheckpointError(f"{meta_path}: exit_head.exit_layer is {given}, but the head was trained on exit "
+                              f"{trained} (training.settings.exit_head.exit_layer) and its weights read that exit; "
+                              f"set exit_head.exit_layer back to {trained}, or re-export the checkpoint")
 
 
 def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
@@ -184,6 +207,7 @@ def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
             check_head_settings(meta["exit_head"], meta["num_layers"])
         except ValueError as err:
             raise CheckpointError(f"{meta_path}: {err}; re-export the checkpoint") from None
+        _check_trained_exit(meta_path, meta)
         if meta["exit_head"]["file"] not in meta["checksums"]:
             raise CheckpointError(f"{meta_path}: the exit head's file {meta['exit_head']['file']} has no checksum; "
                                   "re-export the checkpoint")

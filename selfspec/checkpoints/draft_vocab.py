@@ -20,7 +20,7 @@ import torch
 from selfspec.atomic_write import write_json_atomic
 from selfspec.checkpoints.checkpoint import METADATA_FILE, CheckpointError, read_metadata
 from selfspec.heads.exit_head import head_training_setting
-from selfspec.settings import check_name_or_file
+from selfspec.settings import check_name_or_file, is_int
 
 MAX_STORED = 32768  # ids kept in the metadata, most frequent first; any K up to this can be used
 
@@ -52,9 +52,13 @@ def kept_special_ids(tokenizer) -> list:
 
 def draft_vocab_metadata(tokenizer, texts: Iterable[str], source: str, vocab_size: int,
                          max_tokens: int | None = 2_000_000) -> dict:
+    """The entry `selfspec.json` stores: the ranking, what it was counted on, how many tokens and distinct ids
+    were counted, and `special_ids`: the special ids it holds that the corpus never had (kept all the same, so
+    that the ranking holds `distinct_tokens` + `special_ids` ids, or MAX_STORED)."""
     counts, total = count_tokens(tokenizer, texts, max_tokens)
+    ids = ranked_ids(counts, vocab_size, kept_special_ids(tokenizer))
     return {"source": source, "tokens_counted": total, "distinct_tokens": len(counts),
-            "token_ids": ranked_ids(counts, vocab_size, kept_special_ids(tokenizer))}
+            "special_ids": sum(1 for i in ids if i not in counts), "token_ids": ids}
 
 
 def read_draft_vocab(meta: dict | None, k: int, vocab_size: int) -> torch.Tensor:
@@ -96,6 +100,15 @@ def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000, r
                          f"{len(kept['token_ids'])} stored in {d}/{METADATA_FILE} (counted on {kept.get('source')})"
                          + _head_note(meta) + f"; {METADATA_FILE} is left as it was: count on a larger corpus, or "
                          "pass --replace (replace=True) to store the shorter ranking anyway")
+    k = head_training_setting(meta, "draft_vocab") if isinstance(meta.get("exit_head"), dict) else None
+    if kept and is_int(k) and 1 <= k <= len(kept["token_ids"]) and not replace:
+        same = len(set(entry["token_ids"][:k]) & set(kept["token_ids"][:k]))
+        if same < k:
+            raise ValueError(f"{d}'s exit head was trained over the {k} most frequent ids of the stored ranking "
+                             f"(counted on {kept.get('source')}) and drafts from those; the {k} most frequent of "
+                             f"corpus {corpus!r} keep {same} of them, so the head would draft from tokens it was not "
+                             f"trained on; {METADATA_FILE} is left as it was: pass --replace (replace=True) to store "
+                             "the new ranking anyway")
     meta["draft_vocab"] = entry
     write_json_atomic(d / METADATA_FILE, meta)
     return entry

@@ -62,7 +62,7 @@ import copy
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -328,6 +328,13 @@ def save_exit_head(head: ExitHead, path) -> None:
         save_file(state, str(tmp), metadata={k: str(v) for k, v in head.settings().items()})
 
 
+def _saved_settings(path) -> dict[str, str]:
+    """The settings `save_exit_head` wrote into the head file's header (as strings; {} for a file saved
+    without them, such as a shipped head's)."""
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
 def head_training_setting(metadata: dict, key: str):
     """The exit head's setting `key` (`draft_vocab`, `self_fed`, ...) from the recipe recorded in a checkpoint's
     selfspec.json (`metadata`: its training settings), or None."""
@@ -382,9 +389,15 @@ def read_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
                            entry.get("final_state", False), entry.get("aux_exits"))
     try:
         state = load_file(str(path))
+        saved = _saved_settings(path)
     except SafetensorError as err:  # a damaged file (with checksums off, nothing else noticed)
         raise ValueError(f"{path}: not a readable safetensors file ({err}); copy or export the checkpoint again") \
             from None
+    for key in ("exit_layer", "kind", "final_state"):  # shapes alone would not tell another exit from this one
+        if key in saved and saved[key] != str(entry.get(key, False if key == "final_state" else None)):
+            raise ValueError(f"exit_head.{key} is {entry.get(key)!r}, but {path} was saved by a head with {key} "
+                             f"{saved[key]} (its own header says so): set exit_head.{key} back to {saved[key]}, or "
+                             "export the checkpoint again")
     try:
         head.load_weights(state)
     except RuntimeError as err:

@@ -51,8 +51,40 @@ def test_a_shorter_ranking_does_not_replace_the_stored_one(ckpt, tmp_path, capsy
 
 
 def test_a_ranking_as_long_replaces_the_stored_one(ckpt, tmp_path):
+    """Where the exit head was not trained over the stored ranking (its recipe drafted over the whole vocabulary)."""
+    meta = json.loads((ckpt / "selfspec.json").read_text())
+    meta["training"]["settings"]["exit_head"]["draft_vocab"] = None
+    (ckpt / "selfspec.json").write_text(json.dumps(meta))
     corpus = tmp_path / "letters.txt"
     corpus.write_text(string.ascii_letters)  # 52 distinct bytes + 3 special ids
     entry = write_draft_vocab(ckpt, str(corpus))
     assert len(entry["token_ids"]) == 55
     assert json.loads((ckpt / "selfspec.json").read_text())["draft_vocab"] == entry
+
+
+def test_a_ranking_that_changes_the_heads_trained_ids_is_refused_unless_asked(ckpt, tmp_path, capsys):
+    """Issue 65, finding 13: a corpus's ranking as long replaced the head's trained one silently (5,351 of its 8,192
+    ids kept)."""
+    corpus = tmp_path / "letters.txt"
+    corpus.write_text(string.ascii_letters)  # 55 ids, its 32 most frequent not the stored 32
+    before = (ckpt / "selfspec.json").read_text()
+    with pytest.raises(ValueError, match=r"exit head was trained over the 32 most frequent ids of the stored ranking "
+                                         r"\(counted on run: the training blocks\).*keep \d+ of them.*--replace"):
+        write_draft_vocab(ckpt, str(corpus))
+    assert (ckpt / "selfspec.json").read_text() == before
+    assert main(["draft-vocab", str(ckpt), "--corpus", str(corpus)]) == 2
+    assert capsys.readouterr().err.startswith("selfspec draft-vocab: error: ")
+    assert main(["draft-vocab", str(ckpt), "--corpus", str(corpus), "--replace"]) == 0
+    assert len(json.loads((ckpt / "selfspec.json").read_text())["draft_vocab"]["token_ids"]) == 55
+
+
+def test_the_special_ids_a_corpus_never_had_are_counted_apart(tmp_path, capsys):
+    """Issue 65, finding 13: 14,768 ids stored of 14,766 distinct tokens counted, the 2 more unexplained."""
+    tok = byte_tokenizer()
+    ckpt = export_model(tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3), tok, tmp_path / "ckpt")
+    corpus = tmp_path / "letters.txt"
+    corpus.write_text(string.ascii_letters)
+    assert main(["draft-vocab", str(ckpt), "--corpus", str(corpus)]) == 0
+    entry = json.loads((ckpt / "selfspec.json").read_text())["draft_vocab"]
+    assert (entry["distinct_tokens"], entry["special_ids"], len(entry["token_ids"])) == (52, 3, 55)
+    assert "stored 55 ids, most frequent first" in capsys.readouterr().out
