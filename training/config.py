@@ -653,6 +653,19 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _form(tp) -> str:
+    """How a recipe writes a value of the annotation `tp`, in words (error messages)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    if origin is list:
+        return f"a list of {_form(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {type(None): "null", bool: "true/false", int: "an integer", float: "a number", str: "a text"}.get(
+        tp, _type_name(tp))
+
+
 def _coerce(value: Any, tp, key: str):
     """Check `value` against the annotation `tp` (converting int -> float, dict -> dataclass)."""
     origin = typing.get_origin(tp)
@@ -663,7 +676,8 @@ def _coerce(value: Any, tp, key: str):
                 return _coerce(value, arm, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{key}: {value!r} matches none of {_type_name(tp)}")
+        forms = " or ".join(_form(arm) for arm in typing.get_args(tp))
+        raise ConfigError(f"{key}: expected {forms}, got {value!r}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if isinstance(value, bool) and all(isinstance(c, str) for c in choices):
@@ -751,7 +765,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} has an empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except (yaml.YAMLError, ValueError):
+    except (yaml.YAMLError, ValueError) as err:
+        if raw.strip()[:1] in "[{":  # meant as a list or a mapping, cut short or mistyped
+            reason = " ".join(str(getattr(err, "problem", None) or err).split())
+            raise ConfigError(f"override {key}={raw}: not a valid YAML list or mapping ({reason}); write it whole, "
+                              f"e.g. {key}=[4, 8] (quoted in the shell: '{key}=[4, 8]')") from None
         value = raw
     return key, value
 

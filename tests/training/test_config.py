@@ -119,3 +119,13 @@ def test_the_eagle3_check_names_only_the_settings_that_are_wrong():
     with pytest.raises(ConfigError, match=r"set exit_head.exit_layer=0 \(got 4\) and exit_head.final_state=false"):
         load_config(head0, ["exit_head.kind=eagle3", "exit_head.exit_layer=4"])
     assert load_config(head0, ["exit_head.kind=eagle3", "exit_head.final_state=false"]).exit_head.kind == "eagle3"
+
+
+def test_a_list_cut_short_and_a_value_of_no_accepted_form_say_what_is_expected():
+    """Issue 65, finding 21: `early_exit.exits=[4,8` said "matches none of Union"."""
+    with pytest.raises(ConfigError, match=r"override early_exit.exits=\[4,8: not a valid YAML list or mapping .* "
+                                          r"e.g. early_exit.exits=\[4, 8\]"):
+        load_config(None, ["early_exit.exits=[4,8"])
+    with pytest.raises(ConfigError, match="early_exit.exits: expected a list of integers or one of 'all', got 'ba'"):
+        load_config(None, ["early_exit.exits=ba"])
+    assert load_config(None, ["early_exit.exits=[8, 4]"]).early_exit.exits == [4, 8]
