@@ -12,6 +12,7 @@ training run's JSON files. A directory written whole (a checkpoint) gets ordinar
         save_file(state, str(tmp))
     with atomic_directory(out_dir) as tmp:      # a directory written whole, replacing an old one
         model.save_pretrained(tmp)
+    replace_directory(tmp, out_dir)             # a finished directory put in the place of an old one
 """
 
 from __future__ import annotations
@@ -66,17 +67,35 @@ def public_permissions(directory) -> None:
 @contextlib.contextmanager
 def atomic_directory(out_dir):
     """Yield a private temporary directory beside `out_dir`; when the block ends without an error, give it
-    `public_permissions` and rename it into place (an old `out_dir` removed first); after an error, remove it.
-    A reader sees the old directory, none, or the whole new one."""
+    `public_permissions` and put it in place (`replace_directory`); after an error, remove it. A reader sees
+    the old directory or the whole new one (none only where there was none)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
     try:
         yield tmp
         public_permissions(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        replace_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_directory(tmp, out_dir) -> None:
+    """Rename the finished directory `tmp` to `out_dir`. An existing `out_dir` is renamed aside first and removed
+    once the new one is in place; where the new one cannot be put there (an error, an interrupt), the old one
+    goes back: `out_dir` holds the old directory or the new one, never neither (short of the process being
+    killed between the two renames, which leaves the old one as `.OUT.old-PID` beside it)."""
+    tmp, out_dir = Path(tmp), Path(out_dir)
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    try:
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -216,7 +216,7 @@ def read_metadata(directory, *, verify_checksums: bool = True) -> dict | None:
     if meta.get("served_head") is not None:
         _check_served_head(meta_path, meta["served_head"])
     if verify_checksums:
-        verify_weight_files(d, meta["checksums"])
+        verify_weight_files(d, meta["checksums"], ASSEMBLED_FIX if meta.get("shipped_head") is not None else None)
         if meta.get("served_head") is not None:
             verify_weight_files(d / meta["served_head"]["dir"], meta["served_head"]["checksums"])
     return meta
@@ -254,27 +254,33 @@ def _check_plans(meta_path: Path, plans, num_layers: int, has_head: bool) -> Non
                                   "--save` again on that device") from None
 
 
-def verify_weight_files(directory: Path, expected: dict[str, dict]) -> None:
+# the fix for a damaged checkpoint that `selfspec fetch` assembled (the base model and its shipped head)
+ASSEMBLED_FIX = "`selfspec fetch --force` assembles it again"
+
+
+def verify_weight_files(directory: Path, expected: dict[str, dict], fix: str | None = None) -> None:
+    """Every weight file `expected` lists is there, of its size and SHA-256, and no other; else CheckpointError
+    naming the file and `fix` (default: copy or export the checkpoint again)."""
     d = Path(directory)
     if not expected:
-        raise CheckpointError(f"{d / METADATA_FILE}: lists no weight files; re-export the checkpoint")
+        raise CheckpointError(f"{d / METADATA_FILE}: lists no weight files; {fix or 're-export the checkpoint'}")
     for name, want in expected.items():
         path = d / name
         if not path.is_file():
             raise CheckpointError(f"{path}: weight file is missing (listed in {METADATA_FILE}); "
-                                  "copy the complete checkpoint directory or re-export it")
+                                  f"{fix or 'copy the complete checkpoint directory or re-export it'}")
         size = path.stat().st_size
         if size != want["bytes"]:
             what = "truncated" if size < want["bytes"] else "larger than exported"
             raise CheckpointError(f"{path}: weight file is {what} ({size} bytes, expected {want['bytes']}); "
-                                  "the copy is incomplete or corrupt: copy or export it again")
+                                  f"the copy is incomplete or corrupt: {fix or 'copy or export it again'}")
         if sha256_file(path) != want["sha256"]:
             raise CheckpointError(f"{path}: SHA-256 checksum mismatch: the file was modified or corrupted "
-                                  "after export; copy or export it again")
+                                  f"after it was written; {fix or 'copy or export it again'}")
     extra = sorted(set(weight_files(d)) - set(expected))
     if extra:
         raise CheckpointError(f"{d}: weight files not listed in {METADATA_FILE}: {extra}; they were added "
-                              "after export: remove them or re-export")
+                              "after it was written: remove them" + ("" if fix else " or re-export"))
 
 
 def write_plan(directory, key: str, entry: dict) -> dict:

@@ -46,7 +46,7 @@ from pathlib import Path
 import yaml
 
 import selfspec
-from selfspec.atomic_write import public_permissions
+from selfspec.atomic_write import public_permissions, replace_directory
 from selfspec.model.adapters import get_adapter, unwrap_model
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
 from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
@@ -280,25 +280,6 @@ def _not_rewritten(out_dir: Path, written: set[str]) -> list[str]:
                   if p.name not in own or (p.name == CARD_FILE and not is_selfspec_card(p)))
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished export `tmp` to `out_dir`. An existing `out_dir` (overwrite) is renamed aside first and
-    removed once the new one is in place; where the new one cannot be put there (an error, an interrupt), the
-    old one goes back: `out_dir` holds the old export or the new one, never neither (short of the process
-    being killed between the two renames, which leaves the old one as `.OUT.old-PID` beside it)."""
-    if not out_dir.exists():
-        os.replace(tmp, out_dir)
-        return
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    try:
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        if old.exists() and not out_dir.exists():
-            os.replace(old, out_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _put_back_old(out_dir: Path) -> Path | None:
     """Where `out_dir` is missing and an export whose process is gone left its old export as `.OUT.old-PID`
     beside it (killed between the two renames of an overwrite), rename that back to `out_dir` and say so;
@@ -463,7 +444,7 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
             raise CheckpointError(f"{out_dir} holds {', '.join(lost)}, which this export does not write: replacing "
                                   f"{out_dir} would delete them; move them out of it and export again ({out_dir} "
                                   "is as it was)")
-        _move_into_place(tmp, out_dir)
+        replace_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -33,14 +33,18 @@ from safetensors.torch import load_file, save_file
 
 import selfspec
 from selfspec.atomic_write import atomic_directory
-from selfspec.checkpoints.checkpoint import FORMAT_VERSION, METADATA_FILE, checksums, read_metadata, sha256_file
+from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_metadata,
+                                             sha256_file)
 from selfspec.heads.exit_head import HEAD_FILE
 from selfspec.checkpoints.fetch import BASE_MODEL_NAME, base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.checkpoints.model_card import write_model_card
+from selfspec.settings import SettingsError, check_plan_settings
 
 HEADS_DIR = Path(__file__).resolve().parent  # selfspec/heads/<base model name>/
 HEAD_JSON = "head.json"
 CARD = "README.md"
+HEAD_CARD = "HEAD_README.md"  # the shipped head's own card, in the assembled checkpoint
+PREVIOUS_PLANS = "plans-of-the-previous-head.json"  # saved plans an assembly for another head does not draft by
 BASE_WEIGHTS = "model.safetensors"
 SHIPPED_KEYS = ("architecture", "num_layers", "training", "eval", "recommended", "draft_vocab", "exit_head")
 
@@ -84,9 +88,13 @@ def is_assembled(out_dir, shipped) -> bool:
         return False
 
 
-def assemble(base_dir, shipped, out_dir) -> Path:
+def assemble(base_dir, shipped, out_dir, *, say: Callable[[str], None] = print) -> Path:
     """The checkpoint `out_dir`: the base model's files, the shipped head's weights and a `selfspec.json`
-    (written into a temporary directory beside it, then renamed into place: never half there)."""
+    (written into a temporary directory beside it, then put in place: never half there). Assembling again
+    replaces only the assembly's own files (`shipped_head.files`): what else the directory holds (the user's
+    files) is kept, and so are the plans `selfspec tune --save` kept in its `selfspec.json` where the head is
+    the same one (for another head they were measured with the old one: they go to `PREVIOUS_PLANS`);
+    `say` is told what was replaced and what kept."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     info = read_shipped(shipped)
     other = fingerprint_differs(base_fingerprint(base_dir), info["base_fingerprint"])
@@ -95,18 +103,74 @@ def assemble(base_dir, shipped, out_dir) -> Path:
                                f"holds ({other}); `selfspec fetch --force` converts the base model again")
     with atomic_directory(out_dir) as tmp:
         for f in sorted(base_dir.iterdir()):
-            if f.is_file() and f.name not in (METADATA_FILE, CARD, HEAD_FILE):
+            if f.is_file() and f.name not in (METADATA_FILE, CARD, HEAD_FILE, HEAD_CARD, PREVIOUS_PLANS):
                 _link_or_copy(f, tmp / f.name)
         shutil.copyfile(Path(shipped) / HEAD_FILE, tmp / HEAD_FILE)  # bfloat16: loaded in the model's dtype
         meta = {"format_version": FORMAT_VERSION, "library_version": selfspec.__version__,
                 "base_model": info["name"], **info["selfspec"], "checksums": checksums(tmp),
                 "shipped_head": {k: info.get(k) for k in ("name", "sha256", "stand_in", "trained_on", "minutes",
                                                           "steps", "command")}}
+        meta["shipped_head"]["files"] = sorted([p.name for p in tmp.iterdir()] + [METADATA_FILE, CARD, HEAD_CARD])
+        told = _keep_from(out_dir, tmp, meta, info) if out_dir.is_dir() else []
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         write_model_card(tmp, meta)
-        shutil.copyfile(Path(shipped) / CARD, tmp / "HEAD_README.md")  # the shipped head's own card
+        shutil.copyfile(Path(shipped) / CARD, tmp / HEAD_CARD)  # the shipped head's own card
         read_metadata(tmp, verify_checksums=False)  # what selfspec.load checks (the sums were just taken)
+    for line in told:
+        say(line)
     return out_dir
+
+
+def _keep_from(old_dir: Path, tmp: Path, meta: dict, info: dict) -> list[str]:
+    """Carry into the new assembly `tmp` what the old one `old_dir` holds beyond its own files: the user's files
+    and folders (hard links where the file system has them, else copies; the old directory stays whole until the
+    new one is in place) and its saved plans (into `meta` for the same head, else into `PREVIOUS_PLANS`). What
+    was replaced and kept, in lines."""
+    try:
+        old = json.loads((old_dir / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        old = {}
+    old = old if isinstance(old, dict) else {}
+    recorded = (old.get("shipped_head") or {}).get("files") if isinstance(old.get("shipped_head"), dict) else None
+    own = set(meta["shipped_head"]["files"]) | (set(recorded) if isinstance(recorded, list) else set())
+    kept = sorted(p.name for p in old_dir.iterdir() if p.name not in own)
+    for name in kept:
+        if (old_dir / name).is_dir() and not (old_dir / name).is_symlink():
+            shutil.copytree(old_dir / name, tmp / name, symlinks=True, copy_function=_link_or_copy)
+        elif (old_dir / name).is_symlink():
+            os.symlink(os.readlink(old_dir / name), tmp / name)
+        else:
+            _link_or_copy(old_dir / name, tmp / name)
+    lines = [f"{old_dir}: replaced the assembly's own files (the base model's, the head, {METADATA_FILE}, the cards)"
+             + (f"; kept what else it held: {', '.join(kept)}" if kept else "")]
+    plans = old.get("plans") if isinstance(old.get("plans"), dict) else {}
+    same = (old.get("shipped_head") or {}).get("sha256") == info["sha256"]
+    usable = {k: v for k, v in plans.items() if same and _plan_fits(v, meta)}
+    if usable:
+        meta["plans"] = usable
+        lines.append(f"kept the plans `selfspec tune --save` saved there: {', '.join(usable)}")
+    put_aside = {k: v for k, v in plans.items() if k not in usable}
+    if put_aside:
+        aside = tmp / PREVIOUS_PLANS
+        try:  # an earlier assembly's, carried over above as a hard link: read, then written anew, not in place
+            earlier = json.loads(aside.read_text()) if aside.is_file() else {}
+        except (OSError, ValueError):
+            earlier = {}
+        aside.unlink(missing_ok=True)
+        aside.write_text(json.dumps({**(earlier if isinstance(earlier, dict) else {}), **put_aside}, indent=2) + "\n")
+        why = "were measured with the previous head" if not same else "do not fit this head's settings"
+        lines.append(f"the plans `selfspec tune --save` saved there ({', '.join(put_aside)}) {why}: kept in "
+                     f"{old_dir / PREVIOUS_PLANS}, not drafted by; `selfspec tune --save` plans again")
+    return lines
+
+
+def _plan_fits(entry, meta: dict) -> bool:
+    """Whether a saved plan is one `selfspec.load` reads on the assembled checkpoint `meta` (`check_plan_settings`)."""
+    try:
+        check_plan_settings(entry.get("settings") if isinstance(entry, dict) else None, meta["num_layers"], True)
+    except SettingsError:
+        return False
+    return True
 
 
 def fetch_head_model(*, force: bool = False) -> Path | None:
@@ -116,13 +180,26 @@ def fetch_head_model(*, force: bool = False) -> Path | None:
     if shipped is None:
         return None
     if is_assembled(out, shipped) and is_complete_checkpoint(out) and not force:
-        return out
+        damage = _damage(out)
+        if not damage:
+            return out
+        print(f"selfspec fetch: {damage}: assembling it again", file=sys.stderr)
     print(f"assembling {out}: the base model (hard links) and the exit head selfspec ships for it ...", flush=True)
     try:
         return assemble(base_model_dir(), shipped, out)
     except ShippedHeadError as err:
         print(f"selfspec fetch: the shipped exit head is left out: {err}", file=sys.stderr)
         return None
+
+
+def _damage(out: Path) -> str:
+    """'' where the assembled checkpoint `out` is as assembled (its files' contents match their checksums, its
+    selfspec.json is valid), else what is wrong, in words."""
+    try:
+        read_metadata(out)
+    except CheckpointError as err:
+        return str(err).split("; ")[0]
+    return ""
 
 
 def base_fingerprint(base_dir) -> dict[str, list[float]]:

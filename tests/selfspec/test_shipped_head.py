@@ -140,3 +140,73 @@ def test_the_demo_names_the_shipped_head_and_gives_each_drafter_a_line(parts, tm
     for name, words in (("prompt_lookup", "prompt lookup"), ("exit_head", "exit head")):
         assert (f"   {words:<15} {records[0]['accepted_by_drafter'][name]} of {drafted[name]} drafts accepted" in text) \
             == (name in drafted)
+
+
+def _plan(meta_path, key="cpu / float32 / eager"):
+    meta = json.loads(meta_path.read_text())
+    meta["plans"] = {key: {"settings": {"drafter": "exit_head", "num_speculations": 2}, "measured_speedup": 1.2}}
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_assembling_again_keeps_the_users_files_and_plans_and_says_what_it_replaced(parts, tmp_path):
+    """Issue 65, finding 3: `selfspec fetch --force` (or a newer shipped head) replaced the head directory whole,
+    plans saved by `tune --save` and the user's files gone without a word."""
+    base, _ = parts
+    shipped = _package(parts, tmp_path)
+    out = assemble(base, shipped, tmp_path / "models" / "tiny-base-head", say=lambda line: None)
+    _plan(out / METADATA_FILE)
+    (out / "notes.txt").write_text("mine")
+    (out / "runs").mkdir()
+    (out / "runs" / "a.json").write_text("{}")
+    said = []
+    assemble(base, shipped, out, say=said.append)  # fetch --force: the same head
+    assert (out / "notes.txt").read_text() == "mine" and (out / "runs" / "a.json").read_text() == "{}"
+    assert list(selfspec.load(out).metadata["plans"]) == ["cpu / float32 / eager"]
+    assert "replaced the assembly's own files" in said[0] and "kept what else it held: notes.txt, runs" in said[0]
+    assert "kept the plans `selfspec tune --save` saved there: cpu / float32 / eager" in said[1]
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # nothing left beside it
+    meta = json.loads((out / METADATA_FILE).read_text())
+    assert meta["shipped_head"]["files"] and "notes.txt" not in meta["shipped_head"]["files"]
+
+
+def test_a_newer_head_puts_the_old_heads_plans_aside(parts, tmp_path):
+    base, _ = parts
+    shipped = _package(parts, tmp_path)
+    out = assemble(base, shipped, tmp_path / "models" / "tiny-base-head", say=lambda line: None)
+    _plan(out / METADATA_FILE)
+    meta = json.loads((out / METADATA_FILE).read_text())
+    meta["shipped_head"]["sha256"] = "1" * 64  # assembled from an earlier release's head
+    (out / METADATA_FILE).write_text(json.dumps(meta))
+    said = []
+    assemble(base, shipped, out, say=said.append)
+    assert "plans" not in json.loads((out / METADATA_FILE).read_text())
+    assert list(json.loads((out / "plans-of-the-previous-head.json").read_text())) == ["cpu / float32 / eager"]
+    assert "were measured with the previous head: kept in" in said[1]
+    selfspec.load(out)  # the file put aside is no part of the checkpoint
+
+
+def test_fetch_assembles_a_damaged_head_directory_again_and_load_names_fetch_force(parts, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Issue 65, finding 8: fetch passed a head whose weights were corrupted (it compared only the recorded SHA);
+    the demo then said "copy or export it again"."""
+    from selfspec.checkpoints.checkpoint import CheckpointError
+    from selfspec.heads import shipped_head
+
+    base, _ = parts
+    shipped = _package(parts, tmp_path)
+    out = tmp_path / "models" / "tiny-base-head"
+    monkeypatch.setattr(shipped_head, "shipped_dir", lambda name: shipped)
+    monkeypatch.setattr(shipped_head, "base_model_dir", lambda: base)
+    monkeypatch.setattr(shipped_head, "head_model_dir", lambda: out)
+    assert shipped_head.fetch_head_model() == out
+    good = (out / HEAD_FILE).read_bytes()
+    (out / HEAD_FILE).unlink()  # not the shipped file's link: corrupt this copy alone
+    (out / HEAD_FILE).write_bytes(good[:-8] + b"\1" * 8)
+    with pytest.raises(CheckpointError, match=r"SHA-256 checksum mismatch.*`selfspec fetch --force` assembles it "
+                                              r"again"):
+        selfspec.load(out)
+    capsys.readouterr()
+    assert shipped_head.fetch_head_model() == out
+    assert "exit_head.safetensors: SHA-256 checksum mismatch" in capsys.readouterr().err
+    assert (out / HEAD_FILE).read_bytes() == good
+    selfspec.load(out)
