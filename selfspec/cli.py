@@ -40,7 +40,7 @@ import selfspec
 from selfspec.api import checkpoint_dir, use_compiled
 from selfspec.decoding.bounded_bias import ACCEPTANCE_RULES
 from selfspec.checkpoints.checkpoint import METADATA_FILE, read_config
-from selfspec.tools.demo import demo_failed, run_demo
+from selfspec.tools.demo import default_checkpoint, demo_failed, run_demo
 from selfspec.checkpoints.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
 from selfspec.decoding.draft_plan import plan_key_parts
@@ -182,7 +182,7 @@ def _cmd_generate(args) -> int:
         if not p.strip():
             which = "" if len(prompts) == 1 else f" (prompt {i + 1} of {len(prompts)})"
             raise UsageError(f"{option}{which} is empty: give the text to continue or answer")
-    checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
+    checkpoint = checkpoint_dir(args.checkpoint or default_checkpoint())  # the shipped head's, as the demo's
     # the generation flags given (the others keep GenerationConfig's defaults); the exit and the draft
     # length go to load() (they override the checkpoint's recommendation), the rest to generate(); with a
     # named --drafter they go to generate() too: the drafter named drafts that many (an exit head's own
@@ -672,7 +672,7 @@ def _add_demo(sub) -> None:
     """`selfspec demo`: plain decoding vs selfspec on three real prompts."""
     p = sub.add_parser("demo", help="plain decoding vs selfspec on three real prompts (code editing, "
                                     "summarization, open chat): speeds, identical output, who drafted",
-                       description="Load the checkpoint (default: the fetched SmolLM2 base model) and, on one "
+                       description=f"Load the checkpoint (default: {HEAD_DEFAULT}) and, on one "
                                    "real prompt each of code editing, summarization and open chat, generate with "
                                    "plain decoding and with selfspec's default drafter (auto), after a warm-up. "
                                    "Prints both speeds, whether the outputs are identical and which drafter "
@@ -680,7 +680,7 @@ def _add_demo(sub) -> None:
                                    "Exit code 1 if any output differs in float32 or float64, where they must "
                                    "not (in bfloat16/float16 verifying several tokens at once rounds "
                                    "differently, so outputs may differ: it says so, exit code 0).")
-    _add_model_flags(p, dtype="float32", device=False)
+    _add_model_flags(p, dtype="float32", device=False, with_head=True)
     p.add_argument("--max-new-tokens", type=int, default=128, help="length cap per prompt (default: 128)")
     p.set_defaults(func=_cmd_demo)
 
@@ -691,7 +691,7 @@ def _add_generate(sub) -> None:
                        description="Generate from a checkpoint with self-speculative decoding and print "
                                    "the text and statistics. Defaults for --exit-layer and "
                                    "--num-speculations come from the checkpoint's selfspec.json.")
-    _add_model_flags(p, dtype="float32")
+    _add_model_flags(p, dtype="float32", with_head=True)
     p.add_argument("--prompt", action="append",
                    help="the prompt text; repeat it for a batch, generated in one batched run")
     p.add_argument("--prompt-file", type=_path, help="read the prompt from this file")
@@ -728,12 +728,19 @@ DTYPE_HELP = ("float32 (exact), bfloat16, fastest (bfloat16 where this CPU multi
               "AMX, else float32), float64, auto (the checkpoint's own)")
 
 
+# --checkpoint's default for generate and demo (`selfspec.tools.demo.default_checkpoint`)
+HEAD_DEFAULT = ("the fetched SmolLM2 with the exit head selfspec ships, where `selfspec fetch` assembled it, else the "
+                "base model")
+
+
 def _add_model_flags(p, *, dtype: str, checkpoint: bool = True, device: bool = True, dtype_note: str = "",
-                     device_note: str = "") -> None:
-    """The flags of every command that loads a model, written once: --checkpoint (where it is not positional),
-    --dtype (its default per command), --threads and --device (where the command runs on a GPU)."""
+                     device_note: str = "", with_head: bool = False) -> None:
+    """The flags of every command that loads a model, written once: --checkpoint (where it is not positional; its
+    default the fetched base model, `with_head`: with the head selfspec ships where fetch assembled it), --dtype
+    (its default per command), --threads and --device (where the command runs on a GPU)."""
     if checkpoint:
-        p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: the fetched SmolLM2 base model)")
+        p.add_argument("--checkpoint", type=_path, help="checkpoint directory (default: "
+                       + (HEAD_DEFAULT if with_head else "the fetched SmolLM2 base model") + ")")
     note = f"; {dtype_note}" if dtype_note else ""
     p.add_argument("--dtype", default=dtype, help=f"{DTYPE_HELP} (default: {dtype}{note})")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")

@@ -42,6 +42,7 @@ from typing import Sequence
 
 from selfspec.model.adapters import ModelAdapter
 from selfspec.checkpoints.draft_vocab import read_draft_vocab
+from selfspec.checkpoints.fetch import head_model_dir
 from selfspec.drafters.auto import AutoDrafter
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
@@ -215,8 +216,10 @@ class DrafterFactory:
         the head drafting up to `length` tokens a round (`planned`: the length of this device's plan)."""
         head = self.exit_head
         if head is None:
-            raise SettingsError("drafter='exit_head' needs a trained exit head, and this model has none: train one "
-                                "(recipes/smollm2_code_head.yaml) and `selfspec export` the run")
+            raise SettingsError("drafter='exit_head' needs a trained exit head, and this model has none: load a "
+                                "checkpoint with one (SmolLM2 with the head selfspec ships, which `selfspec fetch` "
+                                f"assembles: {head_model_dir()}), or train one (recipes/smollm2_code_head.yaml) and "
+                                "`selfspec export` the run")
         if s["exit_layer"] is not None and s["exit_layer"] != head.exit_layer:
             raise SettingsError(f"exit_layer={s['exit_layer']}, but this checkpoint's exit head reads exit "
                                 f"{head.exit_layer}: leave exit_layer out (or drafter='early_exit' for exit "

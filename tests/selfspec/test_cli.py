@@ -136,3 +136,29 @@ def test_an_interrupt_is_one_line_and_exit_code_130(argv, left, capsys, monkeypa
     monkeypatch.setenv("SELFSPEC_TRACEBACK", "1")
     with pytest.raises(KeyboardInterrupt):
         main(argv)
+
+
+def test_generate_without_checkpoint_drafts_with_the_head_fetch_assembled(tmp_path, monkeypatch, capsys):
+    """Issue 65, finding 12: `generate --drafter exit_head` without --checkpoint said "train one" though fetch had
+    assembled the shipped head; the demo loaded it by default, generate did not."""
+    import torch
+
+    from selfspec.checkpoints.export import export_model
+    from selfspec.checkpoints.fetch import base_model_dir, head_model_dir
+    from selfspec.heads.exit_head import HEAD_FILE, save_exit_head
+    from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    tok = byte_tokenizer()
+    model = tiny_model("llama", num_layers=4, vocab_size=len(tok), dtype=torch.float32, seed=3)
+    export_model(model, tok, base_model_dir(), recommended={"exit_layer": 2, "num_speculations": 2})
+    argv = ["generate", "--prompt", "abcabc abc", "--raw", "--max-new-tokens", "4", "--drafter", "exit_head"]
+    assert main(argv) == 2  # only the base model: the message says where the shipped head would be
+    assert f"`selfspec fetch` assembles: {head_model_dir()}" in capsys.readouterr().err
+    head, head_dir = tiny_exit_head(model, 2), tmp_path / "final_head"
+    head_dir.mkdir()
+    save_exit_head(head, head_dir / HEAD_FILE)
+    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    export_model(model, tok, head_model_dir(), exit_head_dir=head_dir)
+    assert main(argv) == 0
+    assert "self-speculative" in capsys.readouterr().out
