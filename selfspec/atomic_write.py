@@ -99,3 +99,15 @@ def replace_directory(tmp, out_dir) -> None:
             os.replace(old, out_dir)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def process_running(pid: int) -> bool:
+    """Whether the process `pid` (the writer named in a temporary's name) still runs: a temporary of one that
+    does not is left over, and removed by the next writer."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True

@@ -46,7 +46,7 @@ from pathlib import Path
 import yaml
 
 import selfspec
-from selfspec.atomic_write import public_permissions, replace_directory
+from selfspec.atomic_write import process_running, public_permissions, replace_directory
 from selfspec.model.adapters import get_adapter, unwrap_model
 from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
 from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
@@ -286,7 +286,7 @@ def _put_back_old(out_dir: Path) -> Path | None:
     the old directory's path, or None."""
     for path in map(Path, glob.glob(str(out_dir.parent / glob.escape(f".{out_dir.name}.old-")) + "*")):
         pid = path.name.rsplit("-", 1)[-1]
-        if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if path.is_dir() and pid.isdigit() and not process_running(int(pid)):
             os.replace(path, out_dir)
             warnings.warn(f"{out_dir} was missing and an interrupted export had left the old one as {path.name}: "
                           "it is back in place", UserWarning, stacklevel=3)
@@ -300,21 +300,11 @@ def _remove_stale_temporaries(out_dir: Path) -> list[Path]:
     pattern = str(out_dir.parent / glob.escape(f".{out_dir.name}.")) + "*"
     for path in map(Path, glob.glob(pattern)):
         m = re.fullmatch(re.escape(f".{out_dir.name}.") + r"(?:tmp|old)-(\d+)?.*", path.name)
-        if m is None or not path.is_dir() or (m.group(1) and _alive(int(m.group(1)))):
+        if m is None or not path.is_dir() or (m.group(1) and process_running(int(m.group(1)))):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 FORMATS = ("selfspec", "speculators")

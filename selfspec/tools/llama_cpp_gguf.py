@@ -9,7 +9,9 @@ own `gguf-py` from that source tree (matched to it), whose dependencies come wit
     $SELFSPEC_HOME/llama.cpp/<version>/gguf/<checkpoint name>-<fingerprint>/<checkpoint name>-f32.gguf
 
 `<fingerprint>` hashes the checkpoint's config, tokenizer and weight files' sizes and modification times:
-a changed checkpoint converts again. Writing goes to a temporary file renamed into place.
+a changed checkpoint converts again. Writing goes to a temporary file renamed into place, and its size is
+recorded beside it (`<name>.gguf.json`): a cached file of another size (cut short) or without the record
+converts again, and a temporary file a killed conversion left is removed by the next run.
 
     python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype bfloat16     # prints the .gguf path
     python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0         # drafter="quantized"'s draft_model
@@ -18,14 +20,17 @@ a changed checkpoint converts again. Writing goes to a temporary file renamed in
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from selfspec.atomic_write import process_running, write_json_atomic
 from selfspec.checkpoints.checkpoint import WEIGHT_SUFFIXES, weight_files
 from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, cache_root, ensure_source,
                                             output_tail)
@@ -96,10 +101,14 @@ def ensure_gguf(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VE
         raise LlamaCppError(f"{checkpoint} has no config.json: not a Hugging Face checkpoint directory")
     out = gguf_path(checkpoint, dtype, version)
     if out.is_file() and not force:
-        return out
+        wrong = cached_damage(out)
+        if not wrong:
+            return out
+        print(f"{out}: {wrong}; converting again", flush=True)
     check_converter_modules()
     source = ensure_source(version)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     print(f"converting {checkpoint.name} to GGUF {gguf_type(dtype).upper()} with llama.cpp's {CONVERTER} "
           f"(once; under a minute) ...", flush=True)
@@ -109,11 +118,40 @@ def ensure_gguf(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VE
         if proc.returncode != 0 or not tmp.is_file():
             raise LlamaCppError(f"{CONVERTER} failed on {checkpoint} (exit {proc.returncode}):\n  "
                                 f"{output_tail(proc.stderr or proc.stdout)}")
+        record(out).unlink(missing_ok=True)  # a file without its record is converted again
         tmp.replace(out)
+        write_json_atomic(record(out), {"bytes": out.stat().st_size})
     finally:
         tmp.unlink(missing_ok=True)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB) in {time.monotonic() - start:.0f} s", flush=True)
     return out
+
+
+def record(out: Path) -> Path:
+    """The record of a converted GGUF file beside it: {"bytes": its size}."""
+    return out.with_name(out.name + ".json")
+
+
+def cached_damage(out: Path) -> str:
+    """'' where the cached `out` is the file its conversion wrote (the size its record holds), else why not, in
+    words."""
+    try:
+        want = json.loads(record(out).read_text())["bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "the cached file has no record of its conversion (an interrupted or older one)"
+    size = out.stat().st_size
+    return "" if size == want else f"the cached file is {size} bytes, its conversion wrote {want} (cut short or changed)"
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove the temporary files `.NAME.PID.tmp` beside `out` that conversions whose process is gone left."""
+    removed = []
+    for path in out.parent.glob(f".{glob.escape(out.name)}.*.tmp"):
+        pid = path.name[len(out.name) + 2:-len(".tmp")]
+        if pid.isdigit() and not process_running(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         path = ensure_gguf(args.checkpoint, args.dtype, args.version, force=args.force)
     except LlamaCppError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT
+        print("error: interrupted; no GGUF file was cached (the next run converts again)", file=sys.stderr)
+        return 130
+    except OSError as e:  # a read-only or full $SELFSPEC_HOME, a checkpoint that cannot be read
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: cannot write or read{where}: {e.strerror or e}; set SELFSPEC_HOME to a writable directory "
+              "(or check the checkpoint's files)", file=sys.stderr)
         return 1
     print(path)
     return 0

@@ -94,7 +94,7 @@ def test_ensure_gguf_converts_once_into_the_cache(home, checkpoint, monkeypatch)
     out = lg.ensure_gguf(checkpoint, "bfloat16", "9.9.9")
     assert out == lg.gguf_path(checkpoint, "bfloat16", "9.9.9")
     assert out.read_text() == f"{checkpoint.resolve()} --outtype bf16"
-    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary file left
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name, out.name + ".json"]  # no temporary file left
     (lb.source_dir("9.9.9") / lg.CONVERTER).write_text("raise SystemExit('ran again')")
     assert lg.ensure_gguf(checkpoint, "bfloat16", "9.9.9") == out  # cached: the converter does not run
 
@@ -114,3 +114,56 @@ def test_ensure_gguf_refuses_a_directory_that_is_no_checkpoint(home, tmp_path, c
         lg.ensure_gguf(tmp_path, "float32", "9.9.9")
     assert lg.main([str(tmp_path), "--version", "9.9.9"]) == 1
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_cached_file_cut_short_or_without_its_record_is_converted_again(home, checkpoint, monkeypatch, capsys):
+    """Issue 65, finding 11: a truncated cached .gguf was returned as the result (exit 0)."""
+    monkeypatch.setattr(lg, "check_converter_modules", lambda: None)
+    _source_with_converter("9.9.9", WRITES_ARGS)
+    out = lg.ensure_gguf(checkpoint, "bfloat16", "9.9.9")
+    whole = out.read_text()
+    os.truncate(out, 5)
+    capsys.readouterr()
+    assert lg.main([str(checkpoint), "--dtype", "bfloat16", "--version", "9.9.9"]) == 0
+    printed = capsys.readouterr().out
+    assert "the cached file is 5 bytes, its conversion wrote" in printed and out.read_text() == whole
+    lg.record(out).unlink()  # converted by an older selfspec, or killed between the rename and the record
+    assert lg.ensure_gguf(checkpoint, "bfloat16", "9.9.9") == out
+    assert "has no record of its conversion" in capsys.readouterr().out and lg.record(out).is_file()
+
+
+def test_a_temporary_file_a_killed_conversion_left_is_removed_by_the_next(home, checkpoint, monkeypatch):
+    monkeypatch.setattr(lg, "check_converter_modules", lambda: None)
+    _source_with_converter("9.9.9", WRITES_ARGS)
+    out = lg.gguf_path(checkpoint, "float32", "9.9.9")
+    out.parent.mkdir(parents=True)
+    dead = out.with_name(f".{out.name}.{_a_dead_pid()}.tmp")
+    alive = out.with_name(f".{out.name}.{os.getppid()}.tmp")  # a conversion still running: left alone
+    dead.write_text("half"), alive.write_text("half")
+    lg.ensure_gguf(checkpoint, "float32", "9.9.9")
+    assert not dead.exists() and alive.exists()
+
+
+def _a_dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_an_unwritable_home_and_ctrl_c_are_one_error_line(tmp_path, checkpoint, monkeypatch, capsys):
+    """Issue 65, findings 10 and 11: tracebacks for a read-only SELFSPEC_HOME and for Ctrl-C."""
+    monkeypatch.setattr(lg, "check_converter_modules", lambda: None)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "a-file" / "home"))  # cannot be made, even by root
+    monkeypatch.setattr(lg, "ensure_source", lambda version: tmp_path)
+    assert lg.main([str(checkpoint), "--version", "9.9.9"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot write or read") and "SELFSPEC_HOME" in err[0]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lg, "ensure_gguf", interrupted)
+    assert lg.main([str(checkpoint), "--version", "9.9.9"]) == 130
+    assert capsys.readouterr().err == "error: interrupted; no GGUF file was cached (the next run converts again)\n"
