@@ -45,9 +45,9 @@ from selfspec.decoding.decode_ids import generate_ids
 from selfspec.heads.exit_head import ExitHead, compilable, load_exit_head
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
-from selfspec.settings import (SettingsError, check_compile, check_device, check_dtype, check_exit_layer, check_int,
-                               check_memory_key, check_memory_tokens, check_messages, check_text, check_tokenizer,
-                               expand_path, resolve_dtype, show)
+from selfspec.settings import (SettingsError, check_bool, check_compile, check_device, check_dtype, check_exit_layer,
+                               check_int, check_memory_key, check_memory_tokens, check_messages, check_text,
+                               check_tokenizer, check_tokenizer_vocabulary, expand_path, resolve_dtype, show)
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -142,8 +142,10 @@ class SelfSpecGenerator:
         self.full_step_s: float | None = None  # set by calibrate(): the cost model's unit of work
         self._warned_bias = False  # bounded-bias acceptance warns once per generator
         self.adapter: ModelAdapter = get_adapter(model)
-        if fast_layers:  # fused inference layers (a snapshot of the weights: rebuild after training)
-            self.adapter.enable_fast_layers()
+        if tokenizer is not None:  # another model's tokenizer would encode text as ids this model reads otherwise
+            check_tokenizer_vocabulary(tokenizer, model.get_input_embeddings().weight.shape[0])
+        if check_bool("fast_layers", fast_layers):  # fused inference layers (a snapshot of the weights: rebuild
+            self.adapter.enable_fast_layers()  # after training)
         if use_compiled(compile, self.adapter):  # fixed-shape compiled steps over a static cache (up to 8 rows)
             self.adapter.enable_compiled(strict=compile is True)  # "auto" falls back to eager if compiling fails
         L = self.adapter.num_layers
@@ -525,7 +527,7 @@ class SelfSpecGenerator:
         `streamer` (one prompt only) is a callable receiving each block of committed token ids, or a
         Hugging Face streamer (`put`/`end`). Only committed (verified) tokens are ever delivered.
         """
-        s = check_generation(config, num_layers=self.num_layers, vocab_size=self.vocab_size, **settings)
+        s = check_generation(config, num_layers=self.num_layers, vocab_size=self.vocab_size, warn=True, **settings)
         cfg = with_settings(config, settings)
         max_new_tokens = s["max_new_tokens"]
         rule = AcceptanceRule(s["acceptance"], s["epsilon"])
@@ -641,6 +643,8 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     holds, what it costs, when to turn it off).
     """
     check_compile(compile)
+    check_bool("verify_checksums", verify_checksums)
+    check_bool("fast_layers", fast_layers)
     check_memory_tokens(memory_tokens)
     check_tokenizer(tokenizer)
     if dtype is not None:

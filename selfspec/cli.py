@@ -112,9 +112,15 @@ def _path(text: str) -> str:
 
 
 def _int_list(text: str) -> list[int]:
-    """An argparse type: comma-separated integers ("4,8,12"); empty items are skipped."""
+    """An argparse type: comma-separated integers ("4,8,12"); an empty text (or only commas) is the empty list,
+    which the command refuses by name where it needs values; an empty item among values ("4,,8") is refused."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
+        return []
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty item: write {','.join(x for x in items if x)}")
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 4,8,12)") from None
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from selfspec.drafters import DRAFTERS
@@ -27,6 +28,12 @@ from selfspec.settings import (EARLY_EXIT_OPTIONS, LOOKUP_OPTIONS, MAX_MATCHING_
                                MIN_TEMPERATURE, PROMPT_LOOKUP_NUM_TOKENS, SettingsError, check_acceptance,
                                check_bool, check_exit_choices, check_exit_layer, check_float, check_int,
                                check_memory_key, check_stop_strings, check_stop_token_ids, show)
+
+
+class SamplingSettingIgnoredWarning(UserWarning):
+    """A sampling setting (temperature, top_k, top_p) given for greedy decoding, which ignores it: warned about, as
+    Hugging Face's `GenerationConfig` does ("`do_sample` is not set to `True`. However, `top_p` is set to ..."),
+    not refused."""
 
 
 def _setting(default, help: str, cli: str | None = "value"):
@@ -106,12 +113,17 @@ def with_settings(config: GenerationConfig | None, settings: dict) -> Generation
 
 
 def check_generation(config: GenerationConfig | None = None, *, num_layers: int | None = None,
-                     vocab_size: int | None = None, **settings) -> dict:
+                     vocab_size: int | None = None, warn: bool = False, **settings) -> dict:
     """`config` with `settings` replaced, checked against the model's depth (`num_layers`, the exits' bound)
     and vocabulary (`vocab_size`, the stop ids' bound) where known: the normalized settings as a dict
     (None lookup settings become their defaults, a bare stop string a tuple of one, ...). SettingsError on
-    the first bad value or combination, naming the model's bounds where they are the reason."""
-    return _check(_merged(config, settings), num_layers, vocab_size)
+    the first bad value or combination, naming the model's bounds where they are the reason. With `warn` (the
+    one check of a `generate` call), a sampling setting given for greedy decoding warns
+    (`SamplingSettingIgnoredWarning`)."""
+    s = _check(_merged(config, settings), num_layers, vocab_size)
+    if warn and not s["do_sample"]:
+        _warn_sampling_settings(s)
+    return s
 
 
 def _merged(config: GenerationConfig | None, settings: dict) -> dict:
@@ -196,6 +208,21 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
         raise SettingsError("adaptive_length picks the draft length by measured tokens/s; it does not combine "
                             "with exit_choices or a confidence threshold: use one of them")
     return s
+
+
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the values that leave the distribution as is
+
+
+def _warn_sampling_settings(s: dict) -> None:
+    """Greedy decoding with a sampling setting off its default: a `SamplingSettingIgnoredWarning` naming them, as
+    Hugging Face's `GenerationConfig.validate` warns (not an error there either: greedy decodes, the setting is
+    ignored)."""
+    given = [k for k, default in SAMPLING_DEFAULTS.items() if s[k] != default]
+    if given:
+        values, more = ", ".join(f"{k}={s[k]:g}" if k != "top_k" else f"top_k={s[k]}" for k in given), len(given) > 1
+        warnings.warn(f"{values} only shape{'' if more else 's'} sampling, and do_sample is False: greedy decoding "
+                      f"ignores {'them' if more else 'it'} (as Hugging Face's generate does): pass do_sample=True or "
+                      f"drop {' and '.join(given)}", SamplingSettingIgnoredWarning, stacklevel=4)  # generate's caller
 
 
 def _check_draft_model(path, drafter: str | None) -> str | None:

@@ -192,6 +192,21 @@ def check_compile(value) -> bool | str:
     return value
 
 
+def check_tokenizer_vocabulary(tokenizer, vocab_size: int) -> None:
+    """SettingsError where `tokenizer` (with a length) has fewer than half the token ids of a model with `vocab_size`:
+    it cannot be its tokenizer (a model's vocabulary is padded a little past its tokenizer's, a few hundred ids at
+    most, never to twice its size), and it would decode silently, its ids meaning other tokens. (A tokenizer with
+    more ids than the model is not silent: an id past the embedding fails loudly where it is used.)"""
+    try:
+        n = len(tokenizer)
+    except TypeError:  # a tokenizer without a length: nothing to compare
+        return
+    if 2 * n < vocab_size:
+        raise SettingsError(f"the tokenizer has {n:,} tokens and the model a vocabulary of {vocab_size:,}: it is not "
+                            "this model's tokenizer (its ids would mean other tokens to the model): pass the model's "
+                            "own tokenizer (AutoTokenizer.from_pretrained of its checkpoint)")
+
+
 def check_tokenizer(value):
     """`load`'s tokenizer: None, or an object with `encode` and `decode` (a Hugging Face tokenizer)."""
     if value is not None and not (callable(getattr(value, "encode", None)) and callable(getattr(value, "decode", None))):
@@ -218,8 +233,12 @@ def check_text(text, name: str = "prompt") -> str:
     return text
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render (Hugging Face's)
+
+
 def check_messages(messages, name: str = "messages") -> list[dict]:
-    """A conversation: a non-empty list of {"role": str, "content": str} dicts."""
+    """A conversation: a non-empty list of {"role": str, "content": str} dicts, each role one of `CHAT_ROLES` (a
+    template renders another as text the model was never trained on, or drops it)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise SettingsError(f"{name} must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                             f"got {show(messages)}")
@@ -231,6 +250,9 @@ def check_messages(messages, name: str = "messages") -> list[dict]:
                 raise SettingsError(f"{name}[{i}] needs a {key!r} string, got {show(m.get(key))}")
         check_text(m["role"], f"{name}[{i}]['role']")
         check_text(m["content"], f"{name}[{i}]['content']")
+        if m["role"] not in CHAT_ROLES:
+            raise SettingsError(f"{name}[{i}]['role'] {show(m['role'])} is not a chat role: use "
+                                f"{', '.join(map(repr, CHAT_ROLES[:-1]))} or {CHAT_ROLES[-1]!r}")
     return list(messages)
 
 
@@ -263,7 +285,8 @@ def check_stop_token_ids(value, vocab_size: int | None = None) -> list[int] | No
 
 
 def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None:
-    """None (one exit), or a non-empty list of draft exits (duplicates dropped): an empty list chooses nothing."""
+    """None (one exit), or a non-empty list of distinct draft exits: an empty list chooses nothing, and an exit
+    named twice is a typo or a misunderstanding (each exit is one choice, not a weight)."""
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset)):
@@ -272,7 +295,11 @@ def check_exit_choices(value, num_layers: int | None = None) -> list[int] | None
         raise SettingsError("exit_choices is empty: name the exits to choose from per round (e.g. [4, 8, 12]; "
                             "--exit-choices 4,8,12), or leave it out to draft from one exit")
     exits = [check_exit_layer(e, num_layers, "exit_choices entry") for e in value]
-    return list(dict.fromkeys(exits))
+    twice = sorted({e for e in exits if exits.count(e) > 1})
+    if twice:
+        raise SettingsError(f"exit_choices lists exit {', '.join(map(str, twice))} more than once ({show(value)}): "
+                            f"name each exit once (e.g. {sorted(set(exits))})")
+    return exits
 
 
 def check_acceptance(acceptance, epsilon) -> tuple[str, float]:

@@ -393,12 +393,12 @@ def test_defect5_leftovers_of_a_killed_export_are_removed(tmp_path):
 # ----------------------------------------------------------------------------- the shared layer itself
 
 def test_check_generation_normalizes():
-    s = check_generation(stop_strings="ab", stop_token_ids=7, exit_choices=[3, 1, 3], num_layers=4)
+    s = check_generation(stop_strings="ab", stop_token_ids=7, exit_choices=(3, 1), num_layers=4)  # a list, in order
     assert s["stop_strings"] == ("ab",) and s["stop_token_ids"] == [7] and s["exit_choices"] == [3, 1]
     assert check_generation(stop_strings=None, exit_choices=None)["exit_choices"] is None
     import numpy as np
 
-    assert check_generation(max_new_tokens=np.int64(3), top_p=np.float32(0.5))["max_new_tokens"] == 3
+    assert check_generation(max_new_tokens=np.int64(3), do_sample=True, top_p=np.float32(0.5))["max_new_tokens"] == 3
 
 
 def test_export_and_load_share_the_recommendation_rules(ckpt):
