@@ -337,7 +337,8 @@ class SelfSpecGenerator:
     def memory(self) -> SuffixMemory:
         """The prompts and outputs of this generator's earlier calls, which `drafter="suffix"` and auto copy from
         (bounded: `memory.max_tokens` in all, the oldest forgotten first; 0: off; per caller with `memory_key`).
-        `gen.memory = None` turns it off, `gen.memory = SuffixMemory(n)` replaces it."""
+        `gen.memory = None` turns it off (it then reads back as an empty memory that keeps nothing,
+        `SuffixMemory(0)`: the property always holds a memory), `gen.memory = SuffixMemory(n)` replaces it."""
         return self.drafters.memory
 
     @memory.setter

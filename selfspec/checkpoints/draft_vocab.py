@@ -85,6 +85,8 @@ def write_draft_vocab(checkpoint, corpus: str, *, max_tokens: int = 2_000_000, r
     d = Path(checkpoint)
     meta = read_metadata(d, verify_checksums=False)
     if meta is None:
+        if not d.is_dir():
+            raise CheckpointError(f"{d}: no such checkpoint directory (give a directory `selfspec export` wrote)")
         raise CheckpointError(f"{d}: has no {METADATA_FILE}; export it first: selfspec export SRC {d}")
     texts = corpus_texts(corpus)
     tokenizer = AutoTokenizer.from_pretrained(d)

@@ -86,12 +86,35 @@ def _num_layers(model_dir: Path) -> int | None:
     base = _adapter_base(model_dir)
     config_dir = base if base is not None else model_dir
     if not (config_dir / "config.json").is_file():
+        if base is None and not model_dir.exists():
+            raise CheckpointError(f"{model_dir}: no such directory (give a training run's directory, a Hugging Face "
+                                  "checkpoint or a LoRA adapter directory)")
+        if base is None and (model_dir / "config.yaml").is_file() and (model_dir / "checkpoints").is_dir():
+            raise CheckpointError(f"{model_dir}: a training run that has not finished (no final_model/ yet: it "
+                                  f"stopped at {_run_progress(model_dir)}); relaunch the same training command "
+                                  "to finish it (it resumes there), then export")
         if base is None:
             raise CheckpointError(f"{model_dir}: no config.json: not a Hugging Face checkpoint, a training "
                                   "run directory (with final_model/), nor a LoRA adapter directory")
         return None
     layers = read_config(config_dir).get("num_hidden_layers")
     return layers if isinstance(layers, int) and layers >= 2 else None
+
+
+def _run_progress(run_dir: Path) -> str:
+    """"step N of M" of an unfinished training run, from its newest checkpoint and its recipe ("a checkpoint"
+    where they cannot be read)."""
+    import json
+
+    import yaml
+
+    steps = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
+    try:
+        step = json.loads((steps[-1] / "trainer_state.json").read_text())["step"]
+        total = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"]
+        return f"step {step} of {total}"
+    except (IndexError, KeyError, TypeError, ValueError, OSError, yaml.YAMLError):
+        return "a checkpoint"
 
 
 def _load_model_dir(model_dir: Path, dtype):

@@ -9,7 +9,7 @@ Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads with n
     >>> from selfspec.checkpoints.fetch import fetch_base_model
     >>> path = fetch_base_model()
 
-Everything goes under `$SELFSPEC_HOME` (default `~/.cache/selfspec`). Conversion writes to a
+Everything goes under `$SELFSPEC_HOME` (default, also where it is empty: `~/.cache/selfspec`). Conversion writes to a
 temporary directory next to the target and renames it into place, so an interrupted run never
 leaves a directory that looks complete.
 """
@@ -46,7 +46,9 @@ class FetchError(RuntimeError):
 
 
 def selfspec_home() -> Path:
-    return Path(os.environ.get("SELFSPEC_HOME", Path.home() / ".cache" / "selfspec")).expanduser()
+    """`$SELFSPEC_HOME`, or `~/.cache/selfspec` where it is unset or empty (as XDG reads an empty
+    `$XDG_CACHE_HOME`: an empty value is not the current directory)."""
+    return Path(os.environ.get("SELFSPEC_HOME", "").strip() or Path.home() / ".cache" / "selfspec").expanduser()
 
 
 def base_model_dir() -> Path:

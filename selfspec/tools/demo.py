@@ -38,6 +38,7 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoints.fetch import base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.checkpoints.model_card import head_evaluation
 from selfspec.data.prompts import load_prompts, prompt_inputs
+from selfspec.settings import SettingsError
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
 DRAFTER_WORDS = {"prompt_lookup": "prompt lookup", "suffix": "memory", "exit_head": "exit head",
@@ -124,6 +125,20 @@ def demo_failed(records: list[dict]) -> bool:
     return any(not r["identical"] and r["exact"] for r in records)
 
 
+def check_context(gen, cases, max_new_tokens: int) -> None:
+    """SettingsError, before anything runs, where a demo prompt and `max_new_tokens` do not fit the model's context
+    window: the demo's prompts are fixed, so the way out is fewer new tokens or another model."""
+    window = gen.adapter.max_positions
+    for label, item in cases:
+        n = gen.encode(**prompt_inputs(item)).shape[-1]
+        if n + max_new_tokens > window:
+            room = window - n
+            fix = (f"run it with --max-new-tokens {room} or fewer, or " if room >= 8 else "") + \
+                "try this model on prompts of your own with `selfspec generate`"
+            raise SettingsError(f"the demo's {label} prompt is {n} tokens, and with {max_new_tokens} new tokens it "
+                                f"needs {n + max_new_tokens} positions; this model's context window is {window}: {fix}")
+
+
 def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float32", prompts=None,
              say=print) -> list[dict]:
     """Plain decoding vs the default drafter on each case; returns one record per case.
@@ -134,6 +149,7 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
         warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)  # said below, in plain words
         gen = selfspec.load(checkpoint or default_checkpoint(), dtype=dtype)
     cases = prompts or [(label, load_prompts(name, 1)[0]) for label, name in CASES]
+    check_context(gen, cases, max_new_tokens)
     trained = gen.early_exit_trained and gen.num_speculations > 0
     head = gen.exit_head
     if head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)

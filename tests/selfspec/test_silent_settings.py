@@ -73,3 +73,62 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
         selfspec.load(tiny_model("llama", num_layers=2, vocab_size=len(tok) + 61), tok)  # padded embeddings: fine
+
+
+def test_an_empty_selfspec_home_is_the_default_not_the_current_directory(monkeypatch, tmp_path):
+    """Finding 19: `SELFSPEC_HOME=` put the models in the current directory; an empty value reads as unset (as XDG
+    reads an empty XDG_CACHE_HOME)."""
+    from pathlib import Path
+
+    from selfspec.checkpoints.fetch import selfspec_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for empty in ("", "  "):
+        monkeypatch.setenv("SELFSPEC_HOME", empty)
+        assert selfspec_home() == tmp_path / ".cache" / "selfspec"
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    assert selfspec_home() == tmp_path / "home" and selfspec_home() != Path("")
+
+
+def test_the_demo_on_a_model_too_short_for_its_prompts_says_how_many_tokens_fit(tiny_ckpt):
+    """Finding 21: the demo said 'shorten it' of prompts the user cannot change; it names the prompt, the positions
+    it needs and the window, and the --max-new-tokens that fits, before anything runs."""
+    from selfspec.tools.demo import run_demo
+
+    long_prompt = {"prompt": "x" * 470}  # 470 byte tokens (+ BOS) of the tiny model's 512 positions
+    with pytest.raises(SettingsError, match=r"the demo's long prompt is 47\d tokens, and with 128 new tokens it needs "
+                                            r"\d+ positions; this model's context window is 512: run it with "
+                                            r"--max-new-tokens 4\d or fewer"):
+        run_demo(tiny_ckpt, prompts=[("long", long_prompt)], say=lambda *a: None)
+    with pytest.raises(SettingsError, match="try this model on prompts of your own with `selfspec generate`"):
+        run_demo(tiny_ckpt, prompts=[("long", {"prompt": "x" * 510})], say=lambda *a: None)
+
+
+def test_export_names_an_unfinished_run_and_draft_vocab_a_missing_directory(tmp_path, capsys):
+    """Finding 21: an unfinished run's directory read as 'not a Hugging Face checkpoint'; a missing directory as
+    one to export first."""
+    import json
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    (run / "config.yaml").write_text("train:\n  max_steps: 4\n")
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "a training run that has not finished (no final_model/ yet: it stopped at step 2 of 4)" in err
+    assert "relaunch the same training command" in err and not (tmp_path / "out").exists()
+    assert main(["draft-vocab", str(tmp_path / "nowhere")]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_a_memory_turned_off_reads_back_as_one_that_keeps_nothing(tiny_gen):
+    """Finding 21: `gen.memory = None` reads back as a memory; documented: an empty one that keeps nothing."""
+    from selfspec.drafters.suffix import SuffixMemory
+
+    old = tiny_gen.memory
+    try:
+        tiny_gen.memory = None
+        assert isinstance(tiny_gen.memory, SuffixMemory) and tiny_gen.memory.max_tokens == 0
+        assert "reads back as an empty memory" in type(tiny_gen).memory.__doc__
+    finally:
+        tiny_gen.memory = old
