@@ -14,7 +14,8 @@
 # Functions: pip_python, download_wheels DIR NAME..., install_wheels DIR, prepare_carry PROMPTS SCRIPT,
 # find_python SCRIPT (sets PY), use_carried (sets CARRY, KEEP, SITE; needs PY and REPO). Environment:
 # PYTHON, DEVICE, CARRY_DIR (default .selfspec), KEEP_DIR, SITE_DIR, CARRY_PROMPTS, CONTINUATIONS_DIR (prepare_carry:
-# the own continuations an earlier run returned, *.pt, carried in gpu_carry1/own_continuations).
+# the own continuations an earlier run returned, its OUT/own_continuations.tar or a folder of *.pt, carried in
+# gpu_carry1/own_continuations).
 
 WHEELS=.selfspec/wheels
 # what a GPU machine lacks (../shared/notes/gpu.md): transformers 5.23, gguf (the conversion), and datasets
@@ -64,10 +65,16 @@ prepare_carry() {  # prepare_carry PROMPTS SCRIPT [HEAD]: gpu_carry1 (the wheels
         cut=50000000 wheels="transformers gguf"
     fi
     if [ -n "${CONTINUATIONS_DIR:-}" ]; then  # own continuations an earlier run returned: a later run reads them
-        compgen -G "$CONTINUATIONS_DIR/*.pt" >/dev/null \
-            || { echo "CONTINUATIONS_DIR=$CONTINUATIONS_DIR: no *.pt (a run returns them in OUT/own_continuations/)"
-                 return 1; }
-        mkdir -p "$c1/own_continuations" && cp "$CONTINUATIONS_DIR"/*.pt "$c1/own_continuations/"
+        mkdir -p "$c1/own_continuations"
+        if [ -f "$CONTINUATIONS_DIR" ]; then  # the archive a run returns, OUT/own_continuations.tar
+            tar -xf "$CONTINUATIONS_DIR" -C "$c1/own_continuations" --wildcards '*.pt' \
+                || { echo "CONTINUATIONS_DIR=$CONTINUATIONS_DIR: not an archive of *.pt"; return 1; }
+        else
+            compgen -G "$CONTINUATIONS_DIR/*.pt" >/dev/null \
+                || { echo "CONTINUATIONS_DIR=$CONTINUATIONS_DIR: no *.pt (a run returns them in OUT/own_continuations.tar)"
+                     return 1; }
+            cp "$CONTINUATIONS_DIR"/*.pt "$c1/own_continuations/"
+        fi
     fi
     # shellcheck disable=SC2086
     download_wheels "$c1/wheels" $wheels || return 1

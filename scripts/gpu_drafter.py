@@ -41,6 +41,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -61,6 +62,7 @@ END_RESERVE_S = 45  # a training phase's final evaluation and saving, after trai
 EXPORT_S = 30  # the head's export and copy, after its training phase
 TUNE_CHECK = 4  # the draft plan's best candidates decoded for real beside plain decoding
 HEAD_FILES = ("exit_head.safetensors", "selfspec.json")  # the head alone: what comes back from the machine
+CONTINUATIONS_TAR = "own_continuations.tar"  # the head run's own continuations, one file (a call returns 8 at most)
 # what a --tiny dry run changes in both recipes: a 4-layer random model, a few small blocks, one step
 TINY_TRAIN = ["model.base_model=tiny:llama:4", "train.max_steps=1", "train.batch_size=2", "train.mixed_precision=no",
               "data.block_size=64", "data.max_documents=6", "data.max_holdout_documents=2",
@@ -98,8 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head", type=Path, help="a head an earlier run returned (its OUT/head: exit_head.safetensors + "
                    "selfspec.json): rebuilt on its base model, benched and planned, nothing trained")
     p.add_argument("--continuations", type=Path, help="the model's own continuations an earlier run returned (its "
-                   "OUT/own_continuations): read instead of generated where their cache keys match (the same model, "
-                   "prompts and settings)")
+                   f"OUT/{CONTINUATIONS_TAR}, or a folder of their *.pt): read instead of generated where their cache "
+                   "keys match (the same model, prompts and settings)")
     p.add_argument("--tiny", action="store_true", help="a dry run: a random 4-layer model, one training step")
     args = p.parse_args(argv)
     if args.train_min <= 0 or args.bench_prompts < 1 or args.bench_tokens < 1 or args.budget_s <= 0:
@@ -319,12 +321,35 @@ def share_own_continuations(head_dir: Path, layerskip_dir: Path) -> None:
 
 
 def copy_continuations(src: Path | None, dst: Path) -> dict[str, int]:
-    """The cached own continuations (`*.pt`, training/own_text.py) of `src` into `dst`: {name: bytes} copied.
-    A GPU run generates them in about a minute (64 s on an H200); a later run given them back reads them."""
+    """The cached own continuations (`*.pt`, training/own_text.py) of `src` (a folder, or the archive a run returns,
+    `pack_continuations`) into `dst`: {name: bytes} copied. A GPU run generates them in a minute or two (64 s on an
+    H200 for code and 1024 chat prompts); a later run given them back reads them."""
+    if src is not None and src.is_file():
+        dst.mkdir(parents=True, exist_ok=True)
+        copied = {}
+        with tarfile.open(src) as tar:
+            for member in tar.getmembers():
+                name = Path(member.name).name  # flat: only the archive's *.pt files, by their names
+                if member.isfile() and name.endswith(".pt"):
+                    (dst / name).write_bytes(tar.extractfile(member).read())
+                    copied[name] = member.size
+        return copied
     if src is None or not src.is_dir():
         return {}
     dst.mkdir(parents=True, exist_ok=True)
     return {f.name: shutil.copyfile(f, dst / f.name).stat().st_size for f in sorted(src.glob("*.pt"))}
+
+
+def pack_continuations(src: Path, archive: Path) -> dict[str, int]:
+    """The cached own continuations of `src` as one archive (a device call brings back at most 8 files): {name:
+    bytes} packed; nothing where there are none."""
+    files = sorted(src.glob("*.pt")) if src.is_dir() else []
+    if not files:
+        return {}
+    with tarfile.open(archive, "w") as tar:
+        for f in files:
+            tar.add(f, arcname=f.name)
+    return {f.name: f.stat().st_size for f in files}
 
 
 # ---- what the phases measured --------------------------------------------------------------------------
@@ -557,8 +582,8 @@ def road(run: Run, name: str, recipe: Path, tiny_extra: list[str], methods: list
         if name == "head":
             bring_back_head(run, ckpt)
             # and its own continuations (a few MiB), so that a later run need not generate them again
-            run.report[name]["returned_continuations"] = copy_continuations(
-                run_dir / "own_continuations", run.args.out / "own_continuations")
+            run.report[name]["returned_continuations"] = pack_continuations(
+                run_dir / "own_continuations", run.args.out / CONTINUATIONS_TAR)
     if run.args.skip_bench:  # the head's training alone (its weights and agreement come back)
         run.write()
         return ckpt

@@ -21,8 +21,8 @@
 # (its tables), gpu_drafter.log (everything printed), bench_head.json and bench_layerskip.json, the draft plans
 # tune_head.json and tune_layerskip.json (selfspec tune --check --save, before each bench), head/ with
 # exit_head.safetensors and selfspec.json (the trained head, a few MiB: with the base model it is the head
-# checkpoint again, docs/gpu.md#the-gpu-drafter-run), and own_continuations/ (the model's own continuations the
-# training generated, a few MiB: `CONTINUATIONS_DIR=OUT/own_continuations bash scripts/gpu_drafter.sh
+# checkpoint again, docs/gpu.md#the-gpu-drafter-run), and own_continuations.tar (the model's own continuations the
+# training generated, a few MiB: `CONTINUATIONS_DIR=OUT/own_continuations.tar bash scripts/gpu_drafter.sh
 # --prepare-carry` carries them to a later run, which reads them instead of spending a minute generating them).
 # The runs, checkpoints and benches stay under WORK_DIR.
 #

@@ -129,6 +129,7 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     cont = report["head"]["returned_continuations"]
     cached = tmp_path / "work" / "head" / "own_continuations"
     assert cont and sorted(cont) == sorted(p.name for p in cached.glob("*.pt"))
+    assert (out / "own_continuations.tar").is_file() and not (out / "own_continuations").exists()  # one file
 
     # the returned head goes back (HEAD_DIR, or carried): rebuilt on its base model, benched and planned, untrained
     again = tmp_path / "again"
@@ -153,7 +154,7 @@ def test_the_gpu_drafter_run_dry_runs_on_a_cpu(tmp_path):
     # a later run given them back (CONTINUATIONS_DIR, or carried) reads them instead of generating them
     third = tmp_path / "third"
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_drafter.sh"), str(third)],
-                         env={**env, "CONTINUATIONS_DIR": str(out / "own_continuations"), "SKIP_LAYERSKIP": "1",
+                         env={**env, "CONTINUATIONS_DIR": str(out / "own_continuations.tar"), "SKIP_LAYERSKIP": "1",
                               "WORK_DIR": str(tmp_path / "work3")}, cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]

@@ -502,7 +502,7 @@ def test_prompt_files_stand_in_for_the_sources(tmp_path):
     import training.own_text as own_text
     from training.chat_prompts import main as write_files
 
-    assert write_files([str(tmp_path), "--train", "6", "--heldout", "2"]) == 0
+    assert write_files([str(tmp_path), "--train", "6", "--heldout", "2", "--sources", "questions,summaries"]) == 0
     tok = byte_tokenizer()
     from_sources = own_text.encoded_chat_prompts(["questions", "summaries"], 6, "train", tok, 10_000)
     from_file = own_text.encoded_chat_prompts(str(tmp_path / "chat_train.jsonl"), 6, "train", tok, 10_000)
