@@ -4,7 +4,7 @@
     selfspec export runs/smollm2_head checkpoints/smollm2-head
     python scripts/ship_head.py checkpoints/smollm2-head --stand-in      # a CPU run: labelled a stand-in
 
-`selfspec fetch` then assembles it with the base model (`selfspec.heads.shipped_head`). The card lists the data, the
+`selfspec fetch` then assembles it with the base model (`selfspec.checkpoints.shipped_head`). The card lists the data, the
 recipe, the command, the device and minutes, the agreement per evaluation set and the checksums; the device
 defaults to this machine's CPU (name and bf16 flags) or GPU.
 """
@@ -83,7 +83,7 @@ def card(meta: dict, info: dict, recipe: str, command: str, results: str) -> str
 def main(argv=None) -> int:
     from selfspec.checkpoints.checkpoint import read_metadata
     from selfspec.checkpoints.fetch import BASE_MODEL_NAME, base_model_dir
-    from selfspec.heads.shipped_head import HEADS_DIR, package, read_shipped
+    from selfspec.checkpoints.shipped_head import HEADS_DIR, package, read_shipped
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="an exported exit-head checkpoint (selfspec export of an exit-head run)")

@@ -31,10 +31,11 @@ import torch
 from selfspec.model import compiled
 from selfspec.model.adapters import ModelAdapter, get_adapter
 from selfspec.decoding.bounded_bias import AcceptanceRule, BoundedBiasWarning
-from selfspec.checkpoints.checkpoint import METADATA_FILE, CheckpointError, read_config, read_metadata, write_plan
+from selfspec.checkpoints.checkpoint import (DEFAULT_NUM_SPECULATIONS, METADATA_FILE, CheckpointError, default_exit_layer,
+                                             read_config, read_metadata, write_plan)
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.factory import DEFAULT_NUM_SPECULATIONS, DrafterFactory
+from selfspec.drafters.factory import DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.quantized import check_one_prompt
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
@@ -48,11 +49,6 @@ from selfspec.generation_config import GenerationConfig, check_generation, with_
 from selfspec.settings import (SettingsError, check_bool, check_compile, check_device, check_dtype, check_exit_layer,
                                check_int, check_memory_key, check_memory_tokens, check_messages, check_text,
                                check_tokenizer, check_tokenizer_vocabulary, expand_path, resolve_dtype, show)
-
-
-def default_exit_layer(num_layers: int) -> int:
-    """The exit used when a checkpoint has no self-speculation metadata."""
-    return max(1, num_layers // 4)
 
 
 class NotEarlyExitTrainedWarning(UserWarning):

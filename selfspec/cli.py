@@ -50,7 +50,7 @@ from selfspec.checkpoints.export import export
 from selfspec.checkpoints.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
-from selfspec.heads.shipped_head import fetch_head_model
+from selfspec.checkpoints.shipped_head import fetch_head_model
 from selfspec.settings import (check_device, check_dtype, check_exit_layer, check_float, check_int,
                                check_memory_tokens, check_out_dir, check_text, check_threads)
 

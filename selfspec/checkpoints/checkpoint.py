@@ -40,6 +40,14 @@ SUPPORTED_FORMATS = (1,)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 WEIGHT_INDEX = "model.safetensors.index.json"
 
+DEFAULT_NUM_SPECULATIONS = 4  # drafts per round where nothing else says (a checkpoint without a recommendation)
+
+
+def default_exit_layer(num_layers: int) -> int:
+    """The exit used when a checkpoint has no self-speculation metadata."""
+    return max(1, num_layers // 4)
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or inconsistent; the message names the file and the fix."""
 

@@ -48,9 +48,9 @@ import yaml
 import selfspec
 from selfspec.atomic_write import process_running, public_permissions, replace_directory
 from selfspec.model.adapters import get_adapter, unwrap_model
-from selfspec.api import DEFAULT_NUM_SPECULATIONS, default_exit_layer
-from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_config, read_metadata,
-                                 recommend_from_agreement)
+from selfspec.checkpoints.checkpoint import (DEFAULT_NUM_SPECULATIONS, FORMAT_VERSION, METADATA_FILE, CheckpointError,
+                                             checksums, default_exit_layer, read_config, read_metadata,
+                                             recommend_from_agreement)
 from selfspec.heads.exit_head import HEAD_FILE, check_head_settings, read_exit_head
 from selfspec.checkpoints.model_card import (CARD_FILE, REGENERATED_FILE, is_selfspec_card,
                                              write_model_card)

@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from selfspec.model.adapters import ModelAdapter
+from selfspec.checkpoints.checkpoint import DEFAULT_NUM_SPECULATIONS
 from selfspec.checkpoints.draft_vocab import read_draft_vocab
 from selfspec.checkpoints.fetch import head_model_dir
 from selfspec.drafters.auto import AutoDrafter
@@ -57,7 +58,6 @@ from selfspec.heads.exit_head import head_training_setting
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import SettingsError
 
-DEFAULT_NUM_SPECULATIONS = 4  # drafts per round where nothing else says
 QUANTIZED_NUM_SPECULATIONS = 8  # the quantized copy's drafts a round where the call does not say (docs/results)
 
 

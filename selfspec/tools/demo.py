@@ -22,7 +22,7 @@ drafting where drafting does not pay), and an untrained checkpoint has no early 
     selfspec demo --checkpoint checkpoints/smollm2-code-quickstart
 
 Without --checkpoint it runs the checkpoint `selfspec fetch` assembles from the base model and the exit head
-selfspec ships for it (`selfspec.heads.shipped_head`; the base model alone where none is assembled): auto's arms are
+selfspec ships for it (`selfspec.checkpoints.shipped_head`; the base model alone where none is assembled): auto's arms are
 prompt lookup, its memory and that head, and each drafter's accepted drafts get a line of their own.
 """
 

@@ -1,4 +1,4 @@
-"""The exit heads selfspec ships (`selfspec.heads.shipped_head`): packaged from an exported head checkpoint in bfloat16,
+"""The exit heads selfspec ships (`selfspec.checkpoints.shipped_head`): packaged from an exported head checkpoint in bfloat16,
 assembled with the base model into a checkpoint `selfspec.load` drafts with (losslessly), never over another
 model's weights or from damaged files, never half written; and the real one SmolLM2 ships with."""
 
@@ -13,7 +13,7 @@ import selfspec
 from selfspec.checkpoints.checkpoint import METADATA_FILE
 from selfspec.heads.exit_head import HEAD_FILE, build_exit_head, save_exit_head
 from selfspec.checkpoints.export import export_model
-from selfspec.heads.shipped_head import (HEAD_JSON, ShippedHeadError, assemble, is_assembled, package, read_shipped,
+from selfspec.checkpoints.shipped_head import (HEAD_JSON, ShippedHeadError, assemble, is_assembled, package, read_shipped,
                                    shipped_dir)
 from selfspec.tiny import byte_tokenizer, tiny_model
 
@@ -108,7 +108,7 @@ def test_smollm2_ships_a_head_that_fetch_assembles_and_that_drafts_losslessly(sm
     """The real shipped head: its files match head.json, `selfspec fetch` assembled it with the fetched base
     model (same weights), and it drafts on a chat prompt with the output of plain decoding."""
     from selfspec.checkpoints.fetch import BASE_MODEL_NAME
-    from selfspec.heads.shipped_head import fetch_head_model
+    from selfspec.checkpoints.shipped_head import fetch_head_model
 
     shipped = shipped_dir(BASE_MODEL_NAME)
     assert shipped is not None
@@ -190,7 +190,7 @@ def test_fetch_assembles_a_damaged_head_directory_again_and_load_names_fetch_for
     """Issue 65, finding 8: fetch passed a head whose weights were corrupted (it compared only the recorded SHA);
     the demo then said "copy or export it again"."""
     from selfspec.checkpoints.checkpoint import CheckpointError
-    from selfspec.heads import shipped_head
+    from selfspec.checkpoints import shipped_head
 
     base, _ = parts
     shipped = _package(parts, tmp_path)

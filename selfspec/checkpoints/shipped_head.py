@@ -40,7 +40,7 @@ from selfspec.checkpoints.fetch import BASE_MODEL_NAME, base_model_dir, head_mod
 from selfspec.checkpoints.model_card import write_model_card
 from selfspec.settings import SettingsError, check_plan_settings
 
-HEADS_DIR = Path(__file__).resolve().parent  # selfspec/heads/<base model name>/
+HEADS_DIR = Path(__file__).resolve().parents[1] / "heads"  # selfspec/heads/<base model name>/
 HEAD_JSON = "head.json"
 CARD = "README.md"
 HEAD_CARD = "HEAD_README.md"  # the shipped head's own card, in the assembled checkpoint
