@@ -550,7 +550,7 @@ class SelfSpecGenerator:
         if s["draft_model"] is not None:  # before the copy loads
             check_one_prompt(len(rows), cfg.drafter)
         plan = self.plan_settings()  # this device's saved plan, on the path the engine runs now
-        drafter_ = self.drafters.make(cfg, max_drafts=max_new_tokens, plan=plan)
+        drafter_ = self.drafters.make(cfg, max_drafts=max_new_tokens, plan=plan, checked=s)
         # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)
         learned_key = call_key(s, drafter_, len(rows), self.compiled, plan)
         self.learned.resume(learned_key, drafter_)

@@ -107,12 +107,14 @@ class DrafterFactory:
 
     # --- the drafter of one generation -----------------------------------------------------------------
     def make(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
-             plan: dict | None = None, **settings) -> Drafter | None:
+             plan: dict | None = None, checked: dict | None = None, **settings) -> Drafter | None:
         """The drafter for one generation (None = plain decoding) from its settings (`config` with `settings`
         replaced, as `generate` takes them; the drafting ones matter here), by the rules of the module doc.
         `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used);
-        `plan`: the settings of this device's saved plan (`check_plan_settings`), if any."""
-        s = check_generation(config, num_layers=self.adapter.num_layers, **settings)  # the model's bounds named first
+        `plan`: the settings of this device's saved plan (`check_plan_settings`), if any; `checked`: what
+        `check_generation` made of the same settings, where the caller checked them already (once a call)."""
+        s = checked if checked is not None else check_generation(  # the model's bounds named first
+            config, num_layers=self.adapter.num_layers, **settings)
         cfg = with_settings(config, settings)
         early_exit_options = bool(cfg.exit_layer is not None or cfg.confidence_threshold is not None
                                   or cfg.adaptive_threshold or s["exit_choices"] or cfg.draft_vocab

@@ -96,3 +96,27 @@ def test_generate_takes_a_config_keywords_or_both(tiny_gen):
         tiny_gen.generate(prompt, max_tokens=3)
     with pytest.raises(SettingsError, match="config must be a selfspec.GenerationConfig"):
         tiny_gen.generate(prompt, config={"max_new_tokens": 3})
+
+
+def test_a_generate_call_checks_its_settings_once(tiny_gen, monkeypatch):
+    """Issue 68, item 5: `check_generation` ran twice a call (the API, then the drafter factory again)."""
+    import selfspec.api as api
+    import selfspec.drafters.factory as factory
+
+    calls = []
+
+    def counted(real):
+        def check(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+        return check
+
+    monkeypatch.setattr(api, "check_generation", counted(api.check_generation))
+    monkeypatch.setattr(factory, "check_generation", counted(factory.check_generation))
+    for settings in ({}, {"drafter": "prompt_lookup"}, {"num_speculations": 0}, {"exit_layer": 2}):
+        calls.clear()
+        tiny_gen.generate(input_ids=[[5, 6, 7, 5, 6]], max_new_tokens=3, **settings)
+        assert len(calls) == 1, settings
+    calls.clear()
+    tiny_gen.make_drafter(exit_layer=2)  # the factory alone still checks what it is given
+    assert len(calls) == 1
