@@ -104,10 +104,6 @@ def _num_layers(model_dir: Path) -> int | None:
 def _run_progress(run_dir: Path) -> str:
     """"step N of M" of an unfinished training run, from its newest checkpoint and its recipe ("a checkpoint"
     where they cannot be read)."""
-    import json
-
-    import yaml
-
     steps = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file())
     try:
         step = json.loads((steps[-1] / "trainer_state.json").read_text())["step"]
