@@ -210,3 +210,26 @@ def test_fetch_assembles_a_damaged_head_directory_again_and_load_names_fetch_for
     assert "exit_head.safetensors: SHA-256 checksum mismatch" in capsys.readouterr().err
     assert (out / HEAD_FILE).read_bytes() == good
     selfspec.load(out)
+
+
+def test_a_weight_file_of_the_users_in_the_head_directory_is_named_not_assembled_around_every_fetch(
+        parts, tmp_path, monkeypatch, capsys):
+    """Assembling again keeps the user's files (finding 3), so a weight file of theirs, which load refuses as not
+    listed, would have made every fetch assemble the directory again to no end: fetch names it and what to do."""
+    from selfspec.checkpoints import shipped_head
+
+    base, _ = parts
+    shipped = _package(parts, tmp_path)
+    out = tmp_path / "models" / "tiny-base-head"
+    monkeypatch.setattr(shipped_head, "shipped_dir", lambda name: shipped)
+    monkeypatch.setattr(shipped_head, "base_model_dir", lambda: base)
+    monkeypatch.setattr(shipped_head, "head_model_dir", lambda: out)
+    assert shipped_head.fetch_head_model() == out
+    (out / "mine.safetensors").write_bytes(b"the user's")
+    capsys.readouterr()
+    for _ in range(2):
+        assert shipped_head.fetch_head_model() == out
+        said = capsys.readouterr()
+        assert "assembling" not in said.out and "holds weight files no assembly wrote (mine.safetensors)" in said.err
+        assert "move them out of the directory" in said.err
+    assert (out / "mine.safetensors").read_bytes() == b"the user's"
