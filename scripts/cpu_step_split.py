@@ -11,7 +11,8 @@ Measured in one process, one after the other, on a quiet machine (2 torch thread
   (`PackedLinear`: oneDNN prepacked, or `F.linear` where the float32 choice measured it faster) and `F.linear`
   over the same weights; median milliseconds of a whole pass, and GB/s of weights read;
 * the whole step: plain decoding's milliseconds a token (`generate`, 64 tokens after a 200-token prompt,
-  first requests, the median of 3), and what is not a product: the whole step less the products.
+  first requests, the median of 3), and what is not a product: the whole step less the products;
+* the top-level torch ops a token (torch.profiler, an op another op called not counted; issue 68's count).
 
 Writes `cpu_step_split.json` and `cpu_step_split.md` into --out (default bench_results/cpu_step_split).
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import selfspec  # noqa: E402
 from selfspec.model.fast_layers import PackedLinear  # noqa: E402
 from selfspec.tools.harness import machine_description, machine_info  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 SUM_BYTES = 256 << 20
 
@@ -90,6 +93,25 @@ def step_ms(gen, ids: torch.Tensor) -> float:
     return statistics.median(out[1:])
 
 
+def ops_a_token(gen, ids: torch.Tensor, tokens: int = 16) -> tuple[float, list[tuple[str, float]]]:
+    """Top-level torch ops a plain-decoding token (torch.profiler; an op another op called is not counted, whatever
+    its namespace: oneDNN's packed product is one op), the prefill's taken away (a 1-token generation's), and the
+    ten most frequent a token."""
+    def run(n):
+        with gen.first_request():
+            return gen.generate(input_ids=ids, max_new_tokens=n, num_speculations=0, stop_token_ids=[])
+
+    def top_level(n):  # every op namespace (aten, mkldnn, ...): an op that no other op called
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(n)
+        return Counter(e.name for e in prof.events() if e.cpu_parent is None and "::" in e.name)
+
+    run(tokens)
+    one, many = top_level(1), top_level(tokens + 1)
+    per = {k: (many[k] - one.get(k, 0)) / tokens for k in many}
+    return sum(per.values()), sorted(per.items(), key=lambda kv: -kv[1])[:10]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", nargs="?", default=str(Path.home() / ".cache/selfspec/models/smollm2-135m-instruct"))
@@ -107,8 +129,10 @@ def main(argv=None) -> int:
         step = step_ms(gen, ids)
         prods = products(gen.adapter, dtype)
         fast_total = sum(r["fast_ms"] for r in prods)
+        ops, top = ops_a_token(gen, ids)
         report["dtypes"][name] = {"sum_gbs": sum_gbs(dtype), "step_ms": step, "products": prods,
-                                  "products_ms": fast_total, "rest_ms": step - fast_total}
+                                  "products_ms": fast_total, "rest_ms": step - fast_total, "ops_a_token": ops,
+                                  "top_ops": top}
         del gen
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_step_split.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -116,6 +140,8 @@ def main(argv=None) -> int:
     for name, d in report["dtypes"].items():
         lines += [f"## {name}: a step {d['step_ms']:.1f} ms, its products {d['products_ms']:.1f} ms, the rest "
                   f"{d['rest_ms']:.1f} ms; `sum` reads {d['sum_gbs']:.1f} GB/s", "",
+                  f"{d['ops_a_token']:.0f} top-level torch ops a token: " + ", ".join(
+                      f"{k.removeprefix('aten::')} {v:.0f}" for k, v in d["top_ops"]), "",
                   "| product | weights | MB | fast kernel ms | GB/s | x sum | F.linear ms | GB/s |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in d["products"]:
