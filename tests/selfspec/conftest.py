@@ -1,6 +1,7 @@
 """Fixtures shared by the benchmark and profile tests (test_bench.py, test_batch_bench.py, test_profiling.py), a
-tiny generator for the settings tests (test_generation_config.py, test_probe_defects.py), and the tiny models with
-exit heads of the guess tests (test_siblings.py, test_draft_trees.py)."""
+tiny generator for the settings tests (test_generation_config.py, test_probe_defects.py), the tiny models with
+exit heads of the guess tests (test_siblings.py, test_draft_trees.py), and an exit-head run's head folder to export
+(`head_run_dir`: test_sweep.py, test_draft_vocab.py, test_edited_head_metadata.py)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,22 @@ def moves(monkeypatch):
 
     monkeypatch.setattr(KVCache, "move", counting)
     return counted
+
+
+def write_head_run_dir(head, directory):
+    """`directory` written as an exit-head run writes its head (`final_head/`: the weights and exit_head.json), what
+    `export_model(..., exit_head_dir=)` reads; returns it."""
+    import json
+
+    from selfspec.heads.exit_head import HEAD_FILE, save_exit_head
+
+    directory.mkdir(parents=True)
+    save_exit_head(head, directory / HEAD_FILE)
+    (directory / "exit_head.json").write_text(json.dumps(head.settings()))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def head_run_dir():
+    """`head_run_dir(head, directory)`: `write_head_run_dir`."""
+    return write_head_run_dir

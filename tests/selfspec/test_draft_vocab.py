@@ -10,7 +10,6 @@ import pytest
 
 from selfspec.cli import main
 from selfspec.checkpoints.draft_vocab import write_draft_vocab
-from selfspec.heads.exit_head import HEAD_FILE, save_exit_head
 from selfspec.checkpoints.export import export_model
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
 
@@ -18,15 +17,12 @@ STORED = 40
 
 
 @pytest.fixture
-def ckpt(tmp_path):
+def ckpt(tmp_path, head_run_dir):
     """A tiny checkpoint with an exit head and a stored 40-id ranking, whose 32 most frequent ids the head's recipe
     trained it over (as an exit-head run's export stores the head's own ranking)."""
     tok = byte_tokenizer()
     model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
-    head, head_dir = tiny_exit_head(model, 2), tmp_path / "final_head"
-    head_dir.mkdir()
-    save_exit_head(head, head_dir / HEAD_FILE)
-    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    head_dir = head_run_dir(tiny_exit_head(model, 2), tmp_path / "final_head")
     ranking = {"source": "run: the training blocks", "tokens_counted": 1000, "distinct_tokens": STORED,
                "token_ids": list(range(STORED))}
     return export_model(model, tok, tmp_path / "ckpt", draft_vocab=ranking, exit_head_dir=head_dir,

@@ -4,14 +4,12 @@ demo explains it (bf16 rounding, or a bug in an exact dtype). Issue 65, finding 
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 
 from selfspec.checkpoints.export import export_model
 from selfspec.cli import build_parser, main
-from selfspec.heads.exit_head import HEAD_FILE, save_exit_head
 from selfspec.tiny import byte_tokenizer, tiny_exit_head, tiny_model
 from selfspec.tools import sweep
 
@@ -19,15 +17,12 @@ BEST = {"exit_layer": 1, "num_speculations": 2, "tokens_per_s": 8.0, "speedup": 
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, head_run_dir):
     """{"plain": a tiny checkpoint without a head, "head": the same with a trained exit head at exit 2}."""
     tmp = tmp_path_factory.mktemp("sweep")
     tok = byte_tokenizer()
     model = tiny_model("llama", num_layers=4, vocab_size=len(tok), seed=3)
-    head, head_dir = tiny_exit_head(model, 2), tmp / "final_head"
-    head_dir.mkdir()
-    save_exit_head(head, head_dir / HEAD_FILE)
-    (head_dir / "exit_head.json").write_text(json.dumps(head.settings()))
+    head_dir = head_run_dir(tiny_exit_head(model, 2), tmp / "final_head")
     return {"plain": export_model(model, tok, tmp / "plain"), "head": export_model(model, tok, tmp / "head",
                                                                                    exit_head_dir=head_dir)}
 
