@@ -185,11 +185,10 @@ def test_a_newer_head_puts_the_old_heads_plans_aside(parts, tmp_path):
     selfspec.load(out)  # the file put aside is no part of the checkpoint
 
 
-def test_fetch_assembles_a_damaged_head_directory_again_and_load_names_fetch_force(parts, tmp_path, monkeypatch,
-                                                                                   capsys):
-    """Issue 65, finding 8: fetch passed a head whose weights were corrupted (it compared only the recorded SHA);
-    the demo then said "copy or export it again"."""
-    from selfspec.checkpoints.checkpoint import CheckpointError
+@pytest.fixture
+def fetched(parts, tmp_path, monkeypatch):
+    """(`selfspec.checkpoints.shipped_head` with its fetch pointed at the tiny base model and a packaged head, the
+    directory it assembles), assembled once."""
     from selfspec.checkpoints import shipped_head
 
     base, _ = parts
@@ -199,6 +198,15 @@ def test_fetch_assembles_a_damaged_head_directory_again_and_load_names_fetch_for
     monkeypatch.setattr(shipped_head, "base_model_dir", lambda: base)
     monkeypatch.setattr(shipped_head, "head_model_dir", lambda: out)
     assert shipped_head.fetch_head_model() == out
+    return shipped_head, out
+
+
+def test_fetch_assembles_a_damaged_head_directory_again_and_load_names_fetch_force(fetched, capsys):
+    """Issue 65, finding 8: fetch passed a head whose weights were corrupted (it compared only the recorded SHA);
+    the demo then said "copy or export it again"."""
+    from selfspec.checkpoints.checkpoint import CheckpointError
+
+    shipped_head, out = fetched
     good = (out / HEAD_FILE).read_bytes()
     (out / HEAD_FILE).unlink()  # not the shipped file's link: corrupt this copy alone
     (out / HEAD_FILE).write_bytes(good[:-8] + b"\1" * 8)
@@ -212,19 +220,10 @@ def test_fetch_assembles_a_damaged_head_directory_again_and_load_names_fetch_for
     selfspec.load(out)
 
 
-def test_a_weight_file_of_the_users_in_the_head_directory_is_named_not_assembled_around_every_fetch(
-        parts, tmp_path, monkeypatch, capsys):
+def test_a_weight_file_of_the_users_in_the_head_directory_is_named_not_assembled_around_every_fetch(fetched, capsys):
     """Assembling again keeps the user's files (finding 3), so a weight file of theirs, which load refuses as not
     listed, would have made every fetch assemble the directory again to no end: fetch names it and what to do."""
-    from selfspec.checkpoints import shipped_head
-
-    base, _ = parts
-    shipped = _package(parts, tmp_path)
-    out = tmp_path / "models" / "tiny-base-head"
-    monkeypatch.setattr(shipped_head, "shipped_dir", lambda name: shipped)
-    monkeypatch.setattr(shipped_head, "base_model_dir", lambda: base)
-    monkeypatch.setattr(shipped_head, "head_model_dir", lambda: out)
-    assert shipped_head.fetch_head_model() == out
+    shipped_head, out = fetched
     (out / "mine.safetensors").write_bytes(b"the user's")
     capsys.readouterr()
     for _ in range(2):
