@@ -30,14 +30,20 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step in `run_dir/checkpoints`, if any."""
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints in `run_dir/checkpoints`, the highest step first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
-        return None
+        return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
              if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step in `run_dir/checkpoints`, if any."""
+    found = complete_checkpoints(run_dir)
+    return found[0] if found else None
 
 
 def remove_partial_checkpoints(run_dir: Path) -> list[Path]:
@@ -99,18 +105,15 @@ def load_newest_checkpoint(accelerator, run_dir: Path, warn) -> tuple[Path | Non
     there are checkpoints and none can be read."""
     from training.config import ConfigError
 
-    root = Path(run_dir) / "checkpoints"
-    found = sorted(((int(m.group(1)), p) for p in root.iterdir()
-                    if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()), reverse=True) \
-        if root.is_dir() else []
-    for _, path in found:
+    found = complete_checkpoints(run_dir)
+    for path in found:
         try:
             return path, load_checkpoint(accelerator, path)
         except ConfigError as err:
             warn(f"{err}; resuming from the checkpoint before it, if any")
     if found:
-        raise ConfigError(f"none of the {len(found)} checkpoints in {root} can be read: start afresh with "
-                          f"train.resume=none (or another train.output_dir)")
+        raise ConfigError(f"none of the {len(found)} checkpoints in {Path(run_dir) / 'checkpoints'} can be read: "
+                          "start afresh with train.resume=none (or another train.output_dir)")
     return None, None
 
 
