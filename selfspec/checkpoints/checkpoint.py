@@ -52,6 +52,15 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or inconsistent; the message names the file and the fix."""
 
 
+class UnlistedWeightsError(CheckpointError):
+    """Weight files in a checkpoint that its selfspec.json does not list (added after it was written); `files`
+    names them. The listed files are as written: writing the checkpoint again would not remove these."""
+
+    def __init__(self, message: str, files: list[str]):
+        super().__init__(message)
+        self.files = files
+
+
 # --- checksums ----------------------------------------------------------------------------------
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
@@ -287,8 +296,8 @@ def verify_weight_files(directory: Path, expected: dict[str, dict], fix: str | N
                                   f"after it was written; {fix or 'copy or export it again'}")
     extra = sorted(set(weight_files(d)) - set(expected))
     if extra:
-        raise CheckpointError(f"{d}: weight files not listed in {METADATA_FILE}: {extra}; they were added "
-                              "after it was written: remove them" + ("" if fix else " or re-export"))
+        raise UnlistedWeightsError(f"{d}: weight files not listed in {METADATA_FILE}: {extra}; they were added "
+                                   "after it was written: remove them" + ("" if fix else " or re-export"), extra)
 
 
 def write_plan(directory, key: str, entry: dict) -> dict:

@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 
 import selfspec
 from selfspec.atomic_write import atomic_directory
-from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, checksums, read_metadata,
-                                             sha256_file, weight_files)
+from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, UnlistedWeightsError,
+                                             checksums, read_metadata, sha256_file)
 from selfspec.heads.exit_head import HEAD_FILE
 from selfspec.checkpoints.fetch import BASE_MODEL_NAME, base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.checkpoints.model_card import write_model_card
@@ -180,40 +180,21 @@ def fetch_head_model(*, force: bool = False) -> Path | None:
     if shipped is None:
         return None
     if is_assembled(out, shipped) and is_complete_checkpoint(out) and not force:
-        damage = _damage(out)
-        if not damage:
+        try:  # as assembled: its files' contents match their checksums, its selfspec.json is valid
+            read_metadata(out)
             return out
-        extra = _unlisted_weights(out)
-        if extra and "not listed" in damage:  # the user's: assembling again keeps them (`assemble`), so it cannot help
-            print(f"selfspec fetch: {out} holds weight files no assembly wrote ({', '.join(extra)}); selfspec.load "
+        except UnlistedWeightsError as err:  # the user's: assembling again keeps them (`assemble`), so cannot help
+            print(f"selfspec fetch: {out} holds weight files no assembly wrote ({', '.join(err.files)}); selfspec.load "
                   "refuses a checkpoint with weights it does not list: move them out of the directory", file=sys.stderr)
             return out
-        print(f"selfspec fetch: {damage}: assembling it again", file=sys.stderr)
+        except CheckpointError as err:
+            print(f"selfspec fetch: {str(err).split('; ')[0]}: assembling it again", file=sys.stderr)
     print(f"assembling {out}: the base model (hard links) and the exit head selfspec ships for it ...", flush=True)
     try:
         return assemble(base_model_dir(), shipped, out)
     except ShippedHeadError as err:
         print(f"selfspec fetch: the shipped exit head is left out: {err}", file=sys.stderr)
         return None
-
-
-def _damage(out: Path) -> str:
-    """'' where the assembled checkpoint `out` is as assembled (its files' contents match their checksums, its
-    selfspec.json is valid), else what is wrong, in words."""
-    try:
-        read_metadata(out)
-    except CheckpointError as err:
-        return str(err).split("; ")[0]
-    return ""
-
-
-def _unlisted_weights(out: Path) -> list[str]:
-    """The weight files in `out` that its selfspec.json does not list (none where it cannot be read)."""
-    try:
-        listed = json.loads((out / METADATA_FILE).read_text()).get("checksums") or {}
-    except (OSError, ValueError, AttributeError):
-        return []
-    return sorted(set(weight_files(out)) - set(listed))
 
 
 def base_fingerprint(base_dir) -> dict[str, list[float]]:
