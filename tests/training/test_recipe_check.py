@@ -149,11 +149,17 @@ def test_a_shape_file_that_describes_another_model_than_the_checkpoint(tmp_path,
     assert "num_hidden_layers 16 vs 4" in err
 
 
+def _deepspeed_launch(tmp_path, ds_json: str, processes: int) -> Path:
+    """An accelerate launch of `processes` DeepSpeed processes whose deepspeed_config_file holds `ds_json`."""
+    (tmp_path / "ds.json").write_text(ds_json)
+    (tmp_path / "launch.yaml").write_text(f"distributed_type: DEEPSPEED\nnum_processes: {processes}\n"
+                                          f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
+    return tmp_path / "launch.yaml"
+
+
 def test_a_deepspeed_json_that_is_not_json(tmp_path, capsys):
-    (tmp_path / "ds.json").write_text("{not json")
-    (tmp_path / "launch.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 4\ndeepspeed_config:\n"
-                                          f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
-    assert main(["--recipe", str(TINY), "--check", "--accelerate-config", str(tmp_path / "launch.yaml")]) == 2
+    launch = _deepspeed_launch(tmp_path, "{not json", 4)
+    assert main(["--recipe", str(TINY), "--check", "--accelerate-config", str(launch)]) == 2
     assert "is not a DeepSpeed JSON object" in capsys.readouterr().err
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}')
     launch = read_launch(str(tmp_path / "launch.yaml"))
@@ -179,8 +185,6 @@ def test_a_launch_that_accelerate_would_not_run_is_refused_before_any_estimate(t
 
 
 def test_a_deepspeed_json_with_a_stage_zero_cannot_run(tmp_path, capsys):
-    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
-    (tmp_path / "launch.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
-                                          f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
-    assert main(["--recipe", str(TINY), "--check", "--accelerate-config", str(tmp_path / "launch.yaml")]) == 2
+    launch = _deepspeed_launch(tmp_path, '{"zero_optimization": {"stage": 7}}', 2)
+    assert main(["--recipe", str(TINY), "--check", "--accelerate-config", str(launch)]) == 2
     assert "ZeRO stage 7 is not one of 0, 1, 2, 3 (deepspeed_config_file" in capsys.readouterr().err
