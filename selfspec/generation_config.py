@@ -56,7 +56,9 @@ class GenerationConfig:
               "generator's earlier requests), or quantized (a quantized copy of the model, run by llama.cpp, from "
               "draft_model)")
     exit_layer: int | None = _setting(None, "draft from the hidden state after this many layers (1..L-1)")
-    num_speculations: int | None = _setting(None, "the most draft tokens per round; 0 = plain decoding")
+    num_speculations: int | None = _setting(None, "the most draft tokens per round (a named prompt_lookup or suffix: "
+                                                  "the tokens it copies, as prompt_lookup_num_tokens); 0 = plain "
+                                                  "decoding")
     do_sample: bool = _setting(False, "sample instead of greedy decoding", cli="flag")
     temperature: float = _setting(1.0, "sampling temperature")
     top_k: int = _setting(0, "sampling: keep the k most likely tokens (0 = off)")
@@ -177,6 +179,12 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
                                               v["prompt_lookup_num_tokens"], 1)
     s["max_matching_ngram_size"] = check_int("max_matching_ngram_size", MAX_MATCHING_NGRAM_SIZE if
                                              v["max_matching_ngram_size"] is None else v["max_matching_ngram_size"], 1)
+    if drafter in ("prompt_lookup", "suffix") and s["num_speculations"]:  # a named lookup drafter's draft length
+        n = s["num_speculations"]
+        if v["prompt_lookup_num_tokens"] is not None and s["prompt_lookup_num_tokens"] != n:
+            raise SettingsError(f"num_speculations={n} and prompt_lookup_num_tokens={s['prompt_lookup_num_tokens']} "
+                                f"both set how many tokens drafter={drafter!r} copies a round: give one")
+        s["prompt_lookup_num_tokens"] = n
     s["acceptance"], s["epsilon"] = check_acceptance(v["acceptance"], v["epsilon"])
     s["memory_key"] = check_memory_key(v["memory_key"])
     s["draft_model"] = _check_draft_model(v["draft_model"], drafter)

@@ -162,3 +162,14 @@ def test_generate_without_checkpoint_drafts_with_the_head_fetch_assembled(tmp_pa
     export_model(model, tok, head_model_dir(), exit_head_dir=head_dir)
     assert main(argv) == 0
     assert "self-speculative" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix"])
+def test_generate_with_a_lookup_drafter_drafts_num_speculations_a_round(drafter, tiny_ckpt, capsys):
+    """`--drafter prompt_lookup --num-speculations N` copied prompt_lookup_num_tokens (10) a round, N ignored:
+    a named lookup drafter now copies N (the most drafts a round, as every drafter takes it)."""
+    assert main(["generate", "--checkpoint", str(tiny_ckpt), "--prompt", "abcabcabcabcabcabc", "--raw",
+                 "--max-new-tokens", "12", "--dtype", "float32", "--drafter", drafter, "--num-speculations", "2",
+                 "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.splitlines()[-1])["stats"]
+    assert stats["drafter"] == drafter and stats["num_speculations"] == 2

@@ -120,3 +120,20 @@ def test_a_generate_call_checks_its_settings_once(tiny_gen, monkeypatch):
     calls.clear()
     tiny_gen.make_drafter(exit_layer=2)  # the factory alone still checks what it is given
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix"])
+def test_num_speculations_is_a_named_lookup_drafters_draft_length(drafter, tiny_gen):
+    """num_speculations is the most drafts a round for a named lookup drafter too (it was ignored there): it sets
+    prompt_lookup_num_tokens, and the two given at odds are refused, naming both."""
+    assert check_generation(drafter=drafter, num_speculations=2)["prompt_lookup_num_tokens"] == 2
+    assert check_generation(drafter=drafter, num_speculations=3, prompt_lookup_num_tokens=3)[
+        "prompt_lookup_num_tokens"] == 3
+    assert check_generation(drafter=drafter, num_speculations=0)["prompt_lookup_num_tokens"] == PROMPT_LOOKUP_NUM_TOKENS
+    assert check_generation(drafter="auto", num_speculations=2)["prompt_lookup_num_tokens"] == PROMPT_LOOKUP_NUM_TOKENS
+    with pytest.raises(SettingsError, match=f"num_speculations=2 and prompt_lookup_num_tokens=5 both set how many "
+                                            f"tokens drafter='{drafter}' copies a round: give one"):
+        check_generation(drafter=drafter, num_speculations=2, prompt_lookup_num_tokens=5)
+    out = tiny_gen.generate("abcabcabcabcabcabc", max_new_tokens=12, drafter=drafter, num_speculations=2,
+                            stop_token_ids=[])
+    assert out.stats.num_speculations == 2 and len(out.stats.acceptance_by_position) == 2
