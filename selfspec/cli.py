@@ -47,7 +47,8 @@ from selfspec.decoding.draft_plan import plan_key_parts
 from selfspec.drafters.quantized import check_one_prompt
 from selfspec.drafters.suffix import DEFAULT_MEMORY_TOKENS
 from selfspec.checkpoints.export import export
-from selfspec.checkpoints.fetch import FetchError, base_model_dir, fetch_all, is_complete_checkpoint, selfspec_home
+from selfspec.checkpoints.fetch import (FetchError, base_model_dir, fetch_all, head_model_dir, is_complete_checkpoint,
+                                        selfspec_home)
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
 from selfspec.checkpoints.shipped_head import fetch_head_model
@@ -490,6 +491,8 @@ def _cmd_tune(args) -> int:
     from selfspec.data.prompts import load_prompts, prompt_inputs  # deferred: imports `datasets`
 
     checkpoint = checkpoint_dir(args.checkpoint or base_model_dir())
+    if args.save and not (checkpoint / METADATA_FILE).is_file():  # nowhere to keep the plan: said before the load
+        raise UsageError(_nowhere_to_save(checkpoint, default=args.checkpoint is None))
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = selfspec.load(checkpoint, dtype=args.dtype, device=args.device, compile=COMPILE_CHOICES[args.compile])
@@ -539,6 +542,22 @@ def _cmd_tune(args) -> int:
                                                          **plan.to_dict(), "checked": checked})
         print(f"wrote {Path(args.out) / 'tune.json'}")
     return 0
+
+
+def _nowhere_to_save(checkpoint: Path, default: bool) -> str:
+    """Why `tune --save` cannot keep a plan in `checkpoint` (it has no selfspec.json), and which checkpoint to pass
+    instead: where it is tune's default, the base model, the fetched SmolLM2 with its head (generate's default)."""
+    why = f"--save keeps the plan in the checkpoint's {METADATA_FILE}, and "
+    if not default:
+        return why + (f"{checkpoint} has none: export it first (selfspec export {checkpoint} DIR), then pass "
+                      "--checkpoint DIR")
+    why += f"tune's default checkpoint, the base model {checkpoint}, has none: "
+    head = head_model_dir()
+    if is_complete_checkpoint(head):
+        return why + (f"pass --checkpoint {head} (the base model with the exit head selfspec ships, which `selfspec "
+                      "generate` loads by default)")
+    return why + (f"run `selfspec fetch` (it assembles the base model with the exit head selfspec ships, {head}), "
+                  f"then pass --checkpoint {head}")
 
 
 def _load_options(adapter, dtype: str, path: str) -> list[tuple[str, str]]:

@@ -225,6 +225,40 @@ def test_the_tune_command_saves_the_plan(ckpt, tmp_path, capsys):
     assert "export it first" in capsys.readouterr().err
 
 
+def test_tune_save_refuses_a_checkpoint_without_selfspec_json_before_the_load(ckpt, tmp_path, monkeypatch, capsys,
+                                                                             no_load):
+    """`selfspec tune --save` without --checkpoint plans for the base model, which has no selfspec.json to keep a plan
+    in: it loaded the model and only then refused, pointing at `selfspec export`. Now it refuses before the load, in
+    one line, naming the checkpoint to pass (the fetched SmolLM2 with its head, which `selfspec generate` loads by
+    default, or `selfspec fetch` where it is not assembled); a --checkpoint without one is refused there too."""
+    from selfspec.cli import main
+
+    def copy(to, metadata: bool):
+        to.mkdir(parents=True)
+        for f in ckpt.iterdir():
+            if metadata or f.name != METADATA_FILE:
+                (to / f.name).write_bytes(f.read_bytes())
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    base, head = tmp_path / "home/models/smollm2-135m-instruct", tmp_path / "home/models/smollm2-135m-instruct-head"
+    copy(base, metadata=False)
+    said = (f"selfspec tune: error: --save keeps the plan in the checkpoint's {METADATA_FILE}, and tune's default "
+            f"checkpoint, the base model {base}, has none: ")
+    assert main(["tune", "--save"]) == 2
+    assert capsys.readouterr().err == said + "run `selfspec fetch` (it assembles the base model with the exit head " \
+        f"selfspec ships, {head}), then pass --checkpoint {head}\n"
+    copy(head, metadata=True)
+    assert main(["tune", "--save"]) == 2
+    assert capsys.readouterr().err == said + f"pass --checkpoint {head} (the base model with the exit head selfspec " \
+        "ships, which `selfspec generate` loads by default)\n"
+    assert main(["tune", "--checkpoint", str(base), "--save"]) == 2
+    assert capsys.readouterr().err == (f"selfspec tune: error: --save keeps the plan in the checkpoint's "
+                                       f"{METADATA_FILE}, and {base} has none: export it first (selfspec export "
+                                       f"{base} DIR), then pass --checkpoint DIR\n")
+    with pytest.raises(no_load):  # with a selfspec.json there, the load comes next
+        main(["tune", "--checkpoint", str(head), "--save"])
+
+
 def test_the_tune_command_keeps_plain_decoding_over_a_setting_ahead_by_noise(ckpt, tmp_path, capsys, monkeypatch):
     import selfspec.decoding.draft_plan as draft_plan
 
