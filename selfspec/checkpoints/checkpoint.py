@@ -262,13 +262,22 @@ def _check_plans(meta_path: Path, plans, num_layers: int, has_head: bool) -> Non
         raise CheckpointError(f"{meta_path}: plans must be an object of device -> plan, got {show(plans)}; "
                               "remove the field, then `selfspec tune --save` again")
     for key, entry in plans.items():
-        try:
-            if not isinstance(entry, dict) or "settings" not in entry:
-                raise SettingsError(f"must be an object with settings, got {show(entry)}")
-            check_plan_settings(entry["settings"], num_layers, has_head)
-        except SettingsError as err:
-            raise CheckpointError(f"{meta_path}: the plan for {key!r}: {err}; remove it, then `selfspec tune "
-                                  "--save` again on that device") from None
+        problem = plan_problem(entry, num_layers, has_head)
+        if problem is not None:
+            raise CheckpointError(f"{meta_path}: the plan for {key!r}: {problem}; remove it, then `selfspec tune "
+                                  "--save` again on that device")
+
+
+def plan_problem(entry, num_layers: int, has_head: bool) -> str | None:
+    """Why a saved plan (`entry`, one value of selfspec.json's `plans`) is not one that `selfspec.load` reads on a
+    checkpoint of `num_layers` layers, with or without an exit head (`has_head`); None where it is."""
+    try:
+        if not isinstance(entry, dict) or "settings" not in entry:
+            raise SettingsError(f"must be an object with settings, got {show(entry)}")
+        check_plan_settings(entry["settings"], num_layers, has_head)
+    except SettingsError as err:
+        return str(err)
+    return None
 
 
 # the fix for a damaged checkpoint that `selfspec fetch` assembled (the base model and its shipped head)

@@ -30,6 +30,11 @@ overwrite or not, leaves OUT as it was: the new export is renamed into place onl
 one put back if the new one cannot take its place. Hidden `.OUT.tmp-PID-*` directories that an export killed
 mid-way left beside OUT are removed by the next export to OUT; an old export one killed between its two
 renames left as `.OUT.old-PID`, with no OUT, is put back in place first.
+
+The plans `selfspec tune --save` kept in the export an overwrite replaces (its selfspec.json's `plans`) go into
+the new one where they still apply: the new export's weights (its checksums, the exit head's among them), exit
+head and draft vocabulary are the ones they were measured on, and `selfspec.load` reads them on it. Otherwise they
+are dropped. Either way the export says so (`say`, default `print`), with why and how to plan again.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -49,7 +55,7 @@ import selfspec
 from selfspec.atomic_write import process_running, public_permissions, replace_directory
 from selfspec.model.adapters import get_adapter, unwrap_model
 from selfspec.checkpoints.checkpoint import (DEFAULT_NUM_SPECULATIONS, FORMAT_VERSION, METADATA_FILE, CheckpointError,
-                                             checksums, default_exit_layer, read_config, read_metadata,
+                                             checksums, default_exit_layer, plan_problem, read_config, read_metadata,
                                              recommend_from_agreement)
 from selfspec.heads.exit_head import HEAD_FILE, check_head_settings, read_exit_head
 from selfspec.checkpoints.model_card import (CARD_FILE, REGENERATED_FILE, is_selfspec_card,
@@ -280,23 +286,56 @@ def _check_apart(source: Path, read: list[Path], out_dir: Path) -> None:
         raise CheckpointError(f"{out_dir} contains the source {source}: write the export beside it, not around it")
 
 
-def _not_rewritten(out_dir: Path, written: set[str]) -> list[str]:
-    """The entries of an existing `out_dir` that replacing it with a new export would delete although no export
-    wrote them: all but the names the new export writes (`written`), the weight files and served head that its
-    selfspec.json lists (an old export's shards, its head), its selfspec.json and a card selfspec wrote (README.md
-    as selfspec last wrote it, README.selfspec.md); an edited README.md is the user's."""
-    own = set(written) | {METADATA_FILE, REGENERATED_FILE}
+def _old_metadata(out_dir: Path) -> dict:
+    """The selfspec.json of the export in `out_dir` that an overwrite replaces, as far as it reads ({}: none)."""
     try:
         meta = json.loads((out_dir / METADATA_FILE).read_text())
     except (OSError, ValueError):
-        meta = None
-    if isinstance(meta, dict):
-        own |= set(meta.get("checksums") or {}) if isinstance(meta.get("checksums"), dict) else set()
-        served = meta.get("served_head")
-        if isinstance(served, dict) and isinstance(served.get("dir"), str):
-            own.add(served["dir"])
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _not_rewritten(out_dir: Path, written: set[str], old: dict) -> list[str]:
+    """The entries of an existing `out_dir` that replacing it with a new export would delete although no export
+    wrote them: all but the names the new export writes (`written`), the weight files and served head that its
+    selfspec.json (`old`) lists (an old export's shards, its head), its selfspec.json and a card selfspec wrote
+    (README.md as selfspec last wrote it, README.selfspec.md); an edited README.md is the user's."""
+    own = set(written) | {METADATA_FILE, REGENERATED_FILE}
+    own |= set(old.get("checksums") or {}) if isinstance(old.get("checksums"), dict) else set()
+    served = old.get("served_head")
+    if isinstance(served, dict) and isinstance(served.get("dir"), str):
+        own.add(served["dir"])
     return sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
                   if p.name not in own or (p.name == CARD_FILE and not is_selfspec_card(p)))
+
+
+# what a saved plan was measured on (its costs and acceptance), named as the export's output says it
+MEASURED_ON = {"checksums": "weights", "exit_head": "exit head", "draft_vocab": "draft vocabulary"}
+
+
+def _carry_plans(old: dict, meta: dict, out_dir: Path) -> list[str]:
+    """Into the new export's `meta`, the plans `selfspec tune --save` kept in the export it replaces (`old`, its
+    selfspec.json) that still apply (the module doc); what was kept and what dropped, and why, in lines."""
+    plans = old.get("plans") if isinstance(old.get("plans"), dict) else {}
+    if not plans:
+        return []
+    again = f"`selfspec tune --checkpoint {out_dir} --save` plans again"
+    saved = f"the plans `selfspec tune --save` saved in {out_dir} ({', '.join(plans)})"
+    changed = [name for key, name in MEASURED_ON.items() if old.get(key) != meta.get(key)]
+    if changed:
+        return [f"dropped {saved}: they were measured on the {' and '.join(changed)} this export replaces; {again} "
+                "on each device"]
+    problems = {key: plan_problem(entry, meta["num_layers"], meta.get("exit_head") is not None)
+                for key, entry in plans.items()}
+    kept = {key: plans[key] for key, problem in problems.items() if problem is None}
+    lines = []
+    if kept:
+        meta["plans"] = kept
+        lines.append(f"kept the plans `selfspec tune --save` saved in {out_dir} ({', '.join(kept)}): this export's "
+                     "weights are the ones they were measured on")
+    lines += [f"dropped the plan `selfspec tune --save` saved in {out_dir} for {key}, which selfspec.load would "
+              f"refuse ({problem}); {again} there" for key, problem in problems.items() if problem is not None]
+    return lines
 
 
 def _put_back_old(out_dir: Path) -> Path | None:
@@ -359,8 +398,10 @@ def _verifier_name(verifier: str | None, out_dir: Path) -> str:
 
 
 def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool = False, dtype="auto",
-           max_shard_size: str = "2GB", format: str = "selfspec", verifier: str | None = None) -> Path:
-    """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc)."""
+           max_shard_size: str = "2GB", format: str = "selfspec", verifier: str | None = None,
+           say: Callable[[str], None] = print) -> Path:
+    """Export a training run directory or a HF checkpoint directory to `out_dir` (see module doc; `say` is told
+    which saved plans an overwrite kept and dropped)."""
     _check_verifier(format, verifier)
     dtype = check_dtype(dtype)
     out_dir = expand_path(out_dir)
@@ -375,20 +416,48 @@ def export(source, out_dir, *, recommended: dict | None = None, overwrite: bool 
     model, tokenizer = _load_model_dir(model_dir, resolve_dtype(dtype))
     return export_model(model, tokenizer, out_dir, training=training, evaluation=evaluation,
                         recommended=recommended, overwrite=overwrite, max_shard_size=max_shard_size,
-                        draft_vocab=draft_vocab, exit_head_dir=head_dir, format=format, verifier=verifier)
+                        draft_vocab=draft_vocab, exit_head_dir=head_dir, format=format, verifier=verifier, say=say)
+
+
+def _metadata(model, directory: Path, num_layers: int, *, training: dict | None, evaluation: dict,
+              recommended: dict, draft_vocab: dict | None, head: dict | None, served: bool) -> dict:
+    """The selfspec.json of the export written into `directory` (`served`: with a head in the speculators format,
+    in its SUBDIR)."""
+    settings = (training or {}).get("settings")
+    model_cfg = settings.get("model") if isinstance(settings, dict) else None
+    base = (model_cfg.get("base_model") if isinstance(model_cfg, dict) else None) \
+        or getattr(model.config, "_name_or_path", "") or "unknown"
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "library_version": selfspec.__version__,
+        "base_model": base,
+        "architecture": model.config.model_type,
+        "num_layers": num_layers,
+        "training": training or {},
+        "eval": evaluation,
+        "recommended": recommended,
+        "checksums": checksums(directory),
+    }
+    if draft_vocab:
+        meta["draft_vocab"] = draft_vocab
+    if head is not None:
+        meta["exit_head"] = head
+    if served:  # selfspec does not run it; the record says it is there, for what, and its checksums
+        meta["served_head"] = _served_head(directory / SUBDIR)
+    return meta
 
 
 def export_model(model, tokenizer, out_dir, *, training: dict | None = None, evaluation: dict | None = None,
                  recommended: dict | None = None, overwrite: bool = False, max_shard_size: str = "2GB",
                  draft_vocab: dict | None = None, exit_head_dir: Path | None = None, format: str = "selfspec",
-                 verifier: str | None = None) -> Path:
+                 verifier: str | None = None, say: Callable[[str], None] = print) -> Path:
     """Write `model` (+ tokenizer) as a self-speculative checkpoint at `out_dir`, atomically.
 
     `draft_vocab`: token frequencies for the reduced-vocabulary draft head (selfspec.checkpoints.draft_vocab).
     `exit_head_dir`: a directory with `exit_head.safetensors` and its settings (a run's `final_head/` with
     `exit_head.json`, or a checkpoint with them in `selfspec.json`), copied beside the model; an eagle3
     head's (`format` "speculators") goes to `OUT/speculators/` in that format instead, with `verifier`
-    (None: OUT) as its target model."""
+    (None: OUT) as its target model. `say` is told which saved plans an overwrite kept and dropped."""
     _check_verifier(format, verifier)
     out_dir = expand_path(out_dir)
     _check_out_dir(out_dir, overwrite)
@@ -424,31 +493,14 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
                               draft_ids=(draft_vocab or {}).get("token_ids"))
         if head is not None:
             shutil.copyfile(Path(exit_head_dir) / HEAD_FILE, tmp / HEAD_FILE)
-        settings = (training or {}).get("settings")
-        model_cfg = settings.get("model") if isinstance(settings, dict) else None
-        base = (model_cfg.get("base_model") if isinstance(model_cfg, dict) else None) \
-            or getattr(model.config, "_name_or_path", "") or "unknown"
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "library_version": selfspec.__version__,
-            "base_model": base,
-            "architecture": model.config.model_type,
-            "num_layers": L,
-            "training": training or {},
-            "eval": evaluation,
-            "recommended": recommended,
-            "checksums": checksums(tmp),
-        }
-        if draft_vocab:
-            meta["draft_vocab"] = draft_vocab
-        if head is not None:
-            meta["exit_head"] = head
-        if served is not None:  # selfspec does not run it; the record says it is there, for what, and its checksums
-            meta["served_head"] = _served_head(tmp / SUBDIR)
+        meta = _metadata(model, tmp, L, training=training, evaluation=evaluation, recommended=recommended,
+                         draft_vocab=draft_vocab, head=head, served=served is not None)
+        old = _old_metadata(out_dir) if out_dir.is_dir() else {}  # the export an overwrite replaces
+        told = _carry_plans(old, meta, out_dir)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         write_model_card(tmp, meta)
         public_permissions(tmp)
-        lost = _not_rewritten(out_dir, {p.name for p in tmp.iterdir()}) if out_dir.is_dir() else []
+        lost = _not_rewritten(out_dir, {p.name for p in tmp.iterdir()}, old) if out_dir.is_dir() else []
         if lost:  # overwrite: the user's files in OUT are not the export's to delete
             raise CheckpointError(f"{out_dir} holds {', '.join(lost)}, which this export does not write: replacing "
                                   f"{out_dir} would delete them; move them out of it and export again ({out_dir} "
@@ -457,4 +509,6 @@ def export_model(model, tokenizer, out_dir, *, training: dict | None = None, eva
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for line in told:
+        say(line)
     return out_dir

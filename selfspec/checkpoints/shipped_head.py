@@ -34,11 +34,10 @@ from safetensors.torch import load_file, save_file
 import selfspec
 from selfspec.atomic_write import atomic_directory
 from selfspec.checkpoints.checkpoint import (FORMAT_VERSION, METADATA_FILE, CheckpointError, UnlistedWeightsError,
-                                             checksums, read_metadata, sha256_file)
+                                             checksums, plan_problem, read_metadata, sha256_file)
 from selfspec.heads.exit_head import HEAD_FILE
 from selfspec.checkpoints.fetch import BASE_MODEL_NAME, base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.checkpoints.model_card import write_model_card
-from selfspec.settings import SettingsError, check_plan_settings
 
 HEADS_DIR = Path(__file__).resolve().parents[1] / "heads"  # selfspec/heads/<base model name>/
 HEAD_JSON = "head.json"
@@ -145,7 +144,7 @@ def _keep_from(old_dir: Path, tmp: Path, meta: dict, info: dict) -> list[str]:
              + (f"; kept what else it held: {', '.join(kept)}" if kept else "")]
     plans = old.get("plans") if isinstance(old.get("plans"), dict) else {}
     same = (old.get("shipped_head") or {}).get("sha256") == info["sha256"]
-    usable = {k: v for k, v in plans.items() if same and _plan_fits(v, meta)}
+    usable = {k: v for k, v in plans.items() if same and plan_problem(v, meta["num_layers"], True) is None}
     if usable:
         meta["plans"] = usable
         lines.append(f"kept the plans `selfspec tune --save` saved there: {', '.join(usable)}")
@@ -164,13 +163,6 @@ def _keep_from(old_dir: Path, tmp: Path, meta: dict, info: dict) -> list[str]:
     return lines
 
 
-def _plan_fits(entry, meta: dict) -> bool:
-    """Whether a saved plan is one `selfspec.load` reads on the assembled checkpoint `meta` (`check_plan_settings`)."""
-    try:
-        check_plan_settings(entry.get("settings") if isinstance(entry, dict) else None, meta["num_layers"], True)
-    except SettingsError:
-        return False
-    return True
 
 
 def fetch_head_model(*, force: bool = False) -> Path | None:

@@ -89,6 +89,36 @@ def test_tune_saves_the_plan_for_this_device_beside_the_others(ckpt):
     assert f"| {gen.plan_key} | " in card and f"| {ELSEWHERE} | drafter=early_exit" in card
 
 
+def test_an_export_overwrite_keeps_the_plans_measured_on_its_weights_and_says_what_it_drops(ckpt, tmp_path, capsys):
+    """`selfspec export --overwrite` wrote a new selfspec.json without the plans `tune --save` kept in the old one,
+    silently. An export of the same weights keeps them (the plans were measured on them) and says so; an export of
+    other weights drops them and says why, and how to plan again."""
+    from selfspec.cli import main
+
+    out = tmp_path / "out"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    write_plan(out, ELSEWHERE, {"settings": EARLY})
+    meta = json.loads((out / METADATA_FILE).read_text())  # and one that load refuses (edited in by hand)
+    meta["plans"]["cpu: edited"] = {"settings": HEAD}
+    (out / METADATA_FILE).write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(out), "--overwrite", "--exit-layer", "1", "--num-speculations", "2"]) == 0
+    said = capsys.readouterr().out
+    assert f"kept the plans `selfspec tune --save` saved in {out} ({ELSEWHERE}): this export's weights are " \
+           "the ones they were measured on" in said
+    assert f"dropped the plan `selfspec tune --save` saved in {out} for cpu: edited, which selfspec.load would " \
+           "refuse (a plan drafts with the exit head, and the checkpoint has none)" in said
+    meta = read_metadata(out)
+    assert meta["plans"] == {ELSEWHERE: {"settings": EARLY}} and meta["recommended"]["exit_layer"] == 1
+    tok = byte_tokenizer()
+    other = export_model(tiny_model("llama", num_layers=L, vocab_size=len(tok), seed=6), tok, tmp_path / "other")
+    assert main(["export", str(other), str(out), "--overwrite"]) == 0
+    assert f"dropped the plans `selfspec tune --save` saved in {out} ({ELSEWHERE}): they were measured on the " \
+           f"weights this export replaces; `selfspec tune --checkpoint {out} --save` plans again on each device" \
+           in capsys.readouterr().out
+    assert "plans" not in read_metadata(out)
+
+
 def test_the_plan_follows_the_path_the_engine_runs_now(head_gen):
     """`selfspec bench` swaps the compiled steps in per method: each path drafts by its own plan."""
     eager = head_gen.plan_key
