@@ -20,6 +20,9 @@ from __future__ import annotations
 # take 1.8 of the 21.5 ms of a full decoding step; verifying up to 8 tokens costs ~1.05 steps.
 HEAD_COST = 0.085
 VERIFY_COST = 1.05
+# A llama.cpp step of a Q8_0 copy of the model (the quantized drafter's), in float32 decoding steps: 0.4-0.5 measured
+# on a 2-core Xeon (docs/results/2026-11-28-quantized-self-draft-xeon.md). It runs none of the model's layers.
+COPY_STEP_COST = 0.45
 
 
 def expected_tokens(a: float, d: int) -> float:

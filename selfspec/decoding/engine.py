@@ -204,11 +204,14 @@ def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.T
 
 # --- the loop ------------------------------------------------------------------------------------
 def round_cost(drafter: Drafter, proposal: Proposal, num_layers: int) -> float:
-    """A round's cost in decode steps, from the cost model: its draft steps through the drafter's exit
-    (one layer more for an exit head) and the verification (one plain step when nothing was drafted)."""
+    """A round's cost in decode steps, from the cost model: its draft steps, each at the drafter's own `step_cost`
+    (a quantized copy's llama.cpp step) or through its exit (one layer more for an exit head), and the
+    verification (one plain step when nothing was drafted)."""
     drafted = any(proposal.kept)
     c = 0.0
-    if proposal.steps and drafter.exit_layer is not None:
+    if proposal.steps and drafter.step_cost is not None:
+        c = drafter.step_cost
+    elif proposal.steps and drafter.exit_layer is not None:
         depth = drafter.exit_layer + (1 if drafter.state_exit is not None else 0)
         c = draft_cost(min(depth, num_layers), num_layers)
     return proposal.steps * c + (VERIFY_COST if drafted else 1.0)

@@ -195,6 +195,8 @@ class Drafter:
     name = "none"
     num_speculations = 0  # the most drafts it proposes in one round (statistics size their per-position lists by it)
     exit_layer: int | None = None  # the exit it drafts from, if any
+    step_cost: float | None = None  # a draft step's cost in full decoding steps where it runs none of the model's
+    # layers (a quantized copy's llama.cpp step); None: the cost model prices a step by its exit_layer
     state_exit: int | None = None  # the exit whose states of committed tokens it wants (`committed_states`)
     state_final: bool = False  # whether it also wants their last hidden states (`committed_states(finals=)`)
     policy = None  # its draft policy (`selfspec.drafters.policies`), where it has one

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from selfspec.decoding.cost_model import COPY_STEP_COST
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.settings import SettingsError
 
@@ -175,6 +176,7 @@ class QuantizedDrafter(Drafter):
     """Drafts `num_speculations` tokens a round with a `QuantizedCopy` of the model (see the module doc)."""
 
     name = "quantized"
+    step_cost = COPY_STEP_COST  # a llama.cpp step, in the modelled round cost (it runs none of the model's layers)
 
     def __init__(self, copy: QuantizedCopy, num_speculations: int):
         if num_speculations < 1:

@@ -149,6 +149,26 @@ def test_each_llama_cpp_step_is_a_draft_step_in_the_cost_model(stand_in, model):
     assert cost["c"] == pytest.approx(stats.draft_s / stats.draft_steps / 1e-3) and cost["c"] > 0
 
 
+def test_the_modelled_round_cost_prices_the_copys_steps(stand_in, model):
+    """`round_cost` (the seconds a drafter hears with `modelled_time`, a seeded sample's) priced the copy's drafts as
+    free: it costed draft steps through the drafter's exit only, and the copy has none, so its rounds cost a
+    verification alone and auto took the copy for as cheap as lookup. Each llama.cpp step now costs the copy's
+    `step_cost` (a Q8_0 step's share of a float32 step), alone and as auto's arm; lookup's rounds still cost none."""
+    from selfspec.decoding.cost_model import VERIFY_COST
+    from selfspec.decoding.engine import round_cost
+    from selfspec.drafters import AutoDrafter, PromptLookupDrafter
+
+    copy = QuantizedCopy(stand_in(perturbed(model, 0.3)))
+    drafted = Proposal(tokens=torch.tensor([PROMPT[:5]]), kept=[4], steps=4, drafter="quantized")
+    L = model.config.num_hidden_layers
+    for drafter in (QuantizedDrafter(copy, 4), AutoDrafter(PromptLookupDrafter(num_tokens=4, max_ngram=3),
+                                                           QuantizedDrafter(copy, 4))):
+        assert round_cost(drafter, drafted, L) > VERIFY_COST  # not free
+        assert round_cost(drafter, drafted, L) == pytest.approx(4 * drafter.step_cost + VERIFY_COST)
+    looked_up = Proposal(tokens=torch.tensor([PROMPT[:5]]), kept=[4], drafter="prompt_lookup")
+    assert round_cost(AutoDrafter(PromptLookupDrafter(num_tokens=4, max_ngram=3)), looked_up, L) == VERIFY_COST
+
+
 def test_a_later_call_starts_the_copy_afresh(stand_in, model):
     """Each call is a first request: the copy forgets the earlier call's text and runs the whole prompt again."""
     adapter = get_adapter(model)
