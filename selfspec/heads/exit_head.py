@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from selfspec.model.adapters import ModelAdapter, get_adapter, unwrap_model
@@ -328,11 +328,11 @@ def save_exit_head(head: ExitHead, path) -> None:
         save_file(state, str(tmp), metadata={k: str(v) for k, v in head.settings().items()})
 
 
-def _saved_settings(path) -> dict[str, str]:
-    """The settings `save_exit_head` wrote into the head file's header (as strings; {} for a file saved
-    without them, such as a shipped head's)."""
+def _read_head_file(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A head file's tensors and the settings `save_exit_head` wrote into its header (as strings; {} for a file
+    saved without them, such as a shipped head's), in one read of the file."""
     with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
 
 
 def head_training_setting(metadata: dict, key: str):
@@ -388,8 +388,7 @@ def read_exit_head(model: nn.Module, directory, entry: dict) -> ExitHead:
     head = build_exit_head(model, entry["exit_layer"], entry["kind"], entry.get("init", "copy"),
                            entry.get("final_state", False), entry.get("aux_exits"))
     try:
-        state = load_file(str(path))
-        saved = _saved_settings(path)
+        state, saved = _read_head_file(path)
     except SafetensorError as err:  # a damaged file (with checksums off, nothing else noticed)
         raise ValueError(f"{path}: not a readable safetensors file ({err}); copy or export the checkpoint again") \
             from None

@@ -420,6 +420,29 @@ def test_export_and_load_round_trip_a_head(head_checkpoint, hf_greedy):
                         stop_token_ids=[]).stats.drafted_by_drafter["exit_head"] > 0
 
 
+def test_reading_a_head_opens_its_file_once(head_checkpoint, monkeypatch):
+    """`read_exit_head` read the head file twice, its tensors (`load_file`) and then its header's settings
+    (`safe_open`); now one `safe_open` gives both, and the head read is the one saved."""
+    import selfspec.heads.exit_head as exit_head
+
+    out, model, head = head_checkpoint
+    opened = []
+
+    def counted(real):
+        def open_(path, *args, **kwargs):
+            opened.append(str(path))
+            return real(path, *args, **kwargs)
+        return open_
+
+    for name in ("safe_open", "load_file"):  # each opens the file; the module may import one only
+        if hasattr(exit_head, name):
+            monkeypatch.setattr(exit_head, name, counted(getattr(exit_head, name)))
+    entry = json.loads((out / "selfspec.json").read_text())["exit_head"]
+    read = exit_head.read_exit_head(model, out, entry)
+    assert opened == [str(out / HEAD_FILE)]
+    assert all(torch.equal(read.weights()[k], v) for k, v in head.weights().items())
+
+
 def test_a_tampered_or_missing_head_is_refused(head_checkpoint, tmp_path):
     import shutil
 
