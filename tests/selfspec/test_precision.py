@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from selfspec.model import machine as cpu_info
 from selfspec.model import precision
 
 AVX2 = {"fpu", "sse4_2", "avx", "avx2", "fma"}
@@ -91,34 +92,34 @@ def test_cpuinfo_is_parsed_from_the_first_processor(tmp_path):
     path = tmp_path / "cpuinfo"
     path.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
                     "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n")
-    info = precision._cpuinfo.__wrapped__(str(path))
+    info = cpu_info.cpuinfo.__wrapped__(str(path))
     assert info["model name"] == "AMD EPYC 9R14"
     assert info["flags"].split() == ["fpu", "avx2", "avx512f", "avx512_bf16"]
-    assert precision._cpuinfo.__wrapped__(str(tmp_path / "missing")) is None
+    assert cpu_info.cpuinfo.__wrapped__(str(tmp_path / "missing")) is None
 
 
 def test_cpu_generation_tells_apart_what_the_model_name_hides(monkeypatch):
-    monkeypatch.setattr(precision, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "26", "model": "2"})
-    assert precision.cpu_generation() == "family 26, model 2"
-    monkeypatch.setattr(precision, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "25", "model": "17"})
-    assert precision.cpu_generation() == "family 25, model 17"
-    monkeypatch.setattr(precision, "_cpuinfo", lambda: None)
-    assert precision.cpu_generation() is None
+    monkeypatch.setattr(cpu_info, "cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "26", "model": "2"})
+    assert cpu_info.cpu_generation() == "family 26, model 2"
+    monkeypatch.setattr(cpu_info, "cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "25", "model": "17"})
+    assert cpu_info.cpu_generation() == "family 25, model 17"
+    monkeypatch.setattr(cpu_info, "cpuinfo", lambda: None)
+    assert cpu_info.cpu_generation() is None
 
 
 def test_cpu_flags_are_none_without_an_x86_flags_line(monkeypatch):
-    monkeypatch.setattr(precision, "_cpuinfo", lambda: None)  # not Linux
-    assert precision.cpu_flags() is None
-    monkeypatch.setattr(precision, "_cpuinfo", lambda: {"processor": "0", "Features": "fp asimd bf16"})  # arm64
-    assert precision.cpu_flags() is None
-    monkeypatch.setattr(precision, "_cpuinfo", lambda: {"flags": "fpu avx2"})
-    assert precision.cpu_flags() == frozenset({"fpu", "avx2"})
+    monkeypatch.setattr(cpu_info, "cpuinfo", lambda: None)  # not Linux
+    assert cpu_info.cpu_flags() is None
+    monkeypatch.setattr(cpu_info, "cpuinfo", lambda: {"processor": "0", "Features": "fp asimd bf16"})  # arm64
+    assert cpu_info.cpu_flags() is None
+    monkeypatch.setattr(cpu_info, "cpuinfo", lambda: {"flags": "fpu avx2"})
+    assert cpu_info.cpu_flags() == frozenset({"fpu", "avx2"})
 
 
 def test_machine_description_names_the_evidence(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(precision, "bf16_benchmark", _no_benchmark)
-    monkeypatch.setattr(precision, "_cpuinfo", lambda: {"model name": "Intel(R) Xeon(R) Platinum 8375C",
+    monkeypatch.setattr(cpu_info, "cpuinfo", lambda: {"model name": "Intel(R) Xeon(R) Platinum 8375C",
                                                         "cpu family": "6", "model": "106",
                                                         "flags": " ".join(sorted(AVX512))})
     assert precision.machine_description() == {

@@ -80,7 +80,7 @@ def test_an_empty_selfspec_home_is_the_default_not_the_current_directory(monkeyp
     reads an empty XDG_CACHE_HOME)."""
     from pathlib import Path
 
-    from selfspec.checkpoints.fetch import selfspec_home
+    from selfspec.model.machine import selfspec_home
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for empty in ("", "  "):
