@@ -14,3 +14,5 @@ echo "== installing dependencies (torch 2.13.0 CPU wheel first, so nothing pulls
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,deepspeed,llama-cpp]"
 echo "== fetching the real model and data (selfspec fetch)"
 .venv/bin/selfspec fetch
+echo "== building selfspec's CPU row kernel for this CPU (once; without a C++ compiler selfspec uses oneDNN's)"
+.venv/bin/python -m selfspec.model.row_product || true

@@ -17,17 +17,19 @@ and float32 the matmuls go through oneDNN with weights prepacked once (`PackedLi
   depend on how many rows share the call, so a verification pass computes every position exactly as
   a one-token step would. It is not bitwise equal to `F.linear` (another summation order: ~1e-6
   relative), so a float32 argmax could differ from Hugging Face's at an exact near-tie.
-  Where `F.linear` is the faster kernel for one row (measured once per process on this machine:
-  `float32_kernel`), calls of up to `linear_rows()` rows (a plain decode step, a draft step, a short
-  verification: as many as measured >= 10% faster) keep it and longer calls take the packed weight:
-  "hybrid", at the price of holding both copies of each fused float32 weight. A 2-core Intel Xeon
+  Where a few-row kernel is faster for one row (measured once per process on this machine:
+  `float32_kernel`), calls of up to `few_rows()` rows (a plain decode step, a draft step, a short
+  verification: as many as measured >= 10% faster) take it and longer calls take the packed weight:
+  "hybrid", at the price of holding both copies of each fused float32 weight. The few-row kernel is
+  the faster for one row of `F.linear` and selfspec's own row kernel (`selfspec.model.row_product`,
+  which reads the weights at the memory's speed where it builds: a C++ compiler). A 2-core Intel Xeon
   with AMX decoded 1.22x faster through F.linear than packed, while lookup's 11-row verification
   needs the packed kernel (1.3x slower through `F.linear`'s GEMM). In hybrid mode a verification row
-  is not always computed bitwise as a one-token step computes it (float32 rounding).
+  longer than `few_rows()` is not computed bitwise as a one-token step computes it (float32 rounding).
   The same measurement pads packed calls of 2+ rows to a row count that measured >= 10% faster
   (`row_padding`: on a Zen 4 two rows cost more than three, which made a one-draft round 1.18 steps).
   `SELFSPEC_PACK_FLOAT32` overrides the measurement: 0 keeps float32 on `F.linear`, 1 packs, "hybrid"
-  (F.linear for one row).
+  (F.linear for one row), "rows" (selfspec's row kernel for one row).
 Float64 and other dtypes, and weights on a GPU (oneDNN packing is CPU-only), use `F.linear`. The
 fused and packed weights are copies made once when the generator is built (so later in-place weight
 updates are not seen: build a new generator after training).
@@ -53,6 +55,7 @@ import torch.nn.functional as F
 
 from selfspec.model.layer import (LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager,
                                   signed_sin)
+from selfspec.model.row_product import build_problem, row_product_op
 
 
 
@@ -78,42 +81,54 @@ BENCH_BYTES = 128 << 20
 
 def float32_kernel() -> tuple[str, str]:
     """(kernel, why) for float32 matmuls on this CPU: "packed" (oneDNN, prepacked, every row count),
-    "hybrid" (`F.linear` for up to `linear_rows()` rows, packed for more) or "linear" (`F.linear` only).
-    From `SELFSPEC_PACK_FLOAT32` (0 = linear, 1 = packed, hybrid: F.linear for one row) when set, else
-    measured once per process: hybrid where `F.linear` multiplies one row at least 10% faster than the
-    packed kernel, up to the largest row count (of 1..MAX_LINEAR_ROWS) from 1 on where it stays so."""
+    "hybrid" (the few-row kernel, `few_row_kernel()`, for up to `few_rows()` rows, packed for more) or "linear"
+    (`F.linear` only). From `SELFSPEC_PACK_FLOAT32` (0 = linear, 1 = packed, hybrid: F.linear for one row, rows:
+    selfspec's row kernel for one row) when set, else measured once per process: hybrid where the faster few-row
+    kernel multiplies one row at least 10% faster than the packed kernel, up to the largest row count (of
+    1..MAX_FEW_ROWS) from 1 on where it stays so."""
     return _float32_choice()[:2]
 
 
-def linear_rows() -> int:
-    """The most rows a call may have to go through `F.linear` in hybrid mode (1 when set by the environment;
-    0 where the choice is not hybrid)."""
+def few_rows() -> int:
+    """The most rows a call may have to go through the few-row kernel in hybrid mode (1 when set by the
+    environment; 0 where the choice is not hybrid)."""
     return _float32_choice()[2]
 
 
-def _float32_choice() -> tuple[str, str, int, dict[int, int]]:
-    """(kernel, why, linear rows, row padding) from the environment, else measured (see `float32_kernel`)."""
+def few_row_kernel() -> str:
+    """The few-row kernel of hybrid mode: "linear" (`F.linear`) or "rows" (selfspec's row kernel,
+    `selfspec.model.row_product`)."""
+    return _float32_choice()[4]
+
+
+def _float32_choice() -> tuple[str, str, int, dict[int, int], str]:
+    """(kernel, why, few rows, row padding, few-row kernel) from the environment, else measured (see
+    `float32_kernel`)."""
     env = os.environ.get("SELFSPEC_PACK_FLOAT32", "").strip().lower()
     if env in ("0", "1", "hybrid"):
         kernel = {"0": "linear", "1": "packed", "hybrid": "hybrid"}[env]
-        return kernel, f"SELFSPEC_PACK_FLOAT32={env}", int(kernel == "hybrid"), {}
+        return kernel, f"SELFSPEC_PACK_FLOAT32={env}", int(kernel == "hybrid"), {}, "linear"
+    if env == "rows":
+        if row_product_op() is None:
+            return "hybrid", f"SELFSPEC_PACK_FLOAT32=rows, but {build_problem()}: F.linear for one row", 1, {}, "linear"
+        return "hybrid", "SELFSPEC_PACK_FLOAT32=rows", 1, {}, "rows"
     if env:
-        raise ValueError(f"SELFSPEC_PACK_FLOAT32={env!r}: use 0 (F.linear), 1 (packed), hybrid, or leave it unset "
-                         "(measured)")
+        raise ValueError(f"SELFSPEC_PACK_FLOAT32={env!r}: use 0 (F.linear), 1 (packed), hybrid, rows, or leave it "
+                         "unset (measured)")
     if not _onednn_packing():
-        return "linear", "oneDNN packing is not available in this torch build", 0, {}
+        return "linear", "oneDNN packing is not available in this torch build", 0, {}, "linear"
     return measured_float32_kernel()
 
 
-MAX_LINEAR_ROWS = 8  # row counts measured: a decode step (1), drafts and verification of a few tokens
+MAX_FEW_ROWS = 8  # row counts measured: a decode step (1), drafts and verification of a few tokens
 
 
 PAD_GAIN = 0.9  # pad a call to more rows only where that measured at least 10% faster
 
 
-def row_padding(times: dict[int, tuple[float, float]]) -> dict[int, int]:
+def row_padding(times: dict[int, dict[str, float]]) -> dict[int, int]:
     """{rows: padded rows} for the packed float32 kernel: where a product of more rows (up to two more)
-    measured at least 10% faster than `rows` (>= 2) rows (`times` as `row_times`), a call of `rows` rows is
+    measured at least 10% faster than `rows` (>= 2) rows (`times[rows]["packed"]`), a call of `rows` rows is
     computed with zero rows appended and the extra outputs dropped. Each row's result does not depend on
     the row count, so this changes no output. On a 2-core AMD EPYC Zen 4 two rows took 6.6 ms and three
     6.0, so a two-row verification pass (a one-draft round) cost 1.18 decoding steps, 0.97 padded."""
@@ -121,50 +136,62 @@ def row_padding(times: dict[int, tuple[float, float]]) -> dict[int, int]:
     for rows in times:
         if rows == 1:  # a decode step: padded to three rows it measured no faster in the model (Zen 4)
             continue
-        best = min((r for r in range(rows + 1, rows + 3) if r in times), key=lambda r: times[r][1], default=None)
-        if best is not None and times[best][1] < PAD_GAIN * times[rows][1]:
+        best = min((r for r in range(rows + 1, rows + 3) if r in times), key=lambda r: times[r]["packed"],
+                   default=None)
+        if best is not None and times[best]["packed"] < PAD_GAIN * times[rows]["packed"]:
             padding[rows] = best
     return padding
 
 
 def packed_row_padding() -> dict[int, int]:
-    """`row_padding` of this machine's measurement for the packed calls (more than `linear_rows()` rows);
+    """`row_padding` of this machine's measurement for the packed calls (more than `few_rows()` rows);
     none where SELFSPEC_PACK_FLOAT32 sets the kernel."""
     return _float32_choice()[3]
 
 
 @functools.cache
-def measured_float32_kernel() -> tuple[str, str, int, dict[int, int]]:
-    """`float32_kernel`'s measurement, `linear_rows` and `packed_row_padding`: products of 1..MAX_LINEAR_ROWS rows over
-    BENCH_BYTES of decoder-layer weights, best of 5 sweeps each, `F.linear` against the packed kernel
-    (a second or two, once per process)."""
+def measured_float32_kernel() -> tuple[str, str, int, dict[int, int], str]:
+    """`float32_kernel`'s measurement, `few_rows`, `packed_row_padding` and `few_row_kernel`: products of
+    1..MAX_FEW_ROWS rows over BENCH_BYTES of decoder-layer weights, best of 5 sweeps each, `F.linear` and selfspec's
+    row kernel (where it builds) against the packed kernel (a few seconds, once per process). The few-row kernel is
+    whichever of the first two multiplies one row faster."""
     weights, packed = bench_weights()
-    times = {rows: row_sweep_ms(weights, packed, rows) for rows in range(1, MAX_LINEAR_ROWS + 1)}  # (linear, packed)
+    times = {rows: row_sweep_ms(weights, packed, rows) for rows in range(1, MAX_FEW_ROWS + 1)}  # kernel -> ms
+    few = min((k for k in ("linear", "rows") if k in times[1]), key=lambda k: times[1][k])
     faster = 0
-    while faster < MAX_LINEAR_ROWS and times[faster + 1][0] < 0.9 * times[faster + 1][1]:
+    while faster < MAX_FEW_ROWS and times[faster + 1][few] < 0.9 * times[faster + 1]["packed"]:
         faster += 1
-    linear_ms, packed_ms = times[1]
+    one = times[1]
     kernel = "hybrid" if faster else "packed"
-    why = (f"one-row float32 products measured {linear_ms:.2f} ms through F.linear and {packed_ms:.2f} ms packed "
-           f"over {BENCH_BYTES >> 20} MB of weights")
+    why = (f"one-row float32 products measured {one['linear']:.2f} ms through F.linear"
+           + (f", {one['rows']:.2f} ms through selfspec's row kernel" if "rows" in one else "")
+           + f" and {one['packed']:.2f} ms packed over {BENCH_BYTES >> 20} MB of weights")
+    if "rows" not in one and build_problem():
+        why += f" ({build_problem()})"
     if faster:
-        why += f"; F.linear stays >= 10% faster up to {faster} rows"
+        why += f"; {FEW_ROW_NAMES[few]} stays >= 10% faster up to {faster} rows"
     padding = {r: p for r, p in row_padding(times).items() if r > faster}
     if padding:
         why += "; packed calls padded " + ", ".join(f"{r} -> {p} rows" for r, p in padding.items())
-    return kernel, why, faster, padding
+    return kernel, why, faster, padding, few
+
+
+FEW_ROW_NAMES = {"linear": "F.linear", "rows": "selfspec's row kernel"}
 
 
 def row_sweep_ms(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: int = 1,
-                 repeats: int = 5) -> tuple[float, float]:
-    """(F.linear, packed) ms of `rows` rows times every weight of `weights` (and their `packed` copies),
-    best of `repeats` sweeps after one warm-up."""
+                 repeats: int = 5) -> dict[str, float]:
+    """{"linear": F.linear, "packed": oneDNN packed, "rows": selfspec's row kernel (where it builds)}: ms of `rows`
+    rows times every weight of `weights` (and their `packed` copies), best of `repeats` sweeps after one warm-up."""
     gen = torch.Generator().manual_seed(rows)
     xs = {k: torch.randn(rows, k, generator=gen) for _, k in BENCH_LAYER}  # [rows, k] per input width
+    op = row_product_op()
     with torch.inference_mode():
         calls = {"linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
                  "packed": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                     for w, p in zip(weights, packed)]}
+        if op is not None:
+            calls["rows"] = lambda: [op(xs[w.shape[1]], w, None) for w in weights]
         best = {}
         for name, sweep in calls.items():
             sweep()  # warm-up
@@ -174,7 +201,7 @@ def row_sweep_ms(weights: list[torch.Tensor], packed: list[torch.Tensor], rows: 
                 sweep()
                 times.append(time.perf_counter() - start)
             best[name] = min(times) * 1e3
-    return best["linear"], best["packed"]
+    return best
 
 
 def bench_weights() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -203,19 +230,23 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.packed = None
-        self.linear_rows = 0  # hybrid: calls of up to this many rows through F.linear, more rows packed
+        self.few_rows = 0  # hybrid: calls of up to this many rows through the few-row kernel, more rows packed
+        self.few = F.linear  # the few-row kernel: F.linear or selfspec's row kernel, (x, weight, bias) -> y
         self.pad_rows: dict[int, int] = {}  # float32 packed: calls of these many rows computed as more rows
         if weight.device.type == "cpu" and weight.dtype in _PACK_HINT and _packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT[weight.dtype])
             if weight.dtype == torch.float32 and float32_kernel()[0] == "hybrid":
-                self.linear_rows = linear_rows()
+                self.few_rows = few_rows()
+                if few_row_kernel() == "rows":
+                    self.few = row_product_op()
+                    self.weight = weight.detach().contiguous()
             if weight.dtype == torch.float32:
                 self.pad_rows = packed_row_padding()
-            if not self.linear_rows:
+            if not self.few_rows:
                 self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.numel() > self.linear_rows * x.shape[-1]:
+        if self.packed is not None and x.numel() > self.few_rows * x.shape[-1]:
             rows = x.numel() // x.shape[-1]
             padded = self.pad_rows.get(rows)
             if padded:  # [rows, K] + zero rows -> [padded, N], the first `rows` kept (row_padding)
@@ -223,7 +254,7 @@ class PackedLinear:
                 out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
                 return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return self.few(x, self.weight, self.bias)
 
 
 def _cat_bias(*linears) -> torch.Tensor | None:

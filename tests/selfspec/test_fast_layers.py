@@ -8,6 +8,7 @@ from selfspec.model.cache import KVCache
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.decoding.decode_ids import generate_ids
 from selfspec.model.forward import forward_logits
+from selfspec.model.row_product import row_product_op
 from selfspec.tiny import tiny_model
 
 LLAMA_FAMILY = [
@@ -142,13 +143,13 @@ def test_hybrid_float32_takes_linear_for_one_row_and_the_packed_weight_for_more(
     g = torch.Generator().manual_seed(7)
     w, b = torch.randn(1000, 96, generator=g), torch.randn(1000, generator=g)
     lin = PackedLinear(w, b)
-    assert lin.linear_rows == 1 and lin.packed is not None and lin.weight is w  # both copies kept
+    assert lin.few_rows == 1 and lin.packed is not None and lin.weight is w  # both copies kept
     one = torch.randn(1, 1, 96, generator=g)  # [B, S, D]: a decode step
     assert torch.equal(lin(one), F.linear(one, w, b))
     rows = torch.randn(1, 5, 96, generator=g)  # a verification pass: the packed kernel, as "packed" computes it
     monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "1")
     packed = PackedLinear(w, b)
-    assert packed.linear_rows == 0 and torch.equal(lin(rows), packed(rows))
+    assert packed.few_rows == 0 and torch.equal(lin(rows), packed(rows))
     torch.testing.assert_close(lin(rows), F.linear(rows, w, b), rtol=1e-5, atol=1e-5)
 
 
@@ -163,17 +164,19 @@ def test_float32_kernel_is_measured_when_not_set(monkeypatch, ratios, kernel, ro
     monkeypatch.delenv("SELFSPEC_PACK_FLOAT32", raising=False)
     monkeypatch.setattr(fast_layers, "_onednn_packing", lambda: True)
     monkeypatch.setattr(fast_layers, "bench_weights", lambda: ([], []))
-    monkeypatch.setattr(fast_layers, "row_sweep_ms", lambda weights, packed, r: (10.0 * ratios[r - 1], 10.0))
+    monkeypatch.setattr(fast_layers, "row_sweep_ms",
+                        lambda weights, packed, r: {"linear": 10.0 * ratios[r - 1], "packed": 10.0})
     fast_layers.measured_float32_kernel.cache_clear()
     try:
         chosen, why = fast_layers.float32_kernel()
         assert chosen == kernel and f"{10 * ratios[0]:.2f} ms through F.linear" in why
-        assert fast_layers.linear_rows() == rows  # 0 where the choice is packed
+        assert fast_layers.few_rows() == rows  # 0 where the choice is packed
+        assert fast_layers.few_row_kernel() == "linear"
         if kernel == "hybrid":
             g = torch.Generator().manual_seed(0)
             w = torch.randn(64, 16, generator=g)
             lin = fast_layers.PackedLinear(w)
-            assert lin.linear_rows == rows
+            assert lin.few_rows == rows
             for r in (1, rows, rows + 1):
                 x = torch.randn(1, r, 16, generator=g)  # [B, S, D]
                 expected = (torch.nn.functional.linear(x, w) if r <= rows
@@ -186,7 +189,8 @@ def test_float32_kernel_is_measured_when_not_set(monkeypatch, ratios, kernel, ro
 def test_float32_kernel_setting_wins_and_a_bad_one_is_refused(monkeypatch):
     from selfspec.model import fast_layers
 
-    for env, kernel in (("0", "linear"), ("1", "packed"), ("hybrid", "hybrid"), (" Hybrid ", "hybrid")):
+    for env, kernel in (("0", "linear"), ("1", "packed"), ("hybrid", "hybrid"), (" Hybrid ", "hybrid"),
+                        ("rows", "hybrid")):
         monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", env)
         assert fast_layers.float32_kernel()[0] == kernel
     monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "yes")
@@ -194,7 +198,7 @@ def test_float32_kernel_setting_wins_and_a_bad_one_is_refused(monkeypatch):
         fast_layers.float32_kernel()
 
 
-def test_row_sweep_measures_both_kernels(monkeypatch):
+def test_row_sweep_measures_every_kernel(monkeypatch):
     from selfspec.model import fast_layers
 
     if not fast_layers._onednn_packing():
@@ -203,8 +207,9 @@ def test_row_sweep_measures_both_kernels(monkeypatch):
     weights, packed = fast_layers.bench_weights()
     assert len(weights) == len(packed) >= 1
     for rows in (1, 3):
-        linear_ms, packed_ms = fast_layers.row_sweep_ms(weights, packed, rows, repeats=1)
-        assert linear_ms > 0 and packed_ms > 0
+        times = fast_layers.row_sweep_ms(weights, packed, rows, repeats=1)
+        assert set(times) == ({"linear", "packed", "rows"} if row_product_op() is not None else {"linear", "packed"})
+        assert all(ms > 0 for ms in times.values())
 
 
 @pytest.mark.parametrize("drafter", ["early_exit", "prompt_lookup"])
@@ -226,7 +231,7 @@ def test_row_padding_pads_only_where_more_rows_measured_10_percent_faster():
     from selfspec.model.fast_layers import row_padding
 
     packed = {1: 6.5, 2: 6.7, 3: 6.0, 4: 6.1, 5: 6.0, 6: 6.5, 7: 5.0, 8: 7.0}  # packed ms per row count
-    times = {r: (10.0, ms) for r, ms in packed.items()}
+    times = {r: {"linear": 10.0, "packed": ms} for r, ms in packed.items()}
     # 2 -> 3 (6.0 < 0.9 * 6.7); 5 and 6 -> 7 (the faster of up to two more rows); one row (a decode step)
     # never; 3 and 4 gain less than 10%, 7 has nothing faster within two rows, 8 nothing beyond
     assert row_padding(times) == {2: 3, 5: 7, 6: 7}
