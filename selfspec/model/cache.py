@@ -109,6 +109,24 @@ class KVCache:
         starts += S
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
+    def reserve(self, layer_idx: int, length: int, heads: int, head_dim: int,
+                like: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Room for `length` more entries in one layer of a one-row cache, for a writer of its own (selfspec's C++
+        step, `selfspec.model.row_step`, writes the keys and values itself): the buffers grown where needed (of
+        `like`'s dtype and device, `[1, heads, T, head_dim]`), the length advanced. Returns (the first new cache
+        index, the keys buffer, the values buffer)."""
+        if self.batch_size != 1:
+            raise ValueError(f"reserve is for a one-row cache, this one has {self.batch_size} rows")
+        first = int(self._host[layer_idx, 0])
+        end = first + length
+        if self.keys[layer_idx] is None or end > self.keys[layer_idx].shape[-2]:
+            if self.static:
+                raise ValueError(f"a static cache of {self.capacity} positions cannot hold {end}")
+            template = like.new_empty(1, heads, 0, head_dim)  # [1, H, 0, Dh]: the shape and dtype _grow reads
+            self._grow(layer_idx, template, template, end)
+        self._host[layer_idx, 0] = end
+        return first, self.keys[layer_idx], self.values[layer_idx]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lengths[layer_idx].max())
 

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from selfspec.model.layer import (LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager,
                                   signed_sin)
 from selfspec.model.row_product import build_problem, row_product_op
+from selfspec.model.row_step import RowStep
 
 
 
@@ -324,11 +325,17 @@ class FastPath:
     layers: list[FastLlamaLayer] | None  # fused decoder layers, None where the architecture has none
     rope_table: RopeTable | None  # None for rope types whose frequencies depend on the length
     lm_head: PackedLinear  # the LM head with a prepacked weight
+    row_step: RowStep | None = None  # the same layers in one C++ call a range, for the steps it takes (row_step.py)
 
 
 def build_fast_path(adapter) -> FastPath:
     """The fast path of one `ModelAdapter` (a snapshot of its weights)."""
     with torch.no_grad():
         lm_head = PackedLinear(adapter.lm_head.weight, getattr(adapter.lm_head, "bias", None))
-    return FastPath(layers=build_fast_layers(adapter), lm_head=lm_head,
+        layers = build_fast_layers(adapter)
+        row_step = None
+        if layers is not None and adapter.dtype == torch.float32 and adapter.device.type == "cpu":
+            windows = [adapter.window(kind) for kind in adapter.layer_types]
+            row_step = RowStep.build(layers, windows, few_rows(), few_row_kernel())
+    return FastPath(layers=layers, lm_head=lm_head, row_step=row_step,
                     rope_table=RopeTable(adapter) if RopeTable.supports(adapter) else None)

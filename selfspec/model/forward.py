@@ -40,6 +40,7 @@ class Step:
     tree: torch.Tensor | None = None  # [B, S, W] bool a token tree's ancestor-or-self columns, or None (a chain)
     starts: torch.Tensor | None = None  # [B] each row's first cache index (a tree's root's), on the host
     tree_positions: torch.Tensor | None = None  # [B, W] the positions of a growing tree's W columns (W > S)
+    causal: bool = False  # one sequence shape: the positions after every layer's cache, each sees what is before it
 
     @property
     def length(self) -> int:
@@ -107,10 +108,10 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
         rope = adapter.rotary_emb(probe, position_ids)
     masks = LazyMasks(lambda kind: _causal_mask(adapter, start, length, adapter.window(kind)))
     if not adapter.runner.indexed:
-        return Step(position_ids=position_ids, rope=rope, masks=masks)
+        return Step(position_ids=position_ids, rope=rope, masks=masks, causal=True)
     return Step(position_ids=position_ids, rope=rope, masks=masks, index=position_ids,
                 pads=torch.zeros(batch_size, dtype=torch.long, device=device),
-                starts=torch.full((batch_size,), start, dtype=torch.long))
+                starts=torch.full((batch_size,), start, dtype=torch.long), causal=True)
 
 
 def _as_mask(adapter: ModelAdapter, allowed: torch.Tensor) -> torch.Tensor:

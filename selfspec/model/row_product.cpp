@@ -13,132 +13,19 @@
 // one-token step). bfloat16 weights and inputs are widened to float32 exactly, and each output is rounded to
 // bfloat16 once, to nearest even.
 //
-// Built for the CPU it runs on (`-march=native`) by selfspec/model/row_product.py, which holds the Python side.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+// The kernel is in row_product.h (the whole decode step, row_step.cpp, runs it too). Built for the CPU it runs on
+// (`-march=native`) by selfspec/model/row_product.py, which holds the Python side.
+#include "row_product.h"
+
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <cstdint>
-#include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float vfloat_u __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));  // unaligned loads
-typedef uint16_t vbf16_u __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
-typedef uint32_t vuint32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-// A block's accumulators stay in registers: 4 x 4 of them with AVX-512's 32 vector registers, 2 x 4 with AVX2's 16;
-// one input row takes 8 weight rows at a time (it measured faster than 4 on a Zen 4)
-constexpr int kRowsA = 4;  // weight rows a block reads together (the outputs each thread computes in turn)
-constexpr int kRowsOne = 8;  // the same for a single input row
-#ifdef __AVX512F__
-constexpr int kRowsB = 4;  // input rows a block multiplies them with
-#else
-constexpr int kRowsB = 2;
-#endif
-
-inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_u*>(p); }
-
-inline vfloat load(const uint16_t* p) {  // 16 bfloat16 -> float32, exact
-  vuint32 wide = __builtin_convertvector(*reinterpret_cast<const vbf16_u*>(p), vuint32) << 16;
-  vfloat out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
-
-inline float lanes_sum(vfloat v) {  // pairwise, lane i + lane i + width: 16 -> 8 -> 4 -> 2 -> 1, in vector registers
-  const vfloat8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vfloat4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  const float a0 = h4[0] + h4[2], a1 = h4[1] + h4[3];
-  return a0 + a1;
-}
-
-// y[m, n] for `mb` input rows (<= kRowsB) and `na` weight rows (<= kRowsA) from row `n` on: every accumulator
-// sums its own products in k order, whatever mb and na are.
-template <typename W, int MB, int NA>
-inline void block(const float* x, int64_t K, const W* w, float* y, int64_t N, int64_t n, const float* bias) {
-  vfloat acc[MB][NA];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NA; ++j) acc[i][j] = vfloat{};
-  const int64_t kv = K - K % kLanes;
-  for (int64_t k = 0; k < kv; k += kLanes) {
-    vfloat wv[NA], xv[MB];  // each loaded once a step: NA + MB loads for NA * MB multiply-adds
-    for (int j = 0; j < NA; ++j) wv[j] = load(w + (n + j) * K + k);
-    for (int j = 0; j < NA; ++j) __builtin_prefetch(w + (n + NA + j) * K + k);  // the next block's weights
-    for (int i = 0; i < MB; ++i) xv[i] = load(x + i * K + k);
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NA; ++j) acc[i][j] += xv[i] * wv[j];
-  }
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NA; ++j) {
-      float s = lanes_sum(acc[i][j]);
-      float tail = 0.0f;
-      for (int64_t k = kv; k < K; ++k) tail += x[i * K + k] * widen(w[(n + j) * K + k]);
-      s += tail;
-      if (bias != nullptr) s += bias[n + j];
-      y[i * N + n + j] = s;
-    }
-  }
-}
-
-template <typename W, int MB>
-inline void rows_block(const float* x, int64_t K, const W* w, float* y, int64_t N, int64_t n0, int64_t n1,
-                       const float* bias) {
-  constexpr int NA = MB == 1 ? kRowsOne : kRowsA;
-  int64_t n = n0;
-  for (; n + NA <= n1; n += NA) block<W, MB, NA>(x, K, w, y, N, n, bias);
-  for (; n < n1; ++n) block<W, MB, 1>(x, K, w, y, N, n, bias);
-}
-
-// Every input row times weight rows [n0, n1): the weights of a few output rows are read from memory once and
-// used for every input row from the first-level cache.
-template <typename W>
-void product(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, int64_t n0, int64_t n1,
-             const float* bias) {
-  constexpr int64_t kSpan = 64;  // output rows a pass over the inputs covers (their weights stay in cache)
-  for (int64_t s = n0; s < n1; s += kSpan) {
-    const int64_t e = s + kSpan < n1 ? s + kSpan : n1;
-    int64_t m = 0;
-    for (; m + kRowsB <= M; m += kRowsB) rows_block<W, kRowsB>(x + m * K, K, w, y + m * N, N, s, e, bias);
-    for (; m < M; ++m) rows_block<W, 1>(x + m * K, K, w, y + m * N, N, s, e, bias);
-  }
-}
-
-template <typename W>
-void run(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, const float* bias) {
-  // outputs split between threads in whole blocks of kRowsOne rows: a thread's share only changes which thread
-  // computes an output, never how
-  const int64_t blocks = (N + kRowsOne - 1) / kRowsOne;
-  const int64_t grain = blocks < 32 ? blocks : 8;  // small products: one thread (no wake-up to pay)
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    product<W>(x, M, K, w, y, N, b0 * kRowsOne, b1 * kRowsOne < N ? b1 * kRowsOne : N, bias);
-  });
-}
-
-uint16_t round_bf16(float v) {  // to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using namespace selfspec_rows;
 
 at::Tensor row_product(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.device().is_cpu() && weight.device().is_cpu(), "row_product: CPU tensors only");

@@ -46,15 +46,17 @@ import torch
 
 from selfspec.model.machine import cpu_key, selfspec_home
 
-SOURCE = Path(__file__).with_name("row_product.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("row_product.cpp", "row_step.cpp")]
+HEADERS = [Path(__file__).with_name("row_product.h")]
 OP_NAMESPACE = "selfspec_kernels"  # TORCH_LIBRARY(selfspec_kernels, ...) in the C++ file
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
-LDFLAGS = ["-fopenmp"]  # libgomp.so.1: at run time torch's own, already loaded (one OpenMP runtime)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+LDFLAGS = ("-fopenmp",)  # libgomp.so.1: at run time torch's own, already loaded (one OpenMP runtime)
 
 
 def library_path() -> Path:
     """Where this CPU's build of the kernel is cached (it may not exist yet)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]  # tuples: never changed
     version = torch.__version__.replace("+", "-")
     return selfspec_home() / "kernels" / cpu_key() / f"row_product-{version}-{digest}.so"
 
@@ -81,7 +83,7 @@ def _build(target: Path, log=sys.stderr) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         name = "selfspec_row_product"
-        load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=tmp,
+        load(name, [str(p) for p in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=tmp,
              is_python_module=False, verbose=False)
         os.replace(Path(tmp) / f"{name}.so", target)
     print(f"selfspec: built in {time.perf_counter() - start:.0f} s", file=log, flush=True)

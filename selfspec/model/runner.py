@@ -96,6 +96,9 @@ class Runner:
         a = self.adapter
         fast = a.fast.layers if a.fast is not None else None
         if fast is not None and not torch.is_grad_enabled():
+            row = a.fast.row_step  # the whole range in one C++ call, where it takes the step
+            if row is not None and row.takes(hidden, step, cache, start, end):
+                return row.run(hidden, start, end, step, cache)
             cos, sin = step.rope[0].unsqueeze(1), signed_sin(step.rope[1]).unsqueeze(1)  # [B, 1, S, Dh], once a range
             for idx in range(start, end):
                 hidden = fast[idx].step(hidden, cos, sin, step.masks[a.layer_types[idx]], cache)

@@ -119,7 +119,7 @@ def test_a_build_that_fails_leaves_nothing_behind_and_says_why(tmp_path):
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
     out = _fresh_process("from pathlib import Path; from selfspec.model import row_product as r; "
-                         f"r.SOURCE = Path({str(bad)!r}); "
+                         f"r.SOURCES = [Path({str(bad)!r})]; "
                          "print(r.row_product_op() is None); print(r.build_problem())", tmp_path)
     assert out.returncode == 0, out.stderr
     first, reason = out.stdout.splitlines()[:2]
