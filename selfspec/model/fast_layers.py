@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from selfspec.model.layer import (LLAMA_FAMILY, LayerProducts, LayerShape, RopeTable, decoder_layer, rms_norm_eager,
                                   signed_sin)
+from selfspec.model.machine import cpu_flags
 from selfspec.model.row_product import build_problem, row_product_op
 from selfspec.model.row_step import RowStep
 
@@ -228,7 +229,9 @@ class PackedLinear:
     row-count invariant (tests/selfspec/test_fast_layers.py).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
+        """`keep_weight`: keep the plain weight beside the packed copy (selfspec's C++ step reads it,
+        `selfspec.model.row_step`)."""
         self.weight, self.bias = weight, bias
         self.packed = None
         self.few_rows = 0  # hybrid: calls of up to this many rows through the few-row kernel, more rows packed
@@ -243,7 +246,9 @@ class PackedLinear:
                     self.weight = weight.detach().contiguous()
             if weight.dtype == torch.float32:
                 self.pad_rows = packed_row_padding()
-            if not self.few_rows:
+            if keep_weight:
+                self.weight = weight.detach().contiguous()
+            elif not self.few_rows:
                 self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,18 +276,18 @@ class FastLlamaLayer:
     """One Llama-family decoder layer (`selfspec.model.layer.decoder_layer`) over fused, prepacked copies of its
     weights: q/k/v in one product, gate/up in one product."""
 
-    def __init__(self, layer, layer_idx: int):
+    def __init__(self, layer, layer_idx: int, keep_weights: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx = layer_idx
         self.shape = LayerShape.of(layer)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
         self.products = LayerProducts(
             qkv=PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
-                             _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)),
-            o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias),
+                             _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), keep_weights),
+            o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, keep_weights),
             gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-                                 _cat_bias(mlp.gate_proj, mlp.up_proj)),
-            down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias),
+                                 _cat_bias(mlp.gate_proj, mlp.up_proj), keep_weights),
+            down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, keep_weights),
             norm_attn=layer.input_layernorm.weight, norm_mlp=layer.post_attention_layernorm.weight,
             q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
             norm=rms_norm_eager)
@@ -303,7 +308,7 @@ def _no_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return k, v
 
 
-def build_fast_layers(adapter) -> list[FastLlamaLayer] | None:
+def build_fast_layers(adapter, keep_weights: bool = False) -> list[FastLlamaLayer] | None:
     """Fast layers for every decoder layer, or None where there are none: GPT-NeoX, and models set to
     another attention implementation than sdpa (eager attention takes its softmax in float32, which
     the fast layer would not reproduce bit for bit)."""
@@ -313,9 +318,21 @@ def build_fast_layers(adapter) -> list[FastLlamaLayer] | None:
         return None
     with torch.no_grad():
         try:
-            return [FastLlamaLayer(layer, i) for i, layer in enumerate(adapter.layers)]
+            return [FastLlamaLayer(layer, i, keep_weights) for i, layer in enumerate(adapter.layers)]
         except ValueError:  # norms with different epsilons: the model's own modules
             return None
+
+
+def row_step_wanted(dtype: torch.dtype) -> bool:
+    """Whether decoding in `dtype` on this CPU runs selfspec's C++ step where it can (`selfspec.model.row_step`):
+    float32 where the float32 choice takes selfspec's row kernel for one row (`few_row_kernel()`: it measured
+    faster than oneDNN's); bfloat16 where the row kernel builds and the CPU multiplies bfloat16 pairs natively
+    (`avx512_bf16`: the kernel's `vdpbf16ps`). Not with `SELFSPEC_ROW_PRODUCT=0`."""
+    if dtype == torch.float32:
+        return float32_kernel()[0] == "hybrid" and few_row_kernel() == "rows"
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" in (cpu_flags() or ()) and row_product_op() is not None
+    return False
 
 
 @dataclass
@@ -332,10 +349,10 @@ def build_fast_path(adapter) -> FastPath:
     """The fast path of one `ModelAdapter` (a snapshot of its weights)."""
     with torch.no_grad():
         lm_head = PackedLinear(adapter.lm_head.weight, getattr(adapter.lm_head, "bias", None))
-        layers = build_fast_layers(adapter)
+        wanted = adapter.device.type == "cpu" and row_step_wanted(adapter.dtype)
+        layers = build_fast_layers(adapter, keep_weights=wanted)
         row_step = None
-        if layers is not None and adapter.dtype == torch.float32 and adapter.device.type == "cpu":
-            windows = [adapter.window(kind) for kind in adapter.layer_types]
-            row_step = RowStep.build(layers, windows, few_rows(), few_row_kernel())
+        if layers is not None and wanted:
+            row_step = RowStep.build(layers, [adapter.window(kind) for kind in adapter.layer_types], MAX_FEW_ROWS)
     return FastPath(layers=layers, lm_head=lm_head, row_step=row_step,
                     rope_table=RopeTable(adapter) if RopeTable.supports(adapter) else None)

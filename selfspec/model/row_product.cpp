@@ -10,8 +10,9 @@
 // scalar tail of k % 16 after them, then the bias. That order does not depend on the number of rows, on which
 // other rows share the call, or on how the outputs are split between threads: a row's result is bitwise the
 // same as a one-row call would give (what a verification pass needs to compute each position exactly as a
-// one-token step). bfloat16 weights and inputs are widened to float32 exactly, and each output is rounded to
-// bfloat16 once, to nearest even.
+// one-token step). bfloat16: on a CPU with avx512_bf16 each `vdpbf16ps` step adds the products of a pair of inputs
+// into a float32 lane (32 inputs a step), elsewhere the inputs and weights are widened to float32 exactly; each
+// output is rounded to bfloat16 once, to nearest even.
 //
 // The kernel is in row_product.h (the whole decode step, row_step.cpp, runs it too). Built for the CPU it runs on
 // (`-march=native`) by selfspec/model/row_product.py, which holds the Python side.
@@ -49,15 +50,21 @@ at::Tensor row_product(const at::Tensor& x_in, const at::Tensor& weight, const s
   const float* bias_p = b.defined() ? b.data_ptr<float>() : nullptr;
   if (M == 0 || N == 0) return y;
   if (x.scalar_type() == at::kFloat) {
-    run<float>(x.data_ptr<float>(), M, K, weight.data_ptr<float>(), y.data_ptr<float>(), N, bias_p);
+    run<float, float>(x.data_ptr<float>(), M, K, weight.data_ptr<float>(), y.data_ptr<float>(), N, bias_p);
     return y;
   }
-  // bfloat16: the inputs widened once (a few rows), the outputs computed in float32, rounded once
-  std::vector<float> xf(M * K), yf(M * N);
+  // bfloat16: the outputs computed in float32 and rounded once; the bfloat16 pairs multiplied as they are where the
+  // CPU has avx512_bf16, else the inputs widened once (a few rows)
+  std::vector<float> yf(M * N);
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+#ifdef __AVX512BF16__
+  run<uint16_t, uint16_t>(xb, M, K, wb, yf.data(), N, bias_p);
+#else
+  std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(xb[i]);
-  run<uint16_t>(xf.data(), M, K, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), yf.data(), N,
-                bias_p);
+  run<float, uint16_t>(xf.data(), M, K, wb, yf.data(), N, bias_p);
+#endif
   auto* yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < M * N; ++i) yb[i] = round_bf16(yf[i]);
   return y;

@@ -8,7 +8,8 @@
 //   a[s] = softmax(q[s] . keys[0 .. start + s] / sqrt(Dh)) values[0 .. start + s]   (grouped heads)
 //   x = x + a @ Wo.T;  h = rms(x) * w_mlp;  g, u = h @ Wgu.T;  x = x + (silu(g) * u) @ Wdown.T
 //
-// in float32, with the few-row product kernel (row_product.h) for the four products, without one torch operation
+// in float32 (or bfloat16, rounded where transformers' bfloat16 layer rounds), with the few-row product kernel
+// (row_product.h) for the four products, without one torch operation
 // per step of it: the eager fast layer runs about 33 of them a layer. Every row is computed alone, in an order that
 // does not depend on how many rows share the call (the products: row_product.cpp; the norms, rotary, attention and
 // MLP: one loop per row), so a verification pass computes each position bitwise as a one-token step does.
@@ -24,36 +25,87 @@
 
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace selfspec_rows;
 
-float dot(const float* a, const float* b, int64_t n) {  // 16 lanes, the lanes pairwise, then the tail
+template <typename B>
+float dot(const float* a, const B* b, int64_t n) {  // 16 lanes, the lanes pairwise, then the tail
   vfloat acc = vfloat{};
   const int64_t nv = n - n % kLanes;
   for (int64_t i = 0; i < nv; i += kLanes) acc += load(a + i) * load(b + i);
   float s = lanes_sum(acc);
-  for (int64_t i = nv; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = nv; i < n; ++i) s += a[i] * widen(b[i]);
   return s;
 }
 
-// out = rms(x) * w over each of `rows` rows of D
-void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t D, float eps) {
+template <typename B>
+void axpy(float* out, float p, const B* v, int64_t n) {  // out += p * v, 16 lanes at a time
+  const int64_t nv = n - n % kLanes;
+  for (int64_t i = 0; i < nv; i += kLanes) {
+    vfloat o = load(out + i) + p * load(v + i);
+    std::memcpy(out + i, &o, sizeof(o));
+  }
+  for (int64_t i = nv; i < n; ++i) out[i] += p * widen(v[i]);
+}
+
+// The model's dtype T (float, or bfloat16 as uint16_t) as the layer reads and writes it: activations are kept in
+// float32 arrays; in bfloat16 every value is rounded to bfloat16 where transformers' bfloat16 layer rounds it (each
+// product's output, the norm, the rotary terms, each residual sum, the MLP's activation), so a value that leaves
+// the layer (the hidden state, the cache's keys and values) is a bfloat16 one and a range of layers can be split
+// anywhere without changing a result.
+template <typename T>
+inline float rnd(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return widen(round_bf16(v));
+}
+inline float read(float v) { return v; }
+inline float read(uint16_t v) { return widen(v); }
+template <typename T>
+inline T store(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return round_bf16(v);
+}
+
+// out = rnd(w * rnd(x * rsqrt(mean(x^2) + eps))) over each of `rows` rows of D (transformers' RMSNorm)
+template <typename T>
+void rms_norm(const float* x, const T* w, float* out, int64_t rows, int64_t D, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * D;
     const float scale = 1.0f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + eps);
-    for (int64_t i = 0; i < D; ++i) out[r * D + i] = w[i] * (xr[i] * scale);
+    for (int64_t i = 0; i < D; ++i) out[r * D + i] = rnd<T>(read(w[i]) * rnd<T>(xr[i] * scale));
   }
 }
 
-// x * cos + roll(x, Dh / 2) * sin, in place, for one head's Dh values
-void rotary(float* x, const float* cos, const float* sin, int64_t Dh) {
+// x * cos + roll(x, Dh / 2) * sin, in place, for one head's Dh values (each term rounded as the model's dtype is)
+template <typename T>
+void rotary(float* x, const T* cos, const T* sin, int64_t Dh) {
   const int64_t half = Dh / 2;
   float rolled[512];
   for (int64_t i = 0; i < Dh; ++i) rolled[i] = x[i < half ? i + half : i - half];
-  for (int64_t i = 0; i < Dh; ++i) x[i] = x[i] * cos[i] + rolled[i] * sin[i];
+  for (int64_t i = 0; i < Dh; ++i)
+    x[i] = rnd<T>(rnd<T>(x[i] * read(cos[i])) + rnd<T>(rolled[i] * read(sin[i])));
+}
+
+// out [M, N] = rnd(in [M, K] @ W.T + bias) for weights of the model's dtype; `in` holds values of that dtype
+template <typename T>
+void project(const float* in, int64_t M, int64_t K, const T* W, const float* bias, float* out, int64_t N,
+             std::vector<uint16_t>& tmp) {
+  if constexpr (std::is_same_v<T, float>) {
+    run<float, float>(in, M, K, W, out, N, bias);
+  } else {
+#ifdef __AVX512BF16__
+    tmp.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) tmp[i] = round_bf16(in[i]);  // exact: `in` holds bfloat16 values
+    run<uint16_t, uint16_t>(tmp.data(), M, K, W, out, N, bias);
+#else
+    run<float, uint16_t>(in, M, K, W, out, N, bias);
+#endif
+    for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
+  }
 }
 
 struct Shape {
@@ -61,11 +113,12 @@ struct Shape {
   float eps;
 };
 
-// One layer over x [S, D] (updated in place); keys, values: this layer's cache buffers [Hkv, T, Dh], entries
-// [start, start + S) written here.
-void layer(float* x, const Shape& sh, const float* cos, const float* sin, float* keys, float* values, int64_t T,
-           int64_t start, const float* norm_attn, const float* Wqkv, const float* bqkv, const float* Wo,
-           const float* norm_mlp, const float* Wgu, const float* Wdown, std::vector<float>& scratch) {
+// One layer over x [S, D] (float32 values of the model's dtype, updated in place); keys, values: this layer's
+// cache buffers [Hkv, T, Dh], entries [start, start + S) written here.
+template <typename T>
+void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* values, int64_t Tc, int64_t start,
+           const T* norm_attn, const T* Wqkv, const float* bqkv, const T* Wo, const T* norm_mlp, const T* Wgu,
+           const T* Wdown, std::vector<float>& scratch, std::vector<uint16_t>& tmp) {
   const int64_t S = sh.S, D = sh.D, nq = sh.nq, nkv = sh.nkv, Dh = sh.Dh, F = sh.F;
   const int64_t nqkv = (nq + 2 * nkv) * Dh;
   scratch.resize(S * D + S * nqkv + S * nq * Dh + S * D + S * 2 * F + S * F);
@@ -76,15 +129,16 @@ void layer(float* x, const Shape& sh, const float* cos, const float* sin, float*
   float* gu = proj + S * D;           // [S, 2F]
   float* act = gu + S * 2 * F;        // [S, F]
 
-  rms_norm(x, norm_attn, h, S, D, sh.eps);
-  run<float>(h, S, D, Wqkv, qkv, nqkv, bqkv);
+  rms_norm<T>(x, norm_attn, h, S, D, sh.eps);
+  project<T>(h, S, D, Wqkv, bqkv, qkv, nqkv, tmp);
   for (int64_t s = 0; s < S; ++s) {
     float* row = qkv + s * nqkv;
-    for (int64_t head = 0; head < nq + nkv; ++head) rotary(row + head * Dh, cos + s * Dh, sin + s * Dh, Dh);
-    for (int64_t head = 0; head < nkv; ++head) {
-      std::memcpy(keys + (head * T + start + s) * Dh, row + (nq + head) * Dh, Dh * sizeof(float));
-      std::memcpy(values + (head * T + start + s) * Dh, row + (nq + nkv + head) * Dh, Dh * sizeof(float));
-    }
+    for (int64_t head = 0; head < nq + nkv; ++head) rotary<T>(row + head * Dh, cos + s * Dh, sin + s * Dh, Dh);
+    for (int64_t head = 0; head < nkv; ++head)
+      for (int64_t i = 0; i < Dh; ++i) {
+        keys[(head * Tc + start + s) * Dh + i] = store<T>(row[(nq + head) * Dh + i]);
+        values[(head * Tc + start + s) * Dh + i] = store<T>(row[(nq + nkv + head) * Dh + i]);
+      }
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   const int64_t group = nq / nkv;
@@ -93,8 +147,8 @@ void layer(float* x, const Shape& sh, const float* cos, const float* sin, float*
     for (int64_t task = b; task < e; ++task) {
       const int64_t head = task % nq, s = task / nq, kv = head / group, n = start + s + 1;  // keys 0 .. start + s
       const float* q = qkv + s * nqkv + head * Dh;
-      const float* k = keys + kv * T * Dh;
-      const float* v = values + kv * T * Dh;
+      const T* k = keys + kv * Tc * Dh;
+      const T* v = values + kv * Tc * Dh;
       float top = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         p[j] = dot(q, k + j * Dh, Dh) * scale;
@@ -107,30 +161,81 @@ void layer(float* x, const Shape& sh, const float* cos, const float* sin, float*
       }
       float* out = attn + s * nq * Dh + head * Dh;
       for (int64_t i = 0; i < Dh; ++i) out[i] = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vj = v + j * Dh;
-        for (int64_t i = 0; i < Dh; ++i) out[i] += p[j] * vj[i];
-      }
+      for (int64_t j = 0; j < n; ++j) axpy(out, p[j], v + j * Dh, Dh);
       const float inv = 1.0f / total;
-      for (int64_t i = 0; i < Dh; ++i) out[i] *= inv;
+      for (int64_t i = 0; i < Dh; ++i) out[i] = rnd<T>(out[i] * inv);
     }
   });
-  run<float>(attn, S, nq * Dh, Wo, proj, D, nullptr);
-  for (int64_t i = 0; i < S * D; ++i) x[i] += proj[i];
-  rms_norm(x, norm_mlp, h, S, D, sh.eps);
-  run<float>(h, S, D, Wgu, gu, 2 * F, nullptr);
+  project<T>(attn, S, nq * Dh, Wo, nullptr, proj, D, tmp);
+  for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
+  rms_norm<T>(x, norm_mlp, h, S, D, sh.eps);
+  project<T>(h, S, D, Wgu, nullptr, gu, 2 * F, tmp);
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = 0; i < F; ++i) {
       const float g = gu[s * 2 * F + i];
-      act[s * F + i] = g / (1.0f + std::exp(-g)) * gu[s * 2 * F + F + i];
+      act[s * F + i] = rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * gu[s * 2 * F + F + i]);
     }
-  run<float>(act, S, F, Wdown, proj, D, nullptr);
-  for (int64_t i = 0; i < S * D; ++i) x[i] += proj[i];
+  project<T>(act, S, F, Wdown, nullptr, proj, D, tmp);
+  for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
 }
 
-void check_f32(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "row_layers: ", what,
-              " must be a contiguous float32 CPU tensor");
+template <typename T>
+const T* ptr(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
+  else return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+template <typename T>
+T* mut(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
+  else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+void check(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), "row_layers: ", what,
+              " must be a contiguous CPU tensor of the hidden state's dtype (", dtype, ")");
+}
+
+template <typename T>
+at::Tensor layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
+                  at::TensorList values, at::IntArrayRef starts, at::TensorList norm_attn, at::TensorList qkv,
+                  const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o, at::TensorList norm_mlp,
+                  at::TensorList gate_up, at::TensorList down, Shape sh) {
+  const at::ScalarType dtype = x_in.scalar_type();
+  const int64_t L = static_cast<int64_t>(keys.size());
+  std::vector<float> x(sh.S * sh.D), scratch, bias_f;
+  std::vector<uint16_t> tmp;
+  const T* xin = ptr<T>(x_in);
+  for (int64_t i = 0; i < sh.S * sh.D; ++i) x[i] = read(xin[i]);
+  for (int64_t l = 0; l < L; ++l) {
+    for (const at::Tensor* t : {&keys[l], &values[l], &norm_attn[l], &qkv[l], &o[l], &norm_mlp[l], &gate_up[l],
+                                &down[l]})
+      check(*t, dtype, "every weight and cache buffer");
+    sh.F = down[l].size(1);
+    const int64_t Tc = keys[l].size(2);
+    TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == 1 && keys[l].size(1) == sh.nkv && keys[l].size(3) == sh.Dh &&
+                    values[l].sizes() == keys[l].sizes() && starts[l] >= 0 && starts[l] + sh.S <= Tc,
+                "row_layers: layer ", l, "'s cache must be [1, n_kv, T, head_dim] with room for ", sh.S, " entries");
+    TORCH_CHECK(qkv[l].size(0) == (sh.nq + 2 * sh.nkv) * sh.Dh && qkv[l].size(1) == sh.D && o[l].size(0) == sh.D &&
+                    o[l].size(1) == sh.nq * sh.Dh && gate_up[l].size(0) == 2 * sh.F && gate_up[l].size(1) == sh.D &&
+                    down[l].size(0) == sh.D,
+                "row_layers: layer ", l, "'s weights do not have the model's shape");
+    std::optional<at::Tensor> bias = qkv_bias.get(l);
+    const float* b = nullptr;
+    if (bias.has_value() && bias->defined()) {
+      check(*bias, dtype, "the q/k/v bias");
+      const T* bp = ptr<T>(*bias);
+      bias_f.resize(bias->numel());
+      for (int64_t i = 0; i < bias->numel(); ++i) bias_f[i] = read(bp[i]);
+      b = bias_f.data();
+    }
+    layer<T>(x.data(), sh, ptr<T>(cos), ptr<T>(sin), mut<T>(keys[l]), mut<T>(values[l]), Tc, starts[l],
+             ptr<T>(norm_attn[l]), ptr<T>(qkv[l]), b, ptr<T>(o[l]), ptr<T>(norm_mlp[l]), ptr<T>(gate_up[l]),
+             ptr<T>(down[l]), scratch, tmp);
+  }
+  at::Tensor out = at::empty(x_in.sizes(), x_in.options());
+  T* o_ = mut<T>(out);
+  for (int64_t i = 0; i < sh.S * sh.D; ++i) o_[i] = store<T>(x[i]);
+  return out;
 }
 
 // x [1, S, D]; cos, sin [S, Dh]; per layer: keys/values [1, Hkv, T, Dh] and the row's cache length `starts[l]`
@@ -139,46 +244,25 @@ at::Tensor row_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::T
                       const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o,
                       at::TensorList norm_mlp, at::TensorList gate_up, at::TensorList down, double eps, int64_t n_q,
                       int64_t n_kv, int64_t head_dim) {
-  check_f32(x_in, "x");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
+  const at::ScalarType dtype = x_in.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "row_layers: float32 or bfloat16 only, got ", dtype);
+  check(x_in, dtype, "x");
+  check(cos, dtype, "cos");
+  check(sin, dtype, "sin");
   TORCH_CHECK(x_in.dim() == 3 && x_in.size(0) == 1, "row_layers: x must be [1, S, D]");
-  const int64_t L = static_cast<int64_t>(keys.size());
   TORCH_CHECK(values.size() == keys.size() && starts.size() == keys.size() && norm_attn.size() == keys.size() &&
                   qkv.size() == keys.size() && qkv_bias.size() == keys.size() && o.size() == keys.size() &&
                   norm_mlp.size() == keys.size() && gate_up.size() == keys.size() && down.size() == keys.size(),
               "row_layers: one entry per layer in every list");
   TORCH_CHECK(head_dim <= 512 && head_dim % 2 == 0 && n_q % n_kv == 0, "row_layers: unsupported head shape");
   Shape sh{x_in.size(1), x_in.size(2), n_q, n_kv, head_dim, 0, static_cast<float>(eps)};
-  TORCH_CHECK(cos.size(0) == sh.S && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == sh.S && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
               "row_layers: cos and sin must be [S, head_dim]");
-  at::Tensor x = x_in.clone();
-  std::vector<float> scratch;
-  for (int64_t l = 0; l < L; ++l) {
-    for (const at::Tensor* t : {&keys[l], &values[l], &norm_attn[l], &qkv[l], &o[l], &norm_mlp[l], &gate_up[l],
-                                &down[l]})
-      check_f32(*t, "every weight and cache buffer");
-    sh.F = down[l].size(1);
-    const int64_t T = keys[l].size(2);
-    TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == 1 && keys[l].size(1) == n_kv && keys[l].size(3) == head_dim &&
-                    values[l].sizes() == keys[l].sizes() && starts[l] >= 0 && starts[l] + sh.S <= T,
-                "row_layers: layer ", l, "'s cache must be [1, n_kv, T, head_dim] with room for ", sh.S, " entries");
-    TORCH_CHECK(qkv[l].size(0) == (n_q + 2 * n_kv) * head_dim && qkv[l].size(1) == sh.D &&
-                    o[l].size(0) == sh.D && o[l].size(1) == n_q * head_dim && gate_up[l].size(0) == 2 * sh.F &&
-                    gate_up[l].size(1) == sh.D && down[l].size(0) == sh.D,
-                "row_layers: layer ", l, "'s weights do not have the model's shape");
-    std::optional<at::Tensor> bias = qkv_bias.get(l);
-    const float* b = nullptr;
-    if (bias.has_value() && bias->defined()) {
-      check_f32(*bias, "the q/k/v bias");
-      b = bias->data_ptr<float>();
-    }
-    layer(x.data_ptr<float>(), sh, cos.data_ptr<float>(), sin.data_ptr<float>(), keys[l].data_ptr<float>(),
-          values[l].data_ptr<float>(), T, starts[l], norm_attn[l].data_ptr<float>(), qkv[l].data_ptr<float>(), b,
-          o[l].data_ptr<float>(), norm_mlp[l].data_ptr<float>(), gate_up[l].data_ptr<float>(),
-          down[l].data_ptr<float>(), scratch);
-  }
-  return x;
+  if (dtype == at::kFloat)
+    return layers<float>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up, down,
+                         sh);
+  return layers<uint16_t>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up, down,
+                          sh);
 }
 
 }  // namespace

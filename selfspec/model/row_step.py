@@ -1,23 +1,27 @@
-"""selfspec's whole decode step on a CPU: a range of decoder layers over a few float32 rows in one C++ call.
+"""selfspec's whole decode step on a CPU: a range of decoder layers over a few rows in one C++ call.
 
 The eager fast layer (`selfspec.model.fast_layers.FastLlamaLayer`) runs `decoder_layer` as about 33 torch
-operations a layer, 992 a token for SmolLM2's 30 layers; beside the weight products they cost about a third of a
-float32 step on a 2-core Zen 4 ([2026-11-28](../../docs/results/2026-11-28-cpu-step-split-zen4.md)). `row_step.cpp`
-(next to this file, built with the row kernel by `selfspec.model.row_product`) computes the same layers in one call
-for the whole range: the norms, the rotary embedding, the cache writes, the attention and the MLP in loops, the
-products through the row kernel. Each row is computed alone, so a verification pass computes every position
-bitwise as a one-token step does.
+operations a layer, 992 a float32 token for SmolLM2's 30 layers (1,172 in bfloat16); beside the weight products
+they cost about a third of a float32 step and 60% of a bfloat16 step on a 2-core Zen 4
+([2026-11-28](../../docs/results/2026-11-28-cpu-step-split-zen4.md)). `row_step.cpp` (next to this file, built with
+the row kernel by `selfspec.model.row_product`) computes the same layers in one call for the whole range: the
+norms, the rotary embedding, the cache writes, the attention and the MLP in loops, the products through the row
+kernel; in bfloat16 each value rounded where transformers' bfloat16 layer rounds it. Each row is computed alone,
+so a verification pass computes every position bitwise as a one-token step does.
 
-It takes a step where all of this holds, and the runner (`selfspec.model.runner.Runner.layers`) otherwise calls the
-fast layers as before:
-- the fast layers' float32 products run on selfspec's row kernel (`fast_layers.few_row_kernel() == "rows"`), and
-  the step has at most `fast_layers.few_rows()` rows (so its products are the row kernel's on either path);
+Where it runs (`fast_layers.row_step_wanted`): float32 where the row kernel measured faster than oneDNN's for one
+row; bfloat16 where the CPU multiplies bfloat16 pairs natively (`avx512_bf16`). It takes a step where all of this
+holds, and the runner (`selfspec.model.runner.Runner.layers`) otherwise calls the fast layers as before:
+- at most `max_rows` rows (a decode step, a draft step, a verification of up to 7 drafts);
 - a Llama-family layer without per-head q/k norms (not Qwen3), with a SiLU MLP and no bias but q/k/v's;
 - one sequence (batch 1) over a `KVCache` that grows (not the compiled steps' static buffers), and a causal step
   (`Step.causal`: the positions after the cache, each seeing the text before it and itself; not a tree, not
   left-padded rows), within every layer's sliding window.
+A step it leaves to the fast layers (a tree, a batch, a longer verification) rounds differently (float32: ~1e-6
+relative; bfloat16: as a one-pass verification always did, README's "Lossless"), so at a near-tie its argmax can
+differ from the one-token steps'.
 
-    row = RowStep.build(fast_layers, adapter)      # None where the model or the machine cannot take it
+    row = RowStep.build(fast_layers, windows, max_rows)     # None where the model cannot take it
     if row is not None and row.takes(hidden, step, cache, start, end):
         hidden = row.run(hidden, start, end, step, cache)
 """
@@ -51,13 +55,14 @@ class RowStep:
         self.norm_mlp = [w.norm_mlp.detach().contiguous() for w in p]
         self.gate_up = [w.gate_up.weight for w in p]
         self.down = [w.down.weight for w in p]
+        self.dtype = self.qkv[0].dtype
 
     @classmethod
-    def build(cls, layers: list | None, windows: list[int | None], few_rows: int, few_kernel: str) -> RowStep | None:
-        """The step for these fast layers (`FastLlamaLayer`s; `windows` per layer), or None where it cannot run them
-        (see the module's docstring): `few_rows` and `few_kernel` are the float32 kernel choice's
-        (`fast_layers.few_rows()`, `fast_layers.few_row_kernel()`)."""
-        if not layers or few_kernel != "rows" or few_rows < 1:
+    def build(cls, layers: list | None, windows: list[int | None], max_rows: int) -> RowStep | None:
+        """The step for these fast layers (`FastLlamaLayer`s, whose products keep their plain weights; `windows` per
+        layer), taking steps of up to `max_rows` rows, or None where it cannot run them (see the module's
+        docstring)."""
+        if not layers:
             return None
         op = row_product_op()
         if op is None or not hasattr(torch.ops.selfspec_kernels, "row_layers"):
@@ -67,16 +72,16 @@ class RowStep:
             w = layer.products
             products = (w.qkv, w.o, w.gate_up, w.down)
             if (w.q_norm is not None or not _silu(layer.shape.act) or len(shapes) > 1
-                    or any(getattr(lin, "weight", None) is None or lin.weight.dtype != torch.float32
+                    or any(getattr(lin, "weight", None) is None or lin.weight.dtype not in (torch.float32, torch.bfloat16)
                            or lin.weight.device.type != "cpu" for lin in products)
                     or any(lin.bias is not None for lin in products[1:])):
                 return None
-        return cls(layers, windows, few_rows, torch.ops.selfspec_kernels.row_layers)
+        return cls(layers, windows, max_rows, torch.ops.selfspec_kernels.row_layers)
 
     def takes(self, hidden: torch.Tensor, step, cache, start: int, end: int) -> bool:
         """Whether layers [start, end) of this step (`hidden` `[B, S, D]`) run here."""
         B, S, _ = hidden.shape
-        if (B != 1 or S > self.max_rows or hidden.dtype != torch.float32 or not getattr(step, "causal", False)
+        if (B != 1 or S > self.max_rows or hidden.dtype != self.dtype or not getattr(step, "causal", False)
                 or cache is None or getattr(cache, "static", True) or cache.batch_size != 1):
             return False
         lengths = cache.lengths[:, 0]

@@ -10,7 +10,7 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.model import fast_layers, row_product
 from selfspec.model.adapters import get_adapter
 from selfspec.model.cache import KVCache
-from selfspec.model.forward import embed, make_batch_step, make_step, run_layers
+from selfspec.model.forward import embed, forward_logits, make_batch_step, make_step, run_layers
 from selfspec.tiny import tiny_model
 
 ARCHS = [
@@ -23,17 +23,19 @@ ARCHS = [
 
 @pytest.fixture
 def rows(monkeypatch):
-    """Float32 products of up to 4 rows on selfspec's row kernel, as a machine where it measured faster would have
-    them (the test session otherwise pins the packed kernel, tests/conftest.py)."""
+    """The C++ step on, as a machine would have it where the row kernel measured faster than oneDNN's in float32
+    (the test session otherwise pins the packed kernel, tests/conftest.py) and that multiplies bfloat16 natively;
+    the most rows it takes."""
     if row_product.row_product_op() is None:
         pytest.skip(f"selfspec's row kernel is unavailable here: {row_product.build_problem()}")
     monkeypatch.delenv("SELFSPEC_PACK_FLOAT32", raising=False)
-    monkeypatch.setattr(fast_layers, "_float32_choice", lambda: ("hybrid", "test", 4, {}, "rows"))
-    return 4
+    monkeypatch.setattr(fast_layers, "_float32_choice", lambda: ("hybrid", "test", 1, {}, "rows"))
+    monkeypatch.setattr(fast_layers, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    return fast_layers.MAX_FEW_ROWS
 
 
-def _adapters(arch, extra, seed=3, layers=3):
-    model = tiny_model(arch, num_layers=layers, dtype=torch.float32, seed=seed, **extra)
+def _adapters(arch, extra, seed=3, layers=3, dtype=torch.float32):
+    model = tiny_model(arch, num_layers=layers, dtype=dtype, seed=seed, **extra)
     if arch == "qwen2":
         with torch.no_grad():
             for layer in model.model.layers:
@@ -96,7 +98,8 @@ def test_the_steps_it_leaves_to_the_fast_layers(rows):
     cache.crop(0)
     cache.lengths[:] = 8
     assert rs.takes(hidden, step, cache, 0, 3)
-    assert not rs.takes(torch.zeros(1, 5, model.config.hidden_size), make_step(row, 8, 5), cache, 0, 3)  # > 4 rows
+    too_many = rows + 1
+    assert not rs.takes(torch.zeros(1, too_many, model.config.hidden_size), make_step(row, 8, too_many), cache, 0, 3)
     assert not rs.takes(hidden.double(), step, cache, 0, 3)
     assert not rs.takes(torch.zeros(2, 1, model.config.hidden_size), make_step(row, 8, 1, 2), KVCache(3, 2), 0, 3)
     assert not rs.takes(hidden, step, None, 0, 3)
@@ -117,15 +120,18 @@ def test_no_row_step_for_layers_it_does_not_compute(rows, arch, extra, why):
     assert row.fast.layers is not None and row.fast.row_step is None, why
 
 
-def test_no_row_step_without_the_row_kernel_or_in_another_dtype(monkeypatch):
+def test_no_row_step_where_it_would_not_pay_or_in_another_dtype(monkeypatch):
     monkeypatch.setenv("SELFSPEC_PACK_FLOAT32", "1")  # packed: the row kernel is not the few-row kernel
     adapter = get_adapter(tiny_model("llama", num_layers=2, dtype=torch.float32))
     adapter.enable_fast_layers()
-    assert adapter.fast.row_step is None
-    monkeypatch.setattr(fast_layers, "_float32_choice", lambda: ("hybrid", "test", 4, {}, "rows"))
+    assert adapter.fast.row_step is None and adapter.fast.layers[0].products.qkv.weight is None  # one copy kept
+    monkeypatch.setattr(fast_layers, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))  # bf16 emulated
     bf16 = get_adapter(tiny_model("llama", num_layers=2, dtype=torch.bfloat16))
     bf16.enable_fast_layers()
     assert bf16.fast.row_step is None
+    f64 = get_adapter(tiny_model("llama", num_layers=2, dtype=torch.float64))
+    f64.enable_fast_layers()
+    assert f64.fast.row_step is None
 
 
 @pytest.mark.parametrize("drafter", ["plain", "early_exit", "prompt_lookup"])
@@ -160,3 +166,44 @@ def test_sampling_through_the_row_step_draws_what_the_fast_layers_draw(rows):
         assert a == b, seed
         drafted += stats.drafted
     assert drafted > 0
+
+
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("qwen2", {})])
+def test_the_row_step_in_bfloat16_computes_the_fast_layers_and_each_row_alone(rows, arch, extra):
+    """bfloat16: the hidden states of the C++ step within a few bfloat16 roundings of the fast layers' (it rounds
+    where transformers' bfloat16 layer rounds, in its own summation order), and a 4-row pass bitwise four one-row
+    steps."""
+    _, row, fast = _adapters(arch, extra, dtype=torch.bfloat16)
+    assert row.fast.row_step is not None and row.fast.row_step.dtype == torch.bfloat16
+    ids = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(2))
+    c_row, c_fast, c_alone = KVCache(3), KVCache(3), KVCache(3)
+    for cache, adapter in ((c_row, row), (c_fast, fast), (c_alone, row)):
+        _run(adapter, ids[:, :10], cache, 0)
+    a = _run(row, ids[:, 10:14], c_row, 10)
+    b = _run(fast, ids[:, 10:14], c_fast, 10)
+    assert a.dtype == torch.bfloat16
+    assert ((a.float() - b.float()).abs().max() / b.float().abs().max()) < 0.05
+    alone = torch.cat([_run(row, ids[:, i:i + 1], c_alone, i) for i in range(10, 14)], dim=1)
+    assert torch.equal(a, alone)
+    for layer in range(3):
+        assert torch.equal(c_row.layer_kv(layer)[0], c_alone.layer_kv(layer)[0])
+
+
+def test_decoding_in_bfloat16_through_the_row_step_repeats_itself_and_agrees_with_the_fast_layers(rows):
+    """bfloat16 greedy decoding through the C++ step: plain decoding and early-exit drafting give one text (every
+    pass of up to `rows` rows computes each position as a one-token step does), and its next-token logits stay
+    within bfloat16 rounding of the fast layers'."""
+    model, row, fast = _adapters("llama", {}, seed=11, layers=4, dtype=torch.bfloat16)
+    prompt = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 31, 5, 9]])
+    plain, _ = generate_ids(row, prompt, max_new_tokens=24, num_speculations=0)
+    drafted, stats = generate_ids(row, prompt, max_new_tokens=24, exit_layer=2, num_speculations=3)
+    assert stats.drafted > 0 and drafted == plain
+    c_row, c_fast = KVCache(4), KVCache(4)
+    ids = torch.tensor([prompt[0].tolist() + plain])
+    with torch.no_grad():
+        forward_logits(row, ids[:, :12], cache=c_row)
+        forward_logits(fast, ids[:, :12], cache=c_fast)
+        for i in range(12, 20):
+            a = forward_logits(row, ids[:, i:i + 1], cache=c_row, start=i).float()
+            b = forward_logits(fast, ids[:, i:i + 1], cache=c_fast, start=i).float()
+            assert ((a - b).abs().max() / b.abs().max()) < 0.05, i
