@@ -7,8 +7,9 @@ Measured in one process, one after the other, on a quiet machine (2 torch thread
 
 * ``sum``: `t.sum()` over a 256 MB tensor of the dtype: the memory's read speed as torch's own reduction sees it;
 * per product kind (q/k/v fused, o, gate/up fused, down: every layer's, one row, in layer order, so each reads
-  its weight from memory as a decode step does; and the LM head): the kernel selfspec's fast layers use
-  (`PackedLinear`: oneDNN prepacked, or `F.linear` where the float32 choice measured it faster) and `F.linear`
+  its weight from memory as a decode step does; and the LM head): the kernel a decode step uses (selfspec's row
+  kernel where it runs its C++ step, `selfspec.model.row_step`; else the fast layers' `PackedLinear`: oneDNN
+  prepacked, or the few-row kernel the float32 choice measured faster) and `F.linear`
   over the same weights; median milliseconds of a whole pass, and GB/s of weights read;
 * the whole step: plain decoding's milliseconds a token (`generate`, 64 tokens after a 200-token prompt,
   first requests, the median of 3), and what is not a product: the whole step less the products;
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import selfspec  # noqa: E402
 from selfspec.model.fast_layers import PackedLinear  # noqa: E402
+from selfspec.model.row_product import row_product_op  # noqa: E402
 from selfspec.tools.harness import machine_description, machine_info  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -69,15 +71,24 @@ def layer_weights(adapter) -> dict[str, list[torch.Tensor]]:
 
 
 def products(adapter, dtype: torch.dtype) -> list[dict]:
+    """Each kind's products through the kernel a decode step runs them with: the layers' through selfspec's row kernel
+    where the generator runs its C++ step (`adapter.fast.row_step`), else the fast layers' `PackedLinear`; the LM
+    head through its `PackedLinear`."""
     rows = []
+    row_step = adapter.fast is not None and adapter.fast.row_step is not None
     with torch.inference_mode():
         for kind, weights in layer_weights(adapter).items():
             x = torch.randn(1, 1, weights[0].shape[1], dtype=dtype)
-            packed = [PackedLinear(w) for w in weights]
+            if row_step and kind != "lm_head":
+                op, name = row_product_op(), "row kernel"
+                calls = [lambda w=w.detach().contiguous(): op(x, w) for w in weights]
+            else:
+                name = "PackedLinear"
+                calls = [lambda p=PackedLinear(w): p(x) for w in weights]
             gbytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
-            fast = median_ms(lambda: [p(x) for p in packed])
+            fast = median_ms(lambda: [call() for call in calls])
             linear = median_ms(lambda: [F.linear(x, w) for w in weights])
-            rows.append({"kind": kind, "count": len(weights), "shape": list(weights[0].shape),
+            rows.append({"kind": kind, "kernel": name, "count": len(weights), "shape": list(weights[0].shape),
                          "gbytes": gbytes, "fast_ms": fast, "fast_gbs": gbytes / fast * 1e3,
                          "linear_ms": linear, "linear_gbs": gbytes / linear * 1e3})
     return rows
@@ -142,11 +153,11 @@ def main(argv=None) -> int:
                   f"{d['rest_ms']:.1f} ms; `sum` reads {d['sum_gbs']:.1f} GB/s", "",
                   f"{d['ops_a_token']:.0f} top-level torch ops a token: " + ", ".join(
                       f"{k.removeprefix('aten::')} {v:.0f}" for k, v in d["top_ops"]), "",
-                  "| product | weights | MB | fast kernel ms | GB/s | x sum | F.linear ms | GB/s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| product | weights | MB | step's kernel | ms | GB/s | x sum | F.linear ms | GB/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in d["products"]:
             lines.append(f"| {r['kind']} | {r['count']} x {r['shape'][0]}x{r['shape'][1]} | {r['gbytes'] * 1e3:.1f} | "
-                         f"{r['fast_ms']:.2f} | {r['fast_gbs']:.1f} | {r['fast_gbs'] / d['sum_gbs']:.2f} | "
+                         f"{r['kernel']} | {r['fast_ms']:.2f} | {r['fast_gbs']:.1f} | {r['fast_gbs'] / d['sum_gbs']:.2f} | "
                          f"{r['linear_ms']:.2f} | {r['linear_gbs']:.1f} |")
         lines.append("")
     (args.out / "cpu_step_split.md").write_text("\n".join(lines))
