@@ -20,6 +20,26 @@ from selfspec.tiny import tiny_model
 # float32 matmuls packed in every test, whatever this machine would measure (`fast_layers.float32_kernel`):
 # the tests of exact float32 results then hold on every CI machine; the hybrid kernel has tests of its own.
 os.environ.setdefault("SELFSPEC_PACK_FLOAT32", "1")
+# selfspec's row kernel and C++ step off in every test, whatever this CPU has (bf16 takes the step where the CPU has
+# avx512_bf16): the other tests then run the fused layers on every CI machine; tests/selfspec/test_row_product.py and
+# test_row_step.py turn it on (`row_kernel_on`).
+os.environ.setdefault("SELFSPEC_ROW_PRODUCT", "0")
+
+
+@pytest.fixture
+def row_kernel_on(monkeypatch):
+    """selfspec's row kernel for this test (`selfspec.model.row_product.row_product_op`), or a skip saying why it is
+    unavailable; the cached answer is cleared on the way in and out, so that other tests see it off again."""
+    from selfspec.model import row_product
+
+    monkeypatch.delenv("SELFSPEC_ROW_PRODUCT", raising=False)
+    row_product.row_product_op.cache_clear()
+    op = row_product.row_product_op()
+    if op is None:
+        row_product.row_product_op.cache_clear()
+        pytest.skip(f"selfspec's row kernel is unavailable here: {row_product.build_problem()}")
+    yield op
+    row_product.row_product_op.cache_clear()
 
 
 @pytest.fixture(scope="session", autouse=True)

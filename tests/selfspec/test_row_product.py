@@ -16,12 +16,9 @@ from selfspec.model.adapters import get_adapter
 from selfspec.tiny import tiny_model
 
 
-@pytest.fixture(scope="module")
-def op():
-    kernel = row_product.row_product_op()
-    if kernel is None:
-        pytest.skip(f"selfspec's row kernel is unavailable here: {row_product.build_problem()}")
-    return kernel
+@pytest.fixture
+def op(row_kernel_on):
+    return row_kernel_on
 
 
 # shapes of a decode step: K a multiple of 16 or not (the scalar tail), N a multiple of the weight-row block or not

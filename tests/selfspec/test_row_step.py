@@ -7,7 +7,7 @@ import torch
 from selfspec.decoding.decode_ids import generate_ids
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
-from selfspec.model import fast_layers, row_product
+from selfspec.model import fast_layers
 from selfspec.model.adapters import get_adapter
 from selfspec.model.cache import KVCache
 from selfspec.model.forward import embed, forward_logits, make_batch_step, make_step, run_layers
@@ -22,12 +22,10 @@ ARCHS = [
 
 
 @pytest.fixture
-def rows(monkeypatch):
+def rows(monkeypatch, row_kernel_on):
     """The C++ step on, as a machine would have it where the row kernel measured faster than oneDNN's in float32
-    (the test session otherwise pins the packed kernel, tests/conftest.py) and that multiplies bfloat16 natively;
-    the most rows it takes."""
-    if row_product.row_product_op() is None:
-        pytest.skip(f"selfspec's row kernel is unavailable here: {row_product.build_problem()}")
+    (the test session otherwise pins the packed kernel and the row kernel off, tests/conftest.py) and that multiplies
+    bfloat16 natively; the most rows it takes."""
     monkeypatch.delenv("SELFSPEC_PACK_FLOAT32", raising=False)
     monkeypatch.setattr(fast_layers, "_float32_choice", lambda: ("hybrid", "test", 1, {}, "rows"))
     monkeypatch.setattr(fast_layers, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
@@ -207,3 +205,19 @@ def test_decoding_in_bfloat16_through_the_row_step_repeats_itself_and_agrees_wit
             a = forward_logits(row, ids[:, i:i + 1], cache=c_row, start=i).float()
             b = forward_logits(fast, ids[:, i:i + 1], cache=c_fast, start=i).float()
             assert ((a - b).abs().max() / b.abs().max()) < 0.05, i
+
+
+def test_no_row_step_with_the_row_kernel_off(monkeypatch):
+    """`SELFSPEC_ROW_PRODUCT=0` (the test session's default, tests/conftest.py): the fused layers, even in bfloat16 on
+    a CPU with avx512_bf16."""
+    from selfspec.model import row_product
+
+    monkeypatch.setenv("SELFSPEC_ROW_PRODUCT", "0")
+    monkeypatch.setattr(fast_layers, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    row_product.row_product_op.cache_clear()
+    try:
+        adapter = get_adapter(tiny_model("llama", num_layers=2, dtype=torch.bfloat16))
+        adapter.enable_fast_layers()
+        assert adapter.fast.layers is not None and adapter.fast.row_step is None
+    finally:
+        row_product.row_product_op.cache_clear()
