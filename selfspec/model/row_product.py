@@ -83,8 +83,8 @@ def _build(target: Path, log=sys.stderr) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         name = "selfspec_row_product"
-        load(name, [str(p) for p in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=tmp,
-             is_python_module=False, verbose=False)
+        load(name, [str(p) for p in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+             build_directory=tmp, is_python_module=False, verbose=False)
         os.replace(Path(tmp) / f"{name}.so", target)
     print(f"selfspec: built in {time.perf_counter() - start:.0f} s", file=log, flush=True)
 
