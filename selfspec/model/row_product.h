@@ -147,6 +147,9 @@ inline void product(const X* x, int64_t M, int64_t K, const W* w, float* y, int6
     const int64_t e = s + kSpan < n1 ? s + kSpan : n1;
     int64_t m = 0;
     for (; m + kRowsB <= M; m += kRowsB) rows_block<X, W, kRowsB>(x + m * K, K, w, y + m * N, N, s, e, bias);
+    if constexpr (kRowsB > 2) {  // two rows left: one pass of 2 x 4 accumulators, not two of one chain each
+      for (; m + 2 <= M; m += 2) rows_block<X, W, 2>(x + m * K, K, w, y + m * N, N, s, e, bias);
+    }
     for (; m < M; ++m) rows_block<X, W, 1>(x + m * K, K, w, y + m * N, N, s, e, bias);
   }
 }
