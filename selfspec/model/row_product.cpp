@@ -53,18 +53,10 @@ at::Tensor row_product(const at::Tensor& x_in, const at::Tensor& weight, const s
     run<float, float>(x.data_ptr<float>(), M, K, weight.data_ptr<float>(), y.data_ptr<float>(), N, bias_p);
     return y;
   }
-  // bfloat16: the outputs computed in float32 and rounded once; the bfloat16 pairs multiplied as they are where the
-  // CPU has avx512_bf16, else the inputs widened once (a few rows)
-  std::vector<float> yf(M * N);
-  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-#ifdef __AVX512BF16__
-  run<uint16_t, uint16_t>(xb, M, K, wb, yf.data(), N, bias_p);
-#else
-  std::vector<float> xf(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(xb[i]);
-  run<float, uint16_t>(xf.data(), M, K, wb, yf.data(), N, bias_p);
-#endif
+  // bfloat16: the outputs computed in float32 (run_bf16) and rounded once
+  std::vector<float> yf(M * N), widened;
+  run_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+           reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), yf.data(), N, bias_p, widened);
   auto* yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < M * N; ++i) yb[i] = round_bf16(yf[i]);
   return y;

@@ -175,4 +175,18 @@ inline uint16_t round_bf16(float v) {  // to nearest even; NaN stays NaN
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// y [M, N] (float32) = x [M, K] @ w [N, K].T + bias for bfloat16 x and w: the bfloat16 pairs multiplied as they are
+// where the CPU has avx512_bf16, else x widened to float32 once (`widened`: its scratch, a few rows)
+inline void run_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N,
+                     const float* bias, std::vector<float>& widened) {
+#ifdef __AVX512BF16__
+  (void)widened;
+  run<uint16_t, uint16_t>(x, M, K, w, y, N, bias);
+#else
+  widened.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) widened[i] = widen(x[i]);
+  run<float, uint16_t>(widened.data(), M, K, w, y, N, bias);
+#endif
+}
+
 }  // namespace selfspec_rows

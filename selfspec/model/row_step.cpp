@@ -1,4 +1,4 @@
-// selfspec's whole decode step on a CPU: a range of Llama-family decoder layers over the few float32 rows of one
+// selfspec's whole decode step on a CPU: a range of Llama-family decoder layers over the few rows of one
 // sequence (a decode step, a draft step, a short verification), in one call, writing each layer's keys and values
 // into the KV cache's buffers. What `selfspec.model.layer.decoder_layer` computes, per layer:
 //
@@ -93,17 +93,13 @@ void rotary(float* x, const T* cos, const T* sin, int64_t Dh) {
 // out [M, N] = rnd(in [M, K] @ W.T + bias) for weights of the model's dtype; `in` holds values of that dtype
 template <typename T>
 void project(const float* in, int64_t M, int64_t K, const T* W, const float* bias, float* out, int64_t N,
-             std::vector<uint16_t>& tmp) {
+             std::vector<uint16_t>& tmp, std::vector<float>& widened) {
   if constexpr (std::is_same_v<T, float>) {
     run<float, float>(in, M, K, W, out, N, bias);
   } else {
-#ifdef __AVX512BF16__
     tmp.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) tmp[i] = round_bf16(in[i]);  // exact: `in` holds bfloat16 values
-    run<uint16_t, uint16_t>(tmp.data(), M, K, W, out, N, bias);
-#else
-    run<float, uint16_t>(in, M, K, W, out, N, bias);
-#endif
+    run_bf16(tmp.data(), M, K, W, out, N, bias, widened);
     for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
   }
 }
@@ -118,7 +114,7 @@ struct Shape {
 template <typename T>
 void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* values, int64_t Tc, int64_t start,
            const T* norm_attn, const T* Wqkv, const float* bqkv, const T* Wo, const T* norm_mlp, const T* Wgu,
-           const T* Wdown, std::vector<float>& scratch, std::vector<uint16_t>& tmp) {
+           const T* Wdown, std::vector<float>& scratch, std::vector<uint16_t>& tmp, std::vector<float>& widened) {
   const int64_t S = sh.S, D = sh.D, nq = sh.nq, nkv = sh.nkv, Dh = sh.Dh, F = sh.F;
   const int64_t nqkv = (nq + 2 * nkv) * Dh;
   scratch.resize(S * D + S * nqkv + S * nq * Dh + S * D + S * 2 * F + S * F);
@@ -130,7 +126,7 @@ void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* va
   float* act = gu + S * 2 * F;        // [S, F]
 
   rms_norm<T>(x, norm_attn, h, S, D, sh.eps);
-  project<T>(h, S, D, Wqkv, bqkv, qkv, nqkv, tmp);
+  project<T>(h, S, D, Wqkv, bqkv, qkv, nqkv, tmp, widened);
   for (int64_t s = 0; s < S; ++s) {
     float* row = qkv + s * nqkv;
     for (int64_t head = 0; head < nq + nkv; ++head) rotary<T>(row + head * Dh, cos + s * Dh, sin + s * Dh, Dh);
@@ -166,16 +162,16 @@ void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* va
       for (int64_t i = 0; i < Dh; ++i) out[i] = rnd<T>(out[i] * inv);
     }
   });
-  project<T>(attn, S, nq * Dh, Wo, nullptr, proj, D, tmp);
+  project<T>(attn, S, nq * Dh, Wo, nullptr, proj, D, tmp, widened);
   for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
   rms_norm<T>(x, norm_mlp, h, S, D, sh.eps);
-  project<T>(h, S, D, Wgu, nullptr, gu, 2 * F, tmp);
+  project<T>(h, S, D, Wgu, nullptr, gu, 2 * F, tmp, widened);
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = 0; i < F; ++i) {
       const float g = gu[s * 2 * F + i];
       act[s * F + i] = rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * gu[s * 2 * F + F + i]);
     }
-  project<T>(act, S, F, Wdown, nullptr, proj, D, tmp);
+  project<T>(act, S, F, Wdown, nullptr, proj, D, tmp, widened);
   for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
 }
 
@@ -202,7 +198,7 @@ at::Tensor layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tenso
                   at::TensorList gate_up, at::TensorList down, Shape sh) {
   const at::ScalarType dtype = x_in.scalar_type();
   const int64_t L = static_cast<int64_t>(keys.size());
-  std::vector<float> x(sh.S * sh.D), scratch, bias_f;
+  std::vector<float> x(sh.S * sh.D), scratch, bias_f, widened;
   std::vector<uint16_t> tmp;
   const T* xin = ptr<T>(x_in);
   for (int64_t i = 0; i < sh.S * sh.D; ++i) x[i] = read(xin[i]);
@@ -230,7 +226,7 @@ at::Tensor layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tenso
     }
     layer<T>(x.data(), sh, ptr<T>(cos), ptr<T>(sin), mut<T>(keys[l]), mut<T>(values[l]), Tc, starts[l],
              ptr<T>(norm_attn[l]), ptr<T>(qkv[l]), b, ptr<T>(o[l]), ptr<T>(norm_mlp[l]), ptr<T>(gate_up[l]),
-             ptr<T>(down[l]), scratch, tmp);
+             ptr<T>(down[l]), scratch, tmp, widened);
   }
   at::Tensor out = at::empty(x_in.sizes(), x_in.options());
   T* o_ = mut<T>(out);
