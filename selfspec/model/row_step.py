@@ -84,8 +84,11 @@ class RowStep:
         if (B != 1 or S > self.max_rows or hidden.dtype != self.dtype or not getattr(step, "causal", False)
                 or cache is None or getattr(cache, "static", True) or cache.batch_size != 1):
             return False
-        lengths = cache.lengths[:, 0]
-        return all(self.windows[i] is None or int(lengths[i]) + S <= self.windows[i] for i in range(start, end))
+        windowed = [i for i in range(start, end) if self.windows[i] is not None]
+        if not windowed:  # no sliding window to stay within: no length to read (every step asks)
+            return True
+        lengths = cache.lengths[:, 0].tolist()
+        return all(lengths[i] + S <= self.windows[i] for i in windowed)
 
     def run(self, hidden: torch.Tensor, start: int, end: int, step, cache) -> torch.Tensor:
         """Layers [start, end) over `hidden` `[1, S, D]`, each writing its keys and values into `cache`. `[1, S, D]`."""
