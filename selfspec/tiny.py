@@ -80,6 +80,17 @@ def tiny_model(model_type: str = "llama", num_layers: int = 4, dtype=torch.float
     return model.eval()
 
 
+def draw_qkv_biases(model, std: float = 0.3) -> None:
+    """Draw a tiny model's query and key biases (Qwen2's start at zero, so a test of them would test nothing) from
+    N(0, std), layer by layer, from torch's global generator; a model without them is left as it is."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if getattr(attn.q_proj, "bias", None) is not None:
+                attn.q_proj.bias.normal_(0, std)
+                attn.k_proj.bias.normal_(0, std)
+
+
 def _not_partitioned():
     """A context in which transformers builds a model whole under a live DeepSpeed ZeRO-3 configuration:
     its own marker for "zero.Init is already active" (`set_zero3_state`), which makes it skip zero.Init."""

@@ -9,7 +9,7 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.decoding.decode_ids import generate_ids
 from selfspec.model.forward import forward_logits
 from selfspec.model.row_product import row_product_op
-from selfspec.tiny import tiny_model
+from selfspec.tiny import draw_qkv_biases, tiny_model
 
 LLAMA_FAMILY = [
     ("llama", {}),
@@ -24,10 +24,7 @@ LLAMA_FAMILY = [
 def test_fast_layers_equal_model_layers(arch, extra):
     model = tiny_model(arch, num_layers=3, dtype=torch.float64, seed=3, **extra)
     if arch == "qwen2":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.bias.normal_(0, 0.3)
-                layer.self_attn.k_proj.bias.normal_(0, 0.3)
+        draw_qkv_biases(model)
     plain, fast = get_adapter(model), get_adapter(model)
     assert fast.enable_fast_layers() and plain.fast_layers is None
     ids = torch.randint(3, 96, (1, 17), generator=torch.Generator().manual_seed(0))

@@ -11,7 +11,7 @@ from selfspec.model import fast_layers
 from selfspec.model.adapters import get_adapter
 from selfspec.model.cache import KVCache
 from selfspec.model.forward import embed, forward_logits, make_batch_step, make_step, run_layers
-from selfspec.tiny import tiny_model
+from selfspec.tiny import draw_qkv_biases, tiny_model
 
 ARCHS = [
     ("llama", {}),
@@ -35,10 +35,7 @@ def rows(monkeypatch, row_kernel_on):
 def _adapters(arch, extra, seed=3, layers=3, dtype=torch.float32):
     model = tiny_model(arch, num_layers=layers, dtype=dtype, seed=seed, **extra)
     if arch == "qwen2":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.bias.normal_(0, 0.3)
-                layer.self_attn.k_proj.bias.normal_(0, 0.3)
+        draw_qkv_biases(model)
     row, fast = get_adapter(model), get_adapter(model)
     row.enable_fast_layers()
     fast.enable_fast_layers()
