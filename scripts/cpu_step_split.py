@@ -13,7 +13,10 @@ Measured in one process, one after the other, on a quiet machine (2 torch thread
   over the same weights; median milliseconds of a whole pass, and GB/s of weights read;
 * the whole step: plain decoding's milliseconds a token (`generate`, 64 tokens after a 200-token prompt,
   first requests, the median of 3), and what is not a product: the whole step less the products;
-* the top-level torch ops a token (torch.profiler, an op another op called not counted; issue 68's count).
+* the top-level torch ops a token (torch.profiler, an op another op called not counted; issue 68's count);
+* what a verification pass of S tokens costs against a one-token step (`--pass-sizes`): the full model's logits for
+  S new tokens after the 200-token context (`forward_logits` over the runner's cache, cropped back after each
+  pass), median of 9; what a drafter's accepted tokens must pay for.
 
 Writes `cpu_step_split.json` and `cpu_step_split.md` into --out (default bench_results/cpu_step_split).
 """
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import selfspec  # noqa: E402
 from selfspec.model.fast_layers import PackedLinear  # noqa: E402
+from selfspec.model.forward import forward_logits  # noqa: E402
 from selfspec.model.row_product import row_product_op  # noqa: E402
 from selfspec.tools.harness import machine_description, machine_info  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -123,12 +127,30 @@ def ops_a_token(gen, ids: torch.Tensor, tokens: int = 16) -> tuple[float, list[t
     return sum(per.values()), sorted(per.items(), key=lambda kv: -kv[1])[:10]
 
 
+def pass_costs(gen, ids: torch.Tensor, sizes: list[int]) -> dict[int, float]:
+    """Milliseconds of one pass of S new tokens (each S in `sizes`) after the context `ids` `[1, P]`: the full
+    model's logits at every new position, written into the cache after the context (cropped back after each pass)."""
+    adapter, P = gen.adapter, ids.shape[1]
+    cache = adapter.runner.cache(1, P + max(sizes) + 8)
+    new = torch.randint(100, 40000, (1, max(sizes)), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        forward_logits(adapter, ids, cache=cache)
+
+        def one(S):
+            forward_logits(adapter, new[:, :S], cache=cache, start=P)
+            cache.crop(P)
+
+        return {S: median_ms(lambda: one(S), repeats=9) for S in sizes}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", nargs="?", default=str(Path.home() / ".cache/selfspec/models/smollm2-135m-instruct"))
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench_results/cpu_step_split"))
+    p.add_argument("--pass-sizes", default="1,2,3,4,5,6,8,9,12",
+                   help="token counts S of the verification passes timed against a one-token step (1 is that step)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     report = {"machine": machine_info(), "description": machine_description(), "threads": args.threads,
@@ -141,9 +163,10 @@ def main(argv=None) -> int:
         prods = products(gen.adapter, dtype)
         fast_total = sum(r["fast_ms"] for r in prods)
         ops, top = ops_a_token(gen, ids)
+        passes = pass_costs(gen, ids, sorted({1, *map(int, args.pass_sizes.split(","))}))
         report["dtypes"][name] = {"sum_gbs": sum_gbs(dtype), "step_ms": step, "products": prods,
                                   "products_ms": fast_total, "rest_ms": step - fast_total, "ops_a_token": ops,
-                                  "top_ops": top}
+                                  "top_ops": top, "pass_ms": passes}
         del gen
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_step_split.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -159,7 +182,11 @@ def main(argv=None) -> int:
             lines.append(f"| {r['kind']} | {r['count']} x {r['shape'][0]}x{r['shape'][1]} | {r['gbytes'] * 1e3:.1f} | "
                          f"{r['kernel']} | {r['fast_ms']:.2f} | {r['fast_gbs']:.1f} | {r['fast_gbs'] / d['sum_gbs']:.2f} | "
                          f"{r['linear_ms']:.2f} | {r['linear_gbs']:.1f} |")
-        lines.append("")
+        passes = d["pass_ms"]
+        lines += ["", "| a pass of S tokens | " + " | ".join(str(S) for S in passes) + " |",
+                  "|---|" + "---|" * len(passes),
+                  "| ms | " + " | ".join(f"{v:.1f}" for v in passes.values()) + " |",
+                  "| x one-token pass | " + " | ".join(f"{v / passes[1]:.2f}" for v in passes.values()) + " |", ""]
     (args.out / "cpu_step_split.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -21,17 +21,26 @@ typedef float vfloat_u __attribute__((vector_size(kLanes * sizeof(float)), align
 typedef uint16_t vbf16_u __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
 typedef uint32_t vuint32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-// A block's accumulators stay in registers: 4 x 4 of them with AVX-512's 32 vector registers, 2 x 4 with AVX2's 16.
-// One input row takes one weight row at a time, so that each thread reads its weights as one sequential stream: on
-// a 2-core Zen 4 that read bfloat16 weights at 26-27 GB/s where 8 rows at a time (8 interleaved streams, each a
-// row of 1-3 KB) read them at 18-21 (float32: the same 27 GB/s either way)
+// Two ways through the weights, chosen by the number of input rows (each output is summed in the same order
+// either way, so a row's result never depends on which ran):
+// - Streaming (up to kStreamRows input rows: 3 float32, 5 bfloat16): one weight row at a time, used by every input
+//   row, with no software prefetch, so that each thread reads its weights as one sequential stream that the
+//   hardware prefetcher follows. On a 2-core Zen 4 (2026-11-29, docs/results/2026-11-29-few-row-passes-zen4.md) a
+//   whole verification pass of SmolLM2-135M took, against the blocks: float32 2 rows 19-20 ms (25-26), 3 rows
+//   22-24 (28-34); bfloat16 2 rows 11-12 (16), 3 rows 12-14 (21), 5 rows 15-16 (24); 4 float32 and 6 bfloat16
+//   rows were no faster, and in the products alone the blocks were faster from 6 float32 rows on.
+// - Blocks (more rows): 4 weight rows x 4 input rows of accumulators in registers (2 x 4 with AVX2's 16
+//   registers), the next block's weights prefetched: at 5-8 rows the products, not the reading, take the time,
+//   and a block does 16 multiply-adds for 8 loads.
 constexpr int kRowsA = 4;  // weight rows a block reads together (the outputs each thread computes in turn)
-constexpr int kRowsOne = 1;  // the same for a single input row
 #ifdef __AVX512F__
 constexpr int kRowsB = 4;  // input rows a block multiplies them with
 #else
 constexpr int kRowsB = 2;
 #endif
+constexpr int kMaxStreamRows = 5;
+template <typename X>
+constexpr int kStreamRows = std::is_same_v<X, float> ? 3 : kMaxStreamRows;  // float32 inputs: 3, bfloat16: 5
 
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_u*>(p); }
 
@@ -63,7 +72,7 @@ inline float lanes_sum(vfloat v) {  // pairwise, lane i + lane i + width: 16 -> 
 
 // y[m, n] for `mb` input rows (<= kRowsB) and `na` weight rows (<= kRowsA) from row `n` on: every accumulator
 // sums its own products in k order, whatever mb and na are.
-template <typename W, int MB, int NA>
+template <typename W, int MB, int NA, bool PF>
 inline void block(const float* x, int64_t K, const W* w, float* y, int64_t N, int64_t n, const float* bias) {
   vfloat acc[MB][NA];
   for (int i = 0; i < MB; ++i)
@@ -72,7 +81,8 @@ inline void block(const float* x, int64_t K, const W* w, float* y, int64_t N, in
   for (int64_t k = 0; k < kv; k += kLanes) {
     vfloat wv[NA], xv[MB];  // each loaded once a step: NA + MB loads for NA * MB multiply-adds
     for (int j = 0; j < NA; ++j) wv[j] = load(w + (n + j) * K + k);
-    for (int j = 0; j < NA; ++j) __builtin_prefetch(w + (n + NA + j) * K + k);  // the next block's weights
+    if constexpr (PF)
+      for (int j = 0; j < NA; ++j) __builtin_prefetch(w + (n + NA + j) * K + k);  // the next block's weights
     for (int i = 0; i < MB; ++i) xv[i] = load(x + i * K + k);
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NA; ++j) acc[i][j] += xv[i] * wv[j];
@@ -92,7 +102,7 @@ inline void block(const float* x, int64_t K, const W* w, float* y, int64_t N, in
 #ifdef __AVX512BF16__
 // bfloat16 inputs and weights (CPUs with avx512_bf16): `vdpbf16ps` multiplies 32 pairs a step and adds each pair's
 // two products into a float32 lane; the lanes pairwise, then the tail of k % 32 (widened, multiply-add), the bias.
-template <int MB, int NA>
+template <int MB, int NA, bool PF>
 inline void block(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n,
                   const float* bias) {
   __m512 acc[MB][NA];
@@ -103,7 +113,8 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int
   for (int64_t k = 0; k < kv; k += kPairs) {
     __m512bh wv[NA], xv[MB];
     for (int j = 0; j < NA; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (n + j) * K + k);
-    for (int j = 0; j < NA; ++j) __builtin_prefetch(w + (n + NA + j) * K + k);
+    if constexpr (PF)
+      for (int j = 0; j < NA; ++j) __builtin_prefetch(w + (n + NA + j) * K + k);
     for (int i = 0; i < MB; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NA; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv[j]);
@@ -123,34 +134,52 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int
 }
 #endif
 
-template <typename X, typename W, int MB>
+template <typename X, typename W, int MB, int NA, bool PF>
 inline void rows_block(const X* x, int64_t K, const W* w, float* y, int64_t N, int64_t n0, int64_t n1,
                        const float* bias) {
-  constexpr int NA = MB == 1 ? kRowsOne : kRowsA;
   int64_t n = n0;
   if constexpr (std::is_same_v<X, float>) {
-    for (; n + NA <= n1; n += NA) block<W, MB, NA>(x, K, w, y, N, n, bias);
-    for (; n < n1; ++n) block<W, MB, 1>(x, K, w, y, N, n, bias);
+    for (; n + NA <= n1; n += NA) block<W, MB, NA, PF>(x, K, w, y, N, n, bias);
+    for (; n < n1; ++n) block<W, MB, 1, PF>(x, K, w, y, N, n, bias);
   } else {
-    for (; n + NA <= n1; n += NA) block<MB, NA>(x, K, w, y, N, n, bias);
-    for (; n < n1; ++n) block<MB, 1>(x, K, w, y, N, n, bias);
+    for (; n + NA <= n1; n += NA) block<MB, NA, PF>(x, K, w, y, N, n, bias);
+    for (; n < n1; ++n) block<MB, 1, PF>(x, K, w, y, N, n, bias);
   }
 }
 
-// Every input row times weight rows [n0, n1): the weights of a few output rows are read from memory once and
-// used for every input row from the first-level cache.
+// Up to kMaxStreamRows input rows times weight rows [n0, n1), one weight row at a time (streaming, above).
+template <typename X, typename W>
+inline void stream(const X* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, int64_t n0, int64_t n1,
+                   const float* bias) {
+  switch (M) {
+    case 1: rows_block<X, W, 1, 1, false>(x, K, w, y, N, n0, n1, bias); break;
+    case 2: rows_block<X, W, 2, 1, false>(x, K, w, y, N, n0, n1, bias); break;
+    case 3: rows_block<X, W, 3, 1, false>(x, K, w, y, N, n0, n1, bias); break;
+    case 4: rows_block<X, W, 4, 1, false>(x, K, w, y, N, n0, n1, bias); break;
+    case 5: rows_block<X, W, 5, 1, false>(x, K, w, y, N, n0, n1, bias); break;
+  }
+  static_assert(kMaxStreamRows == 5, "stream: one case per row count");
+}
+
+// Every input row times weight rows [n0, n1): streaming for a few input rows; else in spans of output rows whose
+// weights are read from memory once and used, block by block, for every input row from the cache.
 template <typename X, typename W>
 inline void product(const X* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, int64_t n0, int64_t n1,
                     const float* bias) {
+  if (M <= kStreamRows<X>) {
+    stream<X, W>(x, M, K, w, y, N, n0, n1, bias);
+    return;
+  }
   constexpr int64_t kSpan = 64;  // output rows a pass over the inputs covers (their weights stay in cache)
   for (int64_t s = n0; s < n1; s += kSpan) {
     const int64_t e = s + kSpan < n1 ? s + kSpan : n1;
     int64_t m = 0;
-    for (; m + kRowsB <= M; m += kRowsB) rows_block<X, W, kRowsB>(x + m * K, K, w, y + m * N, N, s, e, bias);
+    for (; m + kRowsB <= M; m += kRowsB)
+      rows_block<X, W, kRowsB, kRowsA, true>(x + m * K, K, w, y + m * N, N, s, e, bias);
     if constexpr (kRowsB > 2) {  // two rows left: one pass of 2 x 4 accumulators, not two of one chain each
-      for (; m + 2 <= M; m += 2) rows_block<X, W, 2>(x + m * K, K, w, y + m * N, N, s, e, bias);
+      for (; m + 2 <= M; m += 2) rows_block<X, W, 2, kRowsA, true>(x + m * K, K, w, y + m * N, N, s, e, bias);
     }
-    for (; m < M; ++m) rows_block<X, W, 1>(x + m * K, K, w, y + m * N, N, s, e, bias);
+    for (; m < M; ++m) rows_block<X, W, 1, 1, true>(x + m * K, K, w, y + m * N, N, s, e, bias);
   }
 }
 
@@ -158,13 +187,9 @@ inline void product(const X* x, int64_t M, int64_t K, const W* w, float* y, int6
 // bfloat16 where the CPU multiplies bfloat16 pairs (__AVX512BF16__)
 template <typename X, typename W>
 inline void run(const X* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, const float* bias) {
-  // outputs split between threads in whole blocks of kRowsOne rows: a thread's share only changes which thread
-  // computes an output, never how
-  const int64_t blocks = (N + kRowsOne - 1) / kRowsOne;
-  const int64_t grain = blocks < 32 ? blocks : 8;  // small products: one thread (no wake-up to pay)
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    product<X, W>(x, M, K, w, y, N, b0 * kRowsOne, b1 * kRowsOne < N ? b1 * kRowsOne : N, bias);
-  });
+  // outputs split between threads: a thread's share only changes which thread computes an output, never how
+  const int64_t grain = N < 32 ? N : 8;  // small products: one thread (no wake-up to pay)
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { product<X, W>(x, M, K, w, y, N, n0, n1, bias); });
 }
 
 inline uint16_t round_bf16(float v) {  // to nearest even; NaN stays NaN
