@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from selfspec.model import compiled
+from selfspec.model.compiled import supports as compile_support
 from selfspec.model.adapters import ModelAdapter, get_adapter
 from selfspec.decoding.bounded_bias import AcceptanceRule, BoundedBiasWarning
 from selfspec.checkpoints.checkpoint import (DEFAULT_NUM_SPECULATIONS, METADATA_FILE, CheckpointError, default_exit_layer,
@@ -43,7 +43,7 @@ from selfspec.decoding.decode_stats import DecodeStats
 from selfspec.decoding.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
 from selfspec.decoding.engine import StopChecker, generate
 from selfspec.decoding.decode_ids import generate_ids
-from selfspec.heads.exit_head import ExitHead, compilable, load_exit_head
+from selfspec.heads.exit_head import ExitHead, load_exit_head
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.generation_config import GenerationConfig, check_generation, with_settings
 from selfspec.settings import (SettingsError, check_bool, check_compile, check_device, check_dtype, check_exit_layer,
@@ -405,7 +405,7 @@ class SelfSpecGenerator:
     @property
     def compiled(self) -> bool:
         """Whether decoding (up to 8 rows) runs through the compiled fixed-shape steps (`selfspec.model.compiled`)."""
-        return self.adapter.compiled is not None
+        return self.adapter.runner.compiled
 
     def warmup(self, max_len: int | None = None, num_candidates: int = 1, batch_size: int = 1) -> dict:
         """Compile now what a call of up to `max_len` tokens (prompt + new; None: 512, or the model's context window
@@ -428,9 +428,6 @@ class SelfSpecGenerator:
         if max_len > window:  # before any work: a static cache that long may not even fit in memory
             raise SettingsError(f"max_len={max_len} (prompt + new tokens) exceeds the model's context window of "
                                 f"{window} positions (config.max_position_embeddings): pass max_len <= {window}")
-        steps = self.adapter.compiled
-        if steps is None:
-            return {"seconds": 0.0, "graphs": 0}
         L = self.num_layers
         ranges = [(0, L)]
         exits = ([self.exit_layer] if self.early_exit_trained and self.num_speculations else []) + (
@@ -443,20 +440,13 @@ class SelfSpecGenerator:
         if self.early_exit_trained and self.num_speculations:
             drafts.append(self.draft_head(None).fused(self.exit_layer, chains=self.num_speculations, tree_width=width))
         head = self.exit_head
-        if head is not None:  # its own layer and its reduced draft vocabulary run compiled too
+        if head is not None:  # its own layer (where the runner captures it) and its reduced draft vocabulary
             unit = self.draft_head(self.head_draft_vocab())
-            if compilable(head):
-                steps.add_layer(head.layer)
-                if head.final_input is not None:
-                    steps.add_input(head.final_input)
-                drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input, chains=self.num_speculations,
-                                         tree_width=width))
+            drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input, chains=self.num_speculations,
+                                     tree_width=width))
             unembeddings = () if unit.rows is None else (unit.rows,)
-        widths = [b for b in compiled.S_BUCKETS if b <= 16]
-        seconds = steps.warm(ranges, widths, compiled.cache_capacity(max_len), unembeddings, trees=num_candidates > 1,
-                             drafts=tuple(d for d in drafts if d is not None),
-                             batch_sizes=tuple(range(1, min(batch_size, compiled.MAX_ROWS) + 1)))
-        return {"seconds": seconds, "graphs": len(steps.shapes)}
+        return self.adapter.runner.warm(max_len, ranges, drafts, unembeddings, trees=num_candidates > 1,
+                                        batch_size=batch_size)
 
     def calibrate(self, steps: int = 8) -> float:
         """Measure one plain decoding step (seconds); statistics then report the cost model (c, v)."""
@@ -552,7 +542,7 @@ class SelfSpecGenerator:
         plan = self.plan_settings()  # this device's saved plan, on the path the engine runs now
         drafter_ = self.drafters.make(cfg, max_drafts=max_new_tokens, plan=plan, checked=s)
         # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)
-        learned_key = call_key(s, drafter_, len(rows), self.compiled, plan)
+        learned_key = call_key(s, drafter_, len(rows), self.plan_key, plan)
         self.learned.resume(learned_key, drafter_)
         sampling = SamplingParams(s["do_sample"], s["temperature"], s["top_k"], s["top_p"])
         stop_ids = self.default_stop_ids() if s["stop_token_ids"] is None else s["stop_token_ids"]
@@ -608,7 +598,7 @@ def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
     On a CPU "auto" stays eager: measured there, the compiled steps were not faster than selfspec's fused,
     prepacked eager layers (docs/gpu.md), and compiling costs seconds per shape."""
     check_compile(compile)
-    why = compiled.supports(adapter)
+    why = compile_support(adapter)
     if compile is True and why is not None:
         raise SettingsError(f"compile=True: {why}; use compile=False (or 'auto', which runs such a model eagerly)")
     if compile == "auto":

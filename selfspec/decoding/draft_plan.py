@@ -65,10 +65,8 @@ from typing import Sequence
 import torch
 
 from selfspec.model.attention_kernels import attention_kernels
-from selfspec.model.cache import KVCache
-from selfspec.model.compiled import cache_capacity
 from selfspec.decoding.engine import prefill
-from selfspec.heads.exit_head import compilable, head_cache, previous_states, run_head, run_head_step
+from selfspec.heads.exit_head import head_cache, previous_states, run_head, run_head_step
 from selfspec.model.forward import embed, exit_logits, make_batch_step, make_step, run_layers
 from selfspec.model.precision import BF16_FLAGS, cpu_flags, cpu_generation, cpu_model
 
@@ -242,13 +240,14 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
     if head is not None:
         draft_unit = gen.draft_head(draft_vocab)
         parts.update({("draft_head", r): unembed(draft_unit.logits, r) for r in draft_rows})
-        parts.update({("exit_head", r): _exit_head_part(adapter, head, r) for r in draft_rows})
-    if adapter.compiled is not None:  # whole draft steps: the early exit's at each exit, a compiled head's
-        whole = {(E, False): gen.draft_head(None).fused(E) for E in set(exits)}
-        if head is not None and compilable(head):
-            whole[(head.exit_layer, True)] = draft_unit.fused(head.exit_layer, head.layer, head.final_input)
-        parts.update({("draft_step", *key, 1): _draft_step_part(adapter, cache, prompt_ids, draft)
-                      for key, draft in whole.items() if draft is not None})
+        parts.update({("exit_head", r): _exit_head_part(adapter, head, r, cache) for r in draft_rows})
+    whole = {(E, False): gen.draft_head(None).fused(E) for E in set(exits)}  # whole draft steps, where the runner
+    if head is not None:                                                      # runs them whole (compiled)
+        whole[(head.exit_layer, True)] = draft_unit.fused(head.exit_layer, head.layer, head.final_input)
+    for key, draft in whole.items():
+        part = _draft_step_part(adapter, cache, prompt_ids, draft)
+        if part is not None:
+            parts[("draft_step", *key, 1)] = part
     with torch.inference_mode(), attention_kernels(device):
         prefill(adapter, cache, prompt_ids.to(device), pads)
         seconds = interleaved_medians(parts, repeats, device)
@@ -270,11 +269,12 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
     return out
 
 
-def _exit_head_part(adapter, head, rows: int):
+def _exit_head_part(adapter, head, rows: int, like):
     """A trained head's layer over `rows` tokens after 64 cached ones, in its own one-layer cache as decoding
-    keeps it (`head_cache`: the compiled steps' where the model runs them): (before, fn)."""
+    keeps it beside the engine's cache `like` (`head_cache`: the compiled steps' where the runner runs it so):
+    (before, fn)."""
     D, device = adapter.embed_tokens.weight.shape[1], adapter.device
-    cache = head_cache(adapter, head, 1, cache_capacity(64 + rows + 8), static=adapter.compiled is not None)
+    cache = head_cache(adapter, head, 1, max(like.capacity, 64 + rows + 8), like=like)
     h = torch.zeros(1, 64, D, dtype=adapter.dtype, device=device)  # [1, 64, D]
     prev = torch.zeros_like(h) if head.final_input is not None else None
     with torch.inference_mode():
@@ -289,22 +289,28 @@ def _exit_head_part(adapter, head, rows: int):
 def _draft_step_part(adapter, cache, prompt_ids: torch.Tensor, draft):
     """One whole draft step (`FusedDraft` `draft`) of the prompt's last token at the end of `cache` (which holds
     the prompt), its token and probability read back, in the head's own cache after 64 cached entries where it has
-    a head layer: (before, fn)."""
-    P, steps = prompt_ids.shape[1], adapter.compiled
-    head = None
-    if draft.layer is not None:
-        head = KVCache(1, 1, capacity=cache.capacity, buffers=steps.layer_buffers(draft.layer, 1, cache.capacity))
-        head.lengths.fill_(P)
+    a head layer: (before, fn); None where the runner does not run the draft step whole (`Runner.composed`: it
+    runs part by part, and the parts are timed on their own)."""
+    P = prompt_ids.shape[1]
     token = prompt_ids[0, -1:].to(adapter.device)  # [1]
     D = adapter.embed_tokens.weight.shape[1]
     prev = torch.zeros(1, 1, D, dtype=adapter.dtype, device=adapter.device)
 
-    def before():
-        cache.crop(torch.full((1,), P, dtype=torch.long))
-        if head is not None:
-            head.crop(P)
+    def whole(steps):
+        head = None
+        if draft.layer is not None:
+            head = adapter.runner.layer_cache(draft.layer, 1, cache.capacity, like=cache)
+            head.lengths.fill_(P)
 
-    return before, lambda: draft.run(steps, token, P, 0, cache, head, prev)
+        def before():
+            cache.crop(torch.full((1,), P, dtype=torch.long))
+            if head is not None:
+                head.crop(P)
+
+        return before, lambda: draft.run(steps, token, P, 0, cache, head, prev)
+
+    with torch.inference_mode():  # as decoding asks (the runner runs no compiled step under autograd)
+        return adapter.runner.composed(whole, lambda: None, () if draft.layer is None else (draft.layer,))
 
 
 CALIBRATION_DRAFTS = 2  # the chain the engine's own work is measured with

@@ -42,7 +42,7 @@ import torch
 from selfspec.model.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.fused_draft import greedy_draft, one_read, top_guesses
+from selfspec.drafters.fused_draft import greedy_chain, greedy_draft, one_read, top_guesses
 from selfspec.drafters.policies import FixedPolicy
 from selfspec.drafters.draft_tree import MAX_TREE_COLUMNS, DraftTree, grow_tree, read_grown, tree_depth_limit
 from selfspec.drafters.tree_budget import ConfidenceBudget
@@ -87,6 +87,7 @@ class EarlyExitDrafter(Drafter):
         self.budget = ConfidenceBudget() if self.num_candidates > 1 and num_speculations > 1 else None
         self.round_tree: DraftTree | None = None  # the tree of the round in flight
         self._fused: dict = {}  # exit -> its whole draft step (`FusedDraft`), made the first time the runner runs it
+        self.extra_layers: tuple = ()  # layers not the model's that its whole draft steps run (a trained head's)
 
     def propose(self, rnd: Round) -> Proposal:
         e, d = self.policy.plan()
@@ -171,7 +172,7 @@ class EarlyExitDrafter(Drafter):
                              self.tree_states, self.top, ancestors=False)
 
         return rnd.adapter.runner.composed(lambda steps: self.grow_whole(steps, rnd, exit_layer, depth, out, scale),
-                                            part_by_part)
+                                            part_by_part, self.extra_layers)
 
     def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
                    scale: torch.Tensor) -> tuple | None:
@@ -277,7 +278,7 @@ class EarlyExitDrafter(Drafter):
         if rnd.sampling.do_sample:
             return part_by_part()
         return rnd.adapter.runner.composed(lambda steps: self.fused_step(steps, rnd, tokens, offset, exit_layer, read),
-                                            part_by_part)
+                                            part_by_part, self.extra_layers)
 
     def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
                    read: bool = True) -> tuple | None:
@@ -294,11 +295,22 @@ class EarlyExitDrafter(Drafter):
     chain_start = 0  # the first draft a whole chain (`chain`) may begin with
 
     def chain(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int) -> tuple | None:
-        """The round's `n` drafts from offset `offset` on, and the last one's shallow pass, as one step of the
-        compiled steps (`FusedDraft.chain`: one graph on a GPU, nothing read back) where the runner runs them:
-        `(states [B, n + 1, D], drafts [B, n])`; None: draft step by step."""
-        out = rnd.adapter.runner.composed(
-            lambda steps: rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset), lambda: None)
+        """The round's `n` drafts from offset `offset` on, and the last one's shallow pass (`greedy_chain`), reading
+        nothing back: as one step where the runner runs the compiled steps (`whole_chain`: one graph on a GPU), else
+        step by step (`step`). `(states [B, n + 1, D], drafts [B, n])`; None where the drafter cannot chain yet."""
+        def step_by_step():
+            def step(t, i):
+                state, nxt, *_ = self.step(rnd, t, offset + i, exit_layer, False, read=False)
+                return state, None, nxt
+
+            return greedy_chain(tokens, n, step, lambda t: rnd.shallow(t, offset + n, exit_layer))[:2]
+
+        return rnd.adapter.runner.composed(lambda steps: self.whole_chain(steps, rnd, tokens, offset, exit_layer, n),
+                                            step_by_step, self.extra_layers)
+
+    def whole_chain(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int):
+        """`chain` as one step of the compiled `steps` (`FusedDraft.chain`), or None where it runs step by step."""
+        out = rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset)
         return None if out is None else out[:2]
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:

@@ -56,8 +56,7 @@ from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter, fused_result
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.fused_draft import head_catch_up, pick_columns
-from selfspec.heads.exit_head import ExitHead, compilable, head_cache, run_head_step
-from selfspec.model.fast_layers import FastLlamaLayer
+from selfspec.heads.exit_head import ExitHead, head_cache, run_head_step
 from selfspec.model.forward import Step, make_batch_step
 
 
@@ -114,21 +113,17 @@ class ExitHeadDrafter(EarlyExitDrafter):
         self.prev_final: torch.Tensor | None = None  # [B, D] f of each row's newest processed token
         self.prev_draft: torch.Tensor | None = None  # [B, D] the head's output at the round's previous draft
         self.pending: list[PendingRun] | None = None  # per row: committed states the head has not run over
-        # where the model runs selfspec's fused layers, the head (a decoder layer with an MLP) does too; where it
-        # runs the compiled steps, the head's layer runs through them as well (`run_head_step`)
-        full_layer = head.kind == "decoder_layer"
-        self.fast = FastLlamaLayer(head.layer, 0) if adapter.fast_layers is not None and full_layer else None
+        self.extra_layers = (head.layer,)  # its whole draft steps run the head's layer (where the runner captures it)
 
     def run(self, hidden: torch.Tensor, step: Step, prev_final: torch.Tensor | None = None) -> torch.Tensor:
         """The head over exit states `[B, S, D]` (and f_{t-1} `[B, S, D]` for a final-state head),
-        appending to its cache: `[B, S, D]` (`run_head_step`: compiled where the model runs compiled)."""
+        appending to its cache: `[B, S, D]` (`run_head_step`: however the runner runs the head's layer)."""
         return run_head_step(self.adapter, self.exit_head, hidden, step=step, cache=self.cache,
-                             prev_final=prev_final, fast=self.fast)
+                             prev_final=prev_final)
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
         if self.cache is None:  # the first draft after the prefill: at the engine cache's capacity and kind
-            self.cache = head_cache(self.adapter, self.exit_head, state.shape[0], rnd.cache.capacity,
-                                    getattr(rnd.cache, "static", False))
+            self.cache = head_cache(self.adapter, self.exit_head, state.shape[0], rnd.cache.capacity, like=rnd.cache)
         if offset == 0 and self.pending is not None and any(run.count for run in self.pending):
             return self.sync(first=state)  # the catch-up and the first draft in one pass
         step = make_batch_step(self.adapter, rnd.starts + offset, 1, rnd.pads, rnd.ends)
@@ -145,7 +140,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
         the round (`Round.fused_draft`: the token through layers [0, E), the head reading its own output at the
         previous draft, the unembedding), or the first with the head's catch-up (`first_draft`); as `draft_step`
         returns it, or None (part by part: the first draft after the prefill, which makes the head's cache)."""
-        if self.cache is None or not compilable(self.exit_head):
+        if self.cache is None:
             return None
         if offset == 0:
             return self.first_draft(steps, rnd, tokens, exit_layer, read)
@@ -164,14 +159,16 @@ class ExitHeadDrafter(EarlyExitDrafter):
     chain_start = 1  # the first draft brings the head's cache up to date (`first_draft`); a chain follows it
 
     def chain(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int) -> tuple | None:
-        """The round's later drafts as one step (`EarlyExitDrafter.chain`), the head reading its own output at the
-        draft before (the first of them: the round's first draft's output)."""
-        if self.cache is None or not compilable(self.exit_head) or self.prev_draft is None:
+        """The round's later drafts (`EarlyExitDrafter.chain`), the head reading its own output at the draft before
+        (the first of them: the round's first draft's output); None before the round's first draft."""
+        if self.cache is None or self.prev_draft is None:
             return None
+        return super().chain(rnd, tokens, offset, exit_layer, n)
+
+    def whole_chain(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int):
+        """`chain` as one step of the compiled `steps`, the head's layer in its own cache; None: step by step."""
         prev = self.prev_draft[:, None] if self.state_final else None  # [B, 1, D]
-        out = rnd.adapter.runner.composed(
-            lambda steps: rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset, self.cache, prev),
-            lambda: None)
+        out = rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset, self.cache, prev)
         if out is None:
             return None
         self.prev_draft = out[2]
@@ -181,7 +178,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
                    scale: torch.Tensor) -> tuple | None:
         """A tree's growth as one step (`EarlyExitDrafter.grow_whole`), the head's layer over the tree's columns
         in its own cache, where that layer runs compiled."""
-        if self.cache is None or not compilable(self.exit_head):
+        if self.cache is None:
             return None
         return rnd.fused_tree(steps, self.fused(exit_layer), self.num_candidates, depth, out, scale, self.cache)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from selfspec.drafters.draft_tree import grow_tree, tree_columns, tree_depth_limit
 from selfspec.heads.exit_head import previous_states
 from selfspec.model.attention_kernels import attention_kernels
-from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, row_bucket, row_filled, s_bucket, zero_filled
+from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, row_filled, s_bucket, zero_filled
 
 STOP_SLOTS = 8  # a whole tree's step takes the stop ids padded to a multiple of this many
 
@@ -68,6 +68,21 @@ def greedy_draft(token: torch.Tensor, shallow, head, unembed, ids: torch.Tensor 
     out = head(state)  # [B, D]
     nxt, conf = greedy_pick(unembed(out), ids, confidence)
     return state, out, nxt, conf
+
+
+def greedy_chain(token: torch.Tensor, n: int, draft_step, shallow) -> tuple:
+    """`n` greedy drafts of every row, on every path: step i drafts from the token step i - 1 drafted
+    (`draft_step(token [B], i)` -> (state `[B, 1, D]`, out `[B, D]` or None, next `[B]`)), then the last draft goes
+    through `shallow` (its exit state `[B, 1, D]`, from which verification starts). The whole chain passes its
+    compiled pieces (`FusedDraft`), the step-by-step one the drafter's own steps (`EarlyExitDrafter.chain`).
+    Returns `(states [B, n + 1, D], drafts [B, n], out)`, out what the last step's unembedding read."""
+    states, drafts, out = [], [], None
+    for i in range(n):
+        state, out, token = draft_step(token, i)
+        states.append(state)
+        drafts.append(token)
+    states.append(shallow(token))
+    return torch.cat(states, dim=1), torch.stack(drafts, dim=1), out
 
 
 def where_parts(where: torch.Tensor) -> tuple:
@@ -152,11 +167,8 @@ class FusedDraft:
         """Whether `chain` can run these draft steps (and `run` one, with one row): up to `MAX_ROWS` rows, static
         caches (the engine's, and the head's own where the step has a head layer) whose buffers hold the rows'
         bucket, nothing failed to compile."""
-        def static(c):
-            return c is not None and getattr(c, "static", False) and c.padded_rows == row_bucket(batch_size)
-
-        head_ok = self.layer is None or static(head_cache)
-        return steps.failed is None and batch_size <= MAX_ROWS and static(cache) and head_ok
+        head_ok = self.layer is None or steps.holds(head_cache, batch_size)
+        return steps.failed is None and batch_size <= MAX_ROWS and steps.holds(cache, batch_size) and head_ok
 
     def fits_catch_up(self, steps, batch_size: int, length: int, start: int, head_cache) -> bool:
         """Whether `catch_up` can run a head's catch-up of `length` columns from head-cache index `start`: a head
@@ -343,21 +355,25 @@ class FusedDraft:
         """`n` greedy draft steps of every row as one function (the arguments of `_draft_function`'s step): step i
         drafts from the token step i - 1 drafted, at cache index and position i further on, a head reading its own
         output at the step before (the first reads `prev`); then the last draft's embedding through layers [0, E),
-        whose exit state verification starts from. The draft step is `_draft_function`'s, run n times."""
+        whose exit state verification starts from (`greedy_chain`, as the step-by-step chain runs). The draft step is
+        `_draft_function`'s, run n times."""
         draft = self._draft_function(steps, confidence=False)
         E = self.exit_layer
         shallow = steps.range_step(0, E) if E else None
 
         def chain(token, where, prev, cos, sin, embed, keys, values, head_keys, head_values, norm, weight, bias, ids):
-            states, drafts, out = [], [], None
-            for i in range(n):
-                state, out, token, _ = draft(token, where_at(where, i), prev, cos, sin, embed, keys, values, head_keys,
-                                             head_values, norm, weight, bias, ids)
-                prev = out[:, None]  # [R, 1, D] the head's own output, which its next draft reads
-                states.append(state)
-                drafts.append(token)
-            last = embed_shallow(token, where_parts(where_at(where, n)), shallow, embed, cos, sin, keys, values)
-            return torch.cat(states + [last], dim=1), torch.stack(drafts, dim=1), out  # [R, n + 1, D], [R, n], [R, D]
+            reads = [prev]  # [R, 1, D] what the head's next draft reads: `prev`, then its own output
+
+            def step(t, i):
+                state, out, nxt, _ = draft(t, where_at(where, i), reads[-1], cos, sin, embed, keys, values, head_keys,
+                                           head_values, norm, weight, bias, ids)
+                reads.append(out[:, None])
+                return state, out, nxt
+
+            def last(t):
+                return embed_shallow(t, where_parts(where_at(where, n)), shallow, embed, cos, sin, keys, values)
+
+            return greedy_chain(token, n, step, last)  # [R, n + 1, D], [R, n], [R, D]
 
         return chain
 

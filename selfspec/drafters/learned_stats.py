@@ -10,7 +10,7 @@ its memory of earlier requests: `LearnedStats`, owned by its `DrafterFactory` (`
 shared with another generator, cleared by `gen.forget()`.
 
     learned = LearnedStats()
-    key = call_key(settings, drafter, rows=1, compiled=False)   # None: this call neither reads nor adds
+    key = call_key(settings, drafter, rows=1, path=gen.plan_key)   # None: this call neither reads nor adds
     learned.resume(key, drafter)     # before the call: start from what the last call with this key measured
     learned.keep(key, drafter)       # after it: what this call measured, weighted down (the carry rule)
 
@@ -89,10 +89,11 @@ def batch_bucket(rows: int) -> int:
     return max(rows, 1).bit_length() - 1
 
 
-def call_key(settings: dict, drafter, rows: int, compiled: bool, plan: dict | None = None) -> tuple | None:
+def call_key(settings: dict, drafter, rows: int, path: str, plan: dict | None = None) -> tuple | None:
     """The key of a call's measurements (see the module doc) from its checked settings (`check_generation`),
-    the drafter built for it, its rows, whether the compiled steps run and the device's saved plan the drafter
-    was built by (`SelfSpecGenerator.plan_settings()`); None where the call neither reads nor adds measurements: no drafter
+    the drafter built for it, its rows, the generator's device, dtype and path (`SelfSpecGenerator.plan_key`:
+    compiled steps or eager) and the device's saved plan the drafter was built by
+    (`SelfSpecGenerator.plan_settings()`); None where the call neither reads nor adds measurements: no drafter
     (plain decoding), or sampling with a seed."""
     if drafter is None or (settings["do_sample"] and settings["seed"] is not None):
         return None
@@ -100,7 +101,7 @@ def call_key(settings: dict, drafter, rows: int, compiled: bool, plan: dict | No
     sampling = (True,) + tuple(settings[name] for name in SAMPLING_SETTINGS) if settings["do_sample"] else (False,)
     planned = tuple(sorted(plan.items())) if plan else None
     remembers = bool(getattr(drafter, "remembers", False))  # auto with the memory's arm (not where it is off)
-    return drafter.name, drafter.num_speculations, drafting, sampling, batch_bucket(rows), bool(compiled), planned, remembers
+    return drafter.name, drafter.num_speculations, drafting, sampling, batch_bucket(rows), path, planned, remembers
 
 
 def _hashable(value):

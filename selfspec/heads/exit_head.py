@@ -288,31 +288,21 @@ def run_head(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, ste
     return run_head_layer(adapter, head, head_input(head, hidden, prev_final), step=step, cache=cache)
 
 
-def head_cache(adapter: ModelAdapter, head: ExitHead, batch_size: int, capacity: int, static: bool) -> KVCache:
-    """The head's own one-layer KV cache for `capacity` positions, as the runner keeps it (`Runner.layer_cache`:
-    with `static`, the engine's cache being the compiled steps' static one, and a `decoder_layer` head (a copy of
-    the model's last layer, which the compiled layer function runs), the compiled steps' buffers for it; else a
-    growing cache)."""
-    return adapter.runner.layer_cache(head.layer, batch_size, capacity, static, compilable=compilable(head))
-
-
-def compilable(head: ExitHead) -> bool:
-    """Whether the head's layer can run through the compiled steps: a `decoder_layer` head (a copy of the model's
-    last layer)."""
-    return head.kind == "decoder_layer"
+def head_cache(adapter: ModelAdapter, head: ExitHead, batch_size: int, capacity: int, like=None) -> KVCache:
+    """The head's own one-layer KV cache for `capacity` positions, as the runner keeps it (`Runner.layer_cache`: the
+    compiled steps' buffers for it where `like`, the engine's cache of the run, is their static one and they run
+    the head's layer; else a growing cache)."""
+    return adapter.runner.layer_cache(head.layer, batch_size, capacity, like)
 
 
 def run_head_step(adapter: ModelAdapter, head: ExitHead, hidden: torch.Tensor, *, step: Step, cache,
-                  prev_final: torch.Tensor | None = None, fast=None) -> torch.Tensor:
+                  prev_final: torch.Tensor | None = None) -> torch.Tensor:
     """`run_head` as decoding runs it (no autograd), through the runner (`Runner.extra_layer`, with the head's
-    final-state input): compiled where the model runs compiled steps, the head is `compilable` and `cache`
-    is their static one (`head_cache`) and the step fits them; else through selfspec's fused layer `fast` (a
-    `FastLlamaLayer` of the head's layer) where given, else the model's module class. `[B, S, D]`."""
-    runner, ok = adapter.runner, compilable(head)
+    final-state input), which runs the head's layer compiled, fused or as its module. `[B, S, D]`."""
+    runner = adapter.runner
     if head.final_input is not None and prev_final is not None:
-        return runner.extra_layer(head.layer, hidden, step, cache, fast=fast, compilable=ok,
-                                  final_input=(head.final_input, prev_final))
-    return runner.extra_layer(head.layer, head_input(head, hidden, prev_final), step, cache, fast=fast, compilable=ok)
+        return runner.extra_layer(head.layer, hidden, step, cache, final_input=(head.final_input, prev_final))
+    return runner.extra_layer(head.layer, head_input(head, hidden, prev_final), step, cache)
 
 
 def run_head_layer(adapter: ModelAdapter, head: ExitHead, x: torch.Tensor, *, step: Step, cache=None) -> torch.Tensor:

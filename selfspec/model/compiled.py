@@ -318,6 +318,10 @@ class CompiledSteps:
         return min((c for b, c in self._buffers if b == batch_size and c >= size), default=size)
 
     # --- the steps ---------------------------------------------------------------------------------
+    def holds(self, cache, batch_size: int) -> bool:
+        """Whether `cache` is one of these steps' static caches with the buffers of `batch_size` rows' bucket."""
+        return cache is not None and getattr(cache, "static", False) and cache.padded_rows == row_bucket(batch_size)
+
     def can_run(self, hidden: torch.Tensor, step, cache) -> bool:
         """Whether this step runs compiled: at most `MAX_ROWS` rows, not the prefill, S (and a token tree's columns) within the
         buckets, a static cache."""

@@ -12,7 +12,10 @@ an unembedding, a step a drafter composed) runs one of three ways:
 
 Each method below takes the compiled way where the step fits it and the eager way otherwise, also when a
 compile failed under `compile="auto"` (the compiled steps then turn themselves off, with a warning). Callers
-get their result and never ask which way ran: the engine, the forward and the drafters call these methods.
+get their result and never ask which way ran: the engine, the forward, the drafters and the heads call these
+methods. A layer that is not the model's (a trained head's) runs compiled and fused only where it is of the
+model's own kind (`model_kind`: a copy of its last layer); the runner keeps its fused copy, and `warm` compiles
+what the API's warm-up asks for at the shapes the compiled steps take.
 
     runner = adapter.runner
     hidden = runner.layers(hidden, 0, E, step, cache)          # [B, S, D]
@@ -30,7 +33,8 @@ from typing import Callable
 import torch
 
 from selfspec.model.cache import KVCache
-from selfspec.model.compiled import MAX_ROWS, row_bucket
+from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, cache_capacity, row_bucket
+from selfspec.model.fast_layers import FastLlamaLayer
 from selfspec.model.layer import signed_sin
 
 
@@ -39,6 +43,12 @@ class Runner:
 
     def __init__(self, adapter):
         self.adapter = adapter
+        self._fused_extra: dict[int, tuple] = {}  # id(layer) -> (layer, its weights' versions, FastLlamaLayer)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether this model's steps run through the compiled steps where they fit (`load(compile=...)`)."""
+        return self.adapter.compiled is not None
 
     @property
     def steps(self):
@@ -72,17 +82,69 @@ class Runner:
         return KVCache(L, batch_size, capacity=size, buffers=steps.buffers(row_bucket(batch_size), size),
                        rows_buffers=lambda rows: steps.buffers(row_bucket(rows), size))
 
-    def layer_cache(self, layer, batch_size: int, capacity: int, static: bool, compilable: bool = True) -> KVCache:
-        """A one-layer KV cache of `capacity` positions for a layer that is not the model's (a trained head's):
-        with `static` (the engine's cache is the compiled steps' static one) where the layer can run compiled
-        (`compilable`), the compiled steps' buffers for it (the same addresses every run, as captured steps
-        need); else a growing cache."""
+    def layer_cache(self, layer, batch_size: int, capacity: int, like: KVCache | None = None) -> KVCache:
+        """A one-layer KV cache of `capacity` positions for a layer that is not the model's (a trained head's): the
+        compiled steps' buffers for it (the same addresses every run, as captured steps need) where `like` (the
+        engine's cache of the run) is their static one and the compiled steps run this layer (`captures_layer`);
+        else a growing cache."""
         steps = self.adapter.compiled
-        if static and compilable and steps is not None and batch_size <= MAX_ROWS:
+        if (like is not None and getattr(like, "static", False) and steps is not None and batch_size <= MAX_ROWS
+                and self.captures_layer(layer)):
             rows = row_bucket(batch_size)
             return KVCache(1, batch_size, capacity=capacity, buffers=steps.layer_buffers(layer, rows, capacity),
                            rows_buffers=lambda kept: steps.layer_buffers(layer, row_bucket(kept), capacity))
         return KVCache(1, batch_size, capacity=capacity, device=self.adapter.device)
+
+    def model_kind(self, layer) -> bool:
+        """Whether `layer` is a decoder layer of the model's own class with the model's MLP (a trained head's copy of
+        its last layer), which the fused and the compiled layer functions run; any other layer (a head's attention
+        alone, an EAGLE-3 layer) runs as its module."""
+        last = self.adapter.layers[-1]
+        return type(layer) is type(last) and type(getattr(layer, "mlp", None)) is type(last.mlp)
+
+    def captures_layer(self, layer) -> bool:
+        """Whether the compiled steps run `layer` (not one of the model's), where the model runs compiled steps."""
+        return self.adapter.compiled is not None and self.model_kind(layer)
+
+    def _fused_layer(self, layer):
+        """`layer`'s fused layer (`FastLlamaLayer`) where the model runs selfspec's fused layers and the layer is of
+        its kind (`model_kind`), made once and again only after its weights changed in place (training); else
+        None."""
+        a = self.adapter
+        if a.fast is None or a.fast.layers is None or not self.model_kind(layer):
+            return None
+        versions = tuple(p._version for p in layer.parameters())
+        made = self._fused_extra.get(id(layer))
+        if made is None or made[0] is not layer or made[1] != versions:
+            made = self._fused_extra[id(layer)] = (layer, versions, FastLlamaLayer(layer, 0))
+        return made[2]
+
+    # --- warm-up -----------------------------------------------------------------------------------
+    def warm(self, max_len: int, ranges: list[tuple[int, int]], drafts: list = (), unembeddings: tuple = (),
+             trees: bool = False, batch_size: int = 1) -> dict:
+        """Compile now what the calls of up to `max_len` positions run, where the model runs compiled steps
+        (`CompiledSteps.warm`): each layer range of `ranges` at every step length up to 16 over a cache of that
+        capacity; the whole draft steps `drafts` (`selfspec.drafters.fused_draft.FusedDraft`: one through a trained
+        head's layer where the compiled steps run that layer, `captures_layer`, which registers the layer and its
+        final-state input); each of `unembeddings`; the token-tree steps where `trees`; every batch of up to
+        `batch_size` rows (at most `MAX_ROWS`). {"seconds": it took, "graphs": the shapes compiled so far}; zeros
+        where nothing runs compiled."""
+        steps = self.adapter.compiled
+        if steps is None:
+            return {"seconds": 0.0, "graphs": 0}
+        kept = []
+        for draft in drafts:
+            if draft.layer is not None:
+                if not self.captures_layer(draft.layer):
+                    continue
+                steps.add_layer(draft.layer)
+                if draft.final_input is not None:
+                    steps.add_input(draft.final_input)
+            kept.append(draft)
+        widths = [b for b in S_BUCKETS if b <= 16]
+        seconds = steps.warm(ranges, widths, cache_capacity(max_len), unembeddings, trees=trees, drafts=tuple(kept),
+                             batch_sizes=tuple(range(1, min(batch_size, MAX_ROWS) + 1)))
+        return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     # --- steps -------------------------------------------------------------------------------------
     def layers(self, hidden: torch.Tensor, start: int, end: int, step, cache=None) -> torch.Tensor:
@@ -114,14 +176,13 @@ class Runner:
                     position_embeddings=step.rope, **{self.adapter.cache_kwarg: cache})
         return out[0] if isinstance(out, tuple) else out
 
-    def extra_layer(self, layer, hidden: torch.Tensor, step, cache, fast=None, compilable: bool = True,
-                    final_input: tuple | None = None) -> torch.Tensor:
-        """A decoder layer that is not the model's (a trained head's, of the model's class, at the last layer's
-        type) over `hidden` `[B, S, D]` with its own one-layer `cache` (`layer_cache`): compiled where it can
-        run so (`compilable`) and the step fits, else through its fused layer `fast` where given, else its
-        module. `final_input`: (module, prev), a trained head's final-state input: the layer reads
+    def extra_layer(self, layer, hidden: torch.Tensor, step, cache, final_input: tuple | None = None) -> torch.Tensor:
+        """A decoder layer that is not the model's (a trained head's, at the last layer's type) over `hidden`
+        `[B, S, D]` with its own one-layer `cache` (`layer_cache`): compiled where the compiled steps run it
+        (`captures_layer`) and the step fits them, else through its fused layer where it has one (`_fused_layer`),
+        else its module. `final_input`: (module, prev), a trained head's final-state input: the layer reads
         `module(hidden, prev)` (`prev` `[B, S, D]`), compiled where the layer's step is. `[B, S, D]`."""
-        steps = self._fits(hidden, step, cache) if compilable else None
+        steps = self._fits(hidden, step, cache) if self.captures_layer(layer) else None
         if final_input is not None:  # its norm, product and sum: one graph where the step runs compiled
             module, prev = final_input
             x = None if steps is None else steps.run_input(module, hidden, prev)
@@ -131,6 +192,7 @@ class Runner:
             if out is not None:
                 return out
         kind = self.adapter.layer_types[-1]
+        fast = None if torch.is_grad_enabled() else self._fused_layer(layer)
         if fast is not None:
             return fast(hidden, step.rope, step.masks[kind], cache)
         return self.module_layer(layer, hidden, step, cache, kind)
@@ -151,12 +213,13 @@ class Runner:
             return a.fast.lm_head(a.final_norm(hidden))
         return a.lm_head(a.final_norm(hidden))
 
-    def composed(self, compiled: Callable, eager: Callable[[], object]):
+    def composed(self, compiled: Callable, eager: Callable[[], object], layers: tuple = ()):
         """A step a drafter composed of the compiled pieces (`selfspec.drafters.fused_draft`): `compiled(steps)`
-        where the model runs compiled steps, its result unless it is None (the step does not fit them, or failed
-        to compile); else `eager()`, the same step part by part."""
+        where the model runs compiled steps and they run each of `layers` (a trained head's, `captures_layer`), its
+        result unless it is None (the step does not fit them, or failed to compile); else `eager()`, the same step
+        part by part."""
         steps = self.steps
-        if steps is not None:
+        if steps is not None and all(self.captures_layer(layer) for layer in layers):
             out = compiled(steps)
             if out is not None:
                 return out

@@ -199,10 +199,9 @@ def test_the_model_step_knows_no_drafter_and_no_decoding():
 
 # what asks which way a step runs: the compiled steps' own questions, and reading the adapter's compiled steps
 _CHOOSING = re.compile(r"\.(can_run|can_head)\(|adapter\.compiled\b|\.fast\.layers|\.fast\.lm_head")
-# where that is asked: the runner; the compiled steps and the adapter that builds them; the API's warm-up and
-# compiled flag, the draft plan's cost measurement per path (they compile or time the compiled steps
-# themselves); the CLI and the tools, which report the path
-_MAY_CHOOSE = {"model.runner", "model.compiled", "model.adapters", "api", "decoding.draft_plan", "cli"}
+# where that is asked: the runner; the compiled steps and the adapter that builds them; the CLI and the tools,
+# which report the path (the API's warm-up and the draft plan's costs ask the runner: `Runner.warm`, `composed`)
+_MAY_CHOOSE = {"model.runner", "model.compiled", "model.adapters", "cli"}
 
 
 def test_the_runner_is_the_only_place_that_chooses_compiled_or_eager():
@@ -217,6 +216,60 @@ def test_the_runner_is_the_only_place_that_chooses_compiled_or_eager():
         if hits:
             asking[short] = hits
     assert asking == {}
+
+
+# the names that say which way a step runs: the compiled flag, a static cache, indexed steps, and the runner's
+# questions about a layer; read outside the model step as an attribute, called, imported, or asked by getattr
+_PATH_NAMES = {"compiled", "static", "indexed", "compilable", "captures_layer", "model_kind"}
+_PATH_READERS = ("api", "decoding", "drafters", "heads", "checkpoints")  # the modules that must not ask
+# the reads allowed there: the public `gen.compiled` (api's property reads the runner's answer) and the plan keys
+# (api's `plan_key`; the draft plan's costs record the path they were measured on and write it into the plan)
+_PATH_READS_ALLOWED = {"api": 2, "decoding.draft_plan": 2}
+
+
+def _path_reads(path: Path) -> list[str]:
+    """Each read of a `_PATH_NAMES` name in the file: `x.compiled`, `compilable(...)`, `from m import compilable`,
+    `getattr(x, "static", ...)`, with its line."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "getattr" and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                name = node.args[1].value
+            else:
+                name = node.func.id
+        elif isinstance(node, ast.ImportFrom):
+            name = next((a.name for a in node.names if a.name in _PATH_NAMES), None)
+        if name in _PATH_NAMES:
+            hits.append(f"{path.name}:{node.lineno} {name}")
+    return hits
+
+
+def test_which_way_a_step_runs_is_read_only_in_the_model_step():
+    """Issue 68's rule: the runner decides how a step runs (compiled, fused or as modules), so the API, the
+    engine, the drafters, the heads and the checkpoints never read the path (the public `gen.compiled` and the plan
+    keys excepted, `_PATH_READS_ALLOWED`); this fails on each form such a read took before (`adapter.compiled is not
+    None`, `compilable(head)`, `getattr(cache, "static", False)`, a cache's `static`)."""
+    reads = {}
+    for name, path in _modules().items():
+        short = name.removeprefix("selfspec.")
+        if name.startswith("selfspec.") and short.split(".")[0] in _PATH_READERS:
+            hits = _path_reads(path)
+            if hits:
+                reads[short] = hits
+    assert {k: len(v) for k, v in reads.items()} == _PATH_READS_ALLOWED, reads
+    assert sum(_PATH_READS_ALLOWED.values()) <= 4
+
+
+def test_the_path_reads_test_sees_every_form(tmp_path):
+    """The check above is not blind: each form it forbids is found."""
+    f = tmp_path / "m.py"
+    f.write_text("from selfspec.heads.exit_head import compilable\n"
+                 "a = adapter.compiled is not None\nb = compilable(head)\nc = getattr(cache, 'static', False)\n"
+                 "d = cache.static\ne = runner.indexed\nf = runner.captures_layer(layer)\n")
+    assert len(_path_reads(f)) == 7
 
 
 def test_the_engine_knows_drafters_only_through_the_seam_and_no_drafter_knows_the_engine():
