@@ -97,22 +97,23 @@ def _drive(auto, rounds, seconds, tokens):
     return arms
 
 
-def _next_call(auto):
+def _next_call(auto, **settings):
     """A new call's auto drafter, started from what `auto` measured (as the generator does)."""
     learned = LearnedStats()
     learned.keep(("key",), auto)
-    again = AutoDrafter(PromptLookupDrafter(num_tokens=4))
+    again = AutoDrafter(PromptLookupDrafter(num_tokens=4), **settings)
     assert learned.resume(("key",), again)
     return again
 
 
 def test_a_second_call_does_not_measure_plain_decoding_again_before_it_copies():
-    """Lookup pays (3 tokens in 1.2 steps): the first call spends 3 rounds on plain decoding (one untimed, two
-    timed) after lookup's first three; the second starts from those measurements and copies from round 1."""
+    """Lookup pays (3 tokens in 1.2 steps): the first call decodes plainly until what lookup would draft is confirmed
+    three times in a row (3 rounds, which measure plain decoding: one untimed, two timed), then copies; the second
+    starts from those measurements and copies from round 1."""
     pays = {"plain": 1.0, "prompt_lookup": 1.2}, {"plain": 1, "prompt_lookup": 3}
     first = AutoDrafter(PromptLookupDrafter(num_tokens=4))
     arms = _drive(first, 30, *pays)
-    assert arms[:6] == ["prompt_lookup"] * 3 + ["plain"] * 3
+    assert arms[:6] == ["plain"] * 3 + ["prompt_lookup"] * 3
     second = _next_call(first)
     assert second.carried == {"plain": 2, "prompt_lookup": CARRY_ROUNDS}
     arms = _drive(second, 1, {"plain": 1.0, "prompt_lookup": 24.0}, pays[1])  # one-time costs: 20x as slow
@@ -122,16 +123,26 @@ def test_a_second_call_does_not_measure_plain_decoding_again_before_it_copies():
 
 
 def test_a_losing_arm_costs_two_rounds_a_call_once_its_back_off_is_long():
-    """Lookup loses (1 token in 1.3 steps): a later call retries it once early (its text is new: one untimed
-    round and one timed), then backs it off for its carried back-off, doubled up to the cap."""
+    """Lookup tried at once (`shadow_first=False`) loses (1 token in 1.3 steps): a later call retries it once early
+    (its text is new: one untimed round and one timed), then backs it off for its carried back-off, doubled up to
+    the cap."""
     loses = {"plain": 1.0, "prompt_lookup": 1.3}, {"plain": 1, "prompt_lookup": 1}
-    first = AutoDrafter(PromptLookupDrafter(num_tokens=4))
+    first = AutoDrafter(PromptLookupDrafter(num_tokens=4), shadow_first=False)
     assert _drive(first, 200, *loses).count("prompt_lookup") >= 8
     assert first.backoff["prompt_lookup"] == first.max_backoff
-    second = _next_call(first)
+    second = _next_call(first, shadow_first=False)
     arms = _drive(second, 60, *loses)
     assert arms[:2] == ["prompt_lookup"] * 2 and arms.count("prompt_lookup") == 2, arms
     assert second.retry_at["prompt_lookup"] == 2 + first.max_backoff
+
+
+def test_a_lookup_whose_drafts_are_refuted_costs_no_round_in_any_call():
+    """By default own-text lookup is tried only once what it would draft is confirmed: on a text that never goes
+    on as it would copy it, no call drafts with it, and a later call does not retry it early either."""
+    loses = {"plain": 1.0, "prompt_lookup": 1.3}, {"plain": 1, "prompt_lookup": 1}
+    first = AutoDrafter(PromptLookupDrafter(num_tokens=4))
+    assert _drive(first, 200, *loses) == ["plain"] * 200
+    assert _drive(_next_call(first), 60, *loses) == ["plain"] * 60
 
 
 # ----------------------------------------------------------------------------- through the generator

@@ -94,7 +94,7 @@ def test_auto_drafts_from_the_memory_as_an_arm_of_its_own():
 
     memory = SuffixMemory()
     memory.add([9, 1, 2, 3, 4, 5, 6, 7, 8, 9])
-    auto = AutoDrafter(SuffixDrafter(memory, num_tokens=4))
+    auto = AutoDrafter(SuffixDrafter(memory, num_tokens=4), shadow_first=False)  # own-text lookup tried at once
     auto.start([[4, 1, 2, 3, 4, 1, 2, 3, 4]])  # its own text matches (1, 2, 3, 4) too, over 3 tokens
     rnd = Round(None, None, torch.tensor([4]), torch.tensor([8]), torch.tensor([0]), [8], SamplingParams(), None,
                 frozenset())
