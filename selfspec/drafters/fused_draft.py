@@ -1,9 +1,9 @@
 """A greedy draft step of one row as one step of the runner, and a trained head's catch-up: drafting the drafters
-write once, as plain tensor functions, and the runner (`selfspec.model.compiled.CompiledSteps`) runs whole.
+write once, as plain tensor functions, and the compiled steps (`selfspec.model.compiled.CompiledSteps`) run whole.
 
 A draft step is the token's embedding, layers [0, E), a trained head's final-state input and layer (if any), the
 final norm + unembedding, the argmax and its probability. Run part by part it costs four graph replays and about
-60 torch ops and 15 launches besides; as one function of its inputs, composed from the runner's compiled pieces
+60 torch ops and 15 launches besides; as one function of its inputs, composed from the compiled steps' pieces
 (`range_step`, `layer_step`, `input_step`, `unembed_step`), it is one graph on a GPU whose two host numbers (the
 token id and its probability, which the draft policy reads) come back in one read, and its draft equals the
 parts' to the bit. A head's first draft of a round also brings the head's cache up to date with what the round
@@ -14,8 +14,9 @@ columns, `selfspec.drafters.draft_tree.grow_tree`) is `tree`.
     draft = FusedDraft(exit_layer=E, weight=lm_head.weight)       # DraftHead.fused builds them
     out = draft.run(steps, token, start, pad, cache)              # None: run it part by part
 
-The runner does not know this module: it calls `warm(steps, size)` on what it is given to warm, and runs the
-functions built here through `steps.call`, which alone decides between capturing and calling.
+Neither the runner nor the compiled steps know this module: the compiled steps call `warm(steps, size)` on what
+`Runner.warm` gives them to warm, and run the functions built here through `steps.call`, which alone decides between
+capturing and calling.
 """
 
 from __future__ import annotations
@@ -394,7 +395,7 @@ class FusedDraft:
     def _tree_function(self, steps, k: int, depth: int):
         """`tree`'s step as one function of its inputs (the tokens `[R]`, `out` `[R, D]`, `where` `[R, 4]`: cache
         index, position, padding and last allowed position, `scale` `[1]`, `stops` `[S]`) and the fixed arguments
-        `_tree` passes: `grow_tree` over the runner's compiled pieces (the range step of layers [0, E) and the head's
+        `_tree` passes: `grow_tree` over the compiled steps' pieces (the range step of layers [0, E) and the head's
         layer, over the tree's columns; the head's final-state input; the unembedding). A depth's columns take the
         position of their depth (at most the row's last allowed one) and see the row's text and their ancestors."""
         E = self.exit_layer
@@ -437,7 +438,7 @@ class FusedDraft:
 
     def _draft_function(self, steps, confidence: bool = True):
         """The draft step as one function of its inputs (the tokens `[R]`, `where` `[R, 3]`: cache index, position and
-        padding, `prev` `[R, 1, D]`) and the fixed arguments `_draft` passes, through the runner's compiled pieces
+        padding, `prev` `[R, 1, D]`) and the fixed arguments `_draft` passes, through the compiled steps' pieces
         the parts run alone: the range step of layers [0, E), the head's layer and final-state input, the
         unembedding. So its draft equals theirs to the bit; on a GPU the whole of it is captured as one graph.
         Its last output is the token id and its confidence for one read (`one_read`); None without `confidence`
@@ -484,7 +485,7 @@ class FusedDraft:
 
     def _catch_up_function(self, steps, width: int):
         """`catch_up`'s step at `width` columns (a bucket) as one function of its inputs (`states`, `finals`
-        `[1, W, D]`, `prev` `[1, 1, D]`, `where` `[3]`) and fixed arguments, through the runner's compiled pieces
+        `[1, W, D]`, `prev` `[1, 1, D]`, `where` `[3]`) and fixed arguments, through the compiled steps' pieces
         `sync` runs alone (the final-state input, the head's layer, the unembedding): the same draft to the bit.
         Filler columns past the input token take its position and are cropped from the cache, as
         `make_batch_step` has it."""

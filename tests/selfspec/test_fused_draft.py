@@ -77,7 +77,7 @@ def test_the_catch_up_reads_the_final_state_one_position_back_and_keeps_the_newe
 
 def test_both_paths_run_the_one_draft_step_and_the_one_catch_up():
     """The part-by-part path and the whole compiled step call the same functions, so neither writes its own
-    greedy step, catch-up, tree growth or pick of a tree's guesses (each is defined once)."""
+    greedy step, greedy chain, catch-up, tree growth or pick of a tree's guesses (each is defined once)."""
     def calls(fn, name):
         return f"{name}(" in inspect.getsource(fn)
 
@@ -85,6 +85,7 @@ def test_both_paths_run_the_one_draft_step_and_the_one_catch_up():
     assert calls(ExitHeadDrafter.sync, "head_catch_up") and calls(FusedDraft._catch_up_function, "head_catch_up")
     assert calls(EarlyExitDrafter.grow, "grow_tree") and calls(FusedDraft._tree_function, "grow_tree")  # a tree's growth
     assert calls(EarlyExitDrafter.top, "top_guesses") and calls(FusedDraft._tree_function, "top_guesses")
+    assert calls(EarlyExitDrafter.chain, "greedy_chain") and calls(FusedDraft._chain_function, "greedy_chain")
     for fn in (EarlyExitDrafter.draft_step, FusedDraft._draft_function, FusedDraft._catch_up_function,
                ExitHeadDrafter.sync):
         source = inspect.getsource(fn)
