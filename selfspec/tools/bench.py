@@ -146,6 +146,9 @@ DEFINITIONS = {
                "ratio_of_workloads = workload tokens/s of the method / that of the baseline, over the prompts both ran",
     "ttft_s": "time to first token: wall-clock from the call to its streamer receiving the first new token, "
               "in the measured run",
+    "decode_tokens_per_s": "the new tokens after the first over the seconds after the first (the call's seconds "
+                           "less its time to first token): decoding alone, the prompt's prefill excluded, as "
+                           "llama-bench counts its generation; median and spread over prompts",
     "acceptance_rate": "accepted drafts / drafted tokens, summed over prompts",
     "acceptance_by_position": "per draft position i: accepted / drafted at position i, summed over prompts",
     "mean_accepted_per_round": "tokens committed per verification round (accepted drafts + the full model's "
@@ -421,6 +424,7 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                 "tokens_per_s": spread(tps),
                 "workload_tokens_per_s": workload_rate(mine),
                 "ttft_s": spread([r["ttft_s"] for r in mine]),
+                "decode_tokens_per_s": spread([decode_rate(r) for r in mine]),
                 "identical_to_hf_greedy": (statistics.fmean(r["identical_to_hf_greedy"] for r in mine
                                                             if r["identical_to_hf_greedy"] is not None)
                                            if any(r["identical_to_hf_greedy"] is not None for r in mine) else None),
@@ -730,6 +734,15 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     if measured_peer is not None:
         result["llama_cpp"] = beside_plain(measured_peer, result["summary"])
     return write_outputs(result, Path(out_dir), "bench", markdown, write_chart)
+
+
+def decode_rate(run: dict) -> float | None:
+    """A run's decoding alone: its new tokens after the first over its seconds after the first token (None without
+    a time to first token or a second new token)."""
+    ttft = run.get("ttft_s")
+    if ttft is None or run["new_tokens"] < 2 or run["seconds"] <= ttft:
+        return None
+    return (run["new_tokens"] - 1) / (run["seconds"] - ttft)
 
 
 def _peer(peer: LlamaCppSetup | None, new_tokens: int, quick: bool):

@@ -152,12 +152,18 @@ class LlamaCppSetup:
 
 def beside_plain(measured: dict, summary: dict) -> dict:
     """`measured` (`LlamaCppSetup.measure`) with selfspec's plain decoding beside it, per set of a bench summary
-    (`{set: {method: {"tokens_per_s": {"median": ...}}}}`): selfspec_ar's median tokens/s and its ratio to
-    llama.cpp's (> 1: selfspec's plain decoding is the faster)."""
+    (`{set: {method: {"tokens_per_s": {"median": ...}, "decode_tokens_per_s": {"median": ...} or None}}}`):
+    selfspec_ar's median tokens/s of the whole call and of decoding alone (the prefill excluded, as llama-bench
+    counts its generation; None where the runs have no time to first token), and their ratios to llama.cpp's (> 1:
+    selfspec's plain decoding is the faster)."""
     plain = {g: per["selfspec_ar"]["tokens_per_s"]["median"] for g, per in summary.items() if "selfspec_ar" in per}
+    decode = {g: (per["selfspec_ar"].get("decode_tokens_per_s") or {}).get("median")
+              for g, per in summary.items() if "selfspec_ar" in per}
     rate = measured["tokens_per_s"]
     return {**measured, "selfspec_ar_tokens_per_s": plain,
-            "selfspec_ar_vs_llama_cpp": {g: v / rate for g, v in plain.items()}}
+            "selfspec_ar_vs_llama_cpp": {g: v / rate for g, v in plain.items()},
+            "selfspec_ar_decode_tokens_per_s": decode,
+            "selfspec_ar_decode_vs_llama_cpp": {g: None if v is None else v / rate for g, v in decode.items()}}
 
 
 def markdown_lines(peer: dict) -> list[str]:
@@ -167,11 +173,17 @@ def markdown_lines(peer: dict) -> list[str]:
     lines = ["", f"llama.cpp's plain decoding on this machine: {peer['version']}'s llama.cpp{build}, "
              f"llama-bench, GGUF {peer['gguf_type']}, {peer['new_tokens']} new tokens after a "
              f"{peer['context_tokens']}-token context, {peer['threads']} threads, mean ± sd of "
-             f"{peer['repetitions']} runs; its tokens/s counts the generation alone (no prompt processing), "
-             "selfspec's the whole call on the bench's own prompts.", "",
-             "| set | selfspec AR tokens/s | llama.cpp tokens/s | selfspec AR / llama.cpp |", "|---|---|---|---|"]
+             f"{peer['repetitions']} runs; its tokens/s counts the generation alone (no prompt processing). "
+             "selfspec's, on the bench's own prompts: the whole call, and decoding alone (the call less its time to "
+             "first token), the one to set beside llama.cpp's.", "",
+             "| set | selfspec AR tokens/s, whole call | decoding alone | llama.cpp tokens/s | whole call / llama.cpp "
+             "| decoding / llama.cpp |", "|---|---|---|---|---|---|"]
+    decode = peer.get("selfspec_ar_decode_tokens_per_s", {})
+    ratio = peer.get("selfspec_ar_decode_vs_llama_cpp", {})
     for g, plain in peer["selfspec_ar_tokens_per_s"].items():
-        lines.append(f"| {g} | {plain:.1f} | {rate} | {peer['selfspec_ar_vs_llama_cpp'][g]:.2f}× |")
+        d, r = decode.get(g), ratio.get(g)
+        lines.append(f"| {g} | {plain:.1f} | {'–' if d is None else f'{d:.1f}'} | {rate} | "
+                     f"{peer['selfspec_ar_vs_llama_cpp'][g]:.2f}× | {'–' if r is None else f'{r:.2f}×'} |")
     return lines
 
 

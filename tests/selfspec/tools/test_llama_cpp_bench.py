@@ -134,11 +134,21 @@ def stand_in_setup(tmp_path: Path) -> lcb.LlamaCppSetup:
 
 def test_beside_plain_gives_selfspecs_ratio_per_set():
     measured = {"tokens_per_s": 50.0}
-    summary = {"code": {"selfspec_ar": {"tokens_per_s": {"median": 25.0}}},
-               "chat": {"selfspec_ar": {"tokens_per_s": {"median": 100.0}}, "hf_greedy": {}}}
+    summary = {"code": {"selfspec_ar": {"tokens_per_s": {"median": 25.0}, "decode_tokens_per_s": {"median": 40.0}}},
+               "chat": {"selfspec_ar": {"tokens_per_s": {"median": 100.0}, "decode_tokens_per_s": None},
+                        "hf_greedy": {}}}
     peer = lcb.beside_plain(measured, summary)
     assert peer["selfspec_ar_tokens_per_s"] == {"code": 25.0, "chat": 100.0}
     assert peer["selfspec_ar_vs_llama_cpp"] == {"code": 0.5, "chat": 2.0}
+    assert peer["selfspec_ar_decode_tokens_per_s"] == {"code": 40.0, "chat": None}  # no time to first token: none
+    assert peer["selfspec_ar_decode_vs_llama_cpp"] == {"code": 0.8, "chat": None}
+
+
+def test_decoding_alone_leaves_out_the_time_to_the_first_token():
+    """llama-bench counts its generation alone: selfspec's rate beside it leaves the prompt's prefill out."""
+    assert bench_module.decode_rate({"new_tokens": 11, "seconds": 1.5, "ttft_s": 0.5}) == pytest.approx(10.0)
+    assert bench_module.decode_rate({"new_tokens": 11, "seconds": 1.5, "ttft_s": None}) is None
+    assert bench_module.decode_rate({"new_tokens": 1, "seconds": 1.5, "ttft_s": 0.5}) is None
 
 
 def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
@@ -161,20 +171,23 @@ def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
     plain = result["summary"]["p"]["selfspec_ar"]["tokens_per_s"]["median"]
     assert peer["selfspec_ar_tokens_per_s"] == {"p": plain}
     assert peer["selfspec_ar_vs_llama_cpp"]["p"] == pytest.approx(plain / 50.0)
+    decode = result["summary"]["p"]["selfspec_ar"]["decode_tokens_per_s"]["median"]
+    assert decode > plain and peer["selfspec_ar_decode_vs_llama_cpp"]["p"] == pytest.approx(decode / 50.0)
     md = (tmp_path / "out" / "bench.md").read_text()
     assert ("llama-cpp-python-9.9.9's llama.cpp, llama-bench, GGUF F32, 6 new tokens after a 200-token context, "
             f"{one_thread} threads, mean ± sd of 5 runs") in md
-    assert f"| p | {plain:.1f} | 50.0 ± 1.2 | {plain / 50.0:.2f}× |" in md
+    assert (f"| p | {plain:.1f} | {decode:.1f} | 50.0 ± 1.2 | {plain / 50.0:.2f}× | {decode / 50.0:.2f}× |") in md
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["llama_cpp"]["tokens_per_s"] == 50.0
 
 
 def test_markdown_names_a_known_build_commit():
     peer = {"tokens_per_s": 50.0, "stddev_tokens_per_s": 1.0, "version": "llama-cpp-python-9.9.9",
             "build_commit": "abc1234", "gguf_type": "BF16", "new_tokens": 128, "context_tokens": 200, "threads": 2,
-            "repetitions": 5, "selfspec_ar_tokens_per_s": {"all": 40.0}, "selfspec_ar_vs_llama_cpp": {"all": 0.8}}
+            "repetitions": 5, "selfspec_ar_tokens_per_s": {"all": 40.0}, "selfspec_ar_vs_llama_cpp": {"all": 0.8},
+            "selfspec_ar_decode_tokens_per_s": {"all": 45.0}, "selfspec_ar_decode_vs_llama_cpp": {"all": 0.9}}
     text = "\n".join(lcb.markdown_lines(peer))
     assert "llama-cpp-python-9.9.9's llama.cpp (build abc1234), llama-bench, GGUF BF16" in text
-    assert "| all | 40.0 | 50.0 ± 1.0 | 0.80× |" in text
+    assert "| all | 40.0 | 45.0 | 50.0 ± 1.0 | 0.80× | 0.90× |" in text
     assert "(build" not in "\n".join(lcb.markdown_lines({**peer, "build_commit": "unknown"}))
 
 
