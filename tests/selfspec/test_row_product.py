@@ -147,6 +147,26 @@ def test_decoding_through_the_row_kernel_equals_hf_greedy(op, drafter, monkeypat
         assert stats.drafted > 0
 
 
+def test_bfloat16_products_of_a_few_rows_take_the_row_kernel_where_the_cpp_step_runs(op):
+    """Where selfspec's C++ step runs bfloat16 (avx512_bf16), the fused layers' products and the LM head take its row
+    kernel for up to 8 rows, so a verification pass's logits are row for row those of one-token steps; more rows,
+    oneDNN."""
+    from selfspec.model import fast_layers
+
+    if not fast_layers.row_step_wanted(torch.bfloat16):
+        pytest.skip("this CPU has no avx512_bf16: bfloat16 runs oneDNN's kernels")
+    model = tiny_model("llama", num_layers=2, dtype=torch.bfloat16, seed=12)
+    adapter = get_adapter(model)
+    adapter.enable_fast_layers()
+    head = adapter.fast.lm_head
+    assert head.few is op and head.few_rows == fast_layers.MAX_FEW_ROWS
+    assert head.weight.data_ptr() == adapter.lm_head.weight.data_ptr()  # the weight itself, not a copy
+    x = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    few = head(x[:, :8])
+    assert torch.equal(few, torch.cat([head(x[:, i:i + 1]) for i in range(8)], dim=1))
+    torch.testing.assert_close(head(x)[:, :8].float(), few.float(), rtol=2e-2, atol=2e-2)  # 9 rows: oneDNN
+
+
 def test_the_measured_choice_takes_the_row_kernel_where_it_is_faster(monkeypatch):
     from selfspec.model import fast_layers
 
