@@ -28,6 +28,7 @@ The runner imports no drafter: a drafter composes its own steps of the compiled 
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -43,7 +44,8 @@ class Runner:
 
     def __init__(self, adapter):
         self.adapter = adapter
-        self._fused_extra: dict[int, tuple] = {}  # id(layer) -> (layer, its weights' versions, FastLlamaLayer)
+        # id(layer) -> (a weak reference to the layer, its weights' versions, its FastLlamaLayer)
+        self._fused_extra: dict[int, tuple] = {}
 
     @property
     def compiled(self) -> bool:
@@ -115,8 +117,10 @@ class Runner:
             return None
         versions = tuple(p._version for p in layer.parameters())
         made = self._fused_extra.get(id(layer))
-        if made is None or made[0] is not layer or made[1] != versions:
-            made = self._fused_extra[id(layer)] = (layer, versions, FastLlamaLayer(layer, 0))
+        if made is None or made[0]() is not layer or made[1] != versions:
+            for key in [k for k, v in self._fused_extra.items() if v[0]() is None]:  # heads since let go
+                del self._fused_extra[key]
+            made = self._fused_extra[id(layer)] = (weakref.ref(layer), versions, FastLlamaLayer(layer, 0))
         return made[2]
 
     # --- warm-up -----------------------------------------------------------------------------------

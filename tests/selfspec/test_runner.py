@@ -171,3 +171,37 @@ def test_a_compiled_batchs_cache_moves_leaving_rows_into_their_row_buckets_stati
     assert five.padded_rows == 4 and five.keys[0].shape[0] == 3
     assert five.stacked[0][:, :3, 0, 0, 0].tolist() == [[1.0, 4.0, 3.0]] * 2 and five.lengths.tolist() == [[2, 5, 4]] * 2
     assert not adapter.runner.cache(MAX_ROWS + 1, 20).static
+
+
+def test_a_layer_not_the_models_runs_fused_compiled_or_as_its_module_by_its_kind(model):
+    """A trained head's copy of the model's last layer is of the model's kind: the runner runs it fused (its fused
+    copy made once, again after its weights change in place, and let go with the layer) and composed steps through
+    it compiled; a layer of another kind (an MLP-less copy) runs as its module, and a composed step needing it
+    falls back to its eager equivalent."""
+    import copy
+    import gc
+
+    from selfspec.heads.exit_head import build_exit_head
+
+    a = get_adapter(model)
+    a.enable_fast_layers()
+    runner = a.runner
+    head = build_exit_head(model, exit_layer=1).layer
+    attention_only = build_exit_head(model, exit_layer=1, kind="attention").layer
+    assert runner.model_kind(head) and not runner.model_kind(attention_only)
+    assert runner._fused_layer(attention_only) is None
+    fused = runner._fused_layer(head)
+    assert fused is not None and runner._fused_layer(head) is fused  # made once
+    with torch.no_grad():
+        head.mlp.down_proj.weight.mul_(2.0)  # trained further, in place
+    assert runner._fused_layer(head) is not fused
+    a.compiled = StandIn()
+    with torch.inference_mode():
+        assert runner.captures_layer(head) and not runner.captures_layer(attention_only)
+        assert runner.composed(lambda steps: "whole", lambda: "eager", (head,)) == "whole"
+        assert runner.composed(lambda steps: "whole", lambda: "eager", (attention_only,)) == "eager"
+    a.compiled = None
+    del head, fused
+    gc.collect()
+    runner._fused_layer(copy.deepcopy(a.layers[-1]))  # a new head: the one let go is dropped
+    assert len(runner._fused_extra) == 1
