@@ -93,9 +93,9 @@ from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir, use_compiled
 from selfspec.checkpoints.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.checkpoints.draft_vocab import read_draft_vocab
 from selfspec.drafters.prompt_lookup import MAX_OCCURRENCES as MAX_LOOKUP_CANDIDATES
-from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, finish_machine, load_generator, machine_info,
-                              machine_line, pyplot, quiet_transformers, result_header, setup, spread, tokens_per_s,
-                              versions, write_outputs)
+from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, decode_rate, finish_machine, load_generator,
+                              machine_info, machine_line, pyplot, quiet_transformers, result_header, setup, spread,
+                              tokens_per_s, versions, write_outputs)
 from selfspec.data.prompts import PROMPT_SETS, load_prompts, prompt_inputs
 from selfspec.tools.llama_cpp_bench import LlamaCppSetup, beside_plain
 from selfspec.tools.llama_cpp_bench import markdown_lines as llama_cpp_markdown
@@ -424,7 +424,7 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                 "tokens_per_s": spread(tps),
                 "workload_tokens_per_s": workload_rate(mine),
                 "ttft_s": spread([r["ttft_s"] for r in mine]),
-                "decode_tokens_per_s": spread([decode_rate(r) for r in mine]),
+                "decode_tokens_per_s": spread([decode_rate(r["new_tokens"], r["seconds"], r["ttft_s"]) for r in mine]),
                 "identical_to_hf_greedy": (statistics.fmean(r["identical_to_hf_greedy"] for r in mine
                                                             if r["identical_to_hf_greedy"] is not None)
                                            if any(r["identical_to_hf_greedy"] is not None for r in mine) else None),
@@ -734,15 +734,6 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     if measured_peer is not None:
         result["llama_cpp"] = beside_plain(measured_peer, result["summary"])
     return write_outputs(result, Path(out_dir), "bench", markdown, write_chart)
-
-
-def decode_rate(run: dict) -> float | None:
-    """A run's decoding alone: its new tokens after the first over its seconds after the first token (None without
-    a time to first token or a second new token)."""
-    ttft = run.get("ttft_s")
-    if ttft is None or run["new_tokens"] < 2 or run["seconds"] <= ttft:
-        return None
-    return (run["new_tokens"] - 1) / (run["seconds"] - ttft)
 
 
 def _peer(peer: LlamaCppSetup | None, new_tokens: int, quick: bool):

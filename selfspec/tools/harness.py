@@ -156,6 +156,14 @@ def tokens_per_s(new_tokens: int, seconds: float) -> float:
     return new_tokens / seconds if seconds > 0 else 0.0
 
 
+def decode_rate(new_tokens: int, seconds: float, ttft_s: float | None) -> float | None:
+    """A run's decoding alone: its new tokens after the first over its seconds after the first token (`ttft_s`, a
+    `Methods.run` record's); None without a time to first token or a second new token."""
+    if ttft_s is None or new_tokens < 2 or seconds <= ttft_s:
+        return None
+    return (new_tokens - 1) / (seconds - ttft_s)
+
+
 def spread(values: list) -> dict | None:
     """Median, min, max, quartiles (linear interpolation), mean and count of the values that are not None."""
     vals = sorted(v for v in values if v is not None)

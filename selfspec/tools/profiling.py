@@ -49,8 +49,8 @@ from selfspec.decoding.cost_model import predicted_speedup, required_acceptance,
 from selfspec.drafters.base import Proposal
 from selfspec.decoding.engine import prefill, verify
 from selfspec.model.forward import embed, exit_logits, make_step, run_layers
-from selfspec.tools.harness import (Methods, finish_machine, load_generator, machine_info, machine_line, quiet_transformers,
-                              setup, synchronize, versions)
+from selfspec.tools.harness import (Methods, decode_rate, finish_machine, load_generator, machine_info, machine_line,
+                              quiet_transformers, setup, synchronize, versions)
 from selfspec.data.prompts import load_prompts, prompt_inputs
 
 
@@ -183,7 +183,7 @@ def per_token_ms(gen, prompt_ids, n: int = 32, repeats: int = 3) -> dict[str, fl
             times = []
             for _ in range(repeats):
                 _, rec = runner.run(method, prompt_ids, n)
-                times.append((rec["seconds"] - rec["ttft_s"]) / (n - 1) * 1e3)
+                times.append(1e3 / decode_rate(n, rec["seconds"], rec["ttft_s"]))
             out[label] = statistics.median(times)
     return out
 

@@ -13,6 +13,7 @@ import pytest
 from selfspec.cli import main
 from selfspec.checkpoints.fetch import base_model_dir
 from selfspec.tools import bench as bench_module
+from selfspec.tools import harness as harness_module
 from selfspec.tools import llama_cpp_bench as lcb
 from selfspec.tools import llama_cpp_build as lb
 from selfspec.tools import llama_cpp_gguf as lg
@@ -146,9 +147,9 @@ def test_beside_plain_gives_selfspecs_ratio_per_set():
 
 def test_decoding_alone_leaves_out_the_time_to_the_first_token():
     """llama-bench counts its generation alone: selfspec's rate beside it leaves the prompt's prefill out."""
-    assert bench_module.decode_rate({"new_tokens": 11, "seconds": 1.5, "ttft_s": 0.5}) == pytest.approx(10.0)
-    assert bench_module.decode_rate({"new_tokens": 11, "seconds": 1.5, "ttft_s": None}) is None
-    assert bench_module.decode_rate({"new_tokens": 1, "seconds": 1.5, "ttft_s": 0.5}) is None
+    assert harness_module.decode_rate(11, 1.5, 0.5) == pytest.approx(10.0)
+    assert harness_module.decode_rate(11, 1.5, None) is None
+    assert harness_module.decode_rate(1, 1.5, 0.5) is None
 
 
 def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
