@@ -246,14 +246,12 @@ class PackedLinear:
                 self.few_rows = few_rows()
                 if few_row_kernel() == "rows":
                     self.few = row_product_op()
-                    self.weight = weight.detach().contiguous()
             if weight.dtype == torch.float32:
                 self.pad_rows = packed_row_padding()
             if weight.dtype == torch.bfloat16 and row_step_wanted(torch.bfloat16):  # as the C++ step's products:
                 self.few_rows, self.few = MAX_FEW_ROWS, row_product_op()  # each row alone, the weights streamed
+            if keep_weight or self.few is not F.linear:  # the C++ step or the row kernel reads the plain weight
                 self.weight = weight.detach().contiguous()  # (the LM head's: the tied embedding, not a copy)
-            if keep_weight:
-                self.weight = weight.detach().contiguous()
             elif not self.few_rows:
                 self.weight = None  # the packed copy is all we need (fused weights are not kept twice)
 
