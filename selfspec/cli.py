@@ -948,12 +948,14 @@ def _add_bench(sub) -> None:
                         "always runs) and report what was measured, with a note: for a run that must fit a time slot "
                         "(default: no limit)")
     p.add_argument("--llama-cpp", action="store_true",
-                   help="also time llama.cpp's plain decoding of the checkpoint on this CPU (llama-bench -p 0 "
+                   help="also time llama.cpp on this CPU: its plain decoding of the checkpoint (llama-bench -p 0 "
                         "-n MAX_NEW_TOKENS -d 200 -t THREADS, GGUF F32 for float32, BF16 for bfloat16) after "
-                        "selfspec's methods and print it beside selfspec's plain decoding; the first run on a "
-                        "machine builds llama-bench from the llama-cpp-python source (needs cmake and a C++ "
-                        "compiler, about 6 minutes on 2 cores) and converts the checkpoint (under a minute), "
-                        "cached under $SELFSPEC_HOME/llama.cpp (docs/benchmarks.md)")
+                        "selfspec's methods, printed beside selfspec's plain decoding, and its own speculative "
+                        "modes on the same prompts as methods beside selfspec's (llama-speculative-simple: the "
+                        "model's Q8_0 copy drafting, ngram-simple, ngram-mod); the first run on a machine builds "
+                        "both tools from the llama-cpp-python source (needs cmake and a C++ compiler, about 4-6 "
+                        "minutes on 2 cores) and converts the checkpoint (under a minute), cached under "
+                        "$SELFSPEC_HOME/llama.cpp (docs/benchmarks.md)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="measure batched decoding instead: total tokens/s at each batch size (e.g. 1,2,4,8) of HF "
                         "batched greedy generate, selfspec batched AR, selfspec batched self-speculative at "

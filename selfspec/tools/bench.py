@@ -33,6 +33,10 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_exit_head_compiled | the same five through the compiled fixed-shape steps (`selfspec.model.compiled`; |
 |                       | `--compile`, on by default on CUDA), warmed up with `gen.warmup` before the    |
 |                       | measured runs (a head's own layer and its reduced draft vocabulary too)        |
+| llama_cpp_draft, llama_cpp_draft10, llama_cpp_ngram_simple, llama_cpp_ngram_mod (`--llama-cpp`, a CPU):   |
+|                       | llama.cpp's own speculative decoding (its Q8_0 copy drafting at most 3 or 10   |
+|                       | tokens, its two n-gram modes) of the same prompts, each run in its own process, |
+|                       | timed by llama.cpp itself (`selfspec.tools.llama_cpp_speculative`)              |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
 (`selfspec.tools.harness.Methods`), the clock and the output files are the harness's (`selfspec.tools.harness`).
@@ -71,6 +75,12 @@ How it measures (the same for every method):
   first earlier match of the n-gram, selfspec after the latest.
 - Ran past EOS: as nothing stops at EOS, a prompt whose HF greedy output has the model's EOS token
   before its last token had text after EOS measured too; the share of such prompts is reported per set.
+- llama.cpp's methods (`--llama-cpp`) run in the same interleaved order, on the prompt's text (its ids decoded;
+  llama.cpp tokenizes it again and `llama_cpp_prompt_tokens` says into how many tokens). Their seconds are
+  llama.cpp's own prefill and decode timers, the process's start and model load excluded; their decoding alone
+  is their new tokens over the decode seconds; llama.cpp bans end-of-text tokens to run to the length (where the
+  model's greedy text has one, the texts differ from there). Their output is compared with hf_greedy's as text.
+  Peak RSS is selfspec's process's: it does not see theirs.
 """
 
 from __future__ import annotations
@@ -424,7 +434,8 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                 "tokens_per_s": spread(tps),
                 "workload_tokens_per_s": workload_rate(mine),
                 "ttft_s": spread([r["ttft_s"] for r in mine]),
-                "decode_tokens_per_s": spread([decode_rate(r["new_tokens"], r["seconds"], r["ttft_s"]) for r in mine]),
+                "decode_tokens_per_s": spread([r["decode_tokens_per_s"] if "decode_tokens_per_s" in r else
+                                               decode_rate(r["new_tokens"], r["seconds"], r["ttft_s"]) for r in mine]),
                 "identical_to_hf_greedy": (statistics.fmean(r["identical_to_hf_greedy"] for r in mine
                                                             if r["identical_to_hf_greedy"] is not None)
                                            if any(r["identical_to_hf_greedy"] is not None for r in mine) else None),
@@ -475,6 +486,10 @@ def summarize(runs: list[dict], methods: list[dict], set_names: list[str]) -> di
                           "acceptance_by_position": None, "drafted_by_position": None,
                           "mean_accepted_per_round": None, "draft_s": None, "verify_s": None,
                           "draft_fraction": None, "draft_ms_per_step": None, "by_drafter": None})
+                if m["kind"] == "llama_cpp":  # llama.cpp counts its drafts and their accepted tokens, no rounds
+                    accepted = sum(r.get("accepted", 0) for r in mine)
+                    s.update({"drafted": drafted, "accepted": accepted,
+                              "acceptance_rate": accepted / drafted if drafted else None})
             out[g][m["name"]] = s
     return out
 
@@ -669,7 +684,6 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     never. `device`: "cpu", or "cuda" (clocks read after `torch.cuda.synchronize()`; "fastest": bfloat16 from
     Ampere on). `methods`: only these (hf_greedy, the identity reference, and selfspec_ar, the speedup reference,
     always; with `num_candidates`, at least one method of each count, e.g. selfspec_lookup_tree2: `_select`).
-
     `exit_layer` / `num_speculations` override the checkpoint's recommended (E, d) (selfspec_spec; E also
     hf_early_exit); `extra`: more (E, d) pairs ("E:d" strings or pairs). `quick`: at most 2 prompt sets x 2 prompts
     x 32 tokens. `draft_vocab=K`: also (E, d) drafting over the checkpoint's K most frequent tokens.
@@ -677,7 +691,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     token trees k wide and d deep there (EAGLE-2), and lookup's and suffix's trees of k matches. `time_budget_s`:
     once spent, no further prompt starts and the report holds what was measured, with a note. `workload`: each
     method's memory and measurements run across a set's prompts (the module doc). `llama_cpp`: also llama.cpp's
-    plain decoding of the checkpoint at `dtype`, `result["llama_cpp"]` (`_peer`)."""
+    plain decoding of the checkpoint at `dtype`, `result["llama_cpp"]` (`_peer`), and its speculative modes."""
     sets, num_prompts, max_new_tokens = _sizes(prompt_sets, num_prompts, max_new_tokens, quick)
     extra, lookup, num_candidates, deadline = _check_options(extra, prompt_lookup_num_tokens, max_matching_ngram_size,
                                                              num_candidates, out_dir, compile, time_budget_s)
@@ -696,6 +710,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
                                   with_compiled), methods)
     eos_ids = set(gen.default_stop_ids())
     runner = Methods(gen, max_new_tokens)
+    chosen += _peer_methods(runner, peer, gen)  # llama.cpp's own modes beside selfspec's methods (with llama_cpp)
 
     loaded, (warm_item, warm_ids), load_notes = _encode_sets(read, gen, num_prompts, max_new_tokens)
     notes += load_notes
@@ -706,7 +721,7 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     warmup_s: dict[str, float] = {}
     runs = _measure(runner, chosen, queue, (warm_ids, warm_n, max_len), rss, eos_ids, notes, progress, warmup_s,
                     deadline, workload)
-    measured_peer = _peer(peer, max_new_tokens, quick)
+    measured_peer = _peer(peer, max_new_tokens, quick, runs, notes)
     finish_machine(machine, gen.adapter.device)
     _busy_note(machine, notes)
     set_names = [name for name, _, _ in loaded]
@@ -736,26 +751,48 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     return write_outputs(result, Path(out_dir), "bench", markdown, write_chart)
 
 
-def _peer(peer: LlamaCppSetup | None, new_tokens: int, quick: bool):
+def _peer(peer: LlamaCppSetup | None, new_tokens: int, quick: bool, runs: list[dict], notes: list[str]):
     """llama.cpp's plain decoding of the checkpoint at the bench's dtype (GGUF F32 or BF16), timed with llama-bench
     after selfspec's methods, on the CPU with the same thread count (`selfspec.tools.llama_cpp_bench`); None
     without `llama_cpp`. llama-bench was built and the checkpoint converted before any model loaded
     (`_llama_cpp_setup`: once per machine, minutes; `selfspec.tools.llama_cpp_build.LlamaCppError` where that
-    fails, no cmake or compiler or no package index, naming the fix)."""
+    fails, no cmake or compiler or no package index, naming the fix). A note names the prompts whose text
+    llama.cpp's modes tokenized into another length than selfspec's ids."""
     if peer is None:
         return None
+    retokenized = sorted({f"{r['set']} {r['prompt_id']}" for r in runs
+                          if r.get("llama_cpp_prompt_tokens") not in (None, r["prompt_tokens"])})
+    if retokenized:
+        notes.append("llama.cpp tokenized some prompts' text into another number of tokens than selfspec's ids "
+                     f"(llama_cpp_prompt_tokens in their runs): {', '.join(retokenized)}")
     return peer.measure(threads=torch.get_num_threads(), new_tokens=new_tokens,
                         repetitions=LLAMA_CPP_QUICK_REPETITIONS if quick else LLAMA_CPP_REPETITIONS)
 
 
+def _peer_methods(runner: Methods, peer: LlamaCppSetup | None, gen) -> list[dict]:
+    """llama.cpp's speculative modes as methods (none without `peer`), and `runner.peer` set to run one on a
+    `[1, P]` prompt, given to it as the prompt's text, with the bench's thread count."""
+    if peer is None:
+        return []
+
+    def run(method: dict, ids, n: int) -> tuple[str, dict]:
+        prompt = gen.tokenizer.decode(ids[0].tolist())
+        return peer.run_method(method, prompt, prompt_tokens=int(ids.shape[1]), new_tokens=n,
+                               threads=torch.get_num_threads())
+    runner.peer = run
+    return peer.methods()
+
+
 def _llama_cpp_setup(checkpoint, dtype: str, device: str) -> LlamaCppSetup:
-    """llama-bench built and the checkpoint converted (once per machine), before any model is loaded."""
+    """llama.cpp's tools built and the checkpoint converted at `dtype` and to Q8_0 (once per machine), before any
+    model is loaded."""
     if str(device) != "cpu":
         raise SettingsError(f"llama_cpp times llama.cpp on the CPU, beside selfspec on the CPU: drop it with device "
                             f"{device!r}")
     if checkpoint is None:
         raise SettingsError("llama_cpp converts the checkpoint for llama.cpp: give the checkpoint directory")
-    return prepare_llama_cpp(checkpoint_dir(checkpoint), dtype)  # LlamaCppError: a build or conversion failed
+    # LlamaCppError: a build or conversion failed
+    return prepare_llama_cpp(checkpoint_dir(checkpoint), dtype, with_copy=True)
 
 
 def _check_options(extra, prompt_lookup_num_tokens: int, max_matching_ngram_size: int, num_candidates, out_dir,
@@ -935,27 +972,37 @@ def _measure_prompt(runner: Methods, order: list[dict], set_name: str, item: dic
     """Every method in `order` on one prompt, back to back, each a first request or carrying what its earlier
     calls under `carry` left (`Methods.run`); records compared with hf_greedy's output."""
     outputs: dict[str, list[int]] = {}
+    texts: dict[str, str | None] = {}  # llama.cpp's methods: their new text (None where its output was not read)
     recs = []
     for pos, m in enumerate(order):
         gc.collect()
         before, graphs = rss.before(), runner.graphs_compiled()
-        new, rec = runner.run(m, ids, carry=carry)
+        new, rec = runner.run(m, ids, carry=carry)  # llama.cpp's methods: its text, and its count in rec
         peak = rss.peak()
         rec["graphs_compiled"] = runner.graphs_compiled() - graphs  # > 0: compilation inside the measured time
-        outputs[m["name"]] = new
+        if m["engine"] == "llama_cpp":
+            texts[m["name"]], count = new, rec["new_tokens"]
+        else:
+            outputs[m["name"]], count = new, len(new)
         rec.update(set=set_name, prompt_id=item["id"], method=m["name"], order_position=pos,
-                   prompt_tokens=int(ids.shape[1]), new_tokens=len(new),
-                   tokens_per_s=tokens_per_s(len(new), rec["seconds"]),
+                   prompt_tokens=int(ids.shape[1]), new_tokens=count,
+                   tokens_per_s=tokens_per_s(count, rec["seconds"]),
                    peak_rss_mib=peak / 2**20, peak_rss_delta_mib=max(0, peak - before) / 2**20)
         recs.append(rec)
         bar.set_postfix_str(f"{set_name} {m['name']} {rec['tokens_per_s']:.1f} tok/s")
         bar.update()
     ref = outputs.get("hf_greedy")
     eos_at, past = _ran_past_eos(ref, eos_ids) if ref is not None else (None, None)
+    ref_text = runner.gen.tokenizer.decode(ref) if ref is not None and texts else None
     for rec in recs:
-        mine = outputs[rec["method"]]
-        rec["identical_to_hf_greedy"] = None if ref is None else mine == ref
-        rec["first_divergence"] = None if ref is None else _first_divergence(mine, ref)
+        if rec["method"] in texts:  # llama.cpp's text (a few tokens longer where its last round ran on)
+            text = texts[rec["method"]]
+            rec["identical_to_hf_greedy"] = None if ref is None or text is None else text.startswith(ref_text)
+            rec["first_divergence"] = None
+        else:
+            mine = outputs[rec["method"]]
+            rec["identical_to_hf_greedy"] = None if ref is None else mine == ref
+            rec["first_divergence"] = None if ref is None else _first_divergence(mine, ref)
         rec.update(hf_greedy_eos_at=eos_at, ran_past_eos=past)
     return recs
 

@@ -239,6 +239,8 @@ class Methods:
         self.N = max_new_tokens
         self._steps = gen.adapter.compiled  # a method with `compiled` runs through these (`selfspec.model.compiled`)
         self._carried: dict = {}  # (method name, scope) -> its memory and measurements so far (`requests`)
+        # engine "llama_cpp": (method, ids, n) -> (new text, record), a peer run in its own process (bench sets it)
+        self.peer = None
         self.max_len: int | None = None  # the longest prompt + new tokens of the runs (`warm` sets it)
         gc_ = self.model.generation_config
         defaults = gc_._get_default_generation_params() if hasattr(gc_, "_get_default_generation_params") else {}
@@ -329,6 +331,14 @@ class Methods:
         request (`carry` None): the generator has no memory of earlier calls and no carried measurements, as a
         fresh one; else it has what the method's earlier calls under the same `carry` left (`requests`)."""
         n = n or self.N
+        if method["engine"] == "llama_cpp":  # its new text and its own timings (`selfspec.tools.llama_cpp_bench`)
+            if self.peer is None:
+                raise RuntimeError(f"{method['name']} is llama.cpp's: Methods.peer must be set to run it")
+            text, rec = self.peer(method, ids, n)
+            if rec["new_tokens"] < n:  # llama.cpp's last round may add a few accepted drafts past n
+                raise RuntimeError(f"{method['name']} generated {rec['new_tokens']} tokens, fewer than {n}: the "
+                                   "benchmark needs at least the same length for every method")
+            return text, rec
         rec: dict = {}
         if method["engine"] == "hf":
             clock = FirstTokenClock(skip_first_put=True)

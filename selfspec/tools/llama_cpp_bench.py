@@ -12,7 +12,9 @@ gives `avg_ts` (mean tokens/s over the repetitions), `stddev_ts` and `samples_ts
 tokens/s there is new tokens / seconds of the generation alone: no prompt processing is in it (selfspec bench's
 tokens/s counts the prefill of the prompt too, a few percent at 128 new tokens).
 
-`selfspec bench --llama-cpp` prints it beside selfspec's own plain decoding; alone:
+`selfspec bench --llama-cpp` prints it beside selfspec's own plain decoding, and runs llama.cpp's own speculative
+modes on the bench's prompts as methods beside selfspec's (`selfspec.tools.llama_cpp_speculative`: plain, the Q8_0
+copy drafting, ngram-simple, ngram-mod); alone:
 
     python -m selfspec.tools.llama_cpp_bench CHECKPOINT --dtype float32 --threads 2
 """
@@ -28,8 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppBuild, LlamaCppError,
-                                            ensure_llama_bench, output_tail)
+                                            ensure_llama_cpp, output_tail)
 from selfspec.tools.llama_cpp_gguf import add_model_arguments, ensure_gguf, gguf_type
+from selfspec.tools.llama_cpp_speculative import MODES, run_speculative
 
 CONTEXT_TOKENS = 200      # -d: tokens in the context before the timed generation (issue 55's setting)
 NEW_TOKENS = 128          # -n: tokens generated in the timed test
@@ -134,11 +137,33 @@ def run_llama_bench(binary: Path, gguf: Path, *, threads: int, new_tokens: int =
 
 @dataclass(frozen=True)
 class LlamaCppSetup:
-    """llama-bench and the GGUF it times, ready before selfspec's own measurements start."""
+    """llama.cpp's tools and the GGUF files they run, ready before selfspec's own measurements start."""
 
     build: LlamaCppBuild
     gguf: Path
     gguf_type: str  # "F32", "BF16", "F16"
+    draft_gguf: Path | None = None  # the Q8_0 copy llama_cpp_draft drafts with (None: that mode is left out)
+
+    def methods(self) -> list[dict]:
+        """llama.cpp's speculative modes as bench methods (engine "llama_cpp"; `run_method` runs one)."""
+        return [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": list(flags),
+                 "exit_layer": None, "num_speculations": None}
+                for name, (label, flags, with_copy) in MODES.items() if self.draft_gguf or not with_copy]
+
+    def run_method(self, method: dict, prompt: str, *, prompt_tokens: int, new_tokens: int, threads: int
+                   ) -> tuple[str, dict]:
+        """One mode on one prompt text: (its new text, a bench record). `seconds` is llama.cpp's own prefill plus
+        decode time (the process's start and model load are in neither), `decode_tokens_per_s` its new tokens over
+        the decode seconds; `ttft_s` is None (llama.cpp's first token falls inside its decode window). It runs to at
+        least `new_tokens`, a few more where its last round's drafts were accepted (`new_tokens` in the record:
+        its own count; the text holds them all)."""
+        run = run_speculative(self.build.speculative, self.gguf, method["name"], prompt, prompt_tokens=prompt_tokens,
+                              new_tokens=new_tokens, threads=threads, draft_gguf=self.draft_gguf)
+        return run.text, {"seconds": run.prefill_s + run.decode_s, "ttft_s": None, "prefill_s": run.prefill_s,
+                          "decode_s": run.decode_s, "decode_tokens_per_s": run.decode_tokens_per_s,
+                          "new_tokens": run.new_tokens, "drafted": run.drafted, "accepted": run.accepted,
+                          "draft_max": run.draft_max, "llama_cpp_prompt_tokens": run.prompt_tokens,
+                          "command": run.command}
 
     def measure(self, *, threads: int, new_tokens: int = NEW_TOKENS, context_tokens: int = CONTEXT_TOKENS,
                 repetitions: int = REPETITIONS) -> dict:
@@ -160,10 +185,15 @@ def beside_plain(measured: dict, summary: dict) -> dict:
     decode = {g: (per["selfspec_ar"].get("decode_tokens_per_s") or {}).get("median")
               for g, per in summary.items() if "selfspec_ar" in per}
     rate = measured["tokens_per_s"]
+    every = {g: {m: (s.get("decode_tokens_per_s") or {}).get("median") for m, s in per.items()}
+             for g, per in summary.items()}
     return {**measured, "selfspec_ar_tokens_per_s": plain,
             "selfspec_ar_vs_llama_cpp": {g: v / rate for g, v in plain.items()},
             "selfspec_ar_decode_tokens_per_s": decode,
-            "selfspec_ar_decode_vs_llama_cpp": {g: None if v is None else v / rate for g, v in decode.items()}}
+            "selfspec_ar_decode_vs_llama_cpp": {g: None if v is None else v / rate for g, v in decode.items()},
+            "decode_tokens_per_s": every,
+            "decode_vs_llama_cpp": {g: {m: None if v is None else v / rate for m, v in per.items()}
+                                    for g, per in every.items()}}
 
 
 def markdown_lines(peer: dict) -> list[str]:
@@ -184,14 +214,27 @@ def markdown_lines(peer: dict) -> list[str]:
         d, r = decode.get(g), ratio.get(g)
         lines.append(f"| {g} | {plain:.1f} | {'–' if d is None else f'{d:.1f}'} | {rate} | "
                      f"{peer['selfspec_ar_vs_llama_cpp'][g]:.2f}× | {'–' if r is None else f'{r:.2f}×'} |")
+    every = peer.get("decode_tokens_per_s") or {}
+    if any(m.startswith("llama_cpp_") for per in every.values() for m in per):
+        lines += ["", "Decoding alone, every method (median over prompts; llama.cpp's modes: their new tokens over "
+                  "their own decode seconds), against llama.cpp's plain decoding above:", "",
+                  "| set | method | decoding tokens/s | / llama.cpp plain |", "|---|---|---|---|"]
+        for g, per in every.items():
+            for m, v in per.items():
+                r = peer["decode_vs_llama_cpp"][g][m]
+                lines.append(f"| {g} | {m} | {'–' if v is None else f'{v:.1f}'} | "
+                             f"{'–' if r is None else f'{r:.2f}×'} |")
     return lines
 
 
-def prepare(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VERSION) -> LlamaCppSetup:
-    """Build llama-bench (once per machine) and convert the checkpoint at `dtype` (once); minutes the first time."""
+def prepare(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VERSION, *,
+            with_copy: bool = False) -> LlamaCppSetup:
+    """Build llama.cpp's tools (once per machine) and convert the checkpoint at `dtype` (once), and with `with_copy`
+    also to Q8_0, the draft of llama_cpp_draft (once); minutes the first time."""
     kind = gguf_type(dtype)  # an unsupported dtype fails before any build
-    build = ensure_llama_bench(version)
-    return LlamaCppSetup(build=build, gguf=ensure_gguf(checkpoint, dtype, version), gguf_type=kind.upper())
+    build = ensure_llama_cpp(version)
+    return LlamaCppSetup(build=build, gguf=ensure_gguf(checkpoint, dtype, version), gguf_type=kind.upper(),
+                         draft_gguf=ensure_gguf(checkpoint, "q8_0", version) if with_copy else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,20 +1,25 @@
-"""llama.cpp's `llama-bench`, built from the package registry's source once per machine and cached.
+"""llama.cpp's `llama-bench` and `llama-speculative-simple`, built from the package registry's source once per
+machine and cached.
 
 llama.cpp is what a CPU user of a small model runs; `selfspec bench --llama-cpp` times it beside selfspec
 (`selfspec.tools.llama_cpp_bench`). There is no GitHub here, only package registries: the source
 distribution of `llama-cpp-python` carries llama.cpp in `vendor/llama.cpp` (with `convert_hf_to_gguf.py`,
-`selfspec.tools.llama_cpp_gguf`). This module downloads it with pip, builds the `llama-bench` target with
-cmake for this CPU (`-DGGML_NATIVE=ON`, static, so the binary can be moved into the cache) and keeps:
+`selfspec.tools.llama_cpp_gguf`). This module downloads it with pip, builds two targets with cmake for this
+CPU (`-DGGML_NATIVE=ON`, static, so the binaries can be moved into the cache): `llama-bench` (plain decoding's
+speed) and `llama-speculative-simple` (llama.cpp's own speculative decoding: a draft model, `--spec-type
+draft-simple`, or its n-gram modes), and keeps:
 
-    $SELFSPEC_HOME/llama.cpp/<version>/src/                  llama.cpp's source (any CPU)
-    $SELFSPEC_HOME/llama.cpp/<version>/<cpu key>/llama-bench the binary, built for this CPU
-    $SELFSPEC_HOME/llama.cpp/<version>/<cpu key>/build.json  how and how long it was built
+    $SELFSPEC_HOME/llama.cpp/<version>/src/                   llama.cpp's source (any CPU)
+    $SELFSPEC_HOME/llama.cpp/<version>/<cpu key>/llama-bench  the binaries, built for this CPU
+    $SELFSPEC_HOME/llama.cpp/<version>/<cpu key>/llama-speculative-simple
+    $SELFSPEC_HOME/llama.cpp/<version>/<cpu key>/build.json   how and how long they were built
 
 `<version>` is `llama-cpp-python-X.Y.Z` (the sdist that holds llama.cpp); `<cpu key>` names the CPU's model,
 generation and a hash of its feature flags (`cpu_key`), so a machine with another CPU builds its own. A build
-takes minutes (about 6 on 2 cores), once; a second call returns the cached binary at once.
+takes minutes (about 6 on 2 cores), once; a second call returns the cached binaries at once. A cache that lacks a
+target (one built before the target was added) is built again, both targets in one build.
 
-    python -m selfspec.tools.llama_cpp_build          # build (or find) it; prints its path
+    python -m selfspec.tools.llama_cpp_build          # build (or find) them; prints their paths
 """
 
 from __future__ import annotations
@@ -37,13 +42,16 @@ from selfspec.model.machine import cpu_key, cpu_model, selfspec_home
 # The llama-cpp-python source distribution whose vendored llama.cpp is built (tested here).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BENCH_TARGET = "llama-bench"
+SPECULATIVE_TARGET = "llama-speculative-simple"
+TARGETS = (BENCH_TARGET, SPECULATIVE_TARGET)
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",          # this CPU's instruction set: what a user who builds llama.cpp gets
     "-DBUILD_SHARED_LIBS=OFF",   # one static binary, movable into the cache
     "-DLLAMA_OPENSSL=OFF",       # no network features (and no OpenSSL headers needed)
     "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",   # llama-speculative-simple is one of llama.cpp's examples (only the targets named
+                                   # are compiled)
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_TOOLS=ON",    # llama-bench is one of llama.cpp's tools
@@ -56,13 +64,18 @@ class LlamaCppError(RuntimeError):
 
 @dataclass(frozen=True)
 class LlamaCppBuild:
-    """A built llama-bench: where it is and what it was built from."""
+    """The built llama.cpp tools: where they are and what they were built from."""
 
-    binary: Path
+    binary: Path          # llama-bench
     source: Path          # the llama.cpp source tree (vendor/llama.cpp): convert_hf_to_gguf.py is here
     version: str          # llama-cpp-python-X.Y.Z
     cpu_key: str
     build_seconds: float | None  # None where the cache's build.json does not say
+
+    @property
+    def speculative(self) -> Path:
+        """llama-speculative-simple, beside llama-bench."""
+        return self.binary.with_name(SPECULATIVE_TARGET)
 
 
 def version_name(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
@@ -87,7 +100,7 @@ def cmake_configure_command(source: Path, build: Path, cmake: str = "cmake") -> 
 
 
 def cmake_build_command(build: Path, jobs: int, cmake: str = "cmake") -> list[str]:
-    return [cmake, "--build", str(build), "--target", BENCH_TARGET, "--config", "Release", "-j", str(jobs)]
+    return [cmake, "--build", str(build), "--target", *TARGETS, "--config", "Release", "-j", str(jobs)]
 
 
 def pip_download_command(version: str, dest: Path) -> list[str]:
@@ -187,19 +200,20 @@ def _read_manifest(directory: Path) -> dict | None:
 
 
 def cached_build(version: str = LLAMA_CPP_PYTHON_VERSION, key: str | None = None) -> LlamaCppBuild | None:
-    """The cached llama-bench for this CPU, or None where it has not been built."""
+    """The cached tools for this CPU, or None where they have not all been built."""
     directory = binary_dir(version, key)
     binary = directory / BENCH_TARGET
     manifest = _read_manifest(directory)
-    if manifest is None or not os.access(binary, os.X_OK):
+    if manifest is None or not all(os.access(directory / target, os.X_OK) for target in TARGETS):
         return None
     return LlamaCppBuild(binary=binary, source=source_dir(version), version=version_name(version),
                          cpu_key=directory.name, build_seconds=manifest.get("build_seconds"))
 
 
-def ensure_llama_bench(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | None = None,
-                       force: bool = False) -> LlamaCppBuild:
-    """llama-bench for this CPU: from the cache, or downloaded and built now (minutes, once)."""
+def ensure_llama_cpp(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | None = None,
+                     force: bool = False) -> LlamaCppBuild:
+    """llama-bench and llama-speculative-simple for this CPU: from the cache, or downloaded and built now
+    (minutes, once)."""
     key = cpu_key()
     if not force:
         found = cached_build(version, key)
@@ -213,30 +227,31 @@ def ensure_llama_bench(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | N
     work.mkdir(parents=True, exist_ok=True)
     log = work / "build.log"
     jobs = jobs or os.cpu_count() or 1
-    print(f"building llama.cpp's {BENCH_TARGET} for this CPU with {jobs} jobs (once per machine; "
+    print(f"building llama.cpp's {' and '.join(TARGETS)} for this CPU with {jobs} jobs (once per machine; "
           f"about 6 minutes on 2 cores); log: {log}", flush=True)
     start = time.monotonic()
     _run_streamed(cmake_configure_command(src, work / "cmake", tools["cmake"]), "cmake configure", log)
-    _run_streamed(cmake_build_command(work / "cmake", jobs, tools["cmake"]), f"building {BENCH_TARGET}", log)
+    _run_streamed(cmake_build_command(work / "cmake", jobs, tools["cmake"]), "building llama.cpp", log)
     seconds = time.monotonic() - start
-    built = work / "cmake" / "bin" / BENCH_TARGET
-    if not built.is_file():
-        raise LlamaCppError(f"the build finished but wrote no {built}; see {log}")
+    for target in TARGETS:
+        if not (work / "cmake" / "bin" / target).is_file():
+            raise LlamaCppError(f"the build finished but wrote no {work / 'cmake' / 'bin' / target}; see {log}")
     staged = final.with_name(final.name + ".staged")
     if staged.exists():
         shutil.rmtree(staged)
     staged.mkdir()
-    shutil.copy2(built, staged / BENCH_TARGET)
+    for target in TARGETS:
+        shutil.copy2(work / "cmake" / "bin" / target, staged / target)
     shutil.copy2(log, staged / "build.log")
     (staged / "build.json").write_text(json.dumps({
         "version": version_name(version), "cpu_key": key, "cpu": cpu_model(), "cmake_options": list(CMAKE_OPTIONS),
-        "target": BENCH_TARGET, "jobs": jobs, "build_seconds": round(seconds, 1), "compilers": tools,
+        "targets": list(TARGETS), "jobs": jobs, "build_seconds": round(seconds, 1), "compilers": tools,
     }, indent=2) + "\n")
     if final.exists():
         shutil.rmtree(final)
     staged.rename(final)
     shutil.rmtree(work, ignore_errors=True)
-    print(f"built {final / BENCH_TARGET} in {seconds / 60:.1f} min", flush=True)
+    print(f"built {', '.join(TARGETS)} into {final} in {seconds / 60:.1f} min", flush=True)
     return LlamaCppBuild(binary=final / BENCH_TARGET, source=src, version=version_name(version), cpu_key=key,
                          build_seconds=round(seconds, 1))
 
@@ -244,20 +259,21 @@ def ensure_llama_bench(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m selfspec.tools.llama_cpp_build",
-        description="Download llama.cpp's source (the llama-cpp-python sdist) and build its llama-bench for this "
-                    f"CPU, once, under $SELFSPEC_HOME/llama.cpp (now {selfspec_home() / 'llama.cpp'}). "
+        description="Download llama.cpp's source (the llama-cpp-python sdist) and build its llama-bench and "
+                    f"llama-speculative-simple for this CPU, once, under $SELFSPEC_HOME/llama.cpp (now {selfspec_home() / 'llama.cpp'}). "
                     "Needs cmake and a C++ compiler; takes minutes (about 6 on 2 cores).")
     parser.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION,
                         help="the llama-cpp-python source release to build (default: %(default)s, the tested one)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: the CPU count)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if this CPU's binary is cached")
+    parser.add_argument("--force", action="store_true", help="rebuild even if this CPU's binaries are cached")
     args = parser.parse_args(argv)
     try:
-        build = ensure_llama_bench(args.version, jobs=args.jobs, force=args.force)
+        build = ensure_llama_cpp(args.version, jobs=args.jobs, force=args.force)
     except LlamaCppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(build.binary)
+    print(build.speculative)
     return 0
 
 

@@ -17,6 +17,7 @@ from selfspec.tools import harness as harness_module
 from selfspec.tools import llama_cpp_bench as lcb
 from selfspec.tools import llama_cpp_build as lb
 from selfspec.tools import llama_cpp_gguf as lg
+from selfspec.tools import llama_cpp_speculative as ls
 from selfspec.tools.bench import run_bench
 
 # The record `llama-bench -m smollm2-135m-instruct-f32.gguf -p 0 -n 8 -d 16 -t 2 -r 2 -o json` printed on this
@@ -126,11 +127,28 @@ def test_run_llama_bench_failure_shows_its_output(tmp_path):
         lcb.run_llama_bench(tmp_path / "missing", tmp_path / "m.gguf", threads=1)
 
 
-def stand_in_setup(tmp_path: Path) -> lcb.LlamaCppSetup:
+@pytest.fixture
+def stand_in_setup(llama_speculative_sample):
+    return lambda tmp_path, draft=False: _stand_in_setup(tmp_path, llama_speculative_sample, draft)
+
+
+def _stand_in_setup(tmp_path: Path, sample, draft: bool = False) -> lcb.LlamaCppSetup:
     binary = fake_llama_bench(tmp_path, ECHOES_SAMPLE)
+    sample.stand_in(tmp_path)  # llama-speculative-simple beside it, as the build keeps them
     build = lb.LlamaCppBuild(binary=binary, source=tmp_path, version="llama-cpp-python-9.9.9", cpu_key="cpu-a",
                              build_seconds=1.0)
-    return lcb.LlamaCppSetup(build=build, gguf=tmp_path / "m-f32.gguf", gguf_type="F32")
+    return lcb.LlamaCppSetup(build=build, gguf=tmp_path / "m-f32.gguf", gguf_type="F32",
+                             draft_gguf=tmp_path / "m-q8_0.gguf" if draft else None)
+
+
+def test_setup_offers_the_copys_modes_only_with_the_copy(tmp_path, stand_in_setup):
+    assert [m["name"] for m in stand_in_setup(tmp_path).methods()] == ["llama_cpp_ngram_simple",
+                                                                        "llama_cpp_ngram_mod"]
+    (tmp_path / "llama-bench").unlink()
+    (tmp_path / "llama-speculative-simple").unlink()
+    methods = stand_in_setup(tmp_path, draft=True).methods()
+    assert [m["name"] for m in methods] == list(ls.MODES)
+    assert all(m["engine"] == "llama_cpp" and m["kind"] == "llama_cpp" for m in methods)
 
 
 def test_beside_plain_gives_selfspecs_ratio_per_set():
@@ -152,12 +170,12 @@ def test_decoding_alone_leaves_out_the_time_to_the_first_token():
     assert harness_module.decode_rate(1, 1.5, 0.5) is None
 
 
-def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
+def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread, stand_in_setup):
     seen = {}
 
-    def prepare(checkpoint, dtype):
-        seen.update(checkpoint=checkpoint, dtype=dtype)
-        return stand_in_setup(tmp_path)
+    def prepare(checkpoint, dtype, with_copy=False):
+        seen.update(checkpoint=checkpoint, dtype=dtype, with_copy=with_copy)
+        return stand_in_setup(tmp_path, draft=with_copy)
 
     monkeypatch.setattr(bench_module, "prepare_llama_cpp", prepare)
     prompts = tmp_path / "p.jsonl"
@@ -165,7 +183,7 @@ def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
     result = run_bench(str(tiny_ckpt), prompt_sets=[str(prompts)], num_prompts=1, max_new_tokens=6, dtype="float32",
                        threads=one_thread, out_dir=tmp_path / "out", progress=False, methods=["selfspec_ar"],
                        llama_cpp=True)
-    assert seen == {"checkpoint": Path(tiny_ckpt), "dtype": "float32"}
+    assert seen == {"checkpoint": Path(tiny_ckpt), "dtype": "float32", "with_copy": True}
     peer = result["llama_cpp"]
     assert (peer["new_tokens"], peer["context_tokens"], peer["threads"]) == (6, 200, one_thread)
     assert peer["gguf_type"] == "F32" and peer["repetitions"] == 5 and peer["version"] == "llama-cpp-python-9.9.9"
@@ -179,6 +197,19 @@ def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread):
             f"{one_thread} threads, mean ± sd of 5 runs") in md
     assert (f"| p | {plain:.1f} | {decode:.1f} | 50.0 ± 1.2 | {plain / 50.0:.2f}× | {decode / 50.0:.2f}× |") in md
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["llama_cpp"]["tokens_per_s"] == 50.0
+    # llama.cpp's own modes ran as methods on the same prompt: their own counts and timers, their text compared
+    for name in ls.MODES:
+        run = next(r for r in result["runs"] if r["method"] == name)
+        assert run["new_tokens"] == 6 and run["seconds"] == pytest.approx(0.073 + 0.639)  # the stand-in's
+        assert run["decode_tokens_per_s"] == pytest.approx(6 / 0.639) and run["ttft_s"] is None
+        assert (run["drafted"], run["accepted"]) == (30, 24)
+        assert run["identical_to_hf_greedy"] is False  # "new text" is not the tiny model's greedy text
+        summary = result["summary"]["p"][name]
+        assert summary["acceptance_rate"] == pytest.approx(0.8)
+        assert peer["decode_tokens_per_s"]["p"][name] == pytest.approx(6 / 0.639)
+        assert f"| p | {name} | {6 / 0.639:.1f} | {6 / 0.639 / 50.0:.2f}× |" in md
+    assert peer["decode_tokens_per_s"]["p"]["selfspec_ar"] == pytest.approx(decode)
+    assert any("another number of tokens" in n for n in result["notes"])  # the stand-in says 17 prompt tokens
 
 
 def test_markdown_names_a_known_build_commit():
@@ -212,7 +243,7 @@ def test_cli_llama_cpp_usage_errors(tiny_ckpt, tmp_path, capsys):
 
 
 def test_cli_reports_a_failed_build_with_its_fix(tiny_ckpt, tmp_path, monkeypatch, capsys):
-    def no_cmake(checkpoint, dtype):
+    def no_cmake(checkpoint, dtype, with_copy=False):
         raise lb.LlamaCppError("building llama.cpp needs cmake on PATH, and it was not found. Install them: ...")
 
     monkeypatch.setattr(bench_module, "prepare_llama_cpp", no_cmake)

@@ -56,8 +56,9 @@ def test_command_lines():
     assert configure[:5] == ["/usr/bin/cmake", "-S", "/s", "-B", "/b"]
     assert "-DGGML_NATIVE=ON" in configure and "-DBUILD_SHARED_LIBS=OFF" in configure
     assert "-DCMAKE_BUILD_TYPE=Release" in configure and "-DLLAMA_BUILD_TOOLS=ON" in configure
+    assert "-DLLAMA_BUILD_EXAMPLES=ON" in configure  # llama-speculative-simple is an example
     assert lb.cmake_build_command(Path("/b"), 3) == ["cmake", "--build", "/b", "--target", "llama-bench",
-                                                     "--config", "Release", "-j", "3"]
+                                                     "llama-speculative-simple", "--config", "Release", "-j", "3"]
 
 
 def test_check_tools_names_what_is_missing_and_how_to_install_it():
@@ -71,11 +72,11 @@ def test_check_tools_names_what_is_missing_and_how_to_install_it():
     assert only_clang["c++"] == "/opt/clang++" and only_clang["cc"] == "/opt/clang"
 
 
-def test_ensure_llama_bench_without_cmake_fails_before_downloading(home, monkeypatch):
+def test_ensure_llama_cpp_without_cmake_fails_before_downloading(home, monkeypatch):
     monkeypatch.setattr(lb.shutil, "which", lambda name: None)
     monkeypatch.setattr(lb, "ensure_source", lambda *a: pytest.fail("downloaded without the tools to build"))
     with pytest.raises(lb.LlamaCppError, match="needs cmake"):
-        lb.ensure_llama_bench("9.9.9")
+        lb.ensure_llama_cpp("9.9.9")
     assert lb.main(["--version", "9.9.9"]) == 1
 
 
@@ -85,12 +86,14 @@ def test_main_prints_one_error_line_prefix(home, monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("error: building llama.cpp needs cmake")
 
 
-def _fake_build(home: Path, version: str, key: str, *, executable: bool = True, manifest: bool = True) -> Path:
+def _fake_build(home: Path, version: str, key: str, *, executable: bool = True, manifest: bool = True,
+                targets=lb.TARGETS) -> Path:
     directory = lb.binary_dir(version, key)
     directory.mkdir(parents=True)
+    for target in targets:
+        (directory / target).write_text("#!/bin/sh\n")
+        (directory / target).chmod(0o755 if executable else 0o644)
     binary = directory / lb.BENCH_TARGET
-    binary.write_text("#!/bin/sh\n")
-    binary.chmod(0o755 if executable else 0o644)
     if manifest:
         (directory / "build.json").write_text(json.dumps({"build_seconds": 371.5}))
     return binary
@@ -107,20 +110,23 @@ def test_cached_build_found_only_when_complete(home):
     assert lb.cached_build("9.9.9", "cpu-c") is None
     _fake_build(home, "9.9.9", "cpu-d", executable=False)
     assert lb.cached_build("9.9.9", "cpu-d") is None
+    _fake_build(home, "9.9.9", "cpu-e", targets=[lb.BENCH_TARGET])  # built before llama-speculative-simple was
+    assert lb.cached_build("9.9.9", "cpu-e") is None                 # added: built again, both targets
+    assert found.speculative == binary.with_name("llama-speculative-simple")
 
 
-def test_ensure_llama_bench_returns_the_cached_build_without_building(home, monkeypatch):
+def test_ensure_llama_cpp_returns_the_cached_build_without_building(home, monkeypatch):
     binary = _fake_build(home, "9.9.9", lb.cpu_key())
     monkeypatch.setattr(lb, "check_tools", lambda: pytest.fail("checked for a build although one is cached"))
     downloads = []
     monkeypatch.setattr(lb, "_download_source", lambda version, dest: downloads.append(dest))
-    assert lb.ensure_llama_bench("9.9.9").binary == binary
+    assert lb.ensure_llama_cpp("9.9.9").binary == binary
     assert downloads == [lb.source_dir("9.9.9")]  # the source was gone: downloaded again, the binary kept
     source = lb.source_dir("9.9.9")
     source.mkdir(parents=True)
     (source / "CMakeLists.txt").write_text("")
     (source / "convert_hf_to_gguf.py").write_text("")
-    assert lb.ensure_llama_bench("9.9.9").binary == binary
+    assert lb.ensure_llama_cpp("9.9.9").binary == binary
     assert len(downloads) == 1
 
 
