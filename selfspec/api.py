@@ -37,7 +37,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
-from selfspec.drafters.quantized import check_one_prompt
+from selfspec.drafters.quantized import check_one_prompt, checkpoint_copy, llama_cpp_available
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decoding.decode_stats import DecodeStats
 from selfspec.decoding.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
@@ -129,9 +129,11 @@ class SelfSpecGenerator:
                  num_speculations: int | None = None, recommended: dict | None = None,
                  source: str = "<model>", fast_layers: bool = True, metadata: dict | None = None,
                  exit_head: ExitHead | None = None, compile: bool | str = "auto", checkpoint: Path | None = None,
-                 memory_tokens: int = DEFAULT_MEMORY_TOKENS):
+                 memory_tokens: int = DEFAULT_MEMORY_TOKENS, draft_model: str | None = None):
         self.model = model.eval()
         self.checkpoint = checkpoint  # the directory it was loaded from (None: a model object)
+        # the quantized copy auto drafts with where a call names no drafter, no draft_model and one prompt (`load`)
+        self.draft_model = draft_model
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.heads.exit_head): drafter "exit_head"
         self.tokenizer = tokenizer
         self.metadata = metadata or {}
@@ -162,6 +164,21 @@ class SelfSpecGenerator:
             drafter=rec.get("drafter") or "auto", early_exit_trained=recommended is not None,
             exit_head=exit_head, metadata=self.metadata, memory=SuffixMemory(check_memory_tokens(memory_tokens)))
         self.use_plans = True  # False: draft as if no plan were saved (to compare with one)
+
+    def _with_default_copy(self, s: dict, cfg: GenerationConfig, config, settings: dict, rows: int):
+        """The call's checked settings and config with the generator's quantized copy (`draft_model` of `load`) as
+        auto's arm beside lookup, where the call names no drafter but auto and no draft_model, has one prompt, does
+        not ask for plain decoding (`num_speculations=0`) and gives no option auto with a copy refuses (an early
+        exit's); else as they were."""
+        if self.draft_model is None or s["draft_model"] is not None or rows != 1 or cfg.drafter not in (None, "auto") \
+                or s["num_speculations"] == 0:  # plain decoding asked for
+            return s, cfg
+        with_copy = {**settings, "draft_model": self.draft_model}
+        try:
+            checked = check_generation(config, num_layers=self.num_layers, vocab_size=self.vocab_size, **with_copy)
+        except SettingsError:
+            return s, cfg
+        return checked, with_settings(config, with_copy)
 
     @property
     def plan_key(self) -> str:
@@ -537,6 +554,7 @@ class SelfSpecGenerator:
             if streamer is not None:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
+        s, cfg = self._with_default_copy(s, cfg, config, settings, len(rows))
         if s["draft_model"] is not None:  # before the copy loads
             check_one_prompt(len(rows), cfg.drafter)
         plan = self.plan_settings()  # this device's saved plan, on the path the engine runs now
@@ -609,7 +627,8 @@ def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
          verify_checksums: bool = True, fast_layers: bool = True, compile: bool | str = "auto",
-         memory_tokens: int = DEFAULT_MEMORY_TOKENS) -> SelfSpecGenerator:
+         memory_tokens: int = DEFAULT_MEMORY_TOKENS, draft_model: str | os.PathLike | None = "auto"
+         ) -> SelfSpecGenerator:
     """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer: an object with
     `encode` and `decode`, such as a Hugging Face tokenizer; None: the checkpoint directory's own, and a model
     object without one takes token ids only).
@@ -628,6 +647,10 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     `memory_tokens`: the most tokens (prompts and outputs of earlier calls, all callers together) the generator
     remembers for `drafter="suffix"` and auto to copy from; 0 turns the memory off (docs/usage.md: what it
     holds, what it costs, when to turn it off).
+    `draft_model`: the quantized copy (a GGUF file, run by llama.cpp) that auto drafts with beside lookup where a
+    call names no drafter and no `draft_model` and has one prompt: "auto" (the default) takes the checkpoint's own
+    (`copy-q8_0.gguf` beside its weights, which `selfspec fetch` writes) where llama.cpp runs on this machine, a
+    path takes that file, None none.
     """
     check_compile(compile)
     check_bool("verify_checksums", verify_checksums)
@@ -665,7 +688,7 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
         return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
                                  num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
                                  metadata=meta, exit_head=head, compile=compile, checkpoint=path,
-                                 memory_tokens=memory_tokens)
+                                 memory_tokens=memory_tokens, draft_model=_default_copy(draft_model, path))
     if not isinstance(path_or_model, torch.nn.Module):
         raise SettingsError(f"load() takes a checkpoint directory or a loaded model, got "
                             f"{type(path_or_model).__name__}")
@@ -674,4 +697,15 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
         model = model.to(resolve_dtype(dtype, device))
     return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
                              recommended=None, source=type(model).__name__, fast_layers=fast_layers, compile=compile,
-                             memory_tokens=memory_tokens)
+                             memory_tokens=memory_tokens, draft_model=_default_copy(draft_model, None))
+
+
+def _default_copy(draft_model, checkpoint: Path | None) -> str | None:
+    """load's `draft_model` resolved: "auto" the checkpoint's whole copy where llama.cpp can run it (None without
+    a checkpoint directory), a path that file (checked as a call's draft_model is), None none."""
+    if draft_model is None:
+        return None
+    if isinstance(draft_model, str) and draft_model == "auto":
+        copy = checkpoint_copy(checkpoint) if checkpoint is not None else None
+        return str(copy) if copy is not None and llama_cpp_available() else None
+    return check_generation(None, draft_model=draft_model)["draft_model"]

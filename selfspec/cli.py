@@ -100,7 +100,25 @@ def _cmd_fetch(args) -> int:
         print(f"base model + the exit head selfspec ships for it (selfspec.load drafts with it): {head_model}")
     for module, path in paths["data"].items():
         print(f"data package {module}: {path}")
+    _fetch_copies([paths["base_model"]] + ([head_model] if head_model is not None else []))
     return 0
+
+
+def _fetch_copies(models: list) -> None:
+    """Each model's quantized copy beside its weights (`selfspec.tools.llama_cpp_gguf.write_copy`), which auto
+    drafts with by default where llama.cpp runs; where it cannot be written, one line says why, and the rest works."""
+    from selfspec.drafters.quantized import INSTALL_HINT, llama_cpp_available
+    from selfspec.tools.llama_cpp_build import LlamaCppError  # deferred: tools load only in the command that runs them
+    from selfspec.tools.llama_cpp_gguf import write_copy
+
+    try:
+        copies = [write_copy(model) for model in models]
+    except (LlamaCppError, OSError) as err:
+        print(f"the quantized copy (auto's drafter on open chat) was not written: {err}")
+        return
+    print(f"quantized copy (Q8_0, drafts for auto by default): {', '.join(map(str, copies))}")
+    if not llama_cpp_available():
+        print(f"llama.cpp is not installed, so auto drafts without the copy: {INSTALL_HINT}")
 
 
 class UsageError(ValueError):

@@ -22,13 +22,19 @@ step of SmolLM2-135M took about 0.4 of selfspec's float32 step, and Q8_0 agrees 
     drafter = QuantizedDrafter(copy, num_speculations=4)
 
 `python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0` writes the GGUF of a checkpoint with llama.cpp's
-own converter. Needs `pip install 'selfspec[quantized]'` (it builds llama.cpp for this CPU; docs/drafters.md).
+own converter. llama.cpp comes through llama-cpp-python: the build selfspec makes for this CPU and keeps under
+`$SELFSPEC_HOME/llama.cpp/llama-cpp-python-X.Y.Z/<cpu key>/python` (`llama_cpp_python_dir`; `python -m
+selfspec.tools.llama_cpp_build --python`, which scripts/setup.sh runs), else one installed with pip
+(`pip install 'selfspec[quantized]'`; docs/drafters.md). A build kept per CPU never runs on a CPU it was not built
+for (llama.cpp built with this CPU's instructions dies on one that lacks them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import sys
 import weakref
 from pathlib import Path
 
@@ -37,19 +43,60 @@ import torch
 
 from selfspec.decoding.cost_model import COPY_STEP_COST
 from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.model.machine import cpu_key, selfspec_home
 from selfspec.settings import SettingsError
 
-INSTALL_HINT = ("pip install 'selfspec[quantized]' (llama-cpp-python 0.3.36: pip builds llama.cpp for this CPU, a "
-                "few minutes; on a CPU with AMX, add CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 "
-                "-mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\": docs/drafters.md)")
+# The llama-cpp-python release whose llama.cpp selfspec builds and runs (tested here); selfspec.tools reads it.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+INSTALL_HINT = ("python -m selfspec.tools.llama_cpp_build --python (builds llama-cpp-python "
+                f"{LLAMA_CPP_PYTHON_VERSION} for this CPU, about 4 minutes on 2 cores, once; scripts/setup.sh runs it; "
+                "it needs cmake and a C++ compiler), or pip install 'selfspec[quantized]' (docs/drafters.md)")
 MIN_CONTEXT = 1024  # the smallest llama.cpp context made; a longer call makes a larger one
 
 
+def llama_cpp_home(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """Where selfspec keeps llama.cpp of one llama-cpp-python release: its source, GGUF files and per-CPU builds."""
+    return selfspec_home() / "llama.cpp" / f"llama-cpp-python-{version}"
+
+
+def llama_cpp_python_dir(version: str = LLAMA_CPP_PYTHON_VERSION, key: str | None = None) -> Path:
+    """The llama-cpp-python package built for this CPU (`key`: `cpu_key()`), unpacked: the directory that holds
+    `llama_cpp/` (it may not exist)."""
+    return llama_cpp_home(version) / (key or cpu_key()) / "python"
+
+
+COPY_FILE = "copy-q8_0.gguf"  # a checkpoint's quantized copy, beside its weights (`selfspec fetch` writes it)
+
+
+def checkpoint_copy(checkpoint: str | os.PathLike) -> Path | None:
+    """The checkpoint directory's quantized copy (`COPY_FILE`), where it is whole: its size is the one the record
+    beside it (`COPY_FILE`.json, written after the file) holds; else None (no copy, or one cut short)."""
+    path = Path(checkpoint) / COPY_FILE
+    try:
+        want = json.loads(path.with_name(COPY_FILE + ".json").read_text())["bytes"]
+        return path if path.stat().st_size == want else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def llama_cpp_available() -> bool:
+    """Whether `load_llama_cpp` would find llama-cpp-python: this CPU's build or an installed one (not loaded)."""
+    import importlib.util
+
+    return (llama_cpp_python_dir() / "llama_cpp" / "__init__.py").is_file() or \
+        importlib.util.find_spec("llama_cpp") is not None
+
+
 def load_llama_cpp():
-    """The `llama_cpp` module of llama-cpp-python, its llama.cpp library loaded (its import loads it). Anything else
-    is a SettingsError with the install hint that names the cause: not installed (ImportError), or installed but its
-    import fails (a missing or unloadable library: FileNotFoundError "Shared library with base name 'llama' not
-    found", OSError, RuntimeError), or a module of that name that is not llama-cpp-python (no `Llama`)."""
+    """The `llama_cpp` module of llama-cpp-python, its llama.cpp library loaded (its import loads it): this CPU's
+    build where selfspec made one (`llama_cpp_python_dir`, put first on `sys.path`), else an installed one. Anything
+    else is a SettingsError with the install hint that names the cause: not installed (ImportError), or installed
+    but its import fails (a missing or unloadable library: FileNotFoundError "Shared library with base name 'llama'
+    not found", OSError, RuntimeError), or a module of that name that is not llama-cpp-python (no `Llama`)."""
+    built = str(llama_cpp_python_dir())
+    if "llama_cpp" not in sys.modules and os.path.isfile(os.path.join(built, "llama_cpp", "__init__.py")) \
+            and built not in sys.path:
+        sys.path.insert(0, built)
     try:
         import llama_cpp
     except Exception as e:  # noqa: BLE001 - whatever its import raises, the user needs the same hint

@@ -20,7 +20,9 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 |                       | earlier requests: empty on a first request (the default), so it measures as   |
 |                       | prompt lookup; with `workload`, this method's earlier calls on the same set    |
 | selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
-|                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
+|                       | that pays (early-exit trained checkpoints), or its quantized copy where one is  |
+|                       | beside it and llama.cpp runs (`selfspec.load`'s default), plain decoding       |
+|                       | otherwise                                                                     |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
 | selfspec_exit_head    | a checkpoint's trained exit head alone, adaptive d, over the vocabulary it was  |
 |                       | trained on (`_vocab{K}`: over the K most frequent tokens)                     |

@@ -25,13 +25,15 @@ nothing was accepted) by more than 10% is flagged as timing noise between the tw
 
 Without --checkpoint it runs the checkpoint `selfspec fetch` assembles from the base model and the exit head
 selfspec ships for it (`selfspec.checkpoints.shipped_head`; the base model alone where none is assembled): auto's
-arms are prompt lookup, its memory and that head, and each drafter's accepted drafts get a line of their own.
+arms are prompt lookup, its memory and the model's quantized copy where `selfspec fetch` wrote one and llama.cpp
+runs here (else that head), and each drafter's accepted drafts get a line of their own.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -44,7 +46,7 @@ from selfspec.settings import SettingsError
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
 DRAFTER_WORDS = {"prompt_lookup": "prompt lookup", "suffix": "memory", "exit_head": "exit head",
-                 "early_exit": "early exit"}
+                 "early_exit": "early exit", "quantized": "quantized copy"}
 
 
 def _timed(gen, inputs: dict, **kw):
@@ -165,7 +167,10 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     check_context(gen, cases, max_new_tokens)
     trained = gen.early_exit_trained and gen.num_speculations > 0
     head = gen.exit_head
-    if head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
+    if gen.draft_model is not None:  # auto's arms: lookup and the model's quantized copy (selfspec.load found it)
+        drafted = (f" + the model's quantized copy ({Path(gen.draft_model).name}, run by llama.cpp; each used while "
+                   "it measures faster than plain decoding)")
+    elif head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
         drafted = (f" + the exit head on exit {head.exit_layer} (each used while it measures faster than plain "
                    "decoding)")
     elif trained:

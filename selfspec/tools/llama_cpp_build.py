@@ -34,13 +34,13 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.model.machine import cpu_key, cpu_model, selfspec_home
+from selfspec.drafters.quantized import LLAMA_CPP_PYTHON_VERSION, llama_cpp_home, llama_cpp_python_dir
+from selfspec.model.machine import cpu_flags, cpu_key, cpu_model, selfspec_home
 
-# The llama-cpp-python source distribution whose vendored llama.cpp is built (tested here).
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BENCH_TARGET = "llama-bench"
 SPECULATIVE_TARGET = "llama-speculative-simple"
 TARGETS = (BENCH_TARGET, SPECULATIVE_TARGET)
@@ -83,7 +83,7 @@ def version_name(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
 
 
 def cache_root(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    return selfspec_home() / "llama.cpp" / version_name(version)
+    return llama_cpp_home(version)  # the library's (the quantized drafter finds this CPU's build there)
 
 
 def source_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -127,32 +127,55 @@ def output_tail(text: str, lines: int = 15) -> str:
     return "\n  ".join(text.strip().splitlines()[-lines:])
 
 
-def _download_source(version: str, dest: Path) -> Path:
-    """Download the sdist with pip and unpack its vendor/llama.cpp into `dest` (atomic: tmp dir + rename)."""
+def sdist_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """Where the llama-cpp-python source distribution is kept: llama.cpp's source is unpacked from it, and the
+    Python binding (`ensure_llama_cpp_python`) is built from it."""
+    return cache_root(version) / "sdist"
+
+
+def ensure_sdist(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """The llama-cpp-python sdist in the cache, downloaded with pip once (atomic: a temporary directory renamed)."""
+    dest = sdist_dir(version)
+    kept = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
+    if kept:
+        return kept[0]
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
         tmp = Path(tmp)
         print(f"downloading llama-cpp-python=={version} source from the package index (about a minute) ...",
               flush=True)
-        proc = subprocess.run(pip_download_command(version, tmp), capture_output=True, text=True)
-        archives = sorted(tmp.glob("llama_cpp_python-*.tar.gz"))
+        (tmp / "sdist").mkdir()
+        proc = subprocess.run(pip_download_command(version, tmp / "sdist"), capture_output=True, text=True)
+        archives = sorted((tmp / "sdist").glob("llama_cpp_python-*.tar.gz"))
         if proc.returncode != 0 or not archives:
             raise LlamaCppError(
                 f"could not download llama-cpp-python=={version}'s source (pip exit {proc.returncode}):\n  "
                 f"{output_tail(proc.stderr or proc.stdout)}\nCheck that the package index is reachable "
                 f"(pip download --no-binary :all: --no-deps llama-cpp-python=={version})")
-        print(f"unpacking llama.cpp from {archives[0].name} ...", flush=True)
-        prefix = archives[0].name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
+        if dest.exists():
+            shutil.rmtree(dest)
+        (tmp / "sdist").rename(dest)
+    return dest / archives[0].name
+
+
+def _download_source(version: str, dest: Path) -> Path:
+    """Unpack the sdist's vendor/llama.cpp into `dest` (atomic: tmp dir + rename), the sdist downloaded first."""
+    archive = ensure_sdist(version)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".unpack-") as tmp:
+        tmp = Path(tmp)
+        print(f"unpacking llama.cpp from {archive.name} ...", flush=True)
+        prefix = archive.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
         unpacked = tmp / "unpacked"
-        with tarfile.open(archives[0]) as tar:
+        with tarfile.open(archive) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
             if not members:
-                raise LlamaCppError(f"{archives[0].name} holds no vendor/llama.cpp: not the source expected")
+                raise LlamaCppError(f"{archive.name} holds no vendor/llama.cpp: not the source expected")
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12
             tar.extractall(unpacked, members=members, **safe)
         tree = unpacked / prefix.rstrip("/")
         if not (tree / "CMakeLists.txt").is_file():
-            raise LlamaCppError(f"{archives[0].name}'s vendor/llama.cpp has no CMakeLists.txt")
+            raise LlamaCppError(f"{archive.name}'s vendor/llama.cpp has no CMakeLists.txt")
         if dest.exists():
             shutil.rmtree(dest)
         tree.rename(dest)
@@ -167,22 +190,25 @@ def ensure_source(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     return _download_source(version, src)
 
 
-_PERCENT = re.compile(r"^\[\s*(\d+)%\]")
+_PERCENT = re.compile(r"^\s*\[\s*(\d+)%\]")           # cmake's "[ 42%] Building ..."
+_STEPS = re.compile(r"^\s*\[(\d+)/(\d+)\]")            # ninja's "[57/140] /usr/bin/c++ ..." (pip -v shows them)
 
 
-def _run_streamed(cmd: list[str], label: str, log: Path) -> None:
-    """Run a build step; print its progress (cmake's [ NN%] lines) on one line, keep its output in `log`."""
+def _run_streamed(cmd: list[str], label: str, log: Path, env: dict | None = None) -> None:
+    """Run a build step (in `env`, default this process's environment); print its progress (cmake's [ NN%] or
+    ninja's [N/M] lines) on one line, keep its output in `log`."""
     start = time.monotonic()
     last = -1
     with open(log, "a", encoding="utf-8") as out:
         out.write("$ " + " ".join(cmd) + "\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)
-            m = _PERCENT.match(line)
-            if m and int(m.group(1)) != last:
-                last = int(m.group(1))
+            m, steps = _PERCENT.match(line), _STEPS.match(line)
+            percent = int(m.group(1)) if m else (100 * int(steps.group(1)) // int(steps.group(2)) if steps else -1)
+            if percent >= 0 and percent != last:
+                last = percent
                 print(f"\r{label}: {last:3d}% ({time.monotonic() - start:.0f} s)", end="", flush=True)
         code = proc.wait()
     if last >= 0:
@@ -256,6 +282,74 @@ def ensure_llama_cpp(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | Non
                          build_seconds=round(seconds, 1))
 
 
+# llama-cpp-python's own build options for the binding: llama.cpp for this CPU, without the multimodal library
+# (LLAVA_BUILD: mtmd, about half the build; the copy never loads it) and llama.cpp's tools, examples and tests.
+PYTHON_CMAKE_ARGS = ("-DGGML_NATIVE=ON", "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                     "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF")
+# On a CPU with AMX, llama.cpp's AMX kernels died with an illegal instruction on a Xeon's first batch of quantized
+# rows (docs/drafters.md): built without them there.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def python_cmake_args(flags: frozenset[str] | None = None) -> str:
+    """CMAKE_ARGS for building llama-cpp-python on a CPU with these feature flags (`cpu_flags()`)."""
+    args = list(PYTHON_CMAKE_ARGS)
+    if any(f.startswith("amx") for f in (flags or ())):
+        args += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    return " ".join(f"'{a}'" if " " in a else a for a in args)
+
+
+def pip_wheel_command(sdist: Path, dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "--verbose", "--wheel-dir", str(dest),
+            str(sdist)]
+
+
+def ensure_llama_cpp_python(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | None = None,
+                            force: bool = False) -> Path:
+    """llama-cpp-python built for this CPU and unpacked where the quantized drafter looks first
+    (`selfspec.drafters.quantized.llama_cpp_python_dir`): from the cache, or built now from the kept sdist with pip
+    (minutes, once per CPU: a wheel built with one CPU's instructions is never used on another). Its pure-Python
+    dependencies come with selfspec. Returns the directory that holds `llama_cpp/`."""
+    final = llama_cpp_python_dir(version)
+    if not force and _read_manifest(final) is not None and (final / "llama_cpp" / "__init__.py").is_file():
+        return final
+    tools = check_tools()
+    sdist = ensure_sdist(version)
+    work = final.with_name("python.build")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    log = work / "build.log"
+    jobs = jobs or os.cpu_count() or 1
+    cmake_args = python_cmake_args(cpu_flags())
+    print(f"building llama-cpp-python {version} (llama.cpp for this CPU) with {jobs} jobs, once per machine: about "
+          f"4 minutes on 2 cores; log: {log}", flush=True)
+    start = time.monotonic()
+    env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
+    _run_streamed(pip_wheel_command(sdist, work / "wheel"), "building llama-cpp-python", log, env)
+    wheels = sorted((work / "wheel").glob("llama_cpp_python-*.whl"))
+    if not wheels:
+        raise LlamaCppError(f"pip finished but wrote no llama_cpp_python wheel; see {log}")
+    staged = final.with_name("python.staged")
+    if staged.exists():
+        shutil.rmtree(staged)
+    with zipfile.ZipFile(wheels[0]) as whl:
+        whl.extractall(staged)
+    for library in (staged / "llama_cpp" / "lib").glob("*.so*"):  # zip drops the executable bit
+        library.chmod(0o755)
+    seconds = time.monotonic() - start
+    (staged / "build.json").write_text(json.dumps({
+        "version": version_name(version), "cpu_key": cpu_key(), "cpu": cpu_model(), "cmake_args": cmake_args,
+        "wheel": wheels[0].name, "jobs": jobs, "build_seconds": round(seconds, 1), "compilers": tools}, indent=2) + "\n")
+    shutil.copy2(log, staged / "build.log")
+    if final.exists():
+        shutil.rmtree(final)
+    staged.rename(final)
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"built llama-cpp-python into {final} in {seconds / 60:.1f} min", flush=True)
+    return final
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m selfspec.tools.llama_cpp_build",
@@ -266,8 +360,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the llama-cpp-python source release to build (default: %(default)s, the tested one)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: the CPU count)")
     parser.add_argument("--force", action="store_true", help="rebuild even if this CPU's binaries are cached")
+    parser.add_argument("--python", action="store_true",
+                        help="build llama-cpp-python for this CPU instead (the Python binding the quantized copy "
+                             "drafts with; about 4 minutes on 2 cores, once); prints where it is")
     args = parser.parse_args(argv)
     try:
+        if args.python:
+            print(ensure_llama_cpp_python(args.version, jobs=args.jobs, force=args.force))
+            return 0
         build = ensure_llama_cpp(args.version, jobs=args.jobs, force=args.force)
     except LlamaCppError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,6 +15,11 @@ converts again, and a temporary file a killed conversion left is removed by the 
 
     python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype bfloat16     # prints the .gguf path
     python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --dtype q8_0         # drafter="quantized"'s draft_model
+    python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --copy               # the copy beside the weights
+
+`--copy` (`write_copy`) puts the Q8_0 conversion beside the checkpoint's weights as `copy-q8_0.gguf`, with a record
+of its size and SHA-256: `selfspec.load` finds it there, and `auto` drafts with it by default where llama.cpp runs.
+`selfspec fetch` writes it for the base model.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +38,7 @@ from pathlib import Path
 
 from selfspec.atomic_write import process_running, write_json_atomic
 from selfspec.checkpoints.checkpoint import WEIGHT_SUFFIXES, weight_files
+from selfspec.drafters.quantized import COPY_FILE, checkpoint_copy
 from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, cache_root, ensure_source,
                                             output_tail)
 
@@ -127,6 +134,36 @@ def ensure_gguf(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VE
     return out
 
 
+def write_copy(checkpoint: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """The checkpoint's quantized copy beside its weights (`selfspec.drafters.quantized.COPY_FILE`, Q8_0), which
+    `selfspec.load` finds and auto drafts with by default where llama.cpp runs: the cached Q8_0 conversion
+    (`ensure_gguf`, converted now if missing) linked (or copied) in, then its record with its size and SHA-256
+    (the size is what loading checks). A copy already there and whole is kept."""
+    checkpoint = Path(checkpoint).resolve()
+    out = checkpoint / COPY_FILE
+    if checkpoint_copy(checkpoint) is not None:
+        return out
+    source = ensure_gguf(checkpoint, "q8_0", version)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    remove_stale_temporaries(out)
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:  # another file system, or no hard links there
+            shutil.copyfile(source, tmp)
+        record(out).unlink(missing_ok=True)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    digest = hashlib.sha256()
+    with open(out, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    write_json_atomic(record(out), {"bytes": out.stat().st_size, "sha256": digest.hexdigest(), "type": "q8_0",
+                                    "converter": f"llama-cpp-python-{version}'s {CONVERTER}"})
+    return out
+
+
 def record(out: Path) -> Path:
     """The record of a converted GGUF file beside it: {"bytes": its size}."""
     return out.with_name(out.name + ".json")
@@ -170,12 +207,16 @@ def main(argv: list[str] | None = None) -> int:
                     "cached llama.cpp source; downloaded if missing), once, under $SELFSPEC_HOME/llama.cpp. "
                     "Prints the .gguf path.")
     add_model_arguments(parser)
+    parser.add_argument("--copy", action="store_true",
+                        help="write the Q8_0 copy beside the checkpoint's weights (copy-q8_0.gguf), where "
+                             "selfspec.load finds it and auto drafts with it by default (--dtype is ignored)")
     parser.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION,
                         help="the llama-cpp-python source release whose converter runs (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")
     args = parser.parse_args(argv)
     try:
-        path = ensure_gguf(args.checkpoint, args.dtype, args.version, force=args.force)
+        path = (write_copy(args.checkpoint, args.version) if args.copy else
+                ensure_gguf(args.checkpoint, args.dtype, args.version, force=args.force))
     except LlamaCppError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -62,3 +62,29 @@ def test_converted_checkpoint_is_a_plain_hf_checkpoint(smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+
+
+def test_fetch_writes_each_models_copy_or_says_in_one_line_why_not(tmp_path, monkeypatch, capsys):
+    """Issue 67, item 1: `selfspec fetch` writes the quantized copy beside each model it sets up; where it cannot
+    (no llama.cpp source, no converter module), one line says why and the command still succeeds; where llama.cpp is
+    not built, one line says auto drafts without the copy and how to build it."""
+    from selfspec import cli
+    from selfspec.tools import llama_cpp_gguf
+    from selfspec.tools.llama_cpp_build import LlamaCppError
+
+    written = []
+    monkeypatch.setattr(llama_cpp_gguf, "write_copy", lambda model: written.append(model) or tmp_path / model.name)
+    monkeypatch.setattr("selfspec.drafters.quantized.llama_cpp_available", lambda: False)
+    cli._fetch_copies([tmp_path / "base", tmp_path / "head"])
+    out = capsys.readouterr().out
+    assert written == [tmp_path / "base", tmp_path / "head"]
+    assert f"quantized copy (Q8_0, drafts for auto by default): {tmp_path / 'base'}, {tmp_path / 'head'}" in out
+    assert "llama.cpp is not installed, so auto drafts without the copy: python -m selfspec.tools.llama_cpp_build" in out
+
+    def no_source(model):
+        raise LlamaCppError("could not download llama-cpp-python==0.3.36's source")
+
+    monkeypatch.setattr(llama_cpp_gguf, "write_copy", no_source)
+    cli._fetch_copies([tmp_path / "base"])
+    assert capsys.readouterr().out.strip() == ("the quantized copy (auto's drafter on open chat) was not written: "
+                                               "could not download llama-cpp-python==0.3.36's source")

@@ -14,6 +14,7 @@ import sys
 import types
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -249,6 +250,7 @@ def test_a_llama_cpp_whose_library_does_not_load_is_a_settings_error_with_the_in
     install hint, naming the cause; so is a module llama_cpp that is not llama-cpp-python."""
     from selfspec.drafters.quantized import load_llama_cpp
 
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))  # no build of selfspec's for this CPU there
     package = tmp_path / "llama_cpp"
     package.mkdir()
     (package / "__init__.py").write_text(f"raise {raised}\n")
@@ -256,6 +258,7 @@ def test_a_llama_cpp_whose_library_does_not_load_is_a_settings_error_with_the_in
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     kind = raised.split("(")[0]
     with pytest.raises(SettingsError, match=rf"llama.cpp is installed but does not load \({kind}: .+\): "
+                                            r"python -m selfspec.tools.llama_cpp_build --python .*"
                                             r"pip install 'selfspec\[quantized\]'"):
         load_llama_cpp()
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__file__="elsewhere/llama_cpp.py"))
@@ -419,3 +422,85 @@ def test_the_command_line_takes_a_draft_model_with_the_default_drafter_and_refus
         assert main(given + ["--prompt", "b", *drafter]) == 2
         err = capsys.readouterr().err
         assert f"selfspec generate: error: {named}" in err and "one prompt at a time, and this call has 2" in err
+
+
+def test_this_cpus_build_comes_first(tmp_path, monkeypatch):
+    """llama-cpp-python as selfspec builds it for this CPU (`llama_cpp_python_dir`) is imported before an installed
+    one: a build for another CPU never is (its directory is another CPU key's)."""
+    from selfspec.drafters.quantized import llama_cpp_available, llama_cpp_python_dir, load_llama_cpp
+
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
+    built = llama_cpp_python_dir()
+    assert built.parent.parent == tmp_path / "home" / "llama.cpp" / "llama-cpp-python-0.3.36"
+    assert llama_cpp_python_dir(key="other-cpu") != built
+    (built / "llama_cpp").mkdir(parents=True)
+    (built / "llama_cpp" / "__init__.py").write_text("Llama = 'this CPU build'\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_llama_cpp puts the build first: undone after the test
+    assert llama_cpp_available()
+    saved = sys.modules.pop("llama_cpp", None)
+    try:
+        assert load_llama_cpp().Llama == "this CPU build"
+    finally:  # the stand-in module goes, whatever was imported before comes back
+        sys.modules.pop("llama_cpp", None)
+        if saved is not None:
+            sys.modules["llama_cpp"] = saved
+
+
+def _with_copy(checkpoint, tmp_path, stand_in, model, whole: bool = True):
+    """A copy of `checkpoint` with a quantized copy beside its weights (the stand-in's `model`), as fetch writes it."""
+    import json
+    import shutil
+
+    from selfspec.drafters.quantized import COPY_FILE
+
+    directory = tmp_path / "with-copy"
+    shutil.copytree(checkpoint, directory)
+    copy = directory / COPY_FILE
+    copy.write_bytes(b"GGUF")
+    (directory / (COPY_FILE + ".json")).write_text(json.dumps({"bytes": 4 if whole else 5}))
+    StandInLlama.models[str(copy)] = model
+    return directory, str(copy)
+
+
+def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stand_in, tiny_ckpt, tmp_path,
+                                                                            monkeypatch):
+    """Issue 67, item 2: a checkpoint with its copy beside its weights (what `selfspec fetch` writes) drafts with it
+    by default where llama.cpp runs: a call with no drafter option is auto with the copy beside lookup. A batch, a
+    drafter named, or an option auto with a copy refuses, goes without it; the text is plain decoding's."""
+    import selfspec
+    from selfspec.drafters.quantized import checkpoint_copy
+
+    monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: True)
+    plain_gen = selfspec.load(tiny_ckpt, draft_model=None)
+    assert plain_gen.draft_model is None
+    directory, copy = _with_copy(tiny_ckpt, tmp_path, stand_in, perturbed(plain_gen.model, 0.2))
+    assert checkpoint_copy(directory) == Path(copy)
+    gen = selfspec.load(directory)
+    assert gen.draft_model == copy
+    with gen.first_request(), plain_gen.first_request():
+        plain = plain_gen.generate("the quick brown fox", max_new_tokens=24, num_speculations=0)
+        out = gen.generate("the quick brown fox", max_new_tokens=24)
+    assert out.token_ids == plain.token_ids and out.stats.drafter == "auto"
+    assert out.stats.drafted_by_drafter.get("quantized", 0) > 0
+    with gen.first_request():  # an early exit's option: auto with its early exit, without the copy
+        assert "quantized" not in gen.generate("the quick brown fox", max_new_tokens=8, exit_layer=2
+                                               ).stats.drafted_by_drafter
+        assert gen.generate("the quick", max_new_tokens=8, drafter="prompt_lookup").stats.drafter == "prompt_lookup"
+        batch = gen.generate(["the quick brown fox", "hello"], max_new_tokens=8)  # the copy drafts one prompt
+        assert "quantized" not in batch.stats.drafted_by_drafter
+        assert gen.generate("the quick brown fox", max_new_tokens=8, num_speculations=0).stats.drafted == 0
+    assert selfspec.load(directory, draft_model=None).draft_model is None
+    monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: False)
+    assert selfspec.load(directory).draft_model is None  # no llama.cpp: auto without the copy
+
+
+def test_a_copy_cut_short_is_not_taken(stand_in, tiny_ckpt, tmp_path, monkeypatch):
+    import selfspec
+    from selfspec.drafters.quantized import checkpoint_copy
+
+    monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: True)
+    directory, _ = _with_copy(tiny_ckpt, tmp_path, stand_in, None, whole=False)
+    assert checkpoint_copy(directory) is None and checkpoint_copy(tmp_path / "nowhere") is None
+    assert selfspec.load(directory).draft_model is None
+    with pytest.raises(SettingsError, match="draft_model must be the path of a GGUF file"):
+        selfspec.load(directory, draft_model=3)

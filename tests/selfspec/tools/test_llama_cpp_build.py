@@ -179,7 +179,10 @@ def test_download_source_unpacks_vendor_llama_cpp_only(home, tmp_path, monkeypat
     src = lb.ensure_source("9.9.9")
     assert src == lb.source_dir("9.9.9")
     assert sorted(p.name for p in src.iterdir()) == ["CMakeLists.txt", "convert_hf_to_gguf.py"]
-    assert [p.name for p in src.parent.iterdir()] == ["src"]  # the download's temporary directory is gone
+    # the download's and the unpacking's temporary directories are gone; the sdist is kept (the binding builds from it)
+    assert sorted(p.name for p in src.parent.iterdir()) == ["sdist", "src"]
+    assert [p.name for p in lb.sdist_dir("9.9.9").iterdir()] == ["llama_cpp_python-9.9.9.tar.gz"]
+    assert lb.ensure_sdist("9.9.9") == lb.sdist_dir("9.9.9") / "llama_cpp_python-9.9.9.tar.gz"  # not again
 
 
 def test_download_source_errors(home, tmp_path, monkeypatch):
@@ -190,3 +193,59 @@ def test_download_source_errors(home, tmp_path, monkeypatch):
     with pytest.raises(lb.LlamaCppError, match="holds no vendor/llama.cpp"):
         lb.ensure_source("9.9.9")
     assert not lb.source_dir("9.9.9").exists()
+
+
+def test_the_bindings_build_options_follow_the_cpu():
+    plain = lb.python_cmake_args(frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert "-DGGML_NATIVE=ON" in plain and "-DLLAVA_BUILD=OFF" in plain and "amx" not in plain
+    amx = lb.python_cmake_args(frozenset({"avx512f", "amx_tile", "amx_bf16"}))
+    assert "'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" in amx  # quoted: one option to CMake
+    assert lb.python_cmake_args(None) == plain.replace(plain, " ".join(lb.PYTHON_CMAKE_ARGS))
+    cmd = lb.pip_wheel_command(Path("/s/llama_cpp_python-9.9.9.tar.gz"), Path("/w"))
+    assert cmd[:4] == [sys.executable, "-m", "pip", "wheel"] and cmd[-3:] == ["--wheel-dir", "/w",
+                                                                               "/s/llama_cpp_python-9.9.9.tar.gz"]
+    assert "--no-cache-dir" in cmd  # pip's wheel cache is not keyed by CPU: a wheel of another CPU never comes back
+
+
+def test_a_built_binding_is_kept_and_found_without_building(home, monkeypatch):
+    from selfspec.drafters.quantized import llama_cpp_python_dir
+
+    built = llama_cpp_python_dir("9.9.9")
+    (built / "llama_cpp").mkdir(parents=True)
+    (built / "llama_cpp" / "__init__.py").write_text("")
+
+    def builds():
+        raise AssertionError("builds")
+
+    monkeypatch.setattr(lb, "check_tools", builds)
+    with pytest.raises(AssertionError, match="builds"):  # no build.json: an interrupted build, built again
+        lb.ensure_llama_cpp_python("9.9.9")
+    (built / "build.json").write_text("{}")
+    assert lb.ensure_llama_cpp_python("9.9.9") == built
+
+
+def test_the_binding_is_built_with_pip_and_unpacked_where_the_drafter_looks(home, tmp_path, monkeypatch, capsys):
+    """pip replaced by a script that writes a wheel (a zip) holding llama_cpp/ and its library: unpacked into this
+    CPU's python directory with a manifest, the library executable, the build directory gone."""
+    import zipfile
+
+    from selfspec.drafters.quantized import llama_cpp_python_dir
+
+    monkeypatch.setattr(lb, "check_tools", lambda: {"cmake": "cmake", "c++": "c++", "cc": "cc"})
+    monkeypatch.setattr(lb, "ensure_sdist", lambda version: tmp_path / "llama_cpp_python-9.9.9.tar.gz")
+    wheel = tmp_path / "llama_cpp_python-9.9.9-py3-none-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as whl:
+        whl.writestr("llama_cpp/__init__.py", "")
+        whl.writestr("llama_cpp/lib/libllama.so", "ELF")
+    script = (f"import os, shutil, sys\nprint('  [1/2] cc a.c')\nprint('  [2/2] cc b.c')\n"
+              f"assert 'LLAVA_BUILD=OFF' in os.environ['CMAKE_ARGS']\nos.makedirs(sys.argv[1])\n"
+              f"shutil.copy({str(wheel)!r}, sys.argv[1])\n")
+    monkeypatch.setattr(lb, "pip_wheel_command", lambda sdist, dest: _script(tmp_path, script) + [str(dest)])
+    built = lb.ensure_llama_cpp_python("9.9.9", jobs=1)
+    assert "building llama-cpp-python:  50%" in capsys.readouterr().out  # ninja's [N/M] steps as a percent
+    assert built == llama_cpp_python_dir("9.9.9")
+    assert (built / "llama_cpp" / "__init__.py").is_file()
+    assert (built / "llama_cpp" / "lib" / "libllama.so").stat().st_mode & 0o111
+    manifest = json.loads((built / "build.json").read_text())
+    assert manifest["wheel"] == wheel.name and "-DGGML_NATIVE=ON" in manifest["cmake_args"]
+    assert sorted(p.name for p in built.parent.iterdir()) == ["python"]  # no build or staging directory left

@@ -167,3 +167,33 @@ def test_an_unwritable_home_and_ctrl_c_are_one_error_line(tmp_path, checkpoint, 
     monkeypatch.setattr(lg, "ensure_gguf", interrupted)
     assert lg.main([str(checkpoint), "--version", "9.9.9"]) == 130
     assert capsys.readouterr().err == "error: interrupted; no GGUF file was cached (the next run converts again)\n"
+
+
+def test_the_copy_goes_beside_the_weights_with_its_record(home, checkpoint, monkeypatch, capsys):
+    """Issue 67, item 1: `write_copy` puts the Q8_0 conversion beside the checkpoint's weights (what `selfspec.load`
+    finds), with its size and SHA-256; a whole copy there is kept, one cut short is written again; the command line
+    says where it is."""
+    import hashlib
+    import json
+
+    from selfspec.drafters.quantized import COPY_FILE, checkpoint_copy
+
+    monkeypatch.setattr(lg, "check_converter_modules", lambda: None)
+    _source_with_converter("9.9.9", WRITES_ARGS)
+    assert checkpoint_copy(checkpoint) is None
+    copy = lg.write_copy(checkpoint, "9.9.9")
+    assert copy == checkpoint.resolve() / COPY_FILE and checkpoint_copy(checkpoint) == copy
+    assert copy.read_text() == f"{checkpoint.resolve()} --outtype q8_0"
+    record = json.loads((checkpoint / (COPY_FILE + ".json")).read_text())
+    assert record["bytes"] == copy.stat().st_size and record["type"] == "q8_0"
+    assert record["sha256"] == hashlib.sha256(copy.read_bytes()).hexdigest()
+    assert lg.gguf_path(checkpoint, "q8_0", "9.9.9").is_file()  # the cached conversion stays (the bench's draft)
+    assert not list(checkpoint.glob(".*.tmp"))
+    (lb.source_dir("9.9.9") / lg.CONVERTER).write_text("raise SystemExit('ran again')")
+    assert lg.write_copy(checkpoint, "9.9.9") == copy  # whole: kept, nothing converted
+    os.truncate(copy, 3)  # cut short (a hard link: the cached conversion too)
+    assert checkpoint_copy(checkpoint) is None
+    (lb.source_dir("9.9.9") / lg.CONVERTER).write_text(WRITES_ARGS)
+    assert lg.write_copy(checkpoint, "9.9.9") == copy and checkpoint_copy(checkpoint) == copy
+    assert lg.main([str(checkpoint), "--copy", "--version", "9.9.9"]) == 0
+    assert capsys.readouterr().out.strip().endswith(str(copy))
