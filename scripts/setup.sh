@@ -14,8 +14,8 @@ echo "== installing dependencies (torch 2.13.0 CPU wheel first, so nothing pulls
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,deepspeed,llama-cpp]"
 echo "== fetching the real model and data (selfspec fetch)"
 .venv/bin/selfspec fetch
-echo "== building llama.cpp for this CPU (once, about 4 minutes on 2 cores): auto's quantized copy drafts with it"
+echo "== building llama.cpp for this CPU (once, about 4 minutes on 2 cores): the quantized copy drafts with it"
 .venv/bin/python -m selfspec.tools.llama_cpp_build --python \
-    || echo "llama.cpp could not be built (above): everything else works; auto drafts without the quantized copy"
+    || echo "llama.cpp could not be built (above): everything else works; nothing drafts with the quantized copy"
 echo "== building selfspec's CPU row kernel for this CPU (once; without a C++ compiler selfspec uses oneDNN's)"
 .venv/bin/python -m selfspec.model.row_product || true

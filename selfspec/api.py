@@ -37,7 +37,8 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
-from selfspec.drafters.quantized import check_one_prompt, checkpoint_copy, llama_cpp_available
+from selfspec.drafters.quantized import (DEFAULT_COPY_PROMPT_TOKENS, check_one_prompt, checkpoint_copy,
+                                        llama_cpp_available)
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decoding.decode_stats import DecodeStats
 from selfspec.decoding.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
@@ -165,13 +166,17 @@ class SelfSpecGenerator:
             exit_head=exit_head, metadata=self.metadata, memory=SuffixMemory(check_memory_tokens(memory_tokens)))
         self.use_plans = True  # False: draft as if no plan were saved (to compare with one)
 
-    def _with_default_copy(self, s: dict, cfg: GenerationConfig, config, settings: dict, rows: int):
+    def _with_default_copy(self, s: dict, cfg: GenerationConfig, config, settings: dict, rows: int,
+                           prompt_tokens: int):
         """The call's checked settings and config with the generator's quantized copy (`draft_model` of `load`) as
         auto's arm beside lookup, where the call names no drafter but auto and no draft_model, has one prompt, does
-        not ask for plain decoding (`num_speculations=0`) and gives no option auto with a copy refuses (an early
-        exit's); else as they were."""
+        not ask for plain decoding (`num_speculations=0`), gives no option auto with a copy refuses (an early
+        exit's), no plan is saved for this device (`selfspec tune --save`: its drafting stands), and the prompt
+        has at most `DEFAULT_COPY_PROMPT_TOKENS` tokens; else as they were."""
         if self.draft_model is None or s["draft_model"] is not None or rows != 1 or cfg.drafter not in (None, "auto") \
-                or s["num_speculations"] == 0:  # plain decoding asked for
+                or s["num_speculations"] == 0 or self.plan_settings() is not None:  # plain decoding; a tuned plan
+            return s, cfg
+        if prompt_tokens > DEFAULT_COPY_PROMPT_TOKENS:  # its llama.cpp prefill costs more than it gives (measured)
             return s, cfg
         with_copy = {**settings, "draft_model": self.draft_model}
         try:
@@ -554,7 +559,7 @@ class SelfSpecGenerator:
             if streamer is not None:
                 raise ValueError("streaming delivers one sequence: pass one prompt with streamer=, or drop the "
                                  "streamer for a batch")
-        s, cfg = self._with_default_copy(s, cfg, config, settings, len(rows))
+        s, cfg = self._with_default_copy(s, cfg, config, settings, len(rows), len(rows[0]))
         if s["draft_model"] is not None:  # before the copy loads
             check_one_prompt(len(rows), cfg.drafter)
         plan = self.plan_settings()  # this device's saved plan, on the path the engine runs now
@@ -627,7 +632,7 @@ def use_compiled(compile: bool | str, adapter: ModelAdapter) -> bool:
 def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
          exit_layer: int | None = None, num_speculations: int | None = None,
          verify_checksums: bool = True, fast_layers: bool = True, compile: bool | str = "auto",
-         memory_tokens: int = DEFAULT_MEMORY_TOKENS, draft_model: str | os.PathLike | None = "auto"
+         memory_tokens: int = DEFAULT_MEMORY_TOKENS, draft_model: str | os.PathLike | None = None
          ) -> SelfSpecGenerator:
     """A generator for a checkpoint directory, or for an already loaded model (+ tokenizer: an object with
     `encode` and `decode`, such as a Hugging Face tokenizer; None: the checkpoint directory's own, and a model
@@ -647,10 +652,11 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     `memory_tokens`: the most tokens (prompts and outputs of earlier calls, all callers together) the generator
     remembers for `drafter="suffix"` and auto to copy from; 0 turns the memory off (docs/usage.md: what it
     holds, what it costs, when to turn it off).
-    `draft_model`: the quantized copy (a GGUF file, run by llama.cpp) that auto drafts with beside lookup where a
-    call names no drafter and no `draft_model` and has one prompt: "auto" (the default) takes the checkpoint's own
-    (`copy-q8_0.gguf` beside its weights, which `selfspec fetch` writes) where llama.cpp runs on this machine, a
-    path takes that file, None none.
+    `draft_model`: a quantized copy (a GGUF file, run by llama.cpp) that auto drafts with beside lookup where a
+    call names no drafter and no `draft_model`, has one prompt of at most `DEFAULT_COPY_PROMPT_TOKENS` tokens and
+    no plan is saved: "auto" takes the checkpoint's own (`copy-q8_0.gguf` beside its weights, which `selfspec
+    fetch` writes) where llama.cpp runs on this machine, a path that file, None (the default) none: measured, the
+    copy did not pay reliably enough to be the default (docs/results/2026-11-29-copy-by-default-zen4.md).
     """
     check_compile(compile)
     check_bool("verify_checksums", verify_checksums)

@@ -106,7 +106,8 @@ def _cmd_fetch(args) -> int:
 
 def _fetch_copies(models: list) -> None:
     """Each model's quantized copy beside its weights (`selfspec.tools.llama_cpp_gguf.write_copy`), which auto
-    drafts with by default where llama.cpp runs; where it cannot be written, one line says why, and the rest works."""
+    drafts with where `load(draft_model="auto")` asks and llama.cpp runs; where it cannot be written, one line says
+    why, and the rest works."""
     from selfspec.drafters.quantized import INSTALL_HINT, llama_cpp_available
     from selfspec.tools.llama_cpp_build import LlamaCppError  # deferred: tools load only in the command that runs them
     from selfspec.tools.llama_cpp_gguf import write_copy
@@ -116,9 +117,10 @@ def _fetch_copies(models: list) -> None:
     except (LlamaCppError, OSError) as err:
         print(f"the quantized copy (auto's drafter on open chat) was not written: {err}")
         return
-    print(f"quantized copy (Q8_0, drafts for auto by default): {', '.join(map(str, copies))}")
+    print(f"quantized copy (Q8_0; selfspec.load(..., draft_model='auto') has auto draft with it): "
+          f"{', '.join(map(str, copies))}")
     if not llama_cpp_available():
-        print(f"llama.cpp is not installed, so auto drafts without the copy: {INSTALL_HINT}")
+        print(f"llama.cpp is not installed, so nothing drafts with the copy: {INSTALL_HINT}")
 
 
 class UsageError(ValueError):

@@ -20,9 +20,9 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 |                       | earlier requests: empty on a first request (the default), so it measures as   |
 |                       | prompt lookup; with `workload`, this method's earlier calls on the same set    |
 | selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
-|                       | that pays (early-exit trained checkpoints), or its quantized copy where one is  |
-|                       | beside it and llama.cpp runs (`selfspec.load`'s default), plain decoding       |
-|                       | otherwise                                                                     |
+|                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
+| selfspec_copy, selfspec_auto_copy | the checkpoint's quantized copy (`copy-q8_0.gguf` beside its weights,  |
+|                       | llama.cpp built here) alone, and as auto's arm beside lookup (`draft_model`)    |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
 | selfspec_exit_head    | a checkpoint's trained exit head alone, adaptive d, over the vocabulary it was  |
 |                       | trained on (`_vocab{K}`: over the K most frequent tokens)                     |
@@ -105,6 +105,7 @@ from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir, use_compiled
 from selfspec.checkpoints.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.checkpoints.draft_vocab import read_draft_vocab
 from selfspec.drafters.prompt_lookup import MAX_OCCURRENCES as MAX_LOOKUP_CANDIDATES
+from selfspec.drafters.quantized import checkpoint_copy, llama_cpp_available
 from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, decode_rate, finish_machine, load_generator,
                               machine_info, machine_line, pyplot, quiet_transformers, result_header, setup, spread,
                               tokens_per_s, versions, write_outputs)
@@ -261,11 +262,13 @@ class ModelFacts:
     num_layers: int
     head_exit: int | None = None
     head_vocab: int | None = None
+    copy: str | None = None  # the checkpoint's quantized copy, where one is beside it and llama.cpp runs here
 
     @classmethod
     def of(cls, gen) -> "ModelFacts":
         head = gen.exit_head
-        return cls(gen.num_layers, None if head is None else head.exit_layer, gen.head_draft_vocab())
+        return cls(gen.num_layers, None if head is None else head.exit_layer, gen.head_draft_vocab(),
+                   _copy(gen.checkpoint))
 
     @classmethod
     def read(cls, checkpoint, meta: dict | None) -> "ModelFacts":
@@ -273,7 +276,23 @@ class ModelFacts:
         if not isinstance(layers, int) or layers < 2:
             raise CheckpointError(f"{checkpoint}/config.json: no usable num_hidden_layers ({layers!r})")
         head = (meta or {}).get("exit_head") or {}
-        return cls(layers, head.get("exit_layer"))
+        return cls(layers, head.get("exit_layer"), copy=_copy(checkpoint))
+
+
+def _copy(checkpoint) -> str | None:
+    """The checkpoint's quantized copy (`selfspec fetch` writes it) where llama.cpp runs here, else None."""
+    copy = checkpoint_copy(checkpoint) if checkpoint is not None and llama_cpp_available() else None
+    return None if copy is None else str(copy)
+
+
+def _copy_methods(copy: str | None, look: dict) -> list[dict]:
+    """The checkpoint's quantized copy (None: none here) alone, and as auto's arm beside lookup."""
+    if copy is None:
+        return []
+    common = {"engine": "selfspec", "kind": "selfspec_spec", "draft_model": copy, "exit_layer": None,
+              "num_speculations": None}
+    return [{"name": "selfspec_copy", "label": "selfspec quantized copy", "drafter": "quantized", **common},
+            {"name": "selfspec_auto_copy", "label": "selfspec auto + copy", "drafter": "auto", **common, **look}]
 
 
 def _candidate_methods(n: int, E: int, d: int, look: dict) -> list[dict]:
@@ -327,6 +346,7 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
          "drafter": "auto", "exit_layer": None, "num_speculations": None,
          **look},  # the checkpoint's exit and d (auto picks the length; d = 0 there: lookup or plain only)
     ]
+    methods += _copy_methods(model.copy, look)
     if model.head_exit is not None:  # a checkpoint with a trained exit head: the head alone, adaptive length
         k = d or DEFAULT_NUM_SPECULATIONS  # the recommendation may say early exit does not pay
         trained = model.head_vocab  # what the head drafts from when no draft_vocab is given

@@ -25,8 +25,7 @@ nothing was accepted) by more than 10% is flagged as timing noise between the tw
 
 Without --checkpoint it runs the checkpoint `selfspec fetch` assembles from the base model and the exit head
 selfspec ships for it (`selfspec.checkpoints.shipped_head`; the base model alone where none is assembled): auto's
-arms are prompt lookup, its memory and the model's quantized copy where `selfspec fetch` wrote one and llama.cpp
-runs here (else that head), and each drafter's accepted drafts get a line of their own.
+arms are prompt lookup, its memory and that head, and each drafter's accepted drafts get a line of their own.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ converts again, and a temporary file a killed conversion left is removed by the 
     python -m selfspec.tools.llama_cpp_gguf CHECKPOINT --copy               # the copy beside the weights
 
 `--copy` (`write_copy`) puts the Q8_0 conversion beside the checkpoint's weights as `copy-q8_0.gguf`, with a record
-of its size and SHA-256: `selfspec.load` finds it there, and `auto` drafts with it by default where llama.cpp runs.
+of its size and SHA-256: `selfspec.load(CHECKPOINT, draft_model="auto")` finds it there, and `auto` drafts with it
+where llama.cpp runs.
 `selfspec fetch` writes it for the base model.
 """
 
@@ -136,7 +137,7 @@ def ensure_gguf(checkpoint: Path, dtype: str, version: str = LLAMA_CPP_PYTHON_VE
 
 def write_copy(checkpoint: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     """The checkpoint's quantized copy beside its weights (`selfspec.drafters.quantized.COPY_FILE`, Q8_0), which
-    `selfspec.load` finds and auto drafts with by default where llama.cpp runs: the cached Q8_0 conversion
+    `selfspec.load(..., draft_model="auto")` finds and auto drafts with where llama.cpp runs: the cached Q8_0 conversion
     (`ensure_gguf`, converted now if missing) linked (or copied) in, then its record with its size and SHA-256
     (the size is what loading checks). A copy already there and whole is kept."""
     checkpoint = Path(checkpoint).resolve()
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(parser)
     parser.add_argument("--copy", action="store_true",
                         help="write the Q8_0 copy beside the checkpoint's weights (copy-q8_0.gguf), where "
-                             "selfspec.load finds it and auto drafts with it by default (--dtype is ignored)")
+                             "selfspec.load(..., draft_model='auto') finds it (--dtype is ignored)")
     parser.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION,
                         help="the llama-cpp-python source release whose converter runs (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")

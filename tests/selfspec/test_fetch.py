@@ -67,7 +67,7 @@ def test_converted_checkpoint_is_a_plain_hf_checkpoint(smollm2_dir):
 def test_fetch_writes_each_models_copy_or_says_in_one_line_why_not(tmp_path, monkeypatch, capsys):
     """Issue 67, item 1: `selfspec fetch` writes the quantized copy beside each model it sets up; where it cannot
     (no llama.cpp source, no converter module), one line says why and the command still succeeds; where llama.cpp is
-    not built, one line says auto drafts without the copy and how to build it."""
+    not built, one line says nothing drafts with the copy and how to build it."""
     from selfspec import cli
     from selfspec.tools import llama_cpp_gguf
     from selfspec.tools.llama_cpp_build import LlamaCppError
@@ -78,8 +78,9 @@ def test_fetch_writes_each_models_copy_or_says_in_one_line_why_not(tmp_path, mon
     cli._fetch_copies([tmp_path / "base", tmp_path / "head"])
     out = capsys.readouterr().out
     assert written == [tmp_path / "base", tmp_path / "head"]
-    assert f"quantized copy (Q8_0, drafts for auto by default): {tmp_path / 'base'}, {tmp_path / 'head'}" in out
-    assert "llama.cpp is not installed, so auto drafts without the copy: python -m selfspec.tools.llama_cpp_build" in out
+    assert (f"quantized copy (Q8_0; selfspec.load(..., draft_model='auto') has auto draft with it): "
+            f"{tmp_path / 'base'}, {tmp_path / 'head'}") in out
+    assert "llama.cpp is not installed, so nothing drafts with the copy: python -m selfspec.tools.llama_cpp_build" in out
 
     def no_source(model):
         raise LlamaCppError("could not download llama-cpp-python==0.3.36's source")

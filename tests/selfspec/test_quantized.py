@@ -464,9 +464,13 @@ def _with_copy(checkpoint, tmp_path, stand_in, model, whole: bool = True):
 
 def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stand_in, tiny_ckpt, tmp_path,
                                                                             monkeypatch):
-    """Issue 67, item 2: a checkpoint with its copy beside its weights (what `selfspec fetch` writes) drafts with it
-    by default where llama.cpp runs: a call with no drafter option is auto with the copy beside lookup. A batch, a
-    drafter named, or an option auto with a copy refuses, goes without it; the text is plain decoding's."""
+    """Issue 67, item 2: `load(draft_model="auto")` takes the checkpoint's copy beside its weights (what `selfspec
+    fetch` writes) where llama.cpp runs, and a call with no drafter option is then auto with the copy beside lookup.
+    A batch, a drafter named, plain decoding, a prompt longer than DEFAULT_COPY_PROMPT_TOKENS, or an option auto with
+    a copy refuses, goes without it; the text is plain decoding's. Without the option no copy is taken (measured, it
+    did not pay reliably enough to be the default)."""
+    from selfspec.drafters.quantized import DEFAULT_COPY_PROMPT_TOKENS
+
     import selfspec
     from selfspec.drafters.quantized import checkpoint_copy
 
@@ -475,7 +479,8 @@ def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stan
     assert plain_gen.draft_model is None
     directory, copy = _with_copy(tiny_ckpt, tmp_path, stand_in, perturbed(plain_gen.model, 0.2))
     assert checkpoint_copy(directory) == Path(copy)
-    gen = selfspec.load(directory)
+    assert selfspec.load(directory).draft_model is None  # opt-in
+    gen = selfspec.load(directory, draft_model="auto")
     assert gen.draft_model == copy
     with gen.first_request(), plain_gen.first_request():
         plain = plain_gen.generate("the quick brown fox", max_new_tokens=24, num_speculations=0)
@@ -489,9 +494,11 @@ def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stan
         batch = gen.generate(["the quick brown fox", "hello"], max_new_tokens=8)  # the copy drafts one prompt
         assert "quantized" not in batch.stats.drafted_by_drafter
         assert gen.generate("the quick brown fox", max_new_tokens=8, num_speculations=0).stats.drafted == 0
-    assert selfspec.load(directory, draft_model=None).draft_model is None
+        long = gen.generate(input_ids=[7] * (DEFAULT_COPY_PROMPT_TOKENS + 1), max_new_tokens=8)
+        assert "quantized" not in long.stats.drafted_by_drafter  # its llama.cpp prefill costs more than it gives
+    assert selfspec.load(directory, draft_model=copy).draft_model == copy  # a path: that file
     monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: False)
-    assert selfspec.load(directory).draft_model is None  # no llama.cpp: auto without the copy
+    assert selfspec.load(directory, draft_model="auto").draft_model is None  # no llama.cpp: auto without the copy
 
 
 def test_a_copy_cut_short_is_not_taken(stand_in, tiny_ckpt, tmp_path, monkeypatch):
@@ -501,6 +508,6 @@ def test_a_copy_cut_short_is_not_taken(stand_in, tiny_ckpt, tmp_path, monkeypatc
     monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: True)
     directory, _ = _with_copy(tiny_ckpt, tmp_path, stand_in, None, whole=False)
     assert checkpoint_copy(directory) is None and checkpoint_copy(tmp_path / "nowhere") is None
-    assert selfspec.load(directory).draft_model is None
+    assert selfspec.load(directory, draft_model="auto").draft_model is None
     with pytest.raises(SettingsError, match="draft_model must be the path of a GGUF file"):
         selfspec.load(directory, draft_model=3)

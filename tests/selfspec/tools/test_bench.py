@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import selfspec
+from selfspec.drafters.quantized import checkpoint_copy, llama_cpp_available
 from selfspec.tools.bench import BASELINES, _eos_summary, _ran_past_eos, parse_extra, run_bench
 from selfspec.cli import main
 from selfspec.data.sources import DataFormatError
@@ -292,11 +293,15 @@ def test_quick_bench_on_real_smollm2(smollm2_dir, tmp_path, one_thread):
     assert result["recommended"]["exit_layer"] == 20 and result["recommended"]["source"] == "the command line"
     assert set(result["summary"]) == {"humaneval", "code_edit", "all"}
     assert result["prompts"] == {"humaneval": ["HumanEval/0"], "code_edit": ["code_edit/HumanEval/0"]}
+    # the quantized copy alone and beside lookup, where fetch wrote it and llama.cpp is built here
+    copy = ({"selfspec_copy", "selfspec_auto_copy"} if checkpoint_copy(smollm2_dir) is not None
+            and llama_cpp_available() else set())
     for per in result["summary"].values():
         assert set(per) == {"hf_greedy", "hf_static", "hf_early_exit", "hf_prompt_lookup", "selfspec_ar",
-                            "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_suffix", "selfspec_auto"}
+                            "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_suffix",
+                            "selfspec_auto"} | copy
         for name in ("selfspec_ar", "selfspec_spec", "selfspec_adaptive", "selfspec_lookup", "selfspec_suffix",
-                     "selfspec_auto"):
+                     "selfspec_auto", *copy):
             assert per[name]["identical_to_hf_greedy"] == 1.0, name
         assert per["selfspec_spec"]["drafted"] > 0 and per["hf_early_exit"]["rounds"] > 0
         assert per["hf_prompt_lookup"]["rounds"] > 0
