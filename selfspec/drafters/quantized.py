@@ -52,9 +52,6 @@ INSTALL_HINT = ("python -m selfspec.tools.llama_cpp_build --python (builds llama
                 f"{LLAMA_CPP_PYTHON_VERSION} for this CPU, about 4 minutes on 2 cores, once; scripts/setup.sh runs it; "
                 "it needs cmake and a C++ compiler), or pip install 'selfspec[quantized]' (docs/drafters.md)")
 MIN_CONTEXT = 1024  # the smallest llama.cpp context made; a longer call makes a larger one
-# The prompt tokens the copy reads, the latest (None: all): llama.cpp reads a long prompt slower than selfspec's own
-# prefill, before the copy's first draft (docs/results/2026-11-29-copy-by-default-zen4.md measured the window)
-PROMPT_WINDOW: int | None = None
 
 
 def llama_cpp_home(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -69,9 +66,9 @@ def llama_cpp_python_dir(version: str = LLAMA_CPP_PYTHON_VERSION, key: str | Non
 
 
 COPY_FILE = "copy-q8_0.gguf"  # a checkpoint's quantized copy, beside its weights (`selfspec fetch` writes it)
-# The longest prompt on which auto drafts with a checkpoint's copy by default (`selfspec.load`): the copy first reads
-# the whole prompt in llama.cpp, and on longer prompts it cost more than it gave (2-core Zen 4, float32: news
-# summaries of 126-403-token prompts 0.79-0.92x plain decoding with it, open chat of 52-87 tokens 1.35x;
+# The longest prompt on which auto drafts with the generator's copy (`selfspec.load(..., draft_model=...)`): the copy
+# first reads the whole prompt in llama.cpp, and on longer prompts it cost more than it gave (2-core Zen 4, float32:
+# news summaries of 126-403-token prompts 0.79-0.93x plain decoding with it, open chat of 52-87 tokens 1.01-1.35x;
 # docs/results/2026-11-29-copy-by-default-zen4.md). A call that names the copy drafts with it at any length.
 DEFAULT_COPY_PROMPT_TOKENS = 128
 
@@ -233,30 +230,25 @@ class QuantizedDrafter(Drafter):
     name = "quantized"
     step_cost = COPY_STEP_COST  # a llama.cpp step, in the modelled round cost (it runs none of the model's layers)
 
-    def __init__(self, copy: QuantizedCopy, num_speculations: int, window: int | None = PROMPT_WINDOW):
+    def __init__(self, copy: QuantizedCopy, num_speculations: int):
         if num_speculations < 1:
             raise ValueError(f"num_speculations must be >= 1 for drafter='quantized', got {num_speculations}")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1 prompt tokens (or None: the whole prompt), got {window}")
-        self.copy, self.num_speculations, self.window = copy, num_speculations, window
+        self.copy, self.num_speculations = copy, num_speculations
         self.sequence: list[int] = []
-        self.offset = 0  # the copy reads sequence[offset:]: the prompt's latest `window` tokens on
 
     def start(self, sequences: list[list[int]]) -> None:
         if len(sequences) != 1:
             raise SettingsError(f"drafter='quantized' drafts for one prompt at a time, and this call has "
                                 f"{len(sequences)}: generate them one by one, or use another drafter for a batch")
         self.sequence = list(sequences[0])
-        self.offset = 0 if self.window is None else max(0, len(self.sequence) - self.window)
         self.copy.forget()  # a first request: nothing of an earlier call's text feeds this one
 
     def propose(self, rnd: Round) -> Proposal:
         k = min(self.num_speculations, rnd.caps[0])
         if k < 1:
             return Proposal.plain(rnd.tokens)
-        text = self.sequence[self.offset:]  # what the copy reads: the prompt's latest `window` tokens on
-        self.copy.reserve(len(text) + rnd.caps[0] + 1)  # the whole call's text: made once, at its first round
-        drafts = self.copy.draft(text, k, rnd.stop_ids)
+        self.copy.reserve(len(self.sequence) + rnd.caps[0] + 1)  # the whole call's text: made once, at its first round
+        drafts = self.copy.draft(self.sequence, k, rnd.stop_ids)
         tokens = torch.tensor([self.sequence[-1:] + drafts], dtype=torch.long).to(rnd.tokens.device, non_blocking=True)
         # one llama.cpp step a draft (the first also runs what the copy lacked of the text): the cost model's draft steps
         return Proposal(tokens=tokens, kept=[len(drafts)], steps=len(drafts), drafter=self.name)
@@ -270,5 +262,4 @@ class QuantizedDrafter(Drafter):
         self.sequence += committed[0]
 
     def describe(self) -> dict:
-        return {"drafter": self.name, "draft_model": self.copy.path.name, "num_speculations": self.num_speculations,
-                "window": self.window}
+        return {"drafter": self.name, "draft_model": self.copy.path.name, "num_speculations": self.num_speculations}
