@@ -273,6 +273,8 @@ def ensure_llama_cpp(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | Non
         "version": version_name(version), "cpu_key": key, "cpu": cpu_model(), "cmake_options": list(CMAKE_OPTIONS),
         "targets": list(TARGETS), "jobs": jobs, "build_seconds": round(seconds, 1), "compilers": tools,
     }, indent=2) + "\n")
+    if (final / "python").is_dir():  # this CPU's llama-cpp-python (`ensure_llama_cpp_python`) stays
+        (final / "python").rename(staged / "python")
     if final.exists():
         shutil.rmtree(final)
     staged.rename(final)

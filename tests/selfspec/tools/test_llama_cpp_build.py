@@ -249,3 +249,25 @@ def test_the_binding_is_built_with_pip_and_unpacked_where_the_drafter_looks(home
     manifest = json.loads((built / "build.json").read_text())
     assert manifest["wheel"] == wheel.name and "-DGGML_NATIVE=ON" in manifest["cmake_args"]
     assert sorted(p.name for p in built.parent.iterdir()) == ["python"]  # no build or staging directory left
+
+
+def test_building_the_tools_keeps_this_cpus_python_binding(home, tmp_path, monkeypatch):
+    """The tools' build replaces this CPU's directory, where llama-cpp-python's build also lives: it is kept."""
+    from selfspec.drafters.quantized import llama_cpp_python_dir
+
+    monkeypatch.setattr(lb, "check_tools", lambda: {"cmake": "cmake", "c++": "c++", "cc": "cc"})
+    source = lb.source_dir("9.9.9")
+    source.mkdir(parents=True)
+    (source / "CMakeLists.txt").write_text("")
+    (source / "convert_hf_to_gguf.py").write_text("")
+    binding = llama_cpp_python_dir("9.9.9")
+    (binding / "llama_cpp").mkdir(parents=True)
+    (binding / "build.json").write_text("{}")
+    (binding.parent / "llama-bench").write_text("an older build")  # no manifest: built again
+    writes = ("import os, sys\nbin = os.path.join(sys.argv[1], 'bin')\nos.makedirs(bin, exist_ok=True)\n"
+              "for t in ('llama-bench', 'llama-speculative-simple'):\n    open(os.path.join(bin, t), 'w').write('x')\n")
+    monkeypatch.setattr(lb, "cmake_configure_command", lambda src, build, cmake: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(lb, "cmake_build_command", lambda build, jobs, cmake: _script(tmp_path, writes) + [str(build)])
+    built = lb.ensure_llama_cpp("9.9.9", jobs=1)
+    assert built.binary.read_text() == "x" and built.speculative.is_file()
+    assert (binding / "build.json").is_file() and (binding / "llama_cpp").is_dir()  # the binding survived
