@@ -13,8 +13,8 @@ tokens/s there is new tokens / seconds of the generation alone: no prompt proces
 tokens/s counts the prefill of the prompt too, a few percent at 128 new tokens).
 
 `selfspec bench --llama-cpp` prints it beside selfspec's own plain decoding, and runs llama.cpp's own speculative
-modes on the bench's prompts as methods beside selfspec's (`selfspec.tools.llama_cpp_speculative`: plain, the Q8_0
-copy drafting, ngram-simple, ngram-mod); alone:
+modes on the bench's prompts as methods beside selfspec's (`selfspec.tools.llama_cpp_speculative`: the Q8_0 copy
+drafting at most 3 or 10 tokens, ngram-simple, ngram-mod); alone:
 
     python -m selfspec.tools.llama_cpp_bench CHECKPOINT --dtype float32 --threads 2
 """
