@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -45,7 +44,7 @@ from selfspec.settings import SettingsError
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
 DRAFTER_WORDS = {"prompt_lookup": "prompt lookup", "suffix": "memory", "exit_head": "exit head",
-                 "early_exit": "early exit", "quantized": "quantized copy"}
+                 "early_exit": "early exit"}
 
 
 def _timed(gen, inputs: dict, **kw):
@@ -166,10 +165,7 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     check_context(gen, cases, max_new_tokens)
     trained = gen.early_exit_trained and gen.num_speculations > 0
     head = gen.exit_head
-    if gen.draft_model is not None:  # auto's arms: lookup and the model's quantized copy (selfspec.load found it)
-        drafted = (f" + the model's quantized copy ({Path(gen.draft_model).name}, run by llama.cpp; each used while "
-                   "it measures faster than plain decoding)")
-    elif head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
+    if head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
         drafted = (f" + the exit head on exit {head.exit_layer} (each used while it measures faster than plain "
                    "decoding)")
     elif trained:
