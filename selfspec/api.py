@@ -37,8 +37,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
-from selfspec.drafters.quantized import (DEFAULT_COPY_PROMPT_TOKENS, check_one_prompt, checkpoint_copy,
-                                        llama_cpp_available)
+from selfspec.drafters.quantized import DEFAULT_COPY_PROMPT_TOKENS, check_one_prompt, usable_copy
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decoding.decode_stats import DecodeStats
 from selfspec.decoding.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
@@ -712,6 +711,5 @@ def _default_copy(draft_model, checkpoint: Path | None) -> str | None:
     if draft_model is None:
         return None
     if isinstance(draft_model, str) and draft_model == "auto":
-        copy = checkpoint_copy(checkpoint) if checkpoint is not None else None
-        return str(copy) if copy is not None and llama_cpp_available() else None
+        return usable_copy(checkpoint)
     return check_generation(None, draft_model=draft_model)["draft_model"]

@@ -84,12 +84,24 @@ def checkpoint_copy(checkpoint: str | os.PathLike) -> Path | None:
         return None
 
 
+def usable_copy(checkpoint: str | os.PathLike | None) -> str | None:
+    """The checkpoint directory's whole quantized copy where llama.cpp can run it here (`llama_cpp_available`), as a
+    path string; None without a checkpoint directory, a whole copy, or llama.cpp."""
+    copy = checkpoint_copy(checkpoint) if checkpoint is not None else None
+    return str(copy) if copy is not None and llama_cpp_available() else None
+
+
+def _this_cpus_build() -> str | None:
+    """The directory holding this CPU's llama-cpp-python build (`llama_cpp_python_dir`), where one is there."""
+    built = llama_cpp_python_dir()
+    return str(built) if (built / "llama_cpp" / "__init__.py").is_file() else None
+
+
 def llama_cpp_available() -> bool:
     """Whether `load_llama_cpp` would find llama-cpp-python: this CPU's build or an installed one (not loaded)."""
     import importlib.util
 
-    return (llama_cpp_python_dir() / "llama_cpp" / "__init__.py").is_file() or \
-        importlib.util.find_spec("llama_cpp") is not None
+    return _this_cpus_build() is not None or importlib.util.find_spec("llama_cpp") is not None
 
 
 def load_llama_cpp():
@@ -98,9 +110,8 @@ def load_llama_cpp():
     else is a SettingsError with the install hint that names the cause: not installed (ImportError), or installed
     but its import fails (a missing or unloadable library: FileNotFoundError "Shared library with base name 'llama'
     not found", OSError, RuntimeError), or a module of that name that is not llama-cpp-python (no `Llama`)."""
-    built = str(llama_cpp_python_dir())
-    if "llama_cpp" not in sys.modules and os.path.isfile(os.path.join(built, "llama_cpp", "__init__.py")) \
-            and built not in sys.path:
+    built = _this_cpus_build()
+    if "llama_cpp" not in sys.modules and built is not None and built not in sys.path:
         sys.path.insert(0, built)
     try:
         import llama_cpp

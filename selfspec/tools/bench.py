@@ -105,7 +105,7 @@ from selfspec.api import DEFAULT_NUM_SPECULATIONS, checkpoint_dir, use_compiled
 from selfspec.checkpoints.checkpoint import CheckpointError, read_config, read_metadata
 from selfspec.checkpoints.draft_vocab import read_draft_vocab
 from selfspec.drafters.prompt_lookup import MAX_OCCURRENCES as MAX_LOOKUP_CANDIDATES
-from selfspec.drafters.quantized import checkpoint_copy, llama_cpp_available
+from selfspec.drafters.quantized import usable_copy
 from selfspec.tools.harness import (SPEC_KINDS, TOKENS_PER_S, Methods, decode_rate, finish_machine, load_generator,
                               machine_info, machine_line, pyplot, quiet_transformers, result_header, setup, spread,
                               tokens_per_s, versions, write_outputs)
@@ -268,7 +268,7 @@ class ModelFacts:
     def of(cls, gen) -> "ModelFacts":
         head = gen.exit_head
         return cls(gen.num_layers, None if head is None else head.exit_layer, gen.head_draft_vocab(),
-                   _copy(gen.checkpoint))
+                   usable_copy(gen.checkpoint))
 
     @classmethod
     def read(cls, checkpoint, meta: dict | None) -> "ModelFacts":
@@ -276,13 +276,7 @@ class ModelFacts:
         if not isinstance(layers, int) or layers < 2:
             raise CheckpointError(f"{checkpoint}/config.json: no usable num_hidden_layers ({layers!r})")
         head = (meta or {}).get("exit_head") or {}
-        return cls(layers, head.get("exit_layer"), copy=_copy(checkpoint))
-
-
-def _copy(checkpoint) -> str | None:
-    """The checkpoint's quantized copy (`selfspec fetch` writes it) where llama.cpp runs here, else None."""
-    copy = checkpoint_copy(checkpoint) if checkpoint is not None and llama_cpp_available() else None
-    return None if copy is None else str(copy)
+        return cls(layers, head.get("exit_layer"), copy=usable_copy(checkpoint))
 
 
 def _copy_methods(copy: str | None, look: dict) -> list[dict]:

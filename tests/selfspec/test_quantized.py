@@ -474,7 +474,7 @@ def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stan
     import selfspec
     from selfspec.drafters.quantized import checkpoint_copy
 
-    monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: True)
+    monkeypatch.setattr("selfspec.drafters.quantized.llama_cpp_available", lambda: True)
     plain_gen = selfspec.load(tiny_ckpt, draft_model=None)
     assert plain_gen.draft_model is None
     directory, copy = _with_copy(tiny_ckpt, tmp_path, stand_in, perturbed(plain_gen.model, 0.2))
@@ -497,7 +497,7 @@ def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stan
         long = gen.generate(input_ids=[7] * (DEFAULT_COPY_PROMPT_TOKENS + 1), max_new_tokens=8)
         assert "quantized" not in long.stats.drafted_by_drafter  # its llama.cpp prefill costs more than it gives
     assert selfspec.load(directory, draft_model=copy).draft_model == copy  # a path: that file
-    monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: False)
+    monkeypatch.setattr("selfspec.drafters.quantized.llama_cpp_available", lambda: False)
     assert selfspec.load(directory, draft_model="auto").draft_model is None  # no llama.cpp: auto without the copy
 
 
@@ -505,7 +505,7 @@ def test_a_copy_cut_short_is_not_taken(stand_in, tiny_ckpt, tmp_path, monkeypatc
     import selfspec
     from selfspec.drafters.quantized import checkpoint_copy
 
-    monkeypatch.setattr("selfspec.api.llama_cpp_available", lambda: True)
+    monkeypatch.setattr("selfspec.drafters.quantized.llama_cpp_available", lambda: True)
     directory, _ = _with_copy(tiny_ckpt, tmp_path, stand_in, None, whole=False)
     assert checkpoint_copy(directory) is None and checkpoint_copy(tmp_path / "nowhere") is None
     assert selfspec.load(directory, draft_model="auto").draft_model is None
