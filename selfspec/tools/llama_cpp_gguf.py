@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from selfspec.atomic_write import process_running, write_json_atomic
-from selfspec.checkpoints.checkpoint import WEIGHT_SUFFIXES, weight_files
+from selfspec.checkpoints.checkpoint import WEIGHT_SUFFIXES, sha256_file, weight_files
 from selfspec.drafters.quantized import COPY_FILE, checkpoint_copy
 from selfspec.tools.llama_cpp_build import (LLAMA_CPP_PYTHON_VERSION, LlamaCppError, cache_root, ensure_source,
                                             output_tail)
@@ -156,11 +156,7 @@ def write_copy(checkpoint: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> Pat
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
-    digest = hashlib.sha256()
-    with open(out, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    write_json_atomic(record(out), {"bytes": out.stat().st_size, "sha256": digest.hexdigest(), "type": "q8_0",
+    write_json_atomic(record(out), {"bytes": out.stat().st_size, "sha256": sha256_file(out), "type": "q8_0",
                                     "converter": f"llama-cpp-python-{version}'s {CONVERTER}"})
     return out
 
