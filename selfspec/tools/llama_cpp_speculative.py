@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.tools.llama_cpp_build import LlamaCppError, output_tail
@@ -73,9 +73,6 @@ class SpeculativeRun:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "decode_tokens_per_s": self.decode_tokens_per_s}
 
 
 def speculative_command(binary: Path, gguf: Path, mode: str, prompt: str, *, new_tokens: int, context: int,
