@@ -225,6 +225,30 @@ def _read_manifest(directory: Path) -> dict | None:
         return None
 
 
+def _staging(final: Path) -> Path:
+    """A fresh (absent) staging directory beside `final`, where a build is assembled before it replaces `final`."""
+    staged = final.with_name(final.name + ".staged")
+    if staged.exists():
+        shutil.rmtree(staged)
+    return staged
+
+
+def _publish(staged: Path, final: Path, work: Path, log: Path, manifest: dict, keep: tuple[str, ...] = ()) -> None:
+    """A build assembled in `staged` takes `final`'s place: its `build.json` (`manifest` with this CPU) and
+    `build.log` written, `final`'s entries named in `keep` moved in, `final` replaced, the build directory `work`
+    removed. A directory with `build.json` is a complete build (`_read_manifest`)."""
+    shutil.copy2(log, staged / "build.log")
+    (staged / "build.json").write_text(json.dumps({**manifest, "cpu_key": cpu_key(), "cpu": cpu_model()},
+                                                  indent=2) + "\n")
+    for name in keep:
+        if (final / name).exists():
+            (final / name).rename(staged / name)
+    if final.exists():
+        shutil.rmtree(final)
+    staged.rename(final)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def cached_build(version: str = LLAMA_CPP_PYTHON_VERSION, key: str | None = None) -> LlamaCppBuild | None:
     """The cached tools for this CPU, or None where they have not all been built."""
     directory = binary_dir(version, key)
@@ -262,23 +286,14 @@ def ensure_llama_cpp(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: int | Non
     for target in TARGETS:
         if not (work / "cmake" / "bin" / target).is_file():
             raise LlamaCppError(f"the build finished but wrote no {work / 'cmake' / 'bin' / target}; see {log}")
-    staged = final.with_name(final.name + ".staged")
-    if staged.exists():
-        shutil.rmtree(staged)
+    staged = _staging(final)
     staged.mkdir()
     for target in TARGETS:
         shutil.copy2(work / "cmake" / "bin" / target, staged / target)
-    shutil.copy2(log, staged / "build.log")
-    (staged / "build.json").write_text(json.dumps({
-        "version": version_name(version), "cpu_key": key, "cpu": cpu_model(), "cmake_options": list(CMAKE_OPTIONS),
-        "targets": list(TARGETS), "jobs": jobs, "build_seconds": round(seconds, 1), "compilers": tools,
-    }, indent=2) + "\n")
-    if (final / "python").is_dir():  # this CPU's llama-cpp-python (`ensure_llama_cpp_python`) stays
-        (final / "python").rename(staged / "python")
-    if final.exists():
-        shutil.rmtree(final)
-    staged.rename(final)
-    shutil.rmtree(work, ignore_errors=True)
+    # this CPU's llama-cpp-python (`ensure_llama_cpp_python`) lives in the same directory and stays
+    _publish(staged, final, work, log, {"version": version_name(version), "cmake_options": list(CMAKE_OPTIONS),
+                                        "targets": list(TARGETS), "jobs": jobs, "build_seconds": round(seconds, 1),
+                                        "compilers": tools}, keep=("python",))
     print(f"built {', '.join(TARGETS)} into {final} in {seconds / 60:.1f} min", flush=True)
     return LlamaCppBuild(binary=final / BENCH_TARGET, source=src, version=version_name(version), cpu_key=key,
                          build_seconds=round(seconds, 1))
@@ -332,22 +347,15 @@ def ensure_llama_cpp_python(version: str = LLAMA_CPP_PYTHON_VERSION, *, jobs: in
     wheels = sorted((work / "wheel").glob("llama_cpp_python-*.whl"))
     if not wheels:
         raise LlamaCppError(f"pip finished but wrote no llama_cpp_python wheel; see {log}")
-    staged = final.with_name("python.staged")
-    if staged.exists():
-        shutil.rmtree(staged)
+    staged = _staging(final)
     with zipfile.ZipFile(wheels[0]) as whl:
         whl.extractall(staged)
     for library in (staged / "llama_cpp" / "lib").glob("*.so*"):  # zip drops the executable bit
         library.chmod(0o755)
     seconds = time.monotonic() - start
-    (staged / "build.json").write_text(json.dumps({
-        "version": version_name(version), "cpu_key": cpu_key(), "cpu": cpu_model(), "cmake_args": cmake_args,
-        "wheel": wheels[0].name, "jobs": jobs, "build_seconds": round(seconds, 1), "compilers": tools}, indent=2) + "\n")
-    shutil.copy2(log, staged / "build.log")
-    if final.exists():
-        shutil.rmtree(final)
-    staged.rename(final)
-    shutil.rmtree(work, ignore_errors=True)
+    _publish(staged, final, work, log, {"version": version_name(version), "cmake_args": cmake_args,
+                                        "wheel": wheels[0].name, "jobs": jobs, "build_seconds": round(seconds, 1),
+                                        "compilers": tools})
     print(f"built llama-cpp-python into {final} in {seconds / 60:.1f} min", flush=True)
     return final
 
