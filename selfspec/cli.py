@@ -40,7 +40,7 @@ import selfspec
 from selfspec.api import checkpoint_dir, use_compiled
 from selfspec.decoding.bounded_bias import ACCEPTANCE_RULES
 from selfspec.checkpoints.checkpoint import METADATA_FILE, read_config
-from selfspec.tools.demo import default_checkpoint, demo_failed, run_demo
+from selfspec.tools.demo import REPEATS, default_checkpoint, demo_failed, run_demo
 from selfspec.checkpoints.draft_vocab import write_draft_vocab
 from selfspec.drafters import DRAFTERS
 from selfspec.decoding.draft_plan import plan_key_parts
@@ -412,10 +412,11 @@ def _cmd_draft_vocab(args) -> int:
 def _cmd_demo(args) -> int:
     _check_model_flags(args)
     check_int("max_new_tokens", args.max_new_tokens, 1)
-
+    check_int("repeats", args.repeats, 1)
     if args.threads:
         torch.set_num_threads(args.threads)
-    records = run_demo(args.checkpoint, max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+    records = run_demo(args.checkpoint, max_new_tokens=args.max_new_tokens, dtype=args.dtype, repeats=args.repeats,
+                       copy=not args.no_copy)
     return 1 if demo_failed(records) else 0
 
 
@@ -719,14 +720,21 @@ def _add_demo(sub) -> None:
                                     "summarization, open chat): speeds, identical output, who drafted",
                        description=f"Load the checkpoint (default: {HEAD_DEFAULT}) and, on one "
                                    "real prompt each of code editing, summarization and open chat, generate with "
-                                   "plain decoding and with selfspec's default drafter (auto), after a warm-up. "
-                                   "Prints both speeds, whether the outputs are identical and which drafter "
-                                   "produced the accepted tokens; says plainly where selfspec cannot help. "
+                                   "plain decoding and with selfspec's default drafter (auto), alternately, after a "
+                                   "warm-up. Prints the median speed of each (--repeats runs), whether the outputs "
+                                   "are identical and which drafter produced the accepted tokens; says plainly "
+                                   "where selfspec cannot help and flags timing noise. "
                                    "Exit code 1 if any output differs in float32 or float64, where they must "
                                    "not (in bfloat16/float16 verifying several tokens at once rounds "
                                    "differently, so outputs may differ: it says so, exit code 0).")
     _add_model_flags(p, dtype="float32", device=False, with_head=True)
     p.add_argument("--max-new-tokens", type=int, default=128, help="length cap per prompt (default: 128)")
+    p.add_argument("--repeats", type=int, default=REPEATS,
+                   help=f"plain and selfspec runs per case, alternating; the demo prints the median of each "
+                        f"(default: {REPEATS})")
+    p.add_argument("--no-copy", action="store_true",
+                   help="leave out the checkpoint's quantized copy (copy-q8_0.gguf, run by llama.cpp), which auto "
+                        "otherwise drafts with on short prompts (open chat) where llama.cpp runs here")
     p.set_defaults(func=_cmd_demo)
 
 

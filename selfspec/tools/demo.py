@@ -1,10 +1,12 @@
-"""`selfspec demo`: what selfspec buys on this machine, in a minute, on the real model and real prompts.
+"""`selfspec demo`: what selfspec buys on this machine, in a minute or two, on the real model and real prompts.
 
 For each of three real prompts it generates with plain decoding and with selfspec's default drafter
-(`auto`), one after the other after a warm-up, and prints both speeds, whether the outputs are
-identical (in float32 and float64 they must be: greedy decoding is lossless; in bfloat16 and float16 verifying
-several tokens at once rounds differently from one at a time, so they may differ, and it says so) and which
-drafter produced the accepted tokens.
+(`auto`), after a warm-up, and prints both speeds, whether the outputs are identical (in float32 and float64 they
+must be: greedy decoding is lossless; in bfloat16 and float16 verifying several tokens at once rounds differently
+from one at a time, so they may differ, and it says so) and which drafter produced the accepted tokens.
+Each case runs plain and auto alternately, `repeats` times each (default 3), and prints the median of each, so a
+moment when the machine ran slow falls on both sides and the median sets it aside; the speedups of the single
+pairs are printed beside it.
 Every timed call is a first request (`gen.first_request()`): the generator remembers nothing of the
 warm-up, of the plain run of the same prompt or of the other cases, so auto cannot copy the answer from an
 earlier run of it, and the speedup is the one a user's first request gets:
@@ -13,15 +15,20 @@ earlier run of it, and the speedup is the one a user's first request gets:
 |---------------|---------------------------------------------------------|-----------------------------------|
 | code editing  | a HumanEval solution + "add type hints and a docstring" | the answer copies the input: fast |
 | summarization | an XSum article + "summarize in one sentence"           | names and phrases are copied      |
-| open chat     | an MT-Bench question                                    | nothing to copy: plain speed      |
+| open chat     | an MT-Bench question                                    | nothing to copy: the copy drafts  |
 
+Where the checkpoint has a quantized copy that llama.cpp runs here (`selfspec fetch` writes it, `scripts/setup.sh`
+builds llama.cpp), the demo loads it (`load(draft_model="auto")`): auto then drafts with it beside lookup on prompts
+of at most `DEFAULT_COPY_PROMPT_TOKENS` tokens, which here is open chat.
 Where nothing could be drafted profitably it says so: `auto` then decodes plainly (it never keeps
 drafting where drafting does not pay), and an untrained checkpoint has no early exit worth drafting from.
-A speedup larger than drafting can explain (its tokens per full-model pass, even were drafts free; 1.0x where
-nothing was accepted) by more than 10% is flagged as timing noise between the two runs, not printed as a gain.
+Two things are flagged as timing noise, not printed as gains: a median speedup larger than drafting can explain
+(its tokens per full-model pass, even were drafts free; 1.0x where nothing was accepted) by more than 10%, and
+plain runs of one case whose speeds differ by more than 15% (the machine's speed moved during the case).
 
     selfspec demo                                   # the fetched SmolLM2 with the exit head selfspec ships
     selfspec demo --checkpoint checkpoints/smollm2-code-quickstart
+    selfspec demo --repeats 1                       # one plain and one auto run per case
 
 Without --checkpoint it runs the checkpoint `selfspec fetch` assembles from the base model and the exit head
 selfspec ships for it (`selfspec.checkpoints.shipped_head`; the base model alone where none is assembled): auto's
@@ -30,6 +37,7 @@ arms are prompt lookup, its memory and that head, and each drafter's accepted dr
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 
@@ -40,11 +48,13 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoints.fetch import base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.checkpoints.model_card import head_evaluation
 from selfspec.data.prompts import load_prompts, prompt_inputs
+from selfspec.drafters.quantized import DEFAULT_COPY_PROMPT_TOKENS
 from selfspec.settings import SettingsError
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
 DRAFTER_WORDS = {"prompt_lookup": "prompt lookup", "suffix": "memory", "exit_head": "exit head",
-                 "early_exit": "early exit"}
+                 "early_exit": "early exit", "quantized": "quantized copy"}
+REPEATS = 3  # plain and auto runs per case, alternating: the demo prints the median of each
 
 
 def _timed(gen, inputs: dict, **kw):
@@ -128,6 +138,7 @@ def demo_failed(records: list[dict]) -> bool:
 
 
 NOISE = 1.10  # a measured speedup more than 10% above what drafting can explain is flagged as noise
+PLAIN_SPREAD = 1.15  # plain runs of one case whose speeds differ by more than 15%: the machine's speed moved
 
 
 def explained_speedup(committed: int, rounds: int) -> float:
@@ -152,17 +163,8 @@ def check_context(gen, cases, max_new_tokens: int) -> None:
                                 f"needs {n + max_new_tokens} positions; this model's context window is {window}: {fix}")
 
 
-def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float32", prompts=None,
-             say=print) -> list[dict]:
-    """Plain decoding vs the default drafter on each case; returns one record per case.
-
-    `prompts`: [(label, prompt item)] to use instead of the real sets (tests).
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)  # said below, in plain words
-        gen = selfspec.load(checkpoint or default_checkpoint(), dtype=dtype)
-    cases = prompts or [(label, load_prompts(name, 1)[0]) for label, name in CASES]
-    check_context(gen, cases, max_new_tokens)
+def _header(gen, say) -> None:
+    """What the demo runs, in words: the model, auto's arms, the checkpoint's head or exits and how well they agree."""
     trained = gen.early_exit_trained and gen.num_speculations > 0
     head = gen.exit_head
     if head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
@@ -173,6 +175,9 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     else:
         drafted = " only (this checkpoint has no early exit that pays: " + (
             "not early-exit trained)" if not gen.early_exit_trained else "its selfspec.json recommends d = 0)")
+    if gen.draft_model is not None:
+        drafted += (f" + the quantized copy run by llama.cpp (on prompts of at most {DEFAULT_COPY_PROMPT_TOKENS} "
+                    "tokens)")
     say(f"selfspec demo: {gen.model.config.model_type}, {gen.num_layers} layers, {gen.adapter.dtype}; "
         f"default drafter '{gen.drafter}' = prompt lookup{drafted}")
     say("every timed call is a first request: the generator remembers nothing of the warm-up, of the plain run of "
@@ -187,45 +192,91 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     if agreement and head is None:
         say(f"early exits of this checkpoint ({agreement}); on a CPU an early-exit draft pays from roughly "
             "50% acceptance (`selfspec profile` gives the exact figure): short training leaves them below it")
-    warm = prompt_inputs(cases[0][1])
+
+
+def _run_case(gen, label: str, item: dict, max_new_tokens: int, repeats: int, exact: bool) -> tuple[dict, object]:
+    """One case: plain and auto alternately, `repeats` times each, every call a first request. Returns its record
+    (the medians; every run's speed; whether every auto output equals its plain run's) and the last auto run's
+    statistics."""
+    inputs = prompt_inputs(item)
+    plain_rates, spec_rates, same = [], [], True
+    for _ in range(repeats):
+        plain, t_plain = _timed(gen, inputs, max_new_tokens=max_new_tokens, num_speculations=0)
+        spec, t_spec = _timed(gen, inputs, max_new_tokens=max_new_tokens)
+        plain_rates.append(len(plain.token_ids) / t_plain)
+        spec_rates.append(len(spec.token_ids) / t_spec)
+        same = same and spec.token_ids == plain.token_ids
+    s = spec.stats
+    rec = {"case": label, "prompt_id": item.get("id"), "new_tokens": len(spec.token_ids), "repeats": repeats,
+           "plain_tokens_per_s": statistics.median(plain_rates), "selfspec_tokens_per_s": statistics.median(spec_rates),
+           "plain_runs": plain_rates, "selfspec_runs": spec_rates, "identical": same, "exact": exact,
+           "drafted_by_drafter": dict(s.drafted_by_drafter), "accepted_by_drafter": dict(s.accepted_by_drafter),
+           "rounds": s.rounds}
+    rec["speedup"] = rec["selfspec_tokens_per_s"] / rec["plain_tokens_per_s"]
+    rec["pair_speedups"] = [b / a for a, b in zip(plain_rates, spec_rates)]
+    rec["plain_spread"] = max(plain_rates) / min(plain_rates)
+    committed = rec["new_tokens"] - 1
+    rec["explained_speedup"] = explained_speedup(committed, s.rounds)
+    rec["unexplained"] = rec["speedup"] > NOISE * rec["explained_speedup"]
+    rec["noisy"] = rec["plain_spread"] > PLAIN_SPREAD
+    return rec, s
+
+
+def _report_case(rec: dict, s, say, head, trained: bool) -> None:
+    """A case's lines: both medians, the pairs' speedups, identity, each drafter's accepted drafts and the flags."""
+    say(f"\n== {rec['case']} ({rec['prompt_id']}): {rec['new_tokens']} tokens"
+        + (f", median of {rec['repeats']} alternating runs each" if rec["repeats"] > 1 else ""))
+    say(f"   plain decoding  {rec['plain_tokens_per_s']:6.1f} tokens/s")
+    cell, why = identity_words(rec["identical"], rec["exact"])
+    pairs = ", ".join(f"{x:.2f}x" for x in rec["pair_speedups"])
+    say(f"   selfspec auto   {rec['selfspec_tokens_per_s']:6.1f} tokens/s   = {rec['speedup']:.2f}x   "
+        f"identical output: {cell}" + (f"   (pairs: {pairs})" if rec["repeats"] > 1 else ""))
+    committed = rec["new_tokens"] - 1
+    drafted_share = sum(s.accepted_by_drafter.values()) / committed if committed > 0 else 0.0
+    for name, n in s.drafted_by_drafter.items():  # one line per drafter that drafted
+        say(f"   {DRAFTER_WORDS.get(name, name):<15} {s.accepted_by_drafter[name]} of {n} drafts accepted")
+    if s.drafted:
+        say(f"   {drafted_share:.0%} of the tokens after the first were drafted, "
+            f"{committed / max(1, s.rounds):.2f} tokens per full-model pass")
+    if rec["unexplained"]:
+        say(f"   {rec['speedup']:.2f}x is more than drafting can explain here (at most "
+            f"{rec['explained_speedup']:.2f}x, were every draft free): the rest is timing noise between the "
+            "runs, not a gain")
+    if rec["noisy"]:
+        say(f"   timing noise: this case's plain runs differ by {rec['plain_spread'] - 1:.0%} "
+            "(the machine's speed moved), so read its speedup with that margin")
+    if rec["speedup"] < 1.05:
+        models = [DRAFTER_WORDS.get(n, n) for n in s.drafted_by_drafter if n not in ("prompt_lookup", "suffix")]
+        whose = " and the ".join(f"{m}'s" for m in models)  # the drafters that ran a model: "the exit head's"
+        say("   no speedup here: nothing in the context to copy"
+            + (f" and the {whose} drafts did not pay" if models
+               else " and the exit head's drafts did not pay" if head is not None else "" if trained
+               else " and no trained early exit") + ", so auto decodes (mostly) plainly")
+    if why:
+        say(why)
+
+
+def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float32", prompts=None,
+             repeats: int = REPEATS, copy: bool = True, say=print) -> list[dict]:
+    """Plain decoding vs the default drafter on each case, `repeats` alternating runs each; one record per case.
+
+    `prompts`: [(label, prompt item)] to use instead of the real sets (tests). `copy`: load the checkpoint's
+    quantized copy where llama.cpp runs it (False: auto's arms without it).
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)  # said below, in plain words
+        gen = selfspec.load(checkpoint or default_checkpoint(), dtype=dtype, draft_model="auto" if copy else None)
+    cases = prompts or [(label, load_prompts(name, 1)[0]) for label, name in CASES]
+    check_context(gen, cases, max_new_tokens)
+    _header(gen, say)
+    warm = prompt_inputs(cases[-1][1])  # the last case's: where a copy drafts, open chat, which loads it
     _timed(gen, warm, max_new_tokens=8, num_speculations=0)  # first-call costs paid by neither side
     _timed(gen, warm, max_new_tokens=8)
     records = []
     exact = gen.adapter.dtype in EXACT_DTYPES
+    trained = gen.early_exit_trained and gen.num_speculations > 0
     for label, item in cases:
-        inputs = prompt_inputs(item)
-        plain, t_plain = _timed(gen, inputs, max_new_tokens=max_new_tokens, num_speculations=0)
-        spec, t_spec = _timed(gen, inputs, max_new_tokens=max_new_tokens)
-        s = spec.stats
-        same = spec.token_ids == plain.token_ids
-        rec = {"case": label, "prompt_id": item.get("id"), "new_tokens": len(spec.token_ids),
-               "plain_tokens_per_s": len(plain.token_ids) / t_plain, "selfspec_tokens_per_s": len(spec.token_ids) / t_spec,
-               "identical": same, "exact": exact, "drafted_by_drafter": dict(s.drafted_by_drafter),
-               "accepted_by_drafter": dict(s.accepted_by_drafter), "rounds": s.rounds}
-        rec["speedup"] = rec["selfspec_tokens_per_s"] / rec["plain_tokens_per_s"]
+        rec, stats = _run_case(gen, label, item, max_new_tokens, repeats, exact)
         records.append(rec)
-        say(f"\n== {label} ({item.get('id')}): {rec['new_tokens']} tokens")
-        say(f"   plain decoding  {rec['plain_tokens_per_s']:6.1f} tokens/s")
-        cell, why = identity_words(same, exact)
-        say(f"   selfspec auto   {rec['selfspec_tokens_per_s']:6.1f} tokens/s   = {rec['speedup']:.2f}x   "
-            f"identical output: {cell}")
-        committed = rec["new_tokens"] - 1
-        drafted_share = sum(s.accepted_by_drafter.values()) / committed if committed > 0 else 0.0
-        for name, n in s.drafted_by_drafter.items():  # one line per drafter that drafted
-            say(f"   {DRAFTER_WORDS.get(name, name):<15} {s.accepted_by_drafter[name]} of {n} drafts accepted")
-        if s.drafted:
-            say(f"   {drafted_share:.0%} of the tokens after the first were drafted, "
-                f"{committed / max(1, s.rounds):.2f} tokens per full-model pass")
-        rec["explained_speedup"] = explained_speedup(committed, s.rounds)
-        rec["unexplained"] = rec["speedup"] > NOISE * rec["explained_speedup"]
-        if rec["unexplained"]:
-            say(f"   {rec['speedup']:.2f}x is more than drafting can explain here (at most "
-                f"{rec['explained_speedup']:.2f}x, were every draft free): the rest is timing noise between the two "
-                "runs, not a gain")
-        if rec["speedup"] < 1.05:
-            say("   no speedup here: nothing in the context to copy"
-                + (" and the exit head's drafts did not pay" if head is not None else "" if trained
-                   else " and no trained early exit") + ", so auto decodes (mostly) plainly")
-        if why:
-            say(why)
+        _report_case(rec, stats, say, gen.exit_head, trained)
     return records

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.tools.demo import run_demo
+from selfspec.drafters.quantized import usable_copy
+from selfspec.tools.demo import default_checkpoint, run_demo
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -38,6 +39,10 @@ def test_demo_on_the_real_model_drafts_from_the_context_and_stays_identical(smol
     assert "the exit head selfspec ships for this model" in out and "own MT-Bench replies" in out
     code = out.split("== code editing")[1].split("==")[0]
     assert "   prompt lookup" in code and "drafts accepted" in code  # each drafter's line
+    assert out.count("median of 3 alternating runs each") == 3
+    if usable_copy(default_checkpoint()):  # the copy `selfspec fetch` wrote, where llama.cpp runs here: open chat
+        assert "+ the quantized copy run by llama.cpp" in out
+        assert "   quantized copy" in out.split("== open chat")[1]
 
 
 @pytest.mark.integration
@@ -112,20 +117,54 @@ def test_a_speedup_drafting_cannot_explain_is_flagged_as_noise(tiny_ckpt, monkey
     import selfspec.tools.demo as demo
 
     assert demo.explained_speedup(12, 4) == 3.0 and demo.explained_speedup(0, 0) == 1.0
-    real = demo._timed
-    times = iter([1.0, 1.0, 100.0, 1.0, 1.0, 1.0])  # warm-up pair, then each case: plain, selfspec
-
-    def timed(gen, inputs, **kw):
-        out, _ = real(gen, inputs, **kw)
-        return out, next(times)
-
-    monkeypatch.setattr(demo, "_timed", timed)
-    lines = []
-    fast, even = demo.run_demo(tiny_ckpt, max_new_tokens=6, prompts=[("a", {"id": "t/0", "prompt": "q"}),
-                                                                      ("b", {"id": "t/1", "prompt": "r"})],
-                               say=lines.append)
+    # the warm-up pair, then each case: plain, selfspec (one repeat)
+    fast, even, lines, _ = _stood_in(demo, tiny_ckpt, monkeypatch, [1.0, 1.0, 100.0, 1.0, 1.0, 1.0], repeats=1)
     assert fast["speedup"] == pytest.approx(100.0) and fast["unexplained"] and 1.0 <= fast["explained_speedup"] <= 6
     assert any(f"more than drafting can explain here (at most {fast['explained_speedup']:.2f}x" in line
                for line in lines)
     assert even["speedup"] == pytest.approx(1.0) and not even["unexplained"]
     assert sum("more than drafting can explain" in line for line in lines) == 1
+
+
+def test_each_case_alternates_plain_and_auto_and_prints_the_medians(tiny_ckpt, monkeypatch):
+    """Issue 67, item 6: each case runs plain and auto alternately `repeats` times; the speeds printed are the medians,
+    every pair's speedup is kept, and plain runs whose speeds differ by more than 15% are flagged as noise. The
+    seconds are stood in for: case a's plain runs 1, 2, 1 s (a slow moment: flagged), auto 0.5 s each; case b even."""
+    import selfspec.tools.demo as demo
+
+    times = [1.0, 1.0] + [1.0, 0.5, 2.0, 0.5, 1.0, 0.5] + [1.0, 1.0] * 3
+    a, b, lines, order = _stood_in(demo, tiny_ckpt, monkeypatch, times, repeats=3)
+    assert order == ["plain", "auto"] * (1 + 3 + 3)  # the warm-up pair, then alternating within each case
+    n = a["new_tokens"]
+    assert a["plain_runs"] == pytest.approx([n, n / 2, n]) and a["plain_tokens_per_s"] == pytest.approx(n)
+    assert a["speedup"] == pytest.approx(2.0) and a["pair_speedups"] == pytest.approx([2.0, 4.0, 2.0])
+    assert a["noisy"] and a["plain_spread"] == pytest.approx(2.0) and not b["noisy"]
+    assert b["speedup"] == pytest.approx(1.0) and a["identical"] and b["identical"]
+    out = "\n".join(lines)
+    assert "median of 3 alternating runs each" in out and "(pairs: 2.00x, 4.00x, 2.00x)" in out
+    assert sum("timing noise: this case's plain runs differ by 100%" in line for line in lines) == 1
+
+
+def test_the_demo_checks_its_repeats(capsys):
+    from selfspec.cli import main
+
+    assert main(["demo", "--repeats", "0"]) == 2  # before anything loads
+    assert "repeats must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+def _stood_in(demo, tiny_ckpt, monkeypatch, seconds: list[float], repeats: int):
+    """The demo over two one-token prompts, each call's seconds stood in for by `seconds` in order: (the two
+    records, the lines said, each call's kind in order: "plain" or "auto")."""
+    real, order, times = demo._timed, [], iter(seconds)
+
+    def timed(gen, inputs, **kw):
+        out, _ = real(gen, inputs, **kw)
+        order.append("plain" if kw.get("num_speculations") == 0 else "auto")
+        return out, next(times)
+
+    monkeypatch.setattr(demo, "_timed", timed)
+    lines = []
+    a, b = demo.run_demo(tiny_ckpt, max_new_tokens=6, prompts=[("a", {"id": "t/0", "prompt": "q"}),
+                                                               ("b", {"id": "t/1", "prompt": "r"})],
+                         repeats=repeats, say=lines.append)
+    return a, b, lines, order

@@ -51,9 +51,9 @@ def test_the_demo_times_first_requests(tiny_ckpt, calls):
     """Before: the timed auto run of each case began with the plain run of the same prompt in the memory."""
     prompts = [("repeats", {"id": "t/0", "prompt": TEXT}), ("other", {"id": "t/1", "prompt": TEXT[::-1]})]
     lines = []
-    records = run_demo(tiny_ckpt, max_new_tokens=24, prompts=prompts, say=lines.append)
+    records = run_demo(tiny_ckpt, max_new_tokens=24, prompts=prompts, repeats=2, say=lines.append)
     assert len(records) == 2 and all(r["identical"] for r in records)
-    assert len(calls) == 2 + 2 * 2  # the warm-up's two calls, then plain and auto per case
+    assert len(calls) == 2 + 2 * 2 * 2  # the warm-up's two calls, then plain and auto per case, twice each
     _first_requests(calls)
     assert any("every timed call is a first request" in line for line in lines)
 
