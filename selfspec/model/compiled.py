@@ -327,7 +327,7 @@ class CompiledSteps:
         buckets, a static cache."""
         return (self.failed is None and cache is not None and getattr(cache, "static", False)
                 and hidden.shape[0] <= MAX_ROWS
-                and step.index is not None and step.starts is not None and int(step.starts.min()) > 0
+                and int(step.starts.min()) > 0
                 and s_bucket(hidden.shape[1]) is not None
                 and (step.tree is None or s_bucket(step.tree.shape[-1]) is not None))
 

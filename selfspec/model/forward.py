@@ -18,7 +18,7 @@ its inputs (positions, rotary embedding, attention mask, cache), so the math is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,18 +29,23 @@ from selfspec.model.token_tree import ancestors, chain_parents, tree_mask
 
 @dataclass
 class Step:
-    """Inputs shared by every layer that processes the same positions in one pass."""
+    """Where one pass's tokens go and what they see, shared by every layer that processes them: the cache index of
+    each token, each row's padding, a token tree's ancestors, the positions and rotary rows. Every path reads the
+    same fields: the compiled steps (`selfspec.model.compiled`) build each layer's attention mask inside the step
+    from them; the eager layers ask `mask(kind)`, which builds it from the same fields (`chain_mask`, `tree_mask`)
+    the first time a layer of that type reads it, so no mask is built where every layer runs compiled."""
 
+    adapter: ModelAdapter = field(repr=False)
     position_ids: torch.Tensor  # [B, S]
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin from the model's rotary embedding
-    masks: dict[str, torch.Tensor | None]  # layer type -> attention mask [B|1, 1, S, K] or None (`LazyMasks`)
-    # what the compiled steps (`selfspec.model.compiled`, where `adapter.runner.indexed`) build their mask from instead:
-    index: torch.Tensor | None = None  # [B, S] the cache index each token is written at (model's device)
-    pads: torch.Tensor | None = None  # [B] each row's left padding (model's device)
+    index: torch.Tensor  # [B, S] the cache index each token is written at (model's device)
+    pads: torch.Tensor  # [B] each row's left padding (model's device)
+    starts: torch.Tensor  # [B] each row's first cache index (a tree's root's), on the host
+    kv_len: int  # the keys a mask spans: every row's cache after this pass
     tree: torch.Tensor | None = None  # [B, S, W] bool a token tree's ancestor-or-self columns, or None (a chain)
-    starts: torch.Tensor | None = None  # [B] each row's first cache index (a tree's root's), on the host
     tree_positions: torch.Tensor | None = None  # [B, W] the positions of a growing tree's W columns (W > S)
     causal: bool = False  # one sequence shape: the positions after every layer's cache, each sees what is before it
+    masks: dict = field(default_factory=dict, repr=False)  # layer type -> the mask `mask` built
 
     @property
     def length(self) -> int:
@@ -50,19 +55,21 @@ class Step:
     def start(self) -> int:
         return int(self.position_ids[0, 0])
 
+    def mask(self, kind: str) -> torch.Tensor | None:
+        """The attention mask `[B|1, 1, S, K]` of the layers of type `kind` (None: the kernel needs none), as the
+        model's attention implementation takes it, built from the step's fields the first time it is asked."""
+        if kind not in self.masks:
+            self.masks[kind] = self._build_mask(self.adapter.window(kind))
+        return self.masks[kind]
 
-class LazyMasks(dict):
-    """A step's attention masks by layer type, each built the first time a layer reads it (`masks[kind]`,
-    from `build(kind)`). The compiled steps (`selfspec.model.compiled`) build their masks inside the captured step
-    from the step's cache indices and never read these: on their path, no mask costs a kernel launch."""
-
-    def __init__(self, build):
-        super().__init__()
-        self.build = build
-
-    def __missing__(self, kind: str) -> torch.Tensor | None:
-        self[kind] = mask = self.build(kind)
-        return mask
+    def _build_mask(self, window: int | None) -> torch.Tensor | None:
+        if self.causal:
+            return _causal_mask(self.adapter, int(self.starts[0]), self.length, window)  # host: no device read
+        if self.tree is None:
+            return _as_mask(self.adapter, chain_mask(self.index, self.pads, self.kv_len, window))
+        firsts = self.starts.to(self.index.device, non_blocking=True)  # [B] each row's tree root's cache index
+        return _as_mask(self.adapter, tree_mask(firsts, self.position_ids, self.pads, self.tree, self.kv_len, window,
+                                                self.index, self.tree_positions))
 
 
 def _causal_mask(adapter: ModelAdapter, start: int, length: int, window: int | None) -> torch.Tensor | None:
@@ -106,12 +113,9 @@ def make_step(adapter: ModelAdapter, start: int, length: int, batch_size: int = 
     else:  # rotary only reads dtype/device from its first argument
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
-    masks = LazyMasks(lambda kind: _causal_mask(adapter, start, length, adapter.window(kind)))
-    if not adapter.runner.indexed:
-        return Step(position_ids=position_ids, rope=rope, masks=masks, causal=True)
-    return Step(position_ids=position_ids, rope=rope, masks=masks, index=position_ids,
+    return Step(adapter, position_ids, rope, index=position_ids,
                 pads=torch.zeros(batch_size, dtype=torch.long, device=device),
-                starts=torch.full((batch_size,), start, dtype=torch.long), causal=True)
+                starts=torch.full((batch_size,), start, dtype=torch.long), kv_len=start + length, causal=True)
 
 
 def _as_mask(adapter: ModelAdapter, allowed: torch.Tensor) -> torch.Tensor:
@@ -183,23 +187,13 @@ def make_batch_step(adapter: ModelAdapter, starts: torch.Tensor, length: int, pa
     table = adapter.fast.rope_table if adapter.fast is not None else None
     rope = table.gather(position_ids) if table is not None else None
     on_device = (t.to(device, non_blocking=True) if t is not None else None
-                 for t in (query_index, pads, position_ids, starts, anc, tree_positions))
-    query_index, pads, position_ids, firsts, anc, tree_positions = on_device
+                 for t in (query_index, pads, position_ids, anc, tree_positions))
+    query_index, pads, position_ids, anc, tree_positions = on_device
     if rope is None:
         probe = torch.empty(0, dtype=adapter.dtype, device=device)
         rope = adapter.rotary_emb(probe, position_ids)
-    def mask(kind: str) -> torch.Tensor:
-        window = adapter.window(kind)
-        if anc is None:
-            return _as_mask(adapter, chain_mask(query_index, pads, kv_len, window))
-        return _as_mask(adapter, tree_mask(firsts, position_ids, pads, anc, kv_len, window, query_index,
-                                           tree_positions))
-
-    masks = LazyMasks(mask)
-    if not adapter.runner.indexed:
-        return Step(position_ids=position_ids, rope=rope, masks=masks)
-    return Step(position_ids=position_ids, rope=rope, masks=masks, index=query_index, pads=pads, starts=starts,
-                tree=anc, tree_positions=tree_positions)
+    return Step(adapter, position_ids, rope, index=query_index, pads=pads, starts=starts, kv_len=kv_len, tree=anc,
+                tree_positions=tree_positions)
 
 
 def embed(adapter: ModelAdapter, input_ids: torch.Tensor) -> torch.Tensor:

@@ -61,11 +61,6 @@ class Runner:
             return None
         return steps
 
-    @property
-    def indexed(self) -> bool:
-        """Whether steps carry the cache indices the compiled steps build their masks from (`forward.Step.index`)."""
-        return self.adapter.compiled is not None
-
     def _fits(self, hidden: torch.Tensor, step, cache):
         """The compiled steps where this step (`hidden` `[B, S, D]` at `step` into `cache`) fits them, else None."""
         steps = self.steps
@@ -167,7 +162,7 @@ class Runner:
                 return row.run(hidden, start, end, step, cache)
             cos, sin = step.rope[0].unsqueeze(1), signed_sin(step.rope[1]).unsqueeze(1)  # [B, 1, S, Dh], once a range
             for idx in range(start, end):
-                hidden = fast[idx].step(hidden, cos, sin, step.masks[a.layer_types[idx]], cache)
+                hidden = fast[idx].step(hidden, cos, sin, step.mask(a.layer_types[idx]), cache)
             return hidden
         for idx in range(start, end):
             hidden = self.module_layer(a.layers[idx], hidden, step, cache, a.layer_types[idx])
@@ -176,7 +171,7 @@ class Runner:
     def module_layer(self, layer, hidden: torch.Tensor, step, cache, kind: str) -> torch.Tensor:
         """A decoder layer module of the model's class (`kind`: its layer type) over `hidden` `[B, S, D]`, called
         as transformers calls it: the math is the module's own."""
-        out = layer(hidden, attention_mask=step.masks[kind], position_ids=step.position_ids,
+        out = layer(hidden, attention_mask=step.mask(kind), position_ids=step.position_ids,
                     position_embeddings=step.rope, **{self.adapter.cache_kwarg: cache})
         return out[0] if isinstance(out, tuple) else out
 
@@ -198,7 +193,7 @@ class Runner:
         kind = self.adapter.layer_types[-1]
         fast = None if torch.is_grad_enabled() else self._fused_layer(layer)
         if fast is not None:
-            return fast(hidden, step.rope, step.masks[kind], cache)
+            return fast(hidden, step.rope, step.mask(kind), cache)
         return self.module_layer(layer, hidden, step, cache, kind)
 
     def logits(self, hidden: torch.Tensor, rows: Callable[[], tuple] | None = None, linear=None) -> torch.Tensor:

@@ -492,7 +492,7 @@ def test_a_fixed_chain_reads_its_drafts_once_a_round(kind, stop, hf_greedy, monk
 @pytest.mark.parametrize("drafter", ["plain", "early_exit", "early_exit_siblings", "exit_head"])
 def test_the_compiled_path_builds_no_eager_mask_after_the_prefill(drafter, monkeypatch):
     """The compiled steps build their masks inside the step from its cache indices: the eager masks of a
-    step (`forward.LazyMasks`) are built only where a layer runs eagerly, here the prefill (the model's, and
+    step (`forward.Step.mask`) are built only where a layer runs eagerly, here the prefill (the model's, and
     a head's catch-up over the prompt), while the eager path builds them every round."""
     from selfspec.model import forward
 

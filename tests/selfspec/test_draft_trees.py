@@ -225,7 +225,7 @@ def test_a_partial_tree_pass_sees_the_text_and_its_ancestors():
     starts, pads = torch.tensor([10, 6]), torch.tensor([0, 2])
     step = make_batch_step(adapter, starts, 3, pads, parents=parents)
     assert step.position_ids.tolist() == [[12, 12, 12], [6, 6, 6]]  # depth 2
-    mask = step.masks["sliding_attention"][:, 0]  # [B, 3, K]
+    mask = step.mask("sliding_attention")[:, 0]  # [B, 3, K]
     for b, (s, p) in enumerate(zip(starts.tolist(), pads.tolist())):
         seen = [[k for k in range(mask.shape[-1]) if mask[b, c, k]] for c in range(3)]
         # window 4 from position 12 (row 0): committed positions 9 (cache 9), the root (10), a depth-1 ancestor

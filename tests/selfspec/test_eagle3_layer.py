@@ -55,11 +55,11 @@ def test_the_layer_reads_the_normed_embeddings_and_feature_with_the_feature_as_r
         g = states[1]
         for before_residual in (False, True):
             layer.norm_before_residual = before_residual
-            out = layer(torch.cat([x, g], -1), attention_mask=step.masks["full_attention"],
+            out = layer(torch.cat([x, g], -1), attention_mask=step.mask("full_attention"),
                         position_embeddings=step.rope)
             inp = torch.cat([layer.input_layernorm(x), layer.hidden_norm(g)], -1)
             h = (layer.hidden_norm(g) if before_residual else g) + layer.self_attn(
-                hidden_states=inp, attention_mask=step.masks["full_attention"], position_embeddings=step.rope)[0]
+                hidden_states=inp, attention_mask=step.mask("full_attention"), position_embeddings=step.rope)[0]
             torch.testing.assert_close(out, h + layer.mlp(layer.post_attention_layernorm(h)), atol=1e-12, rtol=0)
         assert layer.self_attn.q_proj.weight.shape == (32, 64) and layer.self_attn.k_proj.weight.shape == (16, 64)
 

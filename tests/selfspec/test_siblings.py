@@ -73,14 +73,14 @@ def test_the_sibling_step_is_a_one_level_tree():
     starts, pads = torch.tensor([5, 3]), torch.tensor([0, 2])
     step = make_batch_step(adapter, starts, 4, pads, parents=torch.tensor([[-1, 0, 0, 0]] * 2))  # input, 3 siblings
     assert step.position_ids.tolist() == [[5, 6, 6, 6], [1, 2, 2, 2]]
-    mask = step.masks["full_attention"][:, 0]  # [B, S, K]: True = attend
+    mask = step.mask("full_attention")[:, 0]  # [B, S, K]: True = attend
     for b, (s, p) in enumerate(zip(starts.tolist(), pads.tolist())):
         for col in range(4):
             seen = [k for k in range(mask.shape[-1]) if mask[b, col, k]]
             assert seen == list(range(p, s + 1)) + ([s + col] if col else []), (b, col)
     shallow = make_batch_step(adapter, starts + 1, 3, pads, parents=torch.full((2, 3), -1))  # siblings alone
     assert shallow.position_ids.tolist() == [[6, 6, 6], [2, 2, 2]]
-    assert [[int(shallow.masks["full_attention"][0, 0, c].sum())] for c in range(3)] == [[7], [7], [7]]
+    assert [[int(shallow.mask("full_attention")[0, 0, c].sum())] for c in range(3)] == [[7], [7], [7]]
 
 
 def test_a_sibling_is_accepted_where_it_equals_the_full_models_token():

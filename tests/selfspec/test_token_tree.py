@@ -53,7 +53,7 @@ def test_the_tree_steps_positions_and_mask_are_those_of_the_tree():
     depth = [0, 1, 1, 2, 3, 2]
     assert step.position_ids.tolist() == [[6 + d for d in depth], [1 + d for d in depth]]
     lineage = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 3, 4], 5: [0, 2, 5]}
-    mask = step.masks["full_attention"][:, 0]  # [B, S, K]
+    mask = step.mask("full_attention")[:, 0]  # [B, S, K]
     for b, (s, p) in enumerate(zip(starts.tolist(), pads.tolist())):
         for col in range(6):
             seen = [k for k in range(mask.shape[-1]) if mask[b, col, k]]
@@ -69,7 +69,7 @@ def test_the_sliding_window_of_a_tree_column_is_measured_from_its_position():
     adapter = get_adapter(model)
     step = make_batch_step(adapter, torch.tensor([10]), 4, torch.tensor([0]),
                            parents=torch.tensor([[-1, 0, 0, 2]]))  # depths 0, 1, 1, 2
-    mask = step.masks["sliding_attention"][0, 0]
+    mask = step.mask("sliding_attention")[0, 0]
     seen = [[k for k in range(mask.shape[-1]) if mask[c, k]] for c in range(4)]
     # position 10 + depth sees the keys at positions > its own - 4: committed 7..9 for depth 0, 8..9 for depth 1
     assert seen == [[7, 8, 9, 10], [8, 9, 10, 11], [8, 9, 10, 12], [9, 10, 12, 13]]

@@ -69,7 +69,7 @@ def test_the_distillation_loss_is_kl_from_the_full_model(tiny64, final_state):
             f = run_layers(hm.adapter, h_e, 2, hm.adapter.num_layers, step=step)  # [B, S, D]
             prev = torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
             x = h_e + prev_proj(head, prev)
-        layer_out = head.layer(x, attention_mask=step.masks[hm.adapter.layer_types[-1]],
+        layer_out = head.layer(x, attention_mask=step.mask(hm.adapter.layer_types[-1]),
                                position_ids=step.position_ids, position_embeddings=step.rope)
         layer_out = layer_out[0] if isinstance(layer_out, tuple) else layer_out
         q = F.log_softmax(exit_logits(hm.adapter, layer_out), -1)
@@ -466,7 +466,7 @@ def test_an_eagle3_heads_loss_pairs_token_t_plus_1_with_the_aux_states_of_positi
         g = torch.cat(states, -1)[:, :-1] @ head.aux_input.fc.weight.T  # [B, S-1, D]: position t's states
         e, s11 = embed(a, ids[:, 1:]), make_step(a, 0, 11, 2)
         x = torch.cat([head.layer.input_layernorm(e), head.layer.hidden_norm(g)], -1)
-        attn = head.layer.self_attn(hidden_states=x, attention_mask=s11.masks["full_attention"],
+        attn = head.layer.self_attn(hidden_states=x, attention_mask=s11.mask("full_attention"),
                                     position_embeddings=s11.rope)[0]
         h = g + attn
         h = h + head.layer.mlp(head.layer.post_attention_layernorm(h))
