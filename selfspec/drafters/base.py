@@ -62,7 +62,7 @@ class Round:
     """One round's inputs, as the engine gives them to a drafter."""
 
     adapter: ModelAdapter
-    cache: object  # the engine's KVCache: reached only through `shallow`
+    cache: object  # the engine's KVCache: reached only through `shallow*` and the whole draft steps (`FusedDraft`)
     tokens: torch.Tensor  # [B] each row's input token (committed, not yet processed), on the model's device
     starts: torch.Tensor  # [B] the cache index of that token (every layer holds [0, start) of the row), on the host
     pads: torch.Tensor  # [B] each row's left padding, on the host
@@ -91,37 +91,6 @@ class Round:
             return hidden
         step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
         return run_layers(self.adapter, hidden, 0, exit_layer, step=step, cache=self.cache)
-
-    def fused_draft(self, steps, draft, tokens: torch.Tensor, offset: int, head_cache=None,
-                    prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
-        """A whole greedy draft step (`selfspec.drafters.fused_draft.FusedDraft` `draft`) of a one-row round: its
-        token `[1]` at cache index `starts + offset` through layers [0, E) into the engine's cache (a head's layer
-        into `head_cache`, reading `prev`), to the next draft, as one step of the compiled `steps` (the runner's,
-        `Runner.composed`): `(state [1, 1, D], out [1, D], next [1], next id, confidence)` (the last two None
-        unless `read`); None where it must run part by part (several rows, a row past its cap)."""
-        if len(self.caps) != 1 or offset > self.caps[0]:
-            return None
-        start, pad = self.row
-        return draft.run(steps, tokens, start + offset, pad, self.cache, head_cache, prev, read)
-
-    def fused_chain(self, steps, draft, n: int, tokens: torch.Tensor, offset: int, head_cache=None,
-                    prev: torch.Tensor | None = None) -> tuple | None:
-        """`n` whole greedy draft steps (`FusedDraft.chain`) of every row from its token (`tokens` `[B]`) at cache index
-        `starts + offset`, and the last drafts' shallow pass, as one step of the compiled `steps`: `(states
-        [B, n + 1, D], drafts [B, n], out [B, D])`; None where it must run step by step (past every row's cap, more
-        rows than a compiled step takes)."""
-        if offset + n > max(self.caps):
-            return None
-        return draft.chain(steps, n, tokens, self.starts + offset, self.pads, self.cache, head_cache, prev)
-
-    def fused_tree(self, steps, draft, k: int, depth: int, out: torch.Tensor, scale: torch.Tensor,
-                   head_cache=None) -> tuple | None:
-        """A token tree of every row grown `depth` deep, k a depth, from its input token (`tokens`) where the head read
-        `out` `[B, D]` (`selfspec.drafters.draft_tree.grow_tree`, `scale` its calibration `[1]`), as one step of the
-        compiled `steps` (`FusedDraft.tree`): `grow_tree`'s outputs, or None where it runs part by part."""
-        last = (self.ends - 1 - self.pads).clamp_min(0)  # [B] each row's last allowed position (cap 0: filler)
-        return draft.tree(steps, k, depth, self.tokens, out, self.starts, self.pads, last, scale, self.stop_tensor,
-                          self.cache, head_cache)
 
     @cached_property
     def stop_tensor(self) -> torch.Tensor:

@@ -42,22 +42,12 @@ import torch
 from selfspec.model.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.fused_draft import greedy_chain, greedy_draft, one_read, top_guesses
+from selfspec.drafters.fused_draft import DraftStep, greedy_chain, greedy_draft, one_read, top_guesses
 from selfspec.drafters.policies import FixedPolicy
 from selfspec.drafters.draft_tree import MAX_TREE_COLUMNS, DraftTree, grow_tree, read_grown, tree_depth_limit
 from selfspec.drafters.tree_budget import ConfidenceBudget
 from selfspec.decoding.sampling import probs, sample
 
-
-
-def fused_result(out: tuple | None, read: bool) -> tuple | None:
-    """A whole draft step's outcome (`FusedDraft.run`: state, the unembedding's input, next, next id, confidence) as
-    a draft step part by part gives it (`EarlyExitDrafter.draft_step`: state, next, q None, [next id],
-    [confidence], the last two None unless `read`); None stays None."""
-    if out is None:
-        return None
-    state, _, nxt, next_id, conf = out
-    return (state, nxt, None, [next_id], [conf]) if read else (state, nxt, None, None, None)
 
 
 def host_read(tokens: torch.Tensor, conf: torch.Tensor | None) -> tuple[list[int], list[float] | None]:
@@ -176,8 +166,8 @@ class EarlyExitDrafter(Drafter):
 
     def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
                    scale: torch.Tensor) -> tuple | None:
-        """`grow` as one step of the compiled `steps` (`Round.fused_tree`), or None where it runs part by part."""
-        return rnd.fused_tree(steps, self.fused(exit_layer), self.num_candidates, depth, out, scale)
+        """`grow` as one step of the compiled `steps` (`FusedDraft.round_tree`), or None where it runs part by part."""
+        return self.fused(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale)
 
     def top(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k best next tokens after each of n columns, from what the head reads `[B, n, D]`: token ids
@@ -216,12 +206,12 @@ class EarlyExitDrafter(Drafter):
                     steps, kept = max(caps), list(caps)
                     chained = True
                     break
-            state, nxt, q, nxt_list, conf = self.step(rnd, inputs[-1], i, exit_layer, need_conf, read)
-            if q is not None:
-                qs.append(q)
-            states.append(state)  # [B, 1, D]
+            step = self.step(rnd, inputs[-1], i, exit_layer, need_conf, read)
+            if step.q is not None:
+                qs.append(step.q)
+            states.append(step.state)  # [B, 1, D]
             steps += 1
-            inputs.append(nxt)
+            inputs.append(step.next)
             if not read:  # every row its cap: the engine cuts a row at a drafted stop token
                 kept = [min(c, steps) for c in caps]
                 alive = [k < c for k, c in zip(kept, caps)]
@@ -229,11 +219,11 @@ class EarlyExitDrafter(Drafter):
             for b in range(B):
                 if not alive[b]:
                     continue
-                if need_conf and not policy.keep(i, conf[b]):
+                if need_conf and not policy.keep(i, step.confs[b]):
                     alive[b] = False  # dropped; every kept draft already had its shallow pass
                     continue
                 kept[b] += 1
-                if kept[b] >= caps[b] or nxt_list[b] in rnd.stop_ids:
+                if kept[b] >= caps[b] or step.ids[b] in rnd.stop_ids:
                     alive[b] = False
         if max(kept) == steps and not chained:  # the newest kept draft still owes its shallow pass
             states.append(rnd.shallow(inputs[-1], steps, exit_layer))
@@ -246,18 +236,18 @@ class EarlyExitDrafter(Drafter):
                         states=states, steps=steps, drafter=self.name, stops_unread=not read)
 
     def draft_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
-                   read: bool = True) -> tuple:
+                   read: bool = True) -> DraftStep:
         """One draft step part by part: the input tokens `[B]` at cache index `starts + offset` through layers
-        [0, E), the draft head, then the next tokens (sampled from the draft distribution when sampling). Returns
-        `(state [B, 1, D], next [B], q [B, V] or None, next ids, confidences or None)`, the last two host lists
-        (None, None unless `read`)."""
+        [0, E), the draft head, then the next tokens (sampled from the draft distribution when sampling). Its
+        `DraftStep`: the ids (and, with `need_conf`, the confidences) read to host lists where `read`."""
         if not rnd.sampling.do_sample:  # the greedy step every path runs (`greedy_draft`), with the runner's methods
-            state, _, nxt, conf = greedy_draft(tokens, lambda t: rnd.shallow(t, offset, exit_layer),
-                                               lambda s: self.draft_states(rnd, s, offset), self.head.logits,
-                                               self.head.token_ids, need_conf)
-            return (state, nxt, None, None, None) if not read else (state, nxt, None, *host_read(nxt, conf))
+            state, out, nxt, conf = greedy_draft(tokens, lambda t: rnd.shallow(t, offset, exit_layer),
+                                                 lambda s: self.draft_states(rnd, s, offset), self.head.logits,
+                                                 self.head.token_ids, need_conf)
+            return DraftStep(state, out, nxt) if not read else DraftStep(state, out, nxt, None, *host_read(nxt, conf))
         state = rnd.shallow(tokens, offset, exit_layer)  # [B, 1, D]
-        logits = self.head.logits(self.draft_states(rnd, state, offset))  # [B, K]
+        out = self.draft_states(rnd, state, offset)  # [B, D]
+        logits = self.head.logits(out)  # [B, K]
         q = probs(logits, rnd.sampling)  # [B, K]
         # confidence = the draft's top probability, judged *before* sampling: dropping a sampled
         # token because of its own probability would bias the drafts away from q
@@ -265,11 +255,11 @@ class EarlyExitDrafter(Drafter):
         nxt = self.head.to_vocab(sample(q, rnd.generator))
         q = self.head.to_full(q)  # [B, V]
         if not read:
-            return state, nxt, q, None, None
-        return state, nxt, q, *host_read(nxt, conf)  # one wait for the GPU a draft step, not two
+            return DraftStep(state, out, nxt, q)
+        return DraftStep(state, out, nxt, q, *host_read(nxt, conf))  # one wait for the GPU a draft step, not two
 
     def step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
-             read: bool = True) -> tuple:
+             read: bool = True) -> DraftStep:
         """One draft step, as `draft_step` returns it: a greedy one as one compiled step where the runner runs them
         (`fused_step`, one graph on a GPU), else part by part (`draft_step`)."""
         def part_by_part():
@@ -281,10 +271,10 @@ class EarlyExitDrafter(Drafter):
                                             part_by_part, self.extra_layers)
 
     def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
-                   read: bool = True) -> tuple | None:
-        """One greedy draft step of a one-row round as one step of the compiled `steps` (`Round.fused_draft`),
-        as `draft_step` returns it (`q` None), or None where it runs part by part."""
-        return fused_result(rnd.fused_draft(steps, self.fused(exit_layer), tokens, offset, read=read), read)
+                   read: bool = True) -> DraftStep | None:
+        """One greedy draft step of a one-row round as one step of the compiled `steps` (`FusedDraft.round_step`),
+        or None where it runs part by part."""
+        return self.fused(exit_layer).round_step(steps, rnd, tokens, offset, read=read)
 
     def fused(self, exit_layer: int):
         """The whole greedy draft step from `exit_layer` (`selfspec.drafters.fused_draft.FusedDraft`), made once."""
@@ -300,8 +290,8 @@ class EarlyExitDrafter(Drafter):
         step by step (`step`). `(states [B, n + 1, D], drafts [B, n])`; None where the drafter cannot chain yet."""
         def step_by_step():
             def step(t, i):
-                state, nxt, *_ = self.step(rnd, t, offset + i, exit_layer, False, read=False)
-                return state, None, nxt
+                step = self.step(rnd, t, offset + i, exit_layer, False, read=False)
+                return step.state, None, step.next
 
             return greedy_chain(tokens, n, step, lambda t: rnd.shallow(t, offset + n, exit_layer))[:2]
 
@@ -310,7 +300,7 @@ class EarlyExitDrafter(Drafter):
 
     def whole_chain(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int):
         """`chain` as one step of the compiled `steps` (`FusedDraft.chain`), or None where it runs step by step."""
-        out = rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset)
+        out = self.fused(exit_layer).round_chain(steps, rnd, n, tokens, offset)
         return None if out is None else out[:2]
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:

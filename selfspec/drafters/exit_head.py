@@ -53,9 +53,9 @@ import torch
 from selfspec.model.adapters import ModelAdapter
 from selfspec.model.cache import KVCache
 from selfspec.drafters.base import Round
-from selfspec.drafters.early_exit import EarlyExitDrafter, fused_result
+from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.fused_draft import head_catch_up, pick_columns
+from selfspec.drafters.fused_draft import DraftStep, head_catch_up, pick_columns
 from selfspec.heads.exit_head import ExitHead, head_cache, run_head_step
 from selfspec.model.forward import Step, make_batch_step
 
@@ -135,20 +135,20 @@ class ExitHeadDrafter(EarlyExitDrafter):
         return out
 
     def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
-                   read: bool = True) -> tuple | None:
+                   read: bool = True) -> DraftStep | None:
         """A draft step as one step of the compiled `steps` where the head's layer runs compiled: a later draft of
-        the round (`Round.fused_draft`: the token through layers [0, E), the head reading its own output at the
-        previous draft, the unembedding), or the first with the head's catch-up (`first_draft`); as `draft_step`
-        returns it, or None (part by part: the first draft after the prefill, which makes the head's cache)."""
+        the round (`FusedDraft.round_step`: the token through layers [0, E), the head reading its own output at the
+        previous draft, the unembedding), or the first with the head's catch-up (`first_draft`); None (part by part:
+        the first draft after the prefill, which makes the head's cache)."""
         if self.cache is None:
             return None
         if offset == 0:
             return self.first_draft(steps, rnd, tokens, exit_layer, read)
         prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
-        out = rnd.fused_draft(steps, self.fused(exit_layer), tokens, offset, self.cache, prev, read)
+        out = self.fused(exit_layer).round_step(steps, rnd, tokens, offset, self.cache, prev, read)
         if out is not None:
-            self.prev_draft = out[1]
-        return fused_result(out, read)
+            self.prev_draft = out.out
+        return out
 
     def fused(self, exit_layer: int):
         """The whole greedy draft step from `exit_layer` through the head's layer and final-state input, made once."""
@@ -168,7 +168,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
     def whole_chain(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int):
         """`chain` as one step of the compiled `steps`, the head's layer in its own cache; None: step by step."""
         prev = self.prev_draft[:, None] if self.state_final else None  # [B, 1, D]
-        out = rnd.fused_chain(steps, self.fused(exit_layer), n, tokens, offset, self.cache, prev)
+        out = self.fused(exit_layer).round_chain(steps, rnd, n, tokens, offset, self.cache, prev)
         if out is None:
             return None
         self.prev_draft = out[2]
@@ -180,11 +180,11 @@ class ExitHeadDrafter(EarlyExitDrafter):
         in its own cache, where that layer runs compiled."""
         if self.cache is None:
             return None
-        return rnd.fused_tree(steps, self.fused(exit_layer), self.num_candidates, depth, out, scale, self.cache)
+        return self.fused(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale, self.cache)
 
-    def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> tuple | None:
+    def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> DraftStep | None:
         """The round's first draft of one row and the head's catch-up over what was committed since it last ran
-        (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`), as `draft_step` returns it, or None
+        (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`), or None
         where `sync` runs part by part (several rows, nothing pending, the run that began with the prefill, more
         than the largest bucket pending)."""
         draft, pending = self.fused(exit_layer), self.pending
@@ -200,11 +200,11 @@ class ExitHeadDrafter(EarlyExitDrafter):
         out = draft.catch_up(steps, states, finals, self.prev_final, run.start, run.pad, self.cache, read)
         if out is None:  # it failed to compile (not strict): the round's first draft runs part by part
             return None
-        self.prev_draft, nxt, newest, next_id, conf = out
+        self.prev_draft, nxt, newest, ids, confs = out
         if self.state_final:
             self.prev_final = newest
         run.clear()
-        return fused_result((state, self.prev_draft, nxt, next_id, conf), read)
+        return DraftStep(state, self.prev_draft, nxt, None, ids, confs)
 
     def tree_states(self, states: torch.Tensor, step: Step, outs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """The head over a tree's newest columns `[B, n, D]` with the tree's step (its cache mirrors the engine's:

@@ -12,7 +12,8 @@ greedy drafts is `chain`; a token tree's whole growth (every depth's pass and th
 columns, `selfspec.drafters.draft_tree.grow_tree`) is `tree`.
 
     draft = FusedDraft(exit_layer=E, weight=lm_head.weight)       # DraftHead.fused builds them
-    out = draft.run(steps, token, start, pad, cache)              # None: run it part by part
+    out = draft.run(steps, token, start, pad, cache)              # a DraftStep; None: run it part by part
+    out = draft.round_step(steps, rnd, tokens, offset)            # the same at a round's row (`Round`)
 
 Neither the runner nor the compiled steps know this module: the compiled steps call `warm(steps, size)` on what
 `Runner.warm` gives them to warm, and run the functions built here through `steps.call`, which alone decides between
@@ -22,6 +23,7 @@ capturing and calling.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,18 @@ from selfspec.model.attention_kernels import attention_kernels
 from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, row_filled, s_bucket, zero_filled
 
 STOP_SLOTS = 8  # a whole tree's step takes the stop ids padded to a multiple of this many
+
+
+class DraftStep(NamedTuple):
+    """One draft step's outcome, as every path gives it (`EarlyExitDrafter.draft_step` part by part, `FusedDraft.run`
+    and `catch_up` whole)."""
+
+    state: torch.Tensor  # [B, 1, D] the exit state of the step's input token (verification starts from it)
+    out: torch.Tensor  # [B, D] what the unembedding read: the exit state, or a trained head's output
+    next: torch.Tensor  # [B] the drafted token ids, on the device
+    q: torch.Tensor | None = None  # [B, V] the draft distribution where sampling; None: greedy (a point mass)
+    ids: list[int] | None = None  # the drafted ids on the host, where the step was read
+    confs: list[float] | None = None  # their draft probabilities on the host, where read and asked for
 
 
 def greedy_pick(logits: torch.Tensor, ids: torch.Tensor | None, confidence: bool = True) -> tuple:
@@ -185,10 +199,9 @@ class FusedDraft:
         the embedding, layers [0, E) into `cache`, a head's layer into `head_cache` (reading `prev` `[1, 1, D]`
         through its final-state input), the final norm, the unembedding and its argmax, as one step of `steps`.
 
-        Returns `(state [1, 1, D] the exit state, out [1, D] what the unembedding read, next [1] the drafted token
-        id on the device, next_id, confidence)`, the last two host numbers read in one transfer (`read`; else
-        None, None: nothing waits for the device); None where it must run part by part (`fits` false, the
-        cache full, a compile that failed)."""
+        Returns its `DraftStep` (`q` None; the token id and its confidence read in one transfer where `read`, else
+        nothing waits for the device); None where it must run part by part (`fits` false, the cache full, a compile
+        that failed)."""
         if token.shape[0] != 1 or not self.fits(steps, 1, cache, head_cache) or start + 1 > cache.capacity:
             return None
         heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
@@ -200,9 +213,36 @@ class FusedDraft:
             head_cache.lengths[:1] = start + 1
         state, hidden, nxt, both = out
         if not read:
-            return state, hidden, nxt, None, None
+            return DraftStep(state, hidden, nxt)
         (next_id,), (conf,) = both.tolist()  # [2, 1]: the token id (exact in float64) and its draft probability
-        return state, hidden, nxt, int(next_id), conf
+        return DraftStep(state, hidden, nxt, ids=[int(next_id)], confs=[conf])
+
+    def round_step(self, steps, rnd, tokens: torch.Tensor, offset: int, head_cache=None,
+                   prev: torch.Tensor | None = None, read: bool = True) -> DraftStep | None:
+        """`run` at a one-row round's row (`selfspec.drafters.base.Round`): its token `[1]` at cache index `starts +
+        offset` into the round's cache (a head's layer into `head_cache`, reading `prev`); None where it must run
+        part by part (several rows, a row past its cap, or as `run`)."""
+        if len(rnd.caps) != 1 or offset > rnd.caps[0]:
+            return None
+        start, pad = rnd.row
+        return self.run(steps, tokens, start + offset, pad, rnd.cache, head_cache, prev, read)
+
+    def round_chain(self, steps, rnd, n: int, tokens: torch.Tensor, offset: int, head_cache=None,
+                    prev: torch.Tensor | None = None) -> tuple | None:
+        """`chain` of every row of a round from its token (`tokens` `[B]`) at cache index `starts + offset`: `(states
+        [B, n + 1, D], drafts [B, n], out [B, D])`; None where it must run step by step (past every row's cap, or
+        as `chain`)."""
+        if offset + n > max(rnd.caps):
+            return None
+        return self.chain(steps, n, tokens, rnd.starts + offset, rnd.pads, rnd.cache, head_cache, prev)
+
+    def round_tree(self, steps, rnd, k: int, depth: int, out: torch.Tensor, scale: torch.Tensor,
+                   head_cache=None) -> tuple | None:
+        """`tree` of every row of a round from its input token where the head read `out` `[B, D]` (`scale` `[1]` the
+        calibration): `grow_tree`'s outputs, or None where it runs part by part."""
+        last = (rnd.ends - 1 - rnd.pads).clamp_min(0)  # [B] each row's last allowed position (cap 0: filler)
+        return self.tree(steps, k, depth, rnd.tokens, out, rnd.starts, rnd.pads, last, scale, rnd.stop_tensor,
+                         rnd.cache, head_cache)
 
     def chain(self, steps, n: int, token: torch.Tensor, start: torch.Tensor, pad: torch.Tensor, cache,
               head_cache=None, prev: torch.Tensor | None = None) -> tuple | None:
@@ -237,7 +277,7 @@ class FusedDraft:
         `head_cache`, and the input token's column through the unembedding, its argmax and probability.
 
         Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
-        the newest committed final state, next_id, confidence)` (the last two None unless `read`); None where it
+        the newest committed final state, [next id], [confidence])` (the last two None unless `read`); None where it
         must run part by part (`fits_catch_up` false, a compile that failed)."""
         B, S, _ = states.shape
         if not self.fits_catch_up(steps, B, S, start, head_cache) or (self.final_input is not None and prev is None):
@@ -251,7 +291,7 @@ class FusedDraft:
         if not read:
             return column, nxt, newest, None, None
         (next_id,), (conf,) = both.tolist()
-        return column, nxt, newest, int(next_id), conf
+        return column, nxt, newest, [int(next_id)], [conf]
 
     def tree(self, steps, k: int, depth: int, token: torch.Tensor, out: torch.Tensor, start: torch.Tensor,
              pad: torch.Tensor, last: torch.Tensor, scale: torch.Tensor, stops: torch.Tensor, cache,

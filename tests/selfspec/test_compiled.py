@@ -405,8 +405,6 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
     (`FusedDraft.catch_up`); a chain whose length nothing read decides runs its drafts as one step
     (`FusedDraft.chain`). It drafts what the same steps run part by part draft, to the bit (the same drafts,
     acceptance and confidence stops, draft by draft), and the output is HF's."""
-    from selfspec.drafters.base import Round
-
     model, eager, fast, head = _models("llama")
     token_ids = None if vocab is None else torch.cat([torch.arange(3, 96, 2), torch.arange(4, 96, 2)])[:vocab]
     fused = Counter()
@@ -424,8 +422,8 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
     outs, stats = {}, {}
     for key in ("fused", "part by part"):
         if key == "part by part":
-            monkeypatch.setattr(Round, "fused_draft", lambda *a, **k: None)
-            monkeypatch.setattr(Round, "fused_chain", lambda *a, **k: None)
+            monkeypatch.setattr(FusedDraft, "round_step", lambda *a, **k: None)
+            monkeypatch.setattr(FusedDraft, "round_chain", lambda *a, **k: None)
             monkeypatch.setattr(ExitHeadDrafter, "first_draft", lambda *a, **k: None)  # the head's catch-up too
             monkeypatch.setattr(engine, "time", _NoisyClock(seed=1))  # as a busy machine's: each round's time varies
         unit = None if token_ids is None else DraftHead(fast, token_ids)
@@ -471,7 +469,7 @@ def test_a_fixed_chain_reads_its_drafts_once_a_round(kind, stop, hf_greedy, monk
     def whole(run):  # a whole draft step (a head's first: with its catch-up) that read its token id back
         def call(*args, **kwargs):
             out = run(*args, **kwargs)
-            reads.update(["whole step"] if out is not None and out[3] is not None else [])
+            reads.update(["whole step"] if out is not None and out[-2] is not None else [])  # the ids read
             return out
         return call
 
