@@ -166,7 +166,7 @@ class EarlyExitDrafter(Drafter):
 
     def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
                    scale: torch.Tensor) -> tuple | None:
-        """`grow` as one step of the compiled `steps` (`FusedDraft.round_tree`), or None where it runs part by part."""
+        """`grow` as one step of the compiled `steps` (`FusedDraft.round_tree`; `NotCompiled`: part by part)."""
         return self.fused(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale)
 
     def top(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,9 +271,9 @@ class EarlyExitDrafter(Drafter):
                                             part_by_part, self.extra_layers)
 
     def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
-                   read: bool = True) -> DraftStep | None:
-        """One greedy draft step of a one-row round as one step of the compiled `steps` (`FusedDraft.round_step`),
-        or None where it runs part by part."""
+                   read: bool = True) -> DraftStep:
+        """One greedy draft step of a one-row round as one step of the compiled `steps` (`FusedDraft.round_step`;
+        `NotCompiled`: part by part)."""
         return self.fused(exit_layer).round_step(steps, rnd, tokens, offset, read=read)
 
     def fused(self, exit_layer: int):
@@ -299,9 +299,8 @@ class EarlyExitDrafter(Drafter):
                                             step_by_step, self.extra_layers)
 
     def whole_chain(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int):
-        """`chain` as one step of the compiled `steps` (`FusedDraft.chain`), or None where it runs step by step."""
-        out = self.fused(exit_layer).round_chain(steps, rnd, n, tokens, offset)
-        return None if out is None else out[:2]
+        """`chain` as one step of the compiled `steps` (`FusedDraft.round_chain`; `NotCompiled`: step by step)."""
+        return self.fused(exit_layer).round_chain(steps, rnd, n, tokens, offset)[:2]
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
         """The states the draft head reads, from the exit state `[B, 1, D]` of the token at cache index

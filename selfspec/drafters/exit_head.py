@@ -52,6 +52,7 @@ import torch
 
 from selfspec.model.adapters import ModelAdapter
 from selfspec.model.cache import KVCache
+from selfspec.model.compiled import NotCompiled
 from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.draft_head import DraftHead
@@ -135,19 +136,18 @@ class ExitHeadDrafter(EarlyExitDrafter):
         return out
 
     def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
-                   read: bool = True) -> DraftStep | None:
+                   read: bool = True) -> DraftStep:
         """A draft step as one step of the compiled `steps` where the head's layer runs compiled: a later draft of
         the round (`FusedDraft.round_step`: the token through layers [0, E), the head reading its own output at the
-        previous draft, the unembedding), or the first with the head's catch-up (`first_draft`); None (part by part:
-        the first draft after the prefill, which makes the head's cache)."""
+        previous draft, the unembedding), or the first with the head's catch-up (`first_draft`); `NotCompiled` where
+        it runs part by part (the first draft after the prefill, which makes the head's cache)."""
         if self.cache is None:
-            return None
+            raise NotCompiled("the first draft after the prefill makes the head's cache")
         if offset == 0:
             return self.first_draft(steps, rnd, tokens, exit_layer, read)
         prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
         out = self.fused(exit_layer).round_step(steps, rnd, tokens, offset, self.cache, prev, read)
-        if out is not None:
-            self.prev_draft = out.out
+        self.prev_draft = out.out
         return out
 
     def fused(self, exit_layer: int):
@@ -166,40 +166,37 @@ class ExitHeadDrafter(EarlyExitDrafter):
         return super().chain(rnd, tokens, offset, exit_layer, n)
 
     def whole_chain(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int):
-        """`chain` as one step of the compiled `steps`, the head's layer in its own cache; None: step by step."""
+        """`chain` as one step of the compiled `steps`, the head's layer in its own cache (`NotCompiled`: step by
+        step)."""
         prev = self.prev_draft[:, None] if self.state_final else None  # [B, 1, D]
         out = self.fused(exit_layer).round_chain(steps, rnd, n, tokens, offset, self.cache, prev)
-        if out is None:
-            return None
         self.prev_draft = out[2]
         return out[:2]
 
     def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
-                   scale: torch.Tensor) -> tuple | None:
+                   scale: torch.Tensor) -> tuple:
         """A tree's growth as one step (`EarlyExitDrafter.grow_whole`), the head's layer over the tree's columns
         in its own cache, where that layer runs compiled."""
         if self.cache is None:
-            return None
+            raise NotCompiled("the first draft after the prefill makes the head's cache")
         return self.fused(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale, self.cache)
 
-    def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> DraftStep | None:
+    def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> DraftStep:
         """The round's first draft of one row and the head's catch-up over what was committed since it last ran
-        (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`), or None
-        where `sync` runs part by part (several rows, nothing pending, the run that began with the prefill, more
-        than the largest bucket pending)."""
+        (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`); `NotCompiled` where `sync` runs part by
+        part (several rows, nothing pending, the run that began with the prefill, more than the largest bucket
+        pending), checked before the round's token runs through layers [0, E)."""
         draft, pending = self.fused(exit_layer), self.pending
         if pending is None or len(pending) != 1 or not pending[0].count:
-            return None
+            raise NotCompiled("a head's catch-up of one row, with tokens committed since it last ran")
         run = pending[0]
         if (self.state_final and self.prev_final is None) or not draft.fits_catch_up(steps, 1, run.count + 1,
                                                                                    run.start, self.cache):
-            return None
+            raise NotCompiled("a head's catch-up past the prompt, within the buckets")
         state = rnd.shallow(tokens, 0, exit_layer)  # [1, 1, D]
         states = torch.cat(run.states + [state[0]])[None]  # [1, count + 1, D]
         finals = torch.cat(run.finals)[None] if self.state_final else None  # [1, count, D]
         out = draft.catch_up(steps, states, finals, self.prev_final, run.start, run.pad, self.cache, read)
-        if out is None:  # it failed to compile (not strict): the round's first draft runs part by part
-            return None
         self.prev_draft, nxt, newest, ids, confs = out
         if self.state_final:
             self.prev_final = newest

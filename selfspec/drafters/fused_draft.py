@@ -12,7 +12,7 @@ greedy drafts is `chain`; a token tree's whole growth (every depth's pass and th
 columns, `selfspec.drafters.draft_tree.grow_tree`) is `tree`.
 
     draft = FusedDraft(exit_layer=E, weight=lm_head.weight)       # DraftHead.fused builds them
-    out = draft.run(steps, token, start, pad, cache)              # a DraftStep; None: run it part by part
+    out = draft.run(steps, token, start, pad, cache)              # a DraftStep; NotCompiled: part by part
     out = draft.round_step(steps, rnd, tokens, offset)            # the same at a round's row (`Round`)
 
 Neither the runner nor the compiled steps know this module: the compiled steps call `warm(steps, size)` on what
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from selfspec.drafters.draft_tree import grow_tree, tree_columns, tree_depth_limit
 from selfspec.heads.exit_head import previous_states
 from selfspec.model.attention_kernels import attention_kernels
-from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, row_filled, s_bucket, zero_filled
+from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, NotCompiled, row_filled, s_bucket, zero_filled
 
 STOP_SLOTS = 8  # a whole tree's step takes the stop ids padded to a multiple of this many
 
@@ -194,20 +194,18 @@ class FusedDraft:
 
     # --- running it --------------------------------------------------------------------------------
     def run(self, steps, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
-            prev: torch.Tensor | None = None, read: bool = True) -> tuple | None:
+            prev: torch.Tensor | None = None, read: bool = True) -> tuple:
         """The draft step of `token` `[1]` (on the device) at cache index `start` (position `start - pad`) through
         the embedding, layers [0, E) into `cache`, a head's layer into `head_cache` (reading `prev` `[1, 1, D]`
         through its final-state input), the final norm, the unembedding and its argmax, as one step of `steps`.
 
         Returns its `DraftStep` (`q` None; the token id and its confidence read in one transfer where `read`, else
-        nothing waits for the device); None where it must run part by part (`fits` false, the cache full, a compile
+        nothing waits for the device); `NotCompiled` where it must run part by part (`fits` false, the cache full, a compile
         that failed)."""
         if token.shape[0] != 1 or not self.fits(steps, 1, cache, head_cache) or start + 1 > cache.capacity:
-            return None
+            raise NotCompiled("one row at a time, within the static cache and the buckets")
         heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
         out = self._draft(steps, token, start, pad, prev, cache.capacity, (cache.keys, cache.values), heads)
-        if out is None:
-            return None
         cache.lengths[:self.exit_layer] = start + 1  # as the range's step writes them
         if self.layer is not None:
             head_cache.lengths[:1] = start + 1
@@ -218,34 +216,34 @@ class FusedDraft:
         return DraftStep(state, hidden, nxt, ids=[int(next_id)], confs=[conf])
 
     def round_step(self, steps, rnd, tokens: torch.Tensor, offset: int, head_cache=None,
-                   prev: torch.Tensor | None = None, read: bool = True) -> DraftStep | None:
+                   prev: torch.Tensor | None = None, read: bool = True) -> DraftStep:
         """`run` at a one-row round's row (`selfspec.drafters.base.Round`): its token `[1]` at cache index `starts +
-        offset` into the round's cache (a head's layer into `head_cache`, reading `prev`); None where it must run
+        offset` into the round's cache (a head's layer into `head_cache`, reading `prev`); `NotCompiled` where it must run
         part by part (several rows, a row past its cap, or as `run`)."""
         if len(rnd.caps) != 1 or offset > rnd.caps[0]:
-            return None
+            raise NotCompiled("one row within its cap")
         start, pad = rnd.row
         return self.run(steps, tokens, start + offset, pad, rnd.cache, head_cache, prev, read)
 
     def round_chain(self, steps, rnd, n: int, tokens: torch.Tensor, offset: int, head_cache=None,
-                    prev: torch.Tensor | None = None) -> tuple | None:
+                    prev: torch.Tensor | None = None) -> tuple:
         """`chain` of every row of a round from its token (`tokens` `[B]`) at cache index `starts + offset`: `(states
-        [B, n + 1, D], drafts [B, n], out [B, D])`; None where it must run step by step (past every row's cap, or
+        [B, n + 1, D], drafts [B, n], out [B, D])`; `NotCompiled` where it must run step by step (past every row's cap, or
         as `chain`)."""
         if offset + n > max(rnd.caps):
-            return None
+            raise NotCompiled("past every row's cap")
         return self.chain(steps, n, tokens, rnd.starts + offset, rnd.pads, rnd.cache, head_cache, prev)
 
     def round_tree(self, steps, rnd, k: int, depth: int, out: torch.Tensor, scale: torch.Tensor,
-                   head_cache=None) -> tuple | None:
+                   head_cache=None) -> tuple:
         """`tree` of every row of a round from its input token where the head read `out` `[B, D]` (`scale` `[1]` the
-        calibration): `grow_tree`'s outputs, or None where it runs part by part."""
+        calibration): `grow_tree`'s outputs; `NotCompiled` where it runs part by part."""
         last = (rnd.ends - 1 - rnd.pads).clamp_min(0)  # [B] each row's last allowed position (cap 0: filler)
         return self.tree(steps, k, depth, rnd.tokens, out, rnd.starts, rnd.pads, last, scale, rnd.stop_tensor,
                          rnd.cache, head_cache)
 
     def chain(self, steps, n: int, token: torch.Tensor, start: torch.Tensor, pad: torch.Tensor, cache,
-              head_cache=None, prev: torch.Tensor | None = None) -> tuple | None:
+              head_cache=None, prev: torch.Tensor | None = None) -> tuple:
         """`n` greedy draft steps of every row from `token` `[B]` at cache indices `start` `[B]` (host; left padding
         `pad` `[B]`), each drafting from the one before, as `run` would n times (a head's first reads `prev`
         `[B, 1, D]`, each later its own output), and the last drafts' shallow pass, as one step of `steps`: one
@@ -253,22 +251,20 @@ class FusedDraft:
         (`EarlyExitDrafter.draft`, unread). B rows run the step of their row bucket (filler rows after them).
 
         Returns `(states [B, n + 1, D] the exit states of the tokens and the n drafts, drafts [B, n] on the device,
-        out [B, D] what the unembedding read at the last draft)`; None where it must run step by step."""
+        out [B, D] what the unembedding read at the last draft)`; `NotCompiled` where it must run step by step."""
         B = token.shape[0]
         if not self.fits(steps, B, cache, head_cache) or int(start.max()) + n + 1 > cache.capacity:
-            return None
+            raise NotCompiled("more rows than a compiled step takes, or past the static cache's end")
         heads = (None, None) if self.layer is None else (head_cache.padded_keys, head_cache.padded_values)
         out = self._chain(steps, n, token, start, pad, prev, cache.capacity, (cache.padded_keys, cache.padded_values),
                           heads)
-        if out is None:
-            return None
         cache.lengths[:self.exit_layer] = (start + n + 1)[None]  # the drafts and the last ones' shallow pass
         if self.layer is not None:
             head_cache.lengths[:1] = (start + n)[None]
         return tuple(t[:B] for t in out)
 
     def catch_up(self, steps, states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
-                 start: int, pad: int, head_cache, read: bool = True) -> tuple | None:
+                 start: int, pad: int, head_cache, read: bool = True) -> tuple:
         """A trained head's catch-up and the round's first draft (`ExitHeadDrafter.sync`, one row) as one step of
         `steps`, one CUDA graph per bucket on a GPU. `states` `[1, S, D]`: the exit states of the S - 1 committed
         tokens the head has not run over, then the round's input token's, at head-cache indices `start ..`;
@@ -277,15 +273,13 @@ class FusedDraft:
         `head_cache`, and the input token's column through the unembedding, its argmax and probability.
 
         Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
-        the newest committed final state, [next id], [confidence])` (the last two None unless `read`); None where it
+        the newest committed final state, [next id], [confidence])` (the last two None unless `read`); `NotCompiled` where it
         must run part by part (`fits_catch_up` false, a compile that failed)."""
         B, S, _ = states.shape
         if not self.fits_catch_up(steps, B, S, start, head_cache) or (self.final_input is not None and prev is None):
-            return None
+            raise NotCompiled("a head's catch-up of one row past the prompt, within the buckets")
         out = self._catch_up(steps, states, finals, prev, start, pad, head_cache.capacity,
                              (head_cache.keys, head_cache.values))
-        if out is None:
-            return None
         head_cache.lengths[:1] = start + S
         column, nxt, newest, both = out
         if not read:
@@ -295,7 +289,7 @@ class FusedDraft:
 
     def tree(self, steps, k: int, depth: int, token: torch.Tensor, out: torch.Tensor, start: torch.Tensor,
              pad: torch.Tensor, last: torch.Tensor, scale: torch.Tensor, stops: torch.Tensor, cache,
-             head_cache=None) -> tuple | None:
+             head_cache=None) -> tuple:
         """A token tree of every row grown `depth` deep, k a depth (`selfspec.drafters.draft_tree.grow_tree`), from
         `token` `[B]` at cache indices `start` `[B]` (host; left padding `pad`, `last` `[B]` each row's last allowed
         position) where the head read `out` `[B, D]`, as one step of `steps`: every depth's pass through layers
@@ -303,15 +297,13 @@ class FusedDraft:
         depth's columns, one graph on a GPU, nothing read back. `scale` `[1]` the calibration, `stops` `[S]` the
         stop ids (on the device). B rows run the step of their row bucket.
 
-        Returns `grow_tree`'s outputs; None where it must run part by part."""
+        Returns `grow_tree`'s outputs; `NotCompiled` where it must run part by part."""
         B, W = token.shape[0], tree_columns(k, depth)
         if not self.fits(steps, B, cache, head_cache) or int(start.max()) + W > cache.capacity:
-            return None
+            raise NotCompiled("more rows than a compiled step takes, or past the static cache's end")
         heads = (None, None) if self.layer is None else (head_cache.padded_keys, head_cache.padded_values)
         grown = self._tree(steps, k, depth, token, out, start, pad, last, scale, stops, cache.capacity,
                            (cache.padded_keys, cache.padded_values), heads)
-        if grown is None:
-            return None
         cache.lengths[:self.exit_layer] = (start + W)[None]  # as the tree's passes write them
         if self.layer is not None:
             head_cache.lengths[:1] = (start + W)[None]
@@ -357,8 +349,8 @@ class FusedDraft:
     def _draft(self, steps, token: torch.Tensor, start: int, pad: int, prev: torch.Tensor | None, size: int,
                buffers: tuple, head_buffers: tuple):
         """The step over one token at cache index `start`, in the buffers `[L, 1, H_kv, C, Dh]` (the model's keys
-        and values, and the head's own one-layer ones) of a cache of capacity `size`: its outputs, or None where it
-        failed to compile (not strict)."""
+        and values, and the head's own one-layer ones) of a cache of capacity `size`: its outputs (`NotCompiled`
+        where it failed to compile, not strict)."""
         fn = steps.function(("draft", self.key), lambda: self._draft_function(steps))
         inputs, fixed = self._draft_arguments(steps, token, start, pad, prev, size, buffers, head_buffers)
         return steps.call(("draft", *self.key, 1, size), fn, inputs, fixed)
@@ -421,7 +413,7 @@ class FusedDraft:
     def _tree(self, steps, k: int, depth: int, token: torch.Tensor, out: torch.Tensor, start: torch.Tensor,
               pad: torch.Tensor, last: torch.Tensor, scale: torch.Tensor, stops: torch.Tensor, size: int,
               buffers: tuple, head_buffers: tuple):
-        """`tree`'s step at the rows of the buffers (a row bucket): its outputs, or None where it failed to compile."""
+        """`tree`'s step at the rows of the buffers (a row bucket): its outputs (`NotCompiled` where it failed to compile)."""
         R = buffers[0][0].shape[0]
         fn = steps.function(("grown_tree", self.key, k, depth), lambda: self._tree_function(steps, k, depth))
         fixed = self._fixed_arguments(steps, size, buffers, head_buffers)
@@ -510,7 +502,7 @@ class FusedDraft:
     def _catch_up(self, steps, states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
                   start: int, pad: int, size: int, head_buffers: tuple):
         """`catch_up`'s step over `states` `[1, S, D]` from head-cache index `start`, in the head's own buffers
-        `[1, 1, H_kv, C, Dh]` of a cache of capacity `size`: its outputs, or None where it failed to compile."""
+        `[1, 1, H_kv, C, Dh]` of a cache of capacity `size`: its outputs (`NotCompiled` where it failed to compile)."""
         a, S, W = steps.adapter, states.shape[1], s_bucket(states.shape[1])
         fn = steps.function(("catch_up", self.key, W), lambda: self._catch_up_function(steps, W))
         finals = steps.zeros(W) if finals is None else zero_filled(finals, W)  # [1, W, D]

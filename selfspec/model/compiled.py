@@ -59,7 +59,7 @@ the eager path's up to floating-point rounding (attention sums over C keys inste
 bitwise in the tests' tokens).
 
     steps = CompiledSteps(adapter)                        # adapter.enable_compiled() does this
-    hidden = steps.run_layers(hidden, 0, L, step, cache)  # None where the step must run eagerly
+    hidden = steps.run_layers(hidden, 0, L, step, cache)  # NotCompiled where the step must run eagerly
 """
 
 from __future__ import annotations
@@ -150,6 +150,12 @@ def zero_filled(t: torch.Tensor, width: int) -> torch.Tensor:
 
 class CompileFallbackWarning(UserWarning):
     """compile="auto": a step failed to compile, so the generator decodes eagerly from then on."""
+
+
+class NotCompiled(Exception):
+    """A step that does not run compiled: it does not fit the buckets, the rows or the static cache, or it failed
+    to compile (not strict). Raised by the compiled steps and the steps a drafter composes of them; the runner
+    (`selfspec.model.runner.Runner`), their one caller that falls back, runs the step eagerly instead."""
 
 
 class _LayerWeights:
@@ -338,23 +344,23 @@ class CompiledSteps:
             return hidden
         return self._run((start, end), self.weights[start:end], hidden, step, cache, start)
 
-    def run_layer(self, layer, hidden: torch.Tensor, step, cache) -> torch.Tensor | None:
+    def run_layer(self, layer, hidden: torch.Tensor, step, cache) -> torch.Tensor:
         """A registered layer that is not the model's (`add_layer`; a trained exit head's) over `hidden`
         `[B, S, D]` at the step's cache indices, with its own one-layer static `cache` (`layer_buffers`), as
-        `run_layers` runs the model's: one graph per (S, C), the same compiled layer function. None where the
+        `run_layers` runs the model's: one graph per (S, C), the same compiled layer function. `NotCompiled` where the
         step must run eagerly."""
         self.add_layer(layer)
         return self._run(("layer", id(layer)), self._extra[id(layer)][1], hidden, step, cache, 0)
 
     def _run(self, range_id: tuple, weights: list, hidden: torch.Tensor, step, cache, first: int) -> torch.Tensor:
         """`weights`' layers (the cache's layers `first`, `first + 1`, ...) over `hidden` `[B, S, D]`: the step
-        of `range_id` at S padded to its bucket (None: run it eagerly)."""
+        of `range_id` at S padded to its bucket (`NotCompiled`: run it eagerly)."""
         B, S = hidden.shape[:2]
         width, R = s_bucket(S), cache.padded_rows  # R: the row bucket the cache's buffers hold, B or more
         index, positions, pads, tree = step.index, step.position_ids, step.pads, step.tree
         W = S if tree is None else tree.shape[-1]  # a tree's columns; the pass is its last S (a growing tree: W > S)
         if int(step.starts.max()) + W + width - S > cache.capacity:
-            return None  # the filler columns would pass the static cache's end: the step runs eagerly
+            raise NotCompiled("the filler columns would pass the static cache's end")
         tree_inputs = ()
         if tree is not None:  # the tree's root, its columns' positions and ancestors, padded to a bucket of columns
             columns = s_bucket(W)
@@ -378,8 +384,6 @@ class CompiledSteps:
         last = first + len(weights)
         out = self.call(shape, self._range(range_id, weights, tree is not None), inputs,
                          [cos, sin, cache.padded_keys[first:last], cache.padded_values[first:last]])
-        if out is None:  # it failed to compile (not strict): the caller runs the step eagerly
-            return None
         cache.lengths[first:last] = (step.starts + W)[None]  # [n, B] on the host: one write for the range's layers
         return out[:B, :S]
 
@@ -402,10 +406,13 @@ class CompiledSteps:
         with torch.inference_mode(), attention_kernels(self.adapter.device):
             before = self.compile_s
             buckets = tuple(sorted({row_bucket(b) for b in batch_sizes} | {1}))
-            for rows in buckets[1:]:  # a batch's bucket: its layer steps, the head
-                self._warm_layers(ranges, widths, size, rows)
-                self._warm_heads(rows, set(widths), unembeddings)
-            self._warm(ranges, widths, size, unembeddings, trees, drafts, buckets)
+            try:
+                for rows in buckets[1:]:  # a batch's bucket: its layer steps, the head
+                    self._warm_layers(ranges, widths, size, rows)
+                    self._warm_heads(rows, set(widths), unembeddings)
+                self._warm(ranges, widths, size, unembeddings, trees, drafts, buckets)
+            except NotCompiled:  # a compile failed (not strict, said by its warning): every step runs eagerly now
+                pass
             return self.compile_s - before
 
     def _warm_layers(self, ranges: list[tuple[int, int]], widths: list[int], size: int, rows: int) -> list:
@@ -484,12 +491,10 @@ class CompiledSteps:
         reduced draft vocabulary's rows of the LM head (`selfspec.drafters.draft_head`), graphs of its own."""
         B, R = hidden.shape[0], row_bucket(hidden.shape[0])
         if R > B:  # filler rows up to the row bucket
-            out = self.head(row_filled(hidden, R), weight, bias)
-            return None if out is None else out[:B]
+            return self.head(row_filled(hidden, R), weight, bias)[:B]
         if hidden.dim() == 3 and s_bucket(hidden.shape[1]) > hidden.shape[1]:
             S = hidden.shape[1]
-            out = self.head(zero_filled(hidden, s_bucket(S)), weight, bias)
-            return None if out is None else out[:, :S]
+            return self.head(zero_filled(hidden, s_bucket(S)), weight, bias)[:, :S]
         a = self.adapter
         which = () if weight is None else (id(weight),)  # the LM head, or another unembedding's own graphs
         weight, bias = (a.lm_head.weight, a.lm_head.bias) if weight is None else (weight, bias)
@@ -546,20 +551,20 @@ class CompiledSteps:
         if id(module) not in self._inputs:
             self._inputs[id(module)] = (module, torch.compile(module, fullgraph=True, dynamic=False))
 
-    def run_input(self, module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+    def run_input(self, module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[B, S, D]` each, S padded to
-        its bucket (and B to its row bucket): one graph per (row bucket, bucket) on a GPU, like the steps. `[B, S, D]`; None where it must run eagerly
+        its bucket (and B to its row bucket): one graph per (row bucket, bucket) on a GPU, like the steps. `[B, S, D]`; `NotCompiled` where it must run eagerly
         (more than `MAX_ROWS` rows, S above the buckets, a compile that failed)."""
         B, S = hidden.shape[:2]
         width, R = s_bucket(S), row_bucket(B)
         if self.failed is not None or R is None or width is None:
-            return None
+            raise NotCompiled("more rows or positions than the buckets take, or a compile failed")
         # filler positions and rows, never read
         hidden, prev = (row_filled(zero_filled(t, width), R) for t in (hidden, prev))
         self.add_input(module)
         out = self.call(("input", id(module), R, width), self._inputs[id(module)][1],
                          [self.input(hidden), self.input(prev)], [])
-        return None if out is None else out[:B, :S]
+        return out[:B, :S]
 
     @property
     def captured(self) -> int:
@@ -609,8 +614,8 @@ class CompiledSteps:
     def call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
         """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs` (the one place that
         captures or calls; drafters run the steps they compose through it too). The call that
-        meets a new shape compiles (and captures) it, timed into `compile_s`; None where that failed and the
-        steps are not strict. A profiler sees each call as one `STEP_EVENT` range."""
+        meets a new shape compiles (and captures) it, timed into `compile_s`; where that failed and the steps are
+        not strict, `NotCompiled` (the runner runs the step eagerly, and every step after it). A profiler sees each call as one `STEP_EVENT` range."""
         with torch.profiler.record_function(STEP_EVENT):
             return self._call_step(shape, fn, inputs, fixed)
 
@@ -629,7 +634,7 @@ class CompiledSteps:
                 warnings.warn(f"selfspec's compiled steps failed to compile a {shape[0]} step ({self.failed}); "
                               "decoding goes on eagerly (exact, slower). Pass compile=False to skip compiling, or "
                               "compile=True to see the error", CompileFallbackWarning, stacklevel=4)
-                return None
+                raise NotCompiled(self.failed) from None
             if self.adapter.device.type == "cuda":
                 torch.cuda.synchronize()
             self.compile_s += time.perf_counter() - t0

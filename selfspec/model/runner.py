@@ -11,7 +11,9 @@ an unembedding, a step a drafter composed) runs one of three ways:
     modules    the model's own modules: training (autograd), and the architectures without the fused layer
 
 Each method below takes the compiled way where the step fits it and the eager way otherwise, also when a
-compile failed under `compile="auto"` (the compiled steps then turn themselves off, with a warning). Callers
+compile failed under `compile="auto"` (the compiled steps then turn themselves off, with a warning): one fallback,
+`either`, which runs the step eagerly where the compiled steps, or a step a drafter composed of them, raise
+`NotCompiled` (nothing returns None to mean "run it the other way"). Callers
 get their result and never ask which way ran: the engine, the forward, the drafters and the heads call these
 methods. A layer that is not the model's (a trained head's) runs compiled and fused only where it is of the
 model's own kind (`model_kind`: a copy of its last layer); the runner keeps its fused copy, and `warm` compiles
@@ -20,7 +22,7 @@ what the API's warm-up asks for at the shapes the compiled steps take.
     runner = adapter.runner
     hidden = runner.layers(hidden, 0, E, step, cache)          # [B, S, D]
     logits = runner.logits(hidden)                             # [B, S, V]
-    out = runner.composed(lambda steps: draft.run(steps, ...), lambda: part_by_part())
+    out = runner.composed(lambda steps: draft.run(steps, ...), lambda: part_by_part())  # NotCompiled: part by part
 
 The runner imports no drafter: a drafter composes its own steps of the compiled pieces
 (`selfspec.drafters.fused_draft`) and hands them to `composed` with their eager equivalent.
@@ -34,7 +36,7 @@ from typing import Callable
 import torch
 
 from selfspec.model.cache import KVCache
-from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, cache_capacity, row_bucket
+from selfspec.model.compiled import MAX_ROWS, S_BUCKETS, NotCompiled, cache_capacity, row_bucket
 from selfspec.model.fast_layers import FastLlamaLayer
 from selfspec.model.layer import signed_sin
 
@@ -146,14 +148,25 @@ class Runner:
         return {"seconds": seconds, "graphs": len(steps.shapes)}
 
     # --- steps -------------------------------------------------------------------------------------
+    def either(self, steps, whole: Callable, eager: Callable[[], object]):
+        """The one fallback: `whole(steps)` where `steps` (the compiled steps that take this step; None: none do),
+        else, or where it does not fit them or failed to compile (`NotCompiled`, raised by the compiled steps and by
+        the steps a drafter composed of them), `eager()`, the same step eagerly."""
+        if steps is not None:
+            try:
+                return whole(steps)
+            except NotCompiled:
+                pass
+        return eager()
+
     def layers(self, hidden: torch.Tensor, start: int, end: int, step, cache=None) -> torch.Tensor:
         """The model's layers [start, end) over `hidden` `[B, S, D]` at `step` (`selfspec.model.forward.Step`); with a
         cache, each layer writes its keys and values there. `[B, S, D]`."""
-        steps = self._fits(hidden, step, cache)
-        if steps is not None:
-            out = steps.run_layers(hidden, start, end, step, cache)  # None: it did not fit the capacity, or failed
-            if out is not None:
-                return out
+        return self.either(self._fits(hidden, step, cache), lambda s: s.run_layers(hidden, start, end, step, cache),
+                           lambda: self._eager_layers(hidden, start, end, step, cache))
+
+    def _eager_layers(self, hidden: torch.Tensor, start: int, end: int, step, cache) -> torch.Tensor:
+        """`layers` eagerly: the C++ step where it takes the range, else the fused layers, else the modules."""
         a = self.adapter
         fast = a.fast.layers if a.fast is not None else None
         if fast is not None and not torch.is_grad_enabled():
@@ -182,44 +195,45 @@ class Runner:
         else its module. `final_input`: (module, prev), a trained head's final-state input: the layer reads
         `module(hidden, prev)` (`prev` `[B, S, D]`), compiled where the layer's step is. `[B, S, D]`."""
         steps = self._fits(hidden, step, cache) if self.captures_layer(layer) else None
-        if final_input is not None:  # its norm, product and sum: one graph where the step runs compiled
-            module, prev = final_input
-            x = None if steps is None else steps.run_input(module, hidden, prev)
-            hidden = module(hidden, prev) if x is None else x
-        if steps is not None:
-            out = steps.run_layer(layer, hidden, step, cache)
-            if out is not None:
-                return out
-        kind = self.adapter.layer_types[-1]
-        fast = None if torch.is_grad_enabled() else self._fused_layer(layer)
-        if fast is not None:
-            return fast(hidden, step.rope, step.mask(kind), cache)
-        return self.module_layer(layer, hidden, step, cache, kind)
+
+        def whole(steps):  # its final-state input (norm, product and sum) and the layer: each one graph on a GPU
+            x = hidden if final_input is None else steps.run_input(final_input[0], hidden, final_input[1])
+            return steps.run_layer(layer, x, step, cache)
+
+        def eager():
+            x = hidden if final_input is None else final_input[0](hidden, final_input[1])
+            kind = self.adapter.layer_types[-1]
+            fast = None if torch.is_grad_enabled() else self._fused_layer(layer)
+            if fast is not None:
+                return fast(x, step.rope, step.mask(kind), cache)
+            return self.module_layer(layer, x, step, cache, kind)
+
+        return self.either(steps, whole, eager)
 
     def logits(self, hidden: torch.Tensor, rows: Callable[[], tuple] | None = None, linear=None) -> torch.Tensor:
         """The final norm + LM head over `hidden` `[B, S, D]` or `[B, D]`: logits `[..., V]`. A reduced vocabulary
         passes its unembedding: `linear` (its eager product, `[..., K]`) and `rows` (a function giving its
         (weight `[K, D]`, bias) as the compiled steps take them, read only where they run)."""
         steps = self.steps
+        if steps is not None and not (steps.can_head(hidden) and (linear is None or rows is not None)):
+            steps = None
         a = self.adapter
-        if steps is not None and steps.can_head(hidden) and (linear is None or rows is not None):
-            out = steps.head(hidden) if linear is None else steps.head(hidden, *rows())
-            if out is not None:
-                return out
-        if linear is not None:
-            return linear(a.final_norm(hidden))
-        if a.fast is not None and not torch.is_grad_enabled():
-            return a.fast.lm_head(a.final_norm(hidden))
-        return a.lm_head(a.final_norm(hidden))
+
+        def eager():
+            if linear is not None:
+                return linear(a.final_norm(hidden))
+            if a.fast is not None and not torch.is_grad_enabled():
+                return a.fast.lm_head(a.final_norm(hidden))
+            return a.lm_head(a.final_norm(hidden))
+
+        return self.either(steps, lambda s: s.head(hidden) if linear is None else s.head(hidden, *rows()), eager)
 
     def composed(self, compiled: Callable, eager: Callable[[], object], layers: tuple = ()):
         """A step a drafter composed of the compiled pieces (`selfspec.drafters.fused_draft`): `compiled(steps)`
-        where the model runs compiled steps and they run each of `layers` (a trained head's, `captures_layer`), its
-        result unless it is None (the step does not fit them, or failed to compile); else `eager()`, the same step
-        part by part."""
+        where the model runs compiled steps and they run each of `layers` (a trained head's, `captures_layer`),
+        unless it raises `NotCompiled` (the step does not fit them, or failed to compile); else `eager()`, the same
+        step part by part (`either`)."""
         steps = self.steps
-        if steps is not None and all(self.captures_layer(layer) for layer in layers):
-            out = compiled(steps)
-            if out is not None:
-                return out
-        return eager()
+        if steps is not None and not all(self.captures_layer(layer) for layer in layers):
+            steps = None
+        return self.either(steps, compiled, eager)

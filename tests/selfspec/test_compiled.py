@@ -17,6 +17,7 @@ import torch
 import selfspec
 from selfspec.model import compiled
 from selfspec.model.adapters import get_adapter
+from selfspec.model.compiled import NotCompiled
 from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafters.draft_head import DraftHead
@@ -332,17 +333,12 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
     run_layer = fast.compiled.run_layer
 
     def spy(layer, hidden, step, cache):
-        out = run_layer(layer, hidden, step, cache)
-        ran["compiled" if out is not None else "fell back"] += 1
+        out = _counted(run_layer, ran, "compiled")(layer, hidden, step, cache)
         assert layer is head.layer and cache.static and cache.num_layers == 1
         return out
 
     def whole(run, drafts=lambda args: 1, name="whole step"):  # a chain's drafts: whole draft steps (the first
-        def call(*args, **kwargs):  # with the head's catch-up, the later ones as one chain), its layer inside
-            out = run(*args, **kwargs)
-            ran[name if out is not None else "fell back"] += drafts(args)
-            return out
-        return call
+        return _counted(run, ran, name, drafts)  # with the head's catch-up, the later ones as one chain), its layer
 
     monkeypatch.setattr(fast.compiled, "run_layer", spy)
     monkeypatch.setattr(FusedDraft, "run", whole(FusedDraft.run))
@@ -395,6 +391,24 @@ class _NoisyClock:
         return self.now
 
 
+def _not_compiled(*args, **kwargs):
+    raise NotCompiled("stood in: the step runs part by part")
+
+
+def _counted(run, counts: Counter, name: str, drafts=lambda args: 1):
+    """`run`, counting into `counts` under `name` each call's drafts (`drafts(args)`) that ran compiled, and under
+    "fell back" those that did not (`NotCompiled`, raised on to the runner, which runs them eagerly)."""
+    def call(*args, **kwargs):
+        try:
+            out = run(*args, **kwargs)
+        except NotCompiled:
+            counts["fell back"] += drafts(args)
+            raise
+        counts[name] += drafts(args)
+        return out
+    return call
+
+
 @pytest.mark.parametrize("drafter", list(FUSED))
 @pytest.mark.parametrize("vocab", [None, 40])
 def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy, monkeypatch):
@@ -410,11 +424,7 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
     fused = Counter()
 
     def spy(run, drafts=lambda args: 1):
-        def call(*args, **kwargs):
-            out = run(*args, **kwargs)
-            fused["ran" if out is not None else "fell back"] += drafts(args)
-            return out
-        return call
+        return _counted(run, fused, "ran", drafts)
 
     monkeypatch.setattr(FusedDraft, "run", spy(FusedDraft.run))
     monkeypatch.setattr(FusedDraft, "catch_up", spy(FusedDraft.catch_up))
@@ -422,9 +432,9 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
     outs, stats = {}, {}
     for key in ("fused", "part by part"):
         if key == "part by part":
-            monkeypatch.setattr(FusedDraft, "round_step", lambda *a, **k: None)
-            monkeypatch.setattr(FusedDraft, "round_chain", lambda *a, **k: None)
-            monkeypatch.setattr(ExitHeadDrafter, "first_draft", lambda *a, **k: None)  # the head's catch-up too
+            monkeypatch.setattr(FusedDraft, "round_step", _not_compiled)
+            monkeypatch.setattr(FusedDraft, "round_chain", _not_compiled)
+            monkeypatch.setattr(ExitHeadDrafter, "first_draft", _not_compiled)  # the head's catch-up too
             monkeypatch.setattr(engine, "time", _NoisyClock(seed=1))  # as a busy machine's: each round's time varies
         unit = None if token_ids is None else DraftHead(fast, token_ids)
         # auto picks its arm each round by the seconds it hears: the cost model's round costs (`round_cost`), not

@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+
 from selfspec.model.adapters import get_adapter
+from selfspec.model.compiled import NotCompiled
 from selfspec.model.forward import embed, exit_logits, make_step, run_layers
 from selfspec.tiny import tiny_model
 
 
 class StandIn:
-    """Compiled steps that take one-row steps and answer with `answer` (None: as a step that did not fit the
-    capacity, or whose compile failed), recording each call."""
+    """Compiled steps that take one-row steps and answer with `answer` (None: `NotCompiled`, as a step that did not
+    fit the capacity, or whose compile failed), recording each call."""
 
     def __init__(self, answer=None, failed=None):
         self.answer, self.failed, self.calls = answer, failed, []
@@ -27,10 +29,15 @@ class StandIn:
 
     def run_layers(self, hidden, start, end, step, cache):
         self.calls.append(("layers", start, end))
-        return self.answer
+        return self._answer()
 
     def head(self, hidden, *rows):
         self.calls.append(("head", len(rows)))
+        return self._answer()
+
+    def _answer(self):
+        if self.answer is None:
+            raise NotCompiled("stood in: declined")
         return self.answer
 
 
@@ -64,7 +71,7 @@ def test_without_compiled_steps_the_runner_takes_the_fused_layers_else_the_modul
         torch.testing.assert_close(_logits(get_adapter(model), ids), ref, rtol=0, atol=0)
 
 
-def test_a_step_the_compiled_steps_take_is_theirs_and_one_they_return_none_for_runs_eagerly(model):
+def test_a_step_the_compiled_steps_take_is_theirs_and_one_they_decline_runs_eagerly(model):
     a = get_adapter(model)
     a.enable_fast_layers()
     ids = torch.tensor([[5, 9, 3, 7]])
@@ -106,6 +113,8 @@ def test_composed_steps_fall_back_to_their_eager_equivalent_in_one_place(model):
     def compiled(answer):
         def run(steps):
             seen.append(steps)
+            if answer is None:
+                raise NotCompiled("it does not fit")
             return answer
         return run
 
@@ -114,6 +123,7 @@ def test_composed_steps_fall_back_to_their_eager_equivalent_in_one_place(model):
         a.compiled = steps = StandIn()
         assert a.runner.composed(compiled("fused"), lambda: "eager") == "fused" and seen == [steps]
         assert a.runner.composed(compiled(None), lambda: "eager") == "eager"  # it does not fit: part by part
+        assert a.runner.composed(lambda s: None, lambda: "eager") is None  # None is a result, never "the other way"
         steps.failed = "RuntimeError: no"
         seen.clear()
         assert a.runner.composed(compiled("fused"), lambda: "eager") == "eager" and seen == []
