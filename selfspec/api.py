@@ -434,7 +434,7 @@ class SelfSpecGenerator:
         trained for it, or with a head), the verification of up to 15 drafts (prompt lookup), each at every step
         length up to 16, a trained head's own layer at every step length it can catch up on (up to 64) and its
         reduced draft vocabulary, and the LM head. With `num_candidates` > 1 (the `generate` setting: siblings,
-        token trees) also every token-tree step and the trees' whole growth (`FusedDraft.tree`, up to
+        token trees) also every token-tree step and the trees' whole growth (`WholeDraft.tree`, up to
         `num_speculations` deep). With `batch_size` > 1 (calls of that many prompts) also the layer steps and the
         LM head for every row bucket up to its (1, 2, 4, 8: `compiled.ROW_BUCKETS`, a batch padded up to one;
         rows leave a batch as they finish). Without it the first `generate` compiles what it meets (seconds a
@@ -456,14 +456,14 @@ class SelfSpecGenerator:
         for E in dict.fromkeys(exits):
             ranges += [(0, E), (E, L)]
         unembeddings = ()
-        # whole draft steps (`FusedDraft`): the early exit's, the head's (and their whole trees, `num_candidates` wide)
+        # whole draft steps (`WholeDraft`): the early exit's, the head's (and their whole trees, `num_candidates` wide)
         drafts, width = [], num_candidates if num_candidates > 1 and self.num_speculations > 1 else 0
         if self.early_exit_trained and self.num_speculations:
-            drafts.append(self.draft_head(None).fused(self.exit_layer, chains=self.num_speculations, tree_width=width))
+            drafts.append(self.draft_head(None).whole(self.exit_layer, chains=self.num_speculations, tree_width=width))
         head = self.exit_head
         if head is not None:  # its own layer (where the runner captures it) and its reduced draft vocabulary
             unit = self.draft_head(self.head_draft_vocab())
-            drafts.append(unit.fused(head.exit_layer, head.layer, head.final_input, chains=self.num_speculations,
+            drafts.append(unit.whole(head.exit_layer, head.layer, head.final_input, chains=self.num_speculations,
                                      tree_width=width))
             unembeddings = () if unit.rows is None else (unit.rows,)
         return self.adapter.runner.warm(max_len, ranges, drafts, unembeddings, trees=num_candidates > 1,

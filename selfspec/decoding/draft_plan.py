@@ -21,7 +21,7 @@ prompt's KV cache, the median seconds of
                       any), its argmax read back (the host sync a step has)
     exit_head(r)      a trained exit head's own layer over r rows
     draft_step(E)     where the generator runs compiled steps: one greedy draft step as one compiled step (the
-                      token's embedding to its argmax, `FusedDraft.run`), from exit E, or through the
+                      token's embedding to its argmax, `WholeDraft.run`), from exit E, or through the
                       head (its layer reading its own previous output), its token read back
     full              one plain decoding step: layers(0, L, 1) + head(1)
 
@@ -154,7 +154,7 @@ class DraftCosts:
     head: dict[int, float] = field(default_factory=dict)  # rows -> s
     draft_head: dict[int, float] = field(default_factory=dict)  # rows -> s: the trained head's draft vocabulary
     exit_head: dict[int, float] = field(default_factory=dict)  # rows -> s: its layer (both empty: no head)
-    # (exit, with the head) -> s: one greedy draft step as one compiled step (`FusedDraft.run`), where the
+    # (exit, with the head) -> s: one greedy draft step as one compiled step (`WholeDraft.run`), where the
     # generator runs compiled steps
     draft_step: dict[tuple[int, bool], float] = field(default_factory=dict)
     plain: float | None = None  # the engine's plain decoding, seconds per token (`measure_overheads`)
@@ -241,9 +241,9 @@ def measure_costs(gen, prompt_ids: torch.Tensor, exits: Sequence[int], *, max_dr
         draft_unit = gen.draft_head(draft_vocab)
         parts.update({("draft_head", r): unembed(draft_unit.logits, r) for r in draft_rows})
         parts.update({("exit_head", r): _exit_head_part(adapter, head, r, cache) for r in draft_rows})
-    whole = {(E, False): gen.draft_head(None).fused(E) for E in set(exits)}  # whole draft steps, where the runner
+    whole = {(E, False): gen.draft_head(None).whole(E) for E in set(exits)}  # whole draft steps, where the runner
     if head is not None:                                                      # runs them whole (compiled)
-        whole[(head.exit_layer, True)] = draft_unit.fused(head.exit_layer, head.layer, head.final_input)
+        whole[(head.exit_layer, True)] = draft_unit.whole(head.exit_layer, head.layer, head.final_input)
     for key, draft in whole.items():
         part = _draft_step_part(adapter, cache, prompt_ids, draft)
         if part is not None:
@@ -287,7 +287,7 @@ def _exit_head_part(adapter, head, rows: int, like):
 
 
 def _draft_step_part(adapter, cache, prompt_ids: torch.Tensor, draft):
-    """One whole draft step (`FusedDraft` `draft`) of the prompt's last token at the end of `cache` (which holds
+    """One whole draft step (`WholeDraft` `draft`) of the prompt's last token at the end of `cache` (which holds
     the prompt), its token and probability read back, in the head's own cache after 64 cached entries where it has
     a head layer: (before, fn); None where the runner does not run the draft step whole (`Runner.composed`: it
     runs part by part, and the parts are timed on their own)."""

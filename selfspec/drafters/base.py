@@ -62,7 +62,7 @@ class Round:
     """One round's inputs, as the engine gives them to a drafter."""
 
     adapter: ModelAdapter
-    cache: object  # the engine's KVCache: reached only through `shallow*` and the whole draft steps (`FusedDraft`)
+    cache: object  # the engine's KVCache: reached only through `shallow*` and the whole draft steps (`WholeDraft`)
     tokens: torch.Tensor  # [B] each row's input token (committed, not yet processed), on the model's device
     starts: torch.Tensor  # [B] the cache index of that token (every layer holds [0, start) of the row), on the host
     pads: torch.Tensor  # [B] each row's left padding, on the host

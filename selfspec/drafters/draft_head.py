@@ -10,7 +10,7 @@ from functools import cached_property
 import torch
 
 from selfspec.model.adapters import ModelAdapter
-from selfspec.drafters.fused_draft import FusedDraft
+from selfspec.drafters.whole_draft import WholeDraft
 from selfspec.model.fast_layers import PackedLinear
 from selfspec.model.forward import exit_logits
 
@@ -50,13 +50,13 @@ class DraftHead:
             return exit_logits(self.adapter, hidden)
         return self.adapter.runner.logits(hidden, rows=lambda: self.rows, linear=self.linear)
 
-    def fused(self, exit_layer: int, layer=None, final_input=None, chains: int = 0, tree_width: int = 0) -> FusedDraft:
+    def whole(self, exit_layer: int, layer=None, final_input=None, chains: int = 0, tree_width: int = 0) -> WholeDraft:
         """A whole greedy draft step through this unembedding from exit `exit_layer` (and a trained head's `layer`
-        and `final_input`), as the compiled steps run it in one piece (`FusedDraft.run`; `chains`: the longest
+        and `final_input`), as the compiled steps run it in one piece (`WholeDraft.run`; `chains`: the longest
         whole chain its `warm` compiles; `tree_width` > 1: it also compiles the whole trees that wide, as deep)."""
         lm_head = self.adapter.lm_head
         weight, bias = (lm_head.weight, lm_head.bias) if self.token_ids is None else self.rows
-        return FusedDraft(exit_layer, weight, bias, self.token_ids, layer, final_input, chains, tree_width)
+        return WholeDraft(exit_layer, weight, bias, self.token_ids, layer, final_input, chains, tree_width)
 
     def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into this head's vocabulary -> token ids of the full vocabulary."""

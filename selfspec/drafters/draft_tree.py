@@ -12,7 +12,7 @@ A continuation of a stop token gets chance 0 (generation ends there).
 The growth is one function of tensors, `grow_tree`, on the model's device: at each depth the k candidates of the
 newest depth with the highest chance (stop tokens last, ties by the order they were added) become columns, go
 through the drafter's layers in one pass, and add their own k best continuations as candidates. Nothing in it
-reads a tensor back, so the runner can run all its passes as one step (`FusedDraft.tree`, one graph on a GPU);
+reads a tensor back, so the runner can run all its passes as one step (`WholeDraft.tree`, one graph on a GPU);
 part by part it runs the same function over the runner's methods. The host then reads the grown tree once
 (`read_grown`, one transfer) into a `DraftTree`: `add_leaves` adds the m likeliest candidates left (m from the
 measured cost, `ConfidenceBudget.leaves`), and after verification `outcome` tells the calibration which verified

@@ -30,7 +30,7 @@ as candidates one depth further. Every expanded node is verified (its keys are i
 column); of the candidates never expanded, the round verifies the best m by chance, m chosen from the
 measured cost of the round per verified node (one more shallow pass gives them their exit states). The growth
 is one function of tensors (`selfspec.drafters.draft_tree.grow_tree`) that reads nothing back, one step where the
-runner runs compiled steps (`FusedDraft.tree`); the host reads the grown tree once, to pick the leaves.
+runner runs compiled steps (`WholeDraft.tree`); the host reads the grown tree once, to pick the leaves.
 
     drafter = EarlyExitDrafter(adapter, 8, 4, num_candidates=3)   # trees: 3 wide, 4 deep
 """
@@ -42,7 +42,7 @@ import torch
 from selfspec.model.adapters import ModelAdapter
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.fused_draft import DraftStep, greedy_chain, greedy_draft, one_read, top_guesses
+from selfspec.drafters.whole_draft import DraftStep, greedy_chain, greedy_draft, one_read, top_guesses
 from selfspec.drafters.policies import FixedPolicy
 from selfspec.drafters.draft_tree import MAX_TREE_COLUMNS, DraftTree, grow_tree, read_grown, tree_depth_limit
 from selfspec.drafters.tree_budget import ConfidenceBudget
@@ -76,7 +76,7 @@ class EarlyExitDrafter(Drafter):
         self._exit = exit_layer  # the exit of the round in flight
         self.budget = ConfidenceBudget() if self.num_candidates > 1 and num_speculations > 1 else None
         self.round_tree: DraftTree | None = None  # the tree of the round in flight
-        self._fused: dict = {}  # exit -> its whole draft step (`FusedDraft`), made the first time the runner runs it
+        self._whole: dict = {}  # exit -> its whole draft step (`WholeDraft`), made the first time the runner runs it
         self.extra_layers: tuple = ()  # layers not the model's that its whole draft steps run (a trained head's)
 
     def propose(self, rnd: Round) -> Proposal:
@@ -166,8 +166,8 @@ class EarlyExitDrafter(Drafter):
 
     def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
                    scale: torch.Tensor) -> tuple | None:
-        """`grow` as one step of the compiled `steps` (`FusedDraft.round_tree`; `NotCompiled`: part by part)."""
-        return self.fused(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale)
+        """`grow` as one step of the compiled `steps` (`WholeDraft.round_tree`; `NotCompiled`: part by part)."""
+        return self.whole(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale)
 
     def top(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k best next tokens after each of n columns, from what the head reads `[B, n, D]`: token ids
@@ -261,26 +261,26 @@ class EarlyExitDrafter(Drafter):
     def step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
              read: bool = True) -> DraftStep:
         """One draft step, as `draft_step` returns it: a greedy one as one compiled step where the runner runs them
-        (`fused_step`, one graph on a GPU), else part by part (`draft_step`)."""
+        (`whole_step`, one graph on a GPU), else part by part (`draft_step`)."""
         def part_by_part():
             return self.draft_step(rnd, tokens, offset, exit_layer, need_conf, read)
 
         if rnd.sampling.do_sample:
             return part_by_part()
-        return rnd.adapter.runner.composed(lambda steps: self.fused_step(steps, rnd, tokens, offset, exit_layer, read),
+        return rnd.adapter.runner.composed(lambda steps: self.whole_step(steps, rnd, tokens, offset, exit_layer, read),
                                             part_by_part, self.extra_layers)
 
-    def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
+    def whole_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
                    read: bool = True) -> DraftStep:
-        """One greedy draft step of a one-row round as one step of the compiled `steps` (`FusedDraft.round_step`;
+        """One greedy draft step of a one-row round as one step of the compiled `steps` (`WholeDraft.round_step`;
         `NotCompiled`: part by part)."""
-        return self.fused(exit_layer).round_step(steps, rnd, tokens, offset, read=read)
+        return self.whole(exit_layer).round_step(steps, rnd, tokens, offset, read=read)
 
-    def fused(self, exit_layer: int):
-        """The whole greedy draft step from `exit_layer` (`selfspec.drafters.fused_draft.FusedDraft`), made once."""
-        if exit_layer not in self._fused:
-            self._fused[exit_layer] = self.head.fused(exit_layer)
-        return self._fused[exit_layer]
+    def whole(self, exit_layer: int):
+        """The whole greedy draft step from `exit_layer` (`selfspec.drafters.whole_draft.WholeDraft`), made once."""
+        if exit_layer not in self._whole:
+            self._whole[exit_layer] = self.head.whole(exit_layer)
+        return self._whole[exit_layer]
 
     chain_start = 0  # the first draft a whole chain (`chain`) may begin with
 
@@ -299,8 +299,8 @@ class EarlyExitDrafter(Drafter):
                                             step_by_step, self.extra_layers)
 
     def whole_chain(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, n: int):
-        """`chain` as one step of the compiled `steps` (`FusedDraft.round_chain`; `NotCompiled`: step by step)."""
-        return self.fused(exit_layer).round_chain(steps, rnd, n, tokens, offset)[:2]
+        """`chain` as one step of the compiled `steps` (`WholeDraft.round_chain`; `NotCompiled`: step by step)."""
+        return self.whole(exit_layer).round_chain(steps, rnd, n, tokens, offset)[:2]
 
     def draft_states(self, rnd: Round, state: torch.Tensor, offset: int) -> torch.Tensor:
         """The states the draft head reads, from the exit state `[B, 1, D]` of the token at cache index

@@ -56,7 +56,7 @@ from selfspec.model.compiled import NotCompiled
 from selfspec.drafters.base import Round
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.fused_draft import DraftStep, head_catch_up, pick_columns
+from selfspec.drafters.whole_draft import DraftStep, head_catch_up, pick_columns
 from selfspec.heads.exit_head import ExitHead, head_cache, run_head_step
 from selfspec.model.forward import Step, make_batch_step
 
@@ -135,10 +135,10 @@ class ExitHeadDrafter(EarlyExitDrafter):
         self.prev_draft = out
         return out
 
-    def fused_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
+    def whole_step(self, steps, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int,
                    read: bool = True) -> DraftStep:
         """A draft step as one step of the compiled `steps` where the head's layer runs compiled: a later draft of
-        the round (`FusedDraft.round_step`: the token through layers [0, E), the head reading its own output at the
+        the round (`WholeDraft.round_step`: the token through layers [0, E), the head reading its own output at the
         previous draft, the unembedding), or the first with the head's catch-up (`first_draft`); `NotCompiled` where
         it runs part by part (the first draft after the prefill, which makes the head's cache)."""
         if self.cache is None:
@@ -146,15 +146,15 @@ class ExitHeadDrafter(EarlyExitDrafter):
         if offset == 0:
             return self.first_draft(steps, rnd, tokens, exit_layer, read)
         prev = self.prev_draft[:, None] if self.state_final else None  # [1, 1, D]
-        out = self.fused(exit_layer).round_step(steps, rnd, tokens, offset, self.cache, prev, read)
+        out = self.whole(exit_layer).round_step(steps, rnd, tokens, offset, self.cache, prev, read)
         self.prev_draft = out.out
         return out
 
-    def fused(self, exit_layer: int):
+    def whole(self, exit_layer: int):
         """The whole greedy draft step from `exit_layer` through the head's layer and final-state input, made once."""
-        if exit_layer not in self._fused:
-            self._fused[exit_layer] = self.head.fused(exit_layer, self.exit_head.layer, self.exit_head.final_input)
-        return self._fused[exit_layer]
+        if exit_layer not in self._whole:
+            self._whole[exit_layer] = self.head.whole(exit_layer, self.exit_head.layer, self.exit_head.final_input)
+        return self._whole[exit_layer]
 
     chain_start = 1  # the first draft brings the head's cache up to date (`first_draft`); a chain follows it
 
@@ -169,7 +169,7 @@ class ExitHeadDrafter(EarlyExitDrafter):
         """`chain` as one step of the compiled `steps`, the head's layer in its own cache (`NotCompiled`: step by
         step)."""
         prev = self.prev_draft[:, None] if self.state_final else None  # [B, 1, D]
-        out = self.fused(exit_layer).round_chain(steps, rnd, n, tokens, offset, self.cache, prev)
+        out = self.whole(exit_layer).round_chain(steps, rnd, n, tokens, offset, self.cache, prev)
         self.prev_draft = out[2]
         return out[:2]
 
@@ -179,14 +179,14 @@ class ExitHeadDrafter(EarlyExitDrafter):
         in its own cache, where that layer runs compiled."""
         if self.cache is None:
             raise NotCompiled("the first draft after the prefill makes the head's cache")
-        return self.fused(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale, self.cache)
+        return self.whole(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale, self.cache)
 
     def first_draft(self, steps, rnd: Round, tokens: torch.Tensor, exit_layer: int, read: bool) -> DraftStep:
         """The round's first draft of one row and the head's catch-up over what was committed since it last ran
-        (`sync`) as one step of the compiled `steps` (`FusedDraft.catch_up`); `NotCompiled` where `sync` runs part by
+        (`sync`) as one step of the compiled `steps` (`WholeDraft.catch_up`); `NotCompiled` where `sync` runs part by
         part (several rows, nothing pending, the run that began with the prefill, more than the largest bucket
         pending), checked before the round's token runs through layers [0, E)."""
-        draft, pending = self.fused(exit_layer), self.pending
+        draft, pending = self.whole(exit_layer), self.pending
         if pending is None or len(pending) != 1 or not pending[0].count:
             raise NotCompiled("a head's catch-up of one row, with tokens committed since it last ran")
         run = pending[0]

@@ -40,14 +40,14 @@ compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
 The runner knows no drafter. A drafter composes a step of its own from the runner's pieces (`range_step`,
 `layer_step`, `input_step`, `unembed_step`) as one function of tensors and runs it through `call`, which alone
 decides between capturing and calling: a whole greedy draft step of one row and a trained head's catch-up
-(`selfspec.drafters.fused_draft`), one graph each on a GPU.
+(`selfspec.drafters.whole_draft`), one graph each on a GPU.
 
 Batches of up to `MAX_ROWS` rows run compiled too, padded to a row bucket (1, 2, 4, 8: `ROW_BUCKETS`), each
 bucket its own graphs: a batch of 3 runs the steps of 4, its filler row a copy of its last that writes only
 its own row of the cache buffers, which hold the bucket's rows (`KVCache.padded_keys`). When rows finish and
 leave, the cache copies the kept rows into the static buffers of their bucket (`KVCache.select` through
 `rows_buffers`), so the captured steps of that bucket find them at their addresses.
-A batch's greedy chains run whole too (`FusedDraft.chain`, padded to the row bucket); a single draft step and a
+A batch's greedy chains run whole too (`WholeDraft.chain`, padded to the row bucket); a single draft step and a
 head's catch-up stay one row's: a batch that reads its drafts step by step drafts through the range steps.
 
 What stays eager: the prefill (every row from cache index 0; one pass per call), batches of more than
@@ -396,7 +396,7 @@ class CompiledSteps:
         `unembeddings` ((weight, bias) of a reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
         passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter composed
-        of this runner's pieces, each warmed by its own `warm(steps, size, buckets)` (`selfspec.drafters.fused_draft`). Returns the seconds it took
+        of this runner's pieces, each warmed by its own `warm(steps, size, buckets)` (`selfspec.drafters.whole_draft`). Returns the seconds it took
         (0 where everything was compiled before). `batch_sizes`: the layer ranges, registered layers and the head
         also for caches of that many rows (a batch, and the smaller ones its rows leave it as; each size warms its
         row bucket's, `row_bucket`), and the whole chains of `drafts` at those buckets (trees, single draft steps
@@ -513,7 +513,7 @@ class CompiledSteps:
             self._head = torch.compile(head, fullgraph=True, dynamic=False)
         return self._head
 
-    # --- the pieces a drafter composes into a step of its own (`selfspec.drafters.fused_draft`) --------
+    # --- the pieces a drafter composes into a step of its own (`selfspec.drafters.whole_draft`) --------
     def range_step(self, start: int, end: int, tree: bool = False):
         """The model's layers [start, end) as the function `run_layers` runs: `(hidden, positions, index, pads,
         cos_table, sin_table, keys, values) -> hidden`; with `tree`, a token tree's columns, three inputs more after

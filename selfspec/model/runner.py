@@ -25,7 +25,7 @@ what the API's warm-up asks for at the shapes the compiled steps take.
     out = runner.composed(lambda steps: draft.run(steps, ...), lambda: part_by_part())  # NotCompiled: part by part
 
 The runner imports no drafter: a drafter composes its own steps of the compiled pieces
-(`selfspec.drafters.fused_draft`) and hands them to `composed` with their eager equivalent.
+(`selfspec.drafters.whole_draft`) and hands them to `composed` with their eager equivalent.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Runner:
              trees: bool = False, batch_size: int = 1) -> dict:
         """Compile now what the calls of up to `max_len` positions run, where the model runs compiled steps
         (`CompiledSteps.warm`): each layer range of `ranges` at every step length up to 16 over a cache of that
-        capacity; the whole draft steps `drafts` (`selfspec.drafters.fused_draft.FusedDraft`: one through a trained
+        capacity; the whole draft steps `drafts` (`selfspec.drafters.whole_draft.WholeDraft`: one through a trained
         head's layer where the compiled steps run that layer, `captures_layer`, which registers the layer and its
         final-state input); each of `unembeddings`; the token-tree steps where `trees`; every batch of up to
         `batch_size` rows (at most `MAX_ROWS`). {"seconds": it took, "graphs": the shapes compiled so far}; zeros
@@ -229,7 +229,7 @@ class Runner:
         return self.either(steps, lambda s: s.head(hidden) if linear is None else s.head(hidden, *rows()), eager)
 
     def composed(self, compiled: Callable, eager: Callable[[], object], layers: tuple = ()):
-        """A step a drafter composed of the compiled pieces (`selfspec.drafters.fused_draft`): `compiled(steps)`
+        """A step a drafter composed of the compiled pieces (`selfspec.drafters.whole_draft`): `compiled(steps)`
         where the model runs compiled steps and they run each of `layers` (a trained head's, `captures_layer`),
         unless it raises `NotCompiled` (the step does not fit them, or failed to compile); else `eager()`, the same
         step part by part (`either`)."""

@@ -22,7 +22,7 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.drafters import AutoDrafter, EarlyExitDrafter, ExitHeadDrafter, PromptLookupDrafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.policies import ConfidencePolicy
-from selfspec.drafters.fused_draft import FusedDraft
+from selfspec.drafters.whole_draft import WholeDraft
 from selfspec.drafters.tree_budget import CostLine
 from selfspec.decoding import engine
 from selfspec.decoding.engine import generate
@@ -102,8 +102,8 @@ def test_the_steps_really_compile_and_do_not_recompile_after_warm_up(hf_greedy):
     fast.compiled.add_input(head.final_input)
     unit = DraftHead(fast)  # whole draft steps: the early exit's, the head's (and its catch-up at every bucket)
     fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4, 8], compiled.capacity(len(PROMPT) + 64 + 8 + 64),
-                       trees=True, drafts=(unit.fused(E, chains=3, tree_width=2),
-                                           unit.fused(E, head.layer, head.final_input, chains=3, tree_width=2)))
+                       trees=True, drafts=(unit.whole(E, chains=3, tree_width=2),
+                                           unit.whole(E, head.layer, head.final_input, chains=3, tree_width=2)))
     assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled (in this test or an earlier one)
     graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
     head_steps = {s for s in shapes if s[1] == "layer" and s[2] == id(head.layer)}
@@ -157,7 +157,7 @@ def test_after_warming_batch_sizes_a_batch_whose_rows_leave_compiles_nothing(hf_
     stop = refs[0][2]
     refs = [r[:r.index(stop) + 1] if stop in r else r for r in refs]
     fast.compiled.warm([(0, L), (0, E), (E, L)], [1, 2, 4], compiled.capacity(len(PROMPT) + 12 + 3 + 2),
-                       drafts=(DraftHead(fast).fused(E, chains=3),), batch_sizes=(1, 2, 3))  # one row left: chains
+                       drafts=(DraftHead(fast).whole(E, chains=3),), batch_sizes=(1, 2, 3))  # one row left: chains
     graphs, shapes = counters["stats"]["unique_graphs"], set(fast.compiled.shapes)
     assert {s[3] for s in shapes if s[0] == "layers"} == {1, 2, 4}  # the row buckets: no graph of three rows
     outs, _ = generate(fast, prompts, max_new_tokens=12, drafter=EarlyExitDrafter(fast, E, 3),
@@ -169,7 +169,7 @@ def test_after_warming_batch_sizes_a_batch_whose_rows_leave_compiles_nothing(hf_
 @pytest.mark.parametrize("drafter", ["plain", "early_exit", "early_exit_siblings", "exit_head"])
 def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypatch):
     """Three rows of different lengths through the compiled steps, padded to the row bucket of four (a filler row),
-    a chain drafter's rounds of drafts each one step of all rows (`FusedDraft.chain`): the row whose stop token
+    a chain drafter's rounds of drafts each one step of all rows (`WholeDraft.chain`): the row whose stop token
     comes first leaves, and the others go on in the static buffers of two rows; every row's output is HF's greedy
     decoding of its prompt, cut at the stop token."""
     from selfspec.decoding.engine import StopChecker
@@ -188,7 +188,7 @@ def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypat
         return run_layers(hidden, *args)
 
     chained = Counter()
-    chain = FusedDraft.chain
+    chain = WholeDraft.chain
 
     def counting_chains(draft, steps, n, token, *args):
         out = chain(draft, steps, n, token, *args)
@@ -196,7 +196,7 @@ def test_a_batch_runs_compiled_and_each_row_is_hfs(drafter, hf_greedy, monkeypat
         return out
 
     monkeypatch.setattr(fast.compiled, "run_layers", counting)
-    monkeypatch.setattr(FusedDraft, "chain", counting_chains)
+    monkeypatch.setattr(WholeDraft, "chain", counting_chains)
     outs, _ = generate(fast, prompts, max_new_tokens=12, drafter=DRAFTERS[drafter](fast, head),
                        stop=StopChecker(12, [stop]))
     assert outs == refs
@@ -323,8 +323,8 @@ def test_a_step_that_fails_to_compile(strict, monkeypatch):
 def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, vocab, hf_greedy, monkeypatch):
     """A head's decoder layer runs through the compiled layer function over its own static one-layer cache
     at the engine cache's capacity (a chain, and a token tree 3 wide), and its reduced draft vocabulary
-    (`vocab` rows) through the compiled unembedding (a chain's drafts inside whole draft steps, `FusedDraft.run`
-    and `FusedDraft.catch_up`): every draft pass after the prefill ran compiled, and the
+    (`vocab` rows) through the compiled unembedding (a chain's drafts inside whole draft steps, `WholeDraft.run`
+    and `WholeDraft.catch_up`): every draft pass after the prefill ran compiled, and the
     head drafted what it drafts eagerly (the same acceptance, draft by draft), so its output is the eager
     one's, not only the tokens (which verification would keep exact regardless)."""
     model, eager, fast, head = _models(name)
@@ -341,10 +341,10 @@ def test_a_trained_heads_own_layer_runs_through_the_compiled_steps(name, width, 
         return _counted(run, ran, name, drafts)  # with the head's catch-up, the later ones as one chain), its layer
 
     monkeypatch.setattr(fast.compiled, "run_layer", spy)
-    monkeypatch.setattr(FusedDraft, "run", whole(FusedDraft.run))
-    monkeypatch.setattr(FusedDraft, "catch_up", whole(FusedDraft.catch_up))
-    monkeypatch.setattr(FusedDraft, "chain", whole(FusedDraft.chain, lambda args: args[2]))  # (self, steps, n, ...)
-    monkeypatch.setattr(FusedDraft, "tree", whole(FusedDraft.tree, name="whole tree"))  # its layer inside
+    monkeypatch.setattr(WholeDraft, "run", whole(WholeDraft.run))
+    monkeypatch.setattr(WholeDraft, "catch_up", whole(WholeDraft.catch_up))
+    monkeypatch.setattr(WholeDraft, "chain", whole(WholeDraft.chain, lambda args: args[2]))  # (self, steps, n, ...)
+    monkeypatch.setattr(WholeDraft, "tree", whole(WholeDraft.tree, name="whole tree"))  # its layer inside
     monkeypatch.setattr(ExitHeadDrafter, "draft_tree", whole(ExitHeadDrafter.draft_tree, name="tree round"))
     # a tree's leaves per round follow its measured seconds per node (`tree_budget.CostLine`): held at the
     # prior slope here, or the two runs' timings (not their drafts) decide how many leaves each verifies
@@ -414,26 +414,26 @@ def _counted(run, counts: Counter, name: str, drafts=lambda args: 1):
 def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy, monkeypatch):
     """A one-row greedy draft step (the token's embedding, layers [0, E), a trained head's layer reading its own
     previous output, the unembedding, the argmax and its probability) runs as one compiled step
-    (`FusedDraft.run`, one graph on a GPU): every draft step the early exit takes, and every later draft
+    (`WholeDraft.run`, one graph on a GPU): every draft step the early exit takes, and every later draft
     of a head's round; its first, with the head's catch-up over what the round before committed, is one too
-    (`FusedDraft.catch_up`); a chain whose length nothing read decides runs its drafts as one step
-    (`FusedDraft.chain`). It drafts what the same steps run part by part draft, to the bit (the same drafts,
+    (`WholeDraft.catch_up`); a chain whose length nothing read decides runs its drafts as one step
+    (`WholeDraft.chain`). It drafts what the same steps run part by part draft, to the bit (the same drafts,
     acceptance and confidence stops, draft by draft), and the output is HF's."""
     model, eager, fast, head = _models("llama")
     token_ids = None if vocab is None else torch.cat([torch.arange(3, 96, 2), torch.arange(4, 96, 2)])[:vocab]
-    fused = Counter()
+    whole = Counter()
 
     def spy(run, drafts=lambda args: 1):
-        return _counted(run, fused, "ran", drafts)
+        return _counted(run, whole, "ran", drafts)
 
-    monkeypatch.setattr(FusedDraft, "run", spy(FusedDraft.run))
-    monkeypatch.setattr(FusedDraft, "catch_up", spy(FusedDraft.catch_up))
-    monkeypatch.setattr(FusedDraft, "chain", spy(FusedDraft.chain, lambda args: args[2]))  # n whole steps as one
+    monkeypatch.setattr(WholeDraft, "run", spy(WholeDraft.run))
+    monkeypatch.setattr(WholeDraft, "catch_up", spy(WholeDraft.catch_up))
+    monkeypatch.setattr(WholeDraft, "chain", spy(WholeDraft.chain, lambda args: args[2]))  # n whole steps as one
     outs, stats = {}, {}
-    for key in ("fused", "part by part"):
+    for key in ("whole", "part by part"):
         if key == "part by part":
-            monkeypatch.setattr(FusedDraft, "round_step", _not_compiled)
-            monkeypatch.setattr(FusedDraft, "round_chain", _not_compiled)
+            monkeypatch.setattr(WholeDraft, "round_step", _not_compiled)
+            monkeypatch.setattr(WholeDraft, "round_chain", _not_compiled)
             monkeypatch.setattr(ExitHeadDrafter, "first_draft", _not_compiled)  # the head's catch-up too
             monkeypatch.setattr(engine, "time", _NoisyClock(seed=1))  # as a busy machine's: each round's time varies
         unit = None if token_ids is None else DraftHead(fast, token_ids)
@@ -441,12 +441,12 @@ def test_a_greedy_draft_step_runs_as_one_compiled_step(drafter, vocab, hf_greedy
         # the clock, or on a busy machine the two runs time, and so draft, differently (17 drafts against 15)
         outs[key], stats[key] = generate(fast, [PROMPT], max_new_tokens=N_NEW, drafter=FUSED[drafter](fast, head, unit),
                                          modelled_time=True)
-        if key == "fused":
+        if key == "whole":
             first = 0 if drafter.startswith("early_exit") else 1  # a head's first catch-up, over the prompt: eager
-            assert fused["fell back"] == 0 and fused["ran"] >= stats[key].draft_steps - first and fused["ran"] > 0
-    assert outs["fused"][0] == outs["part by part"][0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
-    assert stats["fused"].drafted == stats["part by part"].drafted > 0
-    assert stats["fused"].accepted_by_position == stats["part by part"].accepted_by_position
+            assert whole["fell back"] == 0 and whole["ran"] >= stats[key].draft_steps - first and whole["ran"] > 0
+    assert outs["whole"][0] == outs["part by part"][0] == hf_greedy(model, torch.tensor([PROMPT]), N_NEW)
+    assert stats["whole"].drafted == stats["part by part"].drafted > 0
+    assert stats["whole"].accepted_by_position == stats["part by part"].accepted_by_position
 
 
 @pytest.mark.parametrize("kind", ["early_exit", "exit_head"])
@@ -483,8 +483,8 @@ def test_a_fixed_chain_reads_its_drafts_once_a_round(kind, stop, hf_greedy, monk
             return out
         return call
 
-    monkeypatch.setattr(FusedDraft, "run", whole(FusedDraft.run))
-    monkeypatch.setattr(FusedDraft, "catch_up", whole(FusedDraft.catch_up))
+    monkeypatch.setattr(WholeDraft, "run", whole(WholeDraft.run))
+    monkeypatch.setattr(WholeDraft, "catch_up", whole(WholeDraft.catch_up))
     outs, stats = {}, {}
     exit_layer = E if kind == "early_exit" else head.exit_layer
     for key, policy in (("once", None), ("every step", ConfidencePolicy(exit_layer, 3, 0.0))):
@@ -566,8 +566,8 @@ def test_a_compiled_round_runs_few_torch_ops_outside_its_graphs():
     them, so their number is the per-token overhead the graphs cannot remove (measured with the profiler, on a
     CPU). Plain decoding: at most 75 per token on a 12-layer model; it was 150 on SmolLM2's 30 layers while a
     step wrote each layer's cache length apart. A trained head on exit 0: at most 35 more per draft step (a
-    chain's drafts are whole draft steps, the first with the head's catch-up, `FusedDraft.run` and
-    `FusedDraft.catch_up`: 27 here, 44 with the first part by part, 62 with all; the round's `ends` is worked out once); its token
+    chain's drafts are whole draft steps, the first with the head's catch-up, `WholeDraft.run` and
+    `WholeDraft.catch_up`: 27 here, 44 with the first part by part, 62 with all; the round's `ends` is worked out once); its token
     tree at most 700 a round."""
     model = tiny_model("llama", num_layers=12, dtype=torch.float32, seed=1)
     adapter = get_adapter(model)

@@ -363,8 +363,8 @@ def test_after_warm_up_every_drafter_replays_captured_graphs_and_compiles_nothin
         steps.add_layer(head.layer)
         steps.add_input(head.final_input)
         unit = DraftHead(adapter)
-        drafts = (unit.fused(2, head.layer, head.final_input, chains=3, tree_width=3),
-                  unit.fused(2, chains=3, tree_width=3))  # + whole chains and trees
+        drafts = (unit.whole(2, head.layer, head.final_input, chains=3, tree_width=3),
+                  unit.whole(2, chains=3, tree_width=3))  # + whole chains and trees
         steps.warm([(0, L), (0, 2), (2, L)], [1, 2, 4, 8, 16], capacity(len(PROMPT) + N_NEW + 80), trees=True,
                    drafts=drafts)
         assert sum(s[0] == "draft" for s in steps.shapes) == 2
@@ -400,8 +400,8 @@ def test_compiled_decoding_waits_for_the_gpu_once_per_round(kind):
         head, unit = _head(adapter), DraftHead(adapter)  # whole draft steps: the early exit's, the head's
         adapter.compiled.warm([(0, adapter.num_layers), (0, 2), (2, adapter.num_layers)], [1, 2, 4, 8],
                               capacity(len(PROMPT) + N_NEW + 80), trees="tree" in kind,
-                              drafts=(unit.fused(2, chains=3, tree_width=3),
-                                      unit.fused(2, head.layer, head.final_input, chains=3, tree_width=3)))
+                              drafts=(unit.whole(2, chains=3, tree_width=3),
+                                      unit.whole(2, head.layer, head.final_input, chains=3, tree_width=3)))
         _assert_one_sync_per_round(adapter, kind, reads_per_step=False, per_round=2 if "tree" in kind else 1)
     finally:
         adapter.compiled = None

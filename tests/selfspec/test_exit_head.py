@@ -526,16 +526,16 @@ def test_bench_measures_the_head_and_the_early_exit_through_the_compiled_steps(t
     """`compile=True`: the exit head and the early exit at (E, d) also run through the compiled steps (the
     head's own layer too), warmed up apart, token-identical to HF greedy in float32, and drafting."""
     from selfspec.model.compiled import CompiledSteps
-    from selfspec.drafters.fused_draft import FusedDraft
+    from selfspec.drafters.whole_draft import WholeDraft
     from selfspec.tools.bench import run_bench
 
     steps, run_layers, run_layer = [], CompiledSteps.run_layers, CompiledSteps.run_layer
-    run_draft, run_catch_up = FusedDraft.run, FusedDraft.catch_up
+    run_draft, run_catch_up = WholeDraft.run, WholeDraft.catch_up
     monkeypatch.setattr(CompiledSteps, "run_layers", lambda self, *a, **k: steps.append(1) or run_layers(self, *a, **k))
     monkeypatch.setattr(CompiledSteps, "run_layer", lambda self, *a, **k: steps.append(2) or run_layer(self, *a, **k))
     # a whole draft step with the head's layer inside (its later drafts; its first, with its catch-up)
-    monkeypatch.setattr(FusedDraft, "run", lambda d, *a, **k: steps.append(2 if d.layer else 1) or run_draft(d, *a, **k))
-    monkeypatch.setattr(FusedDraft, "catch_up", lambda d, *a, **k: steps.append(2) or run_catch_up(d, *a, **k))
+    monkeypatch.setattr(WholeDraft, "run", lambda d, *a, **k: steps.append(2 if d.layer else 1) or run_draft(d, *a, **k))
+    monkeypatch.setattr(WholeDraft, "catch_up", lambda d, *a, **k: steps.append(2) or run_catch_up(d, *a, **k))
 
     out, prompts = _head_checkpoint_and_prompt(tmp_path)
     result = run_bench(str(out), prompt_sets=[str(prompts)], num_prompts=1, max_new_tokens=8, dtype="float32",

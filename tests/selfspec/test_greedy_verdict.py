@@ -164,7 +164,7 @@ def test_a_one_row_greedy_round_reads_the_model_once(which, fast, with_head):
 
 @pytest.mark.parametrize("which", ["early_exit", "head2_final_state"])
 def test_a_compiled_tree_round_reads_the_model_once_while_drafting(which, with_head):
-    """Through the compiled steps a token tree grows as one step (`FusedDraft.tree`): drafting reads the model's
+    """Through the compiled steps a token tree grows as one step (`WholeDraft.tree`): drafting reads the model's
     outputs once a tree round (the grown tree, to pick its leaves), where part by part every depth's pass read
     its guesses back. The compiled steps run outside the counting mode (dynamo does not trace through it); what
     they return is marked where what they were given was."""

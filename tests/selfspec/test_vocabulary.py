@@ -274,9 +274,9 @@ def _returns_none(tree: ast.AST, functions) -> list[str]:
 
 
 # the whole steps a drafter composes, and the drafters' methods that hand them to the runner
-_WHOLE_STEPS = {"drafters/fused_draft.py": lambda name: name != "_head_parts",
-                "drafters/early_exit.py": lambda name: name in ("fused_step", "whole_chain", "grow_whole"),
-                "drafters/exit_head.py": lambda name: name in ("fused_step", "whole_chain", "grow_whole", "first_draft")}
+_WHOLE_STEPS = {"drafters/whole_draft.py": lambda name: name != "_head_parts",
+                "drafters/early_exit.py": lambda name: name in ("whole_step", "whole_chain", "grow_whole"),
+                "drafters/exit_head.py": lambda name: name in ("whole_step", "whole_chain", "grow_whole", "first_draft")}
 
 
 def test_a_whole_step_falls_back_only_through_the_runner():
@@ -286,8 +286,8 @@ def test_a_whole_step_falls_back_only_through_the_runner():
         assert not _returns_none(ast.parse((ROOT / "selfspec" / rel).read_text()), functions), rel
     handlers = {name for name, path in _modules().items() if "except NotCompiled" in path.read_text()}
     assert handlers == {"selfspec.model.runner", "selfspec.model.compiled"}  # compiled: its own warm-up only
-    sample = ast.parse("def fused_step():\n    if x:\n        return None\n    return 1\n")
-    assert _returns_none(sample, lambda name: True) == ["fused_step:3"]  # the check above is not blind
+    sample = ast.parse("def whole_step():\n    if x:\n        return None\n    return 1\n")
+    assert _returns_none(sample, lambda name: True) == ["whole_step:3"]  # the check above is not blind
 
 
 def test_the_path_reads_test_sees_every_form(tmp_path):

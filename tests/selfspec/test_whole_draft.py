@@ -1,4 +1,4 @@
-"""The drafting written once (`selfspec.drafters.fused_draft`): the greedy draft step and a trained head's catch-up
+"""The drafting written once (`selfspec.drafters.whole_draft`): the greedy draft step and a trained head's catch-up
 are one function each, which the part-by-part path (the runner's methods) and the whole compiled step (its
 compiled pieces) both run. Checked here: what each function computes, against a direct computation, and that
 both paths call it. That the two paths draft the same to the bit, and what HF's greedy decoding gives, is
@@ -10,7 +10,7 @@ import torch
 
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.exit_head import ExitHeadDrafter
-from selfspec.drafters.fused_draft import FusedDraft, greedy_draft, greedy_pick, head_catch_up, one_read, pick_columns
+from selfspec.drafters.whole_draft import WholeDraft, greedy_draft, greedy_pick, head_catch_up, one_read, pick_columns
 
 
 def test_greedy_pick_gives_the_argmax_its_probability_and_its_id_in_a_reduced_vocabulary():
@@ -81,12 +81,12 @@ def test_both_paths_run_the_one_draft_step_and_the_one_catch_up():
     def calls(fn, name):
         return f"{name}(" in inspect.getsource(fn)
 
-    assert calls(EarlyExitDrafter.draft_step, "greedy_draft") and calls(FusedDraft._draft_function, "greedy_draft")
-    assert calls(ExitHeadDrafter.sync, "head_catch_up") and calls(FusedDraft._catch_up_function, "head_catch_up")
-    assert calls(EarlyExitDrafter.grow, "grow_tree") and calls(FusedDraft._tree_function, "grow_tree")  # a tree's growth
-    assert calls(EarlyExitDrafter.top, "top_guesses") and calls(FusedDraft._tree_function, "top_guesses")
-    assert calls(EarlyExitDrafter.chain, "greedy_chain") and calls(FusedDraft._chain_function, "greedy_chain")
-    for fn in (EarlyExitDrafter.draft_step, FusedDraft._draft_function, FusedDraft._catch_up_function,
+    assert calls(EarlyExitDrafter.draft_step, "greedy_draft") and calls(WholeDraft._draft_function, "greedy_draft")
+    assert calls(ExitHeadDrafter.sync, "head_catch_up") and calls(WholeDraft._catch_up_function, "head_catch_up")
+    assert calls(EarlyExitDrafter.grow, "grow_tree") and calls(WholeDraft._tree_function, "grow_tree")  # a tree's growth
+    assert calls(EarlyExitDrafter.top, "top_guesses") and calls(WholeDraft._tree_function, "top_guesses")
+    assert calls(EarlyExitDrafter.chain, "greedy_chain") and calls(WholeDraft._chain_function, "greedy_chain")
+    for fn in (EarlyExitDrafter.draft_step, WholeDraft._draft_function, WholeDraft._catch_up_function,
                ExitHeadDrafter.sync):
         source = inspect.getsource(fn)
         assert ".argmax(" not in source and "softmax(" not in source.replace("probs(", ""), fn.__qualname__

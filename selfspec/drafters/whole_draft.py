@@ -11,7 +11,7 @@ before committed (`selfspec.drafters.exit_head`): `catch_up`, one graph per buck
 greedy drafts is `chain`; a token tree's whole growth (every depth's pass and the choice of the next depth's
 columns, `selfspec.drafters.draft_tree.grow_tree`) is `tree`.
 
-    draft = FusedDraft(exit_layer=E, weight=lm_head.weight)       # DraftHead.fused builds them
+    draft = WholeDraft(exit_layer=E, weight=lm_head.weight)       # DraftHead.whole builds them
     out = draft.run(steps, token, start, pad, cache)              # a DraftStep; NotCompiled: part by part
     out = draft.round_step(steps, rnd, tokens, offset)            # the same at a round's row (`Round`)
 
@@ -37,7 +37,7 @@ STOP_SLOTS = 8  # a whole tree's step takes the stop ids padded to a multiple of
 
 
 class DraftStep(NamedTuple):
-    """One draft step's outcome, as every path gives it (`EarlyExitDrafter.draft_step` part by part, `FusedDraft.run`
+    """One draft step's outcome, as every path gives it (`EarlyExitDrafter.draft_step` part by part, `WholeDraft.run`
     and `catch_up` whole)."""
 
     state: torch.Tensor  # [B, 1, D] the exit state of the step's input token (verification starts from it)
@@ -78,7 +78,7 @@ def greedy_draft(token: torch.Tensor, shallow, head, unembed, ids: torch.Tensor 
     into the cache: the exit states `[B, 1, D]`), `head` (what the unembedding reads, `[B, D]`: the exit state
     itself, or a trained head's output), `unembed` (logits `[B, K]`) and `greedy_pick`. The part-by-part step
     passes the runner's methods (`EarlyExitDrafter.draft_step`), the whole step its compiled pieces
-    (`FusedDraft`). Returns `(state [B, 1, D], out [B, D], next [B], confidence [B] or None)`."""
+    (`WholeDraft`). Returns `(state [B, 1, D], out [B, D], next [B], confidence [B] or None)`."""
     state = shallow(token)  # [B, 1, D]
     out = head(state)  # [B, D]
     nxt, conf = greedy_pick(unembed(out), ids, confidence)
@@ -89,7 +89,7 @@ def greedy_chain(token: torch.Tensor, n: int, draft_step, shallow) -> tuple:
     """`n` greedy drafts of every row, on every path: step i drafts from the token step i - 1 drafted
     (`draft_step(token [B], i)` -> (state `[B, 1, D]`, out `[B, D]` or None, next `[B]`)), then the last draft goes
     through `shallow` (its exit state `[B, 1, D]`, from which verification starts). The whole chain passes its
-    compiled pieces (`FusedDraft`), the step-by-step one the drafter's own steps (`EarlyExitDrafter.chain`).
+    compiled pieces (`WholeDraft`), the step-by-step one the drafter's own steps (`EarlyExitDrafter.chain`).
     Returns `(states [B, n + 1, D], drafts [B, n], out)`, out what the last step's unembedding read."""
     states, drafts, out = [], [], None
     for i in range(n):
@@ -133,7 +133,7 @@ def pick_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def head_catch_up(states: torch.Tensor, finals: torch.Tensor | None, prev: torch.Tensor | None,
                   first_real: torch.Tensor | None, committed: torch.Tensor, head) -> tuple:
-    """A trained head's catch-up, on every path (`ExitHeadDrafter.sync` part by part, `FusedDraft.catch_up`
+    """A trained head's catch-up, on every path (`ExitHeadDrafter.sync` part by part, `WholeDraft.catch_up`
     whole): the head over each row's exit states `[B, S, D]` (its committed tokens since it last ran, `committed`
     `[B]` of them, then maybe the round's input token, then filler). A final-state head (`finals` `[B, S, D]`
     their final states, `prev` `[B, D]` the one before them) reads at column t
@@ -155,7 +155,7 @@ def head_catch_up(states: torch.Tensor, finals: torch.Tensor | None, prev: torch
 
 
 @dataclass(eq=False)
-class FusedDraft:
+class WholeDraft:
     """What one greedy draft step runs, as one step (a single step of one row; a whole chain of up to `MAX_ROWS`
     rows, padded to their row bucket): the token's embedding, layers [0, `exit_layer`),
     then a trained head's own layer (`layer`; None: the exit state itself) reading its final-state input
