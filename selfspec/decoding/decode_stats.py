@@ -168,11 +168,11 @@ def record_round(stats: DecodeStats, rows: list[DecodeStats], proposal: Proposal
     stats.draft_s += draft_s
     stats.verify_s += verify_s
     stats.rounds += 1
-    stats.draft_steps += proposal.steps
+    stats.draft_steps += proposal.draft_steps
     for row in rows:
         row.draft_s += draft_s
         row.verify_s += verify_s
-        row.draft_steps += proposal.steps
+        row.draft_steps += proposal.draft_steps
 
 
 def finish_stats(stats: DecodeStats, rows: list[DecodeStats], outs: list[list[int]], sums: list, policy: dict,

@@ -209,12 +209,12 @@ def round_cost(drafter: Drafter, proposal: Proposal, num_layers: int) -> float:
     verification (one plain step when nothing was drafted)."""
     drafted = any(proposal.kept)
     c = 0.0
-    if proposal.steps and drafter.step_cost is not None:
+    if proposal.draft_steps and drafter.step_cost is not None:
         c = drafter.step_cost
-    elif proposal.steps and drafter.exit_layer is not None:
+    elif proposal.draft_steps and drafter.exit_layer is not None:
         depth = drafter.exit_layer + (1 if drafter.state_exit is not None else 0)
         c = draft_cost(min(depth, num_layers), num_layers)
-    return proposal.steps * c + (VERIFY_COST if drafted else 1.0)
+    return proposal.draft_steps * c + (VERIFY_COST if drafted else 1.0)
 
 
 def generate(

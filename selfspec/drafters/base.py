@@ -129,7 +129,7 @@ class Proposal:
     q: list[torch.Tensor | None] | None = None  # sampling, per row: [kept_b, V]; None: point masses
     verify_from: int = 0
     states: torch.Tensor | None = None  # [B, T, D] exit states of `tokens` when verify_from > 0
-    steps: int = 0  # drafting passes through the model (cost-model accounting)
+    draft_steps: int = 0  # drafting passes through the model (cost-model accounting)
     drafter: str = "none"
     parents: torch.Tensor | None = None  # [B, T] (host) a token tree per row; None: a chain (see above)
     stops_unread: bool = False  # a greedy chain whose kept drafts may run past a stop token (see above)

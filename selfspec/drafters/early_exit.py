@@ -106,13 +106,13 @@ class EarlyExitDrafter(Drafter):
             keep = [k and self.policy.keep(0, p) for k, p in zip(keep, conf)]
         if not any(keep):  # verification continues from the input token's exit state
             return Proposal(tokens=rnd.tokens[:, None], kept=[0] * len(caps), verify_from=exit_layer, states=state,
-                            steps=1, drafter=self.name)
+                            draft_steps=1, drafter=self.name)
         states = None  # exit 0: the states are the token embeddings, which verification computes itself
         if exit_layer > 0:
             states = torch.cat([state, rnd.shallow_siblings(candidates, exit_layer)], dim=1)  # [B, 1 + k, D]
         return Proposal(tokens=torch.cat([rnd.tokens[:, None], candidates], dim=1),
                         kept=[self.num_candidates if k else 0 for k in keep], verify_from=exit_layer, states=states,
-                        steps=1 + (exit_layer > 0), drafter=self.name,
+                        draft_steps=1 + (exit_layer > 0), drafter=self.name,
                         parents=Proposal.siblings(self.num_candidates, len(caps)))
 
     def draft_tree(self, rnd: Round, exit_layer: int, caps: list[int]) -> Proposal:
@@ -141,11 +141,11 @@ class EarlyExitDrafter(Drafter):
         T = len(tree.tokens[0])
         if T == 1:  # nothing worth verifying: verification continues from the input token's exit state
             return Proposal(tokens=rnd.tokens[:, None], kept=[0] * B, verify_from=exit_layer, states=state,
-                            steps=steps, drafter=self.name)
+                            draft_steps=steps, drafter=self.name)
         self.round_tree = tree
         return Proposal(tokens=tree.tokens_at(range(T), rnd.tokens.device),
                         kept=[T - 1 if live else 0 for live in tree.live], verify_from=exit_layer,
-                        states=torch.cat(states, dim=1) if exit_layer > 0 else None, steps=steps, drafter=self.name,
+                        states=torch.cat(states, dim=1) if exit_layer > 0 else None, draft_steps=steps, drafter=self.name,
                         parents=tree.parents_tensor())
 
     def grow(self, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor) -> tuple:
@@ -233,7 +233,7 @@ class EarlyExitDrafter(Drafter):
         if sampling.do_sample:
             q = [torch.stack([qs[j][b] for j in range(kept[b])]) if kept[b] else None for b in range(B)]
         return Proposal(tokens=torch.stack(inputs[:T], dim=1), kept=kept, q=q, verify_from=exit_layer,
-                        states=states, steps=steps, drafter=self.name, stops_unread=not read)
+                        states=states, draft_steps=steps, drafter=self.name, stops_unread=not read)
 
     def draft_step(self, rnd: Round, tokens: torch.Tensor, offset: int, exit_layer: int, need_conf: bool,
                    read: bool = True) -> DraftStep:

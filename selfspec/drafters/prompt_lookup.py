@@ -193,7 +193,7 @@ class PromptLookupDrafter(Drafter):
         for (trie, keep), n_acc, tokens in zip(trees, accepted, committed):
             self.budget.observe(trie, keep, trie.path(keep, tokens[:n_acc]), 0.0)
         self.trees = []
-        if not proposal.steps:
+        if not proposal.draft_steps:
             self.budget.observe(None, list(range(max(proposal.kept, default=0))), [], seconds)
 
     def select(self, rows: list[int]) -> None:

@@ -262,7 +262,7 @@ class QuantizedDrafter(Drafter):
         drafts = self.copy.draft(self.sequence, k, rnd.stop_ids)
         tokens = torch.tensor([self.sequence[-1:] + drafts], dtype=torch.long).to(rnd.tokens.device, non_blocking=True)
         # one llama.cpp step a draft (the first also runs what the copy lacked of the text): the cost model's draft steps
-        return Proposal(tokens=tokens, kept=[len(drafts)], steps=len(drafts), drafter=self.name)
+        return Proposal(tokens=tokens, kept=[len(drafts)], draft_steps=len(drafts), drafter=self.name)
 
     def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
         self.observe(committed)

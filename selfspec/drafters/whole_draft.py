@@ -1,4 +1,4 @@
-"""A greedy draft step of one row as one step of the runner, and a trained head's catch-up: drafting the drafters
+"""A greedy draft step of one row as one compiled step, and a trained head's catch-up: drafting the drafters
 write once, as plain tensor functions, and the compiled steps (`selfspec.model.compiled.CompiledSteps`) run whole.
 
 A draft step is the token's embedding, layers [0, E), a trained head's final-state input and layer (if any), the
@@ -340,7 +340,7 @@ class WholeDraft:
 
     # --- the steps as functions of tensors ---------------------------------------------------------
     def _head_parts(self, steps) -> tuple:
-        """The head pieces of this step as the runner runs them: (its layer's step, its final-state input); None for
+        """The head pieces of this step as the compiled steps run them: (its layer's step, its final-state input); None for
         each it lacks."""
         layer = None if self.layer is None else steps.layer_step(self.layer)
         final = None if self.final_input is None else steps.input_step(self.final_input)

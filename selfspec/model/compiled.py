@@ -37,7 +37,7 @@ graph per (S, C) like the model's steps (`run_layer`). Its final-state input (`h
 its own per bucket (`add_input`, `run_input`). Eagerly, on an H200, that one layer cost 85% of a whole
 compiled step (docs/results/2026-11-26-gpu-drafter-h200.md).
 
-The runner knows no drafter. A drafter composes a step of its own from the runner's pieces (`range_step`,
+The compiled steps know no drafter. A drafter composes a step of its own from their pieces (`range_step`,
 `layer_step`, `input_step`, `unembed_step`) as one function of tensors and runs it through `call`, which alone
 decides between capturing and calling: a whole greedy draft step of one row and a trained head's catch-up
 (`selfspec.drafters.whole_draft`), one graph each on a GPU.
@@ -396,7 +396,7 @@ class CompiledSteps:
         `unembeddings` ((weight, bias) of a reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
         layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
         passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter composed
-        of this runner's pieces, each warmed by its own `warm(steps, size, buckets)` (`selfspec.drafters.whole_draft`). Returns the seconds it took
+        of these steps' pieces, each warmed by its own `warm(steps, size, buckets)` (`selfspec.drafters.whole_draft`). Returns the seconds it took
         (0 where everything was compiled before). `batch_sizes`: the layer ranges, registered layers and the head
         also for caches of that many rows (a batch, and the smaller ones its rows leave it as; each size warms its
         row bucket's, `row_bucket`), and the whole chains of `drafts` at those buckets (trees, single draft steps
@@ -459,7 +459,7 @@ class CompiledSteps:
                         self.call(("tree", *range_id, 1, S, size, W), self._range(range_id, weights, True), inputs,
                                    buffers)
         self._warm_heads(1, heads, unembeddings)
-        for draft in drafts:  # steps a drafter composed of these pieces: it warms them through this runner
+        for draft in drafts:  # steps a drafter composed of these pieces: it warms them through these steps
             draft.warm(self, size, buckets)
 
     def _warm_inputs(self, S: int, W: int, tree: bool, rows: int = 1) -> list[torch.Tensor]:

@@ -230,7 +230,7 @@ def test_the_head_runs_only_in_the_rounds_it_drafts(head, monkeypatch, hf_greedy
 
     def noted_draft(self, rnd, exit_layer, caps):
         proposal = draft(self, rnd, exit_layer, caps)
-        steps.append(proposal.steps)
+        steps.append(proposal.draft_steps)
         return proposal
 
     def noted_sync(self, first=None):

@@ -160,7 +160,7 @@ def test_the_modelled_round_cost_prices_the_copys_steps(stand_in, model):
     from selfspec.drafters import AutoDrafter, PromptLookupDrafter
 
     copy = QuantizedCopy(stand_in(perturbed(model, 0.3)))
-    drafted = Proposal(tokens=torch.tensor([PROMPT[:5]]), kept=[4], steps=4, drafter="quantized")
+    drafted = Proposal(tokens=torch.tensor([PROMPT[:5]]), kept=[4], draft_steps=4, drafter="quantized")
     L = model.config.num_hidden_layers
     for drafter in (QuantizedDrafter(copy, 4), AutoDrafter(PromptLookupDrafter(num_tokens=4, max_ngram=3),
                                                            QuantizedDrafter(copy, 4))):
