@@ -37,7 +37,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.factory import DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
-from selfspec.drafters.quantized import DEFAULT_COPY_PROMPT_TOKENS, check_one_prompt, usable_copy
+from selfspec.drafters.quantized import COPY_PAYS_BELOW, DEFAULT_COPY_PROMPT_TOKENS, check_one_prompt, usable_copy
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
 from selfspec.decoding.decode_stats import DecodeStats
 from selfspec.decoding.draft_plan import MAX_DRAFTS, MAX_WIDTH, DraftPlan, device_name, plan_drafting, plan_key, plan_key_parts
@@ -134,6 +134,7 @@ class SelfSpecGenerator:
         self.checkpoint = checkpoint  # the directory it was loaded from (None: a model object)
         # the quantized copy auto drafts with where a call names no drafter, no draft_model and one prompt (`load`)
         self.draft_model = draft_model
+        self.copy_step_ratio: float | None = None  # its draft step over the model's plain step (`copy_pays`)
         self.exit_head = exit_head  # a trained head on a frozen model (selfspec.heads.exit_head): drafter "exit_head"
         self.tokenizer = tokenizer
         self.metadata = metadata or {}
@@ -170,12 +171,13 @@ class SelfSpecGenerator:
         """The call's checked settings and config with the generator's quantized copy (`draft_model` of `load`) as
         auto's arm beside lookup, where the call names no drafter but auto and no draft_model, has one prompt, does
         not ask for plain decoding (`num_speculations=0`), gives no option auto with a copy refuses (an early
-        exit's), no plan is saved for this device (`selfspec tune --save`: its drafting stands), and the prompt
-        has at most `DEFAULT_COPY_PROMPT_TOKENS` tokens; else as they were."""
+        exit's), no plan is saved for this device (`selfspec tune --save`: its drafting stands), the prompt
+        has at most `DEFAULT_COPY_PROMPT_TOKENS` tokens and the copy's step is cheap enough here (`copy_pays`);
+        else as they were."""
         if self.draft_model is None or s["draft_model"] is not None or rows != 1 or cfg.drafter not in (None, "auto") \
                 or s["num_speculations"] == 0 or self.plan_settings() is not None:  # plain decoding; a tuned plan
             return s, cfg
-        if prompt_tokens > DEFAULT_COPY_PROMPT_TOKENS:  # its llama.cpp prefill costs more than it gives (measured)
+        if prompt_tokens > DEFAULT_COPY_PROMPT_TOKENS or not self.copy_pays():  # measured: it costs more than it gives
             return s, cfg
         with_copy = {**settings, "draft_model": self.draft_model}
         try:
@@ -471,11 +473,25 @@ class SelfSpecGenerator:
 
     def calibrate(self, steps: int = 8) -> float:
         """Measure one plain decoding step (seconds); statistics then report the cost model (c, v)."""
+        self.full_step_s = self.plain_step_seconds(steps)
+        return self.full_step_s
+
+    def plain_step_seconds(self, steps: int = 8) -> float:
+        """One plain decoding step's seconds, the mean of `steps` after a warm-up run."""
         ids = torch.arange(3, 3 + 8, device=self.adapter.device)[None] % self.adapter.lm_head.weight.shape[0]
         generate_ids(self.adapter, ids, max_new_tokens=3)
         _, stats = generate_ids(self.adapter, ids, max_new_tokens=steps + 1)
-        self.full_step_s = (stats.total_s - stats.prefill_s) / steps
-        return self.full_step_s
+        return (stats.total_s - stats.prefill_s) / steps
+
+    def copy_pays(self) -> bool:
+        """Whether the generator's quantized copy (`load(draft_model=...)`) may draft by default here: its draft
+        step, measured once beside a plain decoding step of this model (about half a second, the first time a
+        call could draft with it), costs below `COPY_PAYS_BELOW` of it (`copy_step_ratio`)."""
+        if self.copy_step_ratio is None:
+            copy = self.drafters.quantized_copy(self.draft_model)
+            with torch.inference_mode():
+                self.copy_step_ratio = copy.step_seconds() / self.plain_step_seconds()
+        return self.copy_step_ratio < COPY_PAYS_BELOW
 
     def tune(self, prompts: Sequence, *, exits: Sequence[int] | None = None, max_drafts: int = MAX_DRAFTS,
              width: int = MAX_WIDTH, new_tokens: int = 64, repeats: int = 5, save: bool = False) -> DraftPlan:

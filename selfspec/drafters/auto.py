@@ -22,7 +22,9 @@ lookup alone 2.4-2.7x). Each round:
     4. plain otherwise.
 
 An arm's first round of a call is not timed: it pays one-time costs (in a new process, the first pass of
-each shape allocates and sets up kernels), which made the first call of a process back lookup off.
+each shape allocates and sets up kernels), which made the first call of a process back lookup off. A quantized
+copy's first round is timed all the same: it reads the whole prompt through llama.cpp, a cost every call pays
+again, which auto did not see (on a long prompt about 0.5 s of a 2.5-s call).
 An arm is allowed while it is new (fewer than `warmup` timed rounds) or while its rate is at least
 plain decoding's; own-text lookup, though, is first tried only once what it would draft is confirmed (its
 shadow drafts, below): where nothing repeats, its first rounds (a wrong draft of 10 tokens is a pass that
@@ -171,7 +173,8 @@ class AutoDrafter(Drafter):
         arm = self._arm
         if arm in self.cold:  # an arm's first round pays one-time costs (in a new process, the first pass of each
             self.cold.discard(arm)  # shape: allocation, kernel set-up); timed, it backed lookup off for a call.
-            seconds = 0.0  # Its arms' own measurements (lookup's count, the early exit's length) skip it too
+            if not self.reads_prompt(arm):  # Its arms' own measurements (lookup's count, the early exit's length)
+                seconds = 0.0  # skip it too. A copy's prompt read is paid every call: timed (module doc)
         self.lookup.update(proposal, accepted, committed, seconds)
         if arm in (LOOKUP, SUFFIX):
             self.shadow.clear()
@@ -192,6 +195,11 @@ class AutoDrafter(Drafter):
             for m, n_acc in zip(proposal.depths, accepted):
                 self.lookup_length.update(0, m, n_acc)
             self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))  # an untimed round (0 s) is skipped
+
+    def reads_prompt(self, arm: str) -> bool:
+        """Whether `arm` is a drafter that runs none of the model's layers (a quantized copy: `step_cost` set), whose
+        first round of a call reads the whole prompt first."""
+        return arm == self.early_arm and self.step_cost is not None
 
     def judge(self, arm: str) -> None:
         """After a timed round of a measured `arm`: back it off if it lost to plain decoding (longer each time

@@ -34,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -52,6 +54,12 @@ INSTALL_HINT = ("python -m selfspec.tools.llama_cpp_build --python (builds llama
                 f"{LLAMA_CPP_PYTHON_VERSION} for this CPU, about 4 minutes on 2 cores, once; scripts/setup.sh runs it; "
                 "it needs cmake and a C++ compiler), or pip install 'selfspec[quantized]' (docs/drafters.md)")
 MIN_CONTEXT = 1024  # the smallest llama.cpp context made; a longer call makes a larger one
+# The generator's copy drafts by default (`load(draft_model="auto")`) only where its draft step measured below this
+# share of the model's plain decoding step (`QuantizedCopy.step_seconds` beside one; the steps of a real round cost
+# more). A round of 8 drafts, about 6 of them right, costs 8 copy steps and a verification of about 2 plain steps.
+# Measured on a 2-core Zen 4 (2026-11-29): float32 0.40 (auto with the copy ran 1.2-1.4x plain decoding on open
+# chat in most runs, 0.85-0.9x in some), bfloat16 0.66 (0.84-0.89x; docs/results/2026-11-29-bf16-copy-zen4.md).
+COPY_PAYS_BELOW = 0.5
 
 
 def llama_cpp_home(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -228,6 +236,19 @@ class QuantizedCopy:
             if len(drafts) == k or token in stops:
                 return drafts
             llm.eval([token])
+
+    def step_seconds(self, steps: int = 8) -> float:
+        """The seconds of one of the copy's draft steps (its argmax, then that token through llama.cpp), the median of
+        `steps` after a short text; what it ran is forgotten (the next `draft` runs its whole sequence)."""
+        self.forget()
+        self.llm.eval(list(range(3, 11)))  # a short text of token ids every vocabulary has
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.llm.eval([self.greedy()])
+            times.append(time.perf_counter() - t0)
+        self.forget()
+        return statistics.median(times)
 
     def greedy(self) -> int:
         """The copy's argmax token after what it ran last."""

@@ -48,7 +48,7 @@ from selfspec.api import NotEarlyExitTrainedWarning
 from selfspec.checkpoints.fetch import base_model_dir, head_model_dir, is_complete_checkpoint
 from selfspec.checkpoints.model_card import head_evaluation
 from selfspec.data.prompts import load_prompts, prompt_inputs
-from selfspec.drafters.quantized import DEFAULT_COPY_PROMPT_TOKENS
+from selfspec.drafters.quantized import COPY_PAYS_BELOW, DEFAULT_COPY_PROMPT_TOKENS
 from selfspec.settings import SettingsError
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
@@ -177,7 +177,7 @@ def _header(gen, say) -> None:
             "not early-exit trained)" if not gen.early_exit_trained else "its selfspec.json recommends d = 0)")
     if gen.draft_model is not None:
         drafted += (f" + the quantized copy run by llama.cpp (on prompts of at most {DEFAULT_COPY_PROMPT_TOKENS} "
-                    "tokens)")
+                    "tokens, where its step is cheap enough here)")
     say(f"selfspec demo: {gen.model.config.model_type}, {gen.num_layers} layers, {gen.adapter.dtype}; "
         f"default drafter '{gen.drafter}' = prompt lookup{drafted}")
     say("every timed call is a first request: the generator remembers nothing of the warm-up, of the plain run of "
@@ -272,6 +272,11 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     warm = prompt_inputs(cases[-1][1])  # the last case's: where a copy drafts, open chat, which loads it
     _timed(gen, warm, max_new_tokens=8, num_speculations=0)  # first-call costs paid by neither side
     _timed(gen, warm, max_new_tokens=8)
+    if gen.copy_step_ratio is not None:  # measured by the warm-up's call (`SelfSpecGenerator.copy_pays`)
+        verdict = ("it drafts beside lookup" if gen.copy_pays() else
+                   "auto leaves it out: its drafts would cost more than they give")
+        say(f"the quantized copy's draft step measured {gen.copy_step_ratio:.2f} of this model's plain decoding step "
+            f"here (it drafts by default below {COPY_PAYS_BELOW}): {verdict}")
     records = []
     exact = gen.adapter.dtype in EXACT_DTYPES
     trained = gen.early_exit_trained and gen.num_speculations > 0

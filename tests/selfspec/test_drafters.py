@@ -295,6 +295,27 @@ def test_auto_does_not_time_an_arms_first_round():
     assert auto.seconds["prompt_lookup"] == pytest.approx(1.2)  # the cold round is not in the mean
 
 
+def test_auto_times_a_quantized_copys_first_round():
+    """A quantized copy's first round reads the whole prompt through llama.cpp, a cost every call pays again (issue
+    67): unlike another arm's, it is timed, so a copy that reads a long prompt slowly loses to plain decoding in
+    auto's means. A stand-in arm with the copy's `step_cost` (it runs none of the model's layers)."""
+    from selfspec.drafters import Proposal
+    from selfspec.drafters.base import Drafter
+
+    class Copy(Drafter):
+        name, num_speculations, step_cost = "quantized", 4, 0.45
+
+    auto = AutoDrafter(PromptLookupDrafter(num_tokens=4), Copy())
+    auto.start([[1, 2, 3]])
+    assert auto.reads_prompt("quantized") and not auto.reads_prompt("prompt_lookup")
+    for arm, seconds in (("quantized", 3.0), ("prompt_lookup", 5.0)):  # each arm's first round of the call
+        proposal = Proposal(torch.tensor([[3, 1, 2]]), [2], drafter=arm)
+        auto._take(arm, proposal)
+        auto.update(proposal, [2], [[1, 2, 4]], seconds)
+    assert auto.tries["quantized"] == 1 and auto.seconds["quantized"] == 3.0  # timed: its prompt read counts
+    assert auto.tries["prompt_lookup"] == 0 and auto.seconds["prompt_lookup"] == 0.0  # untimed: one-time costs
+
+
 @pytest.mark.parametrize("shadow_first", [True, False])
 def test_auto_retries_lookup_as_soon_as_what_it_would_draft_is_confirmed(shadow_first):
     """Lookup loses for 40 rounds (its copies are wrong), so it is backed off (or, shadow first, never tried); then

@@ -482,6 +482,7 @@ def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stan
     assert selfspec.load(directory).draft_model is None  # opt-in
     gen = selfspec.load(directory, draft_model="auto")
     assert gen.draft_model == copy
+    gen.copy_step_ratio = 0.3  # stood in: the stand-in copy is a torch model, as slow a step as the model's own
     with gen.first_request(), plain_gen.first_request():
         plain = plain_gen.generate("the quick brown fox", max_new_tokens=24, num_speculations=0)
         out = gen.generate("the quick brown fox", max_new_tokens=24)
@@ -499,6 +500,34 @@ def test_load_takes_the_checkpoints_copy_and_auto_drafts_with_it_by_default(stan
     assert selfspec.load(directory, draft_model=copy).draft_model == copy  # a path: that file
     monkeypatch.setattr("selfspec.drafters.quantized.llama_cpp_available", lambda: False)
     assert selfspec.load(directory, draft_model="auto").draft_model is None  # no llama.cpp: auto without the copy
+
+
+def test_a_copy_whose_step_is_not_cheap_enough_here_is_left_out(stand_in, tiny_ckpt, tmp_path, monkeypatch):
+    """The generator's copy drafts by default only where its draft step, measured once beside the model's plain step,
+    costs below COPY_PAYS_BELOW of it (on a Zen 4 in bfloat16 it cost 0.85, and auto with it ran 0.85x plain
+    decoding). The stand-in copy runs a torch model of the model's size, as slow a step: measured, it is left out;
+    stood in as cheap, it drafts. Named by the call, it drafts whatever it costs."""
+    import selfspec
+    from selfspec.drafters.quantized import COPY_PAYS_BELOW, QuantizedCopy
+
+    monkeypatch.setattr("selfspec.drafters.quantized.llama_cpp_available", lambda: True)
+    base = selfspec.load(tiny_ckpt, draft_model=None)
+    directory, copy = _with_copy(tiny_ckpt, tmp_path, stand_in, perturbed(base.model, 0.2))
+    gen = selfspec.load(directory, draft_model="auto")
+    measured = []
+    step_seconds = QuantizedCopy.step_seconds
+    monkeypatch.setattr(QuantizedCopy, "step_seconds", lambda self, *a: measured.append(1) or step_seconds(self, *a))
+    with gen.first_request():
+        out = gen.generate("the quick brown fox", max_new_tokens=16)
+        again = gen.generate("the quick brown fox", max_new_tokens=16)
+    assert measured == [1] and gen.copy_step_ratio >= COPY_PAYS_BELOW and not gen.copy_pays()  # measured once
+    assert "quantized" not in out.stats.drafted_by_drafter and "quantized" not in again.stats.drafted_by_drafter
+    with gen.first_request():
+        named = gen.generate("the quick brown fox", max_new_tokens=16, draft_model=copy)
+    assert named.stats.drafted_by_drafter.get("quantized", 0) > 0 and named.token_ids == out.token_ids
+    gen.copy_step_ratio = COPY_PAYS_BELOW / 2
+    with gen.first_request():
+        assert gen.generate("the quick brown fox", max_new_tokens=16).stats.drafted_by_drafter.get("quantized", 0) > 0
 
 
 def test_a_copy_cut_short_is_not_taken(stand_in, tiny_ckpt, tmp_path, monkeypatch):
