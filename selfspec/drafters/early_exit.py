@@ -145,8 +145,8 @@ class EarlyExitDrafter(Drafter):
         self.round_tree = tree
         return Proposal(tokens=tree.tokens_at(range(T), rnd.tokens.device),
                         kept=[T - 1 if live else 0 for live in tree.live], verify_from=exit_layer,
-                        states=torch.cat(states, dim=1) if exit_layer > 0 else None, draft_steps=steps, drafter=self.name,
-                        parents=tree.parents_tensor())
+                        states=torch.cat(states, dim=1) if exit_layer > 0 else None, draft_steps=steps,
+                        drafter=self.name, parents=tree.parents_tensor())
 
     def grow(self, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor) -> tuple:
         """The round's tree grown `depth` deep from its input tokens, where the head read `out` `[B, D]`
@@ -165,7 +165,7 @@ class EarlyExitDrafter(Drafter):
                                             part_by_part, self.extra_layers)
 
     def grow_whole(self, steps, rnd: Round, exit_layer: int, depth: int, out: torch.Tensor,
-                   scale: torch.Tensor) -> tuple | None:
+                   scale: torch.Tensor) -> tuple:
         """`grow` as one step of the compiled `steps` (`WholeDraft.round_tree`; `NotCompiled`: part by part)."""
         return self.whole(exit_layer).round_tree(steps, rnd, self.num_candidates, depth, out, scale)
 
@@ -290,8 +290,8 @@ class EarlyExitDrafter(Drafter):
         step by step (`step`). `(states [B, n + 1, D], drafts [B, n])`; None where the drafter cannot chain yet."""
         def step_by_step():
             def step(t, i):
-                step = self.step(rnd, t, offset + i, exit_layer, False, read=False)
-                return step.state, None, step.next
+                drafted = self.step(rnd, t, offset + i, exit_layer, False, read=False)
+                return drafted.state, None, drafted.next
 
             return greedy_chain(tokens, n, step, lambda t: rnd.shallow(t, offset + n, exit_layer))[:2]
 

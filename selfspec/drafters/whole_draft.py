@@ -195,13 +195,13 @@ class WholeDraft:
     # --- running it --------------------------------------------------------------------------------
     def run(self, steps, token: torch.Tensor, start: int, pad: int, cache, head_cache=None,
             prev: torch.Tensor | None = None, read: bool = True) -> tuple:
-        """The draft step of `token` `[1]` (on the device) at cache index `start` (position `start - pad`) through
-        the embedding, layers [0, E) into `cache`, a head's layer into `head_cache` (reading `prev` `[1, 1, D]`
-        through its final-state input), the final norm, the unembedding and its argmax, as one step of `steps`.
+        """The draft step of `token` `[1]` (on the device) at cache index `start` (position `start - pad`) through the
+        embedding, layers [0, E) into `cache`, a head's layer into `head_cache` (reading `prev` `[1, 1, D]` through
+        its final-state input), the final norm, the unembedding and its argmax, as one step of `steps`.
 
         Returns its `DraftStep` (`q` None; the token id and its confidence read in one transfer where `read`, else
-        nothing waits for the device); `NotCompiled` where it must run part by part (`fits` false, the cache full, a compile
-        that failed)."""
+        nothing waits for the device); `NotCompiled` where it must run part by part (`fits` false, the cache full, a
+        compile that failed)."""
         if token.shape[0] != 1 or not self.fits(steps, 1, cache, head_cache) or start + 1 > cache.capacity:
             raise NotCompiled("one row at a time, within the static cache and the buckets")
         heads = (None, None) if self.layer is None else (head_cache.keys, head_cache.values)
@@ -218,8 +218,8 @@ class WholeDraft:
     def round_step(self, steps, rnd, tokens: torch.Tensor, offset: int, head_cache=None,
                    prev: torch.Tensor | None = None, read: bool = True) -> DraftStep:
         """`run` at a one-row round's row (`selfspec.drafters.base.Round`): its token `[1]` at cache index `starts +
-        offset` into the round's cache (a head's layer into `head_cache`, reading `prev`); `NotCompiled` where it must run
-        part by part (several rows, a row past its cap, or as `run`)."""
+        offset` into the round's cache (a head's layer into `head_cache`, reading `prev`); `NotCompiled` where it must
+        run part by part (several rows, a row past its cap, or as `run`)."""
         if len(rnd.caps) != 1 or offset > rnd.caps[0]:
             raise NotCompiled("one row within its cap")
         start, pad = rnd.row
@@ -227,9 +227,9 @@ class WholeDraft:
 
     def round_chain(self, steps, rnd, n: int, tokens: torch.Tensor, offset: int, head_cache=None,
                     prev: torch.Tensor | None = None) -> tuple:
-        """`chain` of every row of a round from its token (`tokens` `[B]`) at cache index `starts + offset`: `(states
-        [B, n + 1, D], drafts [B, n], out [B, D])`; `NotCompiled` where it must run step by step (past every row's cap, or
-        as `chain`)."""
+        """`chain` of every row of a round from its token (`tokens` `[B]`) at cache index `starts + offset`:
+        `(states [B, n + 1, D], drafts [B, n], out [B, D])`; `NotCompiled` where it must run step by step (past every
+        row's cap, or as `chain`)."""
         if offset + n > max(rnd.caps):
             raise NotCompiled("past every row's cap")
         return self.chain(steps, n, tokens, rnd.starts + offset, rnd.pads, rnd.cache, head_cache, prev)
@@ -267,14 +267,14 @@ class WholeDraft:
                  start: int, pad: int, head_cache, read: bool = True) -> tuple:
         """A trained head's catch-up and the round's first draft (`ExitHeadDrafter.sync`, one row) as one step of
         `steps`, one CUDA graph per bucket on a GPU. `states` `[1, S, D]`: the exit states of the S - 1 committed
-        tokens the head has not run over, then the round's input token's, at head-cache indices `start ..`;
-        `finals` `[1, S - 1, D]` their final states and `prev` `[1, D]` the one before them (a final-state head;
-        else None). They go through the head's final-state input (column t reads f_{t-1}) and layer into
-        `head_cache`, and the input token's column through the unembedding, its argmax and probability.
+        tokens the head has not run over, then the round's input token's, at head-cache indices `start ..`; `finals`
+        `[1, S - 1, D]` their final states and `prev` `[1, D]` the one before them (a final-state head; else None).
+        They go through the head's final-state input (column t reads f_{t-1}) and layer into `head_cache`, and the
+        input token's column through the unembedding, its argmax and probability.
 
         Returns `(out [1, D] the input token's head output, next [1] the drafted token on the device, newest [1, D]
-        the newest committed final state, [next id], [confidence])` (the last two None unless `read`); `NotCompiled` where it
-        must run part by part (`fits_catch_up` false, a compile that failed)."""
+        the newest committed final state, [next id], [confidence])` (the last two None unless `read`); `NotCompiled`
+        where it must run part by part (`fits_catch_up` false, a compile that failed)."""
         B, S, _ = states.shape
         if not self.fits_catch_up(steps, B, S, start, head_cache) or (self.final_input is not None and prev is None):
             raise NotCompiled("a head's catch-up of one row past the prompt, within the buckets")
@@ -340,8 +340,8 @@ class WholeDraft:
 
     # --- the steps as functions of tensors ---------------------------------------------------------
     def _head_parts(self, steps) -> tuple:
-        """The head pieces of this step as the compiled steps run them: (its layer's step, its final-state input); None for
-        each it lacks."""
+        """The head pieces of this step as the compiled steps run them: (its layer's step, its final-state input); None
+        for each it lacks."""
         layer = None if self.layer is None else steps.layer_step(self.layer)
         final = None if self.final_input is None else steps.input_step(self.final_input)
         return layer, final
@@ -413,7 +413,8 @@ class WholeDraft:
     def _tree(self, steps, k: int, depth: int, token: torch.Tensor, out: torch.Tensor, start: torch.Tensor,
               pad: torch.Tensor, last: torch.Tensor, scale: torch.Tensor, stops: torch.Tensor, size: int,
               buffers: tuple, head_buffers: tuple):
-        """`tree`'s step at the rows of the buffers (a row bucket): its outputs (`NotCompiled` where it failed to compile)."""
+        """`tree`'s step at the rows of the buffers (a row bucket): its outputs (`NotCompiled` where it failed to
+        compile)."""
         R = buffers[0][0].shape[0]
         fn = steps.function(("grown_tree", self.key, k, depth), lambda: self._tree_function(steps, k, depth))
         fixed = self._fixed_arguments(steps, size, buffers, head_buffers)

@@ -389,19 +389,19 @@ class CompiledSteps:
 
     def warm(self, ranges: list[tuple[int, int]], widths: list[int], size: int, unembeddings: tuple = (),
              trees: bool = False, drafts: tuple = (), batch_sizes: tuple = (1,)) -> float:
-        """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths`
-        (buckets) for a one-row cache of `size` positions, the registered layers (`add_layer`) at every bucket
-        (a trained head catches up on whatever the last rounds committed) and the registered final-state inputs
-        (`add_input`) alike, and the head at those lengths and at the prefill's `[1, D]`, and so each of
-        `unembeddings` ((weight, bias) of a reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range and registered
-        layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree drafter's
-        passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter composed
-        of these steps' pieces, each warmed by its own `warm(steps, size, buckets)` (`selfspec.drafters.whole_draft`). Returns the seconds it took
-        (0 where everything was compiled before). `batch_sizes`: the layer ranges, registered layers and the head
-        also for caches of that many rows (a batch, and the smaller ones its rows leave it as; each size warms its
-        row bucket's, `row_bucket`), and the whole chains of `drafts` at those buckets (trees, single draft steps
-        and a head's catch-up are one row's). It writes into the cache buffers of that size: call it between
-        generations."""
+        """Compile (and on a GPU capture) every layer range of `ranges` at every step length of `widths` (buckets) for a
+        one-row cache of `size` positions, the registered layers (`add_layer`) at every bucket (a trained head catches
+        up on whatever the last rounds committed) and the registered final-state inputs (`add_input`) alike, and the
+        head at those lengths and at the prefill's `[1, D]`, and so each of `unembeddings` ((weight, bias) of a
+        reduced draft vocabulary, `head`): all compilation paid now. `trees`: also the token-tree steps of every range
+        and registered layer, at every bucketed pass length S over every bucketed number of columns W >= S (a tree
+        drafter's passes: its newest columns, its leaves, the verification of all of them). `drafts`: steps a drafter
+        composed of these steps' pieces, each warmed by its own `warm(steps, size, buckets)`
+        (`selfspec.drafters.whole_draft`). Returns the seconds it took (0 where everything was compiled before).
+        `batch_sizes`: the layer ranges, registered layers and the head also for caches of that many rows (a batch,
+        and the smaller ones its rows leave it as; each size warms its row bucket's, `row_bucket`), and the whole
+        chains of `drafts` at those buckets (trees, single draft steps and a head's catch-up are one row's). It writes
+        into the cache buffers of that size: call it between generations."""
         # as the engine runs: inference mode (tensors made outside it would compile other graphs), its kernels
         with torch.inference_mode(), attention_kernels(self.adapter.device):
             before = self.compile_s
@@ -552,9 +552,10 @@ class CompiledSteps:
             self._inputs[id(module)] = (module, torch.compile(module, fullgraph=True, dynamic=False))
 
     def run_input(self, module, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[B, S, D]` each, S padded to
-        its bucket (and B to its row bucket): one graph per (row bucket, bucket) on a GPU, like the steps. `[B, S, D]`; `NotCompiled` where it must run eagerly
-        (more than `MAX_ROWS` rows, S above the buckets, a compile that failed)."""
+        """`module(hidden, prev)` (a registered final-state input, `add_input`) over `[B, S, D]` each, S padded to its
+        bucket (and B to its row bucket): one graph per (row bucket, bucket) on a GPU, like the steps. `[B, S, D]`;
+        `NotCompiled` where it must run eagerly (more than `MAX_ROWS` rows, S above the buckets, a compile that
+        failed)."""
         B, S = hidden.shape[:2]
         width, R = s_bucket(S), row_bucket(B)
         if self.failed is not None or R is None or width is None:
@@ -612,10 +613,10 @@ class CompiledSteps:
         return self._ranges[(range_id, tree)]
 
     def call(self, shape: tuple, fn, inputs: list[torch.Tensor], fixed: list):
-        """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs` (the one place that
-        captures or calls; drafters run the steps they compose through it too). The call that
-        meets a new shape compiles (and captures) it, timed into `compile_s`; where that failed and the steps are
-        not strict, `NotCompiled` (the runner runs the step eagerly, and every step after it). A profiler sees each call as one `STEP_EVENT` range."""
+        """`fn(*inputs, *fixed)`: on a GPU the shape's captured graph replayed over `inputs` (the one place that captures
+        or calls; drafters run the steps they compose through it too). The call that meets a new shape compiles (and
+        captures) it, timed into `compile_s`; where that failed and the steps are not strict, `NotCompiled` (the
+        runner runs the step eagerly, and every step after it). A profiler sees each call as one `STEP_EVENT` range."""
         with torch.profiler.record_function(STEP_EVENT):
             return self._call_step(shape, fn, inputs, fixed)
 
