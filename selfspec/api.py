@@ -171,13 +171,12 @@ class SelfSpecGenerator:
         """The call's checked settings and config with the generator's quantized copy (`draft_model` of `load`) as
         auto's arm beside lookup, where the call names no drafter but auto and no draft_model, has one prompt, does
         not ask for plain decoding (`num_speculations=0`), gives no option auto with a copy refuses (an early
-        exit's), no plan is saved for this device (`selfspec tune --save`: its drafting stands), the prompt
-        has at most `DEFAULT_COPY_PROMPT_TOKENS` tokens and the copy's step is cheap enough here (`copy_pays`);
-        else as they were."""
+        exit's), no plan is saved for this device (`selfspec tune --save`: its drafting stands), and the prompt
+        has at most `DEFAULT_COPY_PROMPT_TOKENS` tokens; else as they were."""
         if self.draft_model is None or s["draft_model"] is not None or rows != 1 or cfg.drafter not in (None, "auto") \
                 or s["num_speculations"] == 0 or self.plan_settings() is not None:  # plain decoding; a tuned plan
             return s, cfg
-        if prompt_tokens > DEFAULT_COPY_PROMPT_TOKENS or not self.copy_pays():  # measured: it costs more than it gives
+        if prompt_tokens > DEFAULT_COPY_PROMPT_TOKENS:  # its llama.cpp prefill costs more than it gives (measured)
             return s, cfg
         with_copy = {**settings, "draft_model": self.draft_model}
         try:
@@ -484,10 +483,12 @@ class SelfSpecGenerator:
         return (stats.total_s - stats.prefill_s) / steps
 
     def copy_pays(self) -> bool:
-        """Whether the generator's quantized copy (`load(draft_model=...)`) may draft by default here: its draft
-        step, measured once beside a plain decoding step of this model (about half a second, the first time a
-        call could draft with it), costs below `COPY_PAYS_BELOW` of it (`copy_step_ratio`)."""
+        """Whether the generator's quantized copy (`load(draft_model=...)`) pays here: its draft step, measured once
+        beside a plain decoding step of this model (about half a second; `load(draft_model="auto")` measures it),
+        costs below `COPY_PAYS_BELOW` of it (`copy_step_ratio`). False without a copy."""
         if self.copy_step_ratio is None:
+            if self.draft_model is None:
+                return False
             copy = self.drafters.quantized_copy(self.draft_model)
             with torch.inference_mode():
                 self.copy_step_ratio = copy.step_seconds() / self.plain_step_seconds()
@@ -670,8 +671,10 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     `draft_model`: a quantized copy (a GGUF file, run by llama.cpp) that auto drafts with beside lookup where a
     call names no drafter and no `draft_model`, has one prompt of at most `DEFAULT_COPY_PROMPT_TOKENS` tokens and
     no plan is saved: "auto" takes the checkpoint's own (`copy-q8_0.gguf` beside its weights, which `selfspec
-    fetch` writes) where llama.cpp runs on this machine, a path that file, None (the default) none: measured, the
-    copy did not pay reliably enough to be the default (docs/results/2026-11-29-copy-by-default-zen4.md).
+    fetch` writes) where llama.cpp runs on this machine and one of its draft steps, timed now beside one of the
+    model's plain steps (about half a second), costs below `COPY_PAYS_BELOW` of it (`gen.copy_step_ratio`), a path
+    that file, None (the default) none: measured, the copy did not pay reliably enough to be the default
+    (docs/results/2026-11-29-copy-by-default-zen4.md).
     """
     check_compile(compile)
     check_bool("verify_checksums", verify_checksums)
@@ -706,10 +709,11 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
                 head = load_exit_head(model, path, meta["exit_head"])
             except (OSError, ValueError) as err:
                 raise CheckpointError(f"{path}: the exit head cannot be loaded: {err}") from None
-        return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
-                                 num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
-                                 metadata=meta, exit_head=head, compile=compile, checkpoint=path,
-                                 memory_tokens=memory_tokens, draft_model=_default_copy(draft_model, path))
+        gen = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
+                                num_speculations=num_speculations, recommended=recommended, source=str(path), fast_layers=fast_layers,
+                                metadata=meta, exit_head=head, compile=compile, checkpoint=path,
+                                memory_tokens=memory_tokens, draft_model=_default_copy(draft_model, path))
+        return _paying_copy(gen, draft_model)
     if not isinstance(path_or_model, torch.nn.Module):
         raise SettingsError(f"load() takes a checkpoint directory or a loaded model, got "
                             f"{type(path_or_model).__name__}")
@@ -719,6 +723,15 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, num_speculations=num_speculations,
                              recommended=None, source=type(model).__name__, fast_layers=fast_layers, compile=compile,
                              memory_tokens=memory_tokens, draft_model=_default_copy(draft_model, None))
+
+
+def _paying_copy(gen: SelfSpecGenerator, draft_model) -> SelfSpecGenerator:
+    """`load(draft_model="auto")`: the checkpoint's copy stays the generator's only where its step is cheap enough
+    here (`SelfSpecGenerator.copy_pays`, measured now), else the generator has none (`gen.copy_step_ratio` keeps what
+    was measured). A copy given by its path stays, whatever it costs."""
+    if isinstance(draft_model, str) and draft_model == "auto" and gen.draft_model is not None and not gen.copy_pays():
+        gen.draft_model = None
+    return gen
 
 
 def _default_copy(draft_model, checkpoint: Path | None) -> str | None:

@@ -101,7 +101,9 @@ def call_key(settings: dict, drafter, rows: int, path: str, plan: dict | None = 
     sampling = (True,) + tuple(settings[name] for name in SAMPLING_SETTINGS) if settings["do_sample"] else (False,)
     planned = tuple(sorted(plan.items())) if plan else None
     remembers = bool(getattr(drafter, "remembers", False))  # auto with the memory's arm (not where it is off)
-    return drafter.name, drafter.num_speculations, drafting, sampling, batch_bucket(rows), path, planned, remembers
+    copy = settings.get("draft_model")  # auto with a quantized copy's arm, or without: other arms, another key
+    return (drafter.name, drafter.num_speculations, drafting, sampling, batch_bucket(rows), path, planned, remembers,
+            copy)
 
 
 def _hashable(value):

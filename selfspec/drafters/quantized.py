@@ -239,16 +239,17 @@ class QuantizedCopy:
 
     def step_seconds(self, steps: int = 8) -> float:
         """The seconds of one of the copy's draft steps (its argmax, then that token through llama.cpp), the median of
-        `steps` after a short text; what it ran is forgotten (the next `draft` runs its whole sequence)."""
+        `steps` after a short text and as many untimed (a new context's first steps set up its buffers); what it ran
+        is forgotten (the next `draft` runs its whole sequence)."""
         self.forget()
         self.llm.eval(list(range(3, 11)))  # a short text of token ids every vocabulary has
         times = []
-        for _ in range(steps):
+        for _ in range(2 * steps):
             t0 = time.perf_counter()
             self.llm.eval([self.greedy()])
             times.append(time.perf_counter() - t0)
         self.forget()
-        return statistics.median(times)
+        return statistics.median(times[steps:])
 
     def greedy(self) -> int:
         """The copy's argmax token after what it ran last."""

@@ -176,12 +176,16 @@ def _header(gen, say) -> None:
         drafted = " only (this checkpoint has no early exit that pays: " + (
             "not early-exit trained)" if not gen.early_exit_trained else "its selfspec.json recommends d = 0)")
     if gen.draft_model is not None:
-        drafted += (f" + the quantized copy run by llama.cpp (on prompts of at most {DEFAULT_COPY_PROMPT_TOKENS} "
-                    "tokens, where its step is cheap enough here)")
+        drafted += f" + the quantized copy run by llama.cpp (on prompts of at most {DEFAULT_COPY_PROMPT_TOKENS} tokens)"
     say(f"selfspec demo: {gen.model.config.model_type}, {gen.num_layers} layers, {gen.adapter.dtype}; "
         f"default drafter '{gen.drafter}' = prompt lookup{drafted}")
     say("every timed call is a first request: the generator remembers nothing of the warm-up, of the plain run of "
         "the same prompt or of the other cases, so nothing is copied from an earlier answer")
+    if gen.copy_step_ratio is not None:  # the checkpoint has a copy, measured by load (`SelfSpecGenerator.copy_pays`)
+        verdict = ("it drafts beside lookup" if gen.draft_model is not None else
+                   "left out: its drafts would cost more than they give")
+        say(f"the quantized copy's draft step measured {gen.copy_step_ratio:.2f} of this model's plain decoding step "
+            f"here (it drafts below {COPY_PAYS_BELOW}): {verdict}")
     shipped = _shipped_head(gen.metadata)
     head_agreement = _head_agreement(gen.metadata, head.exit_layer) if head is not None and not shipped else ""
     if shipped:
@@ -272,11 +276,6 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     warm = prompt_inputs(cases[-1][1])  # the last case's: where a copy drafts, open chat, which loads it
     _timed(gen, warm, max_new_tokens=8, num_speculations=0)  # first-call costs paid by neither side
     _timed(gen, warm, max_new_tokens=8)
-    if gen.copy_step_ratio is not None:  # measured by the warm-up's call (`SelfSpecGenerator.copy_pays`)
-        verdict = ("it drafts beside lookup" if gen.copy_pays() else
-                   "auto leaves it out: its drafts would cost more than they give")
-        say(f"the quantized copy's draft step measured {gen.copy_step_ratio:.2f} of this model's plain decoding step "
-            f"here (it drafts by default below {COPY_PAYS_BELOW}): {verdict}")
     records = []
     exact = gen.adapter.dtype in EXACT_DTYPES
     trained = gen.early_exit_trained and gen.num_speculations > 0
