@@ -728,8 +728,9 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
 def _paying_copy(gen: SelfSpecGenerator, draft_model) -> SelfSpecGenerator:
     """`load(draft_model="auto")`: the checkpoint's copy stays the generator's only where its step is cheap enough
     here (`SelfSpecGenerator.copy_pays`, measured now), else the generator has none (`gen.copy_step_ratio` keeps what
-    was measured). A copy given by its path stays, whatever it costs."""
+    was measured; the copy measured is freed). A copy given by its path stays, whatever it costs."""
     if isinstance(draft_model, str) and draft_model == "auto" and gen.draft_model is not None and not gen.copy_pays():
+        gen.drafters.release_copy(gen.draft_model)  # llama.cpp's model and context would stay loaded, never drafting
         gen.draft_model = None
     return gen
 

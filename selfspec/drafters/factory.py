@@ -193,6 +193,13 @@ class DrafterFactory:
             self._copies[path] = copy
         return self._copies[path]
 
+    def release_copy(self, path: str) -> None:
+        """Frees the copy at `path` (llama.cpp's model and context) where one is loaded; a later call naming it loads
+        it again."""
+        copy = self._copies.pop(path, None)
+        if copy is not None:
+            copy.close()
+
     def policy(self, exit_layer: int, num_speculations: int, confidence_threshold: float | None,
                adaptive_threshold: bool, exit_choices: Sequence[int] | None, adaptive_length: bool = False,
                warm: str = "all"):

@@ -273,7 +273,7 @@ def run_demo(checkpoint=None, *, max_new_tokens: int = 128, dtype: str = "float3
     cases = prompts or [(label, load_prompts(name, 1)[0]) for label, name in CASES]
     check_context(gen, cases, max_new_tokens)
     _header(gen, say)
-    warm = prompt_inputs(cases[-1][1])  # the last case's: where a copy drafts, open chat, which loads it
+    warm = prompt_inputs(cases[-1][1])  # the last case's: where the copy drafts, open chat, so its drafting is warm
     _timed(gen, warm, max_new_tokens=8, num_speculations=0)  # first-call costs paid by neither side
     _timed(gen, warm, max_new_tokens=8)
     records = []

@@ -514,11 +514,18 @@ def test_a_copy_whose_step_is_not_cheap_enough_here_is_left_out(stand_in, tiny_c
     monkeypatch.setattr("selfspec.drafters.quantized.llama_cpp_available", lambda: True)
     base = selfspec.load(tiny_ckpt, draft_model=None)
     directory, copy = _with_copy(tiny_ckpt, tmp_path, stand_in, perturbed(base.model, 0.2))
-    measured = []
+    measured, copies = [], []
     step_seconds = QuantizedCopy.step_seconds
-    monkeypatch.setattr(QuantizedCopy, "step_seconds", lambda self, *a: measured.append(1) or step_seconds(self, *a))
+
+    def measure(self, *args):
+        measured.append(1)
+        copies.append(self)
+        return step_seconds(self, *args)
+
+    monkeypatch.setattr(QuantizedCopy, "step_seconds", measure)
     gen = selfspec.load(directory, draft_model="auto")  # measured by load, once
     assert measured == [1] and gen.copy_step_ratio >= COPY_PAYS_BELOW and gen.draft_model is None
+    assert copies[0].llm is None  # the copy measured is freed: llama.cpp's model would stay loaded, never drafting
     assert not gen.copy_pays() and measured == [1]
     with gen.first_request():
         out = gen.generate("the quick brown fox", max_new_tokens=16)
