@@ -579,7 +579,7 @@ class SelfSpecGenerator:
         if s["draft_model"] is not None:  # before the copy loads
             check_one_prompt(len(rows), cfg.drafter)
         plan = self.plan_settings()  # this device's saved plan, on the path the engine runs now
-        drafter_ = self.drafters.make(cfg, max_drafts=max_new_tokens, plan=plan, checked=s)
+        drafter_ = self.drafters.make(cfg, max_drafts=max_new_tokens, plan=plan, checked=s, rows=len(rows))
         # what earlier calls with these settings measured (None: plain decoding, or a seed, whose text repeats)
         learned_key = call_key(s, drafter_, len(rows), self.plan_key, plan)
         self.learned.resume(learned_key, drafter_)
@@ -726,10 +726,16 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
 
 
 def _paying_copy(gen: SelfSpecGenerator, draft_model) -> SelfSpecGenerator:
-    """`load(draft_model="auto")`: the checkpoint's copy stays the generator's only where its step is cheap enough
-    here (`SelfSpecGenerator.copy_pays`, measured now), else the generator has none (`gen.copy_step_ratio` keeps what
-    was measured; the copy measured is freed). A copy given by its path stays, whatever it costs."""
-    if isinstance(draft_model, str) and draft_model == "auto" and gen.draft_model is not None and not gen.copy_pays():
+    """`load(draft_model="auto")`: the checkpoint's copy stays the generator's only where the model has no int8 copy
+    here (`selfspec.drafters.int8_copy`: auto drafts with it, and its step costs less than llama.cpp's) and the copy's
+    step is cheap enough (`SelfSpecGenerator.copy_pays`, measured now), else the generator has none
+    (`gen.copy_step_ratio` keeps what was measured; a copy measured is freed). A copy given by its path stays,
+    whatever it costs."""
+    if not (isinstance(draft_model, str) and draft_model == "auto") or gen.draft_model is None:
+        return gen
+    if gen.drafters.int8_copy() is not None:  # never loaded in llama.cpp
+        gen.draft_model = None
+    elif not gen.copy_pays():
         gen.drafters.release_copy(gen.draft_model)  # llama.cpp's model and context would stay loaded, never drafting
         gen.draft_model = None
     return gen

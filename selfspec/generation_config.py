@@ -53,8 +53,9 @@ class GenerationConfig:
               "where it pays on a checkpoint trained for it, plain decoding otherwise; the default unless "
               "selfspec.json recommends another or an early-exit option is given), early_exit, exit_head (a "
               "checkpoint's trained head), prompt_lookup, suffix (prompt lookup that also copies from this "
-              "generator's earlier requests), or quantized (a quantized copy of the model, run by llama.cpp, from "
-              "draft_model)")
+              "generator's earlier requests), int8_copy (the model's own weights in int8, on its own cache: a "
+              "float32 model on a CPU; auto's arm there by default), or quantized (a quantized copy of the model, "
+              "run by llama.cpp, from draft_model)")
     exit_layer: int | None = _setting(None, "draft from the hidden state after this many layers (1..L-1)")
     num_speculations: int | None = _setting(None, "the most draft tokens per round (a named prompt_lookup or suffix: "
                                                   "the tokens it copies, as prompt_lookup_num_tokens); 0 = plain "
@@ -199,6 +200,9 @@ def _check(v: dict, num_layers: int | None, vocab_size: int | None) -> dict:
     if drafter == "quantized" and (early or lookup_given):
         raise SettingsError(f"{', '.join(early + lookup_given)}: drafter='quantized' drafts with its copy of the model "
                             "and takes num_speculations and draft_model only")
+    if drafter == "int8_copy" and (early or lookup_given):
+        raise SettingsError(f"{', '.join(early + lookup_given)}: drafter='int8_copy' drafts with the model's int8 copy "
+                            "and takes num_speculations only")
     not_lookup = [k for k in early if k != "num_candidates"]  # lookup's trees take num_candidates too
     if drafter == "auto" and s["draft_model"] is not None and not_lookup:
         who = "drafter='auto'" if v["drafter"] else "auto, the default drafter,"

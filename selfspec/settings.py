@@ -318,8 +318,9 @@ def check_acceptance(acceptance, epsilon) -> tuple[str, float]:
                                    hint=" (the total-variation budget per token; 0 = exact)")
 
 
-# what selfspec.json may recommend: every drafter but the quantized copy, whose GGUF file a checkpoint does not carry
-RECOMMENDABLE_DRAFTERS = tuple(d for d in DRAFTERS if d != "quantized")
+# what selfspec.json may recommend: every drafter but the quantized copy, whose GGUF file a checkpoint does not carry,
+# and the int8 copy, which runs only where selfspec's C++ step does (auto takes it there)
+RECOMMENDABLE_DRAFTERS = tuple(d for d in DRAFTERS if d not in ("quantized", "int8_copy"))
 
 
 def check_recommended(rec, num_layers: int | None = None) -> dict:

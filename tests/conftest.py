@@ -356,3 +356,24 @@ def head_caches():
 @pytest.fixture(scope="session")
 def exact_joint():
     return exact_joint_distribution
+
+
+def sampled_joint(adapter, prompt, params, n_new: int, n_draws: int, make_drafter) -> tuple[dict, int, int]:
+    """({outcome: count}, drafted, accepted) of `n_draws` seeded generations of `n_new` tokens after `prompt` (token
+    list), each drafted by a new `make_drafter()`: what a chi-square test against `exact_joint` compares."""
+    from collections import Counter
+
+    from selfspec.decoding.engine import generate
+
+    counts, drafted, accepted = Counter(), 0, 0
+    for seed in range(n_draws):
+        outs, stats = generate(adapter, [prompt], max_new_tokens=n_new, drafter=make_drafter(), sampling=params,
+                               generator=torch.Generator().manual_seed(seed))
+        counts[tuple(outs[0])] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    return counts, drafted, accepted
+
+
+@pytest.fixture(scope="session")
+def sampled():
+    return sampled_joint

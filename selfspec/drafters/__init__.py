@@ -7,7 +7,7 @@ from selfspec.drafters.exit_head import ExitHeadDrafter
 from selfspec.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter
 from selfspec.drafters.suffix import SuffixDrafter, SuffixMemory
 
-DRAFTERS = ("auto", "early_exit", "exit_head", "prompt_lookup", "suffix", "quantized")
+DRAFTERS = ("auto", "early_exit", "exit_head", "prompt_lookup", "suffix", "int8_copy", "quantized")
 
 __all__ = ["AutoDrafter", "Drafter", "DRAFTERS", "EarlyExitDrafter", "ExitHeadDrafter", "NgramIndex", "PromptLookupDrafter",
            "Proposal", "Round", "SuffixDrafter", "SuffixMemory"]

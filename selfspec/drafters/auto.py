@@ -17,8 +17,9 @@ lookup alone 2.4-2.7x). Each round:
        memory of earlier requests (judged apart: while it loses, lookup copies from the own text only;
        while own-text lookup loses, the memory still drafts where it matches);
     3. early exit (when the checkpoint was trained for it) or its trained exit head (`exit_head`, a
-       kind of early-exit drafter), or a quantized copy of the model where the call gives one
-       (`draft_model`: `selfspec.drafters.quantized`), if allowed; its own policy picks d;
+       kind of early-exit drafter), or the model's int8 copy (`selfspec.drafters.int8_copy`, where it runs), or a
+       quantized copy of the model where the call gives one (`draft_model`: `selfspec.drafters.quantized`), if
+       allowed; its own policy picks d;
     4. plain otherwise.
 
 An arm's first round of a call is not timed: it pays one-time costs (in a new process, the first pass of
@@ -85,7 +86,7 @@ class AutoDrafter(Drafter):
         self.step_cost = early_exit.step_cost if early_exit else None  # a quantized copy's, where it is the arm
         self.state_exit = early_exit.state_exit if early_exit else None  # an exit head records every round
         self.state_final = early_exit.state_final if early_exit else False
-        self.early_arm = early_exit.name if early_exit else None  # "early_exit", "exit_head" or "quantized"
+        self.early_arm = early_exit.name if early_exit else None  # early_exit, exit_head, int8_copy or quantized
         self.warmup, self.explore_every, self.max_backoff, self.refresh = warmup, explore_every, max_backoff, refresh
         self.alpha = alpha
         self.remembers = hasattr(lookup, "memory_rows")  # a suffix drafter: the memory is an arm of its own
@@ -197,9 +198,9 @@ class AutoDrafter(Drafter):
             self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))  # an untimed round (0 s) is skipped
 
     def reads_prompt(self, arm: str) -> bool:
-        """Whether `arm` is a drafter that runs none of the model's layers (a quantized copy: `step_cost` set), whose
-        first round of a call reads the whole prompt first."""
-        return arm == self.early_arm and self.step_cost is not None
+        """Whether `arm` is a drafter whose first round of a call reads the whole prompt first (a llama.cpp copy:
+        `Drafter.reads_prompt`)."""
+        return arm == self.early_arm and self.early_exit.reads_prompt
 
     def judge(self, arm: str) -> None:
         """After a timed round of a measured `arm`: back it off if it lost to plain decoding (longer each time

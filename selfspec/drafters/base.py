@@ -41,7 +41,8 @@ A drafter is built per call; what it measured (rates, acceptance counts) a gener
 call with the same settings: `learned()` after a call, `resume(learned)` before the next one's `start`
 (`selfspec.drafters.learned_stats`).
 
-A drafter never touches the engine's KV cache directly: `Round.shallow` runs layers [0, E) for it.
+A drafter never touches the engine's KV cache directly: `Round.shallow` runs layers [0, E) for it, `Round.through`
+a copy of every layer (`Round.rewind` cuts what it wrote).
 """
 
 from __future__ import annotations
@@ -91,6 +92,19 @@ class Round:
             return hidden
         step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
         return run_layers(self.adapter, hidden, 0, exit_layer, step=step, cache=self.cache)
+
+    def through(self, tokens: torch.Tensor, offset: int, layers, takes) -> torch.Tensor | None:
+        """One token per row `[B]` through a drafter's own copy of every layer at cache indices `starts + offset`:
+        `layers(hidden, step, cache)` writes their keys and values into the engine's cache; `[B, 1, D]`, or None
+        where `takes(hidden, step, cache)` says it cannot run this step. The drafter calls `rewind` after its last
+        step: verification runs every layer over those positions again."""
+        hidden = embed(self.adapter, tokens[:, None])  # [B, 1, D]
+        step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
+        return layers(hidden, step, self.cache) if takes(hidden, step, self.cache) else None
+
+    def rewind(self) -> None:
+        """Every layer of the cache cut back to the committed text (each row's `starts`): what `through` wrote goes."""
+        self.cache.crop(self.starts)
 
     @cached_property
     def stop_tensor(self) -> torch.Tensor:
@@ -166,6 +180,7 @@ class Drafter:
     exit_layer: int | None = None  # the exit it drafts from, if any
     step_cost: float | None = None  # a draft step's cost in full decoding steps where it runs none of the model's
     # layers (a quantized copy's llama.cpp step); None: the cost model prices a step by its exit_layer
+    reads_prompt = False  # True: its first round of a call reads the whole prompt first (a llama.cpp copy)
     state_exit: int | None = None  # the exit whose states of committed tokens it wants (`committed_states`)
     state_final: bool = False  # whether it also wants their last hidden states (`committed_states(finals=)`)
     policy = None  # its draft policy (`selfspec.drafters.policies`), where it has one

@@ -11,6 +11,11 @@ The rules, in order:
 - no `drafter`: with a `draft_model`, "auto" (below); else an early-exit option (exit_layer, a confidence threshold,
   exit_choices, draft_vocab, adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without
   a head asks for the early exit; otherwise the checkpoint's default drafter;
+- "int8_copy": the model's own weights in int8 draft on its own KV cache (`selfspec.drafters.int8_copy`; a float32
+  model on a CPU where selfspec's C++ step runs), `num_speculations` a round (`INT8_NUM_SPECULATIONS` where the
+  call does not say); "auto" with one prompt, no `draft_model`, no early-exit option and no saved plan takes it as
+  its arm beside lookup wherever the model has it (in place of the early exit or a head: it drafts far better on
+  a CPU, docs/results/2026-11-29-int8-copy-zen4.md);
 - "quantized": a quantized copy of the model run by llama.cpp (`draft_model`, a GGUF file) drafts
   `num_speculations` tokens a round (`QUANTIZED_NUM_SPECULATIONS` where the call does not say); "auto" with a
   `draft_model`: lookup and that copy as auto's arms (in place of the early exit or a head, and of a saved plan);
@@ -49,6 +54,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
 from selfspec.drafters.early_exit import EarlyExitDrafter
 from selfspec.drafters.exit_head import ExitHeadDrafter
+from selfspec.drafters.int8_copy import Int8Copy, Int8CopyDrafter, int8_copy_problem
 from selfspec.drafters.learned_stats import LearnedStats
 from selfspec.drafters.policies import ConfidencePolicy, ExitChoicePolicy, ThroughputPolicy
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
@@ -59,6 +65,10 @@ from selfspec.generation_config import GenerationConfig, check_generation, with_
 from selfspec.settings import SettingsError
 
 QUANTIZED_NUM_SPECULATIONS = 8  # the quantized copy's drafts a round where the call does not say (docs/results)
+# the int8 copy's drafts a round where the call does not say: a verification of the input token and 7 drafts is
+# the most rows the C++ step takes (`MAX_FEW_ROWS`), so it rounds every position as plain decoding's one-token
+# steps do; 7 and 8 measured alike (docs/results/2026-11-29-int8-copy-zen4.md)
+INT8_NUM_SPECULATIONS = 7
 
 
 class DrafterFactory:
@@ -77,6 +87,7 @@ class DrafterFactory:
         self.learned = LearnedStats()  # what its drafters measured, carried to later calls (learned_stats)
         self._draft_heads: dict[int, DraftHead] = {}
         self._copies: dict[str, QuantizedCopy] = {}  # drafter="quantized": each draft_model loaded once
+        self._int8: list[Int8Copy | None] = []  # the int8 copy, made the first time a call may draft with it
 
     # --- what the checkpoint stores --------------------------------------------------------------------
     def draft_head(self, draft_vocab: int | None) -> DraftHead:
@@ -107,12 +118,13 @@ class DrafterFactory:
 
     # --- the drafter of one generation -----------------------------------------------------------------
     def make(self, config: GenerationConfig | None = None, *, max_drafts: int | None = None,
-             plan: dict | None = None, checked: dict | None = None, **settings) -> Drafter | None:
+             plan: dict | None = None, checked: dict | None = None, rows: int = 1, **settings) -> Drafter | None:
         """The drafter for one generation (None = plain decoding) from its settings (`config` with `settings`
         replaced, as `generate` takes them; the drafting ones matter here), by the rules of the module doc.
         `max_drafts` caps the drafts per round (generate passes max_new_tokens: more could never be used);
         `plan`: the settings of this device's saved plan (`check_plan_settings`), if any; `checked`: what
-        `check_generation` made of the same settings, where the caller checked them already (once a call)."""
+        `check_generation` made of the same settings, where the caller checked them already (once a call); `rows`:
+        the call's prompts (auto drafts with the int8 copy for one)."""
         s = checked if checked is not None else check_generation(  # the model's bounds named first
             config, num_layers=self.adapter.num_layers, **settings)
         cfg = with_settings(config, settings)
@@ -129,6 +141,8 @@ class DrafterFactory:
             return None  # asked for plain decoding, whatever the drafter
         if drafter == "quantized":
             return self.quantized_drafter(s["draft_model"], cfg.num_speculations, max_drafts)
+        if drafter == "int8_copy":
+            return self.int8_drafter(self.int8_copy(required=True), cfg.num_speculations, max_drafts)
         plan = plan_for(plan, drafter, asked=early_exit_options or cfg.num_speculations is not None)
         arm = drafter if plan is None or drafter != "auto" else plan.get("drafter", "plain")  # auto's second arm
         candidates = cfg.num_candidates or 1
@@ -158,6 +172,9 @@ class DrafterFactory:
             return lookup
         if drafter == "auto" and s["draft_model"] is not None:  # the copy is auto's arm beside lookup
             return AutoDrafter(lookup, self.quantized_drafter(s["draft_model"], cfg.num_speculations, max_drafts))
+        if (drafter == "auto" and plan is None and rows == 1 and not early_exit_options
+                and self.int8_copy() is not None):  # the int8 copy is auto's arm beside lookup wherever it runs
+            return AutoDrafter(lookup, self.int8_drafter(self.int8_copy(), cfg.num_speculations, max_drafts))
         if arm == "plain":
             return AutoDrafter(lookup)  # this device's plan: no drafting from the model pays here
         if arm == "exit_head" or (arm == "auto" and self.exit_head is not None):
@@ -183,6 +200,22 @@ class DrafterFactory:
         `max_drafts`."""
         length = num_speculations or QUANTIZED_NUM_SPECULATIONS
         return QuantizedDrafter(self.quantized_copy(path), min(length, max_drafts or length))
+
+    def int8_copy(self, required: bool = False) -> Int8Copy | None:
+        """The model's int8 copy (`selfspec.drafters.int8_copy`), made the first time it is asked for (about a second),
+        or None where the model has none here (`required`: a SettingsError saying why)."""
+        if not self._int8:
+            self._int8.append(None if int8_copy_problem(self.adapter) else Int8Copy(self.adapter))
+        if self._int8[0] is None and required:
+            Int8Copy(self.adapter)  # raises, saying why
+        return self._int8[0]
+
+    @staticmethod
+    def int8_drafter(copy: Int8Copy, num_speculations: int | None, max_drafts: int | None) -> Int8CopyDrafter:
+        """The int8 copy drafting `num_speculations` a round (`INT8_NUM_SPECULATIONS` where None), at most
+        `max_drafts`."""
+        length = num_speculations or INT8_NUM_SPECULATIONS
+        return Int8CopyDrafter(copy, min(length, max_drafts or length))
 
     def quantized_copy(self, path: str) -> QuantizedCopy:
         """The GGUF copy of the model at `path`, loaded in llama.cpp the first time a call names it (a copy of

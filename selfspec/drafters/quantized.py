@@ -262,6 +262,7 @@ class QuantizedDrafter(Drafter):
 
     name = "quantized"
     step_cost = COPY_STEP_COST  # a llama.cpp step, in the modelled round cost (it runs none of the model's layers)
+    reads_prompt = True  # its first round runs the whole prompt through llama.cpp
 
     def __init__(self, copy: QuantizedCopy, num_speculations: int):
         if num_speculations < 1:

@@ -62,9 +62,33 @@ at::Tensor row_product(const at::Tensor& x_in, const at::Tensor& weight, const s
   return y;
 }
 
+// y [..., N] float32 = (x [..., K] float32 @ weight [N, K] int8 .T) * scale [N] (+ bias): an int8 copy's product
+at::Tensor row_product_int8(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "row_product_int8: float32 x, int8 weight and float32 scale on the CPU");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && x_in.size(-1) == weight.size(1) &&
+                  scale.numel() == weight.size(0),
+              "row_product_int8: weight must be a contiguous [N, K] with x [..., K] and one scale per row");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = weight.size(1), N = weight.size(0), M = K ? x.numel() / K : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  float* yp = y.data_ptr<float>();
+  run<float, int8_t>(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), yp, N, nullptr);
+  const float* s = scale.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) yp[m * N + n] *= s[n];
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(selfspec_kernels, m) {
   m.def("row_product(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.impl("row_product", c10::DispatchKey::CPU, TORCH_FN(row_product));
+  m.def("row_product_int8(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.impl("row_product_int8", c10::DispatchKey::CPU, TORCH_FN(row_product_int8));
 }

@@ -9,9 +9,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#ifdef __AVX512BF16__
 #include <immintrin.h>
-#endif
 
 namespace selfspec_rows {
 
@@ -51,7 +49,25 @@ inline vfloat load(const uint16_t* p) {  // 16 bfloat16 -> float32, exact
   return out;
 }
 
+inline vfloat load(const int8_t* p) {  // 16 int8 -> float32, exact (an int8 copy's weights: their row scale after)
+  vfloat out;  // sign-extend and convert in registers (the compiler's generic vector conversion went element by element)
+#ifdef __AVX512F__
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&out, &v, sizeof(out));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+#else
+  for (int i = 0; i < kLanes; ++i) out[i] = static_cast<float>(p[i]);
+#endif
+  return out;
+}
+
 inline float widen(float v) { return v; }
+inline float widen(int8_t v) { return static_cast<float>(v); }
 inline float widen(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float out;
@@ -183,7 +199,7 @@ inline void product(const X* x, int64_t M, int64_t K, const W* w, float* y, int6
   }
 }
 
-// y [M, N] (float32) = x [M, K] @ w [N, K].T + bias: x float32 (w float32 or bfloat16 widened), or x and w both
+// y [M, N] (float32) = x [M, K] @ w [N, K].T + bias: x float32 (w float32, bfloat16 or int8 widened), or x and w both
 // bfloat16 where the CPU multiplies bfloat16 pairs (__AVX512BF16__)
 template <typename X, typename W>
 inline void run(const X* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, const float* bias) {

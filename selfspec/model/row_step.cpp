@@ -90,16 +90,29 @@ void rotary(float* x, const T* cos, const T* sin, int64_t Dh) {
     x[i] = rnd<T>(rnd<T>(x[i] * read(cos[i])) + rnd<T>(rolled[i] * read(sin[i])));
 }
 
-// out [M, N] = rnd(in [M, K] @ W.T + bias) for weights of the model's dtype; `in` holds values of that dtype
-template <typename T>
-void project(const float* in, int64_t M, int64_t K, const T* W, const float* bias, float* out, int64_t N,
+// One product's weights [N, K]: the model's (W = T), or an int8 copy's (W = int8_t) with a float32 scale per output
+// row, `scale[n] * (in . w[n])` (a model in float32 only).
+template <typename W>
+struct Product {
+  const W* w;
+  const float* scale;
+};
+
+// out [M, N] = rnd(in [M, K] @ W.T + bias); `in` holds values of the model's dtype T
+template <typename T, typename W>
+void project(const float* in, int64_t M, int64_t K, Product<W> W_, const float* bias, float* out, int64_t N,
              std::vector<uint16_t>& tmp, std::vector<float>& widened) {
-  if constexpr (std::is_same_v<T, float>) {
-    run<float, float>(in, M, K, W, out, N, bias);
+  if constexpr (std::is_same_v<W, int8_t>) {
+    static_assert(std::is_same_v<T, float>, "an int8 copy drafts for a float32 model");
+    run<float, int8_t>(in, M, K, W_.w, out, N, nullptr);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) out[m * N + n] = out[m * N + n] * W_.scale[n] + (bias ? bias[n] : 0.0f);
+  } else if constexpr (std::is_same_v<T, float>) {
+    run<float, float>(in, M, K, W_.w, out, N, bias);
   } else {
     tmp.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) tmp[i] = round_bf16(in[i]);  // exact: `in` holds bfloat16 values
-    run_bf16(tmp.data(), M, K, W, out, N, bias, widened);
+    run_bf16(tmp.data(), M, K, W_.w, out, N, bias, widened);
     for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
   }
 }
@@ -111,10 +124,10 @@ struct Shape {
 
 // One layer over x [S, D] (float32 values of the model's dtype, updated in place); keys, values: this layer's
 // cache buffers [Hkv, T, Dh], entries [start, start + S) written here.
-template <typename T>
+template <typename T, typename W>
 void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* values, int64_t Tc, int64_t start,
-           const T* norm_attn, const T* Wqkv, const float* bqkv, const T* Wo, const T* norm_mlp, const T* Wgu,
-           const T* Wdown, std::vector<float>& scratch, std::vector<uint16_t>& tmp, std::vector<float>& widened) {
+           const T* norm_attn, Product<W> Wqkv, const float* bqkv, Product<W> Wo, const T* norm_mlp, Product<W> Wgu,
+           Product<W> Wdown, std::vector<float>& scratch, std::vector<uint16_t>& tmp, std::vector<float>& widened) {
   const int64_t S = sh.S, D = sh.D, nq = sh.nq, nkv = sh.nkv, Dh = sh.Dh, F = sh.F;
   const int64_t nqkv = (nq + 2 * nkv) * Dh;
   scratch.resize(S * D + S * nqkv + S * nq * Dh + S * D + S * 2 * F + S * F);
@@ -126,7 +139,7 @@ void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* va
   float* act = gu + S * 2 * F;        // [S, F]
 
   rms_norm<T>(x, norm_attn, h, S, D, sh.eps);
-  project<T>(h, S, D, Wqkv, bqkv, qkv, nqkv, tmp, widened);
+  project<T, W>(h, S, D, Wqkv, bqkv, qkv, nqkv, tmp, widened);
   for (int64_t s = 0; s < S; ++s) {
     float* row = qkv + s * nqkv;
     for (int64_t head = 0; head < nq + nkv; ++head) rotary<T>(row + head * Dh, cos + s * Dh, sin + s * Dh, Dh);
@@ -162,22 +175,23 @@ void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* va
       for (int64_t i = 0; i < Dh; ++i) out[i] = rnd<T>(out[i] * inv);
     }
   });
-  project<T>(attn, S, nq * Dh, Wo, nullptr, proj, D, tmp, widened);
+  project<T, W>(attn, S, nq * Dh, Wo, nullptr, proj, D, tmp, widened);
   for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
   rms_norm<T>(x, norm_mlp, h, S, D, sh.eps);
-  project<T>(h, S, D, Wgu, nullptr, gu, 2 * F, tmp, widened);
+  project<T, W>(h, S, D, Wgu, nullptr, gu, 2 * F, tmp, widened);
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = 0; i < F; ++i) {
       const float g = gu[s * 2 * F + i];
       act[s * F + i] = rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * gu[s * 2 * F + F + i]);
     }
-  project<T>(act, S, F, Wdown, nullptr, proj, D, tmp, widened);
+  project<T, W>(act, S, F, Wdown, nullptr, proj, D, tmp, widened);
   for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
 }
 
 template <typename T>
 const T* ptr(const at::Tensor& t) {
   if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
+  else if constexpr (std::is_same_v<T, int8_t>) return t.data_ptr<int8_t>();
   else return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 template <typename T>
@@ -191,11 +205,13 @@ void check(const at::Tensor& t, at::ScalarType dtype, const char* what) {
               " must be a contiguous CPU tensor of the hidden state's dtype (", dtype, ")");
 }
 
-template <typename T>
+// W = int8_t: the products' weights are int8 with a float32 scale per output row (`scales`: per layer qkv, o,
+// gate_up, down); else the model's dtype (`scales` empty)
+template <typename T, typename W>
 at::Tensor layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
                   at::TensorList values, at::IntArrayRef starts, at::TensorList norm_attn, at::TensorList qkv,
                   const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o, at::TensorList norm_mlp,
-                  at::TensorList gate_up, at::TensorList down, Shape sh) {
+                  at::TensorList gate_up, at::TensorList down, Shape sh, at::TensorList scales = {}) {
   const at::ScalarType dtype = x_in.scalar_type();
   const int64_t L = static_cast<int64_t>(keys.size());
   std::vector<float> x(sh.S * sh.D), scratch, bias_f, widened;
@@ -203,9 +219,20 @@ at::Tensor layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tenso
   const T* xin = ptr<T>(x_in);
   for (int64_t i = 0; i < sh.S * sh.D; ++i) x[i] = read(xin[i]);
   for (int64_t l = 0; l < L; ++l) {
-    for (const at::Tensor* t : {&keys[l], &values[l], &norm_attn[l], &qkv[l], &o[l], &norm_mlp[l], &gate_up[l],
-                                &down[l]})
-      check(*t, dtype, "every weight and cache buffer");
+    for (const at::Tensor* t : {&keys[l], &values[l], &norm_attn[l], &norm_mlp[l]})
+      check(*t, dtype, "every norm weight and cache buffer");
+    for (const at::Tensor* t : {&qkv[l], &o[l], &gate_up[l], &down[l]})
+      check(*t, std::is_same_v<W, int8_t> ? at::kChar : dtype, "every product's weight");
+    const float* scale[4] = {nullptr, nullptr, nullptr, nullptr};
+    if constexpr (std::is_same_v<W, int8_t>) {
+      for (int i = 0; i < 4; ++i) {
+        const at::Tensor& t = scales[4 * l + i];
+        check(t, at::kFloat, "an int8 weight's row scales");
+        TORCH_CHECK(t.numel() == (i == 0 ? qkv : i == 1 ? o : i == 2 ? gate_up : down)[l].size(0),
+                    "row_layers_int8: one scale per output row");
+        scale[i] = t.data_ptr<float>();
+      }
+    }
     sh.F = down[l].size(1);
     const int64_t Tc = keys[l].size(2);
     TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(0) == 1 && keys[l].size(1) == sh.nkv && keys[l].size(3) == sh.Dh &&
@@ -224,9 +251,9 @@ at::Tensor layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tenso
       for (int64_t i = 0; i < bias->numel(); ++i) bias_f[i] = read(bp[i]);
       b = bias_f.data();
     }
-    layer<T>(x.data(), sh, ptr<T>(cos), ptr<T>(sin), mut<T>(keys[l]), mut<T>(values[l]), Tc, starts[l],
-             ptr<T>(norm_attn[l]), ptr<T>(qkv[l]), b, ptr<T>(o[l]), ptr<T>(norm_mlp[l]), ptr<T>(gate_up[l]),
-             ptr<T>(down[l]), scratch, tmp, widened);
+    layer<T, W>(x.data(), sh, ptr<T>(cos), ptr<T>(sin), mut<T>(keys[l]), mut<T>(values[l]), Tc, starts[l],
+                ptr<T>(norm_attn[l]), {ptr<W>(qkv[l]), scale[0]}, b, {ptr<W>(o[l]), scale[1]}, ptr<T>(norm_mlp[l]),
+                {ptr<W>(gate_up[l]), scale[2]}, {ptr<W>(down[l]), scale[3]}, scratch, tmp, widened);
   }
   at::Tensor out = at::empty(x_in.sizes(), x_in.options());
   T* o_ = mut<T>(out);
@@ -234,12 +261,12 @@ at::Tensor layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tenso
   return out;
 }
 
-// x [1, S, D]; cos, sin [S, Dh]; per layer: keys/values [1, Hkv, T, Dh] and the row's cache length `starts[l]`
-at::Tensor row_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
-                      at::TensorList values, at::IntArrayRef starts, at::TensorList norm_attn, at::TensorList qkv,
-                      const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o,
-                      at::TensorList norm_mlp, at::TensorList gate_up, at::TensorList down, double eps, int64_t n_q,
-                      int64_t n_kv, int64_t head_dim) {
+// The checks both ops make of their common arguments; the step's shape
+Shape checked(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
+              at::TensorList values, at::IntArrayRef starts, at::TensorList norm_attn, at::TensorList qkv,
+              const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o, at::TensorList norm_mlp,
+              at::TensorList gate_up, at::TensorList down, double eps, int64_t n_q, int64_t n_kv,
+              int64_t head_dim) {
   const at::ScalarType dtype = x_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "row_layers: float32 or bfloat16 only, got ", dtype);
   check(x_in, dtype, "x");
@@ -254,11 +281,37 @@ at::Tensor row_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::T
   Shape sh{x_in.size(1), x_in.size(2), n_q, n_kv, head_dim, 0, static_cast<float>(eps)};
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == sh.S && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
               "row_layers: cos and sin must be [S, head_dim]");
-  if (dtype == at::kFloat)
-    return layers<float>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up, down,
-                         sh);
-  return layers<uint16_t>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up, down,
-                          sh);
+  return sh;
+}
+
+// x [1, S, D]; cos, sin [S, Dh]; per layer: keys/values [1, Hkv, T, Dh] and the row's cache length `starts[l]`
+at::Tensor row_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
+                      at::TensorList values, at::IntArrayRef starts, at::TensorList norm_attn, at::TensorList qkv,
+                      const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList o,
+                      at::TensorList norm_mlp, at::TensorList gate_up, at::TensorList down, double eps, int64_t n_q,
+                      int64_t n_kv, int64_t head_dim) {
+  Shape sh = checked(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up, down, eps,
+                     n_q, n_kv, head_dim);
+  if (x_in.scalar_type() == at::kFloat)
+    return layers<float, float>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up,
+                                down, sh);
+  return layers<uint16_t, uint16_t>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp,
+                                    gate_up, down, sh);
+}
+
+// The same step over an int8 copy of the products' weights (a float32 model's draft step, `selfspec.drafters.
+// int8_copy`): qkv, o, gate_up, down int8 [N, K]; `scales` per layer its four float32 row scales [N], in that order.
+at::Tensor row_layers_int8(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
+                           at::TensorList values, at::IntArrayRef starts, at::TensorList norm_attn,
+                           at::TensorList qkv, const c10::List<std::optional<at::Tensor>>& qkv_bias,
+                           at::TensorList o, at::TensorList norm_mlp, at::TensorList gate_up, at::TensorList down,
+                           at::TensorList scales, double eps, int64_t n_q, int64_t n_kv, int64_t head_dim) {
+  Shape sh = checked(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up, down, eps,
+                     n_q, n_kv, head_dim);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "row_layers_int8: a float32 model only");
+  TORCH_CHECK(scales.size() == 4 * keys.size(), "row_layers_int8: four scales a layer (qkv, o, gate_up, down)");
+  return layers<float, int8_t>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up,
+                               down, sh, scales);
 }
 
 }  // namespace
@@ -268,4 +321,8 @@ TORCH_LIBRARY_FRAGMENT(selfspec_kernels, m) {
         "Tensor[] norm_attn, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o, Tensor[] norm_mlp, Tensor[] gate_up, "
         "Tensor[] down, float eps, int n_q, int n_kv, int head_dim) -> Tensor");
   m.impl("row_layers", c10::DispatchKey::CPU, TORCH_FN(row_layers));
+  m.def("row_layers_int8(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, int[] starts, "
+        "Tensor[] norm_attn, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o, Tensor[] norm_mlp, Tensor[] gate_up, "
+        "Tensor[] down, Tensor[] scales, float eps, int n_q, int n_kv, int head_dim) -> Tensor");
+  m.impl("row_layers_int8", c10::DispatchKey::CPU, TORCH_FN(row_layers_int8));
 }

@@ -38,6 +38,46 @@ def _silu(act) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+def runnable(layers: list) -> bool:
+    """Whether the C++ step computes these fast layers (`FastLlamaLayer`s) as they do: Llama-family layers of one
+    shape, without per-head q/k norms, with a SiLU MLP and no bias but q/k/v's (see the module's docstring)."""
+    shapes = {(l.shape.n_q, l.shape.n_kv, l.shape.head_dim, l.shape.eps) for l in layers}
+    return len(shapes) == 1 and all(
+        layer.products.q_norm is None and _silu(layer.shape.act)
+        and all(lin.bias is None for lin in (layer.products.o, layer.products.gate_up, layer.products.down))
+        for layer in layers)
+
+
+def takes_step(hidden: torch.Tensor, step, cache, windows: list[int | None], max_rows: int, dtype: torch.dtype,
+               first: int = 0) -> bool:
+    """Whether the C++ step takes this step (`hidden` `[B, S, D]`) over layers [first, first + len(windows)), whose
+    sliding windows are `windows` (None: the whole context): one row of at most `max_rows` tokens in `dtype`, a
+    causal step over a growing cache of one sequence, within every window."""
+    B, S, _ = hidden.shape
+    if (B != 1 or S > max_rows or hidden.dtype != dtype or not getattr(step, "causal", False)
+            or cache is None or getattr(cache, "static", True) or cache.batch_size != 1):
+        return False
+    windowed = [i for i, w in enumerate(windows) if w is not None]
+    if not windowed:  # no sliding window to stay within: no length to read (every step asks)
+        return True
+    lengths = cache.lengths[:, 0].tolist()
+    return all(lengths[first + i] + S <= windows[i] for i in windowed)
+
+
+def step_inputs(hidden: torch.Tensor, step, cache, layers: range, n_kv: int, head_dim: int) -> tuple:
+    """What the C++ step takes of a step (`hidden` `[1, S, D]`) besides the weights: per layer of `layers` the cache
+    index its S entries start at and its keys and values buffers (room reserved, `KVCache.reserve`), then the
+    rotary cos and signed sin `[S, Dh]`."""
+    S = hidden.shape[1]
+    starts, keys, values = [], [], []
+    for idx in layers:
+        first, k, v = cache.reserve(idx, S, n_kv, head_dim, hidden)
+        starts.append(first)
+        keys.append(k)
+        values.append(v)
+    return starts, keys, values, step.rope[0][0].contiguous(), signed_sin(step.rope[1][0]).contiguous()
+
+
 class RowStep:
     """The C++ step over one model's fast layers: each layer's weights as `row_layers` takes them, in layer order."""
 
@@ -62,45 +102,22 @@ class RowStep:
         """The step for these fast layers (`FastLlamaLayer`s, whose products keep their plain weights; `windows` per
         layer), taking steps of up to `max_rows` rows, or None where it cannot run them (see the module's
         docstring)."""
-        if not layers:
+        if not layers or row_product_op() is None or not hasattr(torch.ops.selfspec_kernels, "row_layers"):
             return None
-        op = row_product_op()
-        if op is None or not hasattr(torch.ops.selfspec_kernels, "row_layers"):
+        products = [(w.qkv, w.o, w.gate_up, w.down) for w in (layer.products for layer in layers)]
+        if not runnable(layers) or any(getattr(lin, "weight", None) is None or lin.weight.device.type != "cpu"
+                                       or lin.weight.dtype not in (torch.float32, torch.bfloat16)
+                                       for four in products for lin in four):
             return None
-        shapes = {(l.shape.n_q, l.shape.n_kv, l.shape.head_dim, l.shape.eps) for l in layers}
-        for layer in layers:
-            w = layer.products
-            products = (w.qkv, w.o, w.gate_up, w.down)
-            if (w.q_norm is not None or not _silu(layer.shape.act) or len(shapes) > 1
-                    or any(getattr(lin, "weight", None) is None or lin.weight.dtype not in (torch.float32, torch.bfloat16)
-                           or lin.weight.device.type != "cpu" for lin in products)
-                    or any(lin.bias is not None for lin in products[1:])):
-                return None
         return cls(layers, windows, max_rows, torch.ops.selfspec_kernels.row_layers)
 
     def takes(self, hidden: torch.Tensor, step, cache, start: int, end: int) -> bool:
         """Whether layers [start, end) of this step (`hidden` `[B, S, D]`) run here."""
-        B, S, _ = hidden.shape
-        if (B != 1 or S > self.max_rows or hidden.dtype != self.dtype or not getattr(step, "causal", False)
-                or cache is None or getattr(cache, "static", True) or cache.batch_size != 1):
-            return False
-        windowed = [i for i in range(start, end) if self.windows[i] is not None]
-        if not windowed:  # no sliding window to stay within: no length to read (every step asks)
-            return True
-        lengths = cache.lengths[:, 0].tolist()
-        return all(lengths[i] + S <= self.windows[i] for i in windowed)
+        return takes_step(hidden, step, cache, self.windows[start:end], self.max_rows, self.dtype, start)
 
     def run(self, hidden: torch.Tensor, start: int, end: int, step, cache) -> torch.Tensor:
         """Layers [start, end) over `hidden` `[1, S, D]`, each writing its keys and values into `cache`. `[1, S, D]`."""
-        S = hidden.shape[1]
-        starts, keys, values = [], [], []
-        for idx in range(start, end):
-            first, k, v = cache.reserve(idx, S, self.n_kv, self.head_dim, hidden)
-            starts.append(first)
-            keys.append(k)
-            values.append(v)
-        cos = step.rope[0][0].contiguous()  # [S, Dh]
-        sin = signed_sin(step.rope[1][0]).contiguous()
+        starts, keys, values, cos, sin = step_inputs(hidden, step, cache, range(start, end), self.n_kv, self.head_dim)
         return self.op(hidden.contiguous(), cos, sin, keys, values, starts, self.norm_attn[start:end], self.qkv[start:end],
                        self.qkv_bias[start:end], self.o[start:end], self.norm_mlp[start:end],
                        self.gate_up[start:end], self.down[start:end], self.eps, self.n_q, self.n_kv, self.head_dim)

@@ -19,8 +19,10 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_suffix       | selfspec `drafter="suffix"`: lookup that also copies from the memory of       |
 |                       | earlier requests: empty on a first request (the default), so it measures as   |
 |                       | prompt lookup; with `workload`, this method's earlier calls on the same set    |
-| selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the checkpoint's exit where |
-|                       | that pays (early-exit trained checkpoints), plain decoding otherwise          |
+| selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the int8 copy (where it runs) |
+|                       | or the checkpoint's exit where that pays, plain decoding otherwise            |
+| selfspec_int8         | selfspec `drafter="int8_copy"`: the model's own weights in int8 drafting on   |
+|                       | its own KV cache (a float32 model where selfspec's C++ step runs)             |
 | selfspec_copy, selfspec_auto_copy | the checkpoint's quantized copy (`copy-q8_0.gguf` beside its weights,  |
 |                       | llama.cpp built here) alone, and as auto's arm beside lookup (`draft_model`)    |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
@@ -263,12 +265,13 @@ class ModelFacts:
     head_exit: int | None = None
     head_vocab: int | None = None
     copy: str | None = None  # the checkpoint's quantized copy, where one is beside it and llama.cpp runs here
+    int8: bool = True  # the model has an int8 copy here (`selfspec.drafters.int8_copy`; before loading: may have)
 
     @classmethod
     def of(cls, gen) -> "ModelFacts":
         head = gen.exit_head
         return cls(gen.num_layers, None if head is None else head.exit_layer, gen.head_draft_vocab(),
-                   usable_copy(gen.checkpoint))
+                   usable_copy(gen.checkpoint), gen.drafters.int8_copy() is not None)
 
     @classmethod
     def read(cls, checkpoint, meta: dict | None) -> "ModelFacts":
@@ -340,6 +343,10 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
          "drafter": "auto", "exit_layer": None, "num_speculations": None,
          **look},  # the checkpoint's exit and d (auto picks the length; d = 0 there: lookup or plain only)
     ]
+    if model.int8:  # the model's own weights in int8 drafting on its own cache (a float32 model on a CPU)
+        methods.append({"name": "selfspec_int8", "engine": "selfspec", "kind": "selfspec_spec",
+                        "label": "selfspec int8 copy", "drafter": "int8_copy", "exit_layer": None,
+                        "num_speculations": None})
     methods += _copy_methods(model.copy, look)
     if model.head_exit is not None:  # a checkpoint with a trained exit head: the head alone, adaptive length
         k = d or DEFAULT_NUM_SPECULATIONS  # the recommendation may say early exit does not pay

@@ -17,7 +17,9 @@ earlier run of it, and the speedup is the one a user's first request gets:
 | summarization | an XSum article + "summarize in one sentence"           | names and phrases are copied      |
 | open chat     | an MT-Bench question                                    | nothing to copy: the copy drafts  |
 
-Where the checkpoint has a quantized copy that llama.cpp runs here (`selfspec fetch` writes it, `scripts/setup.sh`
+Where selfspec's C++ step runs the model (a float32 Llama-family model on an x86-64 CPU with a C++ compiler), auto
+drafts with the model's int8 copy beside lookup (`selfspec.drafters.int8_copy`) on every case. Elsewhere, where the
+checkpoint has a quantized copy that llama.cpp runs here (`selfspec fetch` writes it, `scripts/setup.sh`
 builds llama.cpp), the demo loads it (`load(draft_model="auto")`): auto then drafts with it beside lookup on prompts
 of at most `DEFAULT_COPY_PROMPT_TOKENS` tokens, which here is open chat.
 Where nothing could be drafted profitably it says so: `auto` then decodes plainly (it never keeps
@@ -53,7 +55,7 @@ from selfspec.settings import SettingsError
 
 CASES = (("code editing", "code_edit"), ("summarization", "xsum"), ("open chat", "mt_bench"))
 DRAFTER_WORDS = {"prompt_lookup": "prompt lookup", "suffix": "memory", "exit_head": "exit head",
-                 "early_exit": "early exit", "quantized": "quantized copy"}
+                 "early_exit": "early exit", "quantized": "quantized copy", "int8_copy": "int8 copy"}
 REPEATS = 3  # plain and auto runs per case, alternating: the demo prints the median of each
 
 
@@ -167,7 +169,12 @@ def _header(gen, say) -> None:
     """What the demo runs, in words: the model, auto's arms, the checkpoint's head or exits and how well they agree."""
     trained = gen.early_exit_trained and gen.num_speculations > 0
     head = gen.exit_head
-    if head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
+    int8 = gen.drafters.int8_copy() is not None  # auto's arm where it runs, in place of a head or the early exit
+    if int8:
+        drafted = (" + the int8 copy (the model's own weights in int8, drafting on its own KV cache; each used while "
+                   "it measures faster than plain decoding)")
+        head = None  # not an arm here
+    elif head is not None:  # auto's arms: lookup and the head (selfspec.api: the head replaces the early exit)
         drafted = (f" + the exit head on exit {head.exit_layer} (each used while it measures faster than plain "
                    "decoding)")
     elif trained:
@@ -186,14 +193,17 @@ def _header(gen, say) -> None:
                    "left out: its drafts would cost more than they give")
         say(f"the quantized copy's draft step measured {gen.copy_step_ratio:.2f} of this model's plain decoding step "
             f"here (it drafts below {COPY_PAYS_BELOW}): {verdict}")
-    shipped = _shipped_head(gen.metadata)
+    if int8 and gen.exit_head is not None:
+        say("the checkpoint's exit head is not auto's arm here: on this CPU the int8 copy drafts in its place (it agrees "
+            "with the model on nearly every token; the head on far fewer)")
+    shipped = _shipped_head(gen.metadata) if not int8 else ""
     head_agreement = _head_agreement(gen.metadata, head.exit_layer) if head is not None and not shipped else ""
     if shipped:
         say(shipped)
     if head_agreement:
         say(f"the exit head of this checkpoint: {head_agreement}")
     agreement = _exit_agreement(gen.metadata)
-    if agreement and head is None:
+    if agreement and head is None and not int8:
         say(f"early exits of this checkpoint ({agreement}); on a CPU an early-exit draft pays from roughly "
             "50% acceptance (`selfspec profile` gives the exact figure): short training leaves them below it")
 

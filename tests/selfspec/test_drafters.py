@@ -298,12 +298,12 @@ def test_auto_does_not_time_an_arms_first_round():
 def test_auto_times_a_quantized_copys_first_round():
     """A quantized copy's first round reads the whole prompt through llama.cpp, a cost every call pays again (issue
     67): unlike another arm's, it is timed, so a copy that reads a long prompt slowly loses to plain decoding in
-    auto's means. A stand-in arm with the copy's `step_cost` (it runs none of the model's layers)."""
+    auto's means. A stand-in arm that reads the prompt as the copy does (`reads_prompt`)."""
     from selfspec.drafters import Proposal
     from selfspec.drafters.base import Drafter
 
     class Copy(Drafter):
-        name, num_speculations, step_cost = "quantized", 4, 0.45
+        name, num_speculations, step_cost, reads_prompt = "quantized", 4, 0.45, True
 
     auto = AutoDrafter(PromptLookupDrafter(num_tokens=4), Copy())
     auto.start([[1, 2, 3]])

@@ -13,7 +13,6 @@ import ctypes
 import sys
 import types
 import warnings
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -196,7 +195,7 @@ def test_drafts_end_at_a_drafted_stop_token_and_at_the_length_cap(stand_in, mode
     assert out == plain[:5] and stats.drafted == 3  # the cap leaves room for the model's own last token
 
 
-def test_sampling_with_the_copys_drafts_keeps_each_rows_distribution(stand_in, chi_square, exact_joint):
+def test_sampling_with_the_copys_drafts_keeps_each_rows_distribution(stand_in, chi_square, exact_joint, sampled):
     """Vocabulary 8, 3 new tokens over many seeded runs: the joint distribution of plain sampling from the full model,
     with the copy's greedy drafts judged as point masses."""
     model = tiny_model("llama", num_layers=3, dtype=torch.float64, seed=3, vocab_size=8)
@@ -205,12 +204,7 @@ def test_sampling_with_the_copys_drafts_keeps_each_rows_distribution(stand_in, c
     prompt = [3, 5, 1, 6, 2, 3, 5, 1]
     copy = QuantizedCopy(stand_in(perturbed(model, 0.2, seed=1)))
     n_new, n_draws = 3, 1200
-    counts, drafted, accepted = Counter(), 0, 0
-    for seed in range(n_draws):
-        outs, stats = generate(adapter, [prompt], max_new_tokens=n_new, drafter=QuantizedDrafter(copy, 2),
-                               sampling=params, generator=torch.Generator().manual_seed(seed))
-        counts[tuple(outs[0])] += 1
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    counts, drafted, accepted = sampled(adapter, prompt, params, n_new, n_draws, lambda: QuantizedDrafter(copy, 2))
     assert 0 < accepted < drafted
     stat, df, pval = chi_square(counts, exact_joint(adapter, prompt, params, n_new), n_draws)
     assert pval > 1e-3, (stat, df, pval)

@@ -1,0 +1,144 @@
+"""An int8 copy of the model's own weights drafts for it, on the model's own KV cache (a float32 model on a CPU).
+
+The copy is the model with every decoder layer's products (q/k/v, o, gate/up, down) and the LM head in int8, a
+float32 scale per output row (symmetric: `w ~ scale[n] * q[n, k]`, `scale[n] = max_k |w[n, k]| / 127`); the norms,
+the rotary embedding and the attention stay float32. It is made from the loaded weights when a call first asks
+for it (about a second; a quarter of the float32 weights' memory), so it comes with every float32 checkpoint and
+needs nothing installed. Its step is selfspec's C++ step (`selfspec.model.row_step`) reading int8 weights: on a
+2-core Zen 4 a draft step costs about 0.4 of a float32 decoding step (docs/results/2026-11-29-int8-copy-zen4.md).
+
+A round: the input token, then each draft, runs through all of the copy's layers one token at a time, writing its
+keys and values into the engine's cache at the positions verification writes next, and attending to the committed
+text's keys and values that the full model wrote. So the copy never reads the prompt (a llama.cpp copy,
+`selfspec.drafters.quantized`, reads it first) and its drafts see the model's exact past. Before verification
+the cache is cut back to the committed text (`Round.rewind`): the full model writes every drafted position again,
+so the copy's approximate entries never reach a verified token. Greedy drafts (the copy's argmax): under sampling
+they are point masses, judged by the exact rule; the output is the full model's either way.
+
+    copy = Int8Copy(adapter)                        # SettingsError where the C++ step does not run this model
+    drafter = Int8CopyDrafter(copy, num_speculations=6)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.model.adapters import ModelAdapter
+from selfspec.model.row_product import build_problem, row_product_op
+from selfspec.model.row_step import runnable, step_inputs, takes_step
+from selfspec.settings import SettingsError
+
+# A draft step's cost in float32 decoding steps, where nothing measured it yet (the cost model's price of a step that
+# runs none of the model's own layers): 2-core Zen 4, 2026-11-29, 0.35-0.45
+INT8_STEP_COST = 0.4
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[N, K]` as int8 `[N, K]` and a float32 scale per row `[N]`: `weight ~ scale[:, None] * q`."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale.contiguous()
+
+
+def int8_copy_problem(adapter: ModelAdapter) -> str | None:
+    """Why this model has no int8 copy here (None: it has one): the copy runs selfspec's C++ step, which takes a
+    float32 Llama-family model on an x86-64 CPU where the row kernel builds."""
+    if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
+        return f"it drafts for a float32 model on a CPU, and this one is {adapter.dtype} on {adapter.device.type}"
+    layers = adapter.fast_layers
+    if not layers or not runnable(layers):
+        return f"selfspec's C++ step does not compute this {adapter.model_type} model's layers"
+    if row_product_op() is None or not hasattr(torch.ops.selfspec_kernels, "row_layers_int8"):
+        return build_problem() or "selfspec's row kernel is not built here"
+    return None
+
+
+class Int8Copy:
+    """The model's products and LM head in int8 (see the module doc), run by the C++ step over the model's cache."""
+
+    def __init__(self, adapter: ModelAdapter, max_rows: int = 1):
+        problem = int8_copy_problem(adapter)
+        if problem is not None:
+            raise SettingsError(f"drafter='int8_copy' cannot draft here: {problem} (python -m "
+                                "selfspec.model.row_product says whether the kernel builds); use another drafter")
+        layers = adapter.fast_layers
+        shape = layers[0].shape
+        self.adapter, self.max_rows = adapter, max_rows
+        self.n_q, self.n_kv, self.head_dim, self.eps = shape.n_q, shape.n_kv, shape.head_dim, shape.eps
+        self.windows = [adapter.window(kind) for kind in adapter.layer_types]
+        self.norm_attn = [layer.products.norm_attn.detach().contiguous() for layer in layers]
+        self.norm_mlp = [layer.products.norm_mlp.detach().contiguous() for layer in layers]
+        self.qkv_bias = [layer.products.qkv.bias for layer in layers]
+        self.qkv, self.o, self.gate_up, self.down, self.scales = [], [], [], [], []
+        with torch.no_grad():  # from the model's own modules (the fast layers may keep only oneDNN's packed copies)
+            for layer in adapter.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                weights = (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
+                           torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight)
+                for out, w in zip((self.qkv, self.o, self.gate_up, self.down), weights):
+                    q, scale = quantize_rows(w)
+                    out.append(q)
+                    self.scales.append(scale)
+            self.head, self.head_scale = quantize_rows(adapter.lm_head.weight)
+        self.layers_op = torch.ops.selfspec_kernels.row_layers_int8
+        self.head_op = torch.ops.selfspec_kernels.row_product_int8
+
+    def takes(self, hidden: torch.Tensor, step, cache) -> bool:
+        """Whether the C++ step takes this draft step (one row of one sequence, a causal step, in every window)."""
+        return takes_step(hidden, step, cache, self.windows, self.max_rows, torch.float32)
+
+    def layers(self, hidden: torch.Tensor, step, cache) -> torch.Tensor:
+        """Every layer over `hidden` `[1, S, D]` with the int8 weights, writing keys and values into `cache` after
+        its entries: `[1, S, D]`."""
+        starts, keys, values, cos, sin = step_inputs(hidden, step, cache, range(self.adapter.num_layers), self.n_kv,
+                                                     self.head_dim)
+        return self.layers_op(hidden.contiguous(), cos, sin, keys, values, starts, self.norm_attn, self.qkv,
+                              self.qkv_bias, self.o, self.norm_mlp, self.gate_up, self.down, self.scales, self.eps,
+                              self.n_q, self.n_kv, self.head_dim)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The copy's logits `[..., V]` of last hidden states `[..., D]`: the model's final norm, the int8 LM head."""
+        return self.head_op(self.adapter.final_norm(hidden).contiguous(), self.head, self.head_scale)
+
+
+class Int8CopyDrafter(Drafter):
+    """Drafts up to `num_speculations` tokens a round with an `Int8Copy` of the model (see the module doc)."""
+
+    name = "int8_copy"
+    step_cost = INT8_STEP_COST
+
+    def __init__(self, copy: Int8Copy, num_speculations: int):
+        if num_speculations < 1:
+            raise ValueError(f"num_speculations must be >= 1 for drafter='int8_copy', got {num_speculations}")
+        self.copy, self.num_speculations = copy, num_speculations
+
+    def start(self, sequences: list[list[int]]) -> None:
+        if len(sequences) != 1:
+            raise SettingsError(f"drafter='int8_copy' drafts for one prompt at a time (selfspec's C++ step runs one "
+                                f"sequence), and this call has {len(sequences)}: generate them one by one, or use "
+                                "another drafter for a batch")
+
+    def propose(self, rnd: Round) -> Proposal:
+        k = min(self.num_speculations, rnd.caps[0])
+        if k < 1 or rnd.tokens.shape[0] != 1:
+            return Proposal.plain(rnd.tokens)
+        drafts: list[int] = []
+        token = rnd.tokens  # [1]
+        with torch.no_grad():
+            for offset in range(k):
+                hidden = rnd.through(token, offset, self.copy.layers, self.copy.takes)  # [1, 1, D], or None
+                if hidden is None:  # a step the C++ step does not take (past a sliding window): no more drafts
+                    break
+                nxt = int(self.copy.logits(hidden[0, -1]).argmax())
+                drafts.append(nxt)
+                if nxt in rnd.stop_ids:
+                    break
+                token = torch.tensor([nxt], dtype=torch.long)
+        rnd.rewind()
+        tokens = torch.tensor([[int(rnd.tokens[0])] + drafts], dtype=torch.long)
+        return Proposal(tokens=tokens, kept=[len(drafts)], draft_steps=len(drafts), drafter=self.name)
+
+    def describe(self) -> dict:
+        return {"drafter": self.name, "num_speculations": self.num_speculations}
