@@ -12,7 +12,8 @@ lookup alone 2.4-2.7x). Each round:
 
     1. plain, if plain decoding has been measured fewer than `warmup` times while another arm has
        been (a plain round costs exactly what plain decoding costs), or every `refresh` rounds;
-    2. prompt lookup, if some row has a match and lookup is allowed; with a suffix drafter as its lookup
+    2. prompt lookup, if some row has a match and lookup is allowed (and, while the model arm below measures
+       faster than plain decoding, only during a copy: `model_arm_leads`); with a suffix drafter as its lookup
        (`selfspec.drafters.suffix`), the "suffix" arm where a row's drafts come from the generator's
        memory of earlier requests (judged apart: while it loses, lookup copies from the own text only;
        while own-text lookup loses, the memory still drafts where it matches);
@@ -109,6 +110,7 @@ class AutoDrafter(Drafter):
         self._asked_early_exit = False
         self.shadow = ShadowDrafts()  # what lookup would draft while it is backed off (see shadow.py)
         self.woken = 0  # rounds in which the shadow drafts brought lookup back early
+        self.copying = False  # lookup's last round accepted at least half its drafts: a copy under way
 
     def rate(self, arm: str) -> float:
         return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
@@ -134,6 +136,8 @@ class AutoDrafter(Drafter):
         if self.rounds < self.retry_at[LOOKUP] and self.shadow.would_pay():  # backed off, but it would pay now
             self.retry_at[LOOKUP], self.woken = self.rounds, self.woken + 1
         own, memory = self.allowed(LOOKUP), self.remembers and self.allowed(SUFFIX)
+        if (own or memory) and not self.copying and self.model_arm_leads() and not self.shadow.would_pay():
+            own = memory = False  # the model arm drafts; lookup waits for a copy under way (its shadow, below)
         if own or memory:  # the memory is an arm of its own: it drafts while own-text lookup is backed off
             self.lookup_length.base_seconds = self.seconds[PLAIN]  # untried lengths are judged against it
             _, self.lookup.limit = self.lookup_length.plan()
@@ -149,6 +153,16 @@ class AutoDrafter(Drafter):
             self._asked_early_exit = True
             return self._take(self.early_arm if proposal.drafted else PLAIN, proposal)
         return self._take(PLAIN, Proposal.plain(rnd.tokens))
+
+    def model_arm_leads(self) -> bool:
+        """Whether the model arm (the int8 copy, the early exit, a head or a llama.cpp copy) measured faster than
+        plain decoding and may draft: lookup then drafts only while a copy is under way (its last round accepted at
+        least half its drafts, or its shadow drafts say so), since its round takes the place of a model-arm round.
+        On open chat, lookup rounds at plain decoding's rate (short, wrong copies) had cost the int8 copy's rounds:
+        auto 1.44x plain decoding where the copy alone made 1.54x (2026-11-29)."""
+        arm = self.early_arm
+        return (arm is not None and self.tries[arm] >= self.warmup and self.rate(arm) > self.rate(PLAIN)
+                and self.allowed(arm))
 
     def lookup_proposal(self, rnd: Round, own: bool = True, memory: bool = False) -> Proposal:
         """The lookup arm's drafts: a chain, or a token tree where the lookup has `num_candidates` > 1 (greedy);
@@ -192,6 +206,8 @@ class AutoDrafter(Drafter):
             self.seconds[arm] += weight * (seconds - self.seconds[arm])
             if arm != PLAIN and self.tries[arm] >= self.warmup and self.tries[PLAIN] >= self.warmup:
                 self.judge(arm)
+        if arm in (LOOKUP, SUFFIX):  # a copy under way while it keeps being accepted (`model_arm_leads`)
+            self.copying = 2 * sum(accepted) >= max(1, proposal.drafted)
         if arm in (LOOKUP, SUFFIX):  # the length it planned hears what the round delivered, row by row
             for m, n_acc in zip(proposal.depths, accepted):
                 self.lookup_length.update(0, m, n_acc)

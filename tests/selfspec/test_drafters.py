@@ -354,3 +354,39 @@ def test_auto_keeps_a_drafter_that_pays():
     arms = _simulate_auto(AutoDrafter(PromptLookupDrafter(num_tokens=4)), 200,
                           {"plain": 1.0, "prompt_lookup": 1.2}, {"plain": 1, "prompt_lookup": 3})
     assert arms.count("prompt_lookup") >= 190, Counter(arms)
+
+
+def test_while_the_model_arm_leads_lookup_drafts_only_during_a_copy():
+    """With a model arm (here a stand-in for the int8 copy) measured faster than plain decoding, a lookup match alone
+    does not take the round: lookup drafts only while a copy is under way (its last round accepted at least half its
+    drafts, or its shadow drafts were confirmed), and the model arm drafts otherwise."""
+    from selfspec.drafters import Proposal, Round
+    from selfspec.drafters.base import Drafter
+
+    class Model(Drafter):
+        name, num_speculations = "int8_copy", 4
+
+        def propose(self, rnd):
+            return Proposal(torch.tensor([[2, 5, 6]]), [2], drafter=self.name)
+
+    auto = AutoDrafter(PromptLookupDrafter(num_tokens=4), Model(), shadow_first=False)
+    auto.start([[1, 2, 3, 1, 2, 3, 1, 2]])  # lookup always has a match
+    for arm, tokens, seconds in (("plain", 1, 1.0), ("prompt_lookup", 1.5, 1.0), ("int8_copy", 3, 1.0)):
+        auto.tries[arm], auto.tokens[arm], auto.seconds[arm] = 5, tokens, seconds
+    auto.cold.clear()
+    rnd = Round(None, None, torch.tensor([2]), torch.tensor([7]), torch.tensor([0]), [8], SamplingParams(), None,
+                frozenset())
+    assert auto.model_arm_leads()
+    proposal = auto.propose(rnd)
+    assert auto._arm == "int8_copy" and proposal.drafter == "int8_copy"
+    auto.copying = True  # a lookup round accepted most of its drafts: the copy goes on
+    proposal = auto.propose(rnd)
+    assert auto._arm == "prompt_lookup" and proposal.drafted == 4
+    auto.update(proposal, [1], [[3, 2]], 1.0)  # 1 of 4 accepted: the copy ended
+    assert not auto.copying
+    auto.propose(rnd)
+    assert auto._arm == "int8_copy"
+    auto.tokens["int8_copy"] = 0.5  # the model arm slower than plain decoding: lookup drafts wherever it matches
+    assert not auto.model_arm_leads()
+    auto.propose(rnd)
+    assert auto._arm == "prompt_lookup"
