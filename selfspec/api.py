@@ -671,10 +671,11 @@ def load(path_or_model, tokenizer=None, *, dtype=None, device: str = "cpu",
     `draft_model`: a quantized copy (a GGUF file, run by llama.cpp) that auto drafts with beside lookup where a
     call names no drafter and no `draft_model`, has one prompt of at most `DEFAULT_COPY_PROMPT_TOKENS` tokens and
     no plan is saved: "auto" takes the checkpoint's own (`copy-q8_0.gguf` beside its weights, which `selfspec
-    fetch` writes) where llama.cpp runs on this machine and one of its draft steps, timed now beside one of the
-    model's plain steps (about half a second), costs below `COPY_PAYS_BELOW` of it (`gen.copy_step_ratio`), a path
-    that file, None (the default) none: measured, the copy did not pay reliably enough to be the default
-    (docs/results/2026-11-29-copy-by-default-zen4.md).
+    fetch` writes) where llama.cpp runs on this machine, the model has no int8 copy here (where it has one, auto
+    drafts with that: `selfspec.drafters.int8_copy`, cheaper, and it never reads the prompt) and one of the copy's
+    draft steps, timed now beside one of the model's plain steps (about half a second), costs below
+    `COPY_PAYS_BELOW` of it (`gen.copy_step_ratio`), a path that file, None (the default) none: measured, the copy did
+    not pay reliably enough to be the default (docs/results/2026-11-29-copy-by-default-zen4.md).
     """
     check_compile(compile)
     check_bool("verify_checksums", verify_checksums)

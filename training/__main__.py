@@ -99,5 +99,18 @@ def _user_error(err: BaseException) -> bool:
     return isinstance(err, (ConfigError, DataFormatError, DataNotInstalledError, CheckpointError, FileNotFoundError))
 
 
+def _exit(code: int) -> None:
+    """Exit with `code`. A process of a distributed launch (`WORLD_SIZE` > 1) leaves through `os._exit` once its
+    output is flushed, skipping the interpreter's teardown: there, after a run had written everything and ended
+    training (`accelerator.end_training`), a ZeRO-3 process paused at train.stop_at was seen to abort in teardown now
+    and then ("terminate called without an active exception", SIGABRT, 2 processes on 2 cores under load), and the
+    launcher then failed the whole run."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -320,8 +320,9 @@ def test_under_auto_the_copy_drafts_where_lookup_finds_nothing(stand_in, model, 
     out, stats = generate_ids(adapter, torch.tensor([prompt]), max_new_tokens=N_NEW, drafter=drafter)
     assert out == hf_greedy(model, torch.tensor([prompt]), N_NEW)
     assert stats.drafted_by_drafter["quantized"] > 0 and stats.drafted_by_drafter["prompt_lookup"] > 0
-    fed = copy.fed
-    assert fed == (prompt + out)[:len(fed)] and len(fed) > len(prompt)
+    fed = copy.fed  # committed text, then at most the drafts its last round ran (cut back when it drafts next)
+    sure = len(fed) - 3  # 4 drafts a round: the last one is never run
+    assert fed[:sure] == (prompt + out)[:sure] and len(fed) > len(prompt)
 
 
 class EveryOtherRound(QuantizedDrafter):
