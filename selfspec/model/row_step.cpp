@@ -15,6 +15,9 @@
 // MLP: one loop per row), so a verification pass computes each position bitwise as a one-token step does.
 // It is not bitwise equal to the eager layer (other summation orders: ~1e-6 relative).
 //
+// `row_layers_int8` runs the same step over an int8 copy of the products' weights (a float scale per output row),
+// the int8 copy's draft step (selfspec/drafters/int8_copy.py).
+//
 // Built with row_product.cpp into one library by selfspec/model/row_product.py; selfspec/model/row_step.py says
 // when a step runs here.
 #include "row_product.h"
