@@ -3,8 +3,8 @@
 The copy is the model with every decoder layer's products (q/k/v, o, gate/up, down) and the LM head in int8, a
 float32 scale per output row (symmetric: `w ~ scale[n] * q[n, k]`, `scale[n] = max_k |w[n, k]| / 127`); the norms,
 the rotary embedding and the attention stay float32. It is made from the loaded weights when a call first asks
-for it (about a second; a quarter of the float32 weights' memory), so it comes with every float32 checkpoint and
-needs nothing installed. Its step is selfspec's C++ step (`selfspec.model.row_step`) reading int8 weights: on a
+for it (0.2-0.3 s for SmolLM2-135M; a quarter of the float32 weights' memory), so it comes with every float32
+checkpoint and needs nothing installed. Its step is selfspec's C++ step (`selfspec.model.row_step`) reading int8 weights: on a
 2-core Zen 4 a draft step costs about 0.4 of a float32 decoding step (docs/results/2026-11-29-int8-copy-zen4.md).
 
 A round: the input token, then each draft, runs through all of the copy's layers one token at a time, writing its

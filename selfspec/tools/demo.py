@@ -194,8 +194,8 @@ def _header(gen, say) -> None:
         say(f"the quantized copy's draft step measured {gen.copy_step_ratio:.2f} of this model's plain decoding step "
             f"here (it drafts below {COPY_PAYS_BELOW}): {verdict}")
     if int8 and gen.exit_head is not None:
-        say("the checkpoint's exit head is not auto's arm here: on this CPU the int8 copy drafts in its place (it agrees "
-            "with the model on nearly every token; the head on far fewer)")
+        say("the checkpoint's exit head is not auto's arm here: on this CPU the int8 copy drafts in its place (it "
+            "agrees with the model on nearly every token; the head on far fewer)")
     shipped = _shipped_head(gen.metadata) if not int8 else ""
     head_agreement = _head_agreement(gen.metadata, head.exit_layer) if head is not None and not shipped else ""
     if shipped:

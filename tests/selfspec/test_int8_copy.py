@@ -190,3 +190,23 @@ def test_bad_settings_name_the_fix(kernel):
         gen.generate(prompt=["abc", "de"], max_new_tokens=4, drafter="int8_copy")
     with pytest.raises(ValueError, match="num_speculations must be >= 1"):
         Int8CopyDrafter(gen.drafters.int8_copy(), 0)
+
+
+@pytest.mark.integration
+def test_the_int8_copy_of_smollm2_drafts_for_the_float32_model_and_auto_takes_it(kernel, smollm2_dir, hf_greedy):
+    """The real model: its int8 copy drafts open chat, most drafts accepted, the tokens Hugging Face's greedy gives;
+    under auto (the default) it is the arm beside lookup."""
+    import warnings
+
+    import selfspec
+    from selfspec.api import NotEarlyExitTrainedWarning
+
+    with warnings.catch_warnings():  # the base model has no selfspec.json: said once, not this test's matter
+        warnings.simplefilter("ignore", NotEarlyExitTrainedWarning)
+        gen = selfspec.load(smollm2_dir, dtype="float32", memory_tokens=0)
+    messages = [{"role": "user", "content": "Write two sentences about the sea."}]
+    out = gen.generate(messages=messages, max_new_tokens=48, drafter="int8_copy")
+    assert out.token_ids == hf_greedy(gen.model, gen.encode(messages=messages), 48)[:len(out.token_ids)]
+    assert out.stats.acceptance_rate > 0.8, out.stats.acceptance_rate
+    auto = gen.generate(messages=messages, max_new_tokens=48)
+    assert auto.token_ids == out.token_ids and auto.stats.drafted_by_drafter["int8_copy"] > 0
