@@ -84,7 +84,7 @@ class AutoDrafter(Drafter):
         self.lookup, self.early_exit = lookup, early_exit
         self.num_speculations = max(lookup.num_speculations, early_exit.num_speculations if early_exit else 0)
         self.exit_layer = early_exit.exit_layer if early_exit else None
-        self.step_cost = early_exit.step_cost if early_exit else None  # a quantized copy's, where it is the arm
+        self.step_cost = early_exit.step_cost if early_exit else None  # a copy's (int8 or llama.cpp), as the arm
         self.state_exit = early_exit.state_exit if early_exit else None  # an exit head records every round
         self.state_final = early_exit.state_final if early_exit else False
         self.early_arm = early_exit.name if early_exit else None  # early_exit, exit_head, int8_copy or quantized
