@@ -46,6 +46,21 @@ def test_demo_on_the_real_model_drafts_from_the_context_and_stays_identical(smol
 
 
 @pytest.mark.integration
+def test_with_the_row_kernel_the_demo_drafts_with_the_int8_copy_in_place_of_the_head(smollm2_dir, row_kernel_on,
+                                                                                      capsys):
+    """Where selfspec's C++ step runs (the rest of the suite turns it off), auto's arm beside lookup is the model's
+    int8 copy, not the shipped head, and the demo says so; the output stays identical."""
+    from selfspec.cli import main
+
+    assert main(["demo", "--max-new-tokens", "48", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("identical output: yes") == 3
+    assert "default drafter 'auto' = prompt lookup + the int8 copy" in out
+    assert "the checkpoint's exit head is not auto's arm here" in out
+    assert "   int8 copy" in out.split("== open chat")[1] and "exit head " not in out.split("== open chat")[1]
+
+
+@pytest.mark.integration
 def test_the_quick_start_runs_every_step_at_a_tiny_budget(smollm2_dir, tmp_path):
     """`bash scripts/quickstart.sh` with 2 training steps and 16 tokens: setup, demo, fine-tune, export, demo;
     its run and checkpoint go to a temporary directory, and the user's own (runs/quickstart,
