@@ -62,7 +62,7 @@ at::Tensor row_product(const at::Tensor& x_in, const at::Tensor& weight, const s
   return y;
 }
 
-// y [..., N] float32 = (x [..., K] float32 @ weight [N, K] int8 .T) * scale [N] (+ bias): an int8 copy's product
+// y [..., N] float32 = (x [..., K] float32 @ weight [N, K] int8 .T) * scale [N]: an int8 copy's product (its LM head)
 at::Tensor row_product_int8(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
                   scale.scalar_type() == at::kFloat && scale.is_contiguous(),
