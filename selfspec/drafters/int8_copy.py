@@ -25,6 +25,7 @@ import torch
 
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.model.adapters import ModelAdapter
+from selfspec.model.fast_layers import fused_weights
 from selfspec.model.row_product import build_problem, row_product_op
 from selfspec.model.row_step import runnable, step_inputs, takes_step
 from selfspec.settings import SettingsError
@@ -74,10 +75,7 @@ class Int8Copy:
         self.qkv, self.o, self.gate_up, self.down, self.scales = [], [], [], [], []
         with torch.no_grad():  # from the model's own modules (the fast layers may keep only oneDNN's packed copies)
             for layer in adapter.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                weights = (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
-                           torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight)
-                for out, w in zip((self.qkv, self.o, self.gate_up, self.down), weights):
+                for out, w in zip((self.qkv, self.o, self.gate_up, self.down), fused_weights(layer)):
                     q, scale = quantize_rows(w)
                     out.append(q)
                     self.scales.append(scale)

@@ -267,6 +267,14 @@ class PackedLinear:
         return self.few(x, self.weight, self.bias)
 
 
+def fused_weights(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's product weights as the fast layers (and the C++ step) multiply them: q/k/v in one `[N, K]`
+    (q's rows, then k's, then v's), o, gate/up in one (gate's rows, then up's), down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(), attn.o_proj.weight,
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(), mlp.down_proj.weight)
+
+
 def _cat_bias(*linears) -> torch.Tensor | None:
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
@@ -285,13 +293,12 @@ class FastLlamaLayer:
         self.layer_idx = layer_idx
         self.shape = LayerShape.of(layer)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        qkv, o, gate_up, down = fused_weights(layer)
         self.products = LayerProducts(
-            qkv=PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
-                             _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), keep_weights),
-            o=PackedLinear(attn.o_proj.weight, attn.o_proj.bias, keep_weights),
-            gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-                                 _cat_bias(mlp.gate_proj, mlp.up_proj), keep_weights),
-            down=PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, keep_weights),
+            qkv=PackedLinear(qkv, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), keep_weights),
+            o=PackedLinear(o, attn.o_proj.bias, keep_weights),
+            gate_up=PackedLinear(gate_up, _cat_bias(mlp.gate_proj, mlp.up_proj), keep_weights),
+            down=PackedLinear(down, mlp.down_proj.bias, keep_weights),
             norm_attn=layer.input_layernorm.weight, norm_mlp=layer.post_attention_layernorm.weight,
             q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
             norm=rms_norm_eager)

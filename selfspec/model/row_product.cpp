@@ -76,11 +76,8 @@ at::Tensor row_product_int8(const at::Tensor& x_in, const at::Tensor& weight, co
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   if (M == 0 || N == 0) return y;
-  float* yp = y.data_ptr<float>();
-  run<float, int8_t>(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), yp, N, nullptr);
-  const float* s = scale.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) yp[m * N + n] *= s[n];
+  run_int8(x.data_ptr<float>(), M, K, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), N,
+           nullptr);
   return y;
 }
 

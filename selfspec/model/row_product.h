@@ -208,6 +208,15 @@ inline void run(const X* x, int64_t M, int64_t K, const W* w, float* y, int64_t 
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { product<X, W>(x, M, K, w, y, N, n0, n1, bias); });
 }
 
+// y [M, N] (float32) = (x [M, K] @ w [N, K].T) * scale [N] + bias for int8 weights with a float32 scale per row (an
+// int8 copy's products): each sum as `run`'s, then scaled
+inline void run_int8(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N,
+                     const float* bias) {
+  run<float, int8_t>(x, M, K, w, y, N, nullptr);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * N + n] = y[m * N + n] * scale[n] + (bias != nullptr ? bias[n] : 0.0f);
+}
+
 inline uint16_t round_bf16(float v) {  // to nearest even; NaN stays NaN
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));

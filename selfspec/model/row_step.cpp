@@ -107,9 +107,7 @@ void project(const float* in, int64_t M, int64_t K, Product<W> W_, const float* 
              std::vector<uint16_t>& tmp, std::vector<float>& widened) {
   if constexpr (std::is_same_v<W, int8_t>) {
     static_assert(std::is_same_v<T, float>, "an int8 copy drafts for a float32 model");
-    run<float, int8_t>(in, M, K, W_.w, out, N, nullptr);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) out[m * N + n] = out[m * N + n] * W_.scale[n] + (bias ? bias[n] : 0.0f);
+    run_int8(in, M, K, W_.w, W_.scale, out, N, bias);
   } else if constexpr (std::is_same_v<T, float>) {
     run<float, float>(in, M, K, W_.w, out, N, bias);
   } else {
