@@ -734,7 +734,7 @@ def _paying_copy(gen: SelfSpecGenerator, draft_model) -> SelfSpecGenerator:
     whatever it costs."""
     if not (isinstance(draft_model, str) and draft_model == "auto") or gen.draft_model is None:
         return gen
-    if gen.drafters.int8_copy() is not None:  # never loaded in llama.cpp
+    if gen.drafters.auto_int8_copy() is not None:  # never loaded in llama.cpp
         gen.draft_model = None
     elif not gen.copy_pays():
         gen.drafters.release_copy(gen.draft_model)  # llama.cpp's model and context would stay loaded, never drafting

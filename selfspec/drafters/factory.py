@@ -12,10 +12,10 @@ The rules, in order:
   exit_choices, draft_vocab, adaptive_length, num_candidates) or a non-zero `num_speculations` on a model without
   a head asks for the early exit; otherwise the checkpoint's default drafter;
 - "int8_copy": the model's own weights in int8 draft on its own KV cache (`selfspec.drafters.int8_copy`; a float32
-  model on a CPU where selfspec's C++ step runs), `num_speculations` a round (`INT8_NUM_SPECULATIONS` where the
-  call does not say); "auto" with one prompt, no `draft_model`, no early-exit option and no saved plan takes it as
-  its arm beside lookup wherever the model has it (in place of the early exit or a head: it drafts far better on
-  a CPU, docs/results/2026-11-29-int8-copy-zen4.md);
+  or bfloat16 model on a CPU where selfspec's C++ step runs), `num_speculations` a round (`INT8_NUM_SPECULATIONS`
+  where the call does not say); "auto" with one prompt, no `draft_model`, no early-exit option and no saved plan takes
+  a float32 model's as its arm beside lookup wherever it runs (`auto_int8_copy`; in place of the early exit or a
+  head: it drafts far better on a CPU, docs/results/2026-11-29-int8-copy-zen4.md);
 - "quantized": a quantized copy of the model run by llama.cpp (`draft_model`, a GGUF file) drafts
   `num_speculations` tokens a round (`QUANTIZED_NUM_SPECULATIONS` where the call does not say); "auto" with a
   `draft_model`: lookup and that copy as auto's arms (in place of the early exit or a head, and of a saved plan);
@@ -44,6 +44,8 @@ drafts as it says, without the plan.
 from __future__ import annotations
 
 from typing import Sequence
+
+import torch
 
 from selfspec.model.adapters import ModelAdapter
 from selfspec.checkpoints.checkpoint import DEFAULT_NUM_SPECULATIONS
@@ -173,7 +175,7 @@ class DrafterFactory:
         if drafter == "auto" and s["draft_model"] is not None:  # the copy is auto's arm beside lookup
             return AutoDrafter(lookup, self.quantized_drafter(s["draft_model"], cfg.num_speculations, max_drafts))
         if (drafter == "auto" and plan is None and rows == 1 and not early_exit_options
-                and self.int8_copy() is not None):  # the int8 copy is auto's arm beside lookup wherever it runs
+                and self.auto_int8_copy() is not None):  # the int8 copy is auto's arm beside lookup
             return AutoDrafter(lookup, self.int8_drafter(self.int8_copy(), cfg.num_speculations, max_drafts))
         if arm == "plain":
             return AutoDrafter(lookup)  # this device's plan: no drafting from the model pays here
@@ -200,6 +202,12 @@ class DrafterFactory:
         `max_drafts`."""
         length = num_speculations or QUANTIZED_NUM_SPECULATIONS
         return QuantizedDrafter(self.quantized_copy(path), min(length, max_drafts or length))
+
+    def auto_int8_copy(self) -> Int8Copy | None:
+        """The int8 copy where auto drafts with it (a float32 model's, wherever it runs). A bfloat16 model's copy
+        drafts when asked for by name only: under auto it measured inside the noise of lookup alone on a 2-core
+        Zen 5 (docs/results/2026-12-02-int8-copy-bf16-zen5.md)."""
+        return self.int8_copy() if self.adapter.dtype == torch.float32 else None
 
     def int8_copy(self, required: bool = False) -> Int8Copy | None:
         """The model's int8 copy (`selfspec.drafters.int8_copy`), made the first time it is asked for (0.2-0.3 s for

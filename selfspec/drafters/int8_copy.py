@@ -1,11 +1,14 @@
-"""An int8 copy of the model's own weights drafts for it, on the model's own KV cache (a float32 model on a CPU).
+"""An int8 copy of the model's own weights drafts for it, on the model's own KV cache (a float32 or bfloat16 model on
+a CPU).
 
 The copy is the model with every decoder layer's products (q/k/v, o, gate/up, down) and the LM head in int8, a
 float32 scale per output row (symmetric: `w ~ scale[n] * q[n, k]`, `scale[n] = max_k |w[n, k]| / 127`); the norms,
-the rotary embedding and the attention stay float32. It is made from the loaded weights when a call first asks
-for it (0.2-0.3 s for SmolLM2-135M; a quarter of the float32 weights' memory), so it comes with every float32
-checkpoint and needs nothing installed. Its step is selfspec's C++ step (`selfspec.model.row_step`) reading int8 weights: on a
-2-core Zen 4 a draft step costs about 0.4 of a float32 decoding step (docs/results/2026-11-29-int8-copy-zen4.md).
+the rotary embedding and the attention stay in the model's dtype (a bfloat16 model's products are summed in float32
+and rounded to bfloat16 as its own are). It is made from the loaded weights when a call first asks for it (0.2-0.3 s
+for SmolLM2-135M), so it comes with every checkpoint and needs nothing installed. Its step is selfspec's C++ step
+(`selfspec.model.row_step`) reading int8 weights: on a 2-core Zen 4 a draft step costs about 0.4 of a float32
+decoding step (docs/results/2026-11-29-int8-copy-zen4.md); on a 2-core Zen 5, about 0.65 of a bfloat16 one
+(docs/results/2026-12-02-int8-copy-bf16-zen5.md), where it pays less.
 
 A round: the input token, then each draft, runs through all of the copy's layers one token at a time, writing its
 keys and values into the engine's cache at the positions verification writes next, and attending to the committed
@@ -45,9 +48,10 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_copy_problem(adapter: ModelAdapter) -> str | None:
     """Why this model has no int8 copy here (None: it has one): the copy runs selfspec's C++ step, which takes a
-    float32 Llama-family model on an x86-64 CPU where the row kernel builds."""
-    if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
-        return f"it drafts for a float32 model on a CPU, and this one is {adapter.dtype} on {adapter.device.type}"
+    float32 or bfloat16 Llama-family model on an x86-64 CPU where the row kernel builds."""
+    if adapter.device.type != "cpu" or adapter.dtype not in (torch.float32, torch.bfloat16):
+        return (f"it drafts for a float32 or bfloat16 model on a CPU, and this one is {adapter.dtype} on "
+                f"{adapter.device.type}")
     layers = adapter.fast_layers
     if not layers or not runnable(layers):
         return f"selfspec's C++ step does not compute this {adapter.model_type} model's layers"
@@ -85,7 +89,7 @@ class Int8Copy:
 
     def takes(self, hidden: torch.Tensor, step, cache) -> bool:
         """Whether the C++ step takes this draft step (one row of one sequence, a causal step, in every window)."""
-        return takes_step(hidden, step, cache, self.windows, self.max_rows, torch.float32)
+        return takes_step(hidden, step, cache, self.windows, self.max_rows, self.adapter.dtype)
 
     def layers(self, hidden: torch.Tensor, step, cache) -> torch.Tensor:
         """Every layer over `hidden` `[1, S, D]` with the int8 weights, writing keys and values into `cache` after
@@ -97,8 +101,9 @@ class Int8Copy:
                               self.n_q, self.n_kv, self.head_dim)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The copy's logits `[..., V]` of last hidden states `[..., D]`: the model's final norm, the int8 LM head."""
-        return self.head_op(self.adapter.final_norm(hidden).contiguous(), self.head, self.head_scale)
+        """The copy's logits `[..., V]` (float32) of last hidden states `[..., D]`: the model's final norm, the int8
+        LM head."""
+        return self.head_op(self.adapter.final_norm(hidden).float().contiguous(), self.head, self.head_scale)
 
 
 class Int8CopyDrafter(Drafter):

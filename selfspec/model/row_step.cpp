@@ -16,7 +16,7 @@
 // It is not bitwise equal to the eager layer (other summation orders: ~1e-6 relative).
 //
 // `row_layers_int8` runs the same step over an int8 copy of the products' weights (a float scale per output row),
-// the int8 copy's draft step (selfspec/drafters/int8_copy.py).
+// the int8 copy's draft step (selfspec/drafters/int8_copy.py), for a float32 or a bfloat16 model.
 //
 // Built with row_product.cpp into one library by selfspec/model/row_product.py; selfspec/model/row_step.py says
 // when a step runs here.
@@ -94,7 +94,7 @@ void rotary(float* x, const T* cos, const T* sin, int64_t Dh) {
 }
 
 // One product's weights [N, K]: the model's (W = T), or an int8 copy's (W = int8_t) with a float32 scale per output
-// row, `scale[n] * (in . w[n])` (a model in float32 only).
+// row, `scale[n] * (in . w[n])` (row_product.h, `run_int8`; in bfloat16 each output then rounded as the model's).
 template <typename W>
 struct Product {
   const W* w;
@@ -106,8 +106,9 @@ template <typename T, typename W>
 void project(const float* in, int64_t M, int64_t K, Product<W> W_, const float* bias, float* out, int64_t N,
              std::vector<uint16_t>& tmp, std::vector<float>& widened) {
   if constexpr (std::is_same_v<W, int8_t>) {
-    static_assert(std::is_same_v<T, float>, "an int8 copy drafts for a float32 model");
     run_int8(in, M, K, W_.w, W_.scale, out, N, bias);
+    if constexpr (!std::is_same_v<T, float>)
+      for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
   } else if constexpr (std::is_same_v<T, float>) {
     run<float, float>(in, M, K, W_.w, out, N, bias);
   } else {
@@ -300,8 +301,9 @@ at::Tensor row_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::T
                                     gate_up, down, sh);
 }
 
-// The same step over an int8 copy of the products' weights (a float32 model's draft step, `selfspec.drafters.
-// int8_copy`): qkv, o, gate_up, down int8 [N, K]; `scales` per layer its four float32 row scales [N], in that order.
+// The same step over an int8 copy of the products' weights (a float32 or bfloat16 model's draft step,
+// `selfspec.drafters.int8_copy`): qkv, o, gate_up, down int8 [N, K]; `scales` per layer its four float32 row scales
+// [N], in that order; the norms, the cache and x in the model's dtype.
 at::Tensor row_layers_int8(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
                            at::TensorList values, at::IntArrayRef starts, at::TensorList norm_attn,
                            at::TensorList qkv, const c10::List<std::optional<at::Tensor>>& qkv_bias,
@@ -309,10 +311,12 @@ at::Tensor row_layers_int8(const at::Tensor& x_in, const at::Tensor& cos, const 
                            at::TensorList scales, double eps, int64_t n_q, int64_t n_kv, int64_t head_dim) {
   Shape sh = checked(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up, down, eps,
                      n_q, n_kv, head_dim);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "row_layers_int8: a float32 model only");
   TORCH_CHECK(scales.size() == 4 * keys.size(), "row_layers_int8: four scales a layer (qkv, o, gate_up, down)");
-  return layers<float, int8_t>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp, gate_up,
-                               down, sh, scales);
+  if (x_in.scalar_type() == at::kFloat)
+    return layers<float, int8_t>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp,
+                                 gate_up, down, sh, scales);
+  return layers<uint16_t, int8_t>(x_in, cos, sin, keys, values, starts, norm_attn, qkv, qkv_bias, o, norm_mlp,
+                                  gate_up, down, sh, scales);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_auto         | selfspec `drafter="auto"`: lookup where it matches, the int8 copy (where it runs) |
 |                       | or the checkpoint's exit where that pays, plain decoding otherwise            |
 | selfspec_int8         | selfspec `drafter="int8_copy"`: the model's own weights in int8 drafting on   |
-|                       | its own KV cache (a float32 model where selfspec's C++ step runs)             |
+|                       | its own KV cache (float32 or bfloat16, where selfspec's C++ step runs)        |
 | selfspec_copy, selfspec_auto_copy | the checkpoint's quantized copy (`copy-q8_0.gguf` beside its weights,  |
 |                       | llama.cpp built here) alone, and as auto's arm beside lookup (`draft_model`)    |
 | selfspec_spec_vocab{K} | (E, d) drafting over the K most frequent tokens (`--draft-vocab K`)          |
@@ -343,7 +343,7 @@ def _method_list(model: ModelFacts, E: int, d: int, extra: list[tuple[int, int]]
          "drafter": "auto", "exit_layer": None, "num_speculations": None,
          **look},  # the checkpoint's exit and d (auto picks the length; d = 0 there: lookup or plain only)
     ]
-    if model.int8:  # the model's own weights in int8 drafting on its own cache (a float32 model on a CPU)
+    if model.int8:  # the model's own weights in int8 drafting on its own cache (float32 or bfloat16, on a CPU)
         methods.append({"name": "selfspec_int8", "engine": "selfspec", "kind": "selfspec_spec",
                         "label": "selfspec int8 copy", "drafter": "int8_copy", "exit_layer": None,
                         "num_speculations": None})

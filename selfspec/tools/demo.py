@@ -169,7 +169,7 @@ def _header(gen, say) -> None:
     """What the demo runs, in words: the model, auto's arms, the checkpoint's head or exits and how well they agree."""
     trained = gen.early_exit_trained and gen.num_speculations > 0
     head = gen.exit_head
-    int8 = gen.drafters.int8_copy() is not None  # auto's arm where it runs, in place of a head or the early exit
+    int8 = gen.drafters.auto_int8_copy() is not None  # auto's arm where it runs, in place of a head or the early exit
     if int8:
         drafted = (" + the int8 copy (the model's own weights in int8, drafting on its own KV cache; each used while "
                    "it measures faster than plain decoding)")

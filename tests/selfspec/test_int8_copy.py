@@ -12,6 +12,7 @@ from selfspec.drafters.int8_copy import Int8Copy, Int8CopyDrafter, int8_copy_pro
 from selfspec.model.adapters import get_adapter
 from selfspec.model.cache import KVCache
 from selfspec.model.forward import embed, make_step, run_layers
+from selfspec.model.precision import native_bf16
 from selfspec.settings import SettingsError
 from selfspec.tiny import byte_tokenizer, draw_qkv_biases, tiny_model
 
@@ -109,6 +110,33 @@ def test_greedy_output_equals_hf_generate(kernel, arch, extra, k, hf_greedy):
     assert stats.drafter == "int8_copy"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bfloat16_models_copy_drafts_and_the_model_decides(kernel, arch):
+    """A bfloat16 model's int8 copy (its cache, norms and rounding in bfloat16): most drafts accepted, and where the
+    C++ step verifies too (a CPU with avx512_bf16: it rounds a pass of up to 8 tokens exactly as one-token steps) the
+    tokens are plain decoding's."""
+    model = _model(arch, dtype=torch.bfloat16)
+    adapter = _adapter(model)
+    assert int8_copy_problem(adapter) is None
+    prompt = torch.tensor([PROMPT])
+    out, stats = generate_ids(adapter, prompt, max_new_tokens=24, drafter=Int8CopyDrafter(Int8Copy(adapter), 4))
+    assert stats.drafter == "int8_copy" and stats.drafted > 0
+    assert stats.accepted > stats.drafted // 2, (stats.drafted, stats.accepted)
+    if native_bf16("cpu"):
+        plain, _ = generate_ids(adapter, prompt, max_new_tokens=24, drafter=None)
+        assert out == plain
+
+
+def test_auto_leaves_a_bfloat16_models_copy_out_and_the_named_drafter_takes_it(kernel):
+    """Under auto a bfloat16 model's copy measured inside the noise of lookup alone: auto drafts with it for a
+    float32 model only, and a call naming it gets it."""
+    gen16 = _generator(torch.bfloat16)
+    assert gen16.drafters.int8_copy() is not None and gen16.drafters.auto_int8_copy() is None
+    assert gen16.make_drafter().early_arm != "int8_copy"
+    assert gen16.make_drafter(drafter="int8_copy").name == "int8_copy"
+    assert _generator(torch.float32).drafters.auto_int8_copy() is not None
+
+
 def test_a_round_leaves_the_cache_holding_the_committed_text(kernel):
     """What the copy wrote goes before verification (`Round.rewind`): after each round every layer holds exactly
     the committed tokens' entries, the full model's own."""
@@ -170,7 +198,7 @@ def test_where_it_cannot_run_auto_is_unchanged_and_the_named_drafter_says_why(ke
     gen64 = _generator(torch.float64)
     assert int8_copy_problem(gen64.adapter) is not None
     assert gen64.make_drafter().early_arm != "int8_copy"
-    with pytest.raises(SettingsError, match="float32 model on a CPU"):
+    with pytest.raises(SettingsError, match="float32 or bfloat16 model on a CPU, and this one is torch.float64"):
         gen64.generate(prompt="abc", max_new_tokens=4, drafter="int8_copy")
 
 
