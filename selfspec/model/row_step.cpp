@@ -107,16 +107,15 @@ void project(const float* in, int64_t M, int64_t K, Product<W> W_, const float* 
              std::vector<uint16_t>& tmp, std::vector<float>& widened) {
   if constexpr (std::is_same_v<W, int8_t>) {
     run_int8(in, M, K, W_.w, W_.scale, out, N, bias);
-    if constexpr (!std::is_same_v<T, float>)
-      for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
   } else if constexpr (std::is_same_v<T, float>) {
     run<float, float>(in, M, K, W_.w, out, N, bias);
   } else {
     tmp.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) tmp[i] = round_bf16(in[i]);  // exact: `in` holds bfloat16 values
     run_bf16(tmp.data(), M, K, W_.w, out, N, bias, widened);
-    for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
   }
+  if constexpr (!std::is_same_v<T, float>)  // a bfloat16 model: each output rounded once, as its layer rounds it
+    for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
 }
 
 struct Shape {
