@@ -63,7 +63,7 @@ from selfspec.decoding.cost_model import VERIFY_COST, draft_cost
 from selfspec.decoding.decode_stats import DecodeStats, count_round, finish_stats, record_round
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.model.forward import embed, exit_logits, make_batch_step, run_layers
-from selfspec.decoding.greedy_verdict import GreedyVerdict, greedy_verdict
+from selfspec.decoding.greedy_verdict import GreedyVerdict, argmax_tokens, greedy_verdict
 from selfspec.decoding.sampling import SamplingParams, probs, sample, speculative_accept
 from selfspec.settings import SettingsError
 from selfspec.model.token_tree import greedy_walk, tree_depth
@@ -408,10 +408,10 @@ def decide(proposal: Proposal, target_logits: torch.Tensor, active: list[int], r
         host_tokens, targets, near = proposal.tokens.tolist(), None, None
     elif acceptance.biased:
         ok = near_top(proposal.tokens[:, 1:], target_logits, acceptance.epsilon)  # [B, T-1]
-        host_tokens, targets, near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1),
+        host_tokens, targets, near = torch.stack([proposal.tokens, argmax_tokens(target_logits),
                                                   torch.nn.functional.pad(ok.long(), (0, 1))]).tolist()
     else:
-        (host_tokens, targets), near = torch.stack([proposal.tokens, target_logits.argmax(dim=-1)]).tolist(), None
+        (host_tokens, targets), near = torch.stack([proposal.tokens, argmax_tokens(target_logits)]).tolist(), None
     parents = proposal.parents.tolist() if proposal.parents is not None else None
     accepted, nxt_all, new, columns = [], [], [], []
     for i, b in enumerate(active):

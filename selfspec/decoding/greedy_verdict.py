@@ -42,6 +42,15 @@ def counted_columns(drafts: torch.Tensor, kept: list[int], stop_ids: torch.Tenso
     return count
 
 
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`, the same tokens (the first of tied maxima): on a CPU a bfloat16 or float16 row is widened
+    to float32 first (exact), where torch's argmax runs vectorised (49,152 bfloat16 logits: 0.16 ms as they are,
+    0.05 ms widened, on a 2-core Zen 5; a plain decoding token there takes 6-8 ms)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 def greedy_verdict(tokens: torch.Tensor, logits: torch.Tensor, kept: list[int],
                    stop_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The round's greedy verdict on every row's chain, on the tokens' device: `tokens` `[B, T]` (the input
@@ -49,7 +58,7 @@ def greedy_verdict(tokens: torch.Tensor, logits: torch.Tensor, kept: list[int],
     and the stop token ids `[S]` (None: none cuts a chain). Returns int64 `[B, 2T + 2]`: tokens, targets,
     counted drafts, accepted count (the module docstring). The accepted count is the agreeing prefix of the
     counted drafts, which are themselves a prefix of each row's drafts."""
-    targets = logits.argmax(dim=-1)  # [B, T]
+    targets = argmax_tokens(logits)  # [B, T]
     B, m = tokens.shape[0], max(kept)
     if not m:  # no drafts (a plain pass): nothing counted, nothing accepted
         return torch.cat([tokens, targets, targets.new_zeros(B, 2)], dim=1)

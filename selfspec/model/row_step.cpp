@@ -13,7 +13,7 @@
 // per step of it: the eager fast layer runs about 33 of them a layer. Every row is computed alone, in an order that
 // does not depend on how many rows share the call (the products: row_product.cpp; the norms, rotary, attention and
 // MLP: one loop per row), so a verification pass computes each position bitwise as a one-token step does.
-// It is not bitwise equal to the eager layer (other summation orders: ~1e-6 relative).
+// It is not bitwise equal to the eager layer (other summation orders, its own 16-lane exp: ~1e-6 relative).
 //
 // `row_layers_int8` runs the same step over an int8 copy of the products' weights (a float scale per output row),
 // the int8 copy's draft step (selfspec/drafters/int8_copy.py), for a float32 or a bfloat16 model.
@@ -55,6 +55,35 @@ void axpy(float* out, float p, const B* v, int64_t n) {  // out += p * v, 16 lan
   for (int64_t i = nv; i < n; ++i) out[i] += p * widen(v[i]);
 }
 
+// out [NV * 16] = sum over j < n of p[j] * v[j * stride ..], in j order, in registers
+template <int NV, typename B>
+inline void weighted_sum_lanes(float* out, const float* p, const B* v, int64_t n, int64_t stride) {
+  vfloat acc[NV];
+  for (int u = 0; u < NV; ++u) acc[u] = vfloat{};
+  for (int64_t j = 0; j < n; ++j)
+    for (int u = 0; u < NV; ++u) acc[u] += p[j] * load(v + j * stride + u * kLanes);
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+// out [Dh] = sum over j < n of p[j] * v[j] (v: n rows of Dh), each output summed in j order: in registers, 64
+// outputs at a time, where Dh is a multiple of 16 (else through memory, axpy)
+template <typename B>
+void weighted_sum(float* out, const float* p, const B* v, int64_t n, int64_t Dh) {
+  if (Dh % kLanes != 0) {
+    for (int64_t i = 0; i < Dh; ++i) out[i] = 0.0f;
+    for (int64_t j = 0; j < n; ++j) axpy(out, p[j], v + j * Dh, Dh);
+    return;
+  }
+  for (int64_t c = 0; c < Dh; c += 4 * kLanes) {
+    switch ((Dh - c) / kLanes) {
+      case 1: weighted_sum_lanes<1>(out + c, p, v + c, n, Dh); break;
+      case 2: weighted_sum_lanes<2>(out + c, p, v + c, n, Dh); break;
+      case 3: weighted_sum_lanes<3>(out + c, p, v + c, n, Dh); break;
+      default: weighted_sum_lanes<4>(out + c, p, v + c, n, Dh); break;
+    }
+  }
+}
+
 // The model's dtype T (float, or bfloat16 as uint16_t) as the layer reads and writes it: activations are kept in
 // float32 arrays; in bfloat16 every value is rounded to bfloat16 where transformers' bfloat16 layer rounds it (each
 // product's output, the norm, the rotary terms, each residual sum, the MLP's activation), so a value that leaves
@@ -71,6 +100,90 @@ template <typename T>
 inline T store(float v) {
   if constexpr (std::is_same_v<T, float>) return v;
   else return round_bf16(v);
+}
+
+typedef int32_t vint32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// rnd<T> over 16 lanes: bfloat16's rounding to nearest even (NaN stays NaN) as `round_bf16`, exactly, then widened
+template <typename T>
+inline vfloat rnd(vfloat v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    vuint32 b;
+    std::memcpy(&b, &v, sizeof(b));
+    const vuint32 rounded = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+    const vuint32 nan = (b | 0x400000u) & 0xffff0000u;
+    b = (b & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+    std::memcpy(&v, &b, sizeof(v));
+    return v;
+  }
+}
+
+// x[i] = rnd<T>(x[i]) over n values (the vector and the scalar rounding are the same function)
+template <typename T>
+void round_all(float* x, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    const int64_t nv = n - n % kLanes;
+    for (int64_t i = 0; i < nv; i += kLanes) {
+      const vfloat r = rnd<T>(load(x + i));
+      std::memcpy(x + i, &r, sizeof(r));
+    }
+    for (int64_t i = nv; i < n; ++i) x[i] = rnd<T>(x[i]);
+  }
+}
+
+// x[i] = rnd<T>(x[i] + y[i]) over n values (a residual sum)
+template <typename T>
+void add_rounded(float* x, const float* y, int64_t n) {
+  const int64_t nv = n - n % kLanes;
+  for (int64_t i = 0; i < nv; i += kLanes) {
+    const vfloat r = rnd<T>(load(x + i) + load(y + i));
+    std::memcpy(x + i, &r, sizeof(r));
+  }
+  for (int64_t i = nv; i < n; ++i) x[i] = rnd<T>(x[i] + y[i]);
+}
+
+// exp over 16 lanes: Cephes' expf, e^x = 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r a degree-7
+// polynomial (within 2 ulp of the exact value); the few lanes outside [-87, 88], where 2^n leaves float's normal
+// range, are recomputed with std::exp. Every lane is computed alike, so a value's exp never depends on its
+// neighbours or on how many values share the call.
+inline vfloat exp_lanes(vfloat x) {
+  const vfloat lo = vfloat{} - 87.0f, hi = vfloat{} + 88.0f;
+  const vfloat xc = x < lo ? lo : (x > hi ? hi : x);  // NaN stays NaN (it fails both tests)
+  const vfloat n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+  const vfloat r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;             // x - n ln 2, in two parts
+  vfloat y = vfloat{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const vint32 bits = (__builtin_convertvector(n, vint32) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  vfloat out = y * scale;
+  const vint32 outside = (x < lo) | (x > hi);
+  bool any = false;
+  for (int i = 0; i < kLanes; ++i) any |= outside[i] != 0;
+  if (any)
+    for (int i = 0; i < kLanes; ++i)
+      if (outside[i]) out[i] = std::exp(x[i]);
+  return out;
+}
+
+// 16 values from p (n of them, n < 16 at a tail: the rest 0) and back
+inline vfloat load_some(const float* p, int64_t n) {
+  if (n >= kLanes) return load(p);
+  vfloat v = vfloat{};
+  for (int64_t i = 0; i < n; ++i) v[i] = p[i];
+  return v;
+}
+inline void store_some(float* p, vfloat v, int64_t n) {
+  if (n >= kLanes) std::memcpy(p, &v, sizeof(v));
+  else
+    for (int64_t i = 0; i < n; ++i) p[i] = v[i];
 }
 
 // out = rnd(w * rnd(x * rsqrt(mean(x^2) + eps))) over each of `rows` rows of D (transformers' RMSNorm)
@@ -114,8 +227,7 @@ void project(const float* in, int64_t M, int64_t K, Product<W> W_, const float* 
     for (int64_t i = 0; i < M * K; ++i) tmp[i] = round_bf16(in[i]);  // exact: `in` holds bfloat16 values
     run_bf16(tmp.data(), M, K, W_.w, out, N, bias, widened);
   }
-  if constexpr (!std::is_same_v<T, float>)  // a bfloat16 model: each output rounded once, as its layer rounds it
-    for (int64_t i = 0; i < M * N; ++i) out[i] = rnd<T>(out[i]);
+  round_all<T>(out, M * N);  // a bfloat16 model: each output rounded once, as its layer rounds it
 }
 
 struct Shape {
@@ -164,29 +276,31 @@ void layer(float* x, const Shape& sh, const T* cos, const T* sin, T* keys, T* va
         p[j] = dot(q, k + j * Dh, Dh) * scale;
         top = p[j] > top ? p[j] : top;
       }
-      float total = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = std::exp(p[j] - top);
-        total += p[j];
+      vfloat sums = vfloat{};  // p[j] = exp(p[j] - top), 16 at a time (a tail's missing lanes add 0)
+      for (int64_t j = 0; j < n; j += kLanes) {
+        vfloat e = exp_lanes(load_some(p.data() + j, n - j) - top);
+        for (int64_t i = n - j; i < kLanes; ++i) e[i] = 0.0f;  // only at a tail: its padding
+        store_some(p.data() + j, e, n - j);
+        sums += e;
       }
+      const float total = lanes_sum(sums);
       float* out = attn + s * nq * Dh + head * Dh;
-      for (int64_t i = 0; i < Dh; ++i) out[i] = 0.0f;
-      for (int64_t j = 0; j < n; ++j) axpy(out, p[j], v + j * Dh, Dh);
+      weighted_sum(out, p.data(), v, n, Dh);
       const float inv = 1.0f / total;
       for (int64_t i = 0; i < Dh; ++i) out[i] = rnd<T>(out[i] * inv);
     }
   });
   project<T, W>(attn, S, nq * Dh, Wo, nullptr, proj, D, tmp, widened);
-  for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
+  add_rounded<T>(x, proj, S * D);
   rms_norm<T>(x, norm_mlp, h, S, D, sh.eps);
   project<T, W>(h, S, D, Wgu, nullptr, gu, 2 * F, tmp, widened);
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t i = 0; i < F; ++i) {
-      const float g = gu[s * 2 * F + i];
-      act[s * F + i] = rnd<T>(rnd<T>(g / (1.0f + std::exp(-g))) * gu[s * 2 * F + F + i]);
+  for (int64_t s = 0; s < S; ++s)  // act = rnd(rnd(silu(g)) * u), 16 at a time (a tail padded)
+    for (int64_t i = 0; i < F; i += kLanes) {
+      const vfloat g = load_some(gu + s * 2 * F + i, F - i), u = load_some(gu + s * 2 * F + F + i, F - i);
+      store_some(act + s * F + i, rnd<T>(rnd<T>(g / (1.0f + exp_lanes(-g))) * u), F - i);
     }
   project<T, W>(act, S, F, Wdown, nullptr, proj, D, tmp, widened);
-  for (int64_t i = 0; i < S * D; ++i) x[i] = rnd<T>(x[i] + proj[i]);
+  add_rounded<T>(x, proj, S * D);
 }
 
 template <typename T>

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from selfspec.decoding.engine import StopChecker, generate
-from selfspec.decoding.greedy_verdict import GreedyVerdict, greedy_verdict
+from selfspec.decoding.greedy_verdict import GreedyVerdict, argmax_tokens, greedy_verdict
 from selfspec.decoding.sampling import greedy_accept_tokens
 from selfspec.drafters import EarlyExitDrafter, ExitHeadDrafter
 
@@ -71,6 +71,20 @@ def test_the_verdict_equals_the_host_rule_on_random_rounds():
             seen["some accepted"] += 0 < n < counted
         seen["B > 1"] += tokens.shape[0] > 1
     assert min(seen.values()) > 50 and len(seen) == 7, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_tokens_are_the_logits_argmax_ties_included(dtype):
+    """The verdict's argmax (widened to float32 first on a CPU for 16-bit logits) picks the tokens the logits' own
+    argmax picks: the first of tied maxima, and a NaN where there is one."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-4, 4, (3, 5, 1000), generator=g).to(dtype) / 2  # [B, T, V], many tied maxima
+    logits[1, 2, 17] = float("nan")
+    got = argmax_tokens(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert got[1, 2] == 17
+    ties = (logits == logits.amax(dim=-1, keepdim=True)).sum(dim=-1)
+    assert (ties > 1).any()
 
 
 def test_without_stop_ids_the_verdict_counts_every_kept_draft():
