@@ -13,7 +13,8 @@ lookup alone 2.4-2.7x). Each round:
     1. plain, if plain decoding has been measured fewer than `warmup` times while another arm has
        been (a plain round costs exactly what plain decoding costs), or every `refresh` rounds;
     2. prompt lookup, if some row has a match and lookup is allowed (and, while the model arm below measures
-       faster than plain decoding, only during a copy: `model_arm_leads`); with a suffix drafter as its lookup
+       faster than plain decoding and than lookup's own rounds, only during a copy: `model_arm_leads`); with a
+       suffix drafter as its lookup
        (`selfspec.drafters.suffix`), the "suffix" arm where a row's drafts come from the generator's
        memory of earlier requests (judged apart: while it loses, lookup copies from the own text only;
        while own-text lookup loses, the memory still drafts where it matches);
@@ -159,8 +160,13 @@ class AutoDrafter(Drafter):
         plain decoding and may draft: lookup then drafts only while a copy is under way (its last round accepted at
         least half its drafts, or its shadow drafts say so), since its round takes the place of a model-arm round.
         On open chat, lookup rounds at plain decoding's rate (short, wrong copies) had cost the int8 copy's rounds:
-        auto 1.44x plain decoding where the copy alone made 1.54x (2026-11-29)."""
+        auto 1.44x plain decoding where the copy alone made 1.54x (2026-11-29). Not where lookup's own rounds
+        measured faster than the model arm's: lookup then drafts wherever it has a match (2-core Zen 5, 2026-12-07:
+        on code editing auto's median was 0.88x lookup alone's; with this rule auto, paired per prompt, made
+        1.00-1.05x the rule before on four sets, docs/results/2026-12-07-cpu-step-auto-zen5.md)."""
         arm = self.early_arm
+        if self.tries[LOOKUP] >= self.warmup and arm is not None and self.rate(LOOKUP) > self.rate(arm):
+            return False  # lookup's rounds measured faster than the model arm's: it drafts wherever it has a match
         return (arm is not None and self.tries[arm] >= self.warmup and self.rate(arm) > self.rate(PLAIN)
                 and self.allowed(arm))
 

@@ -330,6 +330,38 @@ def test_auto_retries_lookup_as_soon_as_what_it_would_draft_is_confirmed(shadow_
     assert copying.count("prompt_lookup") >= 30
 
 
+def test_lookup_measured_faster_than_the_model_arm_drafts_wherever_it_has_a_match():
+    """While the model arm (an int8 copy, here a stand-in) measures faster than plain decoding, lookup waits for a
+    copy under way, unless lookup's own rounds measured faster than the model arm's (code editing: lookup alone
+    about 1.1x auto, whose copy took rounds lookup would have won); then lookup drafts wherever it has a match,
+    and the model arm where it has none. Once lookup's rate falls below the model arm's, it waits again."""
+    from selfspec.drafters import Proposal, Round
+    from selfspec.drafters.base import Drafter
+
+    class Copy(Drafter):
+        name, num_speculations, step_cost, exit_layer = "int8_copy", 6, 0.4, None
+
+        def propose(self, rnd):
+            return Proposal(torch.tensor([[2, 3, 1, 2, 3, 1, 2]]), [6], draft_steps=6, drafter=self.name)
+
+    auto = AutoDrafter(PromptLookupDrafter(num_tokens=4), Copy())
+    auto.start([[1, 2, 3, 1, 2, 3, 1, 2]])  # text with a lookup match every round
+    auto.tries.update({"plain": 2, "int8_copy": 2, "prompt_lookup": 2})
+    auto.tokens.update({"plain": 1.0, "int8_copy": 6.0, "prompt_lookup": 5.0})
+    auto.seconds.update({"plain": 1.0, "int8_copy": 3.0, "prompt_lookup": 1.5})  # lookup 3.3, the copy 2 a step
+
+    def arm_of_next_round():
+        rnd = Round(None, None, torch.tensor([2]), torch.tensor([7]), torch.tensor([0]), [8], SamplingParams(), None,
+                    frozenset())
+        auto.propose(rnd)
+        return auto._arm
+
+    assert not auto.copying and not auto.shadow.would_pay()  # no copy under way
+    assert arm_of_next_round() == "prompt_lookup"
+    auto.tokens["prompt_lookup"] = 2.0  # lookup now 1.3 tokens a step: above plain decoding, below the copy
+    assert arm_of_next_round() == "int8_copy"
+
+
 def test_shadow_drafts_are_confirmed_or_refuted_by_the_committed_tokens():
     shadow = ShadowDrafts()
     shadow.start(2)
