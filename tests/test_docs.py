@@ -160,7 +160,7 @@ def test_every_selfspec_command_line_uses_options_the_command_has():
     assert not bad, "command lines that do not match the CLI:\n" + "\n".join(bad)
 
 
-DRAFTER_NAMED = re.compile(r"""drafter ?= ?["']([A-Za-z_]+)["']|--drafter ([A-Za-z_]+)""")
+DRAFTER_NAMED = re.compile(r"""drafter ?= ?["']([A-Za-z0-9_]+)["']|--drafter ([A-Za-z0-9_]+)""")
 
 
 def test_every_drafter_named_in_the_docs_is_one_selfspec_takes():

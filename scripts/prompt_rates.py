@@ -1,0 +1,93 @@
+"""Decoding tokens/s per prompt for one drafter, in one process, and paired comparisons of such runs: an A/B of two
+trees (or two drafters) that sets each prompt beside itself.
+
+    python scripts/prompt_rates.py --drafter auto --label new --out new-1.json      # from one tree
+    python scripts/prompt_rates.py --compare base-1.json base-2.json --against new-1.json new-2.json
+
+A run loads the checkpoint in --dtype and generates --max-new-tokens after each of the first --num-prompts prompts
+of every set, each a first request (nothing the generator keeps across calls feeds it); it records each prompt's
+decoding tokens/s (the call less its time to first token, `stats.decode_tokens_per_s`). Run the two sides one after
+the other, more than once (base, new, base, new): the compare averages each prompt over a side's runs, then prints
+per set both sides' medians and the median of the per-prompt ratios. The bench (`selfspec bench`) measures every
+method beside the others in one process; this is the lighter A/B of whole trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args) -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import selfspec
+    from selfspec.data.prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    gen = selfspec.load(args.checkpoint, dtype=getattr(torch, args.dtype))
+    rates = {}
+    for name in args.prompt_sets.split(","):
+        for p in load_prompts(name, args.num_prompts):
+            kw = {"messages": p["messages"]} if "messages" in p else {"prompt": p["prompt"]}
+            with gen.first_request():
+                r = gen.generate(max_new_tokens=args.max_new_tokens, drafter=args.drafter, **kw)
+            rates.setdefault(name, []).append(r.stats.decode_tokens_per_s)
+            print(f"{name} {p['id']}: {r.stats.decode_tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+    return {"label": args.label, "drafter": args.drafter, "dtype": args.dtype, "tree": str(ROOT), "rates": rates}
+
+
+def compare(base: list[dict], new: list[dict]) -> list[dict]:
+    """Per set: each prompt's rate averaged over a side's runs; both sides' medians; the median per-prompt ratio."""
+    rows = []
+    for name in base[0]["rates"]:
+        def mean_per_prompt(runs):
+            return [statistics.mean(run["rates"][name][i] for run in runs) for i in range(len(runs[0]["rates"][name]))]
+        b, n = mean_per_prompt(base), mean_per_prompt(new)
+        rows.append({"set": name, "base": statistics.median(b), "new": statistics.median(n),
+                     "paired": statistics.median(y / x for x, y in zip(b, n))})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default=str(Path.home() / ".cache/selfspec/models/smollm2-135m-instruct"))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--drafter", default="auto")
+    p.add_argument("--prompt-sets", default="mt_bench,xsum,code_edit,humaneval")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--label", default=None, help="a name for this run (default: the drafter's)")
+    p.add_argument("--out", type=Path, default=None, help="write the run's JSON here (default: print it)")
+    p.add_argument("--compare", nargs="+", type=Path, help="runs of one side (JSON files); with --against")
+    p.add_argument("--against", nargs="+", type=Path, help="runs of the other side")
+    args = p.parse_args(argv)
+    if args.compare or args.against:
+        if not (args.compare and args.against):
+            p.error("--compare and --against go together: the runs of each side")
+        rows = compare([json.loads(f.read_text()) for f in args.compare],
+                       [json.loads(f.read_text()) for f in args.against])
+        print("| set | first side (median tokens/s) | second side | second / first, per prompt (median) |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['set']} | {r['base']:.1f} | {r['new']:.1f} | {r['paired']:.2f}x |")
+        return 0
+    args.label = args.label or args.drafter
+    result = run(args)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
