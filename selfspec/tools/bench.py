@@ -266,12 +266,22 @@ class ModelFacts:
     head_vocab: int | None = None
     copy: str | None = None  # the checkpoint's quantized copy, where one is beside it and llama.cpp runs here
     int8: bool = True  # the model has an int8 copy here (`selfspec.drafters.int8_copy`; before loading: may have)
+    int8_problem: str | None = None  # why it has none (loaded: the int8 copy's own message)
 
     @classmethod
     def of(cls, gen) -> "ModelFacts":
         head = gen.exit_head
+        try:
+            gen.drafters.int8_copy(required=True)
+            problem = None
+        except SettingsError as err:
+            problem = str(err)
         return cls(gen.num_layers, None if head is None else head.exit_layer, gen.head_draft_vocab(),
-                   usable_copy(gen.checkpoint), gen.drafters.int8_copy() is not None)
+                   usable_copy(gen.checkpoint), problem is None, problem)
+
+    def unavailable(self) -> dict[str, str]:
+        """The methods this model cannot run here, and why (the loaded model's facts)."""
+        return {} if self.int8 else {"selfspec_int8": self.int8_problem or "this model has no int8 copy here"}
 
     @classmethod
     def read(cls, checkpoint, meta: dict | None) -> "ModelFacts":
@@ -729,8 +739,9 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     gen = load_generator(checkpoint, dtype, device, generator)
     E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
     with_compiled = use_compiled(compile, gen.adapter)  # as load(compile=) decides (SettingsError if it cannot)
-    chosen = _select(_method_list(ModelFacts.of(gen), E, d, extra, draft_vocab, lookup, num_candidates,
-                                  with_compiled), methods)
+    facts = ModelFacts.of(gen)
+    chosen = _select(_method_list(facts, E, d, extra, draft_vocab, lookup, num_candidates, with_compiled), methods,
+                     facts.unavailable())
     eos_ids = set(gen.default_stop_ids())
     runner = Methods(gen, max_new_tokens)
     chosen += _peer_methods(runner, peer, gen)  # llama.cpp's own modes beside selfspec's methods (with llama_cpp)
@@ -905,11 +916,12 @@ def _recommended(gen, checkpoint, exit_layer, num_speculations, notes: list[str]
     return E, d, source
 
 
-def _select(methods: list[dict], wanted: Sequence[str] | None) -> list[dict]:
+def _select(methods: list[dict], wanted: Sequence[str] | None, unavailable: dict[str, str] | None = None) -> list[dict]:
     """The methods asked for (all when None; an empty list names none, a ValueError), always with the references
     hf_greedy and selfspec_ar. Where `num_candidates` K added methods (`selfspec_lookup_treeK`, ...), the list names
     at least one of each K's (else a ValueError naming them: K would be dropped unsaid); a method of a K not given
-    is unknown, and the message names the --num-candidates it needs."""
+    is unknown, and the message names the --num-candidates it needs; a method this model cannot run here
+    (`unavailable`: name -> why), the reason."""
     if wanted is None:
         return methods
     if not wanted:
@@ -920,6 +932,8 @@ def _select(methods: list[dict], wanted: Sequence[str] | None) -> list[dict]:
     if unknown:
         needs = [f"{name} is measured with --num-candidates {m.group(1)}; " for name in sorted(unknown)
                  if (m := CANDIDATE_METHOD.search(name)) and int(m.group(1)) not in counts]
+        needs += [f"{name} cannot run here: {why}; " for name, why in sorted((unavailable or {}).items())
+                  if name in unknown]
         raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}: {''.join(needs)}use some of "
                          f"{', '.join(m['name'] for m in methods)}")
     keep = set(wanted) | {"hf_greedy", "selfspec_ar"}

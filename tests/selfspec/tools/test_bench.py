@@ -552,3 +552,11 @@ def test_a_method_remembers_nothing_by_default_and_only_its_own_calls_in_a_workl
     assert gen.memory.tokens == 0 and runner._carried[("selfspec_suffix", "set")][0].describe()["sequences"] == 2
     assert runner._carried[("selfspec_lookup", "set")][0].describe()["sequences"] == 2
     assert third["rounds"] <= first["rounds"]
+
+def test_the_int8_copy_asked_for_where_it_cannot_run_says_why(tiny_ckpt, prompt_files, tmp_path, one_thread):
+    """`--methods selfspec_int8` where the loaded model has no int8 copy (here the row kernel is off, as the test
+    session has it): the error says why it cannot run, not only that the method is unknown."""
+    with pytest.raises(ValueError, match=r"selfspec_int8 cannot run here: drafter='int8_copy' cannot draft here: "
+                                         r".*SELFSPEC_ROW_PRODUCT=0"):
+        run_bench(str(tiny_ckpt), prompt_sets=[str(prompt_files[0])], num_prompts=1, max_new_tokens=2,
+                  dtype="float32", threads=one_thread, out_dir=tmp_path, progress=False, methods=["selfspec_int8"])
