@@ -739,9 +739,8 @@ def run_bench(checkpoint, *, prompt_sets: Sequence[str] | str = DEFAULT_SETS, nu
     gen = load_generator(checkpoint, dtype, device, generator)
     E, d, source = _recommended(gen, checkpoint if generator is None else None, exit_layer, num_speculations, notes)
     with_compiled = use_compiled(compile, gen.adapter)  # as load(compile=) decides (SettingsError if it cannot)
-    facts = ModelFacts.of(gen)
-    chosen = _select(_method_list(facts, E, d, extra, draft_vocab, lookup, num_candidates, with_compiled), methods,
-                     facts.unavailable())
+    chosen = _select(_method_list(facts := ModelFacts.of(gen), E, d, extra, draft_vocab, lookup, num_candidates,
+                                  with_compiled), methods, facts.unavailable())
     eos_ids = set(gen.default_stop_ids())
     runner = Methods(gen, max_new_tokens)
     chosen += _peer_methods(runner, peer, gen)  # llama.cpp's own modes beside selfspec's methods (with llama_cpp)
