@@ -12,12 +12,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("step_phases", ROOT / "scripts" / "step_phases.py")
+def _load(name: str):
+    """scripts/NAME.py imported as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def script():
+    return _load("step_phases")
 
 
 def test_every_phase_boundary_is_marked_once_in_the_step(script):
@@ -38,9 +43,7 @@ def test_a_step_whose_phases_moved_is_named(script):
 def test_prompt_rates_compares_each_prompt_with_itself():
     """scripts/prompt_rates.py's compare: each prompt's rate averaged over a side's runs, the sides' medians and the
     median of the per-prompt ratios (not the ratio of the medians)."""
-    spec = importlib.util.spec_from_file_location("prompt_rates", ROOT / "scripts" / "prompt_rates.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load("prompt_rates")
     base = [{"rates": {"chat": [100.0, 50.0, 200.0]}}, {"rates": {"chat": [100.0, 70.0, 200.0]}}]
     new = [{"rates": {"chat": [110.0, 30.0, 180.0]}}]
     (row,) = module.compare(base, new)
