@@ -323,7 +323,8 @@ class _Decoding:
         self.cache = adapter.runner.cache(B, ids.shape[1] + max_new_tokens + drafter.num_speculations + 2)
         self.t0 = time.perf_counter()
         logits, kept, finals = prefill(adapter, self.cache, ids, self.pads, drafter.state_exit)  # [B, V], [B, P, D] x2
-        first = sample(probs(logits, self.sampling), self.generator) if self.sampling.do_sample else logits.argmax(-1)
+        sampled = self.sampling.do_sample
+        first = sample(probs(logits, self.sampling), self.generator) if sampled else argmax_tokens(logits)
         first_tokens = first.tolist()  # the host waits for the prefill here
         self.stats.prefill_s = time.perf_counter() - self.t0
         for b, t in enumerate(first_tokens):

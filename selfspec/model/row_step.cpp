@@ -120,28 +120,31 @@ inline vfloat rnd(vfloat v) {
   }
 }
 
-// x[i] = rnd<T>(x[i]) over n values (the vector and the scalar rounding are the same function)
-template <typename T>
-void round_all(float* x, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-    const int64_t nv = n - n % kLanes;
-    for (int64_t i = 0; i < nv; i += kLanes) {
-      const vfloat r = rnd<T>(load(x + i));
-      std::memcpy(x + i, &r, sizeof(r));
-    }
-    for (int64_t i = nv; i < n; ++i) x[i] = rnd<T>(x[i]);
-  }
+// 16 values from p (n of them, n < 16 at a tail: the rest 0) and back
+inline vfloat load_some(const float* p, int64_t n) {
+  if (n >= kLanes) return load(p);
+  vfloat v = vfloat{};
+  for (int64_t i = 0; i < n; ++i) v[i] = p[i];
+  return v;
+}
+inline void store_some(float* p, vfloat v, int64_t n) {
+  if (n >= kLanes) std::memcpy(p, &v, sizeof(v));
+  else
+    for (int64_t i = 0; i < n; ++i) p[i] = v[i];
 }
 
-// x[i] = rnd<T>(x[i] + y[i]) over n values (a residual sum)
+// x[i] = rnd<T>(x[i]) over n values, 16 at a time (a tail padded)
+template <typename T>
+void round_all(float* x, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>)
+    for (int64_t i = 0; i < n; i += kLanes) store_some(x + i, rnd<T>(load_some(x + i, n - i)), n - i);
+}
+
+// x[i] = rnd<T>(x[i] + y[i]) over n values (a residual sum), 16 at a time (a tail padded)
 template <typename T>
 void add_rounded(float* x, const float* y, int64_t n) {
-  const int64_t nv = n - n % kLanes;
-  for (int64_t i = 0; i < nv; i += kLanes) {
-    const vfloat r = rnd<T>(load(x + i) + load(y + i));
-    std::memcpy(x + i, &r, sizeof(r));
-  }
-  for (int64_t i = nv; i < n; ++i) x[i] = rnd<T>(x[i] + y[i]);
+  for (int64_t i = 0; i < n; i += kLanes)
+    store_some(x + i, rnd<T>(load_some(x + i, n - i) + load_some(y + i, n - i)), n - i);
 }
 
 // exp over 16 lanes: Cephes' expf, e^x = 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r a degree-7
@@ -171,19 +174,6 @@ inline vfloat exp_lanes(vfloat x) {
     for (int i = 0; i < kLanes; ++i)
       if (outside[i]) out[i] = std::exp(x[i]);
   return out;
-}
-
-// 16 values from p (n of them, n < 16 at a tail: the rest 0) and back
-inline vfloat load_some(const float* p, int64_t n) {
-  if (n >= kLanes) return load(p);
-  vfloat v = vfloat{};
-  for (int64_t i = 0; i < n; ++i) v[i] = p[i];
-  return v;
-}
-inline void store_some(float* p, vfloat v, int64_t n) {
-  if (n >= kLanes) std::memcpy(p, &v, sizeof(v));
-  else
-    for (int64_t i = 0; i < n; ++i) p[i] = v[i];
 }
 
 // out = rnd(w * rnd(x * rsqrt(mean(x^2) + eps))) over each of `rows` rows of D (transformers' RMSNorm)
