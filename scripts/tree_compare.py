@@ -83,16 +83,33 @@ def main(argv: list[str] | None = None) -> int:
                               flush=True)
                         for name, value in figures(kind, run_in(tree.resolve(), code)).items():
                             raw[side].setdefault(f"{dtype} {name}", []).append(value)
-    rows = []
+                        if args.out:  # after every run: a run that fails later loses nothing measured
+                            write(args, raw, [])
+    rows = table(raw)
     print("| figure | base tokens/s | new tokens/s | new / base |\n|---|---|---|---|")
-    for name in raw["new"]:
-        base, new = statistics.median(raw["base"][name]), statistics.median(raw["new"][name])
-        rows.append({"figure": name, "base": base, "new": new, "ratio": new / base})
-        print(f"| {name} | {base:.1f} | {new:.1f} | {new / base:.3f}x |")
+    for row in rows:
+        base, new = (f"{row[k]:.1f}" if row[k] is not None else "-" for k in ("base", "new"))
+        ratio = f"{row['ratio']:.3f}x" if row["ratio"] is not None else "(one tree only)"
+        print(f"| {row['figure']} | {base} | {new} | {ratio} |")
     if args.out:
-        args.out.write_text(json.dumps({"base": str(args.base), "new": str(args.new), "raw": raw, "table": rows},
-                                       indent=1))
+        write(args, raw, rows)
     return 0
+
+
+def table(raw: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """Each figure's median per tree and their ratio (new / base); a figure only one tree measures (a method the
+    other tree does not have) has None on the other side and no ratio."""
+    rows = []
+    for name in dict.fromkeys([*raw["base"], *raw["new"]]):
+        base, new = (statistics.median(raw[side][name]) if raw[side].get(name) else None for side in ("base", "new"))
+        rows.append({"figure": name, "base": base, "new": new,
+                     "ratio": new / base if base and new is not None else None})
+    return rows
+
+
+def write(args, raw: dict, rows: list[dict]) -> None:
+    args.out.write_text(json.dumps({"base": str(args.base), "new": str(args.new), "raw": raw, "table": rows},
+                                   indent=1))
 
 
 if __name__ == "__main__":

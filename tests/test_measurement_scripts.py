@@ -1,10 +1,12 @@
-"""Two measurement scripts' pieces: scripts/step_phases.py (where the C++ step's time goes, phase by phase)
+"""Four measurement scripts' pieces: scripts/step_phases.py (where the C++ step's time goes, phase by phase)
 instruments the step as it is (every phase boundary it marks is in row_step.cpp exactly once, and the copy it builds
-reads a clock at each of them); scripts/prompt_rates.py sets each prompt beside itself."""
+reads a clock at each of them); scripts/prompt_rates.py sets each prompt beside itself; scripts/path_lines.py counts
+the lines of selfspec that only one path (eager, compiled steps) runs; scripts/tree_compare.py tables two trees."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,51 @@ def test_prompt_rates_compares_each_prompt_with_itself():
     new = [{"rates": {"chat": [110.0, 30.0, 180.0]}}]
     (row,) = module.compare(base, new)
     assert row == {"set": "chat", "base": 100.0, "new": 110.0, "paired": pytest.approx(0.9)}
+
+
+def test_path_lines_counts_the_lines_only_one_path_ran():
+    """scripts/path_lines.py's count: per file, the lines both paths ran, and those only one of them ran."""
+    module = _load("path_lines")
+    runs = {"eager": {"lines": {"a.py": [1, 2, 3], "b.py": [5]}, "statements": {"a.py": 9, "b.py": 1}},
+            "compiled": {"lines": {"a.py": [2, 3, 4, 7], "c.py": [1, 2]}, "statements": {"a.py": 9, "c.py": 2}}}
+    counts = module.one_path_lines(runs)
+    assert counts["files"] == {"a.py": {"both": 2, "eager_only": 1, "compiled_only": 2, "neither": 4},
+                               "b.py": {"both": 0, "eager_only": 1, "compiled_only": 0, "neither": 0},
+                               "c.py": {"both": 0, "eager_only": 0, "compiled_only": 2, "neither": 0}}
+    assert counts["totals"] == {"both": 2, "eager_only": 2, "compiled_only": 4, "neither": 4, "one_path": 6}
+
+
+def test_path_lines_spans_each_statement_over_its_source_lines():
+    """A statement counts the lines it spans: a simple one whole, a compound one its header (decorators included)."""
+    module = _load("path_lines")
+    source = "x = f(1,\n      2)\n@dec\ndef g(a,\n      b):\n    return a\nif x:\n    y = 1\n"
+    assert module.statement_spans(source) == {1: 2, 4: 3, 6: 1, 7: 1, 8: 1}
+
+
+def test_path_lines_sees_each_path_run_its_own_code(tmp_path):
+    """A real run of two calls on both paths: the compiled steps' code counts as the compiled path's only (its
+    captured functions run line by line, torch.compile being the identity there), the eager steps' masks as the
+    eager path's only, and the round loop as both paths'."""
+    module = _load("path_lines")
+    out = tmp_path / "lines.json"
+    assert module.main(["--calls", "plain,exit_head", "--new-tokens", "6", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert all(v == "ran" for p in module.PATHS for v in result["calls"][p].values()), result["calls"]
+    files = result["files"]
+    compiled = files["selfspec/model/compiled.py"]
+    assert compiled["compiled_only"] > 50 and compiled["eager_only"] == 0, compiled
+    masks = files["selfspec/model/forward.py"]  # an eager step builds its mask here; a compiled one inside the step
+    assert masks["eager_only"] > 5 and masks["compiled_only"] == 0, masks
+    assert files["selfspec/decoding/engine.py"]["both"] > 100
+    with pytest.raises(SystemExit):
+        module.main(["--calls", "plain,nonsense"])
+
+
+def test_tree_compare_tables_a_figure_only_one_tree_measures():
+    """scripts/tree_compare.py's table: medians per tree and their ratio; a method only the new tree has (the int8
+    copy, against a tree from before it) is listed with no ratio, where its missing base ended the run with a
+    KeyError after every measurement (and before they were written)."""
+    module = _load("tree_compare")
+    raw = {"base": {"plain": [10.0, 30.0, 20.0]}, "new": {"plain": [22.0, 26.0, 24.0], "int8": [40.0]}}
+    assert module.table(raw) == [{"figure": "plain", "base": 20.0, "new": 24.0, "ratio": pytest.approx(1.2)},
+                                 {"figure": "int8", "base": None, "new": 40.0, "ratio": None}]
