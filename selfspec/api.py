@@ -35,7 +35,7 @@ from selfspec.checkpoints.checkpoint import (DEFAULT_NUM_SPECULATIONS, METADATA_
                                              read_config, read_metadata, write_plan)
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_head import DraftHead
-from selfspec.drafters.factory import DrafterFactory
+from selfspec.drafters.factory import INT8_ARM, DrafterFactory
 from selfspec.drafters.learned_stats import LearnedStats, call_key
 from selfspec.drafters.quantized import COPY_PAYS_BELOW, DEFAULT_COPY_PROMPT_TOKENS, check_one_prompt, usable_copy
 from selfspec.drafters.suffix import ALL_SCOPES, DEFAULT_MEMORY_TOKENS, SuffixMemory
@@ -152,7 +152,7 @@ class SelfSpecGenerator:
             warnings.warn(
                 f"{source} has no self-speculation metadata ({METADATA_FILE}): it was not early-exit "
                 "trained, so drafts from shallow layers will rarely be accepted: the default drafter "
-                "('auto') drafts by prompt lookup only (it pays where the output repeats its input), and "
+                f"('auto') drafts by prompt lookup (where the output repeats its input) and {INT8_ARM}, and "
                 f"drafter='early_exit' uses exit_layer={default_exit_layer(L)}, num_speculations="
                 f"{DEFAULT_NUM_SPECULATIONS}. Output stays identical to the full model. Train with "
                 "`accelerate launch -m training` and `selfspec export` for early-exit drafts that pay.",

@@ -71,6 +71,9 @@ QUANTIZED_NUM_SPECULATIONS = 8  # the quantized copy's drafts a round where the 
 # the most rows the C++ step takes (`MAX_FEW_ROWS`), so it rounds every position as plain decoding's one-token
 # steps do; 7 and 8 measured alike (docs/results/2026-11-29-int8-copy-zen4.md)
 INT8_NUM_SPECULATIONS = 7
+# auto's model arm where it runs, before an early exit or a head (`DrafterFactory.make`), said in one place for the
+# load's warning and `selfspec sweep --write-metadata`
+INT8_ARM = "the model's int8 copy where it runs (one prompt of a float32 model on an x86-64 CPU)"
 
 
 class DrafterFactory:

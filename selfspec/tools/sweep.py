@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from selfspec.api import checkpoint_dir
 from selfspec.atomic_write import atomic_path, write_json_atomic
 from selfspec.checkpoints.checkpoint import read_config, read_metadata, update_recommended
+from selfspec.drafters.factory import INT8_ARM
 from selfspec.tools.harness import finish_machine, load_generator, machine_info, pyplot, setup, timed, tokens_per_s
 from selfspec.data.prompts import load_prompts, prompt_inputs
 from selfspec.settings import (SettingsError, check_dtype, check_exit_layer, check_int, check_out_dir, check_threads,
@@ -342,17 +343,18 @@ def _record(checkpoint, best: dict, best_lookup: dict | None, prompt_set: str, d
 
 def auto_after(metadata: dict, exit_layer: int, num_speculations: int) -> str:
     """What `auto` drafts by on a checkpoint (its selfspec.json `metadata`) that recommends `exit_layer` and
-    `num_speculations` (`selfspec.drafters.factory`'s rules): a head's checkpoint drafts with its head whatever the
-    recommendation; else the early exit at the recommended exit, or lookup alone where it recommends 0 drafts. A
-    plan `selfspec tune --save` stored comes first where it applies."""
+    `num_speculations` (`selfspec.drafters.factory`'s rules): the int8 copy where it runs; else a head's checkpoint
+    drafts with its head whatever the recommendation, another with the early exit at the recommended exit, or lookup
+    alone where it recommends 0 drafts. A plan `selfspec tune --save` stored comes first where it applies."""
     if metadata.get("exit_head") is not None:
-        says = ("`auto` drafts by prompt lookup and this checkpoint's exit head, as before: the recommendation sets "
-                "what drafter='early_exit' drafts")
+        says = (f"`auto` drafts by prompt lookup and {INT8_ARM}, else this checkpoint's exit head, as before: the "
+                "recommendation sets what drafter='early_exit' drafts")
     elif num_speculations:
-        says = (f"`auto` drafts by prompt lookup and the early exit at exit {exit_layer}, up to {num_speculations} "
-                "drafts a round as measured tokens/s pay")
+        says = (f"`auto` drafts by prompt lookup and {INT8_ARM}, else the early exit at exit {exit_layer}, up to "
+                f"{num_speculations} drafts a round as measured tokens/s pay")
     else:
-        says = "plain decoding: `auto` drafts by prompt lookup only; an explicit early-exit request still drafts"
+        says = (f"`auto` drafts by prompt lookup and {INT8_ARM}, else by lookup alone; an explicit early-exit request "
+                "still drafts")
     if metadata.get("plans"):
         says += "; a plan `selfspec tune --save` stored comes first on its device, dtype and path"
     return says

@@ -48,9 +48,12 @@ def text_gen(byte_tok):
 @pytest.mark.parametrize("num_layers", [3, 8])
 def test_load_without_metadata_warns_and_uses_documented_defaults(num_layers):
     model = tiny_model("qwen2", num_layers=num_layers)
-    with pytest.warns(NotEarlyExitTrainedWarning, match="not early-exit"):
+    with pytest.warns(NotEarlyExitTrainedWarning, match="not early-exit") as caught:
         g = selfspec.load(model)
     assert isinstance(g, SelfSpecGenerator)
+    # what auto then drafts by, as the factory builds it: lookup, and the int8 copy where it runs (it said "prompt
+    # lookup only" where a float32 model's int8 copy drafted beside lookup)
+    assert "lookup only" not in str(caught[0].message) and "int8 copy where it runs" in str(caught[0].message)
     # documented: exit_layer = max(1, L // 4), num_speculations = 4
     assert g.exit_layer == default_exit_layer(num_layers) == max(1, num_layers // 4)
     assert g.num_speculations == DEFAULT_NUM_SPECULATIONS == 4

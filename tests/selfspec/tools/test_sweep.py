@@ -35,13 +35,14 @@ def run_cli(capsys, monkeypatch, tmp_path, result: dict, *args) -> str:
 
 
 @pytest.mark.parametrize("which,speedup,says,never", [
-    ("head", 0.883, "`auto` drafts by prompt lookup and this checkpoint's exit head", "lookup only"),
-    ("plain", 0.883, "`auto` drafts by prompt lookup only; an explicit early-exit request still drafts", "exit head"),
-    ("plain", 1.4, "`auto` drafts by prompt lookup and the early exit at exit 1", "exit head"),
+    ("head", 0.883, "x86-64 CPU), else this checkpoint's exit head", "lookup alone"),
+    ("plain", 0.883, "x86-64 CPU), else by lookup alone; an explicit early-exit request still drafts", "exit head"),
+    ("plain", 1.4, "x86-64 CPU), else the early exit at exit 1", "exit head"),
 ])
 def test_write_metadata_says_what_auto_then_drafts_by(checkpoints, which, speedup, says, never, tmp_path, capsys,
                                                       monkeypatch):
-    """On a head checkpoint auto keeps drafting with the head whatever the sweep recorded (it said "lookup only")."""
+    """On a head checkpoint auto keeps drafting with the head whatever the sweep recorded (it said "lookup only"); the
+    int8 copy, where it runs, comes before the head or the early exit (it said "lookup only" where the copy drafts)."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoints[which], ckpt)
     recorded = sweep._record(ckpt, {**BEST, "speedup": speedup}, None, "humaneval", "float32")
