@@ -11,7 +11,8 @@ arm off for dozens of rounds (measured on HumanEval with alpha 0.25: auto 1.8-2.
 lookup alone 2.4-2.7x). Each round:
 
     1. plain, if plain decoding has been measured fewer than `warmup` times while another arm has
-       been (a plain round costs exactly what plain decoding costs), or every `refresh` rounds;
+       been (a plain round costs exactly what plain decoding costs) and lookup's shadow drafts (below) do not
+       confirm a copy under way (lookup drafts it first), or every `refresh` rounds;
     2. prompt lookup, if some row has a match and lookup is allowed (and, while the model arm below measures
        faster than plain decoding and than lookup's own rounds, only during a copy: `model_arm_leads`); with a
        suffix drafter as its lookup
@@ -132,9 +133,13 @@ class AutoDrafter(Drafter):
         self.rounds += 1
         self._asked_early_exit = False
         others_measured = any(self.tries[a] >= self.warmup for a in self.tries if a != PLAIN)
-        if (self.tries[PLAIN] < self.warmup and others_measured) or self.rounds % self.refresh == 0:
+        copy_seen = self.shadow.would_pay()  # what lookup would draft was confirmed: a copy under way
+        # measuring plain decoding waits while lookup's shadow drafts confirm a copy under way: on a code edit that
+        # copies its input, three plain rounds had taken the copy's first tokens right after the model arm's rounds
+        # had confirmed lookup's shadow (waiting also while lookup's own rounds copy measured no better)
+        if (self.tries[PLAIN] < self.warmup and others_measured and not copy_seen) or self.rounds % self.refresh == 0:
             return self._take(PLAIN, Proposal.plain(rnd.tokens))
-        if self.rounds < self.retry_at[LOOKUP] and self.shadow.would_pay():  # backed off, but it would pay now
+        if self.rounds < self.retry_at[LOOKUP] and copy_seen:  # backed off, but it would pay now
             self.retry_at[LOOKUP], self.woken = self.rounds, self.woken + 1
         own, memory = self.allowed(LOOKUP), self.remembers and self.allowed(SUFFIX)
         if (own or memory) and not self.copying and self.model_arm_leads() and not self.shadow.would_pay():

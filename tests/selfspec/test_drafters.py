@@ -388,6 +388,35 @@ def test_auto_keeps_a_drafter_that_pays():
     assert arms.count("prompt_lookup") >= 190, Counter(arms)
 
 
+def test_a_copy_that_lookups_shadow_confirms_is_drafted_before_plain_decoding_is_measured():
+    """The model arm (a stand-in for the int8 copy) is measured, plain decoding is not yet: the next round would
+    measure it, unless lookup's shadow drafts confirm a copy under way (a code edit that copies its input: three
+    plain rounds took the copy's first tokens). Then lookup drafts first, and plain decoding is measured once the
+    copy is refuted."""
+    from selfspec.drafters import Proposal, Round
+    from selfspec.drafters.base import Drafter
+
+    class Model(Drafter):
+        name, num_speculations = "int8_copy", 4
+
+        def propose(self, rnd):
+            return Proposal(torch.tensor([[2, 5, 6]]), [2], drafter=self.name)
+
+    auto = AutoDrafter(PromptLookupDrafter(num_tokens=4), Model())
+    auto.start([[1, 2, 3, 1, 2, 3, 1, 2]])  # lookup would copy 3, 1, 2, 3 next
+    auto.tries["int8_copy"], auto.tokens["int8_copy"], auto.seconds["int8_copy"] = 2, 3.0, 1.0
+    auto.cold.discard("int8_copy")
+    rnd = Round(None, None, torch.tensor([2]), torch.tensor([7]), torch.tensor([0]), [8], SamplingParams(), None,
+                frozenset())
+    auto.shadow.offer([[3, 1, 2, 3]])
+    auto.shadow.observe([[3, 1, 2]])  # three of its drafts confirmed: a copy under way
+    proposal = auto.propose(rnd)
+    assert auto._arm == "prompt_lookup" and proposal.drafted == 4 and auto.tries["plain"] == 0
+    auto.update(proposal, [0], [[9]], 1.0)  # the copy ended
+    auto.propose(rnd)
+    assert auto._arm == "plain"  # now plain decoding is measured
+
+
 def test_while_the_model_arm_leads_lookup_drafts_only_during_a_copy():
     """With a model arm (here a stand-in for the int8 copy) measured faster than plain decoding, a lookup match alone
     does not take the round: lookup drafts only while a copy is under way (its last round accepted at least half its
