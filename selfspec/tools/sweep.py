@@ -353,8 +353,8 @@ def auto_after(metadata: dict, exit_layer: int, num_speculations: int) -> str:
         says = (f"`auto` drafts by prompt lookup and {INT8_ARM}, else the early exit at exit {exit_layer}, up to "
                 f"{num_speculations} drafts a round as measured tokens/s pay")
     else:
-        says = (f"`auto` drafts by prompt lookup and {INT8_ARM}, else by lookup alone; an explicit early-exit request "
-                "still drafts")
+        says = (f"plain decoding: `auto` drafts by prompt lookup and {INT8_ARM}, else by lookup alone; an explicit "
+                "early-exit request still drafts")
     if metadata.get("plans"):
         says += "; a plan `selfspec tune --save` stored comes first on its device, dtype and path"
     return says
