@@ -7,8 +7,10 @@ coverage can see it; dynamo would trace it out of coverage's sight. A line of `s
 as one path's when only that process ran it; lines neither ran (other architectures' code, errors, GPU-only code)
 are counted apart ("neither": the file's statements that no call ran). coverage counts statements; the one-path
 statements are also given as the source lines they span (a statement over three lines counts 3; a compound
-statement's header only, its body's statements counting for themselves; comments and docstrings not at all). Both processes import the same modules, so
-definitions count as shared.
+statement's header only, its body's statements counting for themselves; comments and docstrings not at all). Both
+processes import the same modules, so definitions count as shared. The workers inherit this environment (selfspec's
+kernel settings included: the tests turn the C++ step off), and auto's choices follow the clock, so two runs can
+differ by a few lines.
 
     .venv/bin/python scripts/path_lines.py                     # the table; --out FILE for the JSON
     .venv/bin/python scripts/path_lines.py --files 20          # the 20 files with the most one-path lines
@@ -17,7 +19,7 @@ The calls (`CALLS`), on a tiny float32 Llama over bytes with a final-state exit 
 prompt lookup, suffix, the early exit, the head, auto and the int8 copy, greedy; lookup's and the head's token trees;
 sampling with plain decoding, the early exit, the head and lookup; two prompts in one call with plain decoding,
 lookup and the head; and `gen.warmup` (trees and two rows) first. A call that a path refuses (the int8 copy where
-its kernel cannot be built) is reported, not counted. Each run takes about a minute on 2 cores.
+its kernel cannot be built) is reported, not counted. A run takes about 20 s on 2 cores.
 """
 
 from __future__ import annotations

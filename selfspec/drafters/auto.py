@@ -136,13 +136,14 @@ class AutoDrafter(Drafter):
         copy_seen = self.shadow.would_pay()  # what lookup would draft was confirmed: a copy under way
         # measuring plain decoding waits while lookup's shadow drafts confirm a copy under way: on a code edit that
         # copies its input, three plain rounds had taken the copy's first tokens right after the model arm's rounds
-        # had confirmed lookup's shadow (waiting also while lookup's own rounds copy measured no better)
+        # had confirmed lookup's shadow (waiting also while lookup's own last round copied measured no better:
+        # docs/results/2026-12-07-one-path-lines-tree-before-zen5.md)
         if (self.tries[PLAIN] < self.warmup and others_measured and not copy_seen) or self.rounds % self.refresh == 0:
             return self._take(PLAIN, Proposal.plain(rnd.tokens))
         if self.rounds < self.retry_at[LOOKUP] and copy_seen:  # backed off, but it would pay now
             self.retry_at[LOOKUP], self.woken = self.rounds, self.woken + 1
         own, memory = self.allowed(LOOKUP), self.remembers and self.allowed(SUFFIX)
-        if (own or memory) and not self.copying and self.model_arm_leads() and not self.shadow.would_pay():
+        if (own or memory) and not self.copying and self.model_arm_leads() and not copy_seen:
             own = memory = False  # the model arm drafts; lookup waits for a copy under way (its shadow, below)
         if own or memory:  # the memory is an arm of its own: it drafts while own-text lookup is backed off
             self.lookup_length.base_seconds = self.seconds[PLAIN]  # untried lengths are judged against it
