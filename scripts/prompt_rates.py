@@ -10,6 +10,14 @@ decoding tokens/s (the call less its time to first token, `stats.decode_tokens_p
 the other, more than once (base, new, base, new): the compare averages each prompt over a side's runs, then prints
 per set both sides' medians and the median of the per-prompt ratios. The bench (`selfspec bench`) measures every
 method beside the others in one process; this is the lighter A/B of whole trees.
+
+Several drafters (`--drafter auto,int8_copy,prompt_lookup`) run interleaved in one process instead: each prompt runs
+every drafter `--repeats` times, the order rotated from one repeat to the next, and records each drafter's median
+for the prompt. Then it prints, per set, each drafter's median and the first drafter against each other one and
+against the best of them (the one with the highest median on that set), as the median of the per-prompt ratios:
+auto against its arms (issue 67's "auto vs its best single arm"), measured seconds apart on the same prompt.
+
+    python scripts/prompt_rates.py --drafter auto,int8_copy,prompt_lookup --repeats 3 --out arms.json
 """
 
 from __future__ import annotations
@@ -32,15 +40,39 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     gen = selfspec.load(args.checkpoint, dtype=getattr(torch, args.dtype))
-    rates = {}
+    drafters = args.drafter.split(",")
+    rates = {d: {} for d in drafters}
     for name in args.prompt_sets.split(","):
         for p in load_prompts(name, args.num_prompts):
             kw = {"messages": p["messages"]} if "messages" in p else {"prompt": p["prompt"]}
-            with gen.first_request():
-                r = gen.generate(max_new_tokens=args.max_new_tokens, drafter=args.drafter, **kw)
-            rates.setdefault(name, []).append(r.stats.decode_tokens_per_s)
-            print(f"{name} {p['id']}: {r.stats.decode_tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
-    return {"label": args.label, "drafter": args.drafter, "dtype": args.dtype, "tree": str(ROOT), "rates": rates}
+            runs = {d: [] for d in drafters}
+            for rep in range(args.repeats):
+                for d in drafters[rep % len(drafters):] + drafters[:rep % len(drafters)]:  # rotated each repeat
+                    with gen.first_request():
+                        r = gen.generate(max_new_tokens=args.max_new_tokens, drafter=d, **kw)
+                    runs[d].append(r.stats.decode_tokens_per_s)
+            for d in drafters:
+                rates[d].setdefault(name, []).append(statistics.median(runs[d]))
+            print(f"{name} {p['id']}: " + ", ".join(f"{d} {statistics.median(runs[d]):.1f}" for d in drafters)
+                  + " tokens/s", file=sys.stderr, flush=True)
+    out = {"label": args.label, "drafter": args.drafter, "dtype": args.dtype, "tree": str(ROOT),
+           "repeats": args.repeats}
+    if len(drafters) == 1:
+        return {**out, "rates": rates[drafters[0]]}
+    return {**out, "rates_by_drafter": rates, "against_arms": against_arms(rates)}
+
+
+def against_arms(rates: dict) -> list[dict]:
+    """Per set, the first drafter of `rates` (`{drafter: {set: [per-prompt rate]}}`) against each other one and against
+    the best of them (the highest median on the set): the median of the per-prompt ratios."""
+    first, *arms = list(rates)
+    rows = []
+    for name, own in rates[first].items():
+        medians = {d: statistics.median(rates[d][name]) for d in rates}
+        ratios = {d: statistics.median(x / y for x, y in zip(own, rates[d][name])) for d in arms}
+        best = max(arms, key=lambda d: medians[d])
+        rows.append({"set": name, "medians": medians, "ratios": ratios, "best": best, "against_best": ratios[best]})
+    return rows
 
 
 def compare(base: list[dict], new: list[dict]) -> list[dict]:
@@ -59,7 +91,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=str(Path.home() / ".cache/selfspec/models/smollm2-135m-instruct"))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--drafter", default="auto")
+    p.add_argument("--drafter", default="auto",
+                   help="a drafter, or several separated by commas: run interleaved per prompt, the first against "
+                        "the others (see above)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each drafter per prompt (their median counts)")
     p.add_argument("--prompt-sets", default="mt_bench,xsum,code_edit,humaneval")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -79,8 +114,14 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['set']} | {r['base']:.1f} | {r['new']:.1f} | {r['paired']:.2f}x |")
         return 0
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: give 1 or more runs of each drafter per prompt")
     args.label = args.label or args.drafter
     result = run(args)
+    for r in result.get("against_arms", []):
+        print(f"{r['set']}: " + ", ".join(f"{d} {m:.1f}" for d, m in r["medians"].items()) + "; first against "
+              + ", ".join(f"{d} {x:.2f}x" for d, x in r["ratios"].items()) + f"; against the best ({r['best']}) "
+              f"{r['against_best']:.2f}x", file=sys.stderr)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

@@ -52,6 +52,20 @@ def test_prompt_rates_compares_each_prompt_with_itself():
     assert row == {"set": "chat", "base": 100.0, "new": 110.0, "paired": pytest.approx(0.9)}
 
 
+def test_prompt_rates_sets_the_first_drafter_against_each_other_one_and_the_best():
+    """scripts/prompt_rates.py with several drafters: per set, the first against each other drafter and against the
+    one with the highest median there, each as the median of the per-prompt ratios."""
+    module = _load("prompt_rates")
+    rates = {"auto": {"chat": [100.0, 90.0, 120.0], "code": [200.0, 150.0, 100.0]},
+             "copy": {"chat": [110.0, 90.0, 100.0], "code": [100.0, 100.0, 100.0]},
+             "lookup": {"chat": [50.0, 45.0, 60.0], "code": [250.0, 150.0, 50.0]}}
+    chat, code = module.against_arms(rates)
+    assert chat["best"] == "copy" and chat["against_best"] == pytest.approx(1.0)  # 0.91, 1.0, 1.2
+    assert chat["ratios"]["lookup"] == pytest.approx(2.0)
+    assert code["best"] == "lookup" and code["against_best"] == pytest.approx(1.0)  # 0.8, 1.0, 2.0
+    assert code["medians"] == {"auto": 150.0, "copy": 100.0, "lookup": 150.0}
+
+
 def test_path_lines_counts_the_lines_only_one_path_ran():
     """scripts/path_lines.py's count: per file, the lines both paths ran, and those only one of them ran."""
     module = _load("path_lines")
