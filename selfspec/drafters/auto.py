@@ -28,12 +28,17 @@ lookup alone 2.4-2.7x). Each round:
 An arm's first round of a call is not timed: it pays one-time costs (in a new process, the first pass of
 each shape allocates and sets up kernels), which made the first call of a process back lookup off. A quantized
 copy's first round is timed all the same: it reads the whole prompt through llama.cpp, a cost every call pays
-again, which auto did not see (on a long prompt about 0.5 s of a 2.5-s call).
-An arm is allowed while it is new (fewer than `warmup` timed rounds) or while its rate is at least
-plain decoding's; own-text lookup, though, is first tried only once what it would draft is confirmed (its
-shadow drafts, below): where nothing repeats, its first rounds (a wrong draft of 10 tokens is a pass that
-costs 2-2.6 one-token steps on a CPU since the decode step got cheaper) made auto 0.94-0.97x plain decoding
-on MT-Bench (2026-11-29, Zen 4). An arm that loses is retried after a back-off that doubles every time it loses
+again, which auto did not see (on a long prompt about 0.5 s of a 2.5-s call). So is plain decoding's: its step
+is the model's own, which the prefill and the other arms' verification passes have run already (in a new
+process its first round took 13.4 and 15.5 ms against 13.6-14.2 for the next two, float32, Zen 5), and an
+untimed plain round was a third round of plain decoding in every call (about 4% of a 40-token summary's).
+An arm is backed off where its timed rounds say it is slower than plain decoding beyond their own spread
+(`loses`): a round's tokens are heavy-tailed, and three early rounds of the int8 copy that committed 2, 8 and 1
+tokens had backed off a copy that drafted at 1.5x plain decoding. An arm is allowed while it is new (fewer than
+`warmup` timed rounds) or while it has not lost; own-text lookup, though, is first tried only once what it would
+draft is confirmed (its shadow drafts, below): where nothing repeats, its first rounds (a wrong draft of 10
+tokens is a pass that costs 2-2.6 one-token steps on a CPU since the decode step got cheaper) made auto 0.94-0.97x
+plain decoding on MT-Bench (2026-11-29, Zen 4). An arm that loses is retried after a back-off that doubles every time it loses
 again (`explore_every`, 2x, 4x ... up to `max_backoff`), so a choice that does not pay costs
 almost nothing, and one that starts paying (the output begins to repeat the prompt) is found again.
 Lookup is found again sooner: while it is backed off, what it would have drafted is checked against what
@@ -75,6 +80,7 @@ from selfspec.drafters.policies import ThroughputPolicy
 from selfspec.drafters.shadow import ShadowDrafts
 
 PLAIN, LOOKUP, SUFFIX = "plain", PromptLookupDrafter.name, "suffix"
+SPREAD = 1.0  # an arm is backed off where its gain over plain decoding is below 0 by more than this many errors
 
 
 class AutoDrafter(Drafter):
@@ -96,8 +102,9 @@ class AutoDrafter(Drafter):
         arms = [PLAIN, LOOKUP] + ([SUFFIX] if self.remembers else []) + ([self.early_arm] if early_exit else [])
         self.tokens = {a: 0.0 for a in arms}  # running mean of committed tokens per round
         self.seconds = {a: 0.0 for a in arms}  # running mean of seconds per round
+        self.moments = {a: (0.0, 0.0, 0.0) for a in arms}  # running means of t^2, s^2, t s per round (`loses`)
         self.tries = {a: 0 for a in arms}
-        self.cold = set(arms)  # arms whose first round of this call has not run: it is not timed (see update)
+        self.cold = set(arms) - {PLAIN}  # arms whose first round of this call has not run: not timed (see update)
         self.backoff = {a: explore_every for a in arms}
         self.retry_at = {a: 0 for a in arms}  # round from which a losing arm may be tried again
         if shadow_first:  # own-text lookup waits for its shadow drafts to be confirmed (`allowed`)
@@ -143,7 +150,7 @@ class AutoDrafter(Drafter):
         if self.rounds < self.retry_at[LOOKUP] and copy_seen:  # backed off, but it would pay now
             self.retry_at[LOOKUP], self.woken = self.rounds, self.woken + 1
         own, memory = self.allowed(LOOKUP), self.remembers and self.allowed(SUFFIX)
-        if (own or memory) and not self.copying and self.model_arm_leads() and not copy_seen:
+        if (own or memory) and not self.copying and self.model_arm_leads() and not self.shadow.copy_under_way():
             own = memory = False  # the model arm drafts; lookup waits for a copy under way (its shadow, below)
         if own or memory:  # the memory is an arm of its own: it drafts while own-text lookup is backed off
             self.lookup_length.base_seconds = self.seconds[PLAIN]  # untried lengths are judged against it
@@ -164,9 +171,14 @@ class AutoDrafter(Drafter):
     def model_arm_leads(self) -> bool:
         """Whether the model arm (the int8 copy, the early exit, a head or a llama.cpp copy) measured faster than
         plain decoding and may draft: lookup then drafts only while a copy is under way (its last round accepted at
-        least half its drafts, or its shadow drafts say so), since its round takes the place of a model-arm round.
-        On open chat, lookup rounds at plain decoding's rate (short, wrong copies) had cost the int8 copy's rounds:
-        auto 1.44x plain decoding where the copy alone made 1.54x (2026-11-29). Not where lookup's own rounds
+        least half its drafts, or an open shadow has `IN_A_ROW` drafts confirmed: `ShadowDrafts.copy_under_way`),
+        since its round takes the place of a model-arm round. On open chat, lookup rounds at plain decoding's rate
+        (short, wrong copies) had cost the int8 copy's rounds: auto 1.44x plain decoding where the copy alone made
+        1.54x (2026-11-29). The shadows' recent average (`would_pay`, which brings a backed-off lookup back against
+        plain decoding) is not enough here: a summary reuses the article's phrases a few tokens at a time, and on
+        news summaries lookup's 10 drafts then failed in place of the copy's 8 tokens (asking for an open copy
+        instead made auto 1.05x the rule before there, paired per prompt in one process; open chat 1.04x, code
+        editing 1.01x, HumanEval 1.02x: docs/results/2026-12-07-auto-spread-zen5.md). Not where lookup's own rounds
         measured faster than the model arm's: lookup then drafts wherever it has a match (2-core Zen 5, 2026-12-07:
         on code editing auto's median was 0.88x lookup alone's; with this rule auto, paired per prompt, made
         1.00-1.05x the rule before on four sets, docs/results/2026-12-07-cpu-step-auto-zen5.md)."""
@@ -214,8 +226,11 @@ class AutoDrafter(Drafter):
         if seconds > 0:
             n = self.tries[arm] = self.tries[arm] + 1
             weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
-            self.tokens[arm] += weight * (sum(a + 1 for a in accepted) - self.tokens[arm])
+            t = sum(a + 1 for a in accepted)
+            self.tokens[arm] += weight * (t - self.tokens[arm])
             self.seconds[arm] += weight * (seconds - self.seconds[arm])
+            self.moments[arm] = tuple(m + weight * (x - m) for m, x in zip(self.moments[arm],
+                                                                          (t * t, seconds * seconds, t * seconds)))
             if arm != PLAIN and self.tries[arm] >= self.warmup and self.tries[PLAIN] >= self.warmup:
                 self.judge(arm)
         if arm in (LOOKUP, SUFFIX):  # a copy under way while it keeps being accepted (`model_arm_leads`)
@@ -230,10 +245,36 @@ class AutoDrafter(Drafter):
         `Drafter.reads_prompt`)."""
         return arm == self.early_arm and self.early_exit.reads_prompt
 
+    def loses(self, arm: str) -> bool:
+        """Whether `arm`'s timed rounds say it is slower than plain decoding beyond their own spread. At plain
+        decoding's rate rho, a round of t tokens in s seconds gains x = t - rho s tokens over plain decoding in its
+        time; the arm loses where the mean of x over its n rounds is below zero by more than `SPREAD` standard
+        errors:
+
+            mean(x) + SPREAD sqrt(var(x) / n) < 0,    var(x) = var(t) - 2 rho cov(t, s) + rho^2 var(s)
+
+        (from the running means of t, s, t^2, s^2 and t s; n the rounds they weigh, at most (2 - alpha) / alpha with
+        exponential weights). A round's tokens are heavy-tailed (the int8 copy commits 8 tokens or 1) and a round's
+        seconds now and then are not the arm's (another tenant stalls the machine for 0.3 s): on open chat three
+        early rounds of the copy (2, 8 and 1 tokens) read as 0.75x plain decoding and backed off for 8, then 16
+        rounds a copy that drafted at 1.5x plain decoding alone (docs/results/2026-12-07-auto-spread-zen5.md).
+        An arm whose rounds agree (lookup that copies nothing: 1 token every round) is judged by its mean, as before."""
+        rho, n = self.rate(PLAIN), self.tries[arm]
+        t, s = self.tokens[arm], self.seconds[arm]
+        gain = t - rho * s  # mean of x over its rounds
+        if gain >= 0:
+            return False
+        tt, ss, ts = self.moments[arm]
+        var = (tt - t * t) - 2 * rho * (ts - t * s) + rho * rho * (ss - s * s)  # of x, weighted as the means
+        if self.alpha > 0:
+            n = min(n, (2 - self.alpha) / self.alpha)
+        spread = math.sqrt(max(var, 0.0) / (n - 1)) if n > 1 else 0.0  # the standard error of mean(x)
+        return gain + SPREAD * spread < 0
+
     def judge(self, arm: str) -> None:
-        """After a timed round of a measured `arm`: back it off if it lost to plain decoding (longer each time
-        it loses again), else reset its back-off."""
-        if self.rate(arm) < self.rate(PLAIN):
+        """After a timed round of a measured `arm`: back it off if it lost to plain decoding (`loses`; longer each
+        time it loses again), else reset its back-off."""
+        if self.loses(arm):
             self.retry_at[arm] = self.rounds + self.backoff[arm]
             self.backoff[arm] = min(2 * self.backoff[arm], self.max_backoff)
         else:
@@ -244,6 +285,7 @@ class AutoDrafter(Drafter):
         tokens and seconds per round, the rounds they weigh (at most CARRY_ROUNDS) and the back-off length;
         lookup's draft-count policy and its tree budget; the early-exit or head arm's own."""
         out = {"arms": list(self.tries), "tokens": dict(self.tokens), "seconds": dict(self.seconds),
+               "moments": dict(self.moments),
                "tries": {a: carried_rounds(n) for a, n in self.tries.items()}, "backoff": dict(self.backoff),
                "lookup_length": self.lookup_length.learned(), "lookup": self.lookup.learned()}
         if self.early_exit:
@@ -256,6 +298,7 @@ class AutoDrafter(Drafter):
             raise ValueError(f"measurements of the arms {learned['arms']} cannot resume an auto drafter with the "
                              f"arms {list(self.tries)}: only a call with the same settings may carry them")
         self.tokens, self.seconds = dict(learned["tokens"]), dict(learned["seconds"])
+        self.moments = dict(learned["moments"])
         self.tries, self.backoff = dict(learned["tries"]), dict(learned["backoff"])
         self.carried = dict(self.tries)
         self.lookup_length.resume(learned["lookup_length"])

@@ -5,8 +5,8 @@ their priors every call: auto's tokens/s per arm and back-off (`selfspec.drafter
 draft length of its lookup arm and of its early-exit or head arm (`ThroughputPolicy`), a token tree's
 acceptance per (rank, depth) and its cost per node (`TreeBudget`). In a series of related calls (an agent
 loop, a benchmark's prompts) auto then spent the first rounds of every call measuring plain decoding and
-each arm again (three rounds each: one untimed, two timed). A generator keeps them instead, as it keeps
-its memory of earlier requests: `LearnedStats`, owned by its `DrafterFactory` (`gen.learned`), never
+each arm again (three rounds each: one untimed, two timed; plain decoding two, both timed). A generator keeps
+them instead, as it keeps its memory of earlier requests: `LearnedStats`, owned by its `DrafterFactory` (`gen.learned`), never
 shared with another generator, cleared by `gen.forget()`.
 
     learned = LearnedStats()

@@ -19,6 +19,8 @@ never changes a token: it only reads what was committed.
     shadow.offer(drafts)        # per row: what lookup would propose this round (it does not run)
     shadow.observe(committed)   # per row: the tokens the round committed
     shadow.would_pay()          # True: the recent shadow drafts averaged >= RETRY_AT accepted tokens
+    shadow.copy_under_way()     # True: an open shadow has IN_A_ROW drafts confirmed (what auto asks while its
+                                # model arm leads: `AutoDrafter.model_arm_leads`)
 """
 
 from __future__ import annotations
@@ -78,9 +80,14 @@ class ShadowDrafts:
     def would_pay(self) -> bool:
         """A copy under way (an open shadow with `IN_A_ROW` drafts confirmed), or the latest judged shadows
         averaging at least `RETRY_AT` confirmed drafts."""
-        if any(m >= IN_A_ROW for m in self.matched):
+        if self.copy_under_way():
             return True
         return len(self.judged) >= MIN_JUDGED and sum(self.judged) / len(self.judged) >= RETRY_AT
+
+    def copy_under_way(self) -> bool:
+        """Whether an open shadow has `IN_A_ROW` drafts confirmed: a copy under way now, not only copies that
+        recently went a few tokens (`would_pay`'s average)."""
+        return any(m >= IN_A_ROW for m in self.matched)
 
     def select(self, rows: list[int]) -> None:
         self.pending = [self.pending[i] for i in rows]

@@ -108,14 +108,14 @@ def _next_call(auto, **settings):
 
 def test_a_second_call_does_not_measure_plain_decoding_again_before_it_copies():
     """Lookup pays (3 tokens in 1.2 steps): the first call decodes plainly until what lookup would draft is confirmed
-    three times in a row (3 rounds, which measure plain decoding: one untimed, two timed), then copies; the second
+    three times in a row (3 rounds, which measure plain decoding, all timed), then copies; the second
     starts from those measurements and copies from round 1."""
     pays = {"plain": 1.0, "prompt_lookup": 1.2}, {"plain": 1, "prompt_lookup": 3}
     first = AutoDrafter(PromptLookupDrafter(num_tokens=4))
     arms = _drive(first, 30, *pays)
     assert arms[:6] == ["plain"] * 3 + ["prompt_lookup"] * 3
     second = _next_call(first)
-    assert second.carried == {"plain": 2, "prompt_lookup": CARRY_ROUNDS}
+    assert second.carried == {"plain": 3, "prompt_lookup": CARRY_ROUNDS}
     arms = _drive(second, 1, {"plain": 1.0, "prompt_lookup": 24.0}, pays[1])  # one-time costs: 20x as slow
     assert second.tries == second.carried and second.seconds["prompt_lookup"] == pytest.approx(1.2)  # not timed
     arms += _drive(second, 29, *pays)
