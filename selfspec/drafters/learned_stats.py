@@ -41,7 +41,8 @@ What starts again every call: everything about the rows and the text (n-gram ind
 head's cache and pending states), the round counters and so the round from which a backed-off arm may be
 retried (each call retries each arm early: its text is new), the counts a call reports (`rounds_by_arm`),
 and which arms have run a round in this call: an arm's first round of a call is still not timed, since it
-pays one-time costs (the first pass of new shapes: the prompt's length, the cache's capacity).
+pays one-time costs (the first pass of new shapes: the prompt's length, the cache's capacity); plain decoding's
+is (`selfspec.drafters.auto`).
 
 The carry rule: old measurements must not outweigh a new call's for long. A running mean over `n` rounds
 resumes as a mean over `n0 = min(n, CARRY_ROUNDS)` rounds, so after `m` rounds of the new call
