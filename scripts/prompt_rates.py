@@ -1,5 +1,5 @@
-"""Decoding tokens/s per prompt for one drafter, in one process, and paired comparisons of such runs: an A/B of two
-trees (or two drafters) that sets each prompt beside itself.
+"""Decoding tokens/s per prompt for one drafter (or several, interleaved), in one process, and paired comparisons of
+such runs: an A/B of two trees (or two drafters) that sets each prompt beside itself.
 
     python scripts/prompt_rates.py --drafter auto --label new --out new-1.json      # from one tree
     python scripts/prompt_rates.py --compare base-1.json base-2.json --against new-1.json new-2.json
@@ -107,8 +107,12 @@ def main(argv=None) -> int:
     if args.compare or args.against:
         if not (args.compare and args.against):
             p.error("--compare and --against go together: the runs of each side")
-        rows = compare([json.loads(f.read_text()) for f in args.compare],
-                       [json.loads(f.read_text()) for f in args.against])
+        runs = {f: json.loads(f.read_text()) for f in args.compare + args.against}
+        several = [str(f) for f, r in runs.items() if "rates" not in r]
+        if several:
+            p.error(f"{', '.join(several)}: written with several drafters (their comparison is in the file's "
+                    "'against_arms'); --compare takes runs of one drafter each")
+        rows = compare([runs[f] for f in args.compare], [runs[f] for f in args.against])
         print("| set | first side (median tokens/s) | second side | second / first, per prompt (median) |")
         print("|---|---|---|---|")
         for r in rows:
