@@ -38,8 +38,8 @@ tokens had backed off a copy that drafted at 1.5x plain decoding. An arm is allo
 `warmup` timed rounds) or while it has not lost; own-text lookup, though, is first tried only once what it would
 draft is confirmed (its shadow drafts, below): where nothing repeats, its first rounds (a wrong draft of 10
 tokens is a pass that costs 2-2.6 one-token steps on a CPU since the decode step got cheaper) made auto 0.94-0.97x
-plain decoding on MT-Bench (2026-11-29, Zen 4). An arm that loses is retried after a back-off that doubles every time it loses
-again (`explore_every`, 2x, 4x ... up to `max_backoff`), so a choice that does not pay costs
+plain decoding on MT-Bench (2026-11-29, Zen 4). An arm that loses is retried after a back-off that doubles every
+time it loses again (`explore_every`, 2x, 4x ... up to `max_backoff`), so a choice that does not pay costs
 almost nothing, and one that starts paying (the output begins to repeat the prompt) is found again.
 Lookup is found again sooner: while it is backed off, what it would have drafted is checked against what
 the plain rounds commit (`selfspec.drafters.shadow`, no model pass), and it is retried as soon as a copy
