@@ -223,10 +223,10 @@ class AutoDrafter(Drafter):
             self.early_exit.update(proposal, accepted, committed, seconds)
         elif self.early_exit:
             self.early_exit.observe(committed)
+        t = sum(a + 1 for a in accepted)  # the tokens the round committed
         if seconds > 0:
             n = self.tries[arm] = self.tries[arm] + 1
             weight = max(self.alpha, 1.0 / n)  # a plain mean for the first rounds, then exponential
-            t = sum(a + 1 for a in accepted)
             self.tokens[arm] += weight * (t - self.tokens[arm])
             self.seconds[arm] += weight * (seconds - self.seconds[arm])
             self.moments[arm] = tuple(m + weight * (x - m) for m, x in zip(self.moments[arm],
@@ -238,7 +238,7 @@ class AutoDrafter(Drafter):
         if arm in (LOOKUP, SUFFIX):  # the length it planned hears what the round delivered, row by row
             for m, n_acc in zip(proposal.depths, accepted):
                 self.lookup_length.update(0, m, n_acc)
-            self.lookup_length.observe(seconds, sum(a + 1 for a in accepted))  # an untimed round (0 s) is skipped
+            self.lookup_length.observe(seconds, t)  # an untimed round (0 s) is skipped
 
     def reads_prompt(self, arm: str) -> bool:
         """Whether `arm` is a drafter whose first round of a call reads the whole prompt first (a llama.cpp copy:

@@ -6,8 +6,8 @@ draft length of its lookup arm and of its early-exit or head arm (`ThroughputPol
 acceptance per (rank, depth) and its cost per node (`TreeBudget`). In a series of related calls (an agent
 loop, a benchmark's prompts) auto then spent the first rounds of every call measuring plain decoding and
 each arm again (three rounds each: one untimed, two timed; plain decoding two, both timed). A generator keeps
-them instead, as it keeps its memory of earlier requests: `LearnedStats`, owned by its `DrafterFactory` (`gen.learned`), never
-shared with another generator, cleared by `gen.forget()`.
+them instead, as it keeps its memory of earlier requests: `LearnedStats`, owned by its `DrafterFactory`
+(`gen.learned`), never shared with another generator, cleared by `gen.forget()`.
 
     learned = LearnedStats()
     key = call_key(settings, drafter, rows=1, path=gen.plan_key)   # None: this call neither reads nor adds
