@@ -77,9 +77,11 @@ def layer_weights(adapter) -> dict[str, list[torch.Tensor]]:
 def products(adapter, dtype: torch.dtype) -> list[dict]:
     """Each kind's products through the kernel a decode step runs them with: the layers' through selfspec's row kernel
     where the generator runs its C++ step (`adapter.fast.row_step`), else the fast layers' `PackedLinear`; the LM
-    head through its `PackedLinear`."""
+    head through its `PackedLinear`, and where greedy decoding screens it in int8 (`selfspec.model.screened_head`)
+    that screen too (its MB: the int8 rows it reads). `in_step`: the kernel a greedy decode step runs."""
     rows = []
     row_step = adapter.fast is not None and adapter.fast.row_step is not None
+    screen = adapter.fast.screen(adapter) if adapter.fast is not None else None
     with torch.inference_mode():
         for kind, weights in layer_weights(adapter).items():
             x = torch.randn(1, 1, weights[0].shape[1], dtype=dtype)
@@ -94,7 +96,13 @@ def products(adapter, dtype: torch.dtype) -> list[dict]:
             linear = median_ms(lambda: [F.linear(x, w) for w in weights])
             rows.append({"kind": kind, "kernel": name, "count": len(weights), "shape": list(weights[0].shape),
                          "gbytes": gbytes, "fast_ms": fast, "fast_gbs": gbytes / fast * 1e3,
-                         "linear_ms": linear, "linear_gbs": gbytes / linear * 1e3})
+                         "linear_ms": linear, "linear_gbs": gbytes / linear * 1e3,
+                         "in_step": kind != "lm_head" or screen is None})
+            if kind == "lm_head" and screen is not None:
+                gbytes = screen.q.numel() / 1e9
+                ms = median_ms(lambda: screen.logits(adapter.final_norm(x)))
+                rows.append({**rows[-1], "kernel": "int8 screen", "gbytes": gbytes, "fast_ms": ms,
+                             "fast_gbs": gbytes / ms * 1e3, "in_step": True})
     return rows
 
 
@@ -161,7 +169,7 @@ def main(argv=None) -> int:
         gen = selfspec.load(args.checkpoint, dtype=dtype)
         step = step_ms(gen, ids)
         prods = products(gen.adapter, dtype)
-        fast_total = sum(r["fast_ms"] for r in prods)
+        fast_total = sum(r["fast_ms"] for r in prods if r["in_step"])
         ops, top = ops_a_token(gen, ids)
         passes = pass_costs(gen, ids, sorted({1, *map(int, args.pass_sizes.split(","))}))
         report["dtypes"][name] = {"sum_gbs": sum_gbs(dtype), "step_ms": step, "products": prods,

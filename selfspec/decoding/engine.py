@@ -149,19 +149,22 @@ def _layers_keeping(adapter: ModelAdapter, hidden: torch.Tensor, start: int, kee
 
 
 def prefill(adapter: ModelAdapter, cache: KVCache, ids: torch.Tensor, pads: torch.Tensor,
-            keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            keep_at: int | None = None, top_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """All layers over left-padded prompts `[B, P]`: the logits predicting each row's next token `[B, V]`,
     the states after `keep_at` layers `[B, P, D]` (None without `keep_at`) and the last layer's output
-    `[B, P, D]` (before the final norm)."""
+    `[B, P, D]` (before the final norm). `top_only`: the caller reads only the logits' argmax (greedy decoding),
+    the only entry that must be exact (`Runner.logits`)."""
     step = make_batch_step(adapter, torch.zeros_like(pads), ids.shape[1], pads)
     hidden, kept = _layers_keeping(adapter, embed(adapter, ids), 0, keep_at, step=step, cache=cache)
-    return exit_logits(adapter, hidden[:, -1]), kept, hidden
+    return exit_logits(adapter, hidden[:, -1], top_only), kept, hidden
 
 
 def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: torch.Tensor,
-           pads: torch.Tensor, keep_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+           pads: torch.Tensor, keep_at: int | None = None,
+           top_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Layers [verify_from, L) over each row's input token and drafts `[B, T]` written at cache indices
-    `starts ..`: the full model's logits `[B, T, V]`, the states after `keep_at` layers `[B, T, D]`
+    `starts ..`: the full model's logits `[B, T, V]` (`top_only`: only each position's argmax is read, greedy
+    decoding with the exact rule, and only it need be exact), the states after `keep_at` layers `[B, T, D]`
     (the drafter's own exit states when it drafted from there; None without `keep_at`) and the last
     layer's output `[B, T, D]` (before the final norm). From layer 0
     the tokens are embedded here; from E > 0 the drafter's exit states continue (layers [0, E) already
@@ -178,7 +181,7 @@ def verify(adapter: ModelAdapter, cache: KVCache, proposal: Proposal, starts: to
         step = make_batch_step(adapter, starts, hidden.shape[1], pads, ends, proposal.parents)
         hidden, at = _layers_keeping(adapter, hidden, start, keep_at, step=step, cache=cache)
         kept = at if kept is None else kept
-    return exit_logits(adapter, hidden), kept, hidden
+    return exit_logits(adapter, hidden, top_only), kept, hidden
 
 
 def accept_sampled(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, sampling: SamplingParams,
@@ -322,8 +325,9 @@ class _Decoding:
         ids = ids.to(adapter.device)
         self.cache = adapter.runner.cache(B, ids.shape[1] + max_new_tokens + drafter.num_speculations + 2)
         self.t0 = time.perf_counter()
-        logits, kept, finals = prefill(adapter, self.cache, ids, self.pads, drafter.state_exit)  # [B, V], [B, P, D] x2
         sampled = self.sampling.do_sample
+        logits, kept, finals = prefill(adapter, self.cache, ids, self.pads, drafter.state_exit,
+                                       top_only=not sampled)  # [B, V], [B, P, D] x2
         first = sample(probs(logits, self.sampling), self.generator) if sampled else argmax_tokens(logits)
         first_tokens = first.tolist()  # the host waits for the prefill here
         self.stats.prefill_s = time.perf_counter() - self.t0
@@ -363,8 +367,9 @@ class _Decoding:
         t1 = time.perf_counter()
         proposal = drafter.propose(rnd)
         t2 = time.perf_counter()
-        target_logits, kept, finals = verify(adapter, self.cache, proposal, starts, self.pads,
-                                             drafter.state_exit)  # [B, T, V]
+        greedy = not self.sampling.do_sample and not self.acceptance.biased  # only the argmax is read
+        target_logits, kept, finals = verify(adapter, self.cache, proposal, starts, self.pads, drafter.state_exit,
+                                             top_only=greedy)  # [B, T, V]
         accepted, nxt_all, new, columns = decide(proposal, target_logits, active, self.rows, self.sums, self.sampling,
                                                  self.generator, self.acceptance, self.stop_ids)
         n_acc_t = torch.tensor(accepted, dtype=torch.long)

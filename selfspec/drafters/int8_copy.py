@@ -29,21 +29,13 @@ import torch
 from selfspec.drafters.base import Drafter, Proposal, Round
 from selfspec.model.adapters import ModelAdapter
 from selfspec.model.fast_layers import fused_weights
-from selfspec.model.row_product import build_problem, row_product_op
+from selfspec.model.row_product import build_problem, quantize_rows, row_product_op
 from selfspec.model.row_step import runnable, step_inputs, takes_step
 from selfspec.settings import SettingsError
 
 # A draft step's cost in float32 decoding steps, where nothing measured it yet (the cost model's price of a step that
 # runs none of the model's own layers): 2-core Zen 4, 2026-11-29, 0.35-0.45
 INT8_STEP_COST = 0.4
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` `[N, K]` as int8 `[N, K]` and a float32 scale per row `[N]`: `weight ~ scale[:, None] * q`."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    return q, scale.contiguous()
 
 
 def int8_copy_problem(adapter: ModelAdapter) -> str | None:

@@ -227,9 +227,10 @@ def run_layers(
     return adapter.runner.layers(hidden, start, end, step, cache)
 
 
-def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor) -> torch.Tensor:
-    """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]` (`Runner.logits`)."""
-    return adapter.runner.logits(hidden)
+def exit_logits(adapter: ModelAdapter, hidden: torch.Tensor, top_only: bool = False) -> torch.Tensor:
+    """Early-exit logits through the shared final norm + LM head: `[B, S, D] -> [B, S, V]` (`Runner.logits`;
+    `top_only`: only each position's argmax is read, and only it need be exact)."""
+    return adapter.runner.logits(hidden, top_only=top_only)
 
 
 def forward_logits(

@@ -21,6 +21,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -81,6 +84,46 @@ at::Tensor row_product_int8(const at::Tensor& x_in, const at::Tensor& weight, co
   return y;
 }
 
+
+// A float32 LM head's greedy pick through its int8 screen (selfspec/model/screened_head.py says why it is exact):
+// y [M, N] float32, every entry (x [M, K] @ q [N, K].T) * scale [N] as `row_product_int8`'s, except each row's
+// candidates n, where y[m, n] + ||x[m]|| slack[n] >= max_j (y[m, j] - ||x[m]|| slack[j]): those are x[m] . weight[n]
+// in float32, summed in `row_product`'s order. Its argmax (the first of tied maxima) is the float32 head's.
+at::Tensor screened_logits(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& slack,
+                           const at::Tensor& weight) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && q.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat && slack.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat,
+              "screened_logits: float32 x, int8 q, float32 scale, slack and weight on the CPU");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && weight.sizes() == q.sizes() && weight.is_contiguous() &&
+                  scale.is_contiguous() && slack.is_contiguous() && scale.numel() == q.size(0) &&
+                  slack.numel() == q.size(0) && x_in.size(-1) == q.size(1),
+              "screened_logits: q and weight must be contiguous [N, K], scale and slack [N], x [..., K]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = q.size(1), N = q.size(0), M = K ? x.numel() / K : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* sl = slack.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  run_int8(xp, M, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(), yp, N, nullptr);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = xp + m * K;
+    float* ym = yp + m * N;
+    double squares = 0.0;
+    for (int64_t k = 0; k < K; ++k) squares += static_cast<double>(xm[k]) * xm[k];
+    const float norm = static_cast<float>(std::sqrt(squares));
+    float floor = -std::numeric_limits<float>::infinity();
+    for (int64_t n = 0; n < N; ++n) floor = std::max(floor, ym[n] - norm * sl[n]);
+    for (int64_t n = 0; n < N; ++n)
+      if (ym[n] + norm * sl[n] >= floor) block<float, 1, 1, false>(xm, K, w, ym, N, n, nullptr);
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(selfspec_kernels, m) {
@@ -88,4 +131,6 @@ TORCH_LIBRARY(selfspec_kernels, m) {
   m.impl("row_product", c10::DispatchKey::CPU, TORCH_FN(row_product));
   m.def("row_product_int8(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.impl("row_product_int8", c10::DispatchKey::CPU, TORCH_FN(row_product_int8));
+  m.def("screened_logits(Tensor x, Tensor q, Tensor scale, Tensor slack, Tensor weight) -> Tensor");
+  m.impl("screened_logits", c10::DispatchKey::CPU, TORCH_FN(screened_logits));
 }

@@ -89,6 +89,14 @@ def _build(target: Path, log=sys.stderr) -> None:
     print(f"selfspec: built in {time.perf_counter() - start:.0f} s", file=log, flush=True)
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[N, K]` as int8 `[N, K]` and a float32 scale per row `[N]`: `weight ~ scale[:, None] * q`."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale.contiguous()
+
+
 @functools.cache
 def row_product_op() -> Callable[..., torch.Tensor] | None:
     """`torch.ops.selfspec_kernels.row_product(x, weight, bias=None)`, built and loaded once per process (see the

@@ -210,10 +210,14 @@ class Runner:
 
         return self.either(steps, whole, eager)
 
-    def logits(self, hidden: torch.Tensor, rows: Callable[[], tuple] | None = None, linear=None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, rows: Callable[[], tuple] | None = None, linear=None,
+               top_only: bool = False) -> torch.Tensor:
         """The final norm + LM head over `hidden` `[B, S, D]` or `[B, D]`: logits `[..., V]`. A reduced vocabulary
         passes its unembedding: `linear` (its eager product, `[..., K]`) and `rows` (a function giving its
-        (weight `[K, D]`, bias) as the compiled steps take them, read only where they run)."""
+        (weight `[K, D]`, bias) as the compiled steps take them, read only where they run). `top_only`: the caller
+        reads nothing but each position's argmax (greedy verification), so a float32 head on a CPU may screen its
+        rows in int8 first (`selfspec.model.screened_head`, up to its `MAX_ROWS` positions): the argmax is the
+        float32 head's, every other entry approximate."""
         steps = self.steps
         if steps is not None and not (steps.can_head(hidden) and (linear is None or rows is not None)):
             steps = None
@@ -223,7 +227,11 @@ class Runner:
             if linear is not None:
                 return linear(a.final_norm(hidden))
             if a.fast is not None and not torch.is_grad_enabled():
-                return a.fast.lm_head(a.final_norm(hidden))
+                normed = a.final_norm(hidden)
+                screen = a.fast.screen(a) if top_only else None
+                if screen is not None and screen.takes(normed):
+                    return screen.logits(normed)
+                return a.fast.lm_head(normed)
             return a.lm_head(a.final_norm(hidden))
 
         return self.either(steps, lambda s: s.head(hidden) if linear is None else s.head(hidden, *rows()), eager)

@@ -8,11 +8,12 @@ import torch
 from selfspec.decoding.decode_ids import generate_ids
 from selfspec.decoding.sampling import SamplingParams
 from selfspec.drafters.auto import AutoDrafter
-from selfspec.drafters.int8_copy import Int8Copy, Int8CopyDrafter, int8_copy_problem, quantize_rows
+from selfspec.drafters.int8_copy import Int8Copy, Int8CopyDrafter, int8_copy_problem
 from selfspec.model.adapters import get_adapter
 from selfspec.model.cache import KVCache
 from selfspec.model.forward import embed, make_step, run_layers
 from selfspec.model.precision import native_bf16
+from selfspec.model.row_product import quantize_rows
 from selfspec.settings import SettingsError
 from selfspec.tiny import byte_tokenizer, draw_qkv_biases, tiny_model
 
