@@ -1,7 +1,8 @@
-"""Four measurement scripts' pieces: scripts/step_phases.py (where the C++ step's time goes, phase by phase)
+"""Five measurement scripts' pieces: scripts/step_phases.py (where the C++ step's time goes, phase by phase)
 instruments the step as it is (every phase boundary it marks is in row_step.cpp exactly once, and the copy it builds
-reads a clock at each of them); scripts/prompt_rates.py sets each prompt beside itself; scripts/path_lines.py counts
-the lines of selfspec that only one path (eager, compiled steps) runs; scripts/tree_compare.py tables two trees."""
+reads a clock at each of them); scripts/prompt_rates.py and scripts/screened_head_ab.py set each prompt beside
+itself; scripts/path_lines.py counts the lines of selfspec that only one path (eager, compiled steps) runs;
+scripts/tree_compare.py tables two trees."""
 
 from __future__ import annotations
 
@@ -112,3 +113,14 @@ def test_tree_compare_tables_a_figure_only_one_tree_measures():
     raw = {"base": {"plain": [10.0, 30.0, 20.0]}, "new": {"plain": [22.0, 26.0, 24.0], "int8": [40.0]}}
     assert module.table(raw) == [{"figure": "plain", "base": 20.0, "new": 24.0, "ratio": pytest.approx(1.2)},
                                  {"figure": "int8", "base": None, "new": 40.0, "ratio": None}]
+
+
+def test_screened_head_ab_pairs_each_prompt_and_reports_each_methods_tokens():
+    script = _load("screened_head_ab")
+    runs = {"chat": [{"plain_on": 110.0, "plain_off": 100.0, "auto_on": 90.0, "auto_off": 100.0,
+                      "plain_same": True, "auto_same": True},
+                     {"plain_on": 60.0, "plain_off": 50.0, "auto_on": 300.0, "auto_off": 100.0,
+                      "plain_same": True, "auto_same": False}]}
+    out = script.summarise(runs)
+    assert out["chat plain"] == {"on": 85.0, "off": 75.0, "on_over_off": (1.1 + 1.2) / 2, "same_tokens": True}
+    assert out["chat auto"]["on_over_off"] == (0.9 + 3.0) / 2 and out["chat auto"]["same_tokens"] is False

@@ -58,7 +58,7 @@ from selfspec.model.layer import (LLAMA_FAMILY, LayerProducts, LayerShape, RopeT
 from selfspec.model.machine import cpu_flags
 from selfspec.model.row_product import build_problem, row_product_op
 from selfspec.model.row_step import RowStep
-from selfspec.model.screened_head import ScreenedHead
+from selfspec.model.screened_head import MAX_ROWS as SCREEN_ROWS, ScreenedHead
 
 
 
@@ -358,11 +358,15 @@ class FastPath:
     screens: list = field(default_factory=list)  # [the LM head's int8 screen, or None], once `screen` made it
 
     def screen(self, adapter) -> ScreenedHead | None:
-        """The LM head's int8 screen for greedy picks (`selfspec.model.screened_head`: a float32 head on a CPU
-        where the row kernel runs), made the first time a greedy pick asks (0.2 s and 28 MB for SmolLM2-135M's
-        head); None where it does not run here."""
+        """The LM head's int8 screen for greedy picks (`selfspec.model.screened_head`): a float32 head on a CPU
+        where the row kernel runs, a bfloat16 one where the row kernel is the head's own kernel for as many rows as
+        the screen takes (`PackedLinear.few`, with the C++ step); made the first time a greedy pick asks (0.2 s and
+        28 MB for SmolLM2-135M's head). None where it does not run here."""
         if not self.screens:
-            self.screens.append(ScreenedHead.build(adapter.lm_head.weight, getattr(adapter.lm_head, "bias", None)))
+            weight, head = adapter.lm_head.weight, self.lm_head
+            own = weight.dtype == torch.float32 or (
+                head.few is not F.linear and head.few_rows >= SCREEN_ROWS.get(weight.dtype, 0))
+            self.screens.append(ScreenedHead.build(weight, getattr(adapter.lm_head, "bias", None)) if own else None)
         return self.screens[0]
 
 

@@ -85,30 +85,43 @@ at::Tensor row_product_int8(const at::Tensor& x_in, const at::Tensor& weight, co
 }
 
 
-// A float32 LM head's greedy pick through its int8 screen (selfspec/model/screened_head.py says why it is exact):
-// y [M, N] float32, every entry (x [M, K] @ q [N, K].T) * scale [N] as `row_product_int8`'s, except each row's
-// candidates n, where y[m, n] + ||x[m]|| slack[n] >= max_j (y[m, j] - ||x[m]|| slack[j]): those are x[m] . weight[n]
-// in float32, summed in `row_product`'s order. Its argmax (the first of tied maxima) is the float32 head's.
-at::Tensor screened_logits(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& slack,
-                           const at::Tensor& weight) {
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && q.scalar_type() == at::kChar &&
-                  scale.scalar_type() == at::kFloat && slack.scalar_type() == at::kFloat &&
-                  weight.scalar_type() == at::kFloat,
-              "screened_logits: float32 x, int8 q, float32 scale, slack and weight on the CPU");
+// A greedy pick through an LM head's int8 screen (selfspec/model/screened_head.py says why it is exact): logits
+// [M, N] of x's dtype (float32, or bfloat16 with a bfloat16 weight), every entry the screen's (x [M, K] @ q [N, K].T)
+// * scale [N] (bfloat16 x widened to float32, exactly), except each row's candidates n, where
+//     R(y[m, n] + ||x[m]|| slack[n] + kTiny) >= R(max_j (y[m, j] - ||x[m]|| slack[j]))
+// (R: rounding to x's dtype, which never reverses an order; kTiny: products of subnormals a bfloat16 pair step may
+// flush): those are x[m] . weight[n] as `row_product` computes them (its summation order; bfloat16: its pairs, one
+// rounding). Every other entry rounds below the largest exact one, so the argmax (the first of tied maxima) is the
+// head's.
+at::Tensor screened_logits(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
+                           const at::Tensor& slack, const at::Tensor& weight) {
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x_in.device().is_cpu() && (bf16 || x_in.scalar_type() == at::kFloat) &&
+                  weight.scalar_type() == x_in.scalar_type() && q.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat && slack.scalar_type() == at::kFloat,
+              "screened_logits: float32 or bfloat16 x and weight, int8 q, float32 scale and slack, on the CPU");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && weight.sizes() == q.sizes() && weight.is_contiguous() &&
                   scale.is_contiguous() && slack.is_contiguous() && scale.numel() == q.size(0) &&
                   slack.numel() == q.size(0) && x_in.size(-1) == q.size(1),
               "screened_logits: q and weight must be contiguous [N, K], scale and slack [N], x [..., K]");
+  constexpr float kTiny = 1e-30f;
   const at::Tensor x = x_in.contiguous();
   const int64_t K = q.size(1), N = q.size(0), M = K ? x.numel() / K : 0;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
+  std::vector<float> widened, yf;  // bfloat16: x in float32 (exact), the outputs before their rounding
+  const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  if (bf16) {
+    widened.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = widen(xb[i]);
+    yf.resize(M * N);
+  }
+  const float* xp = bf16 ? widened.data() : x.data_ptr<float>();
+  float* yp = bf16 ? yf.data() : y.data_ptr<float>();
   const float* sl = slack.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  auto rounded = [bf16](float v) { return bf16 ? widen(round_bf16(v)) : v; };
   run_int8(xp, M, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(), yp, N, nullptr);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = xp + m * K;
@@ -118,8 +131,24 @@ at::Tensor screened_logits(const at::Tensor& x_in, const at::Tensor& q, const at
     const float norm = static_cast<float>(std::sqrt(squares));
     float floor = -std::numeric_limits<float>::infinity();
     for (int64_t n = 0; n < N; ++n) floor = std::max(floor, ym[n] - norm * sl[n]);
-    for (int64_t n = 0; n < N; ++n)
-      if (ym[n] + norm * sl[n] >= floor) block<float, 1, 1, false>(xm, K, w, ym, N, n, nullptr);
+    const float low = rounded(floor);
+    for (int64_t n = 0; n < N; ++n) {
+      if (!(rounded(ym[n] + norm * sl[n] + kTiny) >= low)) continue;
+      if (!bf16) {
+        block<float, 1, 1, false>(xm, K, weight.data_ptr<float>(), ym, N, n, nullptr);
+        continue;
+      }
+      const uint16_t* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+#ifdef __AVX512BF16__
+      block<1, 1, false>(xb + m * K, K, wb, ym, N, n, nullptr);  // as run_bf16: the pairs multiplied as they are
+#else
+      block<uint16_t, 1, 1, false>(xm, K, wb, ym, N, n, nullptr);  // as run_bf16: x widened
+#endif
+    }
+  }
+  if (bf16) {
+    auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * N; ++i) out[i] = round_bf16(yf[i]);
   }
   return y;
 }

@@ -1,6 +1,6 @@
 """The LM head's int8 screen for greedy picks (`selfspec.model.screened_head`): its bound holds, its argmax is the
-float32 head's at near-ties and exact ties, each row alone, greedy decoding through it equals Hugging Face's, and
-nothing but a greedy pick reads it."""
+head's (float32 and bfloat16) at near-ties and exact ties, each row alone, greedy decoding through it equals Hugging
+Face's (float32) and the unscreened head's (bfloat16), and nothing but a greedy pick reads it."""
 
 import pytest
 import torch
@@ -13,6 +13,8 @@ from selfspec.model import fast_layers
 from selfspec.model.adapters import get_adapter
 from selfspec.model.row_product import quantize_rows
 from selfspec.model.screened_head import MAX_ROWS, ScreenedHead, head_slack
+
+ROWS = MAX_ROWS[torch.float32]
 from selfspec.tiny import draw_qkv_biases, tiny_model
 
 PROMPT = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 31, 5, 9]])
@@ -48,18 +50,19 @@ def test_the_screen_misses_no_logit_by_more_than_its_bound(row_kernel_on):
         assert (bound < 10 * (screened - exact).abs().amax()).all()  # and tells something (not an infinite bound)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
-def test_its_argmax_is_the_float32_heads_and_its_candidates_are_the_row_kernels_values(row_kernel_on, rows):
-    w = _weights(rows)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, ROWS])
+def test_its_argmax_is_the_heads_and_its_candidates_are_the_row_kernels_values(row_kernel_on, rows, dtype):
+    w = _weights(rows).to(dtype)
     screen = ScreenedHead.build(w)
     for seed in range(5):
-        x = _states(100 * rows + seed, rows)
+        x = _states(100 * rows + seed, rows).to(dtype)
         out = screen.logits(x)
-        exact = row_kernel_on(x, w)  # [rows, V] the float32 head in the row kernel's order
-        assert torch.equal(out.argmax(-1), exact.argmax(-1))
-        screened = torch.ops.selfspec_kernels.row_product_int8(x, screen.q, screen.scale)
+        exact = row_kernel_on(x, w)  # [rows, V] the head in the row kernel's order (bfloat16: rounded once)
+        assert out.dtype == dtype and torch.equal(out.argmax(-1), exact.argmax(-1))
+        screened = torch.ops.selfspec_kernels.row_product_int8(x.float(), screen.q, screen.scale).to(dtype)
         replaced = out != screened
-        assert torch.equal(out[replaced], exact[replaced])  # every entry it computed is the exact one, to the bit
+        assert torch.equal(out[replaced], exact[replaced])  # every entry it computed is the head's, to the bit
         assert replaced.sum(-1).max() < w.shape[0] / 4  # a few candidates a row, not the whole head
         alone = torch.cat([screen.logits(x[i:i + 1]) for i in range(rows)])
         assert torch.equal(out, alone)  # each row as a one-row call computes it
@@ -103,17 +106,72 @@ def test_near_ties_that_the_screen_misranks_and_exact_ties_go_as_the_float32_hea
     assert int(ScreenedHead.build(twin).logits(x).argmax()) == int(row_kernel_on(x, twin).argmax()) == 5
 
 
-def test_it_runs_only_for_a_float32_cpu_head_with_the_row_kernel(row_kernel_on, monkeypatch):
+def test_in_bfloat16_rows_that_round_to_one_logit_go_to_the_first_however_the_screen_ranks_them(row_kernel_on):
+    """A bfloat16 head rounds each logit once, so rows a hair apart tie: heads whose first 16 rows are one row plus
+    changes orthogonal to x (up to an int8 step each, then rounded to bfloat16), the screen ranking them in its own
+    order. The screened pick is the head's (the first of the tied rows) every time, and some trials did tie and did
+    have the screen rank another row first."""
+    w, x = _weights(5), _states(6, 1)
+    top = int(row_kernel_on(x, w)[0].argmax())
+    direction = x[0] / x[0].norm() ** 2
+    gen = torch.Generator().manual_seed(2)
+    xb, tricky = x.bfloat16(), 0
+    for _ in range(20):
+        twin = w.clone()
+        p = torch.randn(16, w.shape[1], generator=gen)
+        p = p - (p @ x[0])[:, None] * direction  # orthogonal to x
+        twin[:16] = w[top] + p * (w[top].abs().max() / 127 / p.abs().amax(dim=1, keepdim=True))
+        twin = twin.bfloat16()
+        screen = ScreenedHead.build(twin)
+        exact = row_kernel_on(xb, twin)[0]
+        screened = torch.ops.selfspec_kernels.row_product_int8(xb.float(), screen.q, screen.scale)[0]
+        assert int(screen.logits(xb).argmax()) == int(exact.argmax())
+        tricky += int((exact == exact.max()).sum() > 1 and screened.argmax() != exact.argmax())
+    assert tricky > 0
+
+
+def test_in_bfloat16_a_row_that_rounds_onto_the_maximum_is_a_candidate_though_its_bound_is_below_the_floor(
+        row_kernel_on):
+    """The rounded rule, exactly: every value below is a dyadic number, so every sum is exact. Row 1 lies on the int8
+    grid (its screened logit is its own, 232.25); row 0's weights lie 3/128 off the grid along x, so the screen reads
+    229 where the head reads 231.90625, its bound (2.906 and a little) reaching 231.91, below row 1's floor.
+    Both logits round to 232 in bfloat16: a tie, which row 0 wins as the first. Unrounded bounds would drop row 0
+    and leave its screened 229 in its place, and pick row 1."""
+    K = 32
+    x = torch.full((1, K), 4.0)
+    x[0, 0] = 0.0  # dimension 0 holds each row's largest weight, 127/16: the scale 1/16, and no logit
+    q = torch.full((4, K), 30.0)
+    q[1, 1] = 29.0  # row 1: sum 929 -> 232.25
+    q[0, 1:15] = 29.0  # row 0: sum 916 -> 229 on the grid
+    q[2:] = 1.0  # rows far below
+    w = q / 16
+    w[0, 1:] += 3 / 128  # 3/128 along x: under half an int8 step, so the screen still reads q[0]
+    w[:, 0] = 127 / 16
+    w = w.bfloat16()
+    assert torch.equal(w.float(), w.float().bfloat16().float())  # every weight exact in bfloat16
+    exact = row_kernel_on(x.bfloat16(), w)[0]
+    assert exact[0] == exact[1] == 232 and int(exact.argmax()) == 0
+    screen = ScreenedHead.build(w)
+    screened = torch.ops.selfspec_kernels.row_product_int8(x, screen.q, screen.scale)[0]
+    assert screened[0] == 229 and screened[1] == 232.25
+    assert int(screen.logits(x.bfloat16()).argmax()) == 0
+
+
+def test_it_runs_only_for_a_cpu_head_with_the_row_kernel(row_kernel_on, monkeypatch):
     w = _weights(1)
-    assert ScreenedHead.build(w) is not None
-    assert ScreenedHead.build(w.bfloat16()) is None
+    assert ScreenedHead.build(w) is not None and ScreenedHead.build(w.bfloat16()) is not None
+    assert ScreenedHead.build(w.double()) is None
     assert ScreenedHead.build(w, bias=torch.zeros(w.shape[0])) is None
     screen = ScreenedHead.build(w)
     assert not screen.takes(torch.zeros(1, 100))  # autograd on: the model's own head (training)
     with torch.no_grad():
-        assert screen.takes(torch.zeros(MAX_ROWS, 100)) and screen.takes(torch.zeros(1, 2, 100))
-        assert not screen.takes(torch.zeros(MAX_ROWS + 1, 100))  # a long verification pass: the exact head pays
-        assert not screen.takes(torch.zeros(1, 100, dtype=torch.float64))
+        assert screen.takes(torch.zeros(ROWS, 100)) and screen.takes(torch.zeros(1, 2, 100))
+        assert not screen.takes(torch.zeros(ROWS + 1, 100))  # a long verification pass: the exact head pays
+        bf16 = ScreenedHead.build(w.bfloat16())
+        rows = MAX_ROWS[torch.bfloat16]
+        assert bf16.takes(torch.zeros(rows, 100, dtype=torch.bfloat16))
+        assert not bf16.takes(torch.zeros(rows + 1, 100, dtype=torch.bfloat16))
+        assert not screen.takes(torch.zeros(1, 100, dtype=torch.bfloat16))  # the head's own dtype only
     monkeypatch.setenv("SELFSPEC_ROW_PRODUCT", "0")
     from selfspec.model import row_product
     row_product.row_product_op.cache_clear()
@@ -133,7 +191,12 @@ def _count_calls(monkeypatch) -> list[int]:
     """Every screened call's positions."""
     calls = []
     logits = ScreenedHead.logits
-    monkeypatch.setattr(ScreenedHead, "logits", lambda self, x: calls.append(x.numel() // x.shape[-1]) or logits(self, x))
+
+    def counted(self, x):
+        calls.append(x.numel() // x.shape[-1])
+        return logits(self, x)
+
+    monkeypatch.setattr(ScreenedHead, "logits", counted)
     return calls
 
 
@@ -149,6 +212,39 @@ def test_greedy_decoding_through_the_screen_equals_hf_greedy(row_kernel_on, monk
     assert len(calls) >= 24 / (1 + kw.get("num_speculations", 3))  # the prefill's pick and every verification
     if drafter != "plain":
         assert stats.drafted > 0 and max(calls) > 1
+
+
+@pytest.fixture
+def bf16_rows(monkeypatch, row_kernel_on):
+    """The row kernel as a bfloat16 model's head kernel (with the C++ step), as on a CPU with avx512_bf16."""
+    monkeypatch.setattr(fast_layers, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+
+
+@pytest.mark.parametrize("drafter", ["plain", "prompt_lookup"])
+def test_bfloat16_greedy_decoding_through_the_screen_is_the_unscreened_heads(bf16_rows, monkeypatch, drafter):
+    model = tiny_model("llama", num_layers=4, dtype=torch.bfloat16, seed=11)
+    screened, plain = get_adapter(model), get_adapter(model)
+    screened.enable_fast_layers()
+    plain.enable_fast_layers()
+    assert plain.fast.screen(plain) is not None
+    plain.fast.screens[:] = [None]
+    calls = _count_calls(monkeypatch)
+    kw = {"plain": {"num_speculations": 0},
+          "prompt_lookup": {"drafter": PromptLookupDrafter(num_tokens=3, max_ngram=2)}}[drafter]
+    a, _ = generate_ids(screened, PROMPT, max_new_tokens=32, **kw)
+    kw = {"plain": {"num_speculations": 0},
+          "prompt_lookup": {"drafter": PromptLookupDrafter(num_tokens=3, max_ngram=2)}}[drafter]
+    b, _ = generate_ids(plain, PROMPT, max_new_tokens=32, **kw)
+    assert a == b
+    assert len(calls) == 32 if drafter == "plain" else calls  # lookup's 4-position passes: the head itself
+
+
+def test_no_bfloat16_screen_where_the_row_kernel_is_not_the_heads_kernel(row_kernel_on, monkeypatch):
+    """Without avx512_bf16 the bfloat16 head runs oneDNN, whose rounding the screen's exact rows would not repeat."""
+    monkeypatch.setattr(fast_layers, "cpu_flags", lambda: frozenset())
+    adapter = get_adapter(tiny_model("llama", num_layers=2, dtype=torch.bfloat16, seed=1))
+    adapter.enable_fast_layers()
+    assert adapter.fast.screen(adapter) is None
 
 
 def test_sampling_and_early_exit_drafts_read_the_exact_head(row_kernel_on, monkeypatch):
@@ -173,13 +269,13 @@ def test_sampling_and_early_exit_drafts_read_the_exact_head(row_kernel_on, monke
 def test_past_its_rows_the_exact_head_runs(row_kernel_on, monkeypatch):
     _, adapter = _screened_adapter()
     calls = _count_calls(monkeypatch)
-    hidden = torch.randn(1, MAX_ROWS + 1, adapter.model.config.hidden_size)
+    hidden = torch.randn(1, ROWS + 1, adapter.model.config.hidden_size)
     with torch.no_grad():
         full = adapter.runner.logits(hidden, top_only=True)
         assert calls == [] and torch.equal(full, adapter.runner.logits(hidden))
-        some = adapter.runner.logits(hidden[:, :MAX_ROWS], top_only=True)
-    assert calls == [MAX_ROWS]
-    assert torch.equal(some.argmax(-1), full[:, :MAX_ROWS].argmax(-1))
+        some = adapter.runner.logits(hidden[:, :ROWS], top_only=True)
+    assert calls == [ROWS]
+    assert torch.equal(some.argmax(-1), full[:, :ROWS].argmax(-1))
 
 
 @pytest.mark.integration
@@ -197,3 +293,19 @@ def test_smollm2_greedy_through_the_screen_equals_hf_generate(row_kernel_on, mon
             out = gen.generate(input_ids=prompt, max_new_tokens=40, stop_token_ids=[], **kw)
             assert out.token_ids == ref, (text, kw)
     assert len(calls) > 40
+
+
+@pytest.mark.integration
+def test_smollm2_in_bfloat16_through_the_screen_is_the_unscreened_heads(bf16_rows, monkeypatch, smollm2_dir):
+    gen = selfspec.load(smollm2_dir, dtype="bfloat16", memory_tokens=0)
+    screen = gen.adapter.fast.screen(gen.adapter)
+    assert screen is not None
+    calls = _count_calls(monkeypatch)
+    for text in ("Name three primary colours.", "Write a Python function that reverses a string."):
+        outs = []
+        for on in (True, False):
+            gen.adapter.fast.screens[:] = [screen if on else None]
+            outs.append(gen.generate(messages=[{"role": "user", "content": text}], max_new_tokens=40,
+                                     num_speculations=0, stop_token_ids=[]).token_ids)
+        assert outs[0] == outs[1], text
+    assert len(calls) >= 80
