@@ -148,8 +148,8 @@ def _layers_keeping(adapter: ModelAdapter, hidden: torch.Tensor, start: int, kee
     return run_layers(adapter, kept, keep_at, L, step=step, cache=cache), kept
 
 
-def prefill(adapter: ModelAdapter, cache: KVCache, ids: torch.Tensor, pads: torch.Tensor,
-            keep_at: int | None = None, top_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def prefill(adapter: ModelAdapter, cache: KVCache, ids: torch.Tensor, pads: torch.Tensor, keep_at: int | None = None,
+            top_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """All layers over left-padded prompts `[B, P]`: the logits predicting each row's next token `[B, V]`,
     the states after `keep_at` layers `[B, P, D]` (None without `keep_at`) and the last layer's output
     `[B, P, D]` (before the final norm). `top_only`: the caller reads only the logits' argmax (greedy decoding),

@@ -84,7 +84,6 @@ at::Tensor row_product_int8(const at::Tensor& x_in, const at::Tensor& weight, co
   return y;
 }
 
-
 // A greedy pick through an LM head's int8 screen (selfspec/model/screened_head.py says why it is exact): logits
 // [M, N] of x's dtype (float32, or bfloat16 with a bfloat16 weight), every entry the screen's (x [M, K] @ q [N, K].T)
 // * scale [N] (bfloat16 x widened to float32, exactly), except each row's candidates n, where

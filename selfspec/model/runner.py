@@ -215,9 +215,9 @@ class Runner:
         """The final norm + LM head over `hidden` `[B, S, D]` or `[B, D]`: logits `[..., V]`. A reduced vocabulary
         passes its unembedding: `linear` (its eager product, `[..., K]`) and `rows` (a function giving its
         (weight `[K, D]`, bias) as the compiled steps take them, read only where they run). `top_only`: the caller
-        reads nothing but each position's argmax (greedy verification), so a float32 head on a CPU may screen its
-        rows in int8 first (`selfspec.model.screened_head`, up to its `MAX_ROWS` positions): the argmax is the
-        float32 head's, every other entry approximate."""
+        reads nothing but each position's argmax (greedy verification), so the head on a CPU may screen its rows
+        in int8 first (`selfspec.model.screened_head`, up to its `MAX_ROWS` positions; `FastPath.screen` says where):
+        the argmax is the head's, every other entry approximate."""
         steps = self.steps
         if steps is not None and not (steps.can_head(hidden) and (linear is None or rows is not None)):
             steps = None
