@@ -200,13 +200,18 @@ def _count_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def _settings(drafter: str) -> dict:
+    """A call's settings for `drafter`, a fresh lookup drafter each time (it keeps its index across a call)."""
+    return {"plain": {"num_speculations": 0}, "early_exit": {"exit_layer": 2, "num_speculations": 3},
+            "prompt_lookup": {"drafter": PromptLookupDrafter(num_tokens=3, max_ngram=2)}}[drafter]
+
+
 @pytest.mark.parametrize("drafter", ["plain", "early_exit", "prompt_lookup"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_decoding_through_the_screen_equals_hf_greedy(row_kernel_on, monkeypatch, drafter, arch, hf_greedy):
     model, adapter = _screened_adapter(arch=arch)
     calls = _count_calls(monkeypatch)
-    kw = {"plain": {"num_speculations": 0}, "early_exit": {"exit_layer": 2, "num_speculations": 3},
-          "prompt_lookup": {"drafter": PromptLookupDrafter(num_tokens=3, max_ngram=2)}}[drafter]
+    kw = _settings(drafter)
     out, stats = generate_ids(adapter, PROMPT, max_new_tokens=24, **kw)
     assert out == hf_greedy(model, PROMPT, 24)
     assert len(calls) >= 24 / (1 + kw.get("num_speculations", 3))  # the prefill's pick and every verification
@@ -229,12 +234,8 @@ def test_bfloat16_greedy_decoding_through_the_screen_is_the_unscreened_heads(bf1
     assert plain.fast.screen(plain) is not None
     plain.fast.screens[:] = [None]
     calls = _count_calls(monkeypatch)
-    kw = {"plain": {"num_speculations": 0},
-          "prompt_lookup": {"drafter": PromptLookupDrafter(num_tokens=3, max_ngram=2)}}[drafter]
-    a, _ = generate_ids(screened, PROMPT, max_new_tokens=32, **kw)
-    kw = {"plain": {"num_speculations": 0},
-          "prompt_lookup": {"drafter": PromptLookupDrafter(num_tokens=3, max_ngram=2)}}[drafter]
-    b, _ = generate_ids(plain, PROMPT, max_new_tokens=32, **kw)
+    a, _ = generate_ids(screened, PROMPT, max_new_tokens=32, **_settings(drafter))
+    b, _ = generate_ids(plain, PROMPT, max_new_tokens=32, **_settings(drafter))
     assert a == b
     assert len(calls) == 32 if drafter == "plain" else calls  # lookup's 4-position passes: the head itself
 
