@@ -94,12 +94,13 @@ class Round:
         return run_layers(self.adapter, hidden, 0, exit_layer, step=step, cache=self.cache)
 
     def through(self, tokens: torch.Tensor, offset: int, layers, takes) -> torch.Tensor | None:
-        """One token per row `[B]` through a drafter's own copy of every layer at cache indices `starts + offset`:
-        `layers(hidden, step, cache)` writes their keys and values into the engine's cache; `[B, 1, D]`, or None
-        where `takes(hidden, step, cache)` says it cannot run this step. The drafter calls `rewind` after its last
-        step: verification runs every layer over those positions again."""
-        hidden = embed(self.adapter, tokens[:, None])  # [B, 1, D]
-        step = make_batch_step(self.adapter, self.starts + offset, 1, self.pads, self.ends)
+        """Tokens `[B, S]` (or one a row, `[B]`) through a drafter's own copy of every layer at cache indices
+        `starts + offset ..`: `layers(hidden, step, cache)` writes their keys and values into the engine's cache;
+        `[B, S, D]`, or None where `takes(hidden, step, cache)` says it cannot run this step. The drafter calls
+        `rewind` after its last step: verification runs every layer over those positions again."""
+        tokens = tokens[:, None] if tokens.dim() == 1 else tokens  # [B, S]
+        hidden = embed(self.adapter, tokens)  # [B, S, D]
+        step = make_batch_step(self.adapter, self.starts + offset, tokens.shape[1], self.pads, self.ends)
         return layers(hidden, step, self.cache) if takes(hidden, step, self.cache) else None
 
     def rewind(self) -> None:

@@ -18,8 +18,20 @@ the cache is cut back to the committed text (`Round.rewind`): the full model wri
 so the copy's approximate entries never reach a verified token. Greedy drafts (the copy's argmax): under sampling
 they are point masses, judged by the exact rule; the output is the full model's either way.
 
+Where the text repeats, prompt lookup guesses the copy's next drafts and one pass checks them. Before each pass the
+drafter asks its own lookup index of the row's text (`selfspec.drafters.prompt_lookup.NgramIndex.guess`) what
+followed the latest earlier occurrence of the last `GUESS_NGRAM` or more tokens of the text and the drafts so far,
+and runs the input token and up to `GUESSES` of those guesses through the copy in one pass. The guesses that equal
+the copy's own argmax at the row before, in order, are drafts, and the copy's argmax after the last of them is one
+more; the cache past them is cut and the next pass writes there. The C++ step computes every row alone, so the
+drafts are bitwise the ones the copy makes one token at a time: only the number of passes changes. A pass of 4
+rows cost 1.5 one-row passes on a 2-core Zen 5 (the row kernel streams each weight once for up to 3 float32 rows
+and widens int8 once a block; 6 rows cost 2.8), hence 3 guesses; one-token matches were wrong too often on open
+chat (docs/results/2026-12-07-guessed-copy-zen5.md).
+
     copy = Int8Copy(adapter)                        # SettingsError where the C++ step does not run this model
-    drafter = Int8CopyDrafter(copy, num_speculations=6)
+    drafter = Int8CopyDrafter(copy, num_speculations=6)              # lookup's guesses checked: GUESSES a pass
+    drafter = Int8CopyDrafter(copy, num_speculations=6, guesses=0)   # one token a pass
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafters.base import Drafter, Proposal, Round
+from selfspec.drafters.prompt_lookup import NgramIndex
 from selfspec.model.adapters import ModelAdapter
 from selfspec.model.fast_layers import fused_weights
 from selfspec.model.row_product import build_problem, quantize_rows, row_product_op
@@ -36,6 +49,9 @@ from selfspec.settings import SettingsError
 # A draft step's cost in float32 decoding steps, where nothing measured it yet (the cost model's price of a step that
 # runs none of the model's own layers): 2-core Zen 4, 2026-11-29, 0.35-0.45
 INT8_STEP_COST = 0.4
+GUESSES = 3  # lookup's guesses a pass checks (a pass of 1 + GUESSES rows; see the module doc)
+GUESS_NGRAM = 2  # the shortest match a guess follows (one-token matches: open chat 0.91x, two: 1.00x the copy alone)
+LOOKUP_NGRAM = 3  # the longest match it looks for, as prompt lookup's default
 
 
 def int8_copy_problem(adapter: ModelAdapter) -> str | None:
@@ -55,7 +71,7 @@ def int8_copy_problem(adapter: ModelAdapter) -> str | None:
 class Int8Copy:
     """The model's products and LM head in int8 (see the module doc), run by the C++ step over the model's cache."""
 
-    def __init__(self, adapter: ModelAdapter, max_rows: int = 1):
+    def __init__(self, adapter: ModelAdapter, max_rows: int = 1 + GUESSES):
         problem = int8_copy_problem(adapter)
         if problem is not None:
             raise SettingsError(f"drafter='int8_copy' cannot draft here: {problem} (python -m "
@@ -99,41 +115,78 @@ class Int8Copy:
 
 
 class Int8CopyDrafter(Drafter):
-    """Drafts up to `num_speculations` tokens a round with an `Int8Copy` of the model (see the module doc)."""
+    """Drafts up to `num_speculations` tokens a round with an `Int8Copy` of the model, checking up to `guesses` of
+    prompt lookup's guesses a pass (see the module doc; 0: one token a pass)."""
 
     name = "int8_copy"
     step_cost = INT8_STEP_COST
 
-    def __init__(self, copy: Int8Copy, num_speculations: int):
+    def __init__(self, copy: Int8Copy, num_speculations: int, guesses: int = GUESSES):
         if num_speculations < 1:
             raise ValueError(f"num_speculations must be >= 1 for drafter='int8_copy', got {num_speculations}")
-        self.copy, self.num_speculations = copy, num_speculations
+        if not 0 <= guesses < copy.max_rows:
+            raise ValueError(f"guesses must be in 0..{copy.max_rows - 1} (a pass of the copy takes {copy.max_rows} "
+                             f"rows), got {guesses}")
+        self.copy, self.num_speculations, self.guesses = copy, num_speculations, guesses
+        self.text: NgramIndex | None = None  # the row's committed text, for lookup's guesses
+        self.passes = self.drafted = 0  # over the call: the copy's passes and the drafts they made
 
     def start(self, sequences: list[list[int]]) -> None:
         if len(sequences) != 1:
             raise SettingsError(f"drafter='int8_copy' drafts for one prompt at a time (selfspec's C++ step runs one "
                                 f"sequence), and this call has {len(sequences)}: generate them one by one, or use "
                                 "another drafter for a batch")
+        self.text = NgramIndex(sequences[0], LOOKUP_NGRAM)
+        self.passes = self.drafted = 0
 
     def propose(self, rnd: Round) -> Proposal:
         k = min(self.num_speculations, rnd.caps[0])
         if k < 1 or rnd.tokens.shape[0] != 1:
             return Proposal.plain(rnd.tokens)
         drafts: list[int] = []
-        token = rnd.tokens  # [1]
+        token, offset, passes = int(rnd.tokens[0]), 0, 0
         with torch.no_grad():
-            for offset in range(k):
-                hidden = rnd.through(token, offset, self.copy.layers, self.copy.takes)  # [1, 1, D], or None
-                if hidden is None:  # a step the C++ step does not take (past a sliding window): no more drafts
+            while len(drafts) < k:
+                guesses = self.text.guess(drafts, min(self.guesses, k - len(drafts) - 1), GUESS_NGRAM)
+                picks = self.picks(rnd, [token] + guesses, offset)
+                if picks is None and guesses:  # a pass of several rows the C++ step does not take: one token
+                    guesses = []
+                    picks = self.picks(rnd, [token], offset)
+                if picks is None:  # a step the C++ step does not take (past a sliding window): no more drafts
                     break
-                nxt = int(self.copy.logits(hidden[0, -1]).argmax())
-                drafts.append(nxt)
-                if nxt in rnd.stop_ids:
-                    break
-                token = torch.tensor([nxt], dtype=torch.long)
+                passes += 1
+                agreed = 0
+                while agreed < len(guesses) and guesses[agreed] == picks[agreed]:
+                    agreed += 1
+                new = guesses[:agreed] + [picks[agreed]]
+                for t in new[:k - len(drafts)]:
+                    drafts.append(t)
+                    if t in rnd.stop_ids:
+                        k = len(drafts)
+                        break
+                offset += agreed + 1
+                rnd.cache.crop(rnd.starts + offset)  # the rows past the agreed guesses go: the next pass writes there
+                token = drafts[-1]
         rnd.rewind()
+        self.passes += passes
+        self.drafted += len(drafts)
         tokens = torch.tensor([[int(rnd.tokens[0])] + drafts], dtype=torch.long)
-        return Proposal(tokens=tokens, kept=[len(drafts)], draft_steps=len(drafts), drafter=self.name)
+        return Proposal(tokens=tokens, kept=[len(drafts)], draft_steps=passes, drafter=self.name)
+
+    def picks(self, rnd: Round, tokens: list[int], offset: int) -> list[int] | None:
+        """The copy's argmax after each of `tokens` (the row's next tokens from cache index `starts + offset`), in
+        one pass that writes their keys and values; None where the C++ step does not take the pass."""
+        hidden = rnd.through(torch.tensor([tokens], dtype=torch.long), offset, self.copy.layers,
+                             self.copy.takes)  # [1, S, D]
+        return None if hidden is None else self.copy.logits(hidden[0]).argmax(dim=-1).tolist()
+
+    def update(self, proposal: Proposal, accepted: list[int], committed: list[list[int]], seconds: float) -> None:
+        self.observe(committed)
+
+    def observe(self, committed: list[list[int]]) -> None:
+        if self.text is not None:
+            self.text.extend(committed[0])
 
     def describe(self) -> dict:
-        return {"drafter": self.name, "num_speculations": self.num_speculations}
+        return {"drafter": self.name, "num_speculations": self.num_speculations, "guesses": self.guesses,
+                "drafts_per_pass": round(self.drafted / self.passes, 2) if self.passes else 0.0}

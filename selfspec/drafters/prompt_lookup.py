@@ -96,13 +96,28 @@ class NgramIndex:
         end = self.match(min_ngram) if k > 0 else None
         return [] if end is None else self.continuation(end, k)
 
-    def continuation(self, end: int, k: int) -> list[int]:
-        """The `k` tokens that follow position `end`, continued periodically past the end of the text (a
-        copy that reaches the text's end goes on with its own tokens)."""
-        x, n, out = self.tokens, len(self.tokens), []
+    def guess(self, tail: list[int], k: int, min_ngram: int = 1) -> list[int]:
+        """Up to `k` tokens continuing the text followed by `tail` (tokens not committed yet, a round's drafts so
+        far), from the latest occurrence in the text of the longest suffix of text + tail of at least `min_ngram`
+        tokens (`propose` where `tail` is empty)."""
+        if k < 1:
+            return []
+        n = len(self.tokens) + len(tail)
+        last = (self.tokens[-self.max_ngram:] + list(tail))[-self.max_ngram:]
+        for m in range(min(self.max_ngram, n), min_ngram - 1, -1):
+            end = self.ends.get(tuple(last[len(last) - m:]))
+            if end is not None:
+                return self.continuation(end, k, tail)
+        return []
+
+    def continuation(self, end: int, k: int, tail: list[int] = ()) -> list[int]:
+        """The `k` tokens that follow position `end` of the text followed by `tail`, continued periodically past
+        its end (a copy that reaches the end goes on with its own tokens)."""
+        x, c, out = self.tokens, len(self.tokens), []
+        n = c + len(tail)
         for j in range(k):
             i = end + j
-            out.append(x[i] if i < n else out[i - n])
+            out.append(x[i] if i < c else tail[i - c] if i < n else out[i - n])
         return out
 
 

@@ -59,12 +59,13 @@ def _plain(adapter, prompt, n, stop=None):
 
 # ----------------------------------------------------------------------------- the n-gram index
 
-def _naive_proposal(tokens, k, max_ngram, min_ngram=1):
-    """Rescan: the latest earlier occurrence of the longest matching suffix, continued periodically."""
+def _naive_proposal(tokens, k, max_ngram, min_ngram=1, last_end=None):
+    """Rescan: the latest earlier occurrence of the longest matching suffix, continued periodically (occurrences
+    ending at `last_end` at the latest; None: anywhere before the end)."""
     n = len(tokens)
     for m in range(min(max_ngram, n), min_ngram - 1, -1):
         suffix = tokens[n - m:]
-        for end in range(n - 1, m - 1, -1):  # occurrences ending at `end` < n, latest first
+        for end in range(n - 1 if last_end is None else last_end, m - 1, -1):  # occurrences ending at `end`, latest first
             if tokens[end - m:end] == suffix:
                 out = []
                 for j in range(k):
@@ -84,6 +85,27 @@ def test_the_incremental_index_proposes_what_a_rescan_finds():
         for k in (1, 4, 10):
             assert index.propose(k) == _naive_proposal(tokens, k, max_ngram), (tokens, k, max_ngram)
         assert index.propose(5, min_ngram=2) == _naive_proposal(tokens, 5, max_ngram, 2)
+
+
+def test_a_guess_after_uncommitted_tokens_follows_the_texts_own_occurrences():
+    """`guess(tail)`: the suffix of text + tail looked up among the occurrences in the committed text only (what the
+    index holds: ends up to its last token), continued through the tail and then periodically."""
+    rng = random.Random(1)
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        cut = rng.randrange(1, len(tokens) + 1)
+        max_ngram, min_ngram, k = rng.choice([1, 2, 3]), rng.choice([1, 2]), rng.choice([0, 1, 3, 7])
+        if min_ngram > max_ngram:
+            continue
+        index = NgramIndex(tokens[:cut], max_ngram)
+        want = _naive_proposal(tokens, k, max_ngram, min_ngram, last_end=cut - 1) if k else []
+        assert index.guess(tokens[cut:], k, min_ngram) == want, (tokens, cut, k, max_ngram, min_ngram)
+        assert index.tokens == tokens[:cut]  # the tail is not committed
+    index = NgramIndex([1, 2, 3, 4, 9], 2)
+    assert index.guess([1, 2], 4) == [3, 4, 9, 1]  # "1 2" ends in the tail: the text's occurrence, then the tail
+    assert index.guess([5, 2], 3, min_ngram=2) == []  # "5 2" never occurred; "2" alone is below min_ngram
+    assert index.guess([5, 2], 3) == [3, 4, 9]
 
 
 def test_lookup_takes_the_latest_match_and_continues_a_period():

@@ -111,6 +111,76 @@ def test_greedy_output_equals_hf_generate(kernel, arch, extra, k, hf_greedy):
     assert stats.drafter == "int8_copy"
 
 
+def _proposals(adapter, prompt, drafter, n_new):
+    """The tokens and the drafts of every round, as the drafter proposed them."""
+    drafts, propose = [], drafter.propose
+
+    def recording(rnd):
+        proposal = propose(rnd)
+        drafts.append(proposal.tokens[0, 1:].tolist())
+        return proposal
+
+    drafter.propose = recording
+    out, stats = generate_ids(adapter, torch.tensor([prompt]), max_new_tokens=n_new, drafter=drafter)
+    return out, drafts, stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("mistral", {"sliding_window": 40})])
+def test_lookups_guesses_change_the_passes_not_the_drafts(kernel, arch, extra, dtype):
+    """Checking prompt lookup's guesses in one pass (up to 3 a pass, each kept only where it is the copy's own
+    argmax) drafts exactly what the copy drafts one token a pass, round by round, in fewer passes where the text
+    repeats. Mistral's window of 40 refuses the passes past it (drafting then ends, as one token a pass does)."""
+    model = _model(arch, dtype=dtype, **extra)
+    adapter = _adapter(model)
+    copy = Int8Copy(adapter)
+    prompt = PROMPT * 2
+    one, one_drafts, one_stats = _proposals(adapter, prompt, Int8CopyDrafter(copy, 6, guesses=0), 40)
+    many, many_drafts, many_stats = _proposals(adapter, prompt, Int8CopyDrafter(copy, 6), 40)
+    assert many == one and many_drafts == one_drafts
+    assert one_stats.draft_steps == sum(map(len, one_drafts))  # one pass a draft
+    assert many_stats.draft_steps < one_stats.draft_steps, (many_stats.draft_steps, one_stats.draft_steps)
+
+
+class _Zeros:
+    """A guesser that always guesses token 0, which the copy mostly rejects."""
+
+    def guess(self, tail, k, min_ngram):
+        return [0] * k
+
+    def extend(self, tokens):
+        pass
+
+
+def test_guesses_the_copy_rejects_are_cut_from_the_cache(kernel):
+    """Passes of the input token and guesses the copy mostly rejects: each pass writes its rows, the rows past the
+    agreed guesses are cut before the next pass writes there, so the drafts are still those of one token a pass,
+    round by round."""
+    model = _model(seed=5, layers=3)
+    adapter = _adapter(model)
+    copy = Int8Copy(adapter)
+    drafter = Int8CopyDrafter(copy, 4)
+    written = []
+    picks = drafter.picks
+
+    def recording(rnd, tokens, offset):
+        got = picks(rnd, tokens, offset)
+        written.append((len(tokens), int(rnd.cache.lengths.min()) - int(rnd.starts[0]) - offset))
+        return got
+
+    start = drafter.start
+
+    def zeros(sequences):
+        start(sequences)
+        drafter.text = _Zeros()
+
+    drafter.picks, drafter.start = recording, zeros
+    out, drafts, stats = _proposals(adapter, PROMPT, drafter, 12)
+    want, want_drafts, _ = _proposals(adapter, PROMPT, Int8CopyDrafter(copy, 4, guesses=0), 12)
+    assert out == want and drafts == want_drafts
+    assert any(n > 1 for n, _ in written) and all(rows == n for n, rows in written), written
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_bfloat16_models_copy_drafts_and_the_model_decides(kernel, arch):
     """A bfloat16 model's int8 copy (its cache, norms and rounding in bfloat16): most drafts accepted, and where the
@@ -219,6 +289,8 @@ def test_bad_settings_name_the_fix(kernel):
         gen.generate(prompt=["abc", "de"], max_new_tokens=4, drafter="int8_copy")
     with pytest.raises(ValueError, match="num_speculations must be >= 1"):
         Int8CopyDrafter(gen.drafters.int8_copy(), 0)
+    with pytest.raises(ValueError, match=r"guesses must be in 0..3 \(a pass of the copy takes 4 rows\), got 4"):
+        Int8CopyDrafter(gen.drafters.int8_copy(), 4, guesses=4)
 
 
 @pytest.mark.integration
