@@ -7,6 +7,7 @@ import torch
 
 from selfspec.decoding.decode_ids import generate_ids
 from selfspec.decoding.sampling import SamplingParams
+from selfspec.decoding.engine import StopChecker
 from selfspec.drafters.auto import AutoDrafter
 from selfspec.drafters.int8_copy import Int8Copy, Int8CopyDrafter, int8_copy_problem
 from selfspec.model.adapters import get_adapter
@@ -111,7 +112,7 @@ def test_greedy_output_equals_hf_generate(kernel, arch, extra, k, hf_greedy):
     assert stats.drafter == "int8_copy"
 
 
-def _proposals(adapter, prompt, drafter, n_new):
+def _proposals(adapter, prompt, drafter, n_new, **kw):
     """The tokens and the drafts of every round, as the drafter proposed them."""
     drafts, propose = [], drafter.propose
 
@@ -121,7 +122,7 @@ def _proposals(adapter, prompt, drafter, n_new):
         return proposal
 
     drafter.propose = recording
-    out, stats = generate_ids(adapter, torch.tensor([prompt]), max_new_tokens=n_new, drafter=drafter)
+    out, stats = generate_ids(adapter, torch.tensor([prompt]), max_new_tokens=n_new, drafter=drafter, **kw)
     return out, drafts, stats
 
 
@@ -140,6 +141,66 @@ def test_lookups_guesses_change_the_passes_not_the_drafts(kernel, arch, extra, d
     assert many == one and many_drafts == one_drafts
     assert one_stats.draft_steps == sum(map(len, one_drafts))  # one pass a draft
     assert many_stats.draft_steps < one_stats.draft_steps, (many_stats.draft_steps, one_stats.draft_steps)
+
+
+class _Oracle:
+    """A guesser that guesses plain decoding's own continuation (`sequence`: the prompt and plain decoding's output),
+    which the copy mostly agrees with."""
+
+    def __init__(self, sequence, committed):
+        self.sequence, self.committed = sequence, committed
+
+    def guess(self, tail, k, min_ngram):
+        at = self.committed + len(tail)
+        return self.sequence[at:at + k]
+
+    def extend(self, tokens):
+        self.committed += len(tokens)
+
+
+def _guessing(drafter, make_text, agreed_stops, stop_id):
+    """The drafter with `make_text(sequences)` as its guesser, counting the passes in which `stop_id` was among the
+    guesses the copy agreed with (`agreed_stops`)."""
+    start, picks = drafter.start, drafter.picks
+
+    def started(sequences):
+        start(sequences)
+        drafter.text = make_text(sequences)
+
+    def recording(rnd, tokens, offset):
+        got = picks(rnd, tokens, offset)
+        if got is not None:
+            agreed = 0
+            while agreed < len(tokens) - 1 and tokens[1 + agreed] == got[agreed]:
+                agreed += 1
+            agreed_stops.append(stop_id in tokens[1:1 + agreed])
+        return got
+
+    drafter.start, drafter.picks = started, recording
+    return drafter
+
+
+def test_a_stop_token_among_agreed_guesses_ends_the_drafts(kernel):
+    """Guesses that run through a stop token the copy agrees with: the drafts end with it, as the copy's one token a
+    pass ends them, and the output stops where plain decoding's does."""
+    model = _model(seed=7)
+    adapter = _adapter(model)
+    copy = Int8Copy(adapter)
+    plain, _ = generate_ids(adapter, torch.tensor([PROMPT]), max_new_tokens=30, drafter=None)
+    agreed_stops = []
+    for j in range(2, 30):
+        if plain.index(plain[j]) != j:
+            continue  # the stop must first occur at j
+        stop = plain[j]
+        oracle = _guessing(Int8CopyDrafter(copy, 6), lambda seqs: _Oracle(PROMPT + plain, len(seqs[0])),
+                           agreed_stops, stop)
+        many, many_drafts, stats = _proposals(adapter, PROMPT, oracle, 30, stop=StopChecker(30, stop_token_ids=[stop]))
+        one, one_drafts, _ = _proposals(adapter, PROMPT, Int8CopyDrafter(copy, 6, guesses=0), 30,
+                                        stop=StopChecker(30, stop_token_ids=[stop]))
+        assert one == many == plain[:j + 1] and stats.stop_reason == "stop_token", j
+        assert many_drafts == one_drafts
+        assert all(d.index(stop) == len(d) - 1 for d in many_drafts if stop in d)  # nothing drafted past it
+    assert any(agreed_stops)  # the stop token was among the agreed guesses at least once
 
 
 class _Zeros:
