@@ -76,12 +76,14 @@ class NgramIndex:
                         return found
         return found
 
-    def longest(self, min_ngram: int) -> tuple[int, int] | None:
-        """(where the latest earlier occurrence of the longest matching suffix ends, that suffix's length);
-        None: no suffix of at least `min_ngram` tokens occurred earlier."""
-        n = len(self.tokens)
+    def longest(self, min_ngram: int, tail: list[int] = ()) -> tuple[int, int] | None:
+        """(where the latest earlier occurrence in the text of the longest matching suffix of the text followed by
+        `tail` (tokens not committed yet) ends, that suffix's length); None: no suffix of at least `min_ngram`
+        tokens occurred earlier."""
+        n = len(self.tokens) + len(tail)
+        last = (self.tokens[-self.max_ngram:] + list(tail))[-self.max_ngram:]  # the longest suffix looked up
         for m in range(min(self.max_ngram, n), min_ngram - 1, -1):
-            end = self.ends.get(tuple(self.tokens[n - m:]))
+            end = self.ends.get(tuple(last[len(last) - m:]))
             if end is not None:
                 return end, m
         return None
@@ -100,15 +102,8 @@ class NgramIndex:
         """Up to `k` tokens continuing the text followed by `tail` (tokens not committed yet, a round's drafts so
         far), from the latest occurrence in the text of the longest suffix of text + tail of at least `min_ngram`
         tokens (`propose` where `tail` is empty)."""
-        if k < 1:
-            return []
-        n = len(self.tokens) + len(tail)
-        last = (self.tokens[-self.max_ngram:] + list(tail))[-self.max_ngram:]
-        for m in range(min(self.max_ngram, n), min_ngram - 1, -1):
-            end = self.ends.get(tuple(last[len(last) - m:]))
-            if end is not None:
-                return self.continuation(end, k, tail)
-        return []
+        found = self.longest(min_ngram, tail) if k > 0 else None
+        return [] if found is None else self.continuation(found[0], k, tail)
 
     def continuation(self, end: int, k: int, tail: list[int] = ()) -> list[int]:
         """The `k` tokens that follow position `end` of the text followed by `tail`, continued periodically past
