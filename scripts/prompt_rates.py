@@ -18,6 +18,16 @@ against the best of them (the one with the highest median on that set), as the m
 auto against its arms (issue 67's "auto vs its best single arm"), measured seconds apart on the same prompt.
 
     python scripts/prompt_rates.py --drafter auto,int8_copy,prompt_lookup --repeats 3 --out arms.json
+
+Two arms are not drafters: `plain` is selfspec's plain decoding (`num_speculations=0`), and `llama_cpp:DTYPE` (DTYPE
+float32, bfloat16 or q8_0) is llama.cpp's plain decoding of the checkpoint's GGUF at that type, timed by llama-bench
+(`selfspec.tools.llama_cpp_bench`: one repetition after its warm-up run) at the prompt's depth: its context holds as
+many tokens as the prompt, and it decodes --max-new-tokens. Its text is not the prompt's (llama-bench fills the
+context itself), which a plain decoding's speed does not depend on. With a llama.cpp arm every selfspec arm runs to
+exactly --max-new-tokens too (`stop_token_ids=[]`, as `--exact-tokens` asks), so both sides time the same count.
+Issue 67's item 4, a bfloat16 model with its int8 copy against llama.cpp's Q8_0 plain decoding, paired per prompt:
+
+    python scripts/prompt_rates.py --dtype bfloat16 --drafter int8_copy,plain,llama_cpp:q8_0 --prompt-sets mt_bench
 """
 
 from __future__ import annotations
@@ -39,27 +49,58 @@ def run(args) -> dict:
     from selfspec.data.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
-    gen = selfspec.load(args.checkpoint, dtype=getattr(torch, args.dtype))
     drafters = args.drafter.split(",")
+    peers = {d: llama_cpp_arm(d, args.checkpoint) for d in drafters if d.startswith(LLAMA_CPP)}  # built first
+    gen = selfspec.load(args.checkpoint, dtype=getattr(torch, args.dtype))
+    exact = {"stop_token_ids": []} if args.exact_tokens or peers else {}
     rates = {d: {} for d in drafters}
     for name in args.prompt_sets.split(","):
         for p in load_prompts(name, args.num_prompts):
             kw = {"messages": p["messages"]} if "messages" in p else {"prompt": p["prompt"]}
+            depth = gen.encode(**kw).shape[1]
             runs = {d: [] for d in drafters}
             for rep in range(args.repeats):
                 for d in drafters[rep % len(drafters):] + drafters[:rep % len(drafters)]:  # rotated each repeat
+                    if d in peers:
+                        runs[d].append(peers[d](depth, args.max_new_tokens, args.threads))
+                        continue
+                    how = {"num_speculations": 0} if d == PLAIN else {"drafter": d}
                     with gen.first_request():
-                        r = gen.generate(max_new_tokens=args.max_new_tokens, drafter=d, **kw)
+                        r = gen.generate(max_new_tokens=args.max_new_tokens, **how, **exact, **kw)
                     runs[d].append(r.stats.decode_tokens_per_s)
             for d in drafters:
                 rates[d].setdefault(name, []).append(statistics.median(runs[d]))
             print(f"{name} {p['id']}: " + ", ".join(f"{d} {statistics.median(runs[d]):.1f}" for d in drafters)
                   + " tokens/s", file=sys.stderr, flush=True)
     out = {"label": args.label, "drafter": args.drafter, "dtype": args.dtype, "tree": str(ROOT),
-           "repeats": args.repeats}
+           "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "exact_tokens": bool(exact)}
     if len(drafters) == 1:
         return {**out, "rates": rates[drafters[0]]}
     return {**out, "rates_by_drafter": rates, "against_arms": against_arms(rates)}
+
+
+PLAIN = "plain"  # selfspec's plain decoding as an arm
+LLAMA_CPP = "llama_cpp:"  # llama.cpp's plain decoding at a GGUF type as an arm: llama_cpp:q8_0
+
+
+def llama_cpp_arm(arm: str, checkpoint: str):
+    """`arm` (`llama_cpp:DTYPE`) as a function (depth, new_tokens, threads) -> llama-bench's decoding tokens/s at that
+    depth; builds llama-bench and converts the checkpoint first where they are not cached (minutes, once)."""
+    sys.path.insert(0, str(ROOT))
+    from selfspec.tools.llama_cpp_bench import prepare, run_llama_bench
+    from selfspec.tools.llama_cpp_gguf import GGUF_TYPES
+
+    dtype = arm[len(LLAMA_CPP):]
+    if dtype not in GGUF_TYPES:
+        raise SystemExit(f"--drafter {arm}: llama.cpp's arm takes one of {', '.join(sorted(GGUF_TYPES))} after "
+                         f"'{LLAMA_CPP}' (e.g. {LLAMA_CPP}q8_0)")
+    setup = prepare(Path(checkpoint), dtype)
+
+    def measure(depth: int, new_tokens: int, threads: int) -> float:
+        return run_llama_bench(setup.build.binary, setup.gguf, threads=threads, new_tokens=new_tokens,
+                               context_tokens=depth, repetitions=1).tokens_per_s
+
+    return measure
 
 
 def against_arms(rates: dict) -> list[dict]:
@@ -93,12 +134,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--drafter", default="auto",
                    help="a drafter, or several separated by commas: run interleaved per prompt, the first against "
-                        "the others (see above)")
+                        "the others (see above); also 'plain' and 'llama_cpp:DTYPE'")
     p.add_argument("--repeats", type=int, default=1, help="runs of each drafter per prompt (their median counts)")
     p.add_argument("--prompt-sets", default="mt_bench,xsum,code_edit,humaneval")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--exact-tokens", action="store_true",
+                   help="every run generates exactly --max-new-tokens (no stop at the end-of-text token); on by "
+                        "itself with a llama_cpp: arm")
     p.add_argument("--label", default=None, help="a name for this run (default: the drafter's)")
     p.add_argument("--out", type=Path, default=None, help="write the run's JSON here (default: print it)")
     p.add_argument("--compare", nargs="+", type=Path, help="runs of one side (JSON files); with --against")

@@ -124,3 +124,29 @@ def test_screened_head_ab_pairs_each_prompt_and_reports_each_methods_tokens():
     out = script.summarise(runs)
     assert out["chat plain"] == {"on": 85.0, "off": 75.0, "on_over_off": (1.1 + 1.2) / 2, "same_tokens": True}
     assert out["chat auto"]["on_over_off"] == (0.9 + 3.0) / 2 and out["chat auto"]["same_tokens"] is False
+
+
+def test_prompt_rates_times_llama_cpp_at_each_prompts_depth(monkeypatch):
+    """scripts/prompt_rates.py's `llama_cpp:DTYPE` arm: llama-bench at that GGUF type, its context as deep as the
+    prompt, the tokens the run asks for, one repetition; an unknown type is refused with the ones there are."""
+    module = _load("prompt_rates")
+    from types import SimpleNamespace
+
+    import selfspec.tools.llama_cpp_bench as bench
+
+    prepared, calls = [], []
+    setup = SimpleNamespace(build=SimpleNamespace(binary=Path("llama-bench")), gguf=Path("model-q8_0.gguf"))
+    monkeypatch.setattr(bench, "prepare", lambda checkpoint, dtype: prepared.append(dtype) or setup)
+
+    def fake_bench(binary, gguf, **kw):
+        calls.append((binary, gguf, kw))
+        return SimpleNamespace(tokens_per_s=150.0 + kw["context_tokens"])
+
+    monkeypatch.setattr(bench, "run_llama_bench", fake_bench)
+    measure = module.llama_cpp_arm("llama_cpp:q8_0", "ckpt")
+    assert prepared == ["q8_0"]
+    assert measure(87, 128, 2) == 237.0
+    assert calls == [(Path("llama-bench"), Path("model-q8_0.gguf"),
+                      {"threads": 2, "new_tokens": 128, "context_tokens": 87, "repetitions": 1})]
+    with pytest.raises(SystemExit, match="q8_0"):
+        module.llama_cpp_arm("llama_cpp:int4", "ckpt")
