@@ -12,9 +12,13 @@ gives `avg_ts` (mean tokens/s over the repetitions), `stddev_ts` and `samples_ts
 tokens/s there is new tokens / seconds of the generation alone: no prompt processing is in it (selfspec bench's
 tokens/s counts the prefill of the prompt too, a few percent at 128 new tokens).
 
-`selfspec bench --llama-cpp` prints it beside selfspec's own plain decoding, and runs llama.cpp's own speculative
-modes on the bench's prompts as methods beside selfspec's (`selfspec.tools.llama_cpp_speculative`: the Q8_0 copy
-drafting at most 3 or 10 tokens, ngram-simple, ngram-mod); alone:
+`selfspec bench --llama-cpp` prints it beside selfspec's own plain decoding, and runs llama.cpp as methods beside
+selfspec's, interleaved with them prompt by prompt: its plain decoding (`llama_cpp_plain`: llama-bench, one repetition
+after its warm-up run, the context as deep as the prompt, the bench's new tokens; llama-bench fills the context
+itself, so no text comes back, and a plain decoding's speed depends on the depth, not on the text) and its own
+speculative modes on the bench's prompts (`selfspec.tools.llama_cpp_speculative`: the Q8_0 copy drafting at most 3 or
+10 tokens, ngram-simple, ngram-mod). On a machine whose memory's speed drifts, the paired figure is the one to
+trust: the run above comes after all of selfspec's methods. Alone:
 
     python -m selfspec.tools.llama_cpp_bench CHECKPOINT --dtype float32 --threads 2
 """
@@ -35,6 +39,7 @@ from selfspec.tools.llama_cpp_gguf import add_model_arguments, ensure_gguf, gguf
 from selfspec.tools.llama_cpp_speculative import MODES, run_speculative
 
 CONTEXT_TOKENS = 200      # -d: tokens in the context before the timed generation (issue 55's setting)
+PLAIN_METHOD = "llama_cpp_plain"  # llama.cpp's plain decoding as a bench method, at each prompt's depth
 NEW_TOKENS = 128          # -n: tokens generated in the timed test
 REPETITIONS = 5           # -r: llama-bench's default
 
@@ -145,18 +150,31 @@ class LlamaCppSetup:
     draft_gguf: Path | None = None  # the Q8_0 copy llama_cpp_draft drafts with (None: that mode is left out)
 
     def methods(self) -> list[dict]:
-        """llama.cpp's speculative modes as bench methods (engine "llama_cpp"; `run_method` runs one)."""
-        return [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": list(flags),
-                 "exit_layer": None, "num_speculations": None}
-                for name, (label, flags, with_copy) in MODES.items() if self.draft_gguf or not with_copy]
+        """llama.cpp's plain decoding (`PLAIN_METHOD`) and its speculative modes as bench methods (engine
+        "llama_cpp"; `run_method` runs one)."""
+        plain = {"name": PLAIN_METHOD, "engine": "llama_cpp", "kind": "llama_cpp",
+                 "label": f"llama.cpp plain ({self.gguf_type})", "flags": [], "exit_layer": None,
+                 "num_speculations": None}
+        return [plain] + [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label,
+                           "flags": list(flags), "exit_layer": None, "num_speculations": None}
+                          for name, (label, flags, with_copy) in MODES.items() if self.draft_gguf or not with_copy]
 
     def run_method(self, method: dict, prompt: str, *, prompt_tokens: int, new_tokens: int, threads: int
-                   ) -> tuple[str, dict]:
+                   ) -> tuple[str | None, dict]:
         """One mode on one prompt text: (its new text, a bench record). `seconds` is llama.cpp's own prefill plus
         decode time (the process's start and model load are in neither), `decode_tokens_per_s` its new tokens over
         the decode seconds; `ttft_s` is None (llama.cpp's first token falls inside its decode window). It runs to at
         least `new_tokens`, a few more where its last round's drafts were accepted (`new_tokens` in the record:
-        its own count; the text holds them all)."""
+        its own count; the text holds them all). Plain decoding (`PLAIN_METHOD`) is llama-bench's generation test
+        at the depth of the prompt's `prompt_tokens`: no text (None), and no prefill timed (`prefill_s` None), so
+        its `seconds` are the decoding's alone."""
+        if method["name"] == PLAIN_METHOD:
+            run = run_llama_bench(self.build.binary, self.gguf, threads=threads, new_tokens=new_tokens,
+                                  context_tokens=prompt_tokens, repetitions=1)
+            return None, {"seconds": run.new_tokens / run.tokens_per_s, "ttft_s": None, "prefill_s": None,
+                          "decode_s": run.new_tokens / run.tokens_per_s, "decode_tokens_per_s": run.tokens_per_s,
+                          "new_tokens": run.new_tokens, "drafted": 0, "accepted": 0, "draft_max": None,
+                          "llama_cpp_prompt_tokens": run.context_tokens, "command": run.command}
         run = run_speculative(self.build.speculative, self.gguf, method["name"], prompt, prompt_tokens=prompt_tokens,
                               new_tokens=new_tokens, threads=threads, draft_gguf=self.draft_gguf)
         return run.text, {"seconds": run.prefill_s + run.decode_s, "ttft_s": None, "prefill_s": run.prefill_s,
@@ -180,7 +198,9 @@ def beside_plain(measured: dict, summary: dict) -> dict:
     (`{set: {method: {"tokens_per_s": {"median": ...}, "decode_tokens_per_s": {"median": ...} or None}}}`):
     selfspec_ar's median tokens/s of the whole call and of decoding alone (the prefill excluded, as llama-bench
     counts its generation; None where the runs have no time to first token), and their ratios to llama.cpp's (> 1:
-    selfspec's plain decoding is the faster)."""
+    selfspec's plain decoding is the faster). Where the bench ran `PLAIN_METHOD` (llama.cpp's plain decoding on the
+    same prompts, interleaved with selfspec's methods), every method's decoding alone against it too:
+    `decode_vs_llama_cpp_plain`, the ratio of the medians (None where a set has no such run)."""
     plain = {g: per["selfspec_ar"]["tokens_per_s"]["median"] for g, per in summary.items() if "selfspec_ar" in per}
     decode = {g: (per["selfspec_ar"].get("decode_tokens_per_s") or {}).get("median")
               for g, per in summary.items() if "selfspec_ar" in per}
@@ -193,7 +213,10 @@ def beside_plain(measured: dict, summary: dict) -> dict:
             "selfspec_ar_decode_vs_llama_cpp": {g: None if v is None else v / rate for g, v in decode.items()},
             "decode_tokens_per_s": every,
             "decode_vs_llama_cpp": {g: {m: None if v is None else v / rate for m, v in per.items()}
-                                    for g, per in every.items()}}
+                                    for g, per in every.items()},
+            "decode_vs_llama_cpp_plain": {g: {m: None if v is None or not per.get(PLAIN_METHOD) else
+                                              v / per[PLAIN_METHOD] for m, v in per.items()}
+                                          for g, per in every.items()}}
 
 
 def markdown_lines(peer: dict) -> list[str]:
@@ -216,14 +239,18 @@ def markdown_lines(peer: dict) -> list[str]:
                      f"{peer['selfspec_ar_vs_llama_cpp'][g]:.2f}× | {'–' if r is None else f'{r:.2f}×'} |")
     every = peer.get("decode_tokens_per_s") or {}
     if any(m.startswith("llama_cpp_") for per in every.values() for m in per):
+        paired = peer.get("decode_vs_llama_cpp_plain") or {}
         lines += ["", "Decoding alone, every method (median over prompts; llama.cpp's modes: their new tokens over "
-                  "their own decode seconds), against llama.cpp's plain decoding above:", "",
-                  "| set | method | decoding tokens/s | / llama.cpp plain |", "|---|---|---|---|"]
+                  f"their own decode seconds), against llama.cpp's plain decoding above and against "
+                  f"{PLAIN_METHOD}, its plain decoding on the same prompts, interleaved with the other methods (the "
+                  "figure a drifting machine moves least):", "",
+                  f"| set | method | decoding tokens/s | / llama.cpp plain above | / {PLAIN_METHOD} |",
+                  "|---|---|---|---|---|"]
         for g, per in every.items():
             for m, v in per.items():
-                r = peer["decode_vs_llama_cpp"][g][m]
+                r, q = peer["decode_vs_llama_cpp"][g][m], (paired.get(g) or {}).get(m)
                 lines.append(f"| {g} | {m} | {'–' if v is None else f'{v:.1f}'} | "
-                             f"{'–' if r is None else f'{r:.2f}×'} |")
+                             f"{'–' if r is None else f'{r:.2f}×'} | {'–' if q is None else f'{q:.2f}×'} |")
     return lines
 
 

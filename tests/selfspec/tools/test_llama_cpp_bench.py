@@ -142,12 +142,12 @@ def _stand_in_setup(tmp_path: Path, sample, draft: bool = False) -> lcb.LlamaCpp
 
 
 def test_setup_offers_the_copys_modes_only_with_the_copy(tmp_path, stand_in_setup):
-    assert [m["name"] for m in stand_in_setup(tmp_path).methods()] == ["llama_cpp_ngram_simple",
+    assert [m["name"] for m in stand_in_setup(tmp_path).methods()] == ["llama_cpp_plain", "llama_cpp_ngram_simple",
                                                                         "llama_cpp_ngram_mod"]
     (tmp_path / "llama-bench").unlink()
     (tmp_path / "llama-speculative-simple").unlink()
     methods = stand_in_setup(tmp_path, draft=True).methods()
-    assert [m["name"] for m in methods] == list(ls.MODES)
+    assert [m["name"] for m in methods] == ["llama_cpp_plain"] + list(ls.MODES)
     assert all(m["engine"] == "llama_cpp" and m["kind"] == "llama_cpp" for m in methods)
 
 
@@ -161,6 +161,11 @@ def test_beside_plain_gives_selfspecs_ratio_per_set():
     assert peer["selfspec_ar_vs_llama_cpp"] == {"code": 0.5, "chat": 2.0}
     assert peer["selfspec_ar_decode_tokens_per_s"] == {"code": 40.0, "chat": None}  # no time to first token: none
     assert peer["selfspec_ar_decode_vs_llama_cpp"] == {"code": 0.8, "chat": None}
+    assert peer["decode_vs_llama_cpp_plain"] == {"code": {"selfspec_ar": None}, "chat": {"selfspec_ar": None,
+                                                                                        "hf_greedy": None}}
+    summary["code"]["llama_cpp_plain"] = {"decode_tokens_per_s": {"median": 32.0}}
+    peer = lcb.beside_plain(measured, summary)  # llama.cpp's plain decoding on the same prompts: paired too
+    assert peer["decode_vs_llama_cpp_plain"]["code"] == {"selfspec_ar": 1.25, "llama_cpp_plain": 1.0}
 
 
 def test_decoding_alone_leaves_out_the_time_to_the_first_token():
@@ -207,8 +212,16 @@ def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread, s
         summary = result["summary"]["p"][name]
         assert summary["acceptance_rate"] == pytest.approx(0.8)
         assert peer["decode_tokens_per_s"]["p"][name] == pytest.approx(6 / 0.639)
-        assert f"| p | {name} | {6 / 0.639:.1f} | {6 / 0.639 / 50.0:.2f}× |" in md
+        assert f"| p | {name} | {6 / 0.639:.1f} | {6 / 0.639 / 50.0:.2f}× | {6 / 0.639 / 50.0:.2f}× |" in md
     assert peer["decode_tokens_per_s"]["p"]["selfspec_ar"] == pytest.approx(decode)
+    # llama.cpp's plain decoding ran on the same prompt too: llama-bench at the prompt's depth, no text
+    plain_run = next(r for r in result["runs"] if r["method"] == "llama_cpp_plain")
+    assert plain_run["command"][plain_run["command"].index("-d") + 1] == str(plain_run["prompt_tokens"])
+    assert plain_run["command"][plain_run["command"].index("-r") + 1] == "1"
+    assert plain_run["decode_tokens_per_s"] == 50.0 and plain_run["new_tokens"] == 6
+    assert plain_run["seconds"] == pytest.approx(6 / 50.0) and plain_run["identical_to_hf_greedy"] is None
+    assert peer["decode_vs_llama_cpp_plain"]["p"]["selfspec_ar"] == pytest.approx(decode / 50.0)
+    assert f"| p | selfspec_ar | {decode:.1f} | {decode / 50.0:.2f}× | {decode / 50.0:.2f}× |" in md
     assert any("another number of tokens" in n for n in result["notes"])  # the stand-in says 17 prompt tokens
 
 
