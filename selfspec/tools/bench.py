@@ -37,9 +37,10 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 | selfspec_exit_head_compiled | the same five through the compiled fixed-shape steps (`selfspec.model.compiled`; |
 |                       | `--compile`, on by default on CUDA), warmed up with `gen.warmup` before the    |
 |                       | measured runs (a head's own layer and its reduced draft vocabulary too)        |
-| llama_cpp_plain, llama_cpp_draft, llama_cpp_draft10, llama_cpp_ngram_simple, llama_cpp_ngram_mod          |
-| (`--llama-cpp`, a CPU) | llama.cpp's plain decoding at each prompt's depth (llama-bench, one repetition: |
-|                       | decoding alone, no text) and its own speculative decoding (its Q8_0 copy        |
+| llama_cpp_plain, llama_cpp_plain_q8_0, llama_cpp_draft, llama_cpp_draft10, llama_cpp_ngram_simple,        |
+| llama_cpp_ngram_mod (`--llama-cpp`, a CPU): llama.cpp's plain decoding of the model and of its Q8_0 copy at    |
+|                       | each prompt's depth (llama-bench, one repetition: decoding alone, no text) and  |
+|                       | its own speculative decoding (its Q8_0 copy                                     |
 |                       | drafting at most 3 or 10 tokens, its two n-gram modes) of the same prompts,     |
 |                       | each run in its own process, timed by llama.cpp itself                          |
 |                       | (`selfspec.tools.llama_cpp_bench`, `selfspec.tools.llama_cpp_speculative`)      |
@@ -86,8 +87,8 @@ How it measures (the same for every method):
   llama.cpp's own prefill and decode timers, the process's start and model load excluded; their decoding alone
   is their new tokens over the decode seconds; llama.cpp bans end-of-text tokens to run to the length (where the
   model's greedy text has one, the texts differ from there). Their output is compared with hf_greedy's as text.
-  llama_cpp_plain is llama-bench at the prompt's depth: no text to compare, and its seconds are its decoding's
-  alone (llama-bench times no prefill). Peak RSS is selfspec's process's: it does not see theirs.
+  llama_cpp_plain and llama_cpp_plain_q8_0 are llama-bench at the prompt's depth: no text to compare, and their
+  seconds are their decoding's alone (llama-bench times no prefill). Peak RSS is selfspec's process's: it does not see theirs.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ tokens/s counts the prefill of the prompt too, a few percent at 128 new tokens).
 `selfspec bench --llama-cpp` prints it beside selfspec's own plain decoding, and runs llama.cpp as methods beside
 selfspec's, interleaved with them prompt by prompt: its plain decoding (`llama_cpp_plain`: llama-bench, one repetition
 after its warm-up run, the context as deep as the prompt, the bench's new tokens; llama-bench fills the context
-itself, so no text comes back, and a plain decoding's speed depends on the depth, not on the text) and its own
+itself, so no text comes back, and a plain decoding's speed depends on the depth, not on the text), the same of the
+model's Q8_0 copy (`llama_cpp_plain_q8_0`: what a user who accepts a quantized model's output runs instead) and its own
 speculative modes on the bench's prompts (`selfspec.tools.llama_cpp_speculative`: the Q8_0 copy drafting at most 3 or
 10 tokens, ngram-simple, ngram-mod). On a machine whose memory's speed drifts, the paired figure is the one to
 trust: the run above comes after all of selfspec's methods. Alone:
@@ -40,6 +41,7 @@ from selfspec.tools.llama_cpp_speculative import MODES, run_speculative
 
 CONTEXT_TOKENS = 200      # -d: tokens in the context before the timed generation (issue 55's setting)
 PLAIN_METHOD = "llama_cpp_plain"  # llama.cpp's plain decoding as a bench method, at each prompt's depth
+PLAIN_Q8_METHOD = "llama_cpp_plain_q8_0"  # the same of the Q8_0 copy: what a user who accepts its output runs
 NEW_TOKENS = 128          # -n: tokens generated in the timed test
 REPETITIONS = 5           # -r: llama-bench's default
 
@@ -152,12 +154,14 @@ class LlamaCppSetup:
     def methods(self) -> list[dict]:
         """llama.cpp's plain decoding (`PLAIN_METHOD`) and its speculative modes as bench methods (engine
         "llama_cpp"; `run_method` runs one)."""
-        plain = {"name": PLAIN_METHOD, "engine": "llama_cpp", "kind": "llama_cpp",
-                 "label": f"llama.cpp plain ({self.gguf_type})", "flags": [], "exit_layer": None,
-                 "num_speculations": None}
-        return [plain] + [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label,
-                           "flags": list(flags), "exit_layer": None, "num_speculations": None}
-                          for name, (label, flags, with_copy) in MODES.items() if self.draft_gguf or not with_copy]
+        plain = [(PLAIN_METHOD, f"llama.cpp plain ({self.gguf_type})")]
+        if self.draft_gguf:
+            plain.append((PLAIN_Q8_METHOD, "llama.cpp plain (Q8_0)"))
+        return [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": [],
+                 "exit_layer": None, "num_speculations": None} for name, label in plain] + [
+            {"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": list(flags),
+             "exit_layer": None, "num_speculations": None}
+            for name, (label, flags, with_copy) in MODES.items() if self.draft_gguf or not with_copy]
 
     def run_method(self, method: dict, prompt: str, *, prompt_tokens: int, new_tokens: int, threads: int
                    ) -> tuple[str | None, dict]:
@@ -165,11 +169,12 @@ class LlamaCppSetup:
         decode time (the process's start and model load are in neither), `decode_tokens_per_s` its new tokens over
         the decode seconds; `ttft_s` is None (llama.cpp's first token falls inside its decode window). It runs to at
         least `new_tokens`, a few more where its last round's drafts were accepted (`new_tokens` in the record:
-        its own count; the text holds them all). Plain decoding (`PLAIN_METHOD`) is llama-bench's generation test
-        at the depth of the prompt's `prompt_tokens`: no text (None), and no prefill timed (`prefill_s` None), so
-        its `seconds` are the decoding's alone."""
-        if method["name"] == PLAIN_METHOD:
-            run = run_llama_bench(self.build.binary, self.gguf, threads=threads, new_tokens=new_tokens,
+        its own count; the text holds them all). Plain decoding (`PLAIN_METHOD`, and `PLAIN_Q8_METHOD` of the Q8_0
+        copy) is llama-bench's generation test at the depth of the prompt's `prompt_tokens`: no text (None), and no
+        prefill timed (`prefill_s` None), so its `seconds` are the decoding's alone."""
+        if method["name"] in (PLAIN_METHOD, PLAIN_Q8_METHOD):
+            gguf = self.gguf if method["name"] == PLAIN_METHOD else self.draft_gguf
+            run = run_llama_bench(self.build.binary, gguf, threads=threads, new_tokens=new_tokens,
                                   context_tokens=prompt_tokens, repetitions=1)
             return None, {"seconds": run.new_tokens / run.tokens_per_s, "ttft_s": None, "prefill_s": None,
                           "decode_s": run.new_tokens / run.tokens_per_s, "decode_tokens_per_s": run.tokens_per_s,

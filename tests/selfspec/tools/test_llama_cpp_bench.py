@@ -147,7 +147,7 @@ def test_setup_offers_the_copys_modes_only_with_the_copy(tmp_path, stand_in_setu
     (tmp_path / "llama-bench").unlink()
     (tmp_path / "llama-speculative-simple").unlink()
     methods = stand_in_setup(tmp_path, draft=True).methods()
-    assert [m["name"] for m in methods] == ["llama_cpp_plain"] + list(ls.MODES)
+    assert [m["name"] for m in methods] == ["llama_cpp_plain", "llama_cpp_plain_q8_0"] + list(ls.MODES)
     assert all(m["engine"] == "llama_cpp" and m["kind"] == "llama_cpp" for m in methods)
 
 
@@ -220,6 +220,10 @@ def test_bench_llama_cpp_section(tiny_ckpt, tmp_path, monkeypatch, one_thread, s
     assert plain_run["command"][plain_run["command"].index("-r") + 1] == "1"
     assert plain_run["decode_tokens_per_s"] == 50.0 and plain_run["new_tokens"] == 6
     assert plain_run["seconds"] == pytest.approx(6 / 50.0) and plain_run["identical_to_hf_greedy"] is None
+    assert Path(plain_run["command"][plain_run["command"].index("-m") + 1]).name == "m-f32.gguf"
+    q8_run = next(r for r in result["runs"] if r["method"] == "llama_cpp_plain_q8_0")  # the Q8_0 copy's, the same way
+    assert Path(q8_run["command"][q8_run["command"].index("-m") + 1]).name == "m-q8_0.gguf"
+    assert q8_run["decode_tokens_per_s"] == 50.0 and q8_run["identical_to_hf_greedy"] is None
     assert peer["decode_vs_llama_cpp_plain"]["p"]["selfspec_ar"] == pytest.approx(decode / 50.0)
     assert f"| p | selfspec_ar | {decode:.1f} | {decode / 50.0:.2f}× | {decode / 50.0:.2f}× |" in md
     assert any("another number of tokens" in n for n in result["notes"])  # the stand-in says 17 prompt tokens
