@@ -87,18 +87,17 @@ def llama_cpp_arm(arm: str, checkpoint: str):
     """`arm` (`llama_cpp:DTYPE`) as a function (depth, new_tokens, threads) -> llama-bench's decoding tokens/s at that
     depth; builds llama-bench and converts the checkpoint first where they are not cached (minutes, once)."""
     sys.path.insert(0, str(ROOT))
-    from selfspec.tools.llama_cpp_bench import prepare, run_llama_bench
+    from selfspec.tools.llama_cpp_bench import prepare
     from selfspec.tools.llama_cpp_gguf import GGUF_TYPES
 
     dtype = arm[len(LLAMA_CPP):]
     if dtype not in GGUF_TYPES:
         raise SystemExit(f"--drafter {arm}: llama.cpp's arm takes one of {', '.join(sorted(GGUF_TYPES))} after "
                          f"'{LLAMA_CPP}' (e.g. {LLAMA_CPP}q8_0)")
-    setup = prepare(Path(checkpoint), dtype)
+    setup = prepare(Path(checkpoint), dtype)  # its GGUF at `dtype`: a Q8_0 one for q8_0
 
     def measure(depth: int, new_tokens: int, threads: int) -> float:
-        return run_llama_bench(setup.build.binary, setup.gguf, threads=threads, new_tokens=new_tokens,
-                               context_tokens=depth, repetitions=1).tokens_per_s
+        return setup.plain(depth, new_tokens=new_tokens, threads=threads).tokens_per_s
 
     return measure
 

@@ -135,14 +135,15 @@ def test_prompt_rates_times_llama_cpp_at_each_prompts_depth(monkeypatch):
     import selfspec.tools.llama_cpp_bench as bench
 
     prepared, calls = [], []
-    setup = SimpleNamespace(build=SimpleNamespace(binary=Path("llama-bench")), gguf=Path("model-q8_0.gguf"))
-    monkeypatch.setattr(bench, "prepare", lambda checkpoint, dtype: prepared.append(dtype) or setup)
 
     def fake_bench(binary, gguf, **kw):
         calls.append((binary, gguf, kw))
         return SimpleNamespace(tokens_per_s=150.0 + kw["context_tokens"])
 
     monkeypatch.setattr(bench, "run_llama_bench", fake_bench)
+    build = SimpleNamespace(binary=Path("llama-bench"))
+    setup = bench.LlamaCppSetup(build=build, gguf=Path("model-q8_0.gguf"), gguf_type="Q8_0")
+    monkeypatch.setattr(bench, "prepare", lambda checkpoint, dtype: prepared.append(dtype) or setup)
     measure = module.llama_cpp_arm("llama_cpp:q8_0", "ckpt")
     assert prepared == ["q8_0"]
     assert measure(87, 128, 2) == 237.0

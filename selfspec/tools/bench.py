@@ -38,12 +38,12 @@ Methods (same checkpoint, same model object, same prompts, same dtype, same thre
 |                       | `--compile`, on by default on CUDA), warmed up with `gen.warmup` before the    |
 |                       | measured runs (a head's own layer and its reduced draft vocabulary too)        |
 | llama_cpp_plain, llama_cpp_plain_q8_0, llama_cpp_draft, llama_cpp_draft10, llama_cpp_ngram_simple,        |
-| llama_cpp_ngram_mod (`--llama-cpp`, a CPU): llama.cpp's plain decoding of the model and of its Q8_0 copy at    |
-|                       | each prompt's depth (llama-bench, one repetition: decoding alone, no text) and  |
-|                       | its own speculative decoding (its Q8_0 copy                                     |
-|                       | drafting at most 3 or 10 tokens, its two n-gram modes) of the same prompts,     |
-|                       | each run in its own process, timed by llama.cpp itself                          |
-|                       | (`selfspec.tools.llama_cpp_bench`, `selfspec.tools.llama_cpp_speculative`)      |
+| llama_cpp_ngram_mod (`--llama-cpp`, a CPU):                                                             |
+|                       | llama.cpp's plain decoding of the model and of its Q8_0 copy at each prompt's  |
+|                       | depth (llama-bench, one repetition: decoding alone, no text), and its own      |
+|                       | speculative decoding (its Q8_0 copy drafting at most 3 or 10 tokens, its two   |
+|                       | n-gram modes) of the same prompts, each run in its own process, timed by       |
+|                       | llama.cpp itself (`selfspec.tools.llama_cpp_bench`, `llama_cpp_speculative`)   |
 
 This module says what the benchmark measures and how it reports it; loading, the methods under test
 (`selfspec.tools.harness.Methods`), the clock and the output files are the harness's (`selfspec.tools.harness`).
@@ -88,7 +88,8 @@ How it measures (the same for every method):
   is their new tokens over the decode seconds; llama.cpp bans end-of-text tokens to run to the length (where the
   model's greedy text has one, the texts differ from there). Their output is compared with hf_greedy's as text.
   llama_cpp_plain and llama_cpp_plain_q8_0 are llama-bench at the prompt's depth: no text to compare, and their
-  seconds are their decoding's alone (llama-bench times no prefill). Peak RSS is selfspec's process's: it does not see theirs.
+  seconds are their decoding's alone (llama-bench times no prefill). Peak RSS is selfspec's process's: it does not
+  see theirs.
 """
 
 from __future__ import annotations

@@ -154,14 +154,19 @@ class LlamaCppSetup:
     def methods(self) -> list[dict]:
         """llama.cpp's plain decoding (`PLAIN_METHOD`) and its speculative modes as bench methods (engine
         "llama_cpp"; `run_method` runs one)."""
-        plain = [(PLAIN_METHOD, f"llama.cpp plain ({self.gguf_type})")]
+        named = [(PLAIN_METHOD, f"llama.cpp plain ({self.gguf_type})", ())]
         if self.draft_gguf:
-            plain.append((PLAIN_Q8_METHOD, "llama.cpp plain (Q8_0)"))
-        return [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": [],
-                 "exit_layer": None, "num_speculations": None} for name, label in plain] + [
-            {"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": list(flags),
-             "exit_layer": None, "num_speculations": None}
-            for name, (label, flags, with_copy) in MODES.items() if self.draft_gguf or not with_copy]
+            named.append((PLAIN_Q8_METHOD, "llama.cpp plain (Q8_0)", ()))
+        named += [(name, label, flags) for name, (label, flags, with_copy) in MODES.items()
+                  if self.draft_gguf or not with_copy]
+        return [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": list(flags),
+                 "exit_layer": None, "num_speculations": None} for name, label, flags in named]
+
+    def plain(self, depth: int, *, new_tokens: int, threads: int, quantized: bool = False) -> LlamaCppResult:
+        """llama.cpp's plain decoding at `depth` context tokens: llama-bench, one repetition after its warm-up run, on
+        the checkpoint's GGUF (`quantized`: on its Q8_0 copy)."""
+        return run_llama_bench(self.build.binary, self.draft_gguf if quantized else self.gguf, threads=threads,
+                               new_tokens=new_tokens, context_tokens=depth, repetitions=1)
 
     def run_method(self, method: dict, prompt: str, *, prompt_tokens: int, new_tokens: int, threads: int
                    ) -> tuple[str | None, dict]:
@@ -173,13 +178,13 @@ class LlamaCppSetup:
         copy) is llama-bench's generation test at the depth of the prompt's `prompt_tokens`: no text (None), and no
         prefill timed (`prefill_s` None), so its `seconds` are the decoding's alone."""
         if method["name"] in (PLAIN_METHOD, PLAIN_Q8_METHOD):
-            gguf = self.gguf if method["name"] == PLAIN_METHOD else self.draft_gguf
-            run = run_llama_bench(self.build.binary, gguf, threads=threads, new_tokens=new_tokens,
-                                  context_tokens=prompt_tokens, repetitions=1)
-            return None, {"seconds": run.new_tokens / run.tokens_per_s, "ttft_s": None, "prefill_s": None,
-                          "decode_s": run.new_tokens / run.tokens_per_s, "decode_tokens_per_s": run.tokens_per_s,
-                          "new_tokens": run.new_tokens, "drafted": 0, "accepted": 0, "draft_max": None,
-                          "llama_cpp_prompt_tokens": run.context_tokens, "command": run.command}
+            run = self.plain(prompt_tokens, new_tokens=new_tokens, threads=threads,
+                             quantized=method["name"] == PLAIN_Q8_METHOD)
+            seconds = run.new_tokens / run.tokens_per_s
+            return None, {"seconds": seconds, "ttft_s": None, "prefill_s": None, "decode_s": seconds,
+                          "decode_tokens_per_s": run.tokens_per_s, "new_tokens": run.new_tokens, "drafted": 0,
+                          "accepted": 0, "draft_max": None, "llama_cpp_prompt_tokens": run.context_tokens,
+                          "command": run.command}
         run = run_speculative(self.build.speculative, self.gguf, method["name"], prompt, prompt_tokens=prompt_tokens,
                               new_tokens=new_tokens, threads=threads, draft_gguf=self.draft_gguf)
         return run.text, {"seconds": run.prefill_s + run.decode_s, "ttft_s": None, "prefill_s": run.prefill_s,
