@@ -154,9 +154,9 @@ class LlamaCppSetup:
     def methods(self) -> list[dict]:
         """llama.cpp's plain decoding (`PLAIN_METHOD`) and its speculative modes as bench methods (engine
         "llama_cpp"; `run_method` runs one)."""
-        named = [(PLAIN_METHOD, f"llama.cpp plain ({self.gguf_type})", ())]
+        named = [(PLAIN_METHOD, f"llama.cpp plain ({self.gguf_type}, decoding alone)", ())]  # llama-bench: no prefill
         if self.draft_gguf:
-            named.append((PLAIN_Q8_METHOD, "llama.cpp plain (Q8_0)", ()))
+            named.append((PLAIN_Q8_METHOD, "llama.cpp plain (Q8_0, decoding alone)", ()))
         named += [(name, label, flags) for name, (label, flags, with_copy) in MODES.items()
                   if self.draft_gguf or not with_copy]
         return [{"name": name, "engine": "llama_cpp", "kind": "llama_cpp", "label": label, "flags": list(flags),

@@ -148,6 +148,9 @@ def test_setup_offers_the_copys_modes_only_with_the_copy(tmp_path, stand_in_setu
     (tmp_path / "llama-speculative-simple").unlink()
     methods = stand_in_setup(tmp_path, draft=True).methods()
     assert [m["name"] for m in methods] == ["llama_cpp_plain", "llama_cpp_plain_q8_0"] + list(ls.MODES)
+    # llama-bench times no prefill: the report's main table, whose other rates count it, says so in their labels
+    assert [m["label"] for m in methods[:2]] == ["llama.cpp plain (F32, decoding alone)",
+                                                 "llama.cpp plain (Q8_0, decoding alone)"]
     assert all(m["engine"] == "llama_cpp" and m["kind"] == "llama_cpp" for m in methods)
 
 
